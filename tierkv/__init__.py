@@ -1,0 +1,3 @@
+"""tierkv: a tiered KV-cache store for LLM serving engines."""
+
+__version__ = "0.1.0"

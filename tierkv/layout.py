@@ -1,0 +1,131 @@
+"""The declared KV layout of a store's pages.
+
+A page holds ``tokens_per_page`` tokens of every layer, contiguous:
+``[num_layers, 2, tokens_per_page, num_kv_heads, head_dim]`` for K+V caches and
+``[num_layers, tokens_per_page, head_dim]`` for latent-only (MLA) caches, where
+``head_dim`` is then the latent width. The layout is always declared by the
+caller (config or dataclass), never guessed from a tensor. Used by the API to
+validate page batches, by the manager for page sizes and by the key namespace.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass
+
+from tierkv.errors import LayoutError
+
+
+class DType(enum.Enum):
+    """Element types a KV page may hold; the value is the config spelling."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @property
+    def torch_name(self) -> str:
+        """Attribute name of the matching ``torch`` dtype."""
+        return _TORCH_NAME[self]
+
+    @classmethod
+    def parse(cls, value: str | DType) -> DType:
+        if isinstance(value, DType):
+            return value
+        aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+                   "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+        key = aliases.get(str(value).lower(), str(value).lower())
+        try:
+            return cls(key)
+        except ValueError:
+            names = ", ".join(d.value for d in cls)
+            raise LayoutError(f"unknown KV dtype {value!r}; expected one of {names}") from None
+
+
+_ITEMSIZE = {DType.BF16: 2, DType.FP16: 2, DType.FP32: 4, DType.FP8_E4M3: 1, DType.FP8_E5M2: 1}
+_TORCH_NAME = {
+    DType.BF16: "bfloat16",
+    DType.FP16: "float16",
+    DType.FP32: "float32",
+    DType.FP8_E4M3: "float8_e4m3fn",
+    DType.FP8_E5M2: "float8_e5m2",
+}
+
+
+class LayoutKind(enum.Enum):
+    """Whether a page holds separate K and V or one latent vector per token."""
+
+    KV = "kv"
+    LATENT = "latent"
+
+
+# Guards against typos such as a head_dim of 1280000 producing a 50 GiB page.
+MAX_PAGE_BYTES = 1 << 31
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and dtype of one store page. Immutable and hashable.
+
+    ``num_kv_heads`` must be 1 for ``LayoutKind.LATENT``.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType = DType.BF16
+    tokens_per_page: int = 16
+    kind: LayoutKind = LayoutKind.KV
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DType.parse(self.dtype))
+        if not isinstance(self.kind, LayoutKind):
+            try:
+                object.__setattr__(self, "kind", LayoutKind(str(self.kind).lower()))
+            except ValueError:
+                raise LayoutError(f"layout kind must be 'kv' or 'latent', got {self.kind!r}") from None
+        for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_page"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise LayoutError(f"layout {name} must be a positive integer, got {value!r}")
+        if self.kind is LayoutKind.LATENT and self.num_kv_heads != 1:
+            raise LayoutError(
+                f"a latent (MLA) layout has one latent vector per token: num_kv_heads must be 1, "
+                f"got {self.num_kv_heads}"
+            )
+        if self.page_bytes > MAX_PAGE_BYTES:
+            raise LayoutError(
+                f"layout gives {self.page_bytes} bytes per page, over the {MAX_PAGE_BYTES}-byte limit; "
+                "check num_layers, num_kv_heads, head_dim and tokens_per_page"
+            )
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """Shape of one page as a tensor of ``dtype`` elements."""
+        if self.kind is LayoutKind.LATENT:
+            return (self.num_layers, self.tokens_per_page, self.head_dim)
+        return (self.num_layers, 2, self.tokens_per_page, self.num_kv_heads, self.head_dim)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of KV cache one token occupies across all layers."""
+        planes = 1 if self.kind is LayoutKind.LATENT else 2
+        return self.num_layers * planes * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return self.token_bytes * self.tokens_per_page
+
+    def fingerprint(self) -> bytes:
+        """Canonical bytes that identify this layout (stable across versions)."""
+        fields = asdict(self)
+        fields["dtype"] = self.dtype.value
+        fields["kind"] = self.kind.value
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()

@@ -1,0 +1,195 @@
+"""The tier interface every storage tier implements, and its shared helpers.
+
+A tier is a fixed array of equal-size *slots* on one medium (HBM, DRAM, a file or
+block device, an NVMe-oF namespace). It moves bytes between caller buffers and
+slots and owns the free list; it never decides which page goes where (that is the
+manager's job) and it knows nothing of keys. Called by :mod:`tierkv.api` through the
+transfer table, and by the conformance suite in ``tests/tiers``.
+
+Buffers are numpy ``uint8`` arrays of shape ``(n, page_bytes)`` (C-contiguous rows);
+``page_bytes <= slot_bytes``. Thread-safety: ``allocate``/``free``/``claim`` are safe
+from any thread; ``read``/``write`` on disjoint slots may run concurrently.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from tierkv.errors import CapacityError, InputError, StoreClosedError
+
+
+class TierKind(enum.Enum):
+    """Tiers from fastest to slowest; ``rank`` orders them."""
+
+    HBM = "hbm"
+    DRAM = "dram"
+    NVME = "nvme"
+    NVMEOF = "nvmeof"
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+
+_RANK = {TierKind.HBM: 0, TierKind.DRAM: 1, TierKind.NVME: 2, TierKind.NVMEOF: 3}
+
+
+class SlotAllocator:
+    """A thread-safe free list of slot indices ``0 .. num_slots-1``.
+
+    Hands out the lowest free slots first so that file-backed tiers stay compact.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self._lock = threading.Lock()
+        self._num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() from the end = lowest first
+        self._used = bytearray(num_slots)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        with self._lock:
+            if n > len(self._free):
+                raise CapacityError(f"asked for {n} slots, {len(self._free)} of {self._num_slots} free")
+            slots = [self._free.pop() for _ in range(n)]
+            for s in slots:
+                self._used[s] = 1
+            return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            for s in slots:
+                self._check(s)
+                if not self._used[s]:
+                    raise InputError(f"slot {s} freed twice")
+                self._used[s] = 0
+                self._free.append(s)
+            self._free.sort(reverse=True)
+
+    def claim(self, slots: Sequence[int]) -> None:
+        """Mark specific slots used (reopening a persistent tier)."""
+        with self._lock:
+            for s in slots:
+                self._check(s)
+                if self._used[s]:
+                    raise InputError(f"slot {s} claimed twice")
+                self._used[s] = 1
+            claimed = set(slots)
+            self._free = [s for s in self._free if s not in claimed]
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self._num_slots:
+            raise InputError(f"slot {slot} out of range [0, {self._num_slots})")
+
+
+class Tier(abc.ABC):
+    """One storage tier: fixed-size slots, synchronous and asynchronous I/O.
+
+    Subclasses implement ``_read`` and ``_write`` (and may override ``flush`` and
+    ``_close``). Failures raise :class:`~tierkv.errors.TierIOError`; the async
+    variants return futures whose ``result(timeout)`` re-raises it.
+    """
+
+    kind: TierKind
+    persistent: bool = False
+
+    def __init__(self, num_slots: int, slot_bytes: int, io_threads: int = 1) -> None:
+        if num_slots < 0 or slot_bytes <= 0:
+            raise InputError(f"tier needs num_slots >= 0 and slot_bytes > 0, got {num_slots}, {slot_bytes}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self._slots = SlotAllocator(num_slots)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"tierkv-{self.kind.value}")
+        self._closed = False
+
+    # -- slot bookkeeping -------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self._slots.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        """Reserve ``n`` free slots; raises CapacityError when fewer are free."""
+        self._check_open()
+        return self._slots.allocate(n)
+
+    def free(self, slots: Sequence[int]) -> None:
+        self._check_open()
+        self._slots.free(slots)
+
+    def claim(self, slots: Sequence[int]) -> None:
+        """Mark slots that a persistent index already owns as used."""
+        self._check_open()
+        self._slots.claim(slots)
+
+    # -- data movement ------------------------------------------------------------
+    def write(self, slots: Sequence[int], src: np.ndarray) -> None:
+        """Copy row ``i`` of ``src`` into slot ``slots[i]``."""
+        self._check_io(slots, src)
+        self._write(slots, src)
+
+    def read(self, slots: Sequence[int], dst: np.ndarray) -> None:
+        """Copy slot ``slots[i]`` into row ``i`` of ``dst`` (first ``dst.shape[1]`` bytes)."""
+        self._check_io(slots, dst)
+        self._read(slots, dst)
+
+    def write_async(self, slots: Sequence[int], src: np.ndarray) -> Future[None]:
+        self._check_io(slots, src)
+        return self._pool.submit(self._write, list(slots), src)
+
+    def read_async(self, slots: Sequence[int], dst: np.ndarray) -> Future[None]:
+        self._check_io(slots, dst)
+        return self._pool.submit(self._read, list(slots), dst)
+
+    def flush(self) -> None:
+        """Make every completed write durable (no-op for volatile tiers)."""
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._close()
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- for subclasses -------------------------------------------------------------
+    @abc.abstractmethod
+    def _write(self, slots: Sequence[int], src: np.ndarray) -> None: ...
+
+    @abc.abstractmethod
+    def _read(self, slots: Sequence[int], dst: np.ndarray) -> None: ...
+
+    def _close(self) -> None:
+        """Release the medium; called once by ``close``."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self.kind.value} tier is closed")
+
+    def _check_io(self, slots: Sequence[int], buf: np.ndarray) -> None:
+        self._check_open()
+        if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 2:
+            raise InputError(f"tier I/O buffer must be a 2-D uint8 numpy array, got {type(buf).__name__}"
+                             f" {getattr(buf, 'dtype', '')} {getattr(buf, 'shape', '')}")
+        if buf.shape[0] != len(slots):
+            raise InputError(f"{len(slots)} slots but a buffer of {buf.shape[0]} rows")
+        if buf.shape[1] > self.slot_bytes:
+            raise InputError(f"rows of {buf.shape[1]} bytes exceed the slot size of {self.slot_bytes}")
+        if not buf.flags.c_contiguous:
+            raise InputError("tier I/O buffer must be C-contiguous")
+        for s in slots:
+            if not 0 <= s < self.num_slots:
+                raise InputError(f"slot {s} out of range [0, {self.num_slots})")

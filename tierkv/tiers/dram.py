@@ -1,0 +1,71 @@
+"""The host-DRAM tier: one preallocated buffer of page slots.
+
+The buffer is allocated once at open (pinned through torch when CUDA is present, so
+HBM copies can be asynchronous) and every transfer is a single gather or scatter
+copy. Volatile: its contents do not survive a close.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tierkv.tiers.base import Tier, TierKind
+
+
+def _host_buffer(nbytes: int) -> np.ndarray:
+    """A zeroed host buffer, page-locked when a CUDA device is present."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.zeros(nbytes, dtype=torch.uint8).pin_memory().numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return np.zeros(nbytes, dtype=np.uint8)
+
+
+class DramTier(Tier):
+    """Slots in one host buffer of ``num_slots * slot_bytes`` bytes."""
+
+    kind = TierKind.DRAM
+    persistent = False
+
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        super().__init__(num_slots, slot_bytes, io_threads=2)
+        self._buf = _host_buffer(num_slots * slot_bytes).reshape(num_slots, slot_bytes)
+
+    def view(self, slot: int) -> np.ndarray:
+        """A zero-copy view of one slot (for transfers that read in place)."""
+        return self._buf[slot]
+
+    def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
+        width = src.shape[1]
+        for run_start, run_slot, run_len in _runs(slots):
+            self._buf[run_slot:run_slot + run_len, :width] = src[run_start:run_start + run_len]
+
+    def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
+        width = dst.shape[1]
+        for run_start, run_slot, run_len in _runs(slots):
+            dst[run_start:run_start + run_len] = self._buf[run_slot:run_slot + run_len, :width]
+
+    def _close(self) -> None:
+        del self._buf
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split slots into runs of consecutive indices: (row, first slot, length).
+
+    Consecutive slots (the common case after a fresh allocation) copy as one block.
+    """
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    n = len(slots)
+    while start < n:
+        end = start + 1
+        while end < n and slots[end] == slots[end - 1] + 1:
+            end += 1
+        runs.append((start, slots[start], end - start))
+        start = end
+    return runs
