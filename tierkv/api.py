@@ -1,0 +1,356 @@
+"""The Python API serving engines use: open a store, then lookup, get, put, prefetch, pin.
+
+``Store.open(config)`` builds the tiers (DRAM, NVMe), the LMDB index and the block
+manager from a :class:`~tierkv.config.StoreConfig` or a TOML file. All public methods
+are thread-safe (one store lock); I/O runs on the tiers' thread pools. A second
+process can open the same store with ``read_only=True`` and read what the writer has
+committed; only one writer at a time holds the store.
+
+Pages are keyed by their tokens (see :mod:`tierkv.keys`), so callers pass token ids
+and page tensors, never keys.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tierkv.config import StoreConfig, load_config
+from tierkv.errors import ConfigError, InputError, StoreBusyError, StoreClosedError
+from tierkv.index import PersistentIndex
+from tierkv.keys import KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest, split_keys
+from tierkv.layout import KVLayout
+from tierkv.manager import BlockManager, Entry
+from tierkv.pages import PageBatch, page_rows
+from tierkv.policy import make_policy
+from tierkv.stats import Counters, StoreStats, TierStats
+from tierkv.tiers.base import Tier, TierKind
+from tierkv.tiers.dram import DramTier
+from tierkv.transfer import Transfers
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """How much of a prompt is cached: leading full pages, and the fastest tier of each."""
+
+    cached_pages: int
+    cached_tokens: int
+    total_pages: int
+    tiers: tuple[TierKind, ...]
+
+
+@dataclass(frozen=True)
+class GetResult:
+    """Leading pages loaded into the caller's buffer and the tier each came from."""
+
+    pages: int
+    tokens: int
+    tiers: tuple[TierKind, ...]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """``stored`` new pages, ``already_present`` skipped, ``dropped`` that found no room."""
+
+    stored: int
+    already_present: int
+    dropped: int
+
+
+class Store:
+    """A tiered KV page store. Use ``Store.open(...)`` and close it (or use ``with``)."""
+
+    def __init__(self, config: StoreConfig, *, read_only: bool = False) -> None:
+        self.config = config
+        self.layout: KVLayout = config.layout
+        self.read_only = read_only
+        self._lock = threading.RLock()
+        self._closed = False
+        self._namespaces: dict[bytes, bytes] = {}
+        self._counters = Counters()
+        self._dir = Path(config.path)
+        self._lockfile = self._acquire_dir()
+        self._index: PersistentIndex | None = None
+        tiers: list[Tier] = []
+        try:
+            tiers = self._build_tiers()
+            persistent = [t.kind.value for t in tiers if t.persistent]
+            if persistent:
+                self._index = PersistentIndex(self._dir, persistent, read_only=read_only)
+                self._index.check_meta(self._meta(tiers))
+            self._manager = BlockManager(tiers, {t.kind: make_policy(config.policy) for t in tiers}, self._index)
+            if not read_only:
+                for t in tiers:
+                    if t.persistent:
+                        self._manager.adopt_persistent(t.kind)
+        except BaseException:
+            for t in tiers:
+                t.close()
+            if self._index is not None:
+                self._index.close()
+            self._release_dir()
+            raise
+        self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes)
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-prefetch")
+
+    @classmethod
+    def open(cls, config: StoreConfig | str | os.PathLike[str], *, read_only: bool = False) -> Store:
+        """Open (creating if needed) the store that ``config`` (or a TOML path) describes."""
+        cfg = config if isinstance(config, StoreConfig) else load_config(config)
+        return cls(cfg, read_only=read_only)
+
+    # -- set-up ----------------------------------------------------------------------
+    def _acquire_dir(self) -> int | None:
+        if self.read_only:
+            if not self._dir.is_dir():
+                raise ConfigError(f"no store at {self._dir}; a read-only open needs an existing store")
+            return None
+        try:
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the store directory {self._dir}: {exc}") from None
+        fd = os.open(self._dir / "writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise StoreBusyError(f"the store at {self._dir} is open for writing by pid {holder}; "
+                                 "open it with read_only=True to share it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    def _release_dir(self) -> None:
+        if self._lockfile is not None:
+            os.close(self._lockfile)  # closing drops the flock
+            self._lockfile = None
+
+    def _build_tiers(self) -> list[Tier]:
+        cfg, pb = self.config, self.layout.page_bytes
+        tiers: list[Tier] = []
+        if cfg.dram is not None and not self.read_only:
+            slots = cfg.dram.capacity_bytes // pb
+            if slots == 0 and cfg.dram.capacity_bytes:
+                raise ConfigError(f"dram capacity of {cfg.dram.capacity_bytes} bytes holds no page of {pb} bytes")
+            if slots:
+                tiers.append(DramTier(slots, pb))
+        if cfg.nvme is not None:
+            from tierkv.tiers.nvme import NvmeTier  # O_DIRECT machinery only when configured
+
+            slot_bytes = -(-pb // 4096) * 4096
+            slots = cfg.nvme.capacity_bytes // slot_bytes
+            if slots == 0:
+                raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
+            tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
+                                  io_threads=cfg.nvme.io_threads, create=not self.read_only))
+        if not tiers:
+            raise ConfigError("every tier of this store has zero capacity")
+        return tiers
+
+    def _meta(self, tiers: list[Tier]) -> dict[str, object]:
+        meta: dict[str, object] = {"format": FORMAT_VERSION, "layout": self.layout.fingerprint().decode()}
+        for t in tiers:
+            if t.persistent:
+                meta[f"{t.kind.value}_slots"] = t.num_slots
+                meta[f"{t.kind.value}_slot_bytes"] = t.slot_bytes
+        return meta
+
+    # -- keys ----------------------------------------------------------------------------
+    def _keys(self, tokens: Tokens, tenant: str | bytes) -> bytes:
+        salt = tenant.encode() if isinstance(tenant, str) else tenant
+        ns = self._namespaces.get(salt)
+        if ns is None:
+            ns = self._namespaces[salt] = namespace_digest(self.config.model_id, self.layout, salt)
+        return chain_keys(as_token_array(tokens), self.layout.tokens_per_page, ns)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"the store at {self._dir} is closed")
+
+    def _leading(self, blob: bytes, limit: int) -> list[Entry]:
+        """Entries of the leading cached pages of a key blob, at most ``limit``."""
+        if self.read_only:
+            return self._leading_from_index(blob, limit)
+        n = min(self._manager.resident.prefix_len(blob), limit)
+        keys = split_keys(blob[:n * KEY_BYTES])
+        entries = [self._manager.entry(k) for k in keys]
+        return [e for e in entries if e is not None]
+
+    def _leading_from_index(self, blob: bytes, limit: int) -> list[Entry]:
+        """Read-only stores ask LMDB directly, so they see what the writer committed since."""
+        assert self._index is not None
+        tier = next(t for t in self._manager.tiers if t.persistent)
+        out: list[Entry] = []
+        for rec in self._index.get_many(tier.kind.value, split_keys(blob[:limit * KEY_BYTES])):
+            if rec is None:
+                break
+            out.append(Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {tier.kind: rec.slot}))
+        return out
+
+    # -- the API ---------------------------------------------------------------------------
+    def lookup(self, tokens: Tokens, tenant: str | bytes = "") -> LookupResult:
+        """How many leading full pages of ``tokens`` are cached, and on which tiers. Does no I/O."""
+        with self._lock:
+            self._check_open()
+            blob = self._keys(tokens, tenant)
+            total = len(blob) // KEY_BYTES
+            entries = self._leading(blob, total)
+            self._counters.events["lookups"] += 1
+            n = len(entries)
+            return LookupResult(n, n * self.layout.tokens_per_page, total, tuple(e.fastest for e in entries))
+
+    def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "") -> GetResult:
+        """Load the leading cached pages of ``tokens`` into ``out`` (up to its length).
+
+        Stops at the first page that is not cached or fails verification; rows past
+        the loaded ones are left untouched. Hits on slower tiers are promoted when the
+        config says so.
+        """
+        with self._lock:
+            self._check_open()
+            blob = self._keys(tokens, tenant)
+            total = len(blob) // KEY_BYTES
+            rows = page_rows(out, self.layout, "get(out=...)", max(total, 0))
+            if not rows.flags.writeable:
+                raise InputError("get(out=...): the output buffer is read-only")
+            want = rows.shape[0]
+            entries = self._leading(blob, want)
+            tiers = tuple(e.fastest for e in entries)
+            loaded = self._transfers.read(entries, rows)
+            self._counters.events["pages_requested"] += want
+            self._counters.events["pages_hit"] += loaded
+            if loaded and not self.read_only and self.config.promote_on_hit:
+                self._promote(entries[:loaded], rows)
+            return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers[:loaded])
+
+    def _promote(self, entries: list[Entry], rows: np.ndarray) -> int:
+        top = self._manager.tiers[0].kind
+        protect = {e.key for e in entries}
+        promoted = 0
+        for kind in {e.fastest for e in entries if e.fastest is not top}:
+            picked = [(i, e) for i, e in enumerate(entries) if e.fastest is kind]
+            plan = self._manager.plan_promote([e.key for _, e in picked], top, protect)
+            promoted += self._transfers.run(plan, {e.key: rows[i] for i, e in picked}, source=kind.value)
+        self._counters.events["promotions"] += promoted
+        return promoted
+
+    def put(self, tokens: Tokens, pages: PageBatch, tenant: str | bytes = "") -> PutResult:
+        """Store ``pages[i]`` as the KV of the ``i``-th full page of ``tokens``.
+
+        Pages already cached are skipped. Room is made by the policy: victims are
+        demoted to the next tier down or dropped. Raises CapacityError when the batch
+        is larger than all tiers together.
+        """
+        with self._lock:
+            self._check_open()
+            if self.read_only:
+                raise InputError(f"the store at {self._dir} was opened read-only; put needs the writer")
+            keys = split_keys(self._keys(tokens, tenant))
+            rows = page_rows(pages, self.layout, "put(pages=...)", len(keys))
+            new: list[tuple[PageKey, PageKey | None]] = []
+            new_rows: dict[PageKey, np.ndarray] = {}
+            for i in range(rows.shape[0]):
+                if self._manager.entry(keys[i]) is None:
+                    new.append((keys[i], keys[i - 1] if i else None))
+                    new_rows[keys[i]] = rows[i]
+            plan = self._manager.plan_store(new, self.layout.page_bytes)
+            stored = self._transfers.run(plan, new_rows)
+            self._counters.events["pages_stored"] += stored
+            self._counters.events["pages_dropped"] += plan.dropped
+            self._counters.events["evictions"] += plan.evicted
+            return PutResult(stored, rows.shape[0] - len(new), len(new) - stored)
+
+    def prefetch(self, tokens: Tokens, tenant: str | bytes = "") -> Future[int]:
+        """Promote the leading cached pages of ``tokens`` to the fastest tier, in the background.
+
+        The future's result is how many of those pages reside in the fastest tier afterwards.
+        """
+        with self._lock:
+            self._check_open()
+            blob = self._keys(tokens, tenant)
+        return self._prefetcher.submit(self._prefetch, blob)
+
+    def _prefetch(self, blob: bytes) -> int:
+        with self._lock:
+            self._check_open()
+            entries = self._leading(blob, len(blob) // KEY_BYTES)
+            if self.read_only or not entries:
+                return 0
+            top = self._manager.tiers[0].kind
+            slow = [e for e in entries if e.fastest is not top]
+            if slow:
+                staging = np.empty((len(slow), self.layout.page_bytes), dtype=np.uint8)
+                loaded = self._transfers.read(slow, staging)
+                self._promote(slow[:loaded], staging)
+            return sum(1 for e in entries if top in e.slots)
+
+    def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
+        """Pin the leading cached pages so no policy evicts them; returns how many were pinned."""
+        return self._pin(tokens, tenant, +1)
+
+    def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
+        """Undo one ``pin`` of the leading cached pages; returns how many were unpinned."""
+        return self._pin(tokens, tenant, -1)
+
+    def _pin(self, tokens: Tokens, tenant: str | bytes, delta: int) -> int:
+        with self._lock:
+            self._check_open()
+            if self.read_only:
+                raise InputError("pin/unpin need the writer; this store was opened read-only")
+            entries = self._leading(self._keys(tokens, tenant), 1 << 62)
+            if delta < 0:
+                entries = [e for e in entries if e.pins > 0]
+            for e in entries:
+                self._manager.pin(e.key, delta)
+            return len(entries)
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the per-tier and store-wide counters."""
+        with self._lock:
+            c = self._counters
+            tiers = {
+                t.kind.value: TierStats(t.kind.value, c.tier_hits[t.kind.value], t.num_slots,
+                                        t.num_slots - t.num_free, t.slot_bytes, c.tier_read[t.kind.value],
+                                        c.tier_written[t.kind.value], c.tier_io_s[t.kind.value])
+                for t in self._manager.tiers
+            }
+            ev = c.events
+            return StoreStats(tiers, dict(c.moved), ev["lookups"], ev["pages_requested"], ev["pages_hit"],
+                              ev["pages_stored"], ev["pages_dropped"], ev["evictions"], ev["promotions"],
+                              ev["corrupt_pages"])
+
+    def close(self) -> None:
+        """Finish background work, flush and release every tier, the index and the lock."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._prefetcher.shutdown(wait=True)
+        with self._lock:
+            if self.config.persist_on_close and not self.read_only:
+                self._transfers.run(self._manager.plan_writeback(), {})
+            for t in self._manager.tiers:
+                t.flush()
+                t.close()
+            if self._index is not None:
+                self._index.close()
+            self._release_dir()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        tiers = ", ".join(f"{t.kind.value}:{t.num_slots}" for t in self._manager.tiers)
+        return f"Store({str(self._dir)!r}, {tiers}, {'closed' if self._closed else 'open'})"

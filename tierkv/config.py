@@ -1,0 +1,143 @@
+"""Store configuration: frozen dataclasses per concern, loaded from TOML.
+
+``load_config(path)`` reads files like ``configs/default.toml``; sizes accept
+``"64GiB"``. Relative tier paths resolve against the store directory. Called by the
+API (``Store.open``) and the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from tierkv.errors import ConfigError, TierKVError
+from tierkv.layout import KVLayout
+from tierkv.units import parse_size
+
+POLICIES = ("lru",)
+
+
+@dataclass(frozen=True)
+class DramConfig:
+    """The host-DRAM tier. ``capacity_bytes`` is rounded down to whole pages."""
+
+    capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "dram.capacity_bytes"))
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """The local-NVMe tier: a file (created under the store directory by default) or a block device.
+
+    ``o_direct`` asks for O_DIRECT; where the filesystem refuses it the tier falls back
+    to buffered I/O with a warning. ``io_threads`` is the queue depth of the I/O pool.
+    """
+
+    capacity_bytes: int
+    path: str | None = None
+    o_direct: bool = True
+    io_threads: int = 4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvme.capacity_bytes"))
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 256:
+            raise ConfigError(f"nvme.io_threads must be an integer in [1, 256], got {self.io_threads!r}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything needed to open a store.
+
+    ``path`` is the store directory (LMDB index, lock file, default NVMe data file).
+    ``model_id`` salts every page key together with the layout and the tenant.
+    ``persist_on_close`` copies pages that live only in DRAM to the NVMe tier on a
+    clean close, so a restart finds them.
+    """
+
+    path: str
+    model_id: str
+    layout: KVLayout
+    dram: DramConfig | None = None
+    nvme: NvmeConfig | None = None
+    policy: str = "lru"
+    promote_on_hit: bool = True
+    persist_on_close: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("store.path must name a directory")
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise ConfigError(f"store.model_id must be a non-empty string, got {self.model_id!r}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        if self.dram is None and self.nvme is None:
+            raise ConfigError("a store needs at least one tier: set [tiers.dram] or [tiers.nvme]")
+
+    def nvme_path(self) -> Path:
+        """Where the NVMe tier's data lives (a file or a block device)."""
+        assert self.nvme is not None
+        if self.nvme.path is None:
+            return Path(self.path) / "nvme.data"
+        p = Path(os.path.expanduser(self.nvme.path))
+        return p if p.is_absolute() else Path(self.path) / p
+
+
+def _section(data: Mapping[str, object], name: str, source: str) -> dict[str, object]:
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: [{name}] must be a table, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: type, values: Mapping[str, object], where: str) -> object:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
+    try:
+        return cls(**values)
+    except TierKVError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def config_from_dict(data: Mapping[str, object], source: str = "<dict>") -> StoreConfig:
+    """Build a StoreConfig from parsed TOML; ``source`` names the file in errors."""
+    store = _section(data, "store", source)
+    layout = _build(KVLayout, _section(data, "layout", source), f"{source} [layout]")
+    tiers = _section(data, "tiers", source)
+    unknown = sorted(set(tiers) - {"dram", "nvme"})
+    if unknown:
+        raise ConfigError(f"{source}: unknown tier(s) {', '.join(unknown)}; this build has dram and nvme")
+    dram = _build(DramConfig, _section(tiers, "dram", source), f"{source} [tiers.dram]") if "dram" in tiers else None
+    nvme = _build(NvmeConfig, _section(tiers, "nvme", source), f"{source} [tiers.nvme]") if "nvme" in tiers else None
+    values = dict(store)
+    if isinstance(values.get("path"), str):
+        values["path"] = os.path.expanduser(str(values["path"]))
+    values.update(layout=layout, dram=dram, nvme=nvme)
+    for key in ("layout", "dram", "nvme"):
+        if key in store:
+            raise ConfigError(f"{source}: [store] may not set {key!r}; use its own table")
+    cfg = _build(StoreConfig, values, f"{source} [store]")
+    assert isinstance(cfg, StoreConfig)
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str]) -> StoreConfig:
+    """Read a TOML store config; relative ``store.path`` resolves against the current directory."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    return config_from_dict(data, str(p))

@@ -1,0 +1,287 @@
+"""The block manager: where every page lives, and the plans that move pages between tiers.
+
+It knows each page's key, parent, length, checksum and slot per tier, the pin counts,
+and one policy per tier; it reserves slots and decides demotions, promotions and
+drops, but it never touches page bytes. Plans it hands out are executed by
+:mod:`tierkv.transfer` and then completed here, which is when persistent records are
+committed. Called by :mod:`tierkv.api` with the store lock held; not thread-safe on
+its own.
+
+Caching is inclusive downwards: a page promoted to a faster tier keeps its copy
+below, so evicting it from the faster tier later costs no write, and the persistent
+copy survives a restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tierkv.errors import CapacityError, InputError
+from tierkv.index import IndexRecord, PersistentIndex
+from tierkv.keys import PageKey, new_keyset
+from tierkv.policy import Policy
+from tierkv.tiers.base import Tier, TierKind
+
+
+@dataclass(eq=False)
+class Entry:
+    """Mutable bookkeeping of one page (internal: callers see :class:`PageLocation`)."""
+
+    key: PageKey
+    parent: PageKey | None
+    nbytes: int
+    checksum: int | None = None
+    slots: dict[TierKind, int] = field(default_factory=dict)
+    pins: int = 0
+
+    @property
+    def fastest(self) -> TierKind:
+        return min(self.slots, key=lambda k: k.rank)
+
+
+@dataclass(frozen=True)
+class PageLocation:
+    """Where a page lives: its fastest tier, every (tier, slot) it occupies, and its metadata."""
+
+    key: PageKey
+    tier: TierKind
+    slots: tuple[tuple[TierKind, int], ...]
+    nbytes: int
+    checksum: int | None
+    parent: PageKey | None
+    pins: int
+
+
+@dataclass(frozen=True)
+class Move:
+    """Copy ``key`` from ``src``/``src_slot`` to ``dst``/``dst_slot``; the source slot is then free."""
+
+    key: PageKey
+    src: TierKind
+    src_slot: int
+    dst: TierKind
+    dst_slot: int
+
+
+@dataclass
+class Plan:
+    """What one store, promotion or eviction needs done, in execution order.
+
+    ``deletes`` (persistent records to remove) are committed first, then ``moves``
+    run deepest-tier first, then ``placements`` are written; ``complete`` publishes.
+    """
+
+    moves: list[Move] = field(default_factory=list)
+    placements: list[tuple[PageKey, TierKind, int]] = field(default_factory=list)
+    deletes: dict[TierKind, list[PageKey]] = field(default_factory=dict)
+    dropped: int = 0
+    evicted: int = 0
+
+    def ordered_moves(self) -> list[Move]:
+        return sorted(self.moves, key=lambda m: -m.src.rank)
+
+
+class BlockManager:
+    """Page directory plus per-tier policies over an ordered list of tiers (fastest first)."""
+
+    def __init__(self, tiers: Sequence[Tier], policies: dict[TierKind, Policy],
+                 index: PersistentIndex | None) -> None:
+        self.tiers = sorted(tiers, key=lambda t: t.kind.rank)
+        self._by_kind = {t.kind: t for t in self.tiers}
+        self._policies = policies
+        self._index = index
+        self._entries: dict[PageKey, Entry] = {}
+        self.resident = new_keyset()
+
+    # -- queries -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, key: PageKey) -> Entry | None:
+        return self._entries.get(key)
+
+    def locate(self, key: PageKey) -> PageLocation | None:
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        slots = tuple(sorted(e.slots.items(), key=lambda kv: kv[0].rank))
+        return PageLocation(e.key, e.fastest, slots, e.nbytes, e.checksum, e.parent, e.pins)
+
+    def used_slots(self, kind: TierKind) -> int:
+        tier = self._by_kind[kind]
+        return tier.num_slots - tier.num_free
+
+    def below(self, kind: TierKind) -> Tier | None:
+        """The next slower tier, if any."""
+        idx = self.tiers.index(self._by_kind[kind])
+        return self.tiers[idx + 1] if idx + 1 < len(self.tiers) else None
+
+    # -- reopening -------------------------------------------------------------------
+    def adopt_persistent(self, kind: TierKind) -> int:
+        """Load the index records of a persistent tier; their slots become used. Returns the count."""
+        assert self._index is not None
+        tier = self._by_kind[kind]
+        good: list[IndexRecord] = []
+        bad: list[PageKey] = []
+        seen: set[int] = set()
+        for rec in self._index.records(kind.value):
+            if rec.slot >= tier.num_slots or rec.slot in seen or rec.nbytes > tier.slot_bytes:
+                bad.append(rec.key)
+                continue
+            seen.add(rec.slot)
+            good.append(rec)
+        if bad:
+            self._index.commit(kind.value, delete=bad)
+        tier.claim([r.slot for r in good])
+        for rec in good:
+            e = Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {kind: rec.slot})
+            self._entries[rec.key] = e
+            self.resident.add(rec.key)
+            self._policies[kind].insert(rec.key, rec.parent)
+        return len(good)
+
+    # -- planning --------------------------------------------------------------------
+    def plan_store(self, pages: Sequence[tuple[PageKey, PageKey | None]], nbytes: int) -> Plan:
+        """Reserve slots for new pages, fastest tier first, evicting as the policies say."""
+        total = sum(t.num_slots for t in self.tiers)
+        if len(pages) > total:
+            raise CapacityError(f"asked to store {len(pages)} pages; all tiers together hold {total}")
+        plan = Plan()
+        protect = {k for k, _ in pages}
+        todo = list(pages)
+        for tier in self.tiers:
+            if not todo:
+                break
+            admitted = [(k, p) for k, p in todo if self._policies[tier.kind].admit(k, p)]
+            slots = self._reserve(tier, len(admitted), protect, plan)
+            for (key, parent), slot in zip(admitted, slots):
+                plan.placements.append((key, tier.kind, slot))
+                self._entries[key] = Entry(key, parent, nbytes, None, {tier.kind: slot})
+            placed = {k for k, _ in admitted[:len(slots)]}
+            todo = [(k, p) for k, p in todo if k not in placed]
+        plan.dropped += len(todo)
+        return plan
+
+    def plan_promote(self, keys: Sequence[PageKey], to: TierKind, protect: set[PageKey]) -> Plan:
+        """Reserve slots in ``to`` for pages that live only below it (inclusive copy-up)."""
+        plan = Plan()
+        tier = self._by_kind[to]
+        want = [k for k in keys if k in self._entries and to not in self._entries[k].slots
+                and self._entries[k].fastest.rank > to.rank]
+        slots = self._reserve(tier, len(want), protect | set(want), plan)
+        for key, slot in zip(want, slots):
+            plan.placements.append((key, to, slot))
+            self._entries[key].slots[to] = slot
+        return plan
+
+    def plan_writeback(self) -> Plan:
+        """Copy pages that live only in volatile tiers down to the first persistent tier.
+
+        Used at a clean close so a restart finds them. Parents come before their
+        children, since a page is useless without its prefix; older persistent pages
+        are evicted as that tier's policy says.
+        """
+        plan = Plan()
+        target = next((t for t in self.tiers if t.persistent), None)
+        if target is None:
+            return plan
+        volatile = [e for e in self._entries.values() if not any(self._by_kind[k].persistent for k in e.slots)]
+        slots = self._reserve(target, len(volatile), {e.key for e in volatile}, plan)
+        for e, slot in zip(volatile, slots):
+            plan.moves.append(Move(e.key, e.fastest, e.slots[e.fastest], target.kind, slot))
+            e.slots[target.kind] = slot
+        return plan
+
+    def _reserve(self, tier: Tier, n: int, protect: set[PageKey], plan: Plan) -> list[int]:
+        need = n - tier.num_free
+        if need > 0:
+            policy = self._policies[tier.kind]
+
+            def evictable(k: PageKey) -> bool:
+                e = self._entries[k]
+                return k not in protect and e.pins == 0
+
+            for victim in policy.victims(need, evictable):
+                self._evict(victim, tier, protect, plan)
+        return tier.allocate(min(n, tier.num_free))
+
+    def _evict(self, key: PageKey, tier: Tier, protect: set[PageKey], plan: Plan) -> None:
+        e = self._entries[key]
+        slot = e.slots.pop(tier.kind)
+        self._policies[tier.kind].remove(key)
+        plan.evicted += 1
+        if tier.persistent:
+            plan.deletes.setdefault(tier.kind, []).append(key)
+        if not e.slots:
+            lower = self.below(tier.kind)
+            dst: list[int] = []
+            if lower is not None and self._policies[lower.kind].admit(key, e.parent):
+                dst = self._reserve(lower, 1, protect | {key}, plan)
+            if dst:
+                plan.moves.append(Move(key, tier.kind, slot, lower.kind, dst[0]))  # type: ignore[union-attr]
+                e.slots[lower.kind] = dst[0]  # type: ignore[union-attr]
+            else:
+                del self._entries[key]
+                self.resident.discard(key)
+                plan.dropped += 1
+        tier.free([slot])
+
+    # -- completion --------------------------------------------------------------------
+    def commit_deletes(self, plan: Plan) -> None:
+        """Durably forget evicted persistent records before their slots are overwritten."""
+        if self._index is None:
+            return
+        for kind, keys in plan.deletes.items():
+            self._index.commit(kind.value, delete=keys)
+        plan.deletes.clear()
+
+    def publish(self, placed: Sequence[tuple[PageKey, TierKind, int]], checksums: dict[PageKey, int]) -> None:
+        """Make written pages visible; persistent ones are committed to the index first."""
+        by_tier: dict[TierKind, list[IndexRecord]] = {}
+        for key, kind, slot in placed:
+            e = self._entries[key]
+            if key in checksums:
+                e.checksum = checksums[key]
+            if self._by_kind[kind].persistent:
+                if e.checksum is None:
+                    raise InputError(f"page bound for the {kind.value} tier has no checksum")
+                by_tier.setdefault(kind, []).append(IndexRecord(key, slot, e.nbytes, e.checksum, e.parent))
+        if self._index is not None:
+            for kind, recs in by_tier.items():
+                self._index.commit(kind.value, put=recs)
+        for key, kind, _slot in placed:
+            self._policies[kind].insert(key, self._entries[key].parent)
+            self.resident.add(key)
+
+    def abandon(self, placed: Sequence[tuple[PageKey, TierKind, int]]) -> None:
+        """Roll back reservations whose writes failed: the slots are freed, the pages become misses."""
+        for key, kind, slot in placed:
+            self._by_kind[kind].free([slot])
+            e = self._entries.get(key)
+            if e is None:
+                continue
+            e.slots.pop(kind, None)
+            if not e.slots:
+                self.forget(key)
+
+    def forget(self, key: PageKey) -> None:
+        """Drop a page from every tier (quarantine or failed write); frees its slots."""
+        e = self._entries.pop(key, None)
+        self.resident.discard(key)
+        if e is None:
+            return
+        for kind, slot in e.slots.items():
+            self._policies[kind].remove(key)
+            if self._by_kind[kind].persistent and self._index is not None:
+                self._index.commit(kind.value, delete=[key])
+            self._by_kind[kind].free([slot])
+
+    def touch(self, key: PageKey, kind: TierKind) -> None:
+        self._policies[kind].touch(key)
+
+    def pin(self, key: PageKey, delta: int) -> None:
+        e = self._entries[key]
+        if e.pins + delta < 0:
+            raise InputError("unpin of a page that is not pinned")
+        e.pins += delta

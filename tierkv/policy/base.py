@@ -1,0 +1,32 @@
+"""The policy interface: the manager tells a policy what happened, it answers with victims.
+
+A policy governs one tier. It does no I/O, no logging and no metrics; it only keeps
+the order in which its pages should leave. Called by :mod:`tierkv.manager` under the
+store lock, so implementations need not be thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from tierkv.keys import PageKey
+
+
+class Policy(Protocol):
+    """What the manager asks of a per-tier eviction and admission policy."""
+
+    def insert(self, key: PageKey, parent: PageKey | None) -> None:
+        """``key`` now resides in this tier."""
+
+    def touch(self, key: PageKey) -> None:
+        """``key`` was read from (or looked up in) this tier."""
+
+    def remove(self, key: PageKey) -> None:
+        """``key`` left this tier (evicted, dropped, quarantined)."""
+
+    def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
+        """Up to ``n`` resident keys to evict, best victim first, all with ``evictable(key)``."""
+
+    def admit(self, key: PageKey, parent: PageKey | None) -> bool:
+        """Whether a page being demoted or stored into this tier should be kept."""

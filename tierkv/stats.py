@@ -1,0 +1,74 @@
+"""Per-tier counters and the immutable snapshot the API returns from ``stats()``.
+
+Counters are updated by :mod:`tierkv.api` and :mod:`tierkv.transfer` under the store
+lock. ``bytes_moved`` is keyed ``"src->dst"`` where ``caller`` stands for the
+engine's buffers, e.g. ``"caller->dram"``, ``"dram->nvme"``, ``"nvme->caller"``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters of one tier. ``hits`` counts pages served from it by ``get``."""
+
+    kind: str
+    hits: int
+    capacity_slots: int
+    used_slots: int
+    slot_bytes: int
+    bytes_read: int
+    bytes_written: int
+    io_seconds: float
+
+    @property
+    def occupancy(self) -> float:
+        return self.used_slots / self.capacity_slots if self.capacity_slots else 0.0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of a store's counters."""
+
+    tiers: dict[str, TierStats]
+    bytes_moved: dict[str, int]
+    lookups: int
+    pages_requested: int
+    pages_hit: int
+    pages_stored: int
+    pages_dropped: int
+    evictions: int
+    promotions: int
+    corrupt_pages: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.pages_hit / self.pages_requested if self.pages_requested else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {k: v for k, v in self.__dict__.items() if k != "tiers"}
+        out["hit_rate"] = self.hit_rate
+        out["tiers"] = {name: {**t.__dict__, "occupancy": t.occupancy} for name, t in self.tiers.items()}
+        return out
+
+
+class Counters:
+    """Mutable counters behind :class:`StoreStats`."""
+
+    def __init__(self) -> None:
+        self.events: Counter[str] = Counter()
+        self.moved: Counter[str] = Counter()
+        self.tier_hits: Counter[str] = Counter()
+        self.tier_read: Counter[str] = Counter()
+        self.tier_written: Counter[str] = Counter()
+        self.tier_io_s: Counter[str] = Counter()
+
+    def moved_bytes(self, src: str, dst: str, nbytes: int) -> None:
+        self.moved[f"{src}->{dst}"] += nbytes
+        if src != "caller":
+            self.tier_read[src] += nbytes
+        if dst != "caller":
+            self.tier_written[dst] += nbytes

@@ -1,0 +1,158 @@
+"""Executes the manager's plans: moves between tiers, writes of new pages, verified reads.
+
+Bytes move here and nowhere else; the manager only decides. Moves between tiers go
+through a table keyed by ``(src, dst)`` tier kinds, so tiers with a faster path for
+a particular pair (e.g. CUDA copies between HBM and pinned DRAM) register it instead
+of adding branches. Every read from a persistent tier is checked against the page's
+recorded checksum. Called by :mod:`tierkv.api` with the store lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from itertools import groupby
+
+import numpy as np
+
+from tierkv.checksum import checksum64, checksum_rows
+from tierkv.errors import TierIOError
+from tierkv.keys import PageKey
+from tierkv.manager import BlockManager, Entry, Move, Plan
+from tierkv.stats import Counters
+from tierkv.tiers.base import Tier, TierKind
+
+log = logging.getLogger(__name__)
+
+CopyFn = Callable[[Tier, Sequence[int], Tier, Sequence[int], int], np.ndarray]
+
+
+def staged_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Sequence[int],
+                nbytes: int) -> np.ndarray:
+    """Read from ``src`` into a staging buffer, write it to ``dst``; returns the staged rows."""
+    staging = np.empty((len(src_slots), nbytes), dtype=np.uint8)
+    src.read(src_slots, staging)
+    dst.write(dst_slots, staging)
+    return staging
+
+
+# (src, dst) -> copy function. Pairs absent here fall back to ``staged_copy``.
+COPY_TABLE: dict[tuple[TierKind, TierKind], CopyFn] = {}
+
+
+class Transfers:
+    """Runs plans against the manager's tiers and keeps the byte counters."""
+
+    def __init__(self, manager: BlockManager, counters: Counters, page_bytes: int) -> None:
+        self._m = manager
+        self._tiers = {t.kind: t for t in manager.tiers}
+        self._c = counters
+        self._nbytes = page_bytes
+
+    def run(self, plan: Plan, rows: dict[PageKey, np.ndarray], source: str = "caller") -> int:
+        """Execute ``plan``; ``rows`` holds the bytes of placed pages. Returns pages published."""
+        self._m.commit_deletes(plan)
+        for (src, dst), group in groupby(plan.ordered_moves(), key=lambda m: (m.src, m.dst)):
+            self._move(src, dst, list(group))
+        published = 0
+        for kind, group in groupby(sorted(plan.placements, key=lambda p: p[1].rank), key=lambda p: p[1]):
+            placed = list(group)
+            published += self._place(kind, placed, rows, source)
+        return published
+
+    def _timed(self, kind: TierKind, start: float) -> None:
+        self._c.tier_io_s[kind.value] += time.perf_counter() - start
+
+    def _move(self, src: TierKind, dst: TierKind, moves: list[Move]) -> None:
+        copy = COPY_TABLE.get((src, dst), staged_copy)
+        start = time.perf_counter()
+        try:
+            staged = copy(self._tiers[src], [m.src_slot for m in moves], self._tiers[dst],
+                          [m.dst_slot for m in moves], self._nbytes)
+            sums = self._checksums(dst, [m.key for m in moves], staged)
+            self._tiers[dst].flush()
+        except TierIOError as exc:
+            log.warning("demotion %s->%s of %d pages failed, dropping them: %s", src.value, dst.value, len(moves), exc)
+            self._m.abandon([(m.key, dst, m.dst_slot) for m in moves])
+            return
+        finally:
+            self._timed(dst, start)
+        self._c.moved_bytes(src.value, dst.value, len(moves) * self._nbytes)
+        self._c.events["demotions"] += len(moves)
+        self._m.publish([(m.key, dst, m.dst_slot) for m in moves], sums)
+
+    def _place(self, kind: TierKind, placed: list[tuple[PageKey, TierKind, int]],
+               rows: dict[PageKey, np.ndarray], source: str) -> int:
+        tier = self._tiers[kind]
+        buf = np.stack([rows[k] for k, _, _ in placed]) if len(placed) > 1 else rows[placed[0][0]][None, :]
+        start = time.perf_counter()
+        try:
+            tier.write([s for _, _, s in placed], np.ascontiguousarray(buf))
+            sums = self._checksums(kind, [k for k, _, _ in placed], buf)
+            tier.flush()
+        except TierIOError as exc:
+            log.warning("write of %d pages to %s failed, they stay misses: %s", len(placed), kind.value, exc)
+            self._m.abandon(placed)
+            return 0
+        finally:
+            self._timed(kind, start)
+        self._c.moved_bytes(source, kind.value, len(placed) * self._nbytes)
+        self._m.publish(placed, sums)
+        return len(placed)
+
+    def _checksums(self, kind: TierKind, keys: Sequence[PageKey], staged: np.ndarray) -> dict[PageKey, int]:
+        """Checksums for pages entering a persistent tier that do not have one yet."""
+        if not self._tiers[kind].persistent:
+            return {}
+        out: dict[PageKey, int] = {}
+        for i, key in enumerate(keys):
+            e = self._m.entry(key)
+            if e is not None and e.checksum is None:
+                out[key] = checksum64(staged[i])
+        return out
+
+    def read(self, entries: Sequence[Entry], out: np.ndarray) -> int:
+        """Load ``entries`` (leading pages, in order) into ``out`` rows, each from its fastest tier.
+
+        Returns how many leading pages were loaded intact. A page that fails its
+        checksum or whose read fails is forgotten (a miss from now on) and ends the run.
+        """
+        loaded = 0
+        for kind, group in groupby(enumerate(entries), key=lambda ie: ie[1].fastest):
+            items = list(group)
+            first = items[0][0]
+            rows = out[first:first + len(items)]
+            tier = self._tiers[kind]
+            start = time.perf_counter()
+            try:
+                tier.read([e.slots[kind] for _, e in items], rows)
+            except TierIOError as exc:
+                log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), kind.value, exc)
+                for _, e in items:
+                    self._m.forget(e.key)
+                return loaded
+            finally:
+                self._timed(kind, start)
+            good = self._verify(tier, items, rows)
+            self._c.moved_bytes(kind.value, "caller", good * self._nbytes)
+            self._c.tier_hits[kind.value] += good
+            for _, e in items[:good]:
+                self._m.touch(e.key, kind)
+            loaded += good
+            if good < len(items):
+                return loaded
+        return loaded
+
+    def _verify(self, tier: Tier, items: list[tuple[int, Entry]], rows: np.ndarray) -> int:
+        if not tier.persistent:
+            return len(items)
+        sums = checksum_rows(rows)
+        for i, (_, e) in enumerate(items):
+            if sums[i] != e.checksum:
+                log.warning("page %s in %s slot %d failed its checksum (stored %s, read %x); quarantined",
+                            e.key.hex(), tier.kind.value, e.slots[tier.kind], e.checksum, sums[i])
+                self._c.events["corrupt_pages"] += 1
+                self._m.forget(e.key)
+                return i
+        return len(items)
