@@ -1,0 +1,39 @@
+"""Shared fixtures: small layouts and stores on a real O_DIRECT file and a real LMDB index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierkv.api import Store
+from tierkv.config import DramConfig, NvmeConfig, StoreConfig
+from tierkv.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", tokens_per_page=16)
+PB = LAYOUT.page_bytes  # 16 KiB: four 4 KiB blocks on the NVMe tier
+
+
+def page_data(key_seed: int, n: int) -> np.ndarray:
+    """Deterministic page bytes for a test prompt."""
+    return np.random.default_rng(key_seed).integers(0, 256, (n, PB), dtype=np.uint8)
+
+
+def make_config(path: Path, dram_pages: int = 4, nvme_pages: int = 16, **kw: object) -> StoreConfig:
+    return StoreConfig(path=str(path), model_id="test-model", layout=LAYOUT,
+                       dram=DramConfig(dram_pages * PB) if dram_pages else None,
+                       nvme=NvmeConfig(nvme_pages * PB) if nvme_pages else None, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def store_config(tmp_path: Path) -> StoreConfig:
+    return make_config(tmp_path / "store")
+
+
+@pytest.fixture
+def store(store_config: StoreConfig) -> Iterator[Store]:
+    s = Store.open(store_config)
+    yield s
+    s.close()

@@ -1,0 +1,234 @@
+"""The Store API: round trips through each tier, demotion, promotion, reopen, pins, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import LAYOUT, PB, make_config, page_data
+from tierkv.api import Store
+from tierkv.errors import CapacityError, InputError, StoreBusyError, StoreClosedError, TierKVError
+from tierkv.tiers.base import TierKind
+
+TPP = LAYOUT.tokens_per_page
+
+
+def prompt(seed: int, pages: int) -> np.ndarray:
+    return np.random.default_rng(seed + 1000).integers(0, 50000, pages * TPP, dtype=np.int64)
+
+
+def load(store: Store, tokens: np.ndarray, n: int) -> tuple[int, np.ndarray]:
+    out = np.zeros((n, PB), dtype=np.uint8)
+    got = store.get(tokens, out)
+    return got.pages, out
+
+
+@pytest.mark.parametrize("dram,nvme", [(8, 0), (0, 8), (4, 16)])
+def test_round_trip_each_tier(tmp_path: Path, dram: int, nvme: int) -> None:
+    with Store.open(make_config(tmp_path / "s", dram, nvme)) as s:
+        tokens, data = prompt(1, 4), page_data(1, 4)
+        assert s.put(tokens, data).stored == 4
+        n, out = load(s, tokens, 4)
+        assert n == 4 and np.array_equal(out, data)
+        expect = TierKind.DRAM if dram else TierKind.NVME
+        assert s.lookup(tokens).tiers == (expect,) * 4
+
+
+def test_torch_pages_in_layout_dtype(store: Store) -> None:
+    tokens = prompt(2, 3)
+    pages = torch.randn(3, *LAYOUT.page_shape).to(torch.bfloat16)
+    assert store.put(tokens, pages).stored == 3
+    out = torch.zeros_like(pages)
+    assert store.get(tokens, out).pages == 3
+    assert torch.equal(out.view(torch.int16), pages.view(torch.int16))
+
+
+def test_demotion_and_promotion_are_bit_exact(store: Store) -> None:
+    prompts = [(prompt(i, 2), page_data(i, 2)) for i in range(6)]  # 12 pages, DRAM holds 4
+    for tokens, data in prompts:
+        store.put(tokens, data)
+    st = store.stats()
+    assert st.bytes_moved.get("dram->nvme", 0) > 0, st.bytes_moved
+    tokens, data = prompts[0]
+    assert store.lookup(tokens).tiers == (TierKind.NVME, TierKind.NVME)
+    n, out = load(store, tokens, 2)
+    assert n == 2 and np.array_equal(out, data)
+    assert store.lookup(tokens).tiers == (TierKind.DRAM, TierKind.DRAM)  # promoted on hit
+    for tokens, data in prompts:
+        n, out = load(store, tokens, 2)
+        assert n == 2 and np.array_equal(out, data)
+
+
+def test_capacity_never_exceeded_and_lru_drops(tmp_path: Path) -> None:
+    with Store.open(make_config(tmp_path / "s", 2, 4)) as s:
+        for i in range(10):
+            s.put(prompt(i, 1), page_data(i, 1))
+            st = s.stats()
+            for t in st.tiers.values():
+                assert t.used_slots <= t.capacity_slots
+        assert s.lookup(prompt(0, 1)).cached_pages == 0  # oldest dropped
+        assert s.lookup(prompt(9, 1)).cached_pages == 1
+        assert s.stats().pages_dropped > 0
+
+
+def test_pinned_pages_never_evicted(tmp_path: Path) -> None:
+    with Store.open(make_config(tmp_path / "s", 2, 0)) as s:
+        s.put(prompt(0, 1), page_data(0, 1))
+        assert s.pin(prompt(0, 1)) == 1
+        for i in range(1, 8):
+            s.put(prompt(i, 1), page_data(i, 1))
+        assert s.lookup(prompt(0, 1)).cached_pages == 1
+        assert s.unpin(prompt(0, 1)) == 1
+        assert s.unpin(prompt(0, 1)) == 0
+        for i in range(8, 12):
+            s.put(prompt(i, 1), page_data(i, 1))
+        assert s.lookup(prompt(0, 1)).cached_pages == 0
+
+
+def test_all_pinned_means_dropped_not_evicted(tmp_path: Path) -> None:
+    with Store.open(make_config(tmp_path / "s", 2, 0)) as s:
+        s.put(prompt(0, 2), page_data(0, 2))
+        s.pin(prompt(0, 2))
+        res = s.put(prompt(5, 1), page_data(5, 1))
+        assert (res.stored, res.dropped) == (0, 1)
+        assert s.lookup(prompt(0, 2)).cached_pages == 2
+
+
+def test_partial_prefix_and_extension(store: Store) -> None:
+    tokens, data = prompt(3, 4), page_data(3, 4)
+    store.put(tokens[: 2 * TPP + 5], data[:2])  # a partial third page gets no key
+    r = store.lookup(tokens)
+    assert (r.cached_pages, r.cached_tokens, r.total_pages) == (2, 2 * TPP, 4)
+    res = store.put(tokens, data)
+    assert (res.stored, res.already_present) == (2, 2)
+    n, out = load(store, tokens, 4)
+    assert n == 4 and np.array_equal(out, data)
+
+
+def test_get_leaves_rows_past_the_hit_untouched(store: Store) -> None:
+    tokens, data = prompt(4, 3), page_data(4, 3)
+    store.put(tokens[: 2 * TPP], data[:2])
+    out = np.full((3, PB), 7, dtype=np.uint8)
+    assert store.get(tokens, out).pages == 2
+    assert np.array_equal(out[:2], data[:2]) and (out[2] == 7).all()
+
+
+def test_tenants_do_not_share_pages(store: Store) -> None:
+    tokens = prompt(5, 2)
+    store.put(tokens, page_data(5, 2), tenant="alice")
+    assert store.lookup(tokens, tenant="alice").cached_pages == 2
+    assert store.lookup(tokens, tenant="bob").cached_pages == 0
+    assert store.lookup(tokens).cached_pages == 0
+
+
+def test_reopen_after_close_finds_every_page(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path / "s", 4, 32)
+    prompts = [(prompt(i, 3), page_data(i, 3)) for i in range(5)]
+    with Store.open(cfg) as s:
+        for tokens, data in prompts:
+            s.put(tokens, data)
+    with Store.open(cfg) as s:
+        for tokens, data in prompts:
+            n, out = load(s, tokens, 3)
+            assert n == 3 and np.array_equal(out, data)
+
+
+def test_prefetch_promotes_to_dram(store: Store) -> None:
+    prompts = [(prompt(i, 2), page_data(i, 2)) for i in range(4)]
+    for tokens, data in prompts:
+        store.put(tokens, data)
+    tokens, data = prompts[0]
+    assert TierKind.NVME in store.lookup(tokens).tiers
+    assert store.prefetch(tokens).result(timeout=30) == 2
+    assert store.lookup(tokens).tiers == (TierKind.DRAM, TierKind.DRAM)
+    n, out = load(store, tokens, 2)
+    assert n == 2 and np.array_equal(out, data)
+
+
+def test_read_only_second_open_sees_committed_pages(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path / "s", 0, 16)
+    tokens, data = prompt(6, 3), page_data(6, 3)
+    with Store.open(cfg) as writer:
+        writer.put(tokens, data)
+        with pytest.raises(StoreBusyError):
+            Store.open(cfg)
+        with Store.open(cfg, read_only=True) as reader:
+            assert reader.lookup(tokens).cached_pages == 3
+            n, out = load(reader, tokens, 3)
+            assert n == 3 and np.array_equal(out, data)
+            with pytest.raises(InputError):
+                reader.put(tokens, data)
+
+
+def test_layout_mismatch_on_reopen_is_refused(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from tierkv.errors import ConfigError
+    cfg = make_config(tmp_path / "s", 0, 8)
+    Store.open(cfg).close()
+    with pytest.raises(ConfigError, match="geometry"):
+        Store.open(replace(cfg, layout=replace(LAYOUT, tokens_per_page=32)))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (np.zeros((2, PB), dtype=np.float32), "uint8"),
+    (np.zeros((2, PB + 1), dtype=np.uint8), "shape"),
+    (np.zeros((2, PB * 2), dtype=np.uint8)[:, ::2], "contiguous"),
+    (torch.zeros(2, *LAYOUT.page_shape, dtype=torch.float16), "dtype"),
+    (torch.zeros(2, 3, dtype=torch.bfloat16), "shape"),
+    (torch.zeros(2, *LAYOUT.page_shape, dtype=torch.bfloat16).transpose(1, 2), "contiguous"),
+    (np.zeros((9, PB), dtype=np.uint8), "full pages"),
+    ([[0] * PB], "torch.Tensor or numpy"),
+])
+def test_bad_pages_raise_input_error(store: Store, bad: object, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        store.put(prompt(7, 8), bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tokens,match", [
+    (np.zeros((2, 16), dtype=np.int64), "one-dimensional"),
+    (np.array([1.5] * 16), "integers"),
+    (np.array([-1] * 16), r"\[0, "),
+    (np.array([1 << 33] * 16), r"\[0, "),
+])
+def test_bad_tokens_raise_input_error(store: Store, tokens: np.ndarray, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        store.lookup(tokens)
+
+
+def test_oversize_batch_raises_capacity_error(tmp_path: Path) -> None:
+    with Store.open(make_config(tmp_path / "s", 2, 4)) as s:
+        with pytest.raises(CapacityError, match="hold"):
+            s.put(prompt(8, 8), page_data(8, 8))
+
+
+def test_read_only_output_buffer(store: Store) -> None:
+    out = np.zeros((1, PB), dtype=np.uint8)
+    out.flags.writeable = False
+    with pytest.raises(InputError, match="read-only"):
+        store.get(prompt(9, 1), out)
+
+
+def test_closed_store_raises(store: Store) -> None:
+    store.close()
+    for call in (lambda: store.lookup(prompt(0, 1)), lambda: store.put(prompt(0, 1), page_data(0, 1)),
+                 lambda: store.get(prompt(0, 1), np.zeros((1, PB), np.uint8)), lambda: store.pin(prompt(0, 1)),
+                 lambda: store.prefetch(prompt(0, 1))):
+        with pytest.raises(StoreClosedError):
+            call()
+    store.close()  # idempotent
+
+
+def test_every_error_is_a_tierkv_error() -> None:
+    for exc in (InputError, CapacityError, StoreBusyError, StoreClosedError):
+        assert issubclass(exc, TierKVError)
+
+
+def test_store_files_are_private(store: Store, store_config) -> None:  # type: ignore[no-untyped-def]
+    root = Path(store_config.path)
+    assert root.stat().st_mode & 0o077 == 0
+    for p in [root / "nvme.data", root / "writer.lock", *(root / "index.lmdb").iterdir()]:
+        assert p.stat().st_mode & 0o077 == 0, p

@@ -1,0 +1,83 @@
+"""Config loading: the shipped TOML files, sizes, and clear errors on bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierkv.config import config_from_dict, load_config
+from tierkv.errors import ConfigError, LayoutError
+from tierkv.layout import DType, KVLayout, LayoutKind
+from tierkv.units import parse_size
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.layout.page_bytes > 0 and (cfg.dram or cfg.nvme)
+
+
+def test_default_config_values() -> None:
+    cfg = load_config(ROOT / "configs" / "default.toml")
+    assert cfg.layout.page_bytes == 30 * 2 * 16 * 3 * 64 * 2
+    assert cfg.dram is not None and cfg.dram.capacity_bytes == 1 << 30
+    assert cfg.nvme is not None and cfg.nvme.capacity_bytes == 8 << 30
+
+
+BASE = {"store": {"path": "/tmp/x", "model_id": "m"},
+        "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8},
+        "tiers": {"dram": {"capacity_bytes": "1MiB"}}}
+
+
+def with_(section: str, **kw: object) -> dict[str, object]:
+    data = {k: dict(v) for k, v in BASE.items()}
+    if section == "tiers.dram":
+        data["tiers"] = {"dram": {**BASE["tiers"]["dram"], **kw}}  # type: ignore[dict-item]
+    else:
+        data[section].update(kw)
+    return data  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("data,match", [
+    (with_("tiers.dram", capacity_bytes="-1GiB"), "cannot parse"),
+    (with_("tiers.dram", capacity_bytes="12 parsecs"), "cannot parse"),
+    (with_("tiers.dram", size="1GiB"), "unknown key"),
+    (with_("layout", dtype="int4"), "unknown KV dtype"),
+    (with_("layout", num_layers=0), "positive integer"),
+    (with_("layout", kind="latent", num_kv_heads=2), "num_kv_heads must be 1"),
+    (with_("store", policy="mru"), "unknown policy"),
+    (with_("store", model_id=""), "model_id"),
+    ({**BASE, "tiers": {"tape": {}}}, "unknown tier"),
+    ({**BASE, "tiers": {}}, "at least one tier"),
+])
+def test_bad_configs_name_the_problem(data: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(data)
+
+
+def test_missing_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[store\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("text,value", [(4096, 4096), ("64GiB", 64 << 30), ("512 MB", 512_000_000),
+                                        ("1.5KiB", 1536), ("2tb", 2 * 10**12)])
+def test_parse_size(text: object, value: int) -> None:
+    assert parse_size(text) == value  # type: ignore[arg-type]
+
+
+def test_layout_sizes() -> None:
+    llama = KVLayout(32, 8, 128, DType.BF16, 16)
+    assert llama.token_bytes == 131_072
+    mla = KVLayout(61, 1, 576, "bf16", 64, LayoutKind.LATENT)
+    assert mla.token_bytes == 70_272 and mla.page_shape == (61, 64, 576)
+    assert KVLayout(1, 1, 1, "fp8_e4m3", 1).page_bytes == 2
+    with pytest.raises(LayoutError, match="limit"):
+        KVLayout(1000, 1000, 1000, "fp32", 1000)
