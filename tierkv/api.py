@@ -239,7 +239,7 @@ class Store:
         for kind in {e.fastest for e in entries if e.fastest is not top}:
             picked = [(i, e) for i, e in enumerate(entries) if e.fastest is kind]
             plan = self._manager.plan_promote([e.key for _, e in picked], top, protect)
-            promoted += self._transfers.run(plan, {e.key: rows[i] for i, e in picked}, source=kind.value)
+            promoted += self._transfers.run(plan, rows, {e.key: i for i, e in picked}, source=kind.value)
         self._counters.events["promotions"] += promoted
         return promoted
 
@@ -257,13 +257,13 @@ class Store:
             keys = split_keys(self._keys(tokens, tenant))
             rows = page_rows(pages, self.layout, "put(pages=...)", len(keys))
             new: list[tuple[PageKey, PageKey | None]] = []
-            new_rows: dict[PageKey, np.ndarray] = {}
+            row_of: dict[PageKey, int] = {}
             for i in range(rows.shape[0]):
                 if self._manager.entry(keys[i]) is None:
                     new.append((keys[i], keys[i - 1] if i else None))
-                    new_rows[keys[i]] = rows[i]
+                    row_of[keys[i]] = i
             plan = self._manager.plan_store(new, self.layout.page_bytes)
-            stored = self._transfers.run(plan, new_rows)
+            stored = self._transfers.run(plan, rows, row_of)
             self._counters.events["pages_stored"] += stored
             self._counters.events["pages_dropped"] += plan.dropped
             self._counters.events["evictions"] += plan.evicted
@@ -337,7 +337,7 @@ class Store:
         self._prefetcher.shutdown(wait=True)
         with self._lock:
             if self.config.persist_on_close and not self.read_only:
-                self._transfers.run(self._manager.plan_writeback(), {})
+                self._transfers.run(self._manager.plan_writeback())
             for t in self._manager.tiers:
                 t.flush()
                 t.close()

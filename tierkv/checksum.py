@@ -9,9 +9,16 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
+try:
+    from tierkv._native import checksum64 as _native_checksum  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - where the extension is not built
+    _native_checksum = None
+
 
 def checksum64(row: np.ndarray) -> int:
     """xxh3-64 of a contiguous byte row (same value as ``xxhash.xxh3_64_intdigest``)."""
+    if _native_checksum is not None:
+        return int(_native_checksum(row))
     return xxhash.xxh3_64_intdigest(memoryview(row))
 
 

@@ -8,7 +8,8 @@ never involved. Only full pages get keys.
 
 The chain runs in C (``tierkv._native``) when the extension is built, otherwise in a
 Python loop over the ``xxhash`` package; both give the same bytes (tested). Called by
-the API for every lookup, put and get.
+the API for every lookup, put and get. :func:`new_keyset` gives the index's set of
+keys (compiled, or a Python fallback with the same contract).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class _TensorLike(Protocol):
 
 
 Tokens = Sequence[int] | np.ndarray | _TensorLike
+KeyBytes = bytes | bytearray | memoryview
 
 
 def native_available() -> bool:
@@ -67,8 +69,8 @@ def as_token_array(tokens: Tokens) -> np.ndarray:
     """Tokens as a contiguous little-endian uint32 array; raises InputError otherwise."""
     if hasattr(tokens, "numpy") and not isinstance(tokens, np.ndarray):
         tensor = tokens
-        if getattr(tensor, "device", None) is not None and str(tensor.device) != "cpu":  # type: ignore[attr-defined]
-            tensor = tensor.cpu()  # type: ignore[attr-defined]
+        if getattr(tensor, "device", None) is not None and str(tensor.device) != "cpu":  # type: ignore[attr-defined, union-attr]
+            tensor = tensor.cpu()  # type: ignore[attr-defined, union-attr]
         arr = np.asarray(tensor.numpy())
     else:
         arr = np.asarray(tokens)
@@ -91,11 +93,22 @@ def chain_keys(tokens: np.ndarray, tokens_per_page: int, namespace: bytes) -> by
     """
     if len(namespace) != KEY_BYTES:
         raise InputError(f"namespace digest must be {KEY_BYTES} bytes, got {len(namespace)}")
+    if tokens_per_page <= 0:
+        raise InputError(f"tokens_per_page must be positive, got {tokens_per_page}")
+    if tokens.dtype != np.dtype("<u4") or not tokens.flags.c_contiguous:
+        raise InputError(f"chain_keys takes contiguous little-endian uint32 tokens (see as_token_array), "
+                         f"got {tokens.dtype}")
     n_pages = tokens.size // tokens_per_page
     if n_pages == 0:
         return b""
     if _native is not None:
         return bytes(_native.chain_xxh3_128(namespace, tokens, tokens_per_page, n_pages))
+    return _chain_keys_py(tokens, tokens_per_page, namespace)
+
+
+def _chain_keys_py(tokens: np.ndarray, tokens_per_page: int, namespace: bytes) -> bytes:
+    """The pure-Python chain: the fallback, and the reference the tests hold the C chain to."""
+    n_pages = tokens.size // tokens_per_page
     raw = tokens[: n_pages * tokens_per_page].tobytes()
     step = tokens_per_page * 4
     digest = xxhash.xxh3_128_digest
@@ -115,3 +128,80 @@ def split_keys(blob: bytes) -> list[PageKey]:
 def page_keys(tokens: Tokens, layout: KVLayout, namespace: bytes) -> list[PageKey]:
     """Keys of every full page of ``tokens``, in order (a partial last page gets none)."""
     return split_keys(chain_keys(as_token_array(tokens), layout.tokens_per_page, namespace))
+
+
+class PageKeySet(Protocol):
+    """A set of 16-byte page keys: the in-memory index's membership test.
+
+    Keys are bytes-like objects of exactly 16 bytes; another length raises ValueError,
+    another type TypeError. Not thread-safe: the caller holds a lock.
+    """
+
+    def add(self, key: KeyBytes) -> None: ...
+
+    def discard(self, key: KeyBytes) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def prefix_len(self, blob: KeyBytes, start: int = 0) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+
+def _key_bytes(key: object) -> bytes:
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise TypeError(f"page key must be bytes, got {type(key).__name__}")
+    raw = bytes(key)
+    if len(raw) != KEY_BYTES:
+        raise ValueError(f"page key must be {KEY_BYTES} bytes, got {len(raw)}")
+    return raw
+
+
+class KeySet:
+    """Pure-Python :class:`PageKeySet` (a set of bytes), used where ``_native`` is absent.
+
+    Same contract as ``tierkv._native.KeySet``; not thread-safe: the caller holds a lock.
+    """
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        self._keys: set[bytes] = set()
+
+    def add(self, key: KeyBytes) -> None:
+        self._keys.add(_key_bytes(key))
+
+    def discard(self, key: KeyBytes) -> None:
+        self._keys.discard(_key_bytes(key))
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+    def prefix_len(self, blob: KeyBytes, start: int = 0) -> int:
+        """How many consecutive keys of ``blob`` (n * 16 bytes), from key ``start`` on, are present."""
+        raw = bytes(blob)
+        if len(raw) % KEY_BYTES:
+            raise ValueError(f"blob must hold whole {KEY_BYTES}-byte keys, got {len(raw)} bytes")
+        n = len(raw) // KEY_BYTES
+        if not 0 <= start <= n:
+            raise ValueError(f"start must lie in [0, {n}], got {start}")
+        keys = self._keys
+        for i in range(start, n):
+            if raw[i * KEY_BYTES:(i + 1) * KEY_BYTES] not in keys:
+                return i - start
+        return n - start
+
+    def __contains__(self, key: object) -> bool:
+        return _key_bytes(key) in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def new_keyset() -> PageKeySet:
+    """An empty key set: the compiled one when the extension is built, else :class:`KeySet`."""
+    if _native is not None:
+        return _native.KeySet()  # type: ignore[no-any-return]
+    return KeySet()

@@ -41,6 +41,14 @@ def staged_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Seque
 COPY_TABLE: dict[tuple[TierKind, TierKind], CopyFn] = {}
 
 
+def _gather(src: np.ndarray, rows: list[int]) -> np.ndarray:
+    """``src[rows]`` as a contiguous array: a zero-copy view when the rows are consecutive."""
+    first = rows[0]
+    if rows == list(range(first, first + len(rows))):
+        return src[first:first + len(rows)]
+    return np.take(src, rows, axis=0)
+
+
 class Transfers:
     """Runs plans against the manager's tiers and keeps the byte counters."""
 
@@ -50,15 +58,20 @@ class Transfers:
         self._c = counters
         self._nbytes = page_bytes
 
-    def run(self, plan: Plan, rows: dict[PageKey, np.ndarray], source: str = "caller") -> int:
-        """Execute ``plan``; ``rows`` holds the bytes of placed pages. Returns pages published."""
+    def run(self, plan: Plan, src: np.ndarray | None = None, row_of: dict[PageKey, int] | None = None,
+            source: str = "caller") -> int:
+        """Execute ``plan``; placed page ``k`` takes its bytes from ``src[row_of[k]]``.
+
+        Returns how many placed pages were published.
+        """
         self._m.commit_deletes(plan)
         for (src, dst), group in groupby(plan.ordered_moves(), key=lambda m: (m.src, m.dst)):
             self._move(src, dst, list(group))
         published = 0
         for kind, group in groupby(sorted(plan.placements, key=lambda p: p[1].rank), key=lambda p: p[1]):
             placed = list(group)
-            published += self._place(kind, placed, rows, source)
+            assert src is not None and row_of is not None
+            published += self._place(kind, placed, _gather(src, [row_of[k] for k, _, _ in placed]), source)
         return published
 
     def _timed(self, kind: TierKind, start: float) -> None:
@@ -83,12 +96,11 @@ class Transfers:
         self._m.publish([(m.key, dst, m.dst_slot) for m in moves], sums)
 
     def _place(self, kind: TierKind, placed: list[tuple[PageKey, TierKind, int]],
-               rows: dict[PageKey, np.ndarray], source: str) -> int:
+               buf: np.ndarray, source: str) -> int:
         tier = self._tiers[kind]
-        buf = np.stack([rows[k] for k, _, _ in placed]) if len(placed) > 1 else rows[placed[0][0]][None, :]
         start = time.perf_counter()
         try:
-            tier.write([s for _, _, s in placed], np.ascontiguousarray(buf))
+            tier.write([s for _, _, s in placed], buf)
             sums = self._checksums(kind, [k for k, _, _ in placed], buf)
             tier.flush()
         except TierIOError as exc:

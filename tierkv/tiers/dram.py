@@ -42,12 +42,20 @@ class DramTier(Tier):
 
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         width = src.shape[1]
-        for run_start, run_slot, run_len in _runs(slots):
+        runs = _runs(slots)
+        if len(runs) > 4 and width == self.slot_bytes:
+            self._buf[np.asarray(slots)] = src  # one scatter loop in C beats many slice copies
+            return
+        for run_start, run_slot, run_len in runs:
             self._buf[run_slot:run_slot + run_len, :width] = src[run_start:run_start + run_len]
 
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         width = dst.shape[1]
-        for run_start, run_slot, run_len in _runs(slots):
+        runs = _runs(slots)
+        if len(runs) > 4 and width == self.slot_bytes:
+            np.take(self._buf, np.asarray(slots), axis=0, out=dst)  # one gather loop in C
+            return
+        for run_start, run_slot, run_len in runs:
             dst[run_start:run_start + run_len] = self._buf[run_slot:run_slot + run_len, :width]
 
     def _close(self) -> None:

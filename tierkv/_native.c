@@ -1,0 +1,551 @@
+/*
+ * tierkv._native: the compiled hot paths of page keys (see tierkv/keys.py).
+ *
+ * Holds the prefix-chained xxh3-128 page-key chain, KeySet (an open-addressing
+ * hash set of 16-byte page keys, the in-memory index's membership test) and
+ * checksum64 (xxh3-64 of a page buffer). Imported optionally by tierkv.keys, which
+ * has a pure-Python fallback giving the same keys and the same KeySet contract.
+ *
+ * Built by setup.py against xxhash.h (0.8.x, header-only through XXH_INLINE_ALL).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#define KEY_BYTES 16
+/* Below this many bytes, checksum64 keeps the GIL: dropping it costs more than hashing. */
+#define CHECKSUM_NOGIL_BYTES 16384
+#define KEYSET_MIN_LOG2 4 /* 16 slots */
+#define PREFETCH_AHEAD 8 /* keys ahead that prefix_len prefetches the slots of */
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)0)
+#endif
+
+static int
+host_is_little_endian(void)
+{
+    const uint16_t one = 1;
+    uint8_t first;
+    memcpy(&first, &one, 1);
+    return first == 1;
+}
+
+/* ------------------------------------------------------------------ key chain */
+
+enum { NOT_UINT32 = -1, DATA_LE = 0, DATA_BE = 1 };
+
+/* Byte order of a buffer's uint32 items: raw bytes count as little-endian uint32s. */
+static int
+uint32_byte_order(const Py_buffer *view)
+{
+    const char *f = view->format != NULL ? view->format : "B";
+    char order = '@';
+    if (*f == '@' || *f == '=' || *f == '<' || *f == '>' || *f == '!')
+        order = *f++;
+    if (view->itemsize == 1 && strcmp(f, "B") == 0)
+        return DATA_LE;
+    if (view->itemsize != 4 || (strcmp(f, "I") != 0 && strcmp(f, "L") != 0))
+        return NOT_UINT32;
+    if (order == '<')
+        return DATA_LE;
+    if (order == '>' || order == '!')
+        return DATA_BE;
+    return host_is_little_endian() ? DATA_LE : DATA_BE;
+}
+
+static inline void
+store_be64(uint8_t *p, uint64_t v)
+{
+    if (host_is_little_endian())
+        v = XXH_swap64(v);
+    memcpy(p, &v, 8);
+}
+
+/* scratch holds key[i-1] in its first 16 bytes. The chain is serial, so each hash's
+ * latency counts: inlined with a constant step, the copy and xxh3's length dispatch
+ * fold away, and the key goes back to scratch as the two 8-byte stores xxh3's 8-byte
+ * loads forward from (about 2x faster than a runtime length and a 16-byte memcpy). */
+XXH_FORCE_INLINE void
+chain_pages(const uint8_t *data, size_t step, Py_ssize_t n_pages, int byteswap,
+            uint8_t *scratch, uint8_t *out)
+{
+    for (Py_ssize_t i = 0; i < n_pages; i++) {
+        const uint8_t *page = data + (size_t)i * step;
+        if (byteswap) {
+            for (size_t j = 0; j < step; j += 4) {
+                scratch[KEY_BYTES + j] = page[j + 3];
+                scratch[KEY_BYTES + j + 1] = page[j + 2];
+                scratch[KEY_BYTES + j + 2] = page[j + 1];
+                scratch[KEY_BYTES + j + 3] = page[j];
+            }
+        } else {
+            memcpy(scratch + KEY_BYTES, page, step);
+        }
+        XXH128_hash_t h = XXH3_128bits(scratch, KEY_BYTES + step);
+        /* XXH128_canonicalFromHash's layout: high64 then low64, each big-endian. */
+        store_be64(scratch, h.high64);
+        store_be64(scratch + 8, h.low64);
+        store_be64(out + (size_t)i * KEY_BYTES, h.high64);
+        store_be64(out + (size_t)i * KEY_BYTES + 8, h.low64);
+    }
+}
+
+/* Runs without the GIL: touches only the caller's exported buffers and scratch. */
+static void
+chain_loop(const uint8_t *ns, const uint8_t *data, Py_ssize_t step, Py_ssize_t n_pages,
+           int byteswap, uint8_t *scratch, uint8_t *out)
+{
+    memcpy(scratch, ns, KEY_BYTES);
+    if (byteswap)
+        chain_pages(data, (size_t)step, n_pages, 1, scratch, out);
+    else if (step == 16 * 4) /* tokens_per_page 16 and 32: the usual page sizes */
+        chain_pages(data, 16 * 4, n_pages, 0, scratch, out);
+    else if (step == 32 * 4)
+        chain_pages(data, 32 * 4, n_pages, 0, scratch, out);
+    else
+        chain_pages(data, (size_t)step, n_pages, 0, scratch, out);
+}
+
+PyDoc_STRVAR(chain_doc,
+"chain_xxh3_128(namespace, tokens, tokens_per_page, n_pages) -> bytes\n\n"
+"Keys of the first n_pages pages of tokens, concatenated (n_pages * 16 bytes).\n"
+"key[i] = XXH3_128(key[i-1] || page i's tokens as little-endian uint32), key[-1] =\n"
+"namespace (16 bytes); each key is the canonical (big-endian) digest, as\n"
+"xxhash.xxh3_128_digest returns it. tokens is a C-contiguous buffer of uint32\n"
+"(any byte order declared in its format) or of raw bytes read as little-endian\n"
+"uint32. Raises ValueError or TypeError on bad arguments. Releases the GIL.");
+
+static PyObject *
+chain_xxh3_128(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"namespace", "tokens", "tokens_per_page", "n_pages", NULL};
+    Py_buffer ns = {0}, tok = {0};
+    PyObject *tokens_obj, *out = NULL;
+    Py_ssize_t tpp, n_pages;
+    uint8_t *scratch = NULL;
+    (void)self;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*Onn:chain_xxh3_128", kwlist,
+                                     &ns, &tokens_obj, &tpp, &n_pages))
+        return NULL;
+    if (ns.len != KEY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "namespace must be %d bytes, got %zd", KEY_BYTES, ns.len);
+        goto done;
+    }
+    if (tpp <= 0 || tpp > (PY_SSIZE_T_MAX - KEY_BYTES) / 4) {
+        PyErr_Format(PyExc_ValueError, "tokens_per_page must lie in [1, %zd], got %zd",
+                     (PY_SSIZE_T_MAX - KEY_BYTES) / 4, tpp);
+        goto done;
+    }
+    if (n_pages < 0) {
+        PyErr_Format(PyExc_ValueError, "n_pages must be >= 0, got %zd", n_pages);
+        goto done;
+    }
+    if (!PyObject_CheckBuffer(tokens_obj)) {
+        PyErr_Format(PyExc_TypeError, "tokens must be a buffer of uint32 (e.g. a numpy uint32 "
+                     "array), got %.100s", Py_TYPE(tokens_obj)->tp_name);
+        goto done;
+    }
+    if (PyObject_GetBuffer(tokens_obj, &tok, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    int order = uint32_byte_order(&tok);
+    if (order == NOT_UINT32) {
+        PyErr_Format(PyExc_TypeError, "tokens must be a buffer of uint32 (format 'I', itemsize 4) "
+                     "or of bytes, got format '%.20s' with itemsize %zd",
+                     tok.format != NULL ? tok.format : "B", tok.itemsize);
+        goto done;
+    }
+    Py_ssize_t step = tpp * 4;
+    if (n_pages > tok.len / step || n_pages > PY_SSIZE_T_MAX / KEY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "%zd pages of %zd tokens need %zd tokens, the buffer holds %zd",
+                     n_pages, tpp, n_pages <= PY_SSIZE_T_MAX / step ? n_pages * tpp : PY_SSIZE_T_MAX,
+                     tok.len / 4);
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, n_pages * KEY_BYTES);
+    if (out == NULL)
+        goto done;
+    scratch = PyMem_RawMalloc((size_t)(KEY_BYTES + step));
+    if (scratch == NULL) {
+        Py_CLEAR(out);
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* The buffer export pins tokens' memory; out is not visible to anyone else yet. */
+    Py_BEGIN_ALLOW_THREADS
+    chain_loop(ns.buf, tok.buf, step, n_pages, order == DATA_BE, scratch,
+               (uint8_t *)PyBytes_AS_STRING(out));
+    Py_END_ALLOW_THREADS
+
+done:
+    PyMem_RawFree(scratch);
+    if (tok.obj != NULL)
+        PyBuffer_Release(&tok);
+    PyBuffer_Release(&ns);
+    return out;
+}
+
+/* ------------------------------------------------------------------ checksum */
+
+PyDoc_STRVAR(checksum_doc,
+"checksum64(buf) -> int\n\n"
+"XXH3-64 of a contiguous buffer, as xxhash.xxh3_64_intdigest returns it.\n"
+"Releases the GIL for buffers of 16 KiB and more.");
+
+static PyObject *
+checksum64(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    XXH64_hash_t h;
+    (void)self;
+    if (!PyObject_CheckBuffer(arg)) {
+        PyErr_Format(PyExc_TypeError, "checksum64 needs a bytes-like buffer, got %.100s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (view.len >= CHECKSUM_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        h = XXH3_64bits(view.buf, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        h = XXH3_64bits(view.buf, (size_t)view.len);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong((unsigned long long)h);
+}
+
+/* ------------------------------------------------------------------ KeySet */
+
+typedef struct {
+    uint64_t w[2];
+} Key;
+
+/* One array of 16-byte slots, the all-zero key marking a free slot, so that a probe
+ * touches one cache line; the all-zero key itself, if added, is held by has_zero. */
+typedef struct {
+    PyObject_HEAD
+    Key *slots;
+    size_t mask;       /* capacity - 1; capacity is a power of two */
+    int shift;         /* 64 - log2(capacity) */
+    int has_zero;      /* whether the all-zero key is in the set */
+    Py_ssize_t count;  /* keys in the set, the all-zero one included */
+} KeySetObject;
+
+static inline int
+key_is_zero(const Key *k)
+{
+    return (k->w[0] | k->w[1]) == 0;
+}
+
+/* Page keys are xxh3 digests and already uniform, but the set must not degrade on
+ * structured keys (tests, hand-made ones): one Fibonacci multiply costs ~1 ns. */
+static inline size_t
+ks_home(const KeySetObject *s, const Key *k)
+{
+    return (size_t)(((k->w[0] ^ k->w[1]) * UINT64_C(0x9E3779B97F4A7C15)) >> s->shift);
+}
+
+/* Slot of the non-zero key k, or -1. Terminates: the load stays below 0.7. */
+static Py_ssize_t
+ks_find(const KeySetObject *s, const Key *k)
+{
+    size_t i = ks_home(s, k);
+    while (!key_is_zero(&s->slots[i])) {
+        if (s->slots[i].w[0] == k->w[0] && s->slots[i].w[1] == k->w[1])
+            return (Py_ssize_t)i;
+        i = (i + 1) & s->mask;
+    }
+    return -1;
+}
+
+static inline int
+ks_has(const KeySetObject *s, const Key *k)
+{
+    return key_is_zero(k) ? s->has_zero : ks_find(s, k) >= 0;
+}
+
+static void
+ks_insert_absent(KeySetObject *s, const Key *k)
+{
+    size_t i = ks_home(s, k);
+    while (!key_is_zero(&s->slots[i]))
+        i = (i + 1) & s->mask;
+    s->slots[i] = *k;
+    s->count++;
+}
+
+/* Replaces the table by an empty one of capacity 2**log2cap, rehashing the old keys
+ * when keep is set. On allocation failure sets MemoryError and changes nothing. */
+static int
+ks_rebuild(KeySetObject *s, int log2cap, int keep)
+{
+    if (log2cap > 56) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t cap = (size_t)1 << log2cap;
+    Key *slots = PyMem_Calloc(cap, sizeof(Key));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Key *old = s->slots;
+    size_t old_cap = old != NULL ? s->mask + 1 : 0;
+    s->slots = slots;
+    s->mask = cap - 1;
+    s->shift = 64 - log2cap;
+    s->has_zero = keep && s->has_zero;
+    s->count = s->has_zero;
+    for (size_t i = 0; keep && i < old_cap; i++)
+        if (!key_is_zero(&old[i]))
+            ks_insert_absent(s, &old[i]);
+    PyMem_Free(old);
+    return 0;
+}
+
+static int
+ks_key_from(PyObject *obj, Key *out)
+{
+    Py_buffer view;
+    if (PyBytes_Check(obj)) {
+        if (PyBytes_GET_SIZE(obj) != KEY_BYTES) {
+            PyErr_Format(PyExc_ValueError, "page key must be %d bytes, got %zd", KEY_BYTES,
+                         PyBytes_GET_SIZE(obj));
+            return -1;
+        }
+        memcpy(out, PyBytes_AS_STRING(obj), KEY_BYTES);
+        return 0;
+    }
+    if (!PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError, "page key must be bytes, got %.100s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
+        return -1;
+    int rc = 0;
+    if (view.len != KEY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "page key must be %d bytes, got %zd", KEY_BYTES, view.len);
+        rc = -1;
+    } else {
+        memcpy(out, view.buf, KEY_BYTES);
+    }
+    PyBuffer_Release(&view);
+    return rc;
+}
+
+static PyObject *
+ks_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, ":KeySet", kwlist))
+        return NULL;
+    KeySetObject *s = (KeySetObject *)type->tp_alloc(type, 0);
+    if (s == NULL)
+        return NULL;
+    if (ks_rebuild(s, KEYSET_MIN_LOG2, 0) < 0) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    return (PyObject *)s;
+}
+
+static void
+ks_dealloc(KeySetObject *s)
+{
+    PyMem_Free(s->slots);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *
+ks_add(KeySetObject *s, PyObject *arg)
+{
+    Key k;
+    if (ks_key_from(arg, &k) < 0)
+        return NULL;
+    if (key_is_zero(&k)) {
+        s->count += !s->has_zero;
+        s->has_zero = 1;
+        Py_RETURN_NONE;
+    }
+    if (ks_find(s, &k) >= 0)
+        Py_RETURN_NONE;
+    size_t cap = s->mask + 1;
+    if (((size_t)s->count + 1) * 10 > cap * 7 && ks_rebuild(s, 65 - s->shift, 1) < 0)
+        return NULL;
+    ks_insert_absent(s, &k);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ks_discard(KeySetObject *s, PyObject *arg)
+{
+    Key k;
+    if (ks_key_from(arg, &k) < 0)
+        return NULL;
+    if (key_is_zero(&k)) {
+        s->count -= s->has_zero;
+        s->has_zero = 0;
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t found = ks_find(s, &k);
+    if (found < 0)
+        Py_RETURN_NONE;
+    /* Backward-shift deletion: pull later entries of the run into the hole unless
+     * their home lies cyclically in (hole, j], so no tombstones are ever needed. */
+    size_t hole = (size_t)found, j = hole;
+    for (;;) {
+        j = (j + 1) & s->mask;
+        if (key_is_zero(&s->slots[j]))
+            break;
+        size_t home = ks_home(s, &s->slots[j]);
+        int stays = j > hole ? (hole < home && home <= j) : (hole < home || home <= j);
+        if (!stays) {
+            s->slots[hole] = s->slots[j];
+            hole = j;
+        }
+    }
+    memset(&s->slots[hole], 0, sizeof(Key));
+    s->count--;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ks_clear(KeySetObject *s, PyObject *Py_UNUSED(ignored))
+{
+    if (ks_rebuild(s, KEYSET_MIN_LOG2, 0) < 0) { /* cannot shrink: empty the table in place */
+        PyErr_Clear();
+        memset(s->slots, 0, (s->mask + 1) * sizeof(Key));
+        s->has_zero = 0;
+        s->count = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ks_prefix_len(KeySetObject *s, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"blob", "start", NULL};
+    Py_buffer blob;
+    Py_ssize_t start = 0, i;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|n:prefix_len", kwlist, &blob, &start))
+        return NULL;
+    Py_ssize_t n = blob.len / KEY_BYTES;
+    if (blob.len % KEY_BYTES != 0 || start < 0 || start > n) {
+        if (blob.len % KEY_BYTES != 0)
+            PyErr_Format(PyExc_ValueError, "blob must hold whole %d-byte keys, got %zd bytes",
+                         KEY_BYTES, blob.len);
+        else
+            PyErr_Format(PyExc_ValueError, "start must lie in [0, %zd], got %zd", n, start);
+        PyBuffer_Release(&blob);
+        return NULL;
+    }
+    /* Keeps the GIL: another thread's add() could otherwise move the table under us. */
+    const uint8_t *p = blob.buf;
+    for (i = start; i < n; i++) {
+        Key k;
+        if (i + PREFETCH_AHEAD < n) { /* lookups are independent: overlap their misses */
+            memcpy(&k, p + (i + PREFETCH_AHEAD) * KEY_BYTES, KEY_BYTES);
+            size_t ahead = ks_home(s, &k);
+            PREFETCH(&s->slots[ahead]);
+        }
+        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
+        if (!ks_has(s, &k))
+            break;
+    }
+    PyBuffer_Release(&blob);
+    return PyLong_FromSsize_t(i - start);
+}
+
+static Py_ssize_t
+ks_len(KeySetObject *s)
+{
+    return s->count;
+}
+
+static int
+ks_contains(KeySetObject *s, PyObject *arg)
+{
+    Key k;
+    if (ks_key_from(arg, &k) < 0)
+        return -1;
+    return ks_has(s, &k);
+}
+
+static PyMethodDef ks_methods[] = {
+    {"add", (PyCFunction)ks_add, METH_O, "add(key): insert a 16-byte key (no-op if present)."},
+    {"discard", (PyCFunction)ks_discard, METH_O, "discard(key): remove a 16-byte key if present."},
+    {"clear", (PyCFunction)ks_clear, METH_NOARGS, "clear(): remove every key and shrink."},
+    {"prefix_len", (PyCFunction)(void (*)(void))ks_prefix_len, METH_VARARGS | METH_KEYWORDS,
+     "prefix_len(blob, start=0) -> int\n\nblob holds n keys of 16 bytes. Returns how many "
+     "consecutive keys, from key index start on, are present (stops at the first absent one)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods ks_as_sequence = {
+    .sq_length = (lenfunc)ks_len,
+    .sq_contains = (objobjproc)ks_contains,
+};
+
+PyDoc_STRVAR(ks_doc,
+"KeySet()\n\n"
+"A set of 16-byte page keys: open addressing, linear probing, backward-shift\n"
+"deletion, load factor below 0.7, grows by doubling. Keys may be any bytes-like\n"
+"object of 16 bytes; another length raises ValueError, a non-buffer TypeError.\n"
+"Not thread-safe for compound use: the caller holds a lock. Each call holds the\n"
+"GIL throughout, so concurrent misuse gives wrong answers, never a crash.");
+
+static PyTypeObject KeySetType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tierkv._native.KeySet",
+    .tp_basicsize = sizeof(KeySetObject),
+    .tp_dealloc = (destructor)ks_dealloc,
+    .tp_as_sequence = &ks_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = ks_doc,
+    .tp_methods = ks_methods,
+    .tp_new = ks_new,
+};
+
+/* ------------------------------------------------------------------ module */
+
+static PyMethodDef native_methods[] = {
+    {"chain_xxh3_128", (PyCFunction)(void (*)(void))chain_xxh3_128, METH_VARARGS | METH_KEYWORDS,
+     chain_doc},
+    {"checksum64", checksum64, METH_O, checksum_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tierkv._native",
+    .m_doc = "Compiled page-key chain (xxh3-128), KeySet and checksum64 for tierkv.keys.",
+    .m_size = -1,
+    .m_methods = native_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    if (PyType_Ready(&KeySetType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "KeySet", (PyObject *)&KeySetType) < 0
+        || PyModule_AddIntConstant(m, "KEY_BYTES", KEY_BYTES) < 0
+        || PyModule_AddIntConstant(m, "XXH_VERSION", XXH_VERSION_NUMBER) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
