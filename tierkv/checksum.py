@@ -19,7 +19,7 @@ def checksum64(row: np.ndarray) -> int:
     """xxh3-64 of a contiguous byte row (same value as ``xxhash.xxh3_64_intdigest``)."""
     if _native_checksum is not None:
         return int(_native_checksum(row))
-    return xxhash.xxh3_64_intdigest(memoryview(row))
+    return xxhash.xxh3_64_intdigest(row.data)
 
 
 def checksum_rows(rows: np.ndarray) -> list[int]:

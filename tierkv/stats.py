@@ -7,7 +7,7 @@ engine's buffers, e.g. ``"caller->dram"``, ``"dram->nvme"``, ``"nvme->caller"``.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 
@@ -64,7 +64,7 @@ class Counters:
         self.tier_hits: Counter[str] = Counter()
         self.tier_read: Counter[str] = Counter()
         self.tier_written: Counter[str] = Counter()
-        self.tier_io_s: Counter[str] = Counter()
+        self.tier_io_s: defaultdict[str, float] = defaultdict(float)
 
     def moved_bytes(self, src: str, dst: str, nbytes: int) -> None:
         self.moved[f"{src}->{dst}"] += nbytes

@@ -65,11 +65,11 @@ class Transfers:
         Returns how many placed pages were published.
         """
         self._m.commit_deletes(plan)
-        for (src, dst), group in groupby(plan.ordered_moves(), key=lambda m: (m.src, m.dst)):
-            self._move(src, dst, list(group))
+        for (src_kind, dst_kind), group in groupby(plan.ordered_moves(), key=lambda m: (m.src, m.dst)):
+            self._move(src_kind, dst_kind, list(group))
         published = 0
-        for kind, group in groupby(sorted(plan.placements, key=lambda p: p[1].rank), key=lambda p: p[1]):
-            placed = list(group)
+        for kind, pgroup in groupby(sorted(plan.placements, key=lambda p: p[1].rank), key=lambda p: p[1]):
+            placed = list(pgroup)
             assert src is not None and row_of is not None
             published += self._place(kind, placed, _gather(src, [row_of[k] for k, _, _ in placed]), source)
         return published

@@ -15,7 +15,7 @@ import numpy as np
 
 from tierkv.api import Store
 from tierkv.config import DramConfig, StoreConfig
-from tierkv.layout import KVLayout
+from tierkv.layout import DType, KVLayout
 
 
 def _layout_for(page_bytes: int) -> KVLayout:
@@ -23,7 +23,7 @@ def _layout_for(page_bytes: int) -> KVLayout:
     per_token = page_bytes // 16
     if per_token * 16 != page_bytes or per_token % 4:
         raise ValueError(f"page_bytes {page_bytes} must be a multiple of 64")
-    return KVLayout(1, 1, per_token // 4, "bf16", 16)
+    return KVLayout(1, 1, per_token // 4, DType.BF16, 16)
 
 
 def _median_gbps(fn: Callable[[int], None], nbytes: int, runs: int) -> tuple[float, list[float]]:
