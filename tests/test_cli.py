@@ -1,0 +1,151 @@
+"""Tests of the ``tierkv`` command line (replay, bench, error handling)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+
+from tierkv.cli import main
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
+
+def _store_available() -> bool:
+    try:
+        import tierkv.api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_store = pytest.mark.skipif(not _store_available(), reason="the store (tierkv.api) is not built yet")
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point tempfile at an empty directory so that leftovers are visible."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, object]:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)  # exactly one JSON object: any extra text fails here
+    assert isinstance(doc, dict)
+    return doc
+
+
+@needs_store
+def test_replay_json_default_workdir_is_removed(capsys: pytest.CaptureFixture[str], private_tmp: Path) -> None:
+    doc = _run_json(capsys, ["replay", "--synthetic-requests", "200", "--page-bytes", "4KiB", "--json"])
+    assert doc["requests"] == 200 and doc["workload"] == {"source": "synthetic", "seed": 0, "requests": 200}
+    assert 0 <= doc["prefix_hit_rate"] <= 1  # type: ignore[operator]
+    assert doc["bytes_moved"]["dram->nvme"] > 0  # type: ignore[index]
+    assert doc["pages_verified"] == doc["blocks_hit"]
+    assert list(private_tmp.iterdir()) == []
+
+
+@needs_store
+def test_replay_keep_and_workdir(capsys: pytest.CaptureFixture[str], private_tmp: Path, tmp_path: Path) -> None:
+    _run_json(capsys, ["replay", "--synthetic-requests", "30", "--page-bytes", "4KiB", "--keep", "--json"])
+    kept = list(private_tmp.iterdir())
+    assert len(kept) == 1 and any(kept[0].iterdir())
+    work = tmp_path / "work"
+    doc = _run_json(capsys, ["replay", "--synthetic-requests", "30", "--page-bytes", "4KiB", "--dram", "1MiB",
+                             "--nvme", "0", "--workdir", str(work), "--no-verify", "--json"])
+    assert work.is_dir() and any(work.iterdir())
+    assert doc["pages_verified"] == 0 and doc["config"]["nvme"] is None  # type: ignore[index]
+    assert doc["config"]["dram"]["capacity_bytes"] == 1 << 20  # type: ignore[index]
+
+
+@needs_store
+@pytest.mark.skipif(not TRACE.is_file(), reason="Mooncake trace not present")
+def test_replay_trace_table(capsys: pytest.CaptureFixture[str], private_tmp: Path) -> None:
+    assert main(["replay", "--trace", str(TRACE), "--limit", "100", "--page-bytes", "4KiB",
+                 "--dram", "2MiB", "--nvme", "8MiB"]) == 0
+    out = capsys.readouterr().out
+    for word in ("dram", "nvme", "caller->dram", "GB/s", "prefix hit rate", "100 requests"):
+        assert word in out
+
+
+@needs_store
+def test_replay_with_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    toml = tmp_path / "store.toml"
+    toml.write_text(f'[store]\npath = "{store}"\nmodel_id = "m"\n\n'
+                    "[layout]\nnum_layers = 2\nnum_kv_heads = 2\nhead_dim = 64\ntokens_per_page = 16\n\n"
+                    '[tiers.dram]\ncapacity_bytes = "2MiB"\n\n[tiers.nvme]\ncapacity_bytes = "16MiB"\n')
+    doc = _run_json(capsys, ["replay", "--config", str(toml), "--synthetic-requests", "40", "--page-bytes", "4KiB",
+                             "--dram", "1MiB", "--json"])
+    cfg = doc["config"]
+    assert cfg["path"] == str(store) and cfg["page_bytes"] == 4096  # type: ignore[index]
+    assert cfg["dram"]["capacity_bytes"] == 1 << 20 and cfg["nvme"]["capacity_bytes"] == 16 << 20  # type: ignore[index]
+    assert store.is_dir()
+
+
+def test_python_dash_m_help() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tierkv", "replay", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "--synthetic-requests" in proc.stdout
+
+
+def _bad_trace(tmp_path: Path) -> Path:
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 1,\n')
+    return p
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["replay", "--trace", "/nonexistent/trace.jsonl"], "does not exist"),
+    (["replay", "--dram", "12 parsecs"], "--dram: cannot parse"),
+    (["replay", "--page-bytes", "1000"], "multiple of 2048"),
+    (["replay", "--limit", "-1"], "--limit must be >= 0"),
+    (["replay", "--dram", "0", "--nvme", "0", "--synthetic-requests", "1"], "without a tier"),
+    (["replay", "--config", "/nonexistent/x.toml", "--synthetic-requests", "1"], "does not exist"),
+    (["replay", "--trace", "x", "--synthetic-requests", "3"], "not allowed with argument"),
+    (["replay", "--seed", "abc"], "invalid int value"),
+    (["replay", "--frobnicate"], "unrecognized arguments"),
+    ([], "required"),
+])
+def test_bad_input_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], private_tmp: Path,
+                                         argv: list[str], fragment: str) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tierkv") and fragment in lines[0]
+    assert "Traceback" not in captured.err
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_bad_trace_line_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["replay", "--trace", str(_bad_trace(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2: not valid JSON" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_prints_table_or_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def run(args: object) -> dict[str, object]:
+        seen.update(vars(args))
+        return {"dram": {"write_gbps": 12.5, "pages": 64}, "ok": True}
+
+    stub = types.ModuleType("tierkv.bench.main")
+    stub.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tierkv.bench.main", stub)
+    assert main(["bench", "--quick", "--runs", "2", "--dir", "/tmp/x", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"dram": {"write_gbps": 12.5, "pages": 64}, "ok": True}
+    assert seen["quick"] is True and seen["runs"] == 2 and seen["dir"] == "/tmp/x"
+    assert main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "dram.write_gbps" in out and "12.5" in out
+    assert main(["bench", "--runs", "0"]) == 2
