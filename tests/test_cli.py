@@ -15,15 +15,6 @@ from tierkv.cli import main
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 
-def _store_available() -> bool:
-    try:
-        import tierkv.api  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_store = pytest.mark.skipif(not _store_available(), reason="the store (tierkv.api) is not built yet")
 
 
 @pytest.fixture
@@ -43,7 +34,6 @@ def _run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, 
     return doc
 
 
-@needs_store
 def test_replay_json_default_workdir_is_removed(capsys: pytest.CaptureFixture[str], private_tmp: Path) -> None:
     doc = _run_json(capsys, ["replay", "--synthetic-requests", "200", "--page-bytes", "4KiB", "--json"])
     assert doc["requests"] == 200 and doc["workload"] == {"source": "synthetic", "seed": 0, "requests": 200}
@@ -53,7 +43,6 @@ def test_replay_json_default_workdir_is_removed(capsys: pytest.CaptureFixture[st
     assert list(private_tmp.iterdir()) == []
 
 
-@needs_store
 def test_replay_keep_and_workdir(capsys: pytest.CaptureFixture[str], private_tmp: Path, tmp_path: Path) -> None:
     _run_json(capsys, ["replay", "--synthetic-requests", "30", "--page-bytes", "4KiB", "--keep", "--json"])
     kept = list(private_tmp.iterdir())
@@ -66,7 +55,6 @@ def test_replay_keep_and_workdir(capsys: pytest.CaptureFixture[str], private_tmp
     assert doc["config"]["dram"]["capacity_bytes"] == 1 << 20  # type: ignore[index]
 
 
-@needs_store
 @pytest.mark.skipif(not TRACE.is_file(), reason="Mooncake trace not present")
 def test_replay_trace_table(capsys: pytest.CaptureFixture[str], private_tmp: Path) -> None:
     assert main(["replay", "--trace", str(TRACE), "--limit", "100", "--page-bytes", "4KiB",
@@ -76,7 +64,6 @@ def test_replay_trace_table(capsys: pytest.CaptureFixture[str], private_tmp: Pat
         assert word in out
 
 
-@needs_store
 def test_replay_with_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     store = tmp_path / "store"
     toml = tmp_path / "store.toml"

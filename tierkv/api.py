@@ -324,7 +324,7 @@ class Store:
                 for t in self._manager.tiers
             }
             ev = c.events
-            return StoreStats(tiers, dict(c.moved), ev["lookups"], ev["pages_requested"], ev["pages_hit"],
+            return StoreStats(tiers, dict(c.moved), dict(c.moved_s), ev["lookups"], ev["pages_requested"], ev["pages_hit"],
                               ev["pages_stored"], ev["pages_dropped"], ev["evictions"], ev["promotions"],
                               ev["corrupt_pages"])
 

@@ -12,11 +12,10 @@ One page per workload block: the layout's ``tokens_per_page`` is the block size.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -29,6 +28,7 @@ from tierkv.stats import TierStats
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.errors import CapacityError, ConfigError, CorruptPageError
 from tierkv.layout import DType, KVLayout
+from tierkv.progress import task_progress
 from tierkv.workload import MOONCAKE_BLOCK_TOKENS, Request, _mix64, request_tokens
 
 #: Default replay page size: small enough that an hour of trace replays in minutes.
@@ -113,9 +113,9 @@ class ReplayResult:
     are new pages a ``put`` found no room for; ``puts_rejected`` counts whole ``put``
     calls refused with CapacityError (a prefix larger than all tiers together). ``ideal_hit_rate``
     is what an unbounded cache would reach on the same requests. ``bandwidth_gbps[pair]``
-    divides the bytes moved between a pair by the wall time of the ``get``/``put`` calls
-    in which that pair moved bytes: a lower bound, since a call does other work too;
-    ``store["tiers"][t]["io_gbps"]`` is a tier's bytes over the time spent in its own I/O.
+    divides the bytes moved between a pair by the time the store spent in those
+    transfers (``io_s``); ``store["tiers"][t]["io_gbps"]`` is a tier's bytes over the
+    time spent in its own I/O.
     """
 
     requests: int
@@ -207,7 +207,6 @@ class _Tally:
         self.prompt_tokens = self.tokens_from_cache = 0
         self.stored = self.already_present = self.dropped = self.rejected = self.verified = 0
         self.tier_blocks: dict[str, int] = {name: 0 for name in tier_names}
-        self.pair_s: dict[str, float] = {}
         self.timings = {"lookup": 0.0, "get": 0.0, "put": 0.0, "prefill": 0.0, "verify": 0.0}
         self.seen: set[int] = set()
 
@@ -223,7 +222,6 @@ class _Replayer:
         self.pattern = PagePattern(self.layout.page_bytes)
         stats = store.stats()
         self.start_stats = stats
-        self.last_moved = dict(stats.bytes_moved)
         self.tally = _Tally(stats.tiers)
         self.buf = np.empty((0, self.layout.page_bytes), dtype=np.uint8)
 
@@ -231,14 +229,6 @@ class _Replayer:
         if self.buf.shape[0] < n:
             self.buf = np.empty((max(n, 2 * self.buf.shape[0]), self.layout.page_bytes), dtype=np.uint8)
         return self.buf[:n]
-
-    def _charge(self, seconds: float) -> None:
-        """Add a call's wall time to every tier pair that moved bytes during it."""
-        moved = self.store.stats().bytes_moved
-        for pair, nbytes in moved.items():
-            if nbytes != self.last_moved.get(pair, 0):
-                self.tally.pair_s[pair] = self.tally.pair_s.get(pair, 0.0) + seconds
-        self.last_moved = dict(moved)
 
     def _ideal(self, blocks: Sequence[int]) -> None:
         t = self.tally
@@ -274,9 +264,7 @@ class _Replayer:
         t = self.tally
         t0 = time.perf_counter()
         got = self.store.get(tokens, pages[:cached], tenant=req.tenant)
-        elapsed = time.perf_counter() - t0
-        t.timings["get"] += elapsed
-        self._charge(elapsed)
+        t.timings["get"] += time.perf_counter() - t0
         hit = got.pages
         for kind in got.tiers[:hit]:
             name = kind.value
@@ -306,9 +294,7 @@ class _Replayer:
             t.rejected += 1
             return
         finally:
-            elapsed = time.perf_counter() - t0
-            t.timings["put"] += elapsed
-            self._charge(elapsed)
+            t.timings["put"] += time.perf_counter() - t0
         t.stored += result.stored
         t.already_present += result.already_present
         t.dropped += result.dropped
@@ -329,29 +315,12 @@ def run_replay(requests: Iterable[Request], cfg: StoreConfig, *, progress: bool,
     t_start = time.perf_counter()
     with Store.open(cfg) as store:
         rp = _Replayer(store, cfg.layout, verify)
-        with _progress_bar(progress, total) as advance:
+        with task_progress("replay", total, progress) as advance:
             for index, req in enumerate(requests):
                 rp.run(index, req)
                 advance()
         end_stats = store.stats()
     return _result(rp, end_stats, cfg, time.perf_counter() - t_start)
-
-
-@contextlib.contextmanager
-def _progress_bar(enabled: bool, total: int | None) -> Iterator[Callable[[], None]]:
-    """Yields a function that advances a rich progress bar on stderr by one request."""
-    if not enabled:
-        yield lambda: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
-
-    progress = Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-    task = progress.add_task("replay", total=total)
-    with progress:
-        yield lambda: progress.advance(task)
 
 
 def _delta(end: Mapping[str, int], start: Mapping[str, int]) -> dict[str, int]:
@@ -366,7 +335,8 @@ def _result(rp: _Replayer, end: StoreStats, cfg: StoreConfig, wall_s: float) -> 
     t = rp.tally
     start = rp.start_stats
     moved = _delta(end.bytes_moved, start.bytes_moved)
-    bandwidth = {pair: _rate(n / 1e9, t.pair_s.get(pair, 0.0)) for pair, n in moved.items()}
+    pair_s = {pair: end.seconds_moved.get(pair, 0.0) - start.seconds_moved.get(pair, 0.0) for pair in moved}
+    bandwidth = {pair: _rate(n / 1e9, pair_s[pair]) for pair, n in moved.items()}
     store: dict[str, object] = {
         name: getattr(end, name) - getattr(start, name)
         for name in ("evictions", "promotions", "pages_dropped", "corrupt_pages", "pages_stored")}
@@ -381,7 +351,7 @@ def _result(rp: _Replayer, end: StoreStats, cfg: StoreConfig, wall_s: float) -> 
         pages_stored=t.stored, pages_already_present=t.already_present, pages_refused=t.dropped,
         puts_rejected=t.rejected,
         pages_verified=t.verified, bytes_moved=_frozen(moved), bandwidth_gbps=_frozen(bandwidth),
-        io_s=_frozen({pair: t.pair_s.get(pair, 0.0) for pair in moved}), store=_frozen(store),
+        io_s=_frozen(pair_s), store=_frozen(store),
         timings_s=_frozen(t.timings), wall_s=wall_s, config=_frozen(_config_json(cfg)))
 
 

@@ -1,8 +1,10 @@
 """Per-tier counters and the immutable snapshot the API returns from ``stats()``.
 
 Counters are updated by :mod:`tierkv.api` and :mod:`tierkv.transfer` under the store
-lock. ``bytes_moved`` is keyed ``"src->dst"`` where ``caller`` stands for the
-engine's buffers, e.g. ``"caller->dram"``, ``"dram->nvme"``, ``"nvme->caller"``.
+lock. ``bytes_moved`` and ``seconds_moved`` are keyed ``"src->dst"`` where ``caller``
+stands for the engine's buffers, e.g. ``"caller->dram"``, ``"dram->nvme"``,
+``"nvme->caller"``. A promotion on a hit counts once as ``"nvme->caller"`` (the read)
+and once as ``"nvme->dram"`` (the copy written up into DRAM from that same read).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class StoreStats:
 
     tiers: dict[str, TierStats]
     bytes_moved: dict[str, int]
+    seconds_moved: dict[str, float]
     lookups: int
     pages_requested: int
     pages_hit: int
@@ -61,13 +64,16 @@ class Counters:
     def __init__(self) -> None:
         self.events: Counter[str] = Counter()
         self.moved: Counter[str] = Counter()
+        self.moved_s: defaultdict[str, float] = defaultdict(float)
         self.tier_hits: Counter[str] = Counter()
         self.tier_read: Counter[str] = Counter()
         self.tier_written: Counter[str] = Counter()
         self.tier_io_s: defaultdict[str, float] = defaultdict(float)
 
-    def moved_bytes(self, src: str, dst: str, nbytes: int) -> None:
+    def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
+        """Count a transfer between a tier pair and the wall time it took."""
         self.moved[f"{src}->{dst}"] += nbytes
+        self.moved_s[f"{src}->{dst}"] += seconds
         if src != "caller":
             self.tier_read[src] += nbytes
         if dst != "caller":

@@ -74,8 +74,10 @@ class Transfers:
             published += self._place(kind, placed, _gather(src, [row_of[k] for k, _, _ in placed]), source)
         return published
 
-    def _timed(self, kind: TierKind, start: float) -> None:
-        self._c.tier_io_s[kind.value] += time.perf_counter() - start
+    def _timed(self, kind: TierKind, start: float) -> float:
+        elapsed = time.perf_counter() - start
+        self._c.tier_io_s[kind.value] += elapsed
+        return elapsed
 
     def _move(self, src: TierKind, dst: TierKind, moves: list[Move]) -> None:
         copy = COPY_TABLE.get((src, dst), staged_copy)
@@ -90,8 +92,8 @@ class Transfers:
             self._m.abandon([(m.key, dst, m.dst_slot) for m in moves])
             return
         finally:
-            self._timed(dst, start)
-        self._c.moved_bytes(src.value, dst.value, len(moves) * self._nbytes)
+            elapsed = self._timed(dst, start)
+        self._c.moved_bytes(src.value, dst.value, len(moves) * self._nbytes, elapsed)
         self._c.events["demotions"] += len(moves)
         self._m.publish([(m.key, dst, m.dst_slot) for m in moves], sums)
 
@@ -108,8 +110,8 @@ class Transfers:
             self._m.abandon(placed)
             return 0
         finally:
-            self._timed(kind, start)
-        self._c.moved_bytes(source, kind.value, len(placed) * self._nbytes)
+            elapsed = self._timed(kind, start)
+        self._c.moved_bytes(source, kind.value, len(placed) * self._nbytes, elapsed)
         self._m.publish(placed, sums)
         return len(placed)
 
@@ -145,9 +147,9 @@ class Transfers:
                     self._m.forget(e.key)
                 return loaded
             finally:
-                self._timed(kind, start)
+                elapsed = self._timed(kind, start)
             good = self._verify(tier, items, rows)
-            self._c.moved_bytes(kind.value, "caller", good * self._nbytes)
+            self._c.moved_bytes(kind.value, "caller", good * self._nbytes, elapsed)
             self._c.tier_hits[kind.value] += good
             for _, e in items[:good]:
                 self._m.touch(e.key, kind)

@@ -1,0 +1,76 @@
+"""tierkv in the peer harness (../shared/peers): the same put/get work, the same JSON lines.
+
+Run through the harness so every peer and baseline is measured in the same run:
+
+    PEERS_YOURS="$(which python3) $PWD/tools/peers_tierkv.py" bash ../shared/peers/run_all.sh
+
+Tiers: ``dram`` (a DRAM-only store) and ``nvme`` (an NVMe-only store on an O_DIRECT file
+in the harness's scratch directory, so every get is a cold device read). Both go
+through the public Store API: keys, placement, checksums, the LMDB commit and the
+copy are all inside the timed region. Every get is verified byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+PEERS = Path(os.environ.get("PEERS_HARNESS", HERE.parent.parent / "shared" / "peers"))
+sys.path.insert(0, str(PEERS))
+sys.path.insert(0, str(HERE.parent))
+import common  # type: ignore[import-not-found]  # noqa: E402
+
+from tierkv.api import Store  # noqa: E402
+from tierkv.bench.store import _layout_for  # noqa: E402
+from tierkv.config import DramConfig, NvmeConfig, StoreConfig  # noqa: E402
+
+
+def run_tier(args: object, tier: str, pb: int, n: int) -> None:
+    pages = np.stack(common.make_pages(np, pb, n))
+    out = np.empty_like(pages)
+    layout = _layout_for(pb)
+    root = Path(tempfile.mkdtemp(prefix=f"tierkv-{tier}-", dir=args.dir))  # type: ignore[attr-defined]
+    cfg = StoreConfig(path=str(root), model_id="peers", layout=layout,
+                      dram=DramConfig(pb * n) if tier == "dram" else None,
+                      nvme=NvmeConfig(pb * n, io_threads=8) if tier == "nvme" else None,
+                      persist_on_close=False)
+    counter = iter(range(1 << 30))
+    tokens: list[np.ndarray] = []
+
+    def fresh_tokens() -> None:  # every put stores new pages (evicting the previous batch)
+        tokens.append(np.arange(n * 16, dtype=np.int64) + next(counter) * n * 16)
+
+    try:
+        with Store.open(cfg) as store:
+            secs = common.timed(lambda: store.put(tokens[-1], pages), args.runs, setup=fresh_tokens)  # type: ignore[attr-defined]
+            common.emit("tierkv", tier, "put", pb, n, secs)
+
+            def get() -> None:
+                if store.get(tokens[-1], out).pages != n:
+                    raise RuntimeError("tierkv get missed pages it had just stored")
+
+            secs = common.timed(get, args.runs)  # type: ignore[attr-defined]
+            verified = bool(np.array_equal(out, pages))
+            common.emit("tierkv", tier, "get", pb, n, secs, verified=verified)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    args = common.parse_args("tierkv through the peer harness")
+    for pb, n in args.shape_list:
+        for tier in ("dram", "nvme"):
+            try:
+                run_tier(args, tier, pb, n)
+            except Exception as exc:  # one failed cell must not hide the others
+                common.emit_error("tierkv", tier, "put/get", pb, n, exc)
+
+
+if __name__ == "__main__":
+    main()
