@@ -30,6 +30,7 @@ from tierkv.manager import BlockManager, Entry
 from tierkv.pages import PageBatch, page_rows
 from tierkv.policy import make_policy
 from tierkv.stats import Counters, StoreStats, TierStats
+from tierkv.tiers.aligned import round_up
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.tiers.dram import DramTier
 from tierkv.transfer import Transfers
@@ -146,7 +147,7 @@ class Store:
         if cfg.nvme is not None:
             from tierkv.tiers.nvme import NvmeTier  # O_DIRECT machinery only when configured
 
-            slot_bytes = -(-pb // 4096) * 4096
+            slot_bytes = round_up(pb)
             slots = cfg.nvme.capacity_bytes // slot_bytes
             if slots == 0:
                 raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")

@@ -21,6 +21,7 @@ from tierkv.errors import TierIOError
 from tierkv.keys import PageKey
 from tierkv.manager import BlockManager, Entry, Move, Plan
 from tierkv.stats import Counters
+from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ CopyFn = Callable[[Tier, Sequence[int], Tier, Sequence[int], int], np.ndarray]
 def staged_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Sequence[int],
                 nbytes: int) -> np.ndarray:
     """Read from ``src`` into a staging buffer, write it to ``dst``; returns the staged rows."""
-    staging = np.empty((len(src_slots), nbytes), dtype=np.uint8)
+    staging = aligned_empty(len(src_slots) * nbytes).reshape(len(src_slots), nbytes)
     src.read(src_slots, staging)
     dst.write(dst_slots, staging)
     return staging

@@ -18,6 +18,7 @@ import enum
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Self
 
 import numpy as np
 
@@ -139,6 +140,7 @@ class Tier(abc.ABC):
     def read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         """Copy slot ``slots[i]`` into row ``i`` of ``dst`` (first ``dst.shape[1]`` bytes)."""
         self._check_io(slots, dst)
+        self._check_writable(dst)
         self._read(slots, dst)
 
     def write_async(self, slots: Sequence[int], src: np.ndarray) -> Future[None]:
@@ -147,10 +149,12 @@ class Tier(abc.ABC):
 
     def read_async(self, slots: Sequence[int], dst: np.ndarray) -> Future[None]:
         self._check_io(slots, dst)
+        self._check_writable(dst)
         return self._pool.submit(self._read, list(slots), dst)
 
     def flush(self) -> None:
         """Make every completed write durable (no-op for volatile tiers)."""
+        self._check_open()
 
     def close(self) -> None:
         if self._closed:
@@ -159,7 +163,7 @@ class Tier(abc.ABC):
         self._pool.shutdown(wait=True)
         self._close()
 
-    def __enter__(self) -> Tier:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -178,6 +182,11 @@ class Tier(abc.ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"{self.kind.value} tier is closed")
+
+    @staticmethod
+    def _check_writable(dst: np.ndarray) -> None:
+        if not dst.flags.writeable:
+            raise InputError("tier read destination is a read-only buffer")
 
     def _check_io(self, slots: Sequence[int], buf: np.ndarray) -> None:
         self._check_open()

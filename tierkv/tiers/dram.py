@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
 
 
@@ -23,7 +24,7 @@ def _host_buffer(nbytes: int) -> np.ndarray:
             return torch.zeros(nbytes, dtype=torch.uint8).pin_memory().numpy()
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    return np.zeros(nbytes, dtype=np.uint8)
+    return aligned_empty(nbytes)  # mmap'd, so zeroed; 4 KiB-aligned rows go to O_DIRECT without a bounce
 
 
 class DramTier(Tier):

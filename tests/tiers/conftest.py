@@ -1,0 +1,85 @@
+"""Fixtures for the tier conformance suite: one ``tier_factory`` per tier kind.
+
+Every test that takes ``tier_factory`` runs once per entry of ``_BUILDERS``. To put a
+new tier through the suite, add one line there (a builder taking the scratch
+directories, ``num_slots`` and ``page_bytes``), plus a marker in ``_MARKS`` if it
+needs hardware (``gpu``, ``rdma``, ``rig``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tierkv.tiers.base import Tier
+from tierkv.tiers.dram import DramTier
+from tierkv.tiers.nvme import NvmeTier
+
+SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """Where file-backed tiers put their files; ``name`` is unique per tier built."""
+
+    disk: Path
+    shm: Callable[[], Path]
+    name: str
+
+
+Builder = Callable[[Scratch, int, int], Tier]
+
+_BUILDERS: dict[str, Builder] = {
+    "dram": lambda s, n, p: DramTier(n, p),
+    "nvme-odirect": lambda s, n, p: NvmeTier(s.disk / s.name, n, p),
+    "nvme-buffered": lambda s, n, p: NvmeTier(s.shm() / s.name, n, p, o_direct=False),
+}
+_MARKS: dict[str, pytest.MarkDecorator] = {}
+
+TierFactory = Callable[[int, int], Tier]
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Callable[[], Path]]:
+    """A lazily made private directory in /dev/shm (tmpfs); skips where there is none."""
+    made: list[Path] = []
+
+    def get() -> Path:
+        if not made:
+            if not SHM.is_dir():
+                pytest.skip("/dev/shm is absent")
+            made.append(Path(tempfile.mkdtemp(prefix="tierkv-test-", dir=SHM)))
+        return made[0]
+
+    yield get
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(params=[pytest.param(name, marks=_MARKS.get(name, ())) for name in _BUILDERS])
+def tier_factory(request: pytest.FixtureRequest, tmp_path: Path,
+                 shm_dir: Callable[[], Path]) -> Iterator[TierFactory]:
+    """``make(num_slots, page_bytes)`` builds an open tier; all are closed at teardown."""
+    built: list[Tier] = []
+    build = _BUILDERS[request.param]
+
+    def make(num_slots: int, page_bytes: int) -> Tier:
+        scratch = Scratch(disk=tmp_path, shm=shm_dir, name=f"tier{len(built)}.dat")
+        tier = build(scratch, num_slots, page_bytes)
+        built.append(tier)
+        return tier
+
+    yield make
+    for tier in built:
+        tier.close()
+
+
+@pytest.fixture
+def nvme_path(tmp_path: Path) -> Path:
+    """A not-yet-existing file path on the real disk (ext4 here), where O_DIRECT works."""
+    return tmp_path / "nvme.dat"

@@ -1,0 +1,198 @@
+"""The NVMe tier's own tests: what only a file-backed tier has.
+
+Persistence, alignment, O_DIRECT and its fallback, the backing file's mode and size,
+and I/O errors, on a real file (O_DIRECT on the ext4 under pytest's tmp_path).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierkv.errors import ConfigError, InputError, StoreClosedError, TierIOError
+from tierkv.tiers.aligned import aligned_empty
+from tierkv.tiers.nvme import NvmeTier
+
+
+
+from tests.tiers.test_conformance import ODD_PAGE, PAGE, TIMEOUT_S, pages, read_back
+
+
+# ==== NVMe tier only ====================================================================
+def unaligned(n: int, width: int, shift: int) -> np.ndarray:
+    """An (n, width) C-contiguous buffer whose first byte is ``shift`` past a page boundary."""
+    return aligned_empty(n * width + shift)[shift:].reshape(n, width)
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_nvme_persists_across_reopen(nvme_path: Path, o_direct: bool) -> None:
+    src = pages(6, ODD_PAGE, seed=11)
+    with NvmeTier(nvme_path, 6, ODD_PAGE, o_direct=o_direct) as tier:
+        tier.write([5, 0, 2, 1, 4, 3], src)
+        tier.flush()
+    with NvmeTier(nvme_path, 6, ODD_PAGE, o_direct=o_direct, create=False) as tier:
+        assert tier.num_free == 6  # the free list is the index's business, not the file's
+        np.testing.assert_array_equal(read_back(tier, [5, 0, 2, 1, 4, 3], ODD_PAGE), src)
+
+
+@pytest.mark.parametrize("page_bytes", [PAGE, ODD_PAGE])
+@pytest.mark.parametrize("shift", [1, 64, 512])
+def test_nvme_unaligned_caller_buffers(nvme_path: Path, page_bytes: int, shift: int) -> None:
+    with NvmeTier(nvme_path, 10, page_bytes) as tier:
+        src = unaligned(10, page_bytes, shift)
+        src[...] = pages(10, page_bytes, seed=shift)
+        tier.write(list(range(10)), src)
+        dst = unaligned(10, page_bytes, shift)
+        tier.read(list(range(10)), dst)
+        np.testing.assert_array_equal(dst, src)
+
+
+def test_nvme_aligned_buffers_skip_the_bounce(nvme_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with NvmeTier(nvme_path, 16, 64 << 10) as tier:
+        borrowed = []
+        real = tier._bounce.borrow
+        monkeypatch.setattr(tier._bounce, "borrow", lambda: borrowed.append(1) or real())
+        src = aligned_empty(16 * (64 << 10)).reshape(16, -1)
+        src[...] = pages(16, 64 << 10, seed=12)
+        dst = aligned_empty(src.size).reshape(src.shape)
+        tier.write(list(range(16)), src)
+        tier.read(list(range(16)), dst)
+        np.testing.assert_array_equal(dst, src)
+        assert borrowed == []
+        tier.read(list(range(16)), unaligned(16, 64 << 10, 64))
+        assert borrowed  # and an unaligned one does go through it
+
+
+def test_nvme_uses_o_direct_on_disk(nvme_path: Path) -> None:
+    with NvmeTier(nvme_path, 2, PAGE) as tier:
+        assert tier.direct
+        assert fcntl.fcntl(tier.fileno(), fcntl.F_GETFL) & os.O_DIRECT
+
+
+def test_nvme_falls_back_when_o_direct_refused(nvme_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    # This kernel's tmpfs accepts O_DIRECT, so the refusal is injected (EINVAL, as
+    # older tmpfs and some FUSE filesystems answer).
+    real_open = os.open
+
+    def refusing_open(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT and Path(str(path)) == nvme_path:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with caplog.at_level(logging.WARNING, logger="tierkv.tiers.nvme"):
+        tier = NvmeTier(nvme_path, 4, ODD_PAGE)
+    with tier:
+        assert not tier.direct
+        assert not fcntl.fcntl(tier.fileno(), fcntl.F_GETFL) & os.O_DIRECT
+        assert any("O_DIRECT" in r.getMessage() and str(nvme_path) in r.getMessage() for r in caplog.records)
+        src = unaligned(4, ODD_PAGE, 3)
+        src[...] = pages(4, ODD_PAGE, seed=13)
+        tier.write([3, 1, 2, 0], src)
+        np.testing.assert_array_equal(read_back(tier, [3, 1, 2, 0], ODD_PAGE), src)
+
+
+def test_nvme_on_shm_follows_the_filesystem(shm_dir: Callable[[], Path], caplog: pytest.LogCaptureFixture) -> None:
+    probe = shm_dir() / "probe"
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+        accepts = True
+    except OSError:
+        accepts = False
+    with caplog.at_level(logging.WARNING, logger="tierkv.tiers.nvme"), \
+            NvmeTier(shm_dir() / "tier.dat", 4, PAGE) as tier:
+        assert tier.direct == accepts
+        assert any("O_DIRECT" in r.getMessage() for r in caplog.records) != accepts
+        src = pages(4, PAGE, seed=14)
+        tier.write([0, 1, 2, 3], src)
+        np.testing.assert_array_equal(read_back(tier, [0, 1, 2, 3], PAGE), src)
+
+
+def test_nvme_file_is_0600_and_preallocated(nvme_path: Path) -> None:
+    with NvmeTier(nvme_path, 5, ODD_PAGE) as tier:
+        assert tier.slot_bytes == 372736
+        st = os.stat(nvme_path)
+        assert st.st_mode & 0o777 == 0o600
+        assert st.st_size == 5 * 372736
+        assert st.st_blocks * 512 >= 5 * 372736  # fallocated, not sparse
+
+
+@pytest.mark.parametrize("size", [12345, 4 * PAGE + PAGE])
+def test_nvme_wrong_size_file_raises(nvme_path: Path, size: int) -> None:
+    nvme_path.write_bytes(b"\0" * size)
+    with pytest.raises(ConfigError, match=rf"{size} bytes.*{4 * PAGE}"):
+        NvmeTier(nvme_path, 4, PAGE)
+    assert nvme_path.stat().st_size == size  # left alone
+
+
+def test_nvme_missing_file_without_create(nvme_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        NvmeTier(nvme_path, 4, PAGE, create=False)
+    assert not nvme_path.exists()
+
+
+@pytest.mark.parametrize("kwargs", [{"page_bytes": 0}, {"num_slots": -1}, {"io_threads": 0}, {"max_io_bytes": 100}])
+def test_nvme_bad_arguments(nvme_path: Path, kwargs: dict[str, int]) -> None:
+    args = {"num_slots": 4, "page_bytes": PAGE} | kwargs
+    with pytest.raises(InputError):
+        NvmeTier(nvme_path, **args)
+
+
+@pytest.mark.parametrize(("io_threads", "max_io_bytes"), [(1, 8 << 20), (3, 8192), (8, 4096)])
+def test_nvme_thread_and_syscall_sizes(nvme_path: Path, io_threads: int, max_io_bytes: int) -> None:
+    with NvmeTier(nvme_path, 64, PAGE, io_threads=io_threads, max_io_bytes=max_io_bytes) as tier:
+        slots = list(range(40)) + [63, 50, 51, 52, 41]
+        src = pages(len(slots), PAGE, seed=15)
+        tier.write_async(slots, src).result(timeout=TIMEOUT_S)
+        np.testing.assert_array_equal(read_back(tier, slots[::-1], PAGE), src[::-1])
+
+
+def test_nvme_write_zero_fills_the_slot_tail(nvme_path: Path) -> None:
+    with NvmeTier(nvme_path, 2, ODD_PAGE) as tier:
+        tier.write([0, 1], pages(2, ODD_PAGE, seed=16))  # leaves page bytes in the bounce buffer
+        tier.write([1], pages(1, 4096, seed=17))
+        assert not read_back(tier, [1], tier.slot_bytes)[0, 4096:].any()
+
+
+def test_nvme_short_read_raises_tier_io_error(nvme_path: Path) -> None:
+    with NvmeTier(nvme_path, 8, PAGE) as tier:
+        tier.write(list(range(8)), pages(8, PAGE, seed=18))
+        os.truncate(nvme_path, 5 * PAGE)  # the file shrinks behind the tier's back
+        with pytest.raises(TierIOError, match=rf"short read at slot 5 \(offset {5 * PAGE}\)"):
+            tier.read([4, 5], np.zeros((2, PAGE), dtype=np.uint8))
+        with pytest.raises(TierIOError, match="short read"):
+            tier.read_async([6], np.zeros((1, PAGE), dtype=np.uint8)).result(timeout=TIMEOUT_S)
+
+
+def test_nvme_os_error_becomes_tier_io_error(nvme_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with NvmeTier(nvme_path, 8, PAGE) as tier:
+        def failing(*args: object) -> int:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(os, "pwritev", failing)
+        with pytest.raises(TierIOError, match=rf"write of slot 6 .* offset {6 * PAGE}.*Input/output error"):
+            tier.write([6], pages(1, PAGE, seed=19))
+
+
+def test_nvme_flush(nvme_path: Path) -> None:
+    tier = NvmeTier(nvme_path, 2, PAGE)
+    tier.write([1], pages(1, PAGE, seed=20))
+    tier.flush()
+    tier.close()
+    with pytest.raises(StoreClosedError):
+        tier.flush()
+
+
+def test_nvme_read_into_read_only_buffer(nvme_path: Path) -> None:
+    with NvmeTier(nvme_path, 2, PAGE) as tier:
+        dst = np.zeros((1, PAGE), dtype=np.uint8)
+        dst.flags.writeable = False
+        with pytest.raises(InputError, match="read-only"):
+            tier.read([0], dst)

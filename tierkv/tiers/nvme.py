@@ -1,0 +1,324 @@
+"""The NVMe tier: page slots in one preallocated file or a raw block device.
+
+Slot ``i`` lives at byte offset ``i * slot_bytes``, where ``slot_bytes`` is
+``page_bytes`` rounded up to 4096 so that every slot can be moved with O_DIRECT.
+Every transfer is cut into chunks of consecutive slots (one ``preadv``/``pwritev``
+each, at most ``max_io_bytes``), and the chunks of one call run in parallel on
+``io_threads`` threads (the calling thread is one of them), which gives the device
+a queue depth of ``io_threads``; ``os.preadv``/``os.pwritev`` release the GIL.
+Callers whose rows are 4096-aligned are served straight from their buffer; others
+go through reusable aligned bounce buffers. Persistent: the slot contents survive
+a close, the free list does not (the index re-``claim``s its slots). Built by the
+store's tier table; driven through the :class:`~tierkv.tiers.base.Tier` interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import logging
+import os
+import shutil
+import stat
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierkv.errors import CapacityError, ConfigError, InputError, StoreClosedError, TierIOError
+from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, is_aligned, round_up
+from tierkv.tiers.base import Tier, TierKind
+
+logger = logging.getLogger(__name__)
+
+# Syscall size cap. Measured on the dev VM's virtio disk (tierkv.bench.io): 512 KiB to
+# 1 MiB syscalls on 4-8 threads write 256 KiB pages ~1.15x faster than 8 MiB ones and
+# read as fast; with 2 MiB pages (one slot per syscall) every cap from 1 to 8 MiB ties.
+DEFAULT_MAX_IO_BYTES = 1 << 20
+# Chunks that go through a bounce buffer stay small whatever max_io_bytes says: the
+# copy out of a buffer the device has just filled runs from cache and overlaps the
+# next chunk's read (1 MiB bounce chunks read ~1.3x faster than 8 MiB ones there).
+BOUNCE_CHUNK_BYTES = 1 << 20
+# Linux refuses a preadv/pwritev with more than IOV_MAX (1024) buffers; a padded
+# chunk takes two per slot.
+_MAX_IOVECS = 1024
+
+
+class _Op(enum.Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """Rows ``row .. row+count-1`` of a caller buffer <-> slots ``slot .. slot+count-1``."""
+
+    row: int
+    slot: int
+    count: int
+
+
+class NvmeTier(Tier):
+    """Slots in a file (created 0600 and preallocated) or a block device.
+
+    ``path`` names a regular file, which must be exactly ``num_slots * slot_bytes``
+    long if it exists (it is created and preallocated otherwise, unless ``create`` is
+    false), or a block device of at least that size. ``o_direct`` asks for O_DIRECT;
+    where the filesystem refuses it the tier logs a warning and uses buffered I/O,
+    and ``direct`` tells which one is in use. ``io_threads`` is the number of
+    syscalls in flight for one transfer; ``max_io_bytes`` caps one syscall.
+
+    ``read``/``write`` block until every byte has moved; they raise
+    :class:`~tierkv.errors.TierIOError` (naming the slot, the byte offset and the
+    errno text) if any syscall fails or comes up short, after the other chunks of
+    the call have finished, so no I/O into the caller's buffer outlives the call.
+    A write zero-fills the part of each slot past the row width. ``flush`` makes
+    completed writes durable (``fdatasync``). Thread-safe as the Tier contract says:
+    transfers on disjoint slots may run at once from any threads; ``close`` waits for
+    the transfers in flight.
+    """
+
+    kind = TierKind.NVME
+    persistent = True
+
+    def __init__(self, path: str | os.PathLike[str], num_slots: int, page_bytes: int, *,
+                 o_direct: bool = True, io_threads: int = 4, create: bool = True,
+                 max_io_bytes: int = DEFAULT_MAX_IO_BYTES) -> None:
+        if page_bytes <= 0 or num_slots < 0:
+            raise InputError(f"nvme tier needs page_bytes > 0 and num_slots >= 0, got {page_bytes}, {num_slots}")
+        if io_threads < 1:
+            raise InputError(f"nvme tier needs io_threads >= 1, got {io_threads}")
+        if max_io_bytes < ALIGN:
+            raise InputError(f"nvme tier needs max_io_bytes >= {ALIGN}, got {max_io_bytes}")
+        super().__init__(num_slots, round_up(page_bytes), io_threads=io_threads)
+        self.path = os.fspath(path)
+        self.page_bytes = page_bytes
+        self.io_threads = io_threads
+        size = num_slots * self.slot_bytes
+        self._fd, self.direct = _open_backing(self.path, size, o_direct=o_direct, create=create)
+        self._chunk_slots = max(1, min(max_io_bytes // self.slot_bytes, _MAX_IOVECS // 2))
+        self._bounce_slots = max(1, min(self._chunk_slots, BOUNCE_CHUNK_BYTES // self.slot_bytes))
+        self._bounce = BouncePool(self._bounce_slots * self.slot_bytes, keep=io_threads)
+        # Shared tails for rows narrower than a slot: zeros padded onto writes, and a
+        # sink for reads (its contents are never looked at, so sharing it is safe).
+        self._zeros = aligned_empty(self.slot_bytes)
+        self._sink = aligned_empty(self.slot_bytes)
+        # Chunks fan out to their own executor, never to the base pool that runs the
+        # *_async calls, so a pool task waiting on its chunks cannot starve itself.
+        self._fanout = (ThreadPoolExecutor(max_workers=io_threads - 1, thread_name_prefix="tierkv-nvme-io")
+                        if io_threads > 1 else None)
+        self._cond = threading.Condition()
+        self._inflight = 0
+
+    def fileno(self) -> int:
+        """The backing file descriptor (for inspection; do not close it)."""
+        return self._fd
+
+    def flush(self) -> None:
+        """``fdatasync`` the backing file; raises TierIOError on failure."""
+        self._check_open()
+        with self._busy() as fd:
+            try:
+                os.fdatasync(fd)
+            except OSError as e:
+                raise TierIOError(f"nvme tier {self.path}: fdatasync failed: {_oserr(e)}") from e
+
+    # -- Tier hooks -------------------------------------------------------------
+    def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
+        self._transfer(_Op.WRITE, slots, src)
+
+    def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
+        if not dst.flags.writeable:
+            raise InputError("nvme tier read needs a writeable destination buffer, got a read-only one")
+        self._transfer(_Op.READ, slots, dst)
+
+    def _close(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._inflight == 0)
+            fd, self._fd = self._fd, -1
+        if self._fanout is not None:
+            self._fanout.shutdown(wait=True)
+        self._bounce.clear()
+        os.close(fd)
+
+    # -- transfers ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[int]:
+        """Hold the fd open for one transfer; ``_close`` waits for every holder."""
+        with self._cond:
+            if self._fd < 0:
+                raise StoreClosedError("nvme tier is closed")
+            self._inflight += 1
+            fd = self._fd
+        try:
+            yield fd
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._cond.notify_all()
+
+    def _transfer(self, op: _Op, slots: Sequence[int], buf: np.ndarray) -> None:
+        """Move every chunk of one call, in parallel, and raise the first failure."""
+        if len(slots) == 0 or buf.shape[1] == 0:
+            return
+        in_place = self._serves_in_place(buf)
+        chunks = deque(self._plan(slots, self._chunk_slots if in_place else self._bounce_slots))
+        errors: list[BaseException] = []
+        with self._busy() as fd:
+
+            def drain() -> None:
+                # Workers pull chunks until none are left, or stop early once one failed.
+                while not errors:
+                    try:
+                        chunk = chunks.popleft()
+                    except IndexError:
+                        return
+                    try:
+                        self._move(op, fd, chunk, buf, in_place)
+                    except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller
+                        errors.append(e)
+
+            helpers = min(self.io_threads, len(chunks)) - 1
+            futures = [self._fanout.submit(drain) for _ in range(helpers)] if self._fanout else []
+            drain()  # the calling thread is one of the io_threads
+            for f in futures:
+                f.result()
+        if errors:
+            raise errors[0]
+
+    def _plan(self, slots: Sequence[int], max_slots: int) -> list[_Chunk]:
+        """Cut ``slots`` into runs of consecutive slots, each at most ``max_slots`` (one syscall).
+
+        A batch is also cut into at least ``io_threads`` chunks where it has that many
+        slots, so that one big run still keeps every thread busy.
+        """
+        n = len(slots)
+        per_chunk = max(1, min(max_slots, -(-n // self.io_threads)))
+        chunks: list[_Chunk] = []
+        start = 0
+        while start < n:
+            end = start + 1
+            while end < n and end - start < per_chunk and slots[end] == slots[end - 1] + 1:
+                end += 1
+            chunks.append(_Chunk(start, int(slots[start]), end - start))
+            start = end
+        return chunks
+
+    def _serves_in_place(self, buf: np.ndarray) -> bool:
+        """Whether the syscalls can use the caller's rows without a bounce buffer."""
+        if not self.direct:
+            return True
+        return is_aligned(buf) and buf.shape[1] % ALIGN == 0
+
+    def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray, in_place: bool) -> None:
+        rows = buf[chunk.row:chunk.row + chunk.count]
+        width = buf.shape[1]
+        if in_place:
+            self._syscall(op, fd, chunk, self._iovecs(op, rows))
+            return
+        with self._bounce.borrow() as bounce:
+            staged = bounce[:chunk.count * self.slot_bytes].reshape(chunk.count, self.slot_bytes)
+            if op is _Op.WRITE:
+                staged[:, :width] = rows
+                # The bounce buffer holds another page's bytes; never leak them to disk.
+                staged[:, width:] = 0
+            self._syscall(op, fd, chunk, [staged.reshape(-1).data])
+            if op is _Op.READ:
+                rows[...] = staged[:, :width]
+
+    def _iovecs(self, op: _Op, rows: np.ndarray) -> list[memoryview]:
+        """The caller's rows as syscall buffers, each padded out to a whole slot."""
+        width = rows.shape[1]
+        if width == self.slot_bytes:
+            return [rows.reshape(-1).data]
+        tail = (self._zeros if op is _Op.WRITE else self._sink)[:self.slot_bytes - width].data
+        iov: list[memoryview] = []
+        for row in rows:
+            iov += (row.data, tail)
+        return iov
+
+    def _syscall(self, op: _Op, fd: int, chunk: _Chunk, iov: list[memoryview]) -> None:
+        offset = chunk.slot * self.slot_bytes
+        length = chunk.count * self.slot_bytes
+        try:
+            done = os.pwritev(fd, iov, offset) if op is _Op.WRITE else os.preadv(fd, iov, offset)
+        except OSError as e:
+            raise TierIOError(f"nvme tier {self.path}: {op.value} of slot {chunk.slot}"
+                              f" ({chunk.count} slots, {length} bytes at offset {offset}) failed: {_oserr(e)}") from e
+        if done != length:
+            bad = chunk.slot + done // self.slot_bytes
+            raise TierIOError(f"nvme tier {self.path}: short {op.value} at slot {bad} (offset {offset + done}):"
+                              f" {done} of {length} bytes from offset {offset} (file or device shorter than the tier?)")
+
+
+# -- opening the backing file -------------------------------------------------------
+def _open_backing(path: str, size: int, *, o_direct: bool, create: bool) -> tuple[int, bool]:
+    """Create or check the backing file, then open it; returns ``(fd, direct)``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if not create:
+            raise ConfigError(f"nvme tier file {path} does not exist and create=False") from None
+        _create_file(path, size)
+    else:
+        _check_existing(path, st, size)
+    flags = os.O_RDWR | os.O_CLOEXEC
+    if o_direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise TierIOError(f"nvme tier {path}: cannot open with O_DIRECT: {_oserr(e)}") from e
+            logger.warning("nvme tier %s: the filesystem refuses O_DIRECT (%s); using buffered I/O,"
+                           " so reads may come from the page cache", path, os.strerror(e.errno))
+    try:
+        return os.open(path, flags), False
+    except OSError as e:
+        raise TierIOError(f"nvme tier {path}: cannot open: {_oserr(e)}") from e
+
+
+def _create_file(path: str, size: int) -> None:
+    """Create ``path`` with mode 0600 and allocate ``size`` bytes; no file on failure."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise TierIOError(f"nvme tier {path}: cannot create: {_oserr(e)}") from e
+    try:
+        os.fchmod(fd, 0o600)  # the umask could have taken the owner's write bit
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        if e.errno == errno.ENOSPC:
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+            raise CapacityError(f"nvme tier {path}: asked for {size} bytes, {free} free") from e
+        raise TierIOError(f"nvme tier {path}: cannot preallocate {size} bytes: {_oserr(e)}") from e
+    os.close(fd)
+
+
+def _check_existing(path: str, st: os.stat_result, size: int) -> None:
+    """An existing file must be exactly ``size`` bytes; a block device at least that."""
+    if stat.S_ISBLK(st.st_mode):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            have = os.lseek(fd, 0, os.SEEK_END)
+        finally:
+            os.close(fd)
+        if have < size:
+            raise ConfigError(f"nvme tier block device {path} holds {have} bytes, the tier needs {size}")
+    elif stat.S_ISREG(st.st_mode):
+        if st.st_size != size:
+            raise ConfigError(f"nvme tier file {path} is {st.st_size} bytes, the tier needs exactly {size}"
+                              " (num_slots * slot_bytes); remove it or open it with its own geometry")
+    else:
+        raise ConfigError(f"nvme tier path {path} is neither a regular file nor a block device")
+
+
+def _oserr(e: OSError) -> str:
+    return f"[Errno {e.errno}] {os.strerror(e.errno)}" if e.errno is not None else str(e)
