@@ -244,22 +244,24 @@ _OPS = st.tuples(st.sampled_from(["add"] * 4 + ["discard"] * 3 + ["contains"] * 
 
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(_OPS, min_size=10, max_size=150))
-def test_keyset_matches_a_python_set(make_keyset: Callable[[], PageKeySet],
-                                     ops: list[tuple[str, int, list[int], int]]) -> None:
-    ks, model = make_keyset(), set()
+def test_keyset_matches_a_python_dict(make_keyset: Callable[[], PageKeySet],
+                                      ops: list[tuple[str, int, list[int], int]]) -> None:
+    ks, model = make_keyset(), {}
     for op, index, blob_indices, start in ops:
         key = UNIVERSE[index]
         if op == "add":
-            ks.add(key)
-            model.add(key)
+            value = (index * 37 + start) % 256  # re-adding a present key sets a new value
+            ks.add(key, value)
+            model[key] = value
         elif op == "discard":
             ks.discard(key)
-            model.discard(key)
+            model.pop(key, None)
         elif op == "clear":
             ks.clear()
             model.clear()
         elif op == "contains":
             assert (key in ks) == (key in model)
+            assert ks.get(key) == model.get(key)
         else:
             blob_keys = [UNIVERSE[i] for i in blob_indices]
             start = min(start, len(blob_keys))
@@ -267,8 +269,14 @@ def test_keyset_matches_a_python_set(make_keyset: Callable[[], PageKeySet],
             while start + expected < len(blob_keys) and blob_keys[start + expected] in model:
                 expected += 1
             assert ks.prefix_len(b"".join(blob_keys), start) == expected
+            lead = []
+            for k in blob_keys:
+                if k not in model:
+                    break
+                lead.append(model[k])
+            assert ks.prefix_values(b"".join(blob_keys)) == bytes(lead)
         assert len(ks) == len(model)
-    assert all((key in ks) == (key in model) for key in UNIVERSE)
+    assert all(ks.get(key) == model.get(key) for key in UNIVERSE)
 
 
 def test_keyset_grows_past_many_thousand_keys(make_keyset: Callable[[], PageKeySet]) -> None:

@@ -235,6 +235,8 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Key *slots;
+    uint8_t *vals;     /* one small value per slot (the store keeps a page's fastest tier here) */
+    uint8_t zero_val;  /* value of the all-zero key */
     size_t mask;       /* capacity - 1; capacity is a power of two */
     int shift;         /* 64 - log2(capacity) */
     int has_zero;      /* whether the all-zero key is in the set */
@@ -275,12 +277,13 @@ ks_has(const KeySetObject *s, const Key *k)
 }
 
 static void
-ks_insert_absent(KeySetObject *s, const Key *k)
+ks_insert_absent(KeySetObject *s, const Key *k, uint8_t v)
 {
     size_t i = ks_home(s, k);
     while (!key_is_zero(&s->slots[i]))
         i = (i + 1) & s->mask;
     s->slots[i] = *k;
+    s->vals[i] = v;
     s->count++;
 }
 
@@ -295,21 +298,27 @@ ks_rebuild(KeySetObject *s, int log2cap, int keep)
     }
     size_t cap = (size_t)1 << log2cap;
     Key *slots = PyMem_Calloc(cap, sizeof(Key));
-    if (slots == NULL) {
+    uint8_t *vals = PyMem_Calloc(cap, 1);
+    if (slots == NULL || vals == NULL) {
+        PyMem_Free(slots);
+        PyMem_Free(vals);
         PyErr_NoMemory();
         return -1;
     }
     Key *old = s->slots;
+    uint8_t *old_vals = s->vals;
     size_t old_cap = old != NULL ? s->mask + 1 : 0;
     s->slots = slots;
+    s->vals = vals;
     s->mask = cap - 1;
     s->shift = 64 - log2cap;
     s->has_zero = keep && s->has_zero;
     s->count = s->has_zero;
     for (size_t i = 0; keep && i < old_cap; i++)
         if (!key_is_zero(&old[i]))
-            ks_insert_absent(s, &old[i]);
+            ks_insert_absent(s, &old[i], old_vals[i]);
     PyMem_Free(old);
+    PyMem_Free(old_vals);
     return 0;
 }
 
@@ -363,27 +372,54 @@ static void
 ks_dealloc(KeySetObject *s)
 {
     PyMem_Free(s->slots);
+    PyMem_Free(s->vals);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
 static PyObject *
-ks_add(KeySetObject *s, PyObject *arg)
+ks_add(KeySetObject *s, PyObject *args, PyObject *kwargs)
 {
+    static char *kwlist[] = {"key", "value", NULL};
+    PyObject *arg;
+    unsigned char v = 0;
     Key k;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|b:add", kwlist, &arg, &v))
+        return NULL;
     if (ks_key_from(arg, &k) < 0)
         return NULL;
     if (key_is_zero(&k)) {
         s->count += !s->has_zero;
         s->has_zero = 1;
+        s->zero_val = v;
         Py_RETURN_NONE;
     }
-    if (ks_find(s, &k) >= 0)
+    Py_ssize_t found = ks_find(s, &k);
+    if (found >= 0) {
+        s->vals[found] = v;
         Py_RETURN_NONE;
+    }
     size_t cap = s->mask + 1;
     if (((size_t)s->count + 1) * 10 > cap * 7 && ks_rebuild(s, 65 - s->shift, 1) < 0)
         return NULL;
-    ks_insert_absent(s, &k);
+    ks_insert_absent(s, &k, v);
     Py_RETURN_NONE;
+}
+
+static PyObject *
+ks_get(KeySetObject *s, PyObject *arg)
+{
+    Key k;
+    if (ks_key_from(arg, &k) < 0)
+        return NULL;
+    if (key_is_zero(&k)) {
+        if (s->has_zero)
+            return PyLong_FromLong(s->zero_val);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t found = ks_find(s, &k);
+    if (found < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(s->vals[found]);
 }
 
 static PyObject *
@@ -411,10 +447,12 @@ ks_discard(KeySetObject *s, PyObject *arg)
         int stays = j > hole ? (hole < home && home <= j) : (hole < home || home <= j);
         if (!stays) {
             s->slots[hole] = s->slots[j];
+            s->vals[hole] = s->vals[j];
             hole = j;
         }
     }
     memset(&s->slots[hole], 0, sizeof(Key));
+    s->vals[hole] = 0;
     s->count--;
     Py_RETURN_NONE;
 }
@@ -425,6 +463,7 @@ ks_clear(KeySetObject *s, PyObject *Py_UNUSED(ignored))
     if (ks_rebuild(s, KEYSET_MIN_LOG2, 0) < 0) { /* cannot shrink: empty the table in place */
         PyErr_Clear();
         memset(s->slots, 0, (s->mask + 1) * sizeof(Key));
+        memset(s->vals, 0, s->mask + 1);
         s->has_zero = 0;
         s->count = 0;
     }
@@ -466,6 +505,51 @@ ks_prefix_len(KeySetObject *s, PyObject *args, PyObject *kwargs)
     return PyLong_FromSsize_t(i - start);
 }
 
+/* Values of the leading present keys of a blob, one byte each, as bytes. */
+static PyObject *
+ks_prefix_values(KeySetObject *s, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"blob", NULL};
+    Py_buffer blob;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*:prefix_values", kwlist, &blob))
+        return NULL;
+    if (blob.len % KEY_BYTES != 0) {
+        PyErr_Format(PyExc_ValueError, "blob must hold whole %d-byte keys, got %zd bytes", KEY_BYTES, blob.len);
+        PyBuffer_Release(&blob);
+        return NULL;
+    }
+    Py_ssize_t n = blob.len / KEY_BYTES, i;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out == NULL) {
+        PyBuffer_Release(&blob);
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+    const uint8_t *p = blob.buf;
+    for (i = 0; i < n; i++) {
+        Key k;
+        if (i + PREFETCH_AHEAD < n) {
+            memcpy(&k, p + (i + PREFETCH_AHEAD) * KEY_BYTES, KEY_BYTES);
+            PREFETCH(&s->slots[ks_home(s, &k)]);
+        }
+        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
+        if (key_is_zero(&k)) {
+            if (!s->has_zero)
+                break;
+            dst[i] = s->zero_val;
+            continue;
+        }
+        Py_ssize_t found = ks_find(s, &k);
+        if (found < 0)
+            break;
+        dst[i] = s->vals[found];
+    }
+    PyBuffer_Release(&blob);
+    if (i < n && _PyBytes_Resize(&out, i) < 0)
+        return NULL;
+    return out;
+}
+
 static Py_ssize_t
 ks_len(KeySetObject *s)
 {
@@ -482,7 +566,11 @@ ks_contains(KeySetObject *s, PyObject *arg)
 }
 
 static PyMethodDef ks_methods[] = {
-    {"add", (PyCFunction)ks_add, METH_O, "add(key): insert a 16-byte key (no-op if present)."},
+    {"add", (PyCFunction)(void (*)(void))ks_add, METH_VARARGS | METH_KEYWORDS,
+     "add(key, value=0): insert a 16-byte key with a value in [0, 255], or set the value of a present one."},
+    {"get", (PyCFunction)ks_get, METH_O, "get(key): the key's value, or None if absent."},
+    {"prefix_values", (PyCFunction)(void (*)(void))ks_prefix_values, METH_VARARGS | METH_KEYWORDS,
+     "prefix_values(blob): bytes holding the value of each leading present key of the blob."},
     {"discard", (PyCFunction)ks_discard, METH_O, "discard(key): remove a 16-byte key if present."},
     {"clear", (PyCFunction)ks_clear, METH_NOARGS, "clear(): remove every key and shrink."},
     {"prefix_len", (PyCFunction)(void (*)(void))ks_prefix_len, METH_VARARGS | METH_KEYWORDS,

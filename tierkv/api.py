@@ -16,7 +16,7 @@ import fcntl
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,14 +38,29 @@ from tierkv.transfer import Transfers
 FORMAT_VERSION = 1
 
 
+_KIND_BY_RANK = {kind.rank: kind for kind in TierKind}
+
+
 @dataclass(frozen=True)
 class LookupResult:
-    """How much of a prompt is cached: leading full pages, and the fastest tier of each."""
+    """How much of a prompt is cached: leading full pages, and the fastest tier of each.
+
+    ``tier_ranks`` holds one byte per cached page (its fastest tier's rank); ``tiers``
+    and ``pages_per_tier`` decode it on demand, so a lookup costs no per-page Python work.
+    """
 
     cached_pages: int
     cached_tokens: int
     total_pages: int
-    tiers: tuple[TierKind, ...]
+    tier_ranks: bytes = field(repr=False)
+
+    @property
+    def tiers(self) -> tuple[TierKind, ...]:
+        return tuple(_KIND_BY_RANK[r] for r in self.tier_ranks)
+
+    @property
+    def pages_per_tier(self) -> dict[TierKind, int]:
+        return {kind: self.tier_ranks.count(kind.rank) for kind in TierKind if kind.rank in self.tier_ranks}
 
 
 @dataclass(frozen=True)
@@ -204,10 +219,13 @@ class Store:
             self._check_open()
             blob = self._keys(tokens, tenant)
             total = len(blob) // KEY_BYTES
-            entries = self._leading(blob, total)
             self._counters.events["lookups"] += 1
-            n = len(entries)
-            return LookupResult(n, n * self.layout.tokens_per_page, total, tuple(e.fastest for e in entries))
+            if self.read_only:
+                ranks = bytes(e.fastest.rank for e in self._leading(blob, total))
+            else:
+                ranks = self._manager.resident.prefix_values(blob)
+            n = len(ranks)
+            return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "") -> GetResult:
         """Load the leading cached pages of ``tokens`` into ``out`` (up to its length).

@@ -137,9 +137,13 @@ class PageKeySet(Protocol):
     another type TypeError. Not thread-safe: the caller holds a lock.
     """
 
-    def add(self, key: KeyBytes) -> None: ...
+    def add(self, key: KeyBytes, value: int = 0) -> None: ...
+
+    def get(self, key: KeyBytes) -> int | None: ...
 
     def discard(self, key: KeyBytes) -> None: ...
+
+    def prefix_values(self, blob: KeyBytes) -> bytes: ...
 
     def clear(self) -> None: ...
 
@@ -160,7 +164,8 @@ def _key_bytes(key: object) -> bytes:
 
 
 class KeySet:
-    """Pure-Python :class:`PageKeySet` (a set of bytes), used where ``_native`` is absent.
+    """Pure-Python :class:`PageKeySet` (a dict of key bytes to a value byte), used where
+    ``_native`` is absent.
 
     Same contract as ``tierkv._native.KeySet``; not thread-safe: the caller holds a lock.
     """
@@ -168,13 +173,31 @@ class KeySet:
     __slots__ = ("_keys",)
 
     def __init__(self) -> None:
-        self._keys: set[bytes] = set()
+        self._keys: dict[bytes, int] = {}
 
-    def add(self, key: KeyBytes) -> None:
-        self._keys.add(_key_bytes(key))
+    def add(self, key: KeyBytes, value: int = 0) -> None:
+        if not 0 <= value <= 255:
+            raise OverflowError(f"key set values lie in [0, 255], got {value}")
+        self._keys[_key_bytes(key)] = value
+
+    def get(self, key: KeyBytes) -> int | None:
+        return self._keys.get(_key_bytes(key))
 
     def discard(self, key: KeyBytes) -> None:
-        self._keys.discard(_key_bytes(key))
+        self._keys.pop(_key_bytes(key), None)
+
+    def prefix_values(self, blob: KeyBytes) -> bytes:
+        """Values of the leading present keys of ``blob``, one byte each."""
+        raw = bytes(blob)
+        if len(raw) % KEY_BYTES:
+            raise ValueError(f"blob must hold whole {KEY_BYTES}-byte keys, got {len(raw)} bytes")
+        out = bytearray()
+        for i in range(0, len(raw), KEY_BYTES):
+            value = self._keys.get(raw[i:i + KEY_BYTES])
+            if value is None:
+                break
+            out.append(value)
+        return bytes(out)
 
     def clear(self) -> None:
         self._keys.clear()

@@ -92,6 +92,7 @@ class BlockManager:
         self._policies = policies
         self._index = index
         self._entries: dict[PageKey, Entry] = {}
+        # Published pages -> rank of their fastest tier, so a lookup is one C scan.
         self.resident = new_keyset()
 
     # -- queries -------------------------------------------------------------------
@@ -137,7 +138,7 @@ class BlockManager:
         for rec in good:
             e = Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {kind: rec.slot})
             self._entries[rec.key] = e
-            self.resident.add(rec.key)
+            self.resident.add(rec.key, kind.rank)
             self._policies[kind].insert(rec.key, rec.parent)
         return len(good)
 
@@ -225,6 +226,8 @@ class BlockManager:
                 del self._entries[key]
                 self.resident.discard(key)
                 plan.dropped += 1
+        if e.slots and key in self.resident:
+            self.resident.add(key, e.fastest.rank)
         tier.free([slot])
 
     # -- completion --------------------------------------------------------------------
@@ -251,8 +254,9 @@ class BlockManager:
             for kind, recs in by_tier.items():
                 self._index.commit(kind.value, put=recs)
         for key, kind, _slot in placed:
-            self._policies[kind].insert(key, self._entries[key].parent)
-            self.resident.add(key)
+            e = self._entries[key]
+            self._policies[kind].insert(key, e.parent)
+            self.resident.add(key, e.fastest.rank)
 
     def abandon(self, placed: Sequence[tuple[PageKey, TierKind, int]]) -> None:
         """Roll back reservations whose writes failed: the slots are freed, the pages become misses."""
@@ -264,6 +268,8 @@ class BlockManager:
             e.slots.pop(kind, None)
             if not e.slots:
                 self.forget(key)
+            elif key in self.resident:
+                self.resident.add(key, e.fastest.rank)
 
     def forget(self, key: PageKey) -> None:
         """Drop a page from every tier (quarantine or failed write); frees its slots."""
