@@ -3,10 +3,12 @@
 One LMDB environment per store directory (``index.lmdb``), with a ``meta`` database
 (store identity, layout and tier geometry) and one database per persistent tier
 mapping a 16-byte page key to its slot, stored length, xxh3-64 checksum and parent
-key. The manager writes here only *after* a page's data is written and flushed, and
-deletes a record *before* its slot may be reused, so a crash at any moment leaves
-an index whose every record points at the durable bytes of that key. Readers in
-other processes open the same environment read-only.
+key. The manager writes a record only *after* the page's data is written and
+flushed, in one transaction with the deletes of the pages it evicted. A crash before
+that commit can leave an evicted page's record pointing at a slot that already holds
+newer bytes; the record's checksum then fails on the first read and the page is a
+miss. So every record either points at the durable bytes of its key or is caught.
+Readers in other processes open the same environment read-only.
 
 Thread-safety: LMDB transactions are serialized by the caller (the store lock);
 read-only handles may be used from any thread.

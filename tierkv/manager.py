@@ -24,6 +24,10 @@ from tierkv.policy import Policy
 from tierkv.tiers.base import Tier, TierKind
 
 
+# Pages a full volatile tier demotes at once (capped at 1/16 of the tier).
+DEMOTION_BATCH = 64
+
+
 @dataclass(eq=False)
 class Entry:
     """Mutable bookkeeping of one page (internal: callers see :class:`PageLocation`)."""
@@ -68,8 +72,9 @@ class Move:
 class Plan:
     """What one store, promotion or eviction needs done, in execution order.
 
-    ``deletes`` (persistent records to remove) are committed first, then ``moves``
-    run deepest-tier first, then ``placements`` are written; ``complete`` publishes.
+    ``moves`` run deepest tier first, then ``placements`` are written; each batch is
+    published with one index commit that also carries the ``deletes`` (records of
+    evicted persistent pages) of its tier.
     """
 
     moves: list[Move] = field(default_factory=list)
@@ -94,6 +99,7 @@ class BlockManager:
         self._entries: dict[PageKey, Entry] = {}
         # Published pages -> rank of their fastest tier, so a lookup is one C scan.
         self.resident = new_keyset()
+        self.demotion_batch = DEMOTION_BATCH
 
     # -- queries -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -196,6 +202,9 @@ class BlockManager:
 
     def _reserve(self, tier: Tier, n: int, protect: set[PageKey], plan: Plan) -> list[int]:
         need = n - tier.num_free
+        if need > 0 and not tier.persistent and self.below(tier.kind) is not None:
+            # Demote in batches: one flush and one index commit then cover many pages.
+            need = max(need, min(self.demotion_batch, tier.num_slots // 16))
         if need > 0:
             policy = self._policies[tier.kind]
 
@@ -232,15 +241,22 @@ class BlockManager:
 
     # -- completion --------------------------------------------------------------------
     def commit_deletes(self, plan: Plan) -> None:
-        """Durably forget evicted persistent records before their slots are overwritten."""
+        """Durably forget evicted persistent records that no publish has carried yet."""
         if self._index is None:
             return
         for kind, keys in plan.deletes.items():
             self._index.commit(kind.value, delete=keys)
         plan.deletes.clear()
 
-    def publish(self, placed: Sequence[tuple[PageKey, TierKind, int]], checksums: dict[PageKey, int]) -> None:
-        """Make written pages visible; persistent ones are committed to the index first."""
+    def publish(self, placed: Sequence[tuple[PageKey, TierKind, int]], checksums: dict[PageKey, int],
+                plan: Plan | None = None) -> None:
+        """Make written pages visible; persistent ones are committed to the index first.
+
+        The plan's pending deletes for the same tier ride in the same transaction: one
+        durable commit per batch. A crash before it leaves the evicted records pointing
+        at slots that may hold newer bytes; their checksums then fail and the pages are
+        misses, never wrong data.
+        """
         by_tier: dict[TierKind, list[IndexRecord]] = {}
         for key, kind, slot in placed:
             e = self._entries[key]
@@ -252,7 +268,8 @@ class BlockManager:
                 by_tier.setdefault(kind, []).append(IndexRecord(key, slot, e.nbytes, e.checksum, e.parent))
         if self._index is not None:
             for kind, recs in by_tier.items():
-                self._index.commit(kind.value, put=recs)
+                deletes = plan.deletes.pop(kind, []) if plan is not None else []
+                self._index.commit(kind.value, put=recs, delete=deletes)
         for key, kind, _slot in placed:
             e = self._entries[key]
             self._policies[kind].insert(key, e.parent)

@@ -65,14 +65,14 @@ class Transfers:
 
         Returns how many placed pages were published.
         """
-        self._m.commit_deletes(plan)
         for (src_kind, dst_kind), group in groupby(plan.ordered_moves(), key=lambda m: (m.src, m.dst)):
-            self._move(src_kind, dst_kind, list(group))
+            self._move(src_kind, dst_kind, list(group), plan)
         published = 0
         for kind, pgroup in groupby(sorted(plan.placements, key=lambda p: p[1].rank), key=lambda p: p[1]):
             placed = list(pgroup)
             assert src is not None and row_of is not None
-            published += self._place(kind, placed, _gather(src, [row_of[k] for k, _, _ in placed]), source)
+            published += self._place(kind, placed, _gather(src, [row_of[k] for k, _, _ in placed]), source, plan)
+        self._m.commit_deletes(plan)  # evictions whose tier received nothing in this plan
         return published
 
     def _timed(self, kind: TierKind, start: float) -> float:
@@ -80,7 +80,7 @@ class Transfers:
         self._c.tier_io_s[kind.value] += elapsed
         return elapsed
 
-    def _move(self, src: TierKind, dst: TierKind, moves: list[Move]) -> None:
+    def _move(self, src: TierKind, dst: TierKind, moves: list[Move], plan: Plan) -> None:
         copy = COPY_TABLE.get((src, dst), staged_copy)
         start = time.perf_counter()
         try:
@@ -96,10 +96,10 @@ class Transfers:
             elapsed = self._timed(dst, start)
         self._c.moved_bytes(src.value, dst.value, len(moves) * self._nbytes, elapsed)
         self._c.events["demotions"] += len(moves)
-        self._m.publish([(m.key, dst, m.dst_slot) for m in moves], sums)
+        self._m.publish([(m.key, dst, m.dst_slot) for m in moves], sums, plan)
 
     def _place(self, kind: TierKind, placed: list[tuple[PageKey, TierKind, int]],
-               buf: np.ndarray, source: str) -> int:
+               buf: np.ndarray, source: str, plan: Plan) -> int:
         tier = self._tiers[kind]
         start = time.perf_counter()
         try:
@@ -113,7 +113,7 @@ class Transfers:
         finally:
             elapsed = self._timed(kind, start)
         self._c.moved_bytes(source, kind.value, len(placed) * self._nbytes, elapsed)
-        self._m.publish(placed, sums)
+        self._m.publish(placed, sums, plan)
         return len(placed)
 
     def _checksums(self, kind: TierKind, keys: Sequence[PageKey], staged: np.ndarray) -> dict[PageKey, int]:

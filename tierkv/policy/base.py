@@ -7,7 +7,7 @@ store lock, so implementations need not be thread-safe.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tierkv.keys import PageKey
@@ -15,6 +15,9 @@ from tierkv.keys import PageKey
 
 class Policy(Protocol):
     """What the manager asks of a per-tier eviction and admission policy."""
+
+    def on_request(self, keys: Sequence[PageKey], now: float) -> None:
+        """A request for the prompt whose full pages are ``keys`` arrived; a no-op by default."""
 
     def insert(self, key: PageKey, parent: PageKey | None) -> None:
         """``key`` now resides in this tier."""

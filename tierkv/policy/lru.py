@@ -7,7 +7,7 @@ pinned or protected keys.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tierkv.keys import PageKey
 
@@ -20,6 +20,9 @@ class LRUPolicy:
 
     def __len__(self) -> int:
         return len(self._order)
+
+    def on_request(self, keys: Sequence[PageKey], now: float) -> None:
+        pass
 
     def insert(self, key: PageKey, parent: PageKey | None) -> None:
         self._order[key] = None

@@ -26,19 +26,24 @@ from tierkv.errors import CapacityError, InputError, StoreClosedError
 
 
 class TierKind(enum.Enum):
-    """Tiers from fastest to slowest; ``rank`` orders them."""
+    """Tiers from fastest to slowest; ``rank`` orders them (0 is the fastest)."""
 
-    HBM = "hbm"
-    DRAM = "dram"
-    NVME = "nvme"
-    NVMEOF = "nvmeof"
+    rank: int
 
-    @property
-    def rank(self) -> int:
-        return _RANK[self]
+    def __new__(cls, value: str, rank: int) -> TierKind:
+        member = object.__new__(cls)
+        member._value_ = value
+        member.rank = rank
+        return member
 
+    # Members are singletons compared by identity: hash them in C too, since tier kinds
+    # key the manager's per-page dictionaries (Enum's own __hash__ is Python code).
+    __hash__ = object.__hash__
 
-_RANK = {TierKind.HBM: 0, TierKind.DRAM: 1, TierKind.NVME: 2, TierKind.NVMEOF: 3}
+    HBM = ("hbm", 0)
+    DRAM = ("dram", 1)
+    NVME = ("nvme", 2)
+    NVMEOF = ("nvmeof", 3)
 
 
 class SlotAllocator:

@@ -1,0 +1,141 @@
+"""The simulator's block manager: the store's policy calls, without bytes, slots or an index.
+
+:class:`SimManager` mirrors what :class:`tierkv.manager.BlockManager`, :mod:`tierkv.api`
+and :mod:`tierkv.transfer` ask of the per-tier policies for one request, in the same
+order, so a policy class behaves here exactly as it does in the store:
+
+1. ``on_request(keys, now)`` on every tier's policy (the request-level hint);
+2. ``get``: the leading cached pages are touched in order, each in its fastest tier;
+   pages found only below the top tier are promoted (inclusive copy-up, victims asked
+   of the top tier with the leading pages protected), unless promotion is off;
+3. ``put``: the request's full pages with no copy anywhere are offered to each tier,
+   fastest first: ``admit`` per page, then ``victims`` for the room still missing
+   (the request's new pages protected); a victim whose last copy leaves is demoted to
+   the next tier down if that tier's policy admits it, else dropped. Demoted pages are
+   inserted below before the new pages are inserted, as the transfers publish them.
+
+Called by :mod:`tierkv.sim.run`; single-threaded. Keys are whatever the caller
+supplies (the simulator uses 8-byte block ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from tierkv.errors import InputError
+from tierkv.keys import PageKey
+from tierkv.policy.base import Policy
+
+
+class SimManager:
+    """Tiers of ``capacities`` slots (fastest first), one policy each, pages as bit masks of tiers."""
+
+    def __init__(self, capacities: Sequence[int], make: Callable[[], Policy], promote: bool = True) -> None:
+        if not capacities or min(capacities) < 1:
+            raise InputError(f"every simulated tier needs at least one slot, got {list(capacities)}")
+        self.capacities = list(capacities)
+        self.policies = [make() for _ in capacities]
+        self.used = [0] * len(capacities)
+        self.promote = promote
+        self.where: dict[PageKey, int] = {}       # key -> bit i set when tier i holds it
+        self.parent: dict[PageKey, PageKey | None] = {}
+        self.tier_hits = [0] * len(capacities)
+        self.rejected = 0                         # puts larger than every tier together
+
+    # -- one request ---------------------------------------------------------------------
+    def request(self, keys: Sequence[PageKey], now: float) -> int:
+        """Run one request whose full pages are ``keys``; returns how many leading pages hit."""
+        for p in self.policies:
+            p.on_request(keys, now)
+        where = self.where
+        lead = 0
+        for k in keys:
+            if k not in where:
+                break
+            lead += 1
+        if lead:
+            self._get(keys[:lead])
+        self._put(keys, lead)
+        return lead
+
+    def _get(self, hits: Sequence[PageKey]) -> None:
+        where, policies, tier_hits = self.where, self.policies, self.tier_hits
+        below_top: list[PageKey] = []
+        for k in hits:
+            t = _fastest(where[k])
+            policies[t].touch(k)
+            tier_hits[t] += 1
+            if t:
+                below_top.append(k)
+        if below_top and self.promote:
+            self._promote(below_top, set(hits))
+
+    def _promote(self, keys: list[PageKey], protect: set[PageKey]) -> None:
+        moves: list[tuple[PageKey, int]] = []
+        got = self._reserve(0, len(keys), protect | set(keys), moves)
+        self._publish(moves, [(k, 0) for k in keys[:got]])
+
+    def _put(self, keys: Sequence[PageKey], lead: int) -> None:
+        where = self.where
+        new = [(k, keys[i - 1] if i else None) for i, k in enumerate(keys) if i >= lead and k not in where]
+        if not new:
+            return
+        if len(new) > sum(self.capacities):
+            self.rejected += 1
+            return
+        protect = {k for k, _ in new}
+        moves: list[tuple[PageKey, int]] = []
+        placed: list[tuple[PageKey, int]] = []
+        todo = new
+        for t, policy in enumerate(self.policies):
+            if not todo:
+                break
+            admitted = [(k, p) for k, p in todo if policy.admit(k, p)]
+            got = self._reserve(t, len(admitted), protect, moves)
+            for k, p in admitted[:got]:
+                placed.append((k, t))
+                where[k] = 1 << t
+                self.parent[k] = p
+            done = {k for k, _ in admitted[:got]}
+            todo = [(k, p) for k, p in todo if k not in done]
+        self._publish(moves, placed)
+
+    # -- room ------------------------------------------------------------------------------
+    def _reserve(self, t: int, n: int, protect: set[PageKey], moves: list[tuple[PageKey, int]]) -> int:
+        """Make room for up to ``n`` pages in tier ``t``; returns how many slots it took."""
+        need = n - (self.capacities[t] - self.used[t])
+        if need > 0:
+            for victim in self.policies[t].victims(need, lambda k: k not in protect):
+                self._evict(victim, t, protect, moves)
+        got = min(n, self.capacities[t] - self.used[t])
+        self.used[t] += got
+        return got
+
+    def _evict(self, key: PageKey, t: int, protect: set[PageKey], moves: list[tuple[PageKey, int]]) -> None:
+        mask = self.where[key] & ~(1 << t)
+        self.policies[t].remove(key)
+        self.used[t] -= 1
+        if not mask:
+            lower = t + 1
+            parent = self.parent[key]
+            if lower < len(self.policies) and self.policies[lower].admit(key, parent) \
+                    and self._reserve(lower, 1, protect | {key}, moves):
+                moves.append((key, lower))
+                mask = 1 << lower
+            else:
+                del self.where[key]
+                del self.parent[key]
+                return
+        self.where[key] = mask
+
+    def _publish(self, moves: list[tuple[PageKey, int]], placed: list[tuple[PageKey, int]]) -> None:
+        """Insert demoted pages (deepest tier first), then placed pages (fastest tier first)."""
+        where, policies = self.where, self.policies
+        for k, t in sorted(moves, key=lambda m: -m[1]) + sorted(placed, key=lambda p: p[1]):
+            if k in where:  # a page demoted and then evicted again within one plan is gone
+                where[k] |= 1 << t
+                policies[t].insert(k, self.parent[k])
+
+
+def _fastest(mask: int) -> int:
+    return (mask & -mask).bit_length() - 1
