@@ -169,7 +169,8 @@ class Store:
             tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
                                   io_threads=cfg.nvme.io_threads, create=not self.read_only))
         if not tiers:
-            raise ConfigError("every tier of this store has zero capacity")
+            raise ConfigError("a read-only open needs the store's NVMe tier configured" if self.read_only
+                              else "every tier of this store has zero capacity")
         return tiers
 
     def _meta(self, tiers: list[Tier]) -> dict[str, object]:

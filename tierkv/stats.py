@@ -48,12 +48,18 @@ class StoreStats:
     corrupt_pages: int
 
     @property
+    def misses(self) -> int:
+        """Pages asked for by ``get`` that no tier could serve."""
+        return self.pages_requested - self.pages_hit
+
+    @property
     def hit_rate(self) -> float:
         return self.pages_hit / self.pages_requested if self.pages_requested else 0.0
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {k: v for k, v in self.__dict__.items() if k != "tiers"}
         out["hit_rate"] = self.hit_rate
+        out["misses"] = self.misses
         out["tiers"] = {name: {**t.__dict__, "occupancy": t.occupancy} for name, t in self.tiers.items()}
         return out
 
