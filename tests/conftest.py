@@ -37,3 +37,14 @@ def store(store_config: StoreConfig) -> Iterator[Store]:
     s = Store.open(store_config)
     yield s
     s.close()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the reliability suite's randomized scenarios many more times")
+
+
+@pytest.fixture
+def soak(request: pytest.FixtureRequest) -> bool:
+    """Whether ``--soak`` was given: randomized reliability tests then run far longer."""
+    return bool(request.config.getoption("--soak"))

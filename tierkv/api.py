@@ -13,6 +13,7 @@ and page tensors, never keys.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +24,8 @@ import numpy as np
 
 from tierkv.config import StoreConfig, load_config
 from tierkv.errors import ConfigError, InputError, StoreBusyError, StoreClosedError
-from tierkv.index import PersistentIndex
+from tierkv.index_check import mark_clean
+from tierkv.index import PersistentIndex, is_damage, open_index, quarantine_index
 from tierkv.keys import KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest, split_keys
 from tierkv.layout import KVLayout
 from tierkv.manager import BlockManager, Entry
@@ -33,9 +35,14 @@ from tierkv.stats import Counters, StoreStats, TierStats
 from tierkv.tiers.aligned import round_up
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.tiers.dram import DramTier
+from tierkv.tiers.nvme import NvmeTier
 from tierkv.transfer import Transfers
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# The NVMe data file starts with a 4 KiB label: magic + the store's 16-byte identity.
+LABEL_BYTES = 4096
+_LABEL_MAGIC = b"tierkv-data-v2\n\0"
+log = logging.getLogger(__name__)
 
 
 _KIND_BY_RANK = {kind.rank: kind for kind in TierKind}
@@ -95,25 +102,20 @@ class Store:
         self._dir = Path(config.path)
         self._lockfile = self._acquire_dir()
         self._index: PersistentIndex | None = None
-        tiers: list[Tier] = []
         try:
-            tiers = self._build_tiers()
-            persistent = [t.kind.value for t in tiers if t.persistent]
-            if persistent:
-                self._index = PersistentIndex(self._dir, persistent, read_only=read_only)
-                self._index.check_meta(self._meta(tiers))
-            self._manager = BlockManager(tiers, {t.kind: make_policy(config.policy) for t in tiers}, self._index)
-            if not read_only:
-                for t in tiers:
-                    if t.persistent:
-                        self._manager.adopt_persistent(t.kind)
-        except BaseException:
-            for t in tiers:
-                t.close()
-            if self._index is not None:
-                self._index.close()
-            self._release_dir()
-            raise
+            self._manager = self._open_tiers()
+        except BaseException as exc:
+            if read_only or not is_damage(exc):
+                self._release_dir()
+                raise
+            # The index is damaged in a way only reading it all revealed: set it aside
+            # (logged), start from an empty one; every cached page becomes a miss.
+            quarantine_index(self._dir, str(exc))
+            try:
+                self._manager = self._open_tiers()
+            except BaseException:
+                self._release_dir()
+                raise
         self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-prefetch")
 
@@ -124,6 +126,36 @@ class Store:
         return cls(cfg, read_only=read_only)
 
     # -- set-up ----------------------------------------------------------------------
+    def _open_tiers(self) -> BlockManager:
+        """Tiers, index and manager, with the persistent tiers' pages adopted; on failure
+        everything opened here is closed again."""
+        tiers: list[Tier] = []
+        self._index = None
+        try:
+            tiers = self._build_tiers()
+            persistent = [t.kind.value for t in tiers if t.persistent]
+            if persistent:
+                self._index = open_index(self._dir, persistent, self._meta(tiers), read_only=self.read_only,
+                                         verify=self.config.verify_index)
+                if not self.read_only:
+                    mark_clean(self._dir, False)
+                for t in tiers:
+                    if isinstance(t, NvmeTier):
+                        self._check_label(t, self._index)
+            manager = BlockManager(tiers, {t.kind: make_policy(self.config.policy) for t in tiers}, self._index)
+            if not self.read_only:
+                for t in tiers:
+                    if t.persistent:
+                        manager.adopt_persistent(t.kind)
+            return manager
+        except BaseException:
+            for t in tiers:
+                t.close()
+            if self._index is not None:
+                self._index.close()
+                self._index = None
+            raise
+
     def _acquire_dir(self) -> int | None:
         if self.read_only:
             if not self._dir.is_dir():
@@ -160,18 +192,31 @@ class Store:
             if slots:
                 tiers.append(DramTier(slots, pb))
         if cfg.nvme is not None:
-            from tierkv.tiers.nvme import NvmeTier  # O_DIRECT machinery only when configured
-
             slot_bytes = round_up(pb)
             slots = cfg.nvme.capacity_bytes // slot_bytes
             if slots == 0:
                 raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
             tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
-                                  io_threads=cfg.nvme.io_threads, create=not self.read_only))
+                                  io_threads=cfg.nvme.io_threads, create=not self.read_only,
+                                  header_bytes=LABEL_BYTES))
         if not tiers:
             raise ConfigError("a read-only open needs the store's NVMe tier configured" if self.read_only
                               else "every tier of this store has zero capacity")
         return tiers
+
+    def _check_label(self, tier: NvmeTier, index: PersistentIndex) -> None:
+        """Make sure the data file belongs to this index; a foreign one loses its records."""
+        label = _LABEL_MAGIC + index.store_id()
+        if tier.read_header().startswith(label):
+            return
+        if self.read_only:
+            raise ConfigError(f"{tier.path} does not belong to the store index at {self._dir}")
+        stale = index.count(tier.kind.value)
+        if stale:
+            log.warning("%s carries no label of this store (a foreign or replaced file); its %d index "
+                        "records are dropped and those pages become misses", tier.path, stale)
+            index.clear(tier.kind.value)
+        tier.write_header(label)
 
     def _meta(self, tiers: list[Tier]) -> dict[str, object]:
         meta: dict[str, object] = {"format": FORMAT_VERSION, "layout": self.layout.fingerprint().decode()}
@@ -363,6 +408,8 @@ class Store:
                 t.close()
             if self._index is not None:
                 self._index.close()
+                if not self.read_only:
+                    mark_clean(self._dir, True)
             self._release_dir()
 
     def __enter__(self) -> Store:

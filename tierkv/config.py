@@ -56,7 +56,9 @@ class StoreConfig:
     ``path`` is the store directory (LMDB index, lock file, default NVMe data file).
     ``model_id`` salts every page key together with the layout and the tenant.
     ``persist_on_close`` copies pages that live only in DRAM to the NVMe tier on a
-    clean close, so a restart finds them.
+    clean close, so a restart finds them. ``verify_index`` says when a child process
+    walks the LMDB index before it is trusted: "always" (default, about 60 ms plus the
+    walk), "unclean" (only after a shutdown that left no clean marker) or "never".
     """
 
     path: str
@@ -67,12 +69,15 @@ class StoreConfig:
     policy: str = "lru"
     promote_on_hit: bool = True
     persist_on_close: bool = True
+    verify_index: str = "always"
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("store.path must name a directory")
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ConfigError(f"store.model_id must be a non-empty string, got {self.model_id!r}")
+        if self.verify_index not in ("always", "unclean", "never"):
+            raise ConfigError(f"store.verify_index must be 'always', 'unclean' or 'never', got {self.verify_index!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
         if self.dram is None and self.nvme is None:

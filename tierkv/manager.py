@@ -14,6 +14,7 @@ copy survives a restart.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from tierkv.keys import PageKey, new_keyset
 from tierkv.policy import Policy
 from tierkv.tiers.base import Tier, TierKind
 
+
+log = logging.getLogger(__name__)
 
 # Pages a full volatile tier demotes at once (capped at 1/16 of the tier).
 DEMOTION_BATCH = 64
@@ -129,17 +132,17 @@ class BlockManager:
         """Load the index records of a persistent tier; their slots become used. Returns the count."""
         assert self._index is not None
         tier = self._by_kind[kind]
-        good: list[IndexRecord] = []
-        bad: list[PageKey] = []
         seen: set[int] = set()
-        for rec in self._index.records(kind.value):
-            if rec.slot >= tier.num_slots or rec.slot in seen or rec.nbytes > tier.slot_bytes:
-                bad.append(rec.key)
-                continue
+
+        def valid(rec: IndexRecord) -> bool:
+            ok = rec.slot < tier.num_slots and rec.slot not in seen and rec.nbytes <= tier.slot_bytes
             seen.add(rec.slot)
-            good.append(rec)
-        if bad:
-            self._index.commit(kind.value, delete=bad)
+            return ok
+
+        good, dropped = self._index.adopt(kind.value, valid)
+        if dropped:
+            log.warning("%s index: %d records fail validation (undecodable, out of range or sharing a slot); "
+                        "dropped, those pages are misses", kind.value, dropped)
         tier.claim([r.slot for r in good])
         for rec in good:
             e = Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {kind: rec.slot})

@@ -128,8 +128,26 @@ def test_nvme_file_is_0600_and_preallocated(nvme_path: Path) -> None:
 def test_nvme_wrong_size_file_raises(nvme_path: Path, size: int) -> None:
     nvme_path.write_bytes(b"\0" * size)
     with pytest.raises(ConfigError, match=rf"{size} bytes.*{4 * PAGE}"):
-        NvmeTier(nvme_path, 4, PAGE)
+        NvmeTier(nvme_path, 4, PAGE, create=False)
     assert nvme_path.stat().st_size == size  # left alone
+
+
+def test_nvme_longer_file_raises_even_with_create(nvme_path: Path) -> None:
+    nvme_path.write_bytes(b"\0" * (5 * PAGE))
+    with pytest.raises(ConfigError, match="needs exactly"):
+        NvmeTier(nvme_path, 4, PAGE)
+
+
+def test_nvme_truncated_file_grows_back_keeping_its_head(nvme_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with NvmeTier(nvme_path, 4, PAGE) as tier:
+        tier.write([0, 1, 2, 3], pages(4, PAGE, 5))
+    os.truncate(nvme_path, 2 * PAGE + 100)
+    with caplog.at_level(logging.WARNING), NvmeTier(nvme_path, 4, PAGE) as tier:
+        got = read_back(tier, [0, 1, 2, 3], PAGE)
+    assert "truncated" in caplog.text
+    assert np.array_equal(got[:2], pages(4, PAGE, 5)[:2])
+    assert not got[3].any()
+    assert nvme_path.stat().st_size == 4 * PAGE
 
 
 def test_nvme_missing_file_without_create(nvme_path: Path) -> None:
@@ -196,3 +214,17 @@ def test_nvme_read_into_read_only_buffer(nvme_path: Path) -> None:
         dst.flags.writeable = False
         with pytest.raises(InputError, match="read-only"):
             tier.read([0], dst)
+
+
+def test_nvme_header_precedes_slot_zero(nvme_path: Path) -> None:
+    with NvmeTier(nvme_path, 3, PAGE, header_bytes=4096) as tier:
+        tier.write([0, 1, 2], pages(3, PAGE, 9))
+        tier.write_header(b"label")
+        assert tier.read_header()[:6] == b"label\0" and len(tier.read_header()) == 4096
+        with pytest.raises(InputError, match="header holds"):
+            tier.write_header(b"x" * 4097)
+    raw = nvme_path.read_bytes()
+    assert len(raw) == 4096 + 3 * PAGE and raw[:5] == b"label"
+    assert raw[4096:4096 + PAGE] == pages(3, PAGE, 9)[0].tobytes()
+    with pytest.raises(InputError, match="multiple of 4096"):
+        NvmeTier(nvme_path, 3, PAGE, header_bytes=100)

@@ -1,7 +1,9 @@
 """The NVMe tier: page slots in one preallocated file or a raw block device.
 
-Slot ``i`` lives at byte offset ``i * slot_bytes``, where ``slot_bytes`` is
-``page_bytes`` rounded up to 4096 so that every slot can be moved with O_DIRECT.
+Slot ``i`` lives at byte offset ``header_bytes + i * slot_bytes``, where
+``slot_bytes`` is ``page_bytes`` rounded up to 4096 so that every slot can be moved
+with O_DIRECT; the optional header (a multiple of 4096) lets the owner label the
+medium (the store writes its identity there, to recognise a foreign file).
 Every transfer is cut into chunks of consecutive slots (one ``preadv``/``pwritev``
 each, at most ``max_io_bytes``), and the chunks of one call run in parallel on
 ``io_threads`` threads (the calling thread is one of them), which gives the device
@@ -65,7 +67,7 @@ class _Chunk:
 class NvmeTier(Tier):
     """Slots in a file (created 0600 and preallocated) or a block device.
 
-    ``path`` names a regular file, which must be exactly ``num_slots * slot_bytes``
+    ``path`` names a regular file, which must be exactly ``header_bytes + num_slots * slot_bytes``
     long if it exists (it is created and preallocated otherwise, unless ``create`` is
     false), or a block device of at least that size. ``o_direct`` asks for O_DIRECT;
     where the filesystem refuses it the tier logs a warning and uses buffered I/O,
@@ -87,18 +89,21 @@ class NvmeTier(Tier):
 
     def __init__(self, path: str | os.PathLike[str], num_slots: int, page_bytes: int, *,
                  o_direct: bool = True, io_threads: int = 4, create: bool = True,
-                 max_io_bytes: int = DEFAULT_MAX_IO_BYTES) -> None:
+                 max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0) -> None:
         if page_bytes <= 0 or num_slots < 0:
             raise InputError(f"nvme tier needs page_bytes > 0 and num_slots >= 0, got {page_bytes}, {num_slots}")
         if io_threads < 1:
             raise InputError(f"nvme tier needs io_threads >= 1, got {io_threads}")
         if max_io_bytes < ALIGN:
             raise InputError(f"nvme tier needs max_io_bytes >= {ALIGN}, got {max_io_bytes}")
+        if header_bytes < 0 or header_bytes % ALIGN:
+            raise InputError(f"nvme tier header_bytes must be a non-negative multiple of {ALIGN}, got {header_bytes}")
         super().__init__(num_slots, round_up(page_bytes), io_threads=io_threads)
         self.path = os.fspath(path)
         self.page_bytes = page_bytes
         self.io_threads = io_threads
-        size = num_slots * self.slot_bytes
+        self.header_bytes = header_bytes
+        size = header_bytes + num_slots * self.slot_bytes
         self._fd, self.direct = _open_backing(self.path, size, o_direct=o_direct, create=create)
         self._chunk_slots = max(1, min(max_io_bytes // self.slot_bytes, _MAX_IOVECS // 2))
         self._bounce_slots = max(1, min(self._chunk_slots, BOUNCE_CHUNK_BYTES // self.slot_bytes))
@@ -113,6 +118,35 @@ class NvmeTier(Tier):
                         if io_threads > 1 else None)
         self._cond = threading.Condition()
         self._inflight = 0
+
+    def read_header(self) -> bytes:
+        """The ``header_bytes`` reserved before slot 0 (an owner's label for the medium)."""
+        self._check_open()
+        buf = aligned_empty(self.header_bytes)
+        with self._busy() as fd:
+            try:
+                done = os.preadv(fd, [buf.data], 0)
+            except OSError as e:
+                raise TierIOError(f"nvme tier {self.path}: reading the header failed: {_oserr(e)}") from e
+        if done != self.header_bytes:
+            raise TierIOError(f"nvme tier {self.path}: short header read, {done} of {self.header_bytes} bytes")
+        return buf.tobytes()
+
+    def write_header(self, data: bytes) -> None:
+        """Write ``data`` (zero-padded) into the header and make it durable."""
+        self._check_open()
+        if len(data) > self.header_bytes:
+            raise InputError(f"nvme tier header holds {self.header_bytes} bytes, got {len(data)}")
+        buf = aligned_empty(self.header_bytes)
+        buf[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+        with self._busy() as fd:
+            try:
+                done = os.pwritev(fd, [buf.data], 0)
+                os.fdatasync(fd)
+            except OSError as e:
+                raise TierIOError(f"nvme tier {self.path}: writing the header failed: {_oserr(e)}") from e
+        if done != self.header_bytes:
+            raise TierIOError(f"nvme tier {self.path}: short header write, {done} of {self.header_bytes} bytes")
 
     def fileno(self) -> int:
         """The backing file descriptor (for inspection; do not close it)."""
@@ -243,7 +277,7 @@ class NvmeTier(Tier):
         return iov
 
     def _syscall(self, op: _Op, fd: int, chunk: _Chunk, iov: list[memoryview]) -> None:
-        offset = chunk.slot * self.slot_bytes
+        offset = self.header_bytes + chunk.slot * self.slot_bytes
         length = chunk.count * self.slot_bytes
         try:
             done = os.pwritev(fd, iov, offset) if op is _Op.WRITE else os.preadv(fd, iov, offset)
@@ -266,7 +300,7 @@ def _open_backing(path: str, size: int, *, o_direct: bool, create: bool) -> tupl
             raise ConfigError(f"nvme tier file {path} does not exist and create=False") from None
         _create_file(path, size)
     else:
-        _check_existing(path, st, size)
+        _check_existing(path, st, size, grow=create)
     flags = os.O_RDWR | os.O_CLOEXEC
     if o_direct:
         try:
@@ -302,8 +336,13 @@ def _create_file(path: str, size: int) -> None:
     os.close(fd)
 
 
-def _check_existing(path: str, st: os.stat_result, size: int) -> None:
-    """An existing file must be exactly ``size`` bytes; a block device at least that."""
+def _check_existing(path: str, st: os.stat_result, size: int, *, grow: bool) -> None:
+    """An existing file must be exactly ``size`` bytes; a block device at least that.
+
+    A file that is too short (truncated) is grown back when ``grow`` is set, with a
+    warning: the slots past the old end read as zeros, which fail their checksums, so
+    those pages become misses and the rest are served.
+    """
     if stat.S_ISBLK(st.st_mode):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -313,7 +352,15 @@ def _check_existing(path: str, st: os.stat_result, size: int) -> None:
         if have < size:
             raise ConfigError(f"nvme tier block device {path} holds {have} bytes, the tier needs {size}")
     elif stat.S_ISREG(st.st_mode):
-        if st.st_size != size:
+        if st.st_size < size and grow:
+            logger.warning("nvme tier file %s is %d bytes, shorter than the tier's %d (truncated?); "
+                           "growing it back: pages past byte %d become misses", path, st.st_size, size, st.st_size)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        elif st.st_size != size:
             raise ConfigError(f"nvme tier file {path} is {st.st_size} bytes, the tier needs exactly {size}"
                               " (num_slots * slot_bytes); remove it or open it with its own geometry")
     else:
