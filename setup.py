@@ -1,8 +1,9 @@
-"""Builds the optional C extension ``tierkv._native`` (key chain and key set).
+"""Builds the optional C extensions ``tierkv._native`` (key chain and key set) and
+``tierkv.codec._codec`` (the lossless KV page codec).
 
-The extension is optional: where no compiler or no ``xxhash.h`` is present, the
-package installs without it and ``tierkv.keys`` falls back to the pure-Python chain
-(same keys, slower).
+Both are optional: where no compiler or no ``xxhash.h`` is present, the package
+installs without them; ``tierkv.keys`` falls back to the pure-Python chain (same
+keys, slower) and ``tierkv.codec`` to its numpy implementation (same format, slower).
 """
 
 import os
@@ -13,6 +14,17 @@ ext_modules = []
 if os.path.exists(os.path.join("tierkv", "_native.c")):
     ext_modules.append(
         Extension("tierkv._native", ["tierkv/_native.c"], extra_compile_args=["-O3"], optional=True)
+    )
+_CODEC = os.path.join("tierkv", "codec")
+if os.path.exists(os.path.join(_CODEC, "_codec.c")):
+    ext_modules.append(
+        Extension(
+            "tierkv.codec._codec",
+            [os.path.join(_CODEC, f) for f in ("_codec.c", "codec_common.c", "codec_enc.c", "codec_dec.c")],
+            depends=[os.path.join(_CODEC, "codec_core.h")],
+            extra_compile_args=["-O3", "-std=c11"],
+            optional=True,
+        )
     )
 
 setup(ext_modules=ext_modules)

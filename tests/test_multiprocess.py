@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 READER = """
 import json, sys
 import numpy as np
-from tests.conftest import make_config, page_data
+from tests.conftest import PB, make_config, page_data
 from tests.test_multiprocess import prompt
 from tierkv.api import Store
 path, first, last, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
