@@ -1,14 +1,36 @@
 """tierkv: a tiered KV-cache store for LLM serving engines.
 
-The public API: :class:`Store` with its config dataclasses and the KV layout.
+The public API: :class:`Store` with its config dataclasses and the KV layout. Names
+are imported on first use, so tools that need no store (``tierkv plan``) do not pay
+for importing torch.
 """
 
-from tierkv.api import GetResult, LookupResult, PutResult, Store
-from tierkv.config import DramConfig, NvmeConfig, StoreConfig, load_config
-from tierkv.errors import TierKVError
-from tierkv.layout import DType, KVLayout, LayoutKind
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["DType", "DramConfig", "GetResult", "KVLayout", "LayoutKind", "LookupResult", "NvmeConfig",
-           "PutResult", "Store", "StoreConfig", "TierKVError", "load_config"]
+_EXPORTS = {
+    "GetResult": "tierkv.api", "LookupResult": "tierkv.api", "PutResult": "tierkv.api", "Store": "tierkv.api",
+    "DramConfig": "tierkv.config", "NvmeConfig": "tierkv.config", "StoreConfig": "tierkv.config",
+    "load_config": "tierkv.config", "TierKVError": "tierkv.errors", "DType": "tierkv.layout",
+    "KVLayout": "tierkv.layout", "LayoutKind": "tierkv.layout",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from tierkv.api import GetResult, LookupResult, PutResult, Store
+    from tierkv.config import DramConfig, NvmeConfig, StoreConfig, load_config
+    from tierkv.errors import TierKVError
+    from tierkv.layout import DType, KVLayout, LayoutKind
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

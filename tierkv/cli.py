@@ -1,4 +1,4 @@
-"""The ``tierkv`` command line: ``tierkv replay`` and ``tierkv bench``.
+"""The ``tierkv`` command line: ``tierkv replay``, ``tierkv bench`` and ``tierkv plan``.
 
 ``main(argv)`` is the console-script entry point (and ``python -m tierkv``). It
 returns the exit status: 0 on success, 2 for bad input (arguments, sizes, trace
@@ -72,6 +72,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--dir", metavar="DIR", help="directory for benchmark files (default: a temporary one)")
     bp.add_argument("--runs", type=int, default=None, metavar="N", help="repetitions per measurement")
     bp.set_defaults(handler=_cmd_bench)
+    from tierkv.plan.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,150 @@
+"""``tierkv plan`` end to end: JSON, tables, the Mooncake trace, plots and bad input (exit 2, one line)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tierkv.plan import cli as plan_cli
+from tierkv.plan.hardware import PROFILE_DIR
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
+SMALL = ["--model", "llama-3.1-8b", "--synthetic", "300"]
+
+
+def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, object]:
+    assert plan_cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)  # exactly one JSON object: extra text fails here
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json(capsys, [*SMALL, "--json", "--target-hit-rate", "0.3"])
+    assert doc["kv_bytes_per_token"] == 131_072 and doc["page_bytes"] == 131_072 * 16
+    tiers = doc["tiers"]
+    assert isinstance(tiers, list) and [t["tier"] for t in tiers] == ["hbm", "dram", "nvme", "nvmeof"]
+    for t in tiers:
+        for key in ("capacity_tokens", "hit_rate", "load_s_per_1k_tokens", "required_bandwidth_bytes_s",
+                    "recompute_crossover_tokens", "capacity_pages", "bandwidth_ok"):
+            assert key in t, key
+    dram = tiers[1]
+    assert dram["capacity_tokens"] == 2 * 2 * 10**12 // 131_072  # two nodes of 2 TB
+    assert dram["load_s_per_1k_tokens"] == pytest.approx(20e-6 + 1000 * 131_072 / 50e9)  # latency + bytes / bw
+    assert sum(t["hit_rate"] for t in tiers) == pytest.approx(doc["hit_rate"])
+    assert doc["policy"]["hit_rate"] == pytest.approx(doc["hit_rate"])  # type: ignore[index]
+    assert [s["scenario"] for s in doc["network"]] == ["prefill-only", "dualpath"]  # type: ignore[union-attr]
+    labels = [v["label"] for v in doc["variants"]]  # type: ignore[union-attr]
+    assert labels == ["bf16", "bf16+codec 0.65", "fp8_e4m3", "fp8_e4m3+codec 0.65"]
+    rec = doc["recommendation"]
+    assert isinstance(rec, dict) and rec["met"] and rec["hit_rate"] >= 0.3
+
+
+def test_deepseek_fp8_codec_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json(capsys, ["--model", "deepseek-v3", "--kv-dtype", "fp8_e4m3", "--codec-ratio", "0.65",
+                         "--synthetic", "200", "--nvme", "0", "--dram", "100GB", "--json"])
+    assert doc["kv_bytes_per_token"] == 61 * 576 and doc["model"]["layout_kind"] == "latent"  # type: ignore[index]
+    tiers = {t["tier"]: t for t in doc["tiers"]}  # type: ignore[union-attr]
+    assert set(tiers) == {"hbm", "dram", "nvmeof"}
+    assert tiers["dram"]["capacity_bytes"] == 2 * 100 * 10**9
+    assert tiers["dram"]["stored_bytes_per_token"] == pytest.approx(61 * 576 * 0.65)
+    assert [v["label"] for v in doc["variants"]] == ["fp8_e4m3", "fp8_e4m3+codec 0.65"]  # type: ignore[union-attr]
+
+
+def test_params_workload_and_table(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "smollm2-135m", "--hardware", "dev-box", "--params", "--requests", "400",
+            "--request-rate", "2", "--context-tokens", "2048:8192", "--turns", "4", "--reuse", "0.8",
+            "--target-ttft-s", "0.05"]
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m" in out and "23,040 bytes/token" in out and "recommendation" in out
+    assert "never" in out  # smollm2's KV loads slower from the dev box's NVMe than it recomputes
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="Mooncake trace not present")
+def test_mooncake_trace_h200(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json(capsys, ["--model", "llama-3.1-8b", "--hardware", "h200-node", "--trace", str(TRACE), "--json"])
+    wl = doc["workload"]
+    assert isinstance(wl, dict) and wl["requests"] == 12031 and wl["full_blocks"] == 276_491
+    assert 0.3 < doc["hit_rate"] <= wl["unbounded_hit_rate"] + 1e-12  # type: ignore[operator]
+
+
+def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.png"
+    if importlib.util.find_spec("matplotlib") is None:
+        assert plan_cli.main([*SMALL, "--plot", str(out)]) == 2
+        assert "needs matplotlib" in capsys.readouterr().err
+        return
+    assert plan_cli.main([*SMALL, "--json", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    json.loads(capsys.readouterr().out)
+
+
+def test_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                 tmp_path: Path) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name))
+    assert plan_cli.main([*SMALL, "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--plot needs matplotlib" in err
+
+
+def _bad_profile(tmp_path: Path) -> str:
+    text = (PROFILE_DIR / "h200-node.toml").read_text().replace('bandwidth_bytes_s = "200GB"\n', "")
+    p = tmp_path / "broken.toml"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama-9"], "unknown model 'llama-9'"),
+    ([], "one of the arguments --model --model-config is required"),
+    ([*SMALL, "--dram=-5GiB"], "--dram must be a size >= 0"),
+    ([*SMALL, "--dram", "-5GiB"], "argument --dram: expected one argument"),
+    ([*SMALL, "--nvme", "lots"], "cannot parse 'lots'"),
+    ([*SMALL, "--kv-dtype", "int3"], "unknown KV dtype 'int3'"),
+    ([*SMALL, "--codec-ratio", "1.5"], "--codec-ratio must be in (0, 1]"),
+    ([*SMALL, "--tokens-per-page", "0"], "--tokens-per-page must be >= 1"),
+    ([*SMALL, "--turns", "3"], "--turns describe a --params workload"),
+    ([*SMALL, "--hardware", "nope"], "hardware profile 'nope'"),
+    (["--model", "llama-3.1-8b", "--trace", "/nonexistent.jsonl"], "does not exist"),
+    (["--model-config", "/nonexistent/config.json"], "does not exist"),
+    ([*SMALL, "--target-hit-rate", "2"], "--target-hit-rate must be in (0, 1]"),
+    ([*SMALL, "--hbm", "0", "--dram", "0", "--nvme", "0", "--nvmeof", "0"], "every tier is sized 0"),
+    (["--model", "llama-3.1-70b", "--hardware", "dev-box", "--synthetic", "10"], "do not fit in one node"),
+])
+def test_bad_input_exits_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_cli.main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1 and message in cap.err, cap.err
+
+
+def test_profile_missing_a_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_cli.main([*SMALL, "--hardware", _bad_profile(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "[tiers.dram] is missing bandwidth_bytes_s" in err
+
+
+def test_through_tierkv_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``add_parser`` on tierkv's own parser: its error handling gives the same exits."""
+    from tierkv import cli
+
+    build = cli._build_parser
+
+    def with_plan() -> argparse.ArgumentParser:
+        parser = build()
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        if "plan" not in sub.choices:
+            plan_cli.add_parser(sub)
+        return parser
+
+    monkeypatch.setattr(cli, "_build_parser", with_plan)
+    assert cli.main(["plan", *SMALL, "--json"]) == 0
+    json.loads(capsys.readouterr().out)
+    for argv in (["plan", "--model", "llama-9"], ["plan", *SMALL, "--hardware", "nope"], ["plan", "--bogus"]):
+        assert cli.main(argv) == 2
+        assert capsys.readouterr().err.count("\n") == 1
