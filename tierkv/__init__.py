@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "GetResult": "tierkv.api", "LookupResult": "tierkv.api", "PutResult": "tierkv.api", "Store": "tierkv.api",
-    "DramConfig": "tierkv.config", "NvmeConfig": "tierkv.config", "StoreConfig": "tierkv.config",
+    "DramConfig": "tierkv.config", "HbmConfig": "tierkv.config", "NvmeConfig": "tierkv.config", "StoreConfig": "tierkv.config",
     "load_config": "tierkv.config", "TierKVError": "tierkv.errors", "DType": "tierkv.layout",
     "KVLayout": "tierkv.layout", "LayoutKind": "tierkv.layout",
 }
@@ -22,7 +22,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from tierkv.api import GetResult, LookupResult, PutResult, Store
-    from tierkv.config import DramConfig, NvmeConfig, StoreConfig, load_config
+    from tierkv.config import DramConfig, HbmConfig, NvmeConfig, StoreConfig, load_config
     from tierkv.errors import TierKVError
     from tierkv.layout import DType, KVLayout, LayoutKind
 

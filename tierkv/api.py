@@ -35,6 +35,7 @@ from tierkv.stats import Counters, StoreStats, TierStats
 from tierkv.tiers.aligned import round_up
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.tiers.dram import DramTier
+from tierkv.tiers.hbm import HbmTier
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.transfer import Transfers
 
@@ -183,8 +184,22 @@ class Store:
             self._lockfile = None
 
     def _build_tiers(self) -> list[Tier]:
-        cfg, pb = self.config, self.layout.page_bytes
         tiers: list[Tier] = []
+        try:
+            self._add_tiers(tiers)
+        except BaseException:
+            for t in tiers:  # a later tier failed: release the memory and files of earlier ones
+                t.close()
+            raise
+        return tiers
+
+    def _add_tiers(self, tiers: list[Tier]) -> None:
+        cfg, pb = self.config, self.layout.page_bytes
+        if cfg.hbm is not None and cfg.hbm.capacity_bytes and not self.read_only:
+            slots = cfg.hbm.capacity_bytes // pb
+            if slots == 0:
+                raise ConfigError(f"hbm capacity of {cfg.hbm.capacity_bytes} bytes holds no page of {pb} bytes")
+            tiers.append(HbmTier(slots, pb, device=cfg.hbm.device))
         if cfg.dram is not None and not self.read_only:
             slots = cfg.dram.capacity_bytes // pb
             if slots == 0 and cfg.dram.capacity_bytes:
@@ -202,7 +217,6 @@ class Store:
         if not tiers:
             raise ConfigError("a read-only open needs the store's NVMe tier configured" if self.read_only
                               else "every tier of this store has zero capacity")
-        return tiers
 
     def _check_label(self, tier: NvmeTier, index: PersistentIndex) -> None:
         """Make sure the data file belongs to this index; a foreign one loses its records."""

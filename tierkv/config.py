@@ -8,6 +8,7 @@ API (``Store.open``) and the CLI.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -18,6 +19,22 @@ from tierkv.layout import KVLayout
 from tierkv.units import parse_size
 
 POLICIES = ("lru",)
+
+
+@dataclass(frozen=True)
+class HbmConfig:
+    """The HBM tier: page slots in one tensor on a CUDA device. ``capacity_bytes`` 0 disables it.
+
+    ``device`` is a torch device name: "cuda", "cuda:N" ("cpu" runs the same tier in host memory).
+    """
+
+    capacity_bytes: int
+    device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "hbm.capacity_bytes"))
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"hbm.device must be 'cuda', 'cuda:N' or 'cpu', got {self.device!r}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,7 @@ class StoreConfig:
     promote_on_hit: bool = True
     persist_on_close: bool = True
     verify_index: str = "always"
+    hbm: HbmConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -117,16 +135,17 @@ def config_from_dict(data: Mapping[str, object], source: str = "<dict>") -> Stor
     store = _section(data, "store", source)
     layout = _build(KVLayout, _section(data, "layout", source), f"{source} [layout]")
     tiers = _section(data, "tiers", source)
-    unknown = sorted(set(tiers) - {"dram", "nvme"})
+    unknown = sorted(set(tiers) - {"hbm", "dram", "nvme"})
     if unknown:
-        raise ConfigError(f"{source}: unknown tier(s) {', '.join(unknown)}; this build has dram and nvme")
+        raise ConfigError(f"{source}: unknown tier(s) {', '.join(unknown)}; this build has hbm, dram and nvme")
+    hbm = _build(HbmConfig, _section(tiers, "hbm", source), f"{source} [tiers.hbm]") if "hbm" in tiers else None
     dram = _build(DramConfig, _section(tiers, "dram", source), f"{source} [tiers.dram]") if "dram" in tiers else None
     nvme = _build(NvmeConfig, _section(tiers, "nvme", source), f"{source} [tiers.nvme]") if "nvme" in tiers else None
     values = dict(store)
     if isinstance(values.get("path"), str):
         values["path"] = os.path.expanduser(str(values["path"]))
-    values.update(layout=layout, dram=dram, nvme=nvme)
-    for key in ("layout", "dram", "nvme"):
+    values.update(layout=layout, dram=dram, nvme=nvme, hbm=hbm)
+    for key in ("layout", "dram", "nvme", "hbm"):
         if key in store:
             raise ConfigError(f"{source}: [store] may not set {key!r}; use its own table")
     cfg = _build(StoreConfig, values, f"{source} [store]")

@@ -23,6 +23,7 @@ from tierkv.manager import BlockManager, Entry, Move, Plan
 from tierkv.stats import Counters
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
+from tierkv.tiers.hbm import dram_to_hbm, hbm_to_dram
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,10 @@ def staged_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Seque
 
 
 # (src, dst) -> copy function. Pairs absent here fall back to ``staged_copy``.
-COPY_TABLE: dict[tuple[TierKind, TierKind], CopyFn] = {}
+COPY_TABLE: dict[tuple[TierKind, TierKind], CopyFn] = {
+    (TierKind.HBM, TierKind.DRAM): hbm_to_dram,  # one batched copy into the pinned buffer, no staging
+    (TierKind.DRAM, TierKind.HBM): dram_to_hbm,
+}
 
 
 def _gather(src: np.ndarray, rows: list[int]) -> np.ndarray:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from tierkv.tiers.base import Tier
 from tierkv.tiers.dram import DramTier
+from tierkv.tiers.hbm import HbmTier
 from tierkv.tiers.nvme import NvmeTier
 
 SHM = Path("/dev/shm")
@@ -38,8 +40,10 @@ _BUILDERS: dict[str, Builder] = {
     "dram": lambda s, n, p: DramTier(n, p),
     "nvme-odirect": lambda s, n, p: NvmeTier(s.disk / s.name, n, p),
     "nvme-buffered": lambda s, n, p: NvmeTier(s.shm() / s.name, n, p, o_direct=False),
+    "hbm-cpu": lambda s, n, p: HbmTier(n, p, device="cpu"),
+    "hbm-cuda": lambda s, n, p: HbmTier(n, p, device="cuda") if torch.cuda.is_available() else pytest.skip("no CUDA"),
 }
-_MARKS: dict[str, pytest.MarkDecorator] = {}
+_MARKS: dict[str, pytest.MarkDecorator] = {"hbm-cuda": pytest.mark.gpu}
 
 TierFactory = Callable[[int, int], Tier]
 

@@ -42,6 +42,13 @@ class DramTier(Tier):
         super().__init__(num_slots, slot_bytes, io_threads=2)
         self._buf = _host_buffer(num_slots * slot_bytes).reshape(num_slots, slot_bytes)
 
+    @property
+    def buffer(self) -> np.ndarray:
+        """The whole slot buffer, ``[num_slots, slot_bytes]`` (pinned when CUDA is present), for
+        copy-table entries that move pages to or from this tier without staging."""
+        self._check_open()
+        return self._buf
+
     def view(self, slot: int) -> np.ndarray:
         """A zero-copy view of one slot (for transfers that read in place)."""
         return self._buf[slot]
