@@ -1,7 +1,8 @@
 """The Python API serving engines use: open a store, then lookup, get, put, prefetch, pin.
 
-``Store.open(config)`` builds the tiers (DRAM, NVMe), the LMDB index and the block
-manager from a :class:`~tierkv.config.StoreConfig` or a TOML file. All public methods
+``Store.open(config)`` builds the tiers (HBM, DRAM, NVMe), the LMDB index and the
+block manager (:mod:`tierkv.opening`) from a :class:`~tierkv.config.StoreConfig` or a
+TOML file. All public methods
 are thread-safe (one store lock); I/O runs on the tiers' thread pools. A second
 process can open the same store with ``read_only=True`` and read what the writer has
 committed; only one writer at a time holds the store.
@@ -12,8 +13,6 @@ and page tensors, never keys.
 
 from __future__ import annotations
 
-import fcntl
-import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,28 +22,16 @@ from pathlib import Path
 import numpy as np
 
 from tierkv.config import StoreConfig, load_config
-from tierkv.errors import ConfigError, InputError, StoreBusyError, StoreClosedError
+from tierkv.errors import InputError, StoreClosedError
 from tierkv.index_check import mark_clean
-from tierkv.index import PersistentIndex, is_damage, open_index, quarantine_index
 from tierkv.keys import KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest, split_keys
 from tierkv.layout import KVLayout
-from tierkv.manager import BlockManager, Entry
+from tierkv.manager import Entry
+from tierkv.opening import open_store_parts, release_dir
 from tierkv.pages import PageBatch, page_rows
-from tierkv.policy import make_policy
 from tierkv.stats import Counters, StoreStats, TierStats
-from tierkv.tiers.aligned import round_up
-from tierkv.tiers.base import Tier, TierKind
-from tierkv.tiers.dram import DramTier
-from tierkv.tiers.hbm import HbmTier
-from tierkv.tiers.nvme import NvmeTier
+from tierkv.tiers.base import TierKind
 from tierkv.transfer import Transfers
-
-FORMAT_VERSION = 2
-# The NVMe data file starts with a 4 KiB label: magic + the store's 16-byte identity.
-LABEL_BYTES = 4096
-_LABEL_MAGIC = b"tierkv-data-v2\n\0"
-log = logging.getLogger(__name__)
-
 
 _KIND_BY_RANK = {kind.rank: kind for kind in TierKind}
 
@@ -101,22 +88,8 @@ class Store:
         self._namespaces: dict[bytes, bytes] = {}
         self._counters = Counters()
         self._dir = Path(config.path)
-        self._lockfile = self._acquire_dir()
-        self._index: PersistentIndex | None = None
-        try:
-            self._manager = self._open_tiers()
-        except BaseException as exc:
-            if read_only or not is_damage(exc):
-                self._release_dir()
-                raise
-            # The index is damaged in a way only reading it all revealed: set it aside
-            # (logged), start from an empty one; every cached page becomes a miss.
-            quarantine_index(self._dir, str(exc))
-            try:
-                self._manager = self._open_tiers()
-            except BaseException:
-                self._release_dir()
-                raise
+        parts = open_store_parts(config, read_only)
+        self._lockfile, self._index, self._manager = parts.lock_fd, parts.index, parts.manager
         self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-prefetch")
 
@@ -125,120 +98,6 @@ class Store:
         """Open (creating if needed) the store that ``config`` (or a TOML path) describes."""
         cfg = config if isinstance(config, StoreConfig) else load_config(config)
         return cls(cfg, read_only=read_only)
-
-    # -- set-up ----------------------------------------------------------------------
-    def _open_tiers(self) -> BlockManager:
-        """Tiers, index and manager, with the persistent tiers' pages adopted; on failure
-        everything opened here is closed again."""
-        tiers: list[Tier] = []
-        self._index = None
-        try:
-            tiers = self._build_tiers()
-            persistent = [t.kind.value for t in tiers if t.persistent]
-            if persistent:
-                self._index = open_index(self._dir, persistent, self._meta(tiers), read_only=self.read_only,
-                                         verify=self.config.verify_index)
-                if not self.read_only:
-                    mark_clean(self._dir, False)
-                for t in tiers:
-                    if isinstance(t, NvmeTier):
-                        self._check_label(t, self._index)
-            manager = BlockManager(tiers, {t.kind: make_policy(self.config.policy) for t in tiers}, self._index)
-            if not self.read_only:
-                for t in tiers:
-                    if t.persistent:
-                        manager.adopt_persistent(t.kind)
-            return manager
-        except BaseException:
-            for t in tiers:
-                t.close()
-            if self._index is not None:
-                self._index.close()
-                self._index = None
-            raise
-
-    def _acquire_dir(self) -> int | None:
-        if self.read_only:
-            if not self._dir.is_dir():
-                raise ConfigError(f"no store at {self._dir}; a read-only open needs an existing store")
-            return None
-        try:
-            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot create the store directory {self._dir}: {exc}") from None
-        fd = os.open(self._dir / "writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise StoreBusyError(f"the store at {self._dir} is open for writing by pid {holder}; "
-                                 "open it with read_only=True to share it") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        return fd
-
-    def _release_dir(self) -> None:
-        if self._lockfile is not None:
-            os.close(self._lockfile)  # closing drops the flock
-            self._lockfile = None
-
-    def _build_tiers(self) -> list[Tier]:
-        tiers: list[Tier] = []
-        try:
-            self._add_tiers(tiers)
-        except BaseException:
-            for t in tiers:  # a later tier failed: release the memory and files of earlier ones
-                t.close()
-            raise
-        return tiers
-
-    def _add_tiers(self, tiers: list[Tier]) -> None:
-        cfg, pb = self.config, self.layout.page_bytes
-        if cfg.hbm is not None and cfg.hbm.capacity_bytes and not self.read_only:
-            slots = cfg.hbm.capacity_bytes // pb
-            if slots == 0:
-                raise ConfigError(f"hbm capacity of {cfg.hbm.capacity_bytes} bytes holds no page of {pb} bytes")
-            tiers.append(HbmTier(slots, pb, device=cfg.hbm.device))
-        if cfg.dram is not None and not self.read_only:
-            slots = cfg.dram.capacity_bytes // pb
-            if slots == 0 and cfg.dram.capacity_bytes:
-                raise ConfigError(f"dram capacity of {cfg.dram.capacity_bytes} bytes holds no page of {pb} bytes")
-            if slots:
-                tiers.append(DramTier(slots, pb))
-        if cfg.nvme is not None:
-            slot_bytes = round_up(pb)
-            slots = cfg.nvme.capacity_bytes // slot_bytes
-            if slots == 0:
-                raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
-            tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
-                                  io_threads=cfg.nvme.io_threads, create=not self.read_only,
-                                  header_bytes=LABEL_BYTES))
-        if not tiers:
-            raise ConfigError("a read-only open needs the store's NVMe tier configured" if self.read_only
-                              else "every tier of this store has zero capacity")
-
-    def _check_label(self, tier: NvmeTier, index: PersistentIndex) -> None:
-        """Make sure the data file belongs to this index; a foreign one loses its records."""
-        label = _LABEL_MAGIC + index.store_id()
-        if tier.read_header().startswith(label):
-            return
-        if self.read_only:
-            raise ConfigError(f"{tier.path} does not belong to the store index at {self._dir}")
-        stale = index.count(tier.kind.value)
-        if stale:
-            log.warning("%s carries no label of this store (a foreign or replaced file); its %d index "
-                        "records are dropped and those pages become misses", tier.path, stale)
-            index.clear(tier.kind.value)
-        tier.write_header(label)
-
-    def _meta(self, tiers: list[Tier]) -> dict[str, object]:
-        meta: dict[str, object] = {"format": FORMAT_VERSION, "layout": self.layout.fingerprint().decode()}
-        for t in tiers:
-            if t.persistent:
-                meta[f"{t.kind.value}_slots"] = t.num_slots
-                meta[f"{t.kind.value}_slot_bytes"] = t.slot_bytes
-        return meta
 
     # -- keys ----------------------------------------------------------------------------
     def _keys(self, tokens: Tokens, tenant: str | bytes) -> bytes:
@@ -424,7 +283,8 @@ class Store:
                 self._index.close()
                 if not self.read_only:
                     mark_clean(self._dir, True)
-            self._release_dir()
+            release_dir(self._lockfile)
+            self._lockfile = None
 
     def __enter__(self) -> Store:
         return self

@@ -1,0 +1,181 @@
+"""How a store opens: the writer lock, the tiers a config asks for, the index with its
+geometry record, the data-file label, and the adoption of persistent pages.
+
+:func:`open_store_parts` returns everything :class:`tierkv.api.Store` runs on; on any
+failure it closes what it opened. Called once per ``Store.open``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierkv.config import StoreConfig
+from tierkv.errors import ConfigError, StoreBusyError
+from tierkv.index import PersistentIndex, is_damage, open_index, quarantine_index
+from tierkv.index_check import mark_clean
+from tierkv.manager import BlockManager
+from tierkv.policy import make_policy
+from tierkv.tiers.aligned import round_up
+from tierkv.tiers.base import Tier
+from tierkv.tiers.dram import DramTier
+from tierkv.tiers.hbm import HbmTier
+from tierkv.tiers.nvme import NvmeTier
+
+FORMAT_VERSION = 2
+# The NVMe data file starts with a 4 KiB label: magic + the store's 16-byte identity.
+LABEL_BYTES = 4096
+_LABEL_MAGIC = b"tierkv-data-v2\n\0"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StoreParts:
+    """What an open store holds: the writer lock's fd (None for readers), the index, the manager."""
+
+    lock_fd: int | None
+    index: PersistentIndex | None
+    manager: BlockManager
+
+
+def open_store_parts(cfg: StoreConfig, read_only: bool) -> StoreParts:
+    """Lock the directory, build the tiers, open and check the index, adopt persistent pages.
+
+    An index found damaged while adopting is set aside (logged) and the store opens
+    empty instead; any other failure releases everything and propagates.
+    """
+    store_dir = Path(cfg.path)
+    lock_fd = acquire_dir(store_dir, read_only)
+    try:
+        try:
+            index, manager = _open_tiers(cfg, read_only)
+        except BaseException as exc:
+            if read_only or not is_damage(exc):
+                raise
+            quarantine_index(store_dir, str(exc))
+            index, manager = _open_tiers(cfg, read_only)
+    except BaseException:
+        release_dir(lock_fd)
+        raise
+    return StoreParts(lock_fd, index, manager)
+
+
+def acquire_dir(store_dir: Path, read_only: bool) -> int | None:
+    """Create the store directory (0700) and take its writer lock; readers take none."""
+    if read_only:
+        if not store_dir.is_dir():
+            raise ConfigError(f"no store at {store_dir}; a read-only open needs an existing store")
+        return None
+    try:
+        store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the store directory {store_dir}: {exc}") from None
+    fd = os.open(store_dir / "writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreBusyError(f"the store at {store_dir} is open for writing by pid {holder}; "
+                             "open it with read_only=True to share it") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def release_dir(lock_fd: int | None) -> None:
+    if lock_fd is not None:
+        os.close(lock_fd)  # closing drops the flock
+
+
+def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | None, BlockManager]:
+    tiers = build_tiers(cfg, read_only)
+    index: PersistentIndex | None = None
+    try:
+        persistent = [t.kind.value for t in tiers if t.persistent]
+        if persistent:
+            store_dir = Path(cfg.path)
+            index = open_index(store_dir, persistent, _meta(cfg, tiers), read_only=read_only,
+                               verify=cfg.verify_index)
+            if not read_only:
+                mark_clean(store_dir, False)
+            for t in tiers:
+                if isinstance(t, NvmeTier):
+                    _check_label(t, index, read_only)
+        manager = BlockManager(tiers, {t.kind: make_policy(cfg.policy) for t in tiers}, index)
+        if not read_only:
+            for t in tiers:
+                if t.persistent:
+                    manager.adopt_persistent(t.kind)
+        return index, manager
+    except BaseException:
+        for t in tiers:
+            t.close()
+        if index is not None:
+            index.close()
+        raise
+
+
+def build_tiers(cfg: StoreConfig, read_only: bool) -> list[Tier]:
+    """The tiers ``cfg`` asks for, fastest first; readers get the persistent ones only."""
+    tiers: list[Tier] = []
+    try:
+        _add_tiers(cfg, read_only, tiers)
+    except BaseException:
+        for t in tiers:  # a later tier failed: release the memory and files of earlier ones
+            t.close()
+        raise
+    return tiers
+
+
+def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
+    pb = cfg.layout.page_bytes
+    if cfg.hbm is not None and cfg.hbm.capacity_bytes and not read_only:
+        slots = cfg.hbm.capacity_bytes // pb
+        if slots == 0:
+            raise ConfigError(f"hbm capacity of {cfg.hbm.capacity_bytes} bytes holds no page of {pb} bytes")
+        tiers.append(HbmTier(slots, pb, device=cfg.hbm.device))
+    if cfg.dram is not None and not read_only:
+        slots = cfg.dram.capacity_bytes // pb
+        if slots == 0 and cfg.dram.capacity_bytes:
+            raise ConfigError(f"dram capacity of {cfg.dram.capacity_bytes} bytes holds no page of {pb} bytes")
+        if slots:
+            tiers.append(DramTier(slots, pb))
+    if cfg.nvme is not None:
+        slot_bytes = round_up(pb)
+        slots = cfg.nvme.capacity_bytes // slot_bytes
+        if slots == 0:
+            raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
+        tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
+                              io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES))
+    if not tiers:
+        raise ConfigError("a read-only open needs the store's NVMe tier configured" if read_only
+                          else "every tier of this store has zero capacity")
+
+
+def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool) -> None:
+    """Make sure the data file belongs to this index; a foreign one loses its records."""
+    label = _LABEL_MAGIC + index.store_id()
+    if tier.read_header().startswith(label):
+        return
+    if read_only:
+        raise ConfigError(f"{tier.path} does not belong to the store index beside it")
+    stale = index.count(tier.kind.value)
+    if stale:
+        log.warning("%s carries no label of this store (a foreign or replaced file); its %d index "
+                    "records are dropped and those pages become misses", tier.path, stale)
+        index.clear(tier.kind.value)
+    tier.write_header(label)
+
+
+def _meta(cfg: StoreConfig, tiers: list[Tier]) -> dict[str, object]:
+    """The geometry a store is created with; reopening with another is refused."""
+    meta: dict[str, object] = {"format": FORMAT_VERSION, "layout": cfg.layout.fingerprint().decode()}
+    for t in tiers:
+        if t.persistent:
+            meta[f"{t.kind.value}_slots"] = t.num_slots
+            meta[f"{t.kind.value}_slot_bytes"] = t.slot_bytes
+    return meta
