@@ -20,8 +20,9 @@ if os.path.exists(os.path.join(_CODEC, "_codec.c")):
     ext_modules.append(
         Extension(
             "tierkv.codec._codec",
-            [os.path.join(_CODEC, f) for f in ("_codec.c", "codec_common.c", "codec_enc.c", "codec_dec.c")],
-            depends=[os.path.join(_CODEC, "codec_core.h")],
+            [os.path.join(_CODEC, f) for f in ("_codec.c", "codec_common.c", "codec_enc.c", "codec_scan.c",
+                                               "codec_dec.c", "codec_rows.c", "codec_simd.c")],
+            depends=[os.path.join(_CODEC, h) for h in ("codec_core.h", "codec_dec.h", "codec_enc.h")],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
         )

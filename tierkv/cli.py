@@ -66,7 +66,13 @@ def _build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     rp.set_defaults(handler=_cmd_replay)
     bp = sub.add_parser("bench", help="run the tier and store benchmarks",
-                        description="Run the benchmarks of tierkv.bench and print a table or JSON.")
+                        description="Run the benchmarks of tierkv.bench and print a table or JSON: "
+                                    "'store' (default) measures the DRAM and NVMe tiers and the keys, "
+                                    "'codec' the lossless KV codec against zipnn and zstd on real KV pages.")
+    bp.add_argument("suite", nargs="?", choices=("store", "codec"), default="store", help="what to measure")
+    bp.add_argument("--kv", metavar="FILE.safetensors", help="codec: KV tensors layerNN.k/.v "
+                    "[kv_heads, tokens, head_dim] (default: ../shared/data/kv/)")
+    bp.add_argument("--page-tokens", type=int, default=16, metavar="N", help="codec: tokens per page (default 16)")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bp.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     bp.add_argument("--dir", metavar="DIR", help="directory for benchmark files (default: a temporary one)")
@@ -228,12 +234,16 @@ def _num(value: object) -> float:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.runs is not None and args.runs < 1:
         raise InputError(f"--runs must be >= 1, got {args.runs}")
-    try:
+    if args.page_tokens < 1:
+        raise InputError(f"--page-tokens must be >= 1, got {args.page_tokens}")
+    if args.suite == "codec":
+        from tierkv.bench.codec import run_codec_bench
+
+        result = run_codec_bench(args.kv, args.page_tokens, args.runs or (2 if args.quick else 3))
+    else:
         from tierkv.bench.main import run
-    except ImportError as exc:
-        _fail(f"error: the benchmarks are not available in this build ({exc})")
-        return EXIT_FAILED
-    result = run(args)
+
+        result = run(args)
     if args.json:
         print(json.dumps(result))
         return EXIT_OK

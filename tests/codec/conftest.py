@@ -1,0 +1,73 @@
+"""Fixtures for the codec tests: real KV pages (skipped where the data file is absent),
+small layouts, and both implementations (C where built, numpy always)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from tierkv.bench.codec import DEFAULT_KV_DIR, kv_pages, load_kv
+from tierkv.codec import Codec, native_available
+from tierkv.layout import DType, KVLayout
+
+KV_FILES = sorted(DEFAULT_KV_DIR.glob("*.safetensors")) if DEFAULT_KV_DIR.is_dir() else []
+requires_kv = pytest.mark.skipif(not KV_FILES, reason=f"no real KV data in {DEFAULT_KV_DIR}")
+requires_native = pytest.mark.skipif(not native_available(), reason="tierkv.codec._codec is not built")
+
+# Both implementations where the extension is built; the numpy one alone otherwise.
+IMPLS = [pytest.param(True, id="c", marks=requires_native), pytest.param(False, id="numpy")]
+
+
+@pytest.fixture(scope="session")
+def kv_layers() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    if not KV_FILES:
+        pytest.skip(f"no real KV data in {DEFAULT_KV_DIR}")
+    return load_kv(KV_FILES[0])[1]
+
+
+def real_pages(layers: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: DType,
+               page_tokens: int = 16) -> tuple[KVLayout, np.ndarray]:
+    return kv_pages(layers, page_tokens, dtype)
+
+
+@pytest.fixture
+def native_codec() -> Iterator[Codec]:
+    """A C codec for a small BF16 layout (skips without the extension)."""
+    if not native_available():
+        pytest.skip("tierkv.codec._codec is not built")
+    with Codec(KVLayout(2, 2, 64, DType.BF16, 16), native=True) as codec:
+        yield codec
+
+
+def normal_pages(layout: KVLayout, n: int, seed: int = 0) -> np.ndarray:
+    """Gaussian pages with per-channel scales, in the layout's dtype, as uint8 rows."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, *layout.page_shape)) * np.exp(rng.normal(0, 1.5, layout.page_shape[-1]))
+    t = torch.from_numpy(x.astype(np.float32)).to(getattr(torch, layout.dtype.torch_name))
+    return t.contiguous().view(torch.uint8).reshape(n, layout.page_bytes).numpy().copy()
+
+
+def roundtrip(codec: Codec, rows: np.ndarray) -> np.ndarray:
+    """Encodes and decodes rows with one codec, checks them exact; returns blob sizes."""
+    out = np.empty((rows.shape[0], codec.max_encoded_bytes), dtype=np.uint8)
+    sizes = codec.encode_into(rows, out)
+    back = np.full_like(rows, 0xA5)
+    report = codec.decode_into([out[i, :int(sizes[i])] for i in range(rows.shape[0])], back)
+    assert report.ok, report
+    np.testing.assert_array_equal(back, rows)
+    return sizes
+
+
+@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+def simd(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Runs a test with the SIMD paths allowed, then with the portable ones only."""
+    if not native_available():
+        pytest.skip("tierkv.codec._codec is not built")
+    from tierkv.codec import _codec  # type: ignore[attr-defined]
+
+    _codec.set_simd(request.param)
+    yield request.param
+    _codec.set_simd(True)

@@ -1,0 +1,138 @@
+"""The codec's API contract: validation, batch and threaded paths, blob views, the
+auto decision."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.codec.conftest import IMPLS, normal_pages, roundtrip
+from tierkv.codec import (HEADER_BYTES, Codec, CodecMode, CodecThroughput, Direction, Mode, max_encoded_bytes,
+                          measure_throughput, native_available, peek_header, should_compress)
+from tierkv.errors import ConfigError, InputError, StoreClosedError
+from tierkv.layout import DType, KVLayout
+
+LAYOUT = KVLayout(2, 2, 64, DType.BF16, 16)
+
+
+@pytest.mark.parametrize("native", IMPLS)
+def test_encode_into_leaves_the_rest_of_each_row(native: bool) -> None:
+    rows = normal_pages(LAYOUT, 3)
+    with Codec(LAYOUT, native=native) as codec:
+        out = np.full((3, 4096 * 5), 0x5A, dtype=np.uint8)
+        sizes = codec.encode_into(rows, out)
+        for i in range(3):
+            assert (out[i, int(sizes[i]):] == 0x5A).all()
+            assert peek_header(out[i]).encoded_bytes == sizes[i]
+            assert peek_header(out[i]).mode is Mode.CODED
+        assert [len(b) for b in codec.encode(rows)] == sizes.tolist()
+
+
+def test_max_encoded_bytes() -> None:
+    assert max_encoded_bytes(LAYOUT.page_bytes) == LAYOUT.page_bytes + HEADER_BYTES
+    assert Codec(LAYOUT, native=False).max_encoded_bytes == LAYOUT.page_bytes + HEADER_BYTES
+    with pytest.raises(InputError):
+        max_encoded_bytes(0)
+
+
+def test_input_errors_name_what_was_expected() -> None:
+    with Codec(LAYOUT, native=False) as codec:
+        with pytest.raises(InputError, match=r"\[n, 16384\]"):
+            codec.encode(np.zeros((1, 100), dtype=np.uint8))
+        with pytest.raises(InputError, match="uint8"):
+            codec.encode(np.zeros((1, LAYOUT.page_bytes // 2), dtype=np.uint16))
+        with pytest.raises(InputError, match="out must be"):
+            codec.encode_into(np.zeros((1, LAYOUT.page_bytes), dtype=np.uint8),
+                              np.zeros((1, LAYOUT.page_bytes), dtype=np.uint8))
+        with pytest.raises(InputError, match="out_rows"):
+            codec.decode_into([b"x"], np.zeros((2, LAYOUT.page_bytes), dtype=np.uint8))
+        with pytest.raises(InputError, match="blob 0"):
+            codec.decode_into([12], np.zeros((1, LAYOUT.page_bytes), dtype=np.uint8))  # type: ignore[list-item]
+    with pytest.raises(InputError, match="threads"):
+        Codec(LAYOUT, threads=0)
+
+
+def test_closed_codec_refuses_work() -> None:
+    codec = Codec(LAYOUT, threads=2, native=False)
+    codec.close()
+    codec.close()
+    with pytest.raises(StoreClosedError):
+        codec.encode(np.zeros((2, LAYOUT.page_bytes), dtype=np.uint8))
+
+
+@pytest.mark.skipif(not native_available(), reason="tierkv.codec._codec is not built")
+def test_threaded_batches_match_single_thread() -> None:
+    rows = normal_pages(LAYOUT, 9, 4)
+    with Codec(LAYOUT, threads=1) as one, Codec(LAYOUT, threads=3) as three:
+        a = [bytes(b) for b in one.encode(rows)]
+        b = [bytes(b) for b in three.encode(rows)]
+        assert a == b
+        back = np.zeros_like(rows)
+        assert three.decode_into(a, back).ok
+        np.testing.assert_array_equal(back, rows)
+
+
+def test_codec_mode_parse() -> None:
+    assert CodecMode.parse("Lossless") is CodecMode.LOSSLESS
+    assert CodecMode.parse(CodecMode.AUTO) is CodecMode.AUTO
+    with pytest.raises(ConfigError, match="none, lossless, auto"):
+        CodecMode.parse("zstd")
+
+
+def test_auto_compresses_only_where_it_pays() -> None:
+    t = CodecThroughput(ratio=0.65, compress_gbps=2.0, decompress_gbps=8.0, threads=4)
+    # reads: decoding at 8 GB/s pays on a 1 GB/s tier (0.125 + 0.65 < 1), not on a 10 GB/s one
+    assert should_compress(CodecMode.AUTO, t, 1.0, Direction.READ)
+    assert not should_compress(CodecMode.AUTO, t, 10.0, Direction.READ)
+    # writes: encoding at 2 GB/s does not pay on a 1 GB/s tier (0.5 + 0.65 > 1)
+    assert not should_compress(CodecMode.AUTO, t, 1.0, Direction.WRITE)
+    assert should_compress(CodecMode.AUTO, t, 0.5, Direction.WRITE)
+    assert should_compress(CodecMode.LOSSLESS, None, 100.0, Direction.WRITE)
+    assert not should_compress(CodecMode.NONE, t, 0.01, Direction.READ)
+    with pytest.raises(InputError, match="measured"):
+        should_compress(CodecMode.AUTO, None, 1.0, Direction.READ)
+
+
+@pytest.mark.parametrize("native", IMPLS)
+def test_measure_throughput(native: bool) -> None:
+    rows = normal_pages(LAYOUT, 2)
+    with Codec(LAYOUT, native=native) as codec:
+        t = measure_throughput(codec, rows, min_seconds=0.001)
+        roundtrip(codec, rows)
+    assert 0 < t.ratio < 1 and t.compress_gbps > 0 and t.decompress_gbps > 0 and t.threads == 1
+
+
+def test_numpy_codec_runs_where_the_extension_is_missing(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    import tierkv.codec.codec as codec_module
+
+    monkeypatch.setattr(codec_module, "_native", None)
+    monkeypatch.setattr(codec_module, "_warned_numpy", False)
+    with caplog.at_level("WARNING"):
+        codec = Codec(KVLayout(1, 1, 16, DType.FP16, 4))
+    assert not codec.native and "not built" in caplog.text
+    roundtrip(codec, normal_pages(codec.layout, 2))
+    with pytest.raises(InputError, match="not built"):
+        Codec(LAYOUT, native=True)
+
+
+@pytest.mark.skipif(not native_available(), reason="tierkv.codec._codec is not built")
+def test_one_codec_from_many_threads() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = normal_pages(LAYOUT, 8, 9)
+    with Codec(LAYOUT, threads=2) as codec:
+        expect = [bytes(b) for b in codec.encode(rows)]
+
+        def work(seed: int) -> bool:
+            for _ in range(20):
+                blobs = codec.encode(rows)
+                back = np.zeros_like(rows)
+                if [bytes(b) for b in blobs] != expect or not codec.decode_into(blobs, back).ok:
+                    return False
+                if not np.array_equal(back, rows):
+                    return False
+            return True
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(work, range(4)))

@@ -1,0 +1,97 @@
+"""Corrupted, truncated or foreign blobs are refused, never decoded into wrong data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.codec.conftest import IMPLS, normal_pages, real_pages, requires_native
+from tierkv.codec import HEADER_BYTES, Codec, peek_header
+from tierkv.errors import CorruptPageError
+from tierkv.layout import DType, KVLayout
+
+LAYOUT = KVLayout(1, 2, 16, DType.BF16, 8)
+
+
+def _blobs(native: bool, layout: KVLayout = LAYOUT, n: int = 2) -> tuple[np.ndarray, list[bytes]]:
+    rows = normal_pages(layout, n, 11)
+    rows[1] = np.random.default_rng(2).integers(0, 256, layout.page_bytes, dtype=np.uint8)  # a raw page
+    with Codec(layout, native=native) as codec:
+        return rows, [bytes(b) for b in codec.encode(rows)]
+
+
+@pytest.mark.parametrize("native", IMPLS)
+def test_every_bit_flip_is_detected(native: bool) -> None:
+    rows, blobs = _blobs(native)
+    rng = np.random.default_rng(0)
+    with Codec(LAYOUT, native=native) as codec:
+        for blob in blobs:
+            positions = list(range(HEADER_BYTES)) + list(rng.integers(HEADER_BYTES, len(blob), 40 if native else 8))
+            for pos in positions:
+                bad = bytearray(blob)
+                bad[pos] ^= 1 << int(rng.integers(8))
+                out = np.zeros(LAYOUT.page_bytes, dtype=np.uint8)
+                with pytest.raises(CorruptPageError):
+                    codec.decode(bytes(bad), out)
+
+
+@pytest.mark.parametrize("native", IMPLS)
+def test_truncated_and_padded_blobs(native: bool) -> None:
+    rows, blobs = _blobs(native)
+    out = np.zeros(LAYOUT.page_bytes, dtype=np.uint8)
+    with Codec(LAYOUT, native=native) as codec:
+        for i, blob in enumerate(blobs):
+            for cut in (0, 1, HEADER_BYTES - 1, HEADER_BYTES, len(blob) - 1):
+                with pytest.raises(CorruptPageError):
+                    codec.decode(blob[:cut], out)
+            codec.decode(blob + bytes(4096 - len(blob) % 4096), out)   # whole blocks read back
+            np.testing.assert_array_equal(out, rows[i])
+
+
+@pytest.mark.parametrize("native", IMPLS)
+def test_blob_of_another_layout_is_refused(native: bool) -> None:
+    _, blobs = _blobs(native)
+    other = KVLayout(1, 2, 16, DType.FP16, 8)   # same size, another dtype
+    with Codec(other, native=native) as codec:
+        with pytest.raises(CorruptPageError, match="layout"):
+            codec.decode(blobs[0], np.zeros(other.page_bytes, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("native", IMPLS)
+def test_decode_into_reports_only_the_bad_pages(native: bool) -> None:
+    rows, blobs = _blobs(native)
+    bad = bytearray(blobs[0])
+    bad[-1] ^= 0x10
+    with Codec(LAYOUT, native=native) as codec:
+        out = np.zeros_like(rows)
+        report = codec.decode_into([bytes(bad), blobs[1], b"not a page"], np.zeros((3, LAYOUT.page_bytes),
+                                                                                    dtype=np.uint8))
+        assert report.failed == (0, 2)
+        assert "checksum" in report.reasons[0]
+        report = codec.decode_into([blobs[1], blobs[0]], out)
+        assert report.ok
+        np.testing.assert_array_equal(out, rows[::-1])
+
+
+@requires_native
+def test_real_page_bit_flips_are_detected(kv_layers: dict) -> None:
+    layout, rows = real_pages(kv_layers, DType.BF16)
+    rng = np.random.default_rng(5)
+    with Codec(layout) as codec:
+        blob = bytes(codec.encode(rows[:1])[0])
+        assert peek_header(blob).encoded_bytes == len(blob)
+        blobs, expect_failed = [], []
+        for i in range(200):
+            bad = bytearray(blob)
+            bad[int(rng.integers(len(blob)))] ^= 1 << int(rng.integers(8))
+            blobs.append(bytes(bad))
+            expect_failed.append(i)
+        report = codec.decode_into(blobs, np.zeros((200, layout.page_bytes), dtype=np.uint8))
+        assert list(report.failed) == expect_failed
+
+
+def test_peek_header_refuses_foreign_bytes() -> None:
+    with pytest.raises(CorruptPageError):
+        peek_header(b"\x00" * 64)
+    with pytest.raises(CorruptPageError):
+        peek_header(b"TK")

@@ -1,0 +1,217 @@
+"""``tierkv bench codec``: the lossless codec on real KV pages, against zipnn and zstd.
+
+Cuts a safetensors file of ``layerNN.k`` / ``layerNN.v`` tensors (``[kv_heads, tokens,
+head_dim]``) into pages the way the store forms them (every layer in the file,
+``page_tokens`` tokens a page, ``[layers, 2, tokens, heads, head_dim]``), in the
+file's dtype and cast by torch to FP16 and both FP8 formats, and measures in one run,
+single-threaded, per dtype: tierkv's ratio (compressed / original) and compress and
+decompress GB/s of original bytes; zipnn's (PyPI) on the same pages one call per page
+(its per-page unit, as the store would call it) and on all pages as one buffer
+(``zipnn_bulk_*``, its best case); plain zstd (level 3) per page. Every codec's
+output is checked to decode to the input. Called by the CLI; ``run_codec_bench``
+returns one JSON-ready dict whose top-level figures are the BF16 pages' and whose
+``dtypes`` holds every dtype's. Timings are process CPU time (see ``CPU``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierkv.codec.codec import Codec, native_available
+from tierkv.errors import InputError
+from tierkv.layout import DType, KVLayout
+
+DEFAULT_KV_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "kv"
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_ZIPNN_DTYPE = {DType.BF16: "bfloat16", DType.FP16: "float16", DType.FP32: "float32"}
+_NAME = re.compile(r"^layer(\d+)\.([kv])$")
+BENCH_DTYPES = (DType.BF16, DType.FP16, DType.FP8_E4M3, DType.FP8_E5M2)
+
+
+def load_kv(path: str | Path | None) -> tuple[Path, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """The K and V tensors of every layer in a safetensors file (or the first such
+    file in a directory; default ``../shared/data/kv/``), keyed by layer number."""
+    p = Path(path) if path is not None else DEFAULT_KV_DIR
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise InputError(f"no .safetensors file in {p}")
+        p = files[0]
+    if not p.is_file():
+        raise InputError(f"KV file {p} does not exist")
+    raw = p.read_bytes()
+    (hlen,) = struct.unpack_from("<Q", raw)
+    header = json.loads(raw[8:8 + hlen])
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, meta in header.items():
+        m = _NAME.match(name)
+        if m is None:
+            continue
+        if meta["dtype"] not in _ST_DTYPES or len(meta["shape"]) != 3:
+            raise InputError(f"{p}: {name} is {meta['dtype']} {meta['shape']}; expected BF16, F16 or F32 "
+                             "[kv_heads, tokens, head_dim]")
+        lo, hi = meta["data_offsets"]
+        buf = bytearray(raw[8 + hlen + lo:8 + hlen + hi])
+        t = torch.frombuffer(buf, dtype=_ST_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+        layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
+    if not layers or any(set(kv) != {"k", "v"} for kv in layers.values()):
+        raise InputError(f"{p}: expected tensors layerNN.k and layerNN.v for every layer, got "
+                         f"{sorted(header)[:8]}")
+    shapes = {tuple(t.shape) for kv in layers.values() for t in kv.values()}
+    if len(shapes) != 1:
+        raise InputError(f"{p}: every layerNN.k/.v must have one shape, got {sorted(shapes)}")
+    return p, {n: (kv["k"], kv["v"]) for n, kv in sorted(layers.items())}
+
+
+def kv_pages(layers: dict[int, tuple[torch.Tensor, torch.Tensor]], page_tokens: int,
+             dtype: DType) -> tuple[KVLayout, np.ndarray]:
+    """Store pages ``uint8 [n, page_bytes]`` (``[layers, 2, tokens, heads, head_dim]``
+    each) of every full run of ``page_tokens`` tokens, cast to ``dtype``."""
+    heads, tokens, head_dim = next(iter(layers.values()))[0].shape
+    if page_tokens < 1 or tokens < page_tokens:
+        raise InputError(f"--page-tokens must be between 1 and the file's {tokens} tokens, got {page_tokens}")
+    kv = torch.stack([torch.stack(pair) for pair in layers.values()])        # [L, 2, H, T, D]
+    kv = kv.permute(0, 1, 3, 2, 4).to(getattr(torch, dtype.torch_name))     # [L, 2, T, H, D]
+    n = tokens // page_tokens
+    pages = kv[:, :, :n * page_tokens].reshape(len(layers), 2, n, page_tokens, heads, head_dim)
+    pages = pages.permute(2, 0, 1, 3, 4, 5).contiguous()
+    layout = KVLayout(len(layers), heads, head_dim, dtype, page_tokens)
+    return layout, pages.view(torch.uint8).reshape(n, layout.page_bytes).numpy().copy()
+
+
+# Process CPU time, not wall time: on a shared machine the wall clock also counts the
+# time other processes hold the core, which varies from one measurement to the next.
+# Every codec measured here runs on the calling thread, so the two agree on an idle
+# machine. The multi-threaded tierkv figure alone uses the wall clock.
+Clock = Callable[[], float]
+CPU: Clock = time.process_time
+WALL: Clock = time.perf_counter
+
+
+def _timed(fn: Callable[[], object], clock: Clock = CPU) -> float:
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
+def _best_seconds(fn: Callable[[], object], runs: int, clock: Clock = CPU) -> float:
+    fn()  # warm-up: first allocations, page faults, lazy imports
+    return min(_timed(fn, clock) for _ in range(runs))
+
+
+def _figures(prefix: str, original: int, compressed: int, t_comp: float, t_dec: float) -> dict[str, float]:
+    return {f"{prefix}ratio": compressed / original, f"{prefix}compress_gbps": original / t_comp / 1e9,
+            f"{prefix}decompress_gbps": original / t_dec / 1e9}
+
+
+def _bench_tierkv(layout: KVLayout, rows: np.ndarray, runs: int, threads: int) -> dict[str, float]:
+    clock = CPU if threads == 1 else WALL
+    with Codec(layout, threads=threads) as codec:
+        out = np.empty((rows.shape[0], codec.max_encoded_bytes), dtype=np.uint8)
+        sizes = codec.encode_into(rows, out)
+        blobs = [out[i, :int(sizes[i])] for i in range(rows.shape[0])]
+        back = np.empty_like(rows)
+        if not codec.decode_into(blobs, back).ok or not np.array_equal(back, rows):
+            raise AssertionError(f"tierkv codec round trip failed on {layout.dtype.value} pages")
+        t_comp = _best_seconds(lambda: codec.encode_into(rows, out), runs, clock)
+        t_dec = _best_seconds(lambda: codec.decode_into(blobs, back), runs, clock)
+    return _figures("", rows.size, int(sizes.sum()), t_comp, t_dec)
+
+
+def _bench_zipnn(zipnn: object, dtype: DType, rows: np.ndarray, runs: int) -> dict[str, float]:
+    z = zipnn.ZipNN(bytearray_dtype=_ZIPNN_DTYPE[dtype], threads=1)  # type: ignore[attr-defined]
+    pages = [rows[i].tobytes() for i in range(rows.shape[0])]
+    # zipnn's compress overwrites its input: each timed run gets fresh copies, made untimed.
+    copies: list[list[bytearray]] = [[bytearray(p) for p in pages] for _ in range(runs + 1)]
+    comp = [z.compress(c) for c in copies.pop()]
+    if [bytes(z.decompress(c)) for c in comp] != pages:
+        raise AssertionError(f"zipnn round trip failed on {dtype.value} pages")
+    t_comp = min(_timed(lambda: [z.compress(c) for c in copies.pop()]) for _ in range(runs))
+    t_dec = _best_seconds(lambda: [z.decompress(c) for c in comp], runs)
+    out = _figures("zipnn_", rows.size, sum(len(c) for c in comp), t_comp, t_dec)
+    whole = rows.tobytes()
+    bulk_copies = [bytearray(whole) for _ in range(runs + 1)]
+    bulk = z.compress(bulk_copies.pop())
+    if bytes(z.decompress(bulk)) != whole:
+        raise AssertionError(f"zipnn bulk round trip failed on {dtype.value} pages")
+    t_bc = min(_timed(lambda: z.compress(bulk_copies.pop())) for _ in range(runs))
+    t_bd = _best_seconds(lambda: z.decompress(bulk), runs)
+    out.update(_figures("zipnn_bulk_", rows.size, len(bulk), t_bc, t_bd))
+    return out
+
+
+def _bench_zstd(zstandard: object, dtype: DType, rows: np.ndarray, runs: int) -> dict[str, float]:
+    cctx = zstandard.ZstdCompressor(level=3)  # type: ignore[attr-defined]
+    dctx = zstandard.ZstdDecompressor()  # type: ignore[attr-defined]
+    pages = [rows[i].tobytes() for i in range(rows.shape[0])]
+    comp = [cctx.compress(p) for p in pages]
+    if [dctx.decompress(c) for c in comp] != pages:
+        raise AssertionError(f"zstd round trip failed on {dtype.value} pages")
+    t_comp = _best_seconds(lambda: [cctx.compress(p) for p in pages], runs)
+    t_dec = _best_seconds(lambda: [dctx.decompress(c) for c in comp], runs)
+    return _figures("zstd_", rows.size, sum(len(c) for c in comp), t_comp, t_dec)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _optional(name: str) -> object | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def bench_dtype(layers: dict[int, tuple[torch.Tensor, torch.Tensor]], page_tokens: int, dtype: DType,
+                runs: int, threads: int = 0) -> dict[str, object]:
+    """Every codec's figures on one dtype's pages (None where a baseline is missing)."""
+    layout, rows = kv_pages(layers, page_tokens, dtype)
+    res: dict[str, object] = {"pages": rows.shape[0], "page_bytes": layout.page_bytes}
+    res.update(_bench_tierkv(layout, rows, runs, 1))
+    if threads > 1:
+        par = _bench_tierkv(layout, rows, runs, threads)
+        res.update({"threads": threads, "compress_gbps_threads": par["compress_gbps"],
+                    "decompress_gbps_threads": par["decompress_gbps"]})
+    zipnn, zstandard = _optional("zipnn"), _optional("zstandard")
+    keys = ("ratio", "compress_gbps", "decompress_gbps")
+    res.update(_bench_zipnn(zipnn, dtype, rows, runs) if zipnn is not None and dtype in _ZIPNN_DTYPE
+               else {f"{p}{k}": None for p in ("zipnn_", "zipnn_bulk_") for k in keys})
+    res.update(_bench_zstd(zstandard, dtype, rows, runs) if zstandard is not None
+               else {f"zstd_{k}": None for k in keys})
+    for base in ("zipnn", "zipnn_bulk", "zstd"):
+        d = res[f"{base}_decompress_gbps"]
+        res[f"decompress_vs_{base}"] = None if d is None else float(res["decompress_gbps"]) / float(d)  # type: ignore[arg-type]
+    return res
+
+
+def run_codec_bench(kv_path: str | Path | None = None, page_tokens: int = 16, runs: int = 3,
+                    threads: int | None = None) -> dict[str, object]:
+    """The whole benchmark; top-level figures are BF16's, ``dtypes`` has every dtype's.
+
+    ``threads`` adds a multi-threaded tierkv measurement (default: every CPU).
+    """
+    if runs < 1:
+        raise InputError(f"--runs must be >= 1, got {runs}")
+    path, layers = load_kv(kv_path)
+    threads = (os.cpu_count() or 1) if threads is None else threads
+    per = {d.value: bench_dtype(layers, page_tokens, d, runs, threads) for d in BENCH_DTYPES}
+    head = per[DType.BF16.value]
+    versions = {name: _version(name) for name in ("zipnn", "zstandard")}
+    return {**{k: v for k, v in head.items()}, "kv": str(path), "layers": len(layers), "page_tokens": page_tokens,
+            "runs": runs, "clock": "process CPU time (multi-threaded figures: wall time)",
+            "native": native_available(), "versions": versions, "dtypes": per}

@@ -1,0 +1,220 @@
+/*
+ * tierkv.codec._codec: the lossless float codec for KV pages (format v1), in C.
+ *
+ * This file holds the Python bindings only. The codec itself: codec_common.c (layout,
+ * tables, header), codec_enc.c + codec_scan.c (encoder), codec_dec.c + codec_rows.c
+ * (decoder), codec_simd.c (AVX-512, AVX2 and BMI2 paths), declared in codec_core.h;
+ * tierkv/codec/FORMAT.md describes the format. Called by tierkv.codec.codec, which
+ * validates arguments and threads batches; both entry points release the GIL while
+ * they touch only the caller's buffers and their own scratch.
+ *
+ * Built by setup.py against xxhash.h (0.8.x, header-only through XXH_INLINE_ALL);
+ * optional: without it tierkv.codec falls back to its numpy implementation.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "codec_core.h"
+
+/* ---------------------------------------------------------------- bindings -- */
+
+static int
+parse_geometry(PyObject *args, Py_ssize_t off, Layout *lay)
+{
+    long v[6];
+    for (int i = 0; i < 6; i++) {
+        PyObject *o = PyTuple_GET_ITEM(args, off + i);
+        v[i] = PyLong_AsLong(o);
+        if (v[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    lay->dtype = (int)v[0];
+    lay->kind = (int)v[1];
+    lay->layers = (uint32_t)v[2];
+    lay->tokens = (uint32_t)v[3];
+    lay->heads = (uint32_t)v[4];
+    lay->head_dim = (uint32_t)v[5];
+    if (layout_init(lay) != 0) {
+        PyErr_Format(PyExc_ValueError, "unsupported codec layout (dtype code %ld, kind %ld, "
+                     "%ld layers, %ld tokens, %ld heads, head_dim %ld)", v[0], v[1], v[2], v[3], v[4], v[5]);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+get_buffer(PyObject *o, Py_buffer *view, int writable, const char *what)
+{
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer, got %.100s", what,
+                     writable ? " writable" : "", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(encode_rows_doc,
+"encode_rows(src, dst, sizes, dtype, kind, layers, tokens, heads, head_dim) -> None\n\n"
+"Encodes each row of src (n x page_bytes) into the matching row of dst (n x stride,\n"
+"stride >= page_bytes + HEADER_BYTES) and stores each blob's length in sizes (int64[n]).");
+
+static PyObject *
+encode_rows(PyObject *self, PyObject *args)
+{
+    Py_buffer src = {0}, dst = {0}, sizes = {0};
+    Layout lay;
+    PyObject *ret = NULL;
+    if (PyTuple_GET_SIZE(args) != 9) {
+        PyErr_SetString(PyExc_TypeError, "encode_rows takes 9 arguments");
+        return NULL;
+    }
+    if (parse_geometry(args, 3, &lay) != 0)
+        return NULL;
+    if (get_buffer(PyTuple_GET_ITEM(args, 0), &src, 0, "src") != 0)
+        return NULL;
+    if (get_buffer(PyTuple_GET_ITEM(args, 1), &dst, 1, "dst") != 0)
+        goto done;
+    if (get_buffer(PyTuple_GET_ITEM(args, 2), &sizes, 1, "sizes") != 0)
+        goto done;
+    size_t pb = lay.page_bytes;
+    size_t n = (size_t)sizes.len / sizeof(int64_t);
+    if ((size_t)src.len != n * pb || n == 0 || (size_t)dst.len % n != 0
+            || (size_t)dst.len / n < pb + HEADER_BYTES) {
+        PyErr_Format(PyExc_ValueError, "encode_rows: %zd sizes, %zd source bytes and %zd destination "
+                     "bytes do not fit pages of %zu bytes", sizes.len / (Py_ssize_t)sizeof(int64_t),
+                     src.len, dst.len, pb);
+        goto done;
+    }
+    size_t stride = (size_t)dst.len / n;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        size_t out = 0;
+        rc = encode_page(&lay, (const uint8_t *)src.buf + i * pb, (uint8_t *)dst.buf + i * stride,
+                         stride, &out);
+        ((int64_t *)sizes.buf)[i] = (int64_t)out;
+    }
+    scratch_trim();
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    if (src.obj) PyBuffer_Release(&src);
+    if (dst.obj) PyBuffer_Release(&dst);
+    if (sizes.obj) PyBuffer_Release(&sizes);
+    return ret;
+}
+
+PyDoc_STRVAR(decode_rows_doc,
+"decode_rows(blobs, dst, status, dtype, kind, layers, tokens, heads, head_dim) -> None\n\n"
+"Decodes blobs[i] (a sequence of buffers) into row i of dst (n x page_bytes) and writes\n"
+"0 (decoded) or an error code into status (int32[n]). A failed row's bytes are\n"
+"unspecified; it must not be used. Error codes: see tierkv.codec.format.ERROR_TEXT.");
+
+static PyObject *
+decode_rows(PyObject *self, PyObject *args)
+{
+    Py_buffer dst = {0}, status = {0};
+    Py_buffer *views = NULL;
+    Py_ssize_t n = 0, got = 0;
+    Layout lay;
+    PyObject *seq = NULL, *ret = NULL;
+    if (PyTuple_GET_SIZE(args) != 9) {
+        PyErr_SetString(PyExc_TypeError, "decode_rows takes 9 arguments");
+        return NULL;
+    }
+    if (parse_geometry(args, 3, &lay) != 0)
+        return NULL;
+    seq = PySequence_Fast(PyTuple_GET_ITEM(args, 0), "blobs must be a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (get_buffer(PyTuple_GET_ITEM(args, 1), &dst, 1, "dst") != 0)
+        goto done;
+    if (get_buffer(PyTuple_GET_ITEM(args, 2), &status, 1, "status") != 0)
+        goto done;
+    size_t pb = lay.page_bytes;
+    if (n == 0 || (size_t)dst.len != (size_t)n * pb || (size_t)status.len != (size_t)n * sizeof(int32_t)) {
+        PyErr_Format(PyExc_ValueError, "decode_rows: %zd blobs, %zd destination bytes and %zd status "
+                     "bytes do not fit pages of %zu bytes", n, dst.len, status.len, pb);
+        goto done;
+    }
+    views = PyMem_Calloc((size_t)n, sizeof(Py_buffer));
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (got = 0; got < n; got++) {
+        if (get_buffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], 0, "each blob") != 0)
+            goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ((int32_t *)status.buf)[i] = decode_page(&lay, (const uint8_t *)views[i].buf, (size_t)views[i].len,
+                                                 (uint8_t *)dst.buf + (size_t)i * pb);
+    }
+    scratch_trim();
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    if (dst.obj) PyBuffer_Release(&dst);
+    if (status.obj) PyBuffer_Release(&status);
+    Py_XDECREF(seq);
+    return ret;
+}
+
+PyDoc_STRVAR(set_simd_doc,
+"set_simd(level) -> None\n\n"
+"Which SIMD paths may run where the CPU has them: 2 (or True) all, 1 AVX2 and BMI2 but\n"
+"not AVX-512, 0 (or False) the portable ones; all read and write the same bytes. For\n"
+"tests and comparisons: not meant to change while other threads code pages.");
+
+static PyObject *
+set_simd_py(PyObject *self, PyObject *arg)
+{
+    long level = PyLong_AsLong(arg);
+    if (level == -1 && PyErr_Occurred())
+        return NULL;
+    set_simd(level >= 2 || level == 1 ? (int)(level > 2 ? 2 : level) : 0);
+    if (level == 1 && PyBool_Check(arg))
+        set_simd(2);   /* True means every path */
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"set_simd", set_simd_py, METH_O, set_simd_doc},
+    {"encode_rows", encode_rows, METH_VARARGS, encode_rows_doc},
+    {"decode_rows", decode_rows, METH_VARARGS, decode_rows_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "tierkv.codec._codec",
+    "The lossless KV page codec (format v1) in C; see tierkv.codec.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__codec(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "FORMAT_VERSION", FORMAT_VERSION) < 0
+            || PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES) < 0
+            || PyModule_AddIntConstant(m, "LANES", LANES) < 0
+            || PyModule_AddIntConstant(m, "PROB_BITS", PROB_BITS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,104 @@
+"""Per-tier codec choice: ``none``, ``lossless`` or ``auto`` (compress only where it makes
+the transfer faster), from the codec's measured throughput and the tier's bandwidth.
+
+The store measures a :class:`CodecThroughput` once (``measure_throughput`` on a sample
+of its own pages, with the codec's thread count) and asks :func:`should_compress` per
+tier and direction. The model is serial and so conservative: a write costs encoding
+plus moving the smaller blob; a read, moving the blob plus decoding; pipelining the two
+would only favour the codec more. Pure functions apart from the measurement.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierkv.codec.codec import Codec
+from tierkv.errors import ConfigError, InputError
+
+
+class CodecMode(enum.Enum):
+    """A tier's ``codec`` setting; the value is the config spelling."""
+
+    NONE = "none"
+    LOSSLESS = "lossless"
+    AUTO = "auto"
+
+    @classmethod
+    def parse(cls, value: str | CodecMode) -> CodecMode:
+        if isinstance(value, CodecMode):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ConfigError(f"unknown codec {value!r}; expected one of none, lossless, auto") from None
+
+
+class Direction(enum.Enum):
+    """Which way pages cross the tier boundary."""
+
+    WRITE = "write"  # into the tier: encode, then move the blob
+    READ = "read"    # out of the tier: move the blob, then decode
+
+
+@dataclass(frozen=True)
+class CodecThroughput:
+    """Measured codec figures: ``ratio`` is blob bytes over page bytes; speeds are GB/s
+    of page (uncompressed) bytes with ``threads`` workers."""
+
+    ratio: float
+    compress_gbps: float
+    decompress_gbps: float
+    threads: int
+
+    def seconds(self, nbytes: int, tier_gbps: float, direction: Direction) -> float:
+        """Time to move ``nbytes`` of pages through a tier of ``tier_gbps`` with the codec."""
+        codec_gbps = self.compress_gbps if direction is Direction.WRITE else self.decompress_gbps
+        return nbytes / (codec_gbps * 1e9) + nbytes * self.ratio / (tier_gbps * 1e9)
+
+    def speeds_up(self, tier_gbps: float, direction: Direction) -> bool:
+        """Whether coding makes moving pages through this tier faster than moving them raw."""
+        if tier_gbps <= 0:
+            raise InputError(f"tier bandwidth must be positive, got {tier_gbps} GB/s")
+        return self.seconds(1 << 30, tier_gbps, direction) < (1 << 30) / (tier_gbps * 1e9)
+
+
+def should_compress(mode: CodecMode, throughput: CodecThroughput | None, tier_gbps: float,
+                    direction: Direction) -> bool:
+    """The decision for one tier and direction; ``auto`` needs a measured throughput."""
+    if mode is CodecMode.NONE:
+        return False
+    if mode is CodecMode.LOSSLESS:
+        return True
+    if throughput is None:
+        raise InputError("codec 'auto' needs a measured CodecThroughput (see measure_throughput)")
+    return throughput.speeds_up(tier_gbps, direction)
+
+
+def measure_throughput(codec: Codec, sample_rows: np.ndarray, min_seconds: float = 0.05) -> CodecThroughput:
+    """Encodes and decodes ``sample_rows`` (``uint8 [n, page_bytes]``, real pages of the
+    store's layout) repeatedly for at least ``min_seconds`` each; wall-clock GB/s."""
+    if sample_rows.ndim != 2 or sample_rows.shape[0] == 0:
+        raise InputError(f"measure_throughput needs at least one sample page, got {sample_rows.shape}")
+    out = np.empty((sample_rows.shape[0], codec.max_encoded_bytes), dtype=np.uint8)
+    sizes = codec.encode_into(sample_rows, out)
+    blobs = [out[i, :int(sizes[i])] for i in range(sample_rows.shape[0])]
+    back = np.empty_like(sample_rows)
+    if not codec.decode_into(blobs, back).ok:  # pragma: no cover - the codec's own output
+        raise InputError("the codec could not decode its own sample pages")
+
+    def rate(fn: object) -> float:
+        runs, t0 = 0, time.perf_counter()
+        while True:
+            fn()  # type: ignore[operator]
+            runs += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_seconds:
+                return runs * sample_rows.nbytes / elapsed / 1e9
+
+    compress = rate(lambda: codec.encode_into(sample_rows, out))
+    decompress = rate(lambda: codec.decode_into(blobs, back))
+    return CodecThroughput(float(sizes.sum()) / sample_rows.nbytes, compress, decompress, codec.threads)

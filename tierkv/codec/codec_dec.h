@@ -1,0 +1,69 @@
+/*
+ * The decoder's state, shared by codec_dec.c (payload, tables, rANS symbols, the plane
+ * loop) and codec_rows.c (signs, mid bits and the assembly of rows). Private to the
+ * decoder; codec_core.h is the codec's shared header.
+ */
+#ifndef TIERKV_CODEC_DEC_H
+#define TIERKV_CODEC_DEC_H
+
+#include "codec_core.h"
+
+typedef struct {
+    const Layout *lay;
+    Params pr;
+    Model m;
+    uint32_t slot[NCTX][PROB_SCALE];   /* sym | freq << 8 | bias << 20, for used contexts */
+    uint8_t filled[NCTX];              /* slot[ctx] is built */
+    const uint8_t *base, *rans_end;
+    const uint8_t *sign;               /* raw signs, channel by channel */
+    uint8_t *mid;                      /* mid bits: the section, then the tail from the states */
+    size_t sign_len, mid_len, ksign, kmid, mid_bits, tail;
+    uint8_t *dup;                      /* per plane x token */
+    uint32_t *dup_src;
+    uint32_t *cmax, *fpos, *midv;      /* per channel */
+    uint16_t *cmax16;
+    uint8_t *cmax8;
+    int simd;                          /* combine_16_avx2 and unpack_mids_bmi2 may run here */
+    int avx512;                        /* decode_syms_avx512 may run here */
+    uint8_t *sym;                      /* per plane: tokens x channels */
+    const uint8_t *exc, *exc_end;      /* lo exceptions still to apply */
+    uint64_t exc_left, exc_next;       /* how many, and the coded element of the next one */
+    uint64_t *sgw;                     /* per plane: sign masks, 64 rows x channels a word */
+    BitReader esc;
+    int err;
+} Dec;
+
+/* Up to 57 bits of a fixed-order stream from bit offset off (zeros past its end). */
+static inline uint64_t
+bits_at(const uint8_t *buf, size_t len, size_t off)
+{
+    size_t q = off >> 3;
+    if (q + 8 <= len) return rd_u64(buf + q) >> (off & 7);
+    uint64_t v = 0;
+    for (size_t i = q; i < len && i < q + 8; i++) v |= (uint64_t)buf[i] << (8 * (i - q));
+    return v >> (off & 7);
+}
+
+static inline int
+get_varint(const uint8_t **pp, const uint8_t *end, uint64_t *v)
+{
+    uint64_t out = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+        if (*pp >= end) return -1;
+        uint8_t b = *(*pp)++;
+        out |= (uint64_t)(b & 0x7F) << shift;
+        if (!(b & 0x80)) {
+            *v = out;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* codec_rows.c */
+int load_mid(Dec *D, const uint8_t *section, size_t len);
+void absorb_tail(Dec *D, const uint32_t *x);
+void plane_signs(Dec *D, int coded, uint32_t nrows);
+void assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out);
+
+#endif

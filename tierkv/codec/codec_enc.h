@@ -1,0 +1,48 @@
+/*
+ * The encoder's state, shared by codec_enc.c (decisions, tables, rANS, the payload) and
+ * codec_scan.c (the passes over the page's elements). Private to the encoder;
+ * codec_core.h is the codec's shared header.
+ */
+#ifndef TIERKV_CODEC_ENC_H
+#define TIERKV_CODEC_ENC_H
+
+#include "codec_core.h"
+
+typedef struct {
+    const Layout *lay;
+    const uint8_t *src;
+    Params pr;
+    Model m;
+    uint8_t levels[NCTX][256];
+    uint32_t counts[NCTX][256];
+    uint32_t hist8[256];          /* low 8 mantissa bits above tz, for the lo decision */
+    size_t nexc;                  /* elements whose lo bits are not zero */
+    uint64_t flip_raw[2];         /* raw sign bits left per K/V class if signs are coded */
+    uint64_t elems_kc[2];         /* coded elements per K/V class */
+    EncSym es[NCTX][256];
+    uint8_t *sym, *lov;           /* per element */
+    uint8_t *side;                /* per plane x channel */
+    uint32_t *fpos;               /* per plane x channel: first flip, counted in coded rows */
+    uint32_t *nrows;              /* per plane: coded (non-repeated) rows */
+    uint8_t *dup;                 /* per plane x token: 1 = repeats an earlier row */
+    uint32_t *dup_src;
+    uint8_t *base;                /* per plane */
+    uint16_t *cmax;               /* per plane x channel: max exponent */
+    uint8_t *s0;                  /* per channel: sign in the first coded row */
+    uint32_t *signw;              /* per 32 coded rows x channel: their signs, a bit each */
+    uint32_t *slots;              /* repeated-row hash table */
+    size_t nslots, ndup, coded_elems;
+    uint8_t *rans_buf, *raw_buf, *misc;
+    size_t rans_cap, esc_cap, sign_cap, mid_cap;
+    uint32_t lane_tail[LANES];    /* mid tail bits each lane's initial state carries */
+    int bmi2;                     /* pack_mids_bmi2 may run here */
+} Enc;
+
+/* codec_scan.c */
+void find_dups(Enc *E);
+int common_zero_bits(const Enc *E);
+void analyse_plane(Enc *E, size_t p);
+void write_streams(const Enc *E, BitWriter *esc, BitWriter *sign, BitWriter *mid);
+size_t take_mid_tail(Enc *E, uint8_t *mid, size_t total_bits);
+
+#endif

@@ -1,0 +1,243 @@
+/*
+ * The decoder's row assembly: a plane's signs from their first flips and raw bits, the
+ * fixed-width mid mantissa bits (with the tail that came back in the rANS states), and
+ * each row put together from symbols, channel maxima, signs and mid bits, then patched
+ * for escapes and lo exceptions. Called by codec_dec.c; the 16-bit rows go through the
+ * AVX2 version in codec_simd.c where the CPU has it.
+ */
+#include "codec_dec.h"
+
+/* The lo exceptions of the row of coded elements [k0, k0 + C): OR their bits in. */
+static void
+apply_lo_exceptions(Dec *D, uint8_t *out, size_t k0)
+{
+    const Layout *lay = D->lay;
+    const int isz = lay->itemsize;
+    while (D->exc_left && D->exc_next < k0 + lay->chans) {
+        size_t c = (size_t)(D->exc_next - k0);
+        if (D->exc_next < k0 || D->exc >= D->exc_end) {
+            D->err = ERR_STRUCTURE;
+            D->exc_left = 0;
+            return;
+        }
+        uint32_t v = *D->exc++;
+        if (v == 0 || v >> D->pr.lo) D->err = ERR_STREAM;
+        store_elem(out + c * isz, isz, load_elem(out + c * isz, isz) | v << D->pr.tz);
+        if (--D->exc_left) {
+            uint64_t gap;
+            if (get_varint(&D->exc, D->exc_end, &gap) != 0 || gap > ~D->exc_next) {
+                D->err = ERR_STRUCTURE;
+                D->exc_left = 0;
+                return;
+            }
+            D->exc_next += gap + 1;
+        }
+    }
+}
+
+/* nb <= 64 bits of a fixed-order stream from bit offset off. */
+static inline uint64_t
+bits64_at(const uint8_t *buf, size_t len, size_t off, uint32_t nb)
+{
+    uint64_t v = bits_at(buf, len, off);
+    if (nb > 56) v = (v & 0xFFFFFFFFull) | bits_at(buf, len, off + 32) << 32;
+    return nb >= 64 ? v : v & ((1ull << nb) - 1);
+}
+
+/* A plane's signs as bit masks: word q of channel c holds rows 64q..64q+63. Each
+ * channel's raw bits are contiguous in the stream: its first coded row, then the rows
+ * after its first flip (every row when the plane's signs are not coded). */
+void
+plane_signs(Dec *D, int coded, uint32_t nrows)
+{
+    const size_t C = D->lay->chans;
+    const uint32_t *restrict f = D->fpos;
+    uint64_t *restrict sw = D->sgw;
+    const uint8_t *sign = D->sign;
+    const size_t len = D->sign_len;
+    size_t ks = D->ksign;
+    if (nrows <= 56) {   /* one word per channel, one read */
+        const uint64_t all = (1ull << nrows) - 1;
+        if (!coded) {
+            for (size_t c = 0; c < C; c++, ks += nrows) sw[c] = bits_at(sign, len, ks) & all;
+            D->ksign = ks;
+            return;
+        }
+        for (size_t c = 0; c < C; c++) {
+            /* branch-free: s0 and whether the channel flips at all are coin tosses */
+            uint64_t v = bits_at(sign, len, ks), s0 = v & 1;
+            uint32_t fc = f[c];   /* in [1, nrows]: decode_flips checked it */
+            uint32_t nraw = nrows - fc - (fc < nrows);
+            uint64_t raw = (v >> 1) & ((1ull << nraw) - 1);
+            sw[c] = (((0 - s0) & ((1ull << fc) - 1)) | (s0 ^ 1) << fc | raw << fc << 1) & all;
+            ks += 1 + nraw;
+        }
+        D->ksign = ks;
+        return;
+    }
+    for (size_t c = 0; c < C; c++) {
+        /* rows [0, fc) repeat the first sign, row fc inverts it, later rows are raw;
+         * fc = 0 (signs not coded) makes every row raw. */
+        uint32_t fc = coded ? f[c] : 0;
+        uint64_t s0 = bits_at(sign, len, ks) & 1;
+        ks += coded;
+        for (uint32_t k0 = 0; k0 < nrows; k0 += 64) {
+            uint32_t n = nrows - k0 < 64 ? nrows - k0 : 64, at = 0;
+            uint64_t w = 0;
+            if (fc > k0) {
+                at = fc - k0 < n ? fc - k0 : n;
+                w = s0 ? (at == 64 ? ~0ull : (1ull << at) - 1) : 0;
+                if (at < n) w |= (s0 ^ 1) << at++;
+            }
+            if (at < n) {
+                w |= bits64_at(sign, len, ks, n - at) << at;
+                ks += n - at;
+            }
+            sw[(size_t)(k0 >> 6) * C + c] = w;
+        }
+    }
+    D->ksign = ks;
+}
+
+/* The row's fixed-width mid mantissa bits, as elements of width isz. */
+static void
+row_mids(Dec *D, void *out, int isz)
+{
+    const size_t C = D->lay->chans;
+    const int w = D->pr.mid;
+    const uint64_t mask = (1ull << w) - 1;
+    uint32_t *restrict m32 = out;
+    uint16_t *restrict m16 = out;
+    uint8_t *restrict m8 = out;
+    size_t k = D->kmid, c = 0;
+    D->kmid += C;
+    if (w == 0) {
+        memset(out, 0, C * (size_t)isz);
+        return;
+    }
+    if (D->simd && isz <= 2 && w <= 7) {
+        c = unpack_mids_bmi2(out, isz, D->mid, D->mid_len, k, w, C);
+        k += c;
+    }
+    for (; c < C; c++, k++) {
+        uint32_t v = (uint32_t)(bits_at(D->mid, D->mid_len, k * (size_t)w) & mask);
+        if (isz == 2) m16[c] = (uint16_t)v;
+        else if (isz == 1) m8[c] = (uint8_t)v;
+        else m32[c] = v;
+    }
+}
+
+/* out = sign | exponent | hi | mid for one row (lo bits zero), the sign being bit kbit of the
+ * channel's sign mask; returns bit 0 when a residual exceeds its channel maximum, bit 1
+ * when the row holds escapes (patched afterwards). The portable loop; 16-bit rows have
+ * an AVX2 version in codec_simd.c. */
+#define COMBINE_FN(NAME, T)                                                                 \
+    static uint32_t                                                                         \
+    NAME(T *restrict out, const uint8_t *restrict sym,                                      \
+         const uint64_t *restrict sw, uint32_t kbit, const T *restrict cmax,                \
+         const T *restrict mv, size_t C, const Layout *lay, const Params *pr)               \
+    {                                                                                       \
+        const uint32_t hi = (uint32_t)pr->hi, himask = (1u << pr->hi) - 1;                  \
+        const uint32_t esc = (uint32_t)pr->esc, emask = (1u << lay->ebits) - 1;            \
+        const uint32_t mbits = (uint32_t)lay->mbits, hshift = mbits - hi;                   \
+        const uint32_t sshift = (uint32_t)lay->nbits - 1;                                   \
+        const uint32_t midshift = (uint32_t)(pr->tz + pr->lo);                              \
+        uint32_t bad = 0, any_esc = 0;                                                      \
+        for (size_t c = 0; c < C; c++) {                                                    \
+            uint32_t s = sym[c], r = s >> hi, sg = (uint32_t)(sw[c] >> kbit) & 1;           \
+            bad |= (r > cmax[c]) & (s != esc);                                              \
+            any_esc |= s == esc;                                                            \
+            out[c] = (T)(sg << sshift | ((cmax[c] - r) & emask) << mbits                    \
+                | (s & himask) << hshift | (uint32_t)mv[c] << midshift);                   \
+        }                                                                                   \
+        return bad | any_esc << 1;                                                          \
+    }
+COMBINE_FN(combine_8, uint8_t)
+COMBINE_FN(combine_16, uint16_t)
+COMBINE_FN(combine_32, uint32_t)
+#undef COMBINE_FN
+
+/* Escaped elements: their exponent and hi bits come from the escape stream. */
+static void
+patch_escapes(Dec *D, uint8_t *out, const uint8_t *sym)
+{
+    const Layout *lay = D->lay;
+    const Params *pr = &D->pr;
+    const int isz = lay->itemsize, hshift = lay->mbits - pr->hi;
+    const uint32_t emask = (1u << lay->ebits) - 1, himask = (1u << pr->hi) - 1;
+    const uint32_t keep = ~(emask << lay->mbits | himask << hshift);
+    for (size_t c = 0; c < lay->chans; c++) {
+        if (sym[c] != (uint32_t)pr->esc) continue;
+        uint32_t e = br_get(&D->esc, lay->ebits), hv = br_get(&D->esc, pr->hi);
+        uint32_t v = load_elem(out + c * isz, isz) & keep;
+        store_elem(out + c * isz, isz, v | e << lay->mbits | hv << hshift);
+    }
+}
+
+/* The mid section's exact length follows from the layout and the repeated rows (less
+ * the tail the rANS states carry); it is copied into zero-padded scratch. */
+int
+load_mid(Dec *D, const uint8_t *section, size_t len)
+{
+    const Layout *lay = D->lay;
+    size_t rows = 0, last = 0;
+    for (size_t g = 0; g < lay->planes * lay->tokens; g++) rows += !D->dup[g];
+    for (size_t t = 0; t < lay->tokens; t++) last += !D->dup[(lay->planes - 1) * lay->tokens + t];
+    D->mid_bits = rows * lay->chans * (size_t)D->pr.mid;
+    D->tail = tail_bits(last * lay->chans * (size_t)D->pr.mid);
+    size_t from = D->mid_bits - D->tail;
+    if (len != (from + 7) / 8) return ERR_STRUCTURE;
+    if ((from & 7) && (section[from >> 3] >> (from & 7))) return ERR_STRUCTURE;   /* padding is zero */
+    memcpy(D->mid, section, len);
+    memset(D->mid + len, 0, D->mid_len - len);
+    return 0;
+}
+
+/* After the last symbol: each state is STATE_TOP plus 31 bits of the mid tail. */
+void
+absorb_tail(Dec *D, const uint32_t *x)
+{
+    size_t from = D->mid_bits - D->tail;
+    for (int j = 0; j < LANES; j++) {
+        if (x[j] < STATE_TOP) {
+            D->err = ERR_STREAM;
+            return;
+        }
+        uint32_t bits = x[j] - STATE_TOP;
+        size_t lo = (size_t)j * TAIL_BITS_PER_LANE;
+        size_t n = D->tail > lo ? D->tail - lo : 0;
+        if (n > TAIL_BITS_PER_LANE) n = TAIL_BITS_PER_LANE;
+        if (n < TAIL_BITS_PER_LANE && bits >> n) {
+            D->err = ERR_STREAM;
+            return;
+        }
+        for (size_t i = 0; i < n; i++) {
+            size_t b = from + lo + i;
+            D->mid[b >> 3] |= (uint8_t)(((bits >> i) & 1) << (b & 7));
+        }
+    }
+}
+
+/* Row k (the plane's k-th coded row) from its symbols: mid bits, signs, exponents. */
+void
+assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out)
+{
+    const Layout *lay = D->lay;
+    const size_t C = lay->chans;
+    uint32_t res;
+    const uint64_t *sw = D->sgw + (size_t)(k >> 6) * C;
+    size_t k0 = D->kmid;
+    row_mids(D, D->midv, lay->itemsize);
+    if (lay->itemsize == 2 && D->simd)
+        res = combine_16_avx2((uint16_t *)out, sym, sw, k & 63, D->cmax16, (uint16_t *)D->midv, C,
+                              lay, &D->pr);
+    else if (lay->itemsize == 2)
+        res = combine_16((uint16_t *)out, sym, sw, k & 63, D->cmax16, (uint16_t *)D->midv, C, lay, &D->pr);
+    else if (lay->itemsize == 1)
+        res = combine_8(out, sym, sw, k & 63, D->cmax8, (uint8_t *)D->midv, C, lay, &D->pr);
+    else
+        res = combine_32((uint32_t *)out, sym, sw, k & 63, D->cmax, D->midv, C, lay, &D->pr);
+    if (res & 1) D->err = ERR_STREAM;
+    if (res & 2) patch_escapes(D, out, sym);
+    if (D->exc_left) apply_lo_exceptions(D, out, k0);
+}
