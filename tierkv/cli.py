@@ -1,4 +1,4 @@
-"""The ``tierkv`` command line: ``tierkv replay``, ``tierkv bench`` and ``tierkv plan``.
+"""The ``tierkv`` command line: ``tierkv replay``, ``bench``, ``plan`` and ``demo``.
 
 ``main(argv)`` is the console-script entry point (and ``python -m tierkv``). It
 returns the exit status: 0 on success, 2 for bad input (arguments, sizes, trace
@@ -81,6 +81,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from tierkv.plan.cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from tierkv.demo import add_parser as add_demo_parser
+
+    add_demo_parser(sub)
     return parser
 
 

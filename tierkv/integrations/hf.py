@@ -1,0 +1,213 @@
+"""A Hugging Face transformers KV cache backed by a tierkv store.
+
+:class:`TierKVCache` binds a store to one decoder model. ``load(tokens)`` returns a
+transformers ``DynamicCache`` already holding the KV of the longest cached prefix of
+``tokens`` (whole pages, read from whichever tier holds them), so the model only
+processes the rest; ``save(cache, tokens)`` writes the cache's full pages that the
+store does not hold yet. Both go through the engine adapter
+(:mod:`tierkv.integrations.adapter` and :mod:`tierkv.integrations.worker`), with the
+cache's sequence positions as engine blocks: block ``i`` is tokens
+``[i * tokens_per_page, (i + 1) * tokens_per_page)``.
+
+Copies are exact: pages hold K (after RoPE, as the cache keeps it) and V in the
+store's layout dtype, which must equal the model's, so a reused prefix gives the
+model bit-identical attention inputs at the same positions. Batch size 1, full
+attention in every layer. Called by :mod:`tierkv.integrations.chat`, ``tierkv demo``
+and the tests; not thread-safe (one generation at a time per instance).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.api import Store
+from tierkv.errors import ConfigError, InputError
+from tierkv.integrations import MissingDependencyError
+from tierkv.integrations.adapter import OffloadScheduler
+from tierkv.integrations.worker import OffloadWorker, TransferResult
+from tierkv.keys import Tokens, as_token_array
+from tierkv.layout import DType, KVLayout, LayoutKind
+
+try:
+    from transformers import DynamicCache
+except ImportError as exc:  # pragma: no cover - exercised where the demo extra is absent
+    raise MissingDependencyError(f"tierkv.integrations.hf needs transformers ({exc}); "
+                                 "install the demo extra: pip install 'tierkv[demo]'") from None
+
+
+class CacheBlocks:
+    """Per-layer K and V tensors ``[1, kv_heads, seq, head_dim]`` seen as engine blocks.
+
+    Block ``i`` is sequence positions ``[i*T, (i+1)*T)`` of every layer (``T`` =
+    ``tokens_per_page``). ``scatter`` writes in place, so the tensors must be contiguous.
+    """
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], tokens_per_page: int) -> None:
+        self.keys = list(keys)
+        self.values = list(values)
+        self.tokens_per_page = tokens_per_page
+
+    def _blocks(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` [1, H, S, D] as a view [H, S // T, T, D] of its full blocks."""
+        h, s, d = t.shape[1], t.shape[2], t.shape[3]
+        n = s // self.tokens_per_page
+        return t[0, :, : n * self.tokens_per_page].view(h, n, self.tokens_per_page, d)
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        for layer, planes in enumerate(zip(self.keys, self.values)):
+            for plane, t in enumerate(planes):
+                # [H, n, T, D] -> [n, T, H, D]
+                out[: ids.numel(), layer, plane] = self._blocks(t).index_select(1, ids).permute(1, 2, 0, 3)
+
+    def scatter(self, pages: torch.Tensor, block_ids: Sequence[int]) -> None:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        for layer, planes in enumerate(zip(self.keys, self.values)):
+            for plane, t in enumerate(planes):
+                self._blocks(t).index_copy_(1, ids, pages[: ids.numel(), layer, plane].permute(2, 0, 1, 3))
+
+
+@dataclass(frozen=True)
+class LoadedPrefix:
+    """A cache holding the first ``tokens`` tokens, ``tokens_per_tier`` of them by serving tier."""
+
+    cache: DynamicCache
+    tokens: int
+    tokens_per_tier: dict[str, int]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SavedPrefix:
+    """``pages_stored`` new pages written; the cache's first ``tokens`` tokens are now in the store."""
+
+    pages_stored: int
+    tokens: int
+    seconds: float
+
+
+def model_layout(model: torch.nn.Module, tokens_per_page: int = 16) -> KVLayout:
+    """The KV layout a decoder model's cache has, from its config and parameter dtype.
+
+    Raises ConfigError for models this cache does not handle (sliding-window layers).
+    """
+    cfg = _text_config(model)
+    heads = int(getattr(cfg, "num_attention_heads"))
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or int(getattr(cfg, "hidden_size")) // heads)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or getattr(cfg, "use_sliding_window", False):
+        raise ConfigError(f"{type(model).__name__} has sliding-window layers ({sorted(set(layer_types))}); "
+                          "TierKVCache handles full attention only")
+    dtype = next(model.parameters()).dtype
+    return KVLayout(num_layers=int(getattr(cfg, "num_hidden_layers")), num_kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=DType.parse(str(dtype).removeprefix("torch.")), tokens_per_page=tokens_per_page)
+
+
+def _text_config(model: torch.nn.Module) -> object:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise ConfigError(f"{type(model).__name__} has no transformers config")
+    get_text = getattr(cfg, "get_text_config", None)
+    return get_text(decoder=True) if callable(get_text) else cfg
+
+
+class TierKVCache:
+    """Loads and saves a decoder model's KV cache through a store, one page at a time.
+
+    ``store.layout`` must match the model's KV layout (layers, KV heads, head dim,
+    dtype); a mismatch raises ConfigError naming both. ``tenant`` salts every key.
+    """
+
+    def __init__(self, store: Store, model: torch.nn.Module, *, tenant: str = "") -> None:
+        want = model_layout(model, store.layout.tokens_per_page)
+        have = store.layout
+        if have.kind is not LayoutKind.KV or have != want:
+            raise ConfigError(f"the store's layout ({_describe(have)}) does not match the model's ({_describe(want)})")
+        self.store = store
+        self.layout = have
+        self.tenant = tenant
+        self.scheduler = OffloadScheduler(store)
+        self._dtype = getattr(torch, have.dtype.torch_name)
+
+    def load(self, tokens: Tokens) -> LoadedPrefix:
+        """A DynamicCache holding the longest cached prefix of ``tokens`` (whole pages).
+
+        At least the last token is left for the model to process. Pages that fail to
+        load (a miss, a checksum failure) shorten the prefix; they are never wrong data.
+        """
+        t0 = time.perf_counter()
+        arr = as_token_array(tokens)
+        cache = DynamicCache()
+        hit = self.scheduler.lookup(arr, self.tenant)
+        spec = self.scheduler.prepare_load(arr, range(hit.cached_pages), self.tenant) if hit.cached_pages else None
+        if spec is None:
+            return LoadedPrefix(cache, 0, {}, time.perf_counter() - t0)
+        shape = (1, self.layout.num_kv_heads, spec.num_pages * self.layout.tokens_per_page, self.layout.head_dim)
+        keys = [torch.empty(shape, dtype=self._dtype) for _ in range(self.layout.num_layers)]
+        values = [torch.empty(shape, dtype=self._dtype) for _ in range(self.layout.num_layers)]
+        try:
+            result = OffloadWorker(self.store, CacheBlocks(keys, values, self.layout.tokens_per_page)).transfer(spec)
+        finally:
+            self.scheduler.complete_load(spec)
+        n = result.pages * self.layout.tokens_per_page
+        if n:
+            for layer in range(self.layout.num_layers):
+                cache.update(keys[layer][:, :, :n], values[layer][:, :, :n], layer)
+        return LoadedPrefix(cache, n, dict(result.tokens_per_tier), time.perf_counter() - t0)
+
+    def save(self, cache: DynamicCache, tokens: Tokens) -> SavedPrefix:
+        """Store the full pages of ``cache``; ``tokens`` are the ids whose KV it holds, in order.
+
+        ``tokens`` may run past the cache (e.g. the last generated token, not yet
+        processed); only the first ``cache.get_seq_length()`` count.
+        """
+        t0 = time.perf_counter()
+        arr = as_token_array(tokens)
+        keys, values = _cache_tensors(cache, self.layout.num_layers)
+        seq = keys[0].shape[2] if keys else 0
+        if arr.size < seq:
+            raise InputError(f"save: the cache holds {seq} tokens but only {arr.size} token ids were given")
+        if keys and keys[0].dtype != self._dtype:
+            raise InputError(f"save: the cache holds {keys[0].dtype}, the store's layout {self.layout.dtype.value}")
+        n_pages = seq // self.layout.tokens_per_page
+        spec = self.scheduler.prepare_store(arr[:seq], range(n_pages), self.tenant)
+        if spec is None:
+            return SavedPrefix(0, n_pages * self.layout.tokens_per_page, time.perf_counter() - t0)
+        result: TransferResult | None = None
+        try:
+            result = OffloadWorker(self.store, CacheBlocks(keys, values, self.layout.tokens_per_page)).transfer(spec)
+        finally:
+            self.scheduler.complete_store(spec, success=result is not None and result.success)
+        if not result.success:
+            raise InputError(f"save: storing {len(spec.block_ids)} pages failed: {result.error}")
+        stored_tokens = self.store.lookup(arr[:seq], self.tenant).cached_tokens
+        return SavedPrefix(result.pages, stored_tokens, time.perf_counter() - t0)
+
+
+def _cache_tensors(cache: DynamicCache, num_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ConfigError("this transformers version's DynamicCache has no per-layer objects; "
+                          "TierKVCache needs transformers >= 4.56")
+    if len(layers) != num_layers:
+        raise InputError(f"save: the cache has {len(layers)} layers, the store's layout {num_layers}")
+    keys, values = [], []
+    for i, layer in enumerate(layers):
+        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4:
+            raise InputError(f"save: layer {i} of the cache holds no [batch, heads, seq, dim] tensors")
+        if k.shape[0] != 1:
+            raise InputError(f"save: batch size {k.shape[0]}; TierKVCache handles batch size 1")
+        keys.append(k.contiguous())
+        values.append(v.contiguous())
+    return keys, values
+
+
+def _describe(layout: KVLayout) -> str:
+    return (f"{layout.num_layers} layers, {layout.num_kv_heads} KV heads, head_dim {layout.head_dim}, "
+            f"{layout.dtype.value}, kind {layout.kind.value}")
