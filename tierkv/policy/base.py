@@ -17,7 +17,14 @@ class Policy(Protocol):
     """What the manager asks of a per-tier eviction and admission policy."""
 
     def on_request(self, keys: Sequence[PageKey], now: float) -> None:
-        """A request for the prompt whose full pages are ``keys`` arrived; a no-op by default."""
+        """A request for the prompt whose full pages are ``keys`` arrived at ``now``.
+
+        Called once per request, on every tier's policy, before the request's touches and
+        inserts; ``keys`` are all its full pages in prompt order, cached or not, and
+        ``now`` is monotonic seconds (policies may keep their own clock). A hint: a
+        policy that needs none implements it as a no-op, and every policy must still
+        work, if less well, when it is never called.
+        """
 
     def insert(self, key: PageKey, parent: PageKey | None) -> None:
         """``key`` now resides in this tier."""
@@ -29,7 +36,11 @@ class Policy(Protocol):
         """``key`` left this tier (evicted, dropped, quarantined)."""
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        """Up to ``n`` resident keys to evict, best victim first, all with ``evictable(key)``."""
+        """Up to ``n`` resident keys to evict, best victim first, all with ``evictable(key)``.
+
+        The manager then calls ``remove`` for each, in order; victims it does not remove
+        stay resident.
+        """
 
     def admit(self, key: PageKey, parent: PageKey | None) -> bool:
         """Whether a page being demoted or stored into this tier should be kept."""

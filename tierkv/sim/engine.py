@@ -13,6 +13,9 @@ order, so a policy class behaves here exactly as it does in the store:
    (the request's new pages protected); a victim whose last copy leaves is demoted to
    the next tier down if that tier's policy admits it, else dropped. Demoted pages are
    inserted below before the new pages are inserted, as the transfers publish them.
+   A full tier that has a tier below evicts at least ``DEMOTION_BATCH`` pages (at most
+   1/16 of it) at a time, as the manager does; every tier but the last is taken to be
+   volatile, the last one persistent.
 
 Called by :mod:`tierkv.sim.run`; single-threaded. Keys are whatever the caller
 supplies (the simulator uses 8-byte block ids).
@@ -24,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 from tierkv.errors import InputError
 from tierkv.keys import PageKey
+from tierkv.manager import DEMOTION_BATCH
 from tierkv.policy.base import Policy
 
 
@@ -44,7 +48,12 @@ class SimManager:
 
     # -- one request ---------------------------------------------------------------------
     def request(self, keys: Sequence[PageKey], now: float) -> int:
-        """Run one request whose full pages are ``keys``; returns how many leading pages hit."""
+        """Run one request whose full pages are ``keys``; returns how many leading pages hit.
+
+        A request without a full page never reaches the store (nothing to look up or keep).
+        """
+        if not keys:
+            return 0
         for p in self.policies:
             p.on_request(keys, now)
         where = self.where
@@ -104,6 +113,8 @@ class SimManager:
     def _reserve(self, t: int, n: int, protect: set[PageKey], moves: list[tuple[PageKey, int]]) -> int:
         """Make room for up to ``n`` pages in tier ``t``; returns how many slots it took."""
         need = n - (self.capacities[t] - self.used[t])
+        if need > 0 and t + 1 < len(self.capacities):
+            need = max(need, min(DEMOTION_BATCH, self.capacities[t] // 16))
         if need > 0:
             for victim in self.policies[t].victims(need, lambda k: k not in protect):
                 self._evict(victim, t, protect, moves)

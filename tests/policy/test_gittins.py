@@ -1,0 +1,100 @@
+"""The default policy: leaf-first LRU until it has learned, then the lowest hit density, guarded."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from tierkv.keys import PageKey
+from tierkv.policy import DEFAULT_POLICY, make_policy
+from tierkv.policy.gittins import GittinsPolicy
+from tierkv.policy.hazard import age_bin
+from tierkv.sim.engine import SimManager
+from tierkv.sim.run import Workload, simulate
+from tierkv.workload import synthetic
+from tests.policy.helpers import everything, k, store
+
+
+def test_is_the_default() -> None:
+    assert DEFAULT_POLICY == "gittins"
+    assert isinstance(make_policy(DEFAULT_POLICY), GittinsPolicy)
+
+
+def test_without_request_hints_it_is_leaf_first_lru() -> None:
+    p = GittinsPolicy()
+    for key, parent in ((k("a"), None), (k("b"), k("a")), (k("c"), k("b")), (k("d"), None), (k("e"), k("d"))):
+        p.insert(key, parent)
+    assert p.victims(3, everything) == [k("c"), k("b"), k("a")]
+    assert p.victims(3, lambda key: key != k("a")) == [k("c"), k("b"), k("e")]
+
+
+def _train(p: GittinsPolicy, second_access_returns: bool, n: int = 3000) -> None:
+    """One-page requests: each step a fresh page that never comes back; every 4th step a
+    page that comes back 6 steps later and, if ``second_access_returns``, 6 steps after that."""
+    due: dict[int, list[tuple[PageKey, int]]] = defaultdict(list)
+    for i in range(n):
+        p.on_request([k(f"x{i}")], 0.0)
+        if i % 4 == 0:
+            p.on_request([k(f"z{i}")], 0.0)
+            due[i + 6].append((k(f"z{i}"), 1))
+        for z, nth in due.pop(i, []):
+            p.on_request([z], 0.0)
+            if nth == 1 and second_access_returns:
+                due[i + 6].append((z, 2))
+
+
+def _state(p: GittinsPolicy) -> None:
+    """A (seen twice, so class 1) is older than B (fresh, class 0); then an unrelated request."""
+    store(p, ["A"])
+    p.on_request([k("A")], 0.0)
+    p.touch(k("A"))
+    store(p, ["B"])
+    p.on_request([k("C")], 0.0)
+
+
+def test_learned_index_evicts_a_younger_page_that_will_not_come_back() -> None:
+    p = GittinsPolicy()
+    _train(p, second_access_returns=True)
+    _state(p)
+    assert p.victims(1, everything) == [k("B")]        # LRU would take A, which comes back soon
+
+
+def test_a_page_both_younger_and_more_used_than_lrus_victim_stays() -> None:
+    p = GittinsPolicy()
+    _train(p, second_access_returns=False)
+    store(p, ["B"])                                     # fresh: class 0, comes back soon
+    store(p, ["A"])
+    p.on_request([k("A")], 0.0)
+    p.touch(k("A"))                                     # class 1, never comes back, but younger
+    p.on_request([k("C")], 0.0)
+    m = p._model
+    assert m.index[1][age_bin(1)] < m.index[0][age_bin(2)]     # the index alone would take A
+    assert p.victims(1, everything) == [k("B")]
+
+
+def test_pages_of_the_current_request_are_not_victims() -> None:
+    p = GittinsPolicy()
+    names = store(p, ["a", "b"])
+    assert p.victims(2, everything) == []
+    p.on_request([k("z")], 0.0)
+    assert p.victims(2, everything) == names[::-1]
+
+
+def test_ghost_is_bounded() -> None:
+    p = GittinsPolicy(ghost_pages=100)
+    for i in range(1000):
+        p.on_request([k(i)], 0.0)
+    assert len(p._ghost) <= 100
+
+
+def test_beats_lru_on_the_synthetic_mix_when_the_cache_is_small() -> None:
+    w = Workload.from_requests(synthetic(0, 4000))
+    cap = [max(1, w.distinct_blocks // 100)]
+    assert simulate(w, "gittins", cap).blocks_hit > simulate(w, "lru", cap).blocks_hit
+
+
+def test_runs_under_the_sim_manager_with_two_tiers() -> None:
+    w = Workload.from_requests(synthetic(1, 1500))
+    m = SimManager([40, 200], GittinsPolicy)
+    for keys, t in zip(w.keys, w.arrivals):
+        m.request(keys, t)
+    assert m.used[0] <= 40 and m.used[1] <= 200

@@ -1,0 +1,50 @@
+"""The prefix invariant under random workloads: a resident page's parent is resident too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tierkv.policy.gittins as gittins
+from tierkv.keys import PageKey
+from tierkv.policy import make_policy
+from tierkv.sim.engine import SimManager
+from tests.policy.helpers import prefix_workloads
+
+
+def _check(name: str, requests: list[tuple[PageKey, ...]], capacity: int) -> None:
+    m = SimManager([capacity], lambda: make_policy(name))
+    for i, keys in enumerate(requests):
+        m.request(keys, float(i))
+        orphans = [key for key in m.where if m.parent[key] is not None and m.parent[key] not in m.where]
+        assert not orphans, f"request {i}: {len(orphans)} pages outlived their prefix"
+        assert m.used[0] <= capacity
+
+
+@pytest.fixture
+def learn_early() -> Iterator[None]:
+    """Refresh the model every 4 requests, so that learned choices are exercised."""
+    saved = gittins.REFRESH_REQUESTS
+    gittins.REFRESH_REQUESTS = 4
+    yield
+    gittins.REFRESH_REQUESTS = saved
+
+
+@pytest.mark.parametrize("name", ["lru-leaf", "gittins"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=prefix_workloads(max_requests=120), capacity=st.integers(1, 24))
+def test_no_page_outlives_its_prefix(name: str, requests: list[tuple[PageKey, ...]], capacity: int,
+                                     learn_early: None) -> None:
+    _check(name, requests, capacity)
+
+
+def test_plain_lru_does_orphan_pages() -> None:
+    """Why prefix awareness matters: LRU evicts a parent touched just before its child."""
+    a, b, c = (PageKey(x) for x in (b"a", b"b", b"c"))
+    m = SimManager([2], lambda: make_policy("lru"))
+    m.request((a, b), 0.0)
+    m.request((c,), 1.0)
+    assert b in m.where and a not in m.where

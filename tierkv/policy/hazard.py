@@ -1,0 +1,160 @@
+"""Reuse statistics per page class, turned into an eviction index: the Gittins-style hit density.
+
+:class:`ReuseModel` learns, for each class of page, how long after an access the page
+is accessed again. It is fed every access of every request (cached or not), so what
+it learns does not depend on what the cache happened to keep. From the observed reuse
+ages it estimates a discrete hazard with Kaplan-Meier at-risk counts (a page seen 50
+requests ago that has not come back yet is *censored*, not a page that never comes
+back), and from the hazard the index
+
+    index(class, age) = max over T > age of  P(reuse in (age, T] | alive at age)
+                                           / E[page-time held from age until reuse or T]
+
+that is, the best hits per slot per unit of time that keeping the page can still
+earn. Evicting the lowest index is the hit-density rule of LHD (Beckmann et al.,
+NSDI'18) with the horizon chosen optimally, which is what lets a page sit through a
+think time in which it is certain not to be used. Ages are measured in whatever clock
+the caller uses (the policies use requests); bins are geometric.
+
+Used by :mod:`tierkv.policy.gittins`. Pure computation, no I/O; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: Geometric growth of the age bins: bin b covers ages [GROWTH**b - 1, GROWTH**(b+1) - 1).
+GROWTH = 1.1
+#: Number of age bins; the last one covers ages beyond about 190,000 clock units.
+BINS = 128
+_LOG_GROWTH = math.log(GROWTH)
+_EDGES = np.array([math.expm1(b * _LOG_GROWTH) for b in range(BINS + 1)])
+_MIDS = (_EDGES[:-1] + _EDGES[1:]) / 2
+#: Unresolved pages are counted per bucket of this many clock units of their last access.
+_BUCKET = 8
+_RING = 1 << 15
+#: Oldest age the model tracks; older unresolved pages must be censored by the caller.
+MAX_AGE = float(_BUCKET * (_RING - 2))
+
+
+def age_bin(age: float) -> int:
+    """The bin of an age (clock units); ages <= 0 fall in bin 0."""
+    if age <= 0.0:
+        return 0
+    b = int(math.log1p(age) / _LOG_GROWTH)
+    return b if b < BINS else BINS - 1
+
+
+class ReuseModel:
+    """Reuse-age histograms for ``classes`` classes and the index table derived from them.
+
+    ``memory`` is the time constant (clock units) over which old observations fade, so
+    the model follows a changing workload; ``prior`` is how many observations' worth a
+    class's hazard is pulled toward the hazard of all classes pooled (sparse classes and
+    old ages borrow strength). ``index[c][b]`` and ``support[c][b]`` (the weight of reuses
+    observed at ages from bin ``b`` on, which sets the index's relative error at about
+    ``1/sqrt(support)``) are refreshed by :meth:`refresh`.
+    """
+
+    def __init__(self, classes: int, memory: float = 4096.0, prior: float = 4.0) -> None:
+        if classes < 1 or memory <= 0 or prior < 0:
+            raise ValueError(f"ReuseModel needs classes >= 1, memory > 0, prior >= 0; "
+                             f"got {classes}, {memory}, {prior}")
+        self.classes = classes
+        self._memory = memory
+        self._prior = prior
+        self._t_ref = 0.0
+        self._reuses = np.zeros((classes, BINS))
+        self._resolved = np.zeros((classes, BINS + 1))   # difference array of at-risk counts
+        self._open = np.zeros((classes, _RING))           # unresolved pages by bucket of last access
+        # Before any data: evict the oldest first, as LRU would.
+        self.index: list[list[float]] = [list(1.0 / (1.0 + _MIDS)) for _ in range(classes)]
+        self.support: list[list[float]] = [[0.0] * BINS for _ in range(classes)]
+
+    def _weight(self, t: float) -> float:
+        return math.exp((t - self._t_ref) / self._memory)
+
+    def start(self, cls: int, t: float) -> None:
+        """A page of class ``cls`` was accessed at ``t``: it is now waiting for its next access."""
+        self._open[cls, int(t) // _BUCKET % _RING] += self._weight(t)
+
+    def reuse(self, cls: int, t0: float, now: float) -> None:
+        """The page that started waiting at ``t0`` in class ``cls`` was accessed again at ``now``."""
+        self._close(cls, t0, now, hit=True)
+
+    def censor(self, cls: int, t0: float, now: float) -> None:
+        """The page that started waiting at ``t0`` is no longer followed (forgotten) at ``now``."""
+        self._close(cls, t0, now, hit=False)
+
+    def _close(self, cls: int, t0: float, now: float, hit: bool) -> None:
+        w = self._weight(t0)
+        b = age_bin(now - t0)
+        self._open[cls, int(t0) // _BUCKET % _RING] -= w
+        self._resolved[cls, 0] += w
+        self._resolved[cls, b + 1] -= w
+        if hit:
+            self._reuses[cls, b] += w
+
+    def refresh(self, now: float) -> None:
+        """Recompute ``index`` and ``support`` from the observations up to ``now``."""
+        scale = 1.0 / self._weight(now)
+        at_risk = self._at_risk(now) * scale
+        reuses = self._reuses * scale
+        k = np.ones(5)
+        r_s = np.array([np.convolve(r, k, mode="same") for r in reuses])
+        a_s = np.array([np.convolve(a, k, mode="same") for a in at_risk])
+        pooled = r_s.sum(0) / np.maximum(a_s.sum(0), 1e-12)
+        support = np.cumsum(reuses[:, ::-1], axis=1)[:, ::-1]
+        for c in range(self.classes):
+            # Proportional hazards: where a class has little data it keeps its overall level.
+            level = (r_s[c].sum() + 1.0) / ((a_s[c] * pooled).sum() + 1.0)
+            hazard = np.clip((r_s[c] + self._prior * level * pooled) / (a_s[c] + self._prior), 0.0, 1.0)
+            self.index[c] = list(_gittins(hazard))
+            self.support[c] = list(support[c])
+        if now - self._t_ref > 64 * self._memory:
+            self._rebase(now)
+
+    def _at_risk(self, now: float) -> np.ndarray:
+        """Weight of pages that reached each age bin: resolved ones plus those still waiting."""
+        at_risk = np.cumsum(self._resolved, axis=1)[:, :BINS]
+        latest = int(now) // _BUCKET
+        slots = np.arange(_RING)
+        bucket = latest - ((latest - slots) % _RING)
+        ages = np.maximum(now - (bucket * _BUCKET + _BUCKET / 2), 0.0)
+        bins = np.minimum((np.log1p(ages) / _LOG_GROWTH).astype(np.int64), BINS - 1)
+        diff = np.zeros((self.classes, BINS + 1))
+        for c in range(self.classes):
+            np.add.at(diff[c], bins + 1, -self._open[c])
+            diff[c, 0] += self._open[c].sum()
+        return at_risk + np.cumsum(diff, axis=1)[:, :BINS]
+
+    def _rebase(self, now: float) -> None:
+        """Move the weight reference to ``now`` so that weights stay finite."""
+        f = math.exp(-(now - self._t_ref) / self._memory)
+        self._reuses *= f
+        self._resolved *= f
+        self._open *= f
+        self._t_ref = now
+
+
+def _gittins(hazard: np.ndarray) -> np.ndarray:
+    """Index per age bin from a per-bin hazard; made non-increasing past its peak."""
+    survive = np.concatenate([[1.0], np.cumprod(1.0 - hazard)])
+    p = survive[:-1] * hazard                      # P(reuse in bin x), from age 0
+    never = survive[-1]
+    cp = np.concatenate([[0.0], np.cumsum(p)])     # cp[x] = P(reuse before bin x)
+    cq = np.concatenate([[0.0], np.cumsum(p * _MIDS)])
+    b = np.arange(BINS)[:, None]                   # current bin
+    t = np.arange(BINS)[None, :]                   # horizon: keep until the end of bin t
+    start = _EDGES[:-1][:, None]
+    hits = cp[t + 1] - cp[b]
+    alive = cp[BINS] - cp[b] + never
+    cost = (cq[t + 1] - cq[b]) - start * hits + (alive - hits) * (_EDGES[t + 1] - start)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where((t >= b) & (cost > 0), hits / cost, 0.0)
+    index = ratio.max(axis=1)
+    peak = int(np.argmax(index))
+    index[peak:] = np.minimum.accumulate(index[peak:])
+    return index

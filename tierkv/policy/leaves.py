@@ -1,0 +1,194 @@
+"""The resident pages of one tier as a prefix forest, with its leaves in two-ended heaps.
+
+A page is useless without every page before it, so prefix-aware policies only ever
+evict *leaves*: pages none of whose children are resident in the tier. Descendants
+therefore always leave before their ancestors, and a prefix is never left with holes.
+:class:`LeafHeaps` keeps, per class, the leaves ordered by last access and hands out
+the oldest and the youngest of each class as eviction candidates; taking a leaf may
+turn its parent into a leaf, which then becomes a candidate in the same call.
+
+Victims handed out are *pending* until the manager removes them (``discard``); if
+it does not, the next call puts them back (``undo``). O(log n) per operation.
+Used by :mod:`tierkv.policy.gittins` and :mod:`tierkv.policy.lru`; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from tierkv.keys import PageKey
+
+#: An eviction candidate: ``(key, class, last access, from the young end)``.
+Candidate = tuple[PageKey, int, float, bool]
+
+
+class LeafHeaps:
+    """Parent links, resident-child counts and per-class leaf heaps of one tier's pages."""
+
+    def __init__(self, classes: int, young: bool = True) -> None:
+        self.parent: dict[PageKey, PageKey | None] = {}
+        self.last: dict[PageKey, float] = {}
+        self.cls: dict[PageKey, int] = {}
+        self._kids: dict[PageKey, int] = {}    # resident children, also of absent parents
+        self._seq: dict[PageKey, int] = {}     # present only while the key is a leaf
+        self._next = 0
+        self._young = young
+        self._old: list[list[tuple[float, int, PageKey]]] = [[] for _ in range(classes)]
+        self._new: list[list[tuple[float, int, PageKey]]] = [[] for _ in range(classes)]
+        self._leaves = [0] * classes
+        self._pending: dict[PageKey, None] = {}
+        self._stash: list[tuple[list[tuple[float, int, PageKey]], tuple[float, int, PageKey]]] = []
+        # Heads found by ``candidates`` within one victims call; classes changed since then.
+        self._heads: list[list[Candidate]] = [[] for _ in range(classes)]
+        self._dirty = set(range(classes))
+
+    def __len__(self) -> int:
+        return len(self.last)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.last
+
+    # -- changes -----------------------------------------------------------------------
+    def add(self, key: PageKey, parent: PageKey | None, cls: int, t: float) -> None:
+        """``key`` became resident (a leaf, since its children cannot be resident yet)."""
+        self.undo()
+        if key in self.last:
+            self.discard(key)
+        self.parent[key] = parent
+        self.last[key] = t
+        self.cls[key] = cls
+        self._kids.setdefault(key, 0)
+        if parent is not None:
+            self._adopt(parent)
+        if self._kids[key] == 0:
+            self._leaf(key)
+
+    def touch(self, key: PageKey, cls: int, t: float) -> None:
+        """``key`` was accessed at ``t`` and now belongs to class ``cls``."""
+        self.undo()
+        if key not in self.last:
+            return
+        if self._kids[key] == 0:
+            self._unleaf(key)
+        self.last[key] = t
+        self.cls[key] = cls
+        if self._kids[key] == 0:
+            self._leaf(key)
+
+    def discard(self, key: PageKey) -> None:
+        """``key`` left the tier. Removing a pending victim settles it."""
+        if key not in self.last:
+            return
+        if key in self._pending:
+            del self._pending[key]
+        else:
+            self.undo()
+            if self._kids[key] == 0:
+                self._unleaf(key)
+            self._orphan(key)
+        del self.last[key], self.cls[key], self.parent[key]
+        if self._kids[key] == 0:
+            del self._kids[key]
+
+    # -- eviction --------------------------------------------------------------------------
+    def candidates(self, evictable: Callable[[PageKey], bool]) -> list[Candidate]:
+        """The oldest (and, if enabled, the youngest) evictable leaf of every class.
+
+        Within one victims call (until :meth:`settle`) ``evictable`` must not change:
+        the heads of classes untouched since the last call are reused.
+        """
+        for c in self._dirty:
+            heads = self._heads[c]
+            heads.clear()
+            entry = self._head(self._old[c], evictable, False)
+            if entry is not None:
+                heads.append((entry[2], c, entry[0], False))
+            if self._young:
+                entry = self._head(self._new[c], evictable, True)
+                if entry is not None:
+                    heads.append((entry[2], c, -entry[0], True))
+        self._dirty.clear()
+        return [cand for heads in self._heads for cand in heads]
+
+    def take(self, key: PageKey) -> None:
+        """Mark the leaf ``key`` as a victim; its parent may become a leaf."""
+        self._unleaf(key)
+        self._orphan(key)
+        self._pending[key] = None
+
+    def settle(self) -> None:
+        """End of a victims call: heap entries skipped as unevictable go back."""
+        for heap, entry in self._stash:
+            heapq.heappush(heap, entry)
+        self._stash.clear()
+        self._dirty.update(range(len(self._old)))
+
+    def undo(self) -> None:
+        """Victims handed out but never removed stay resident after all."""
+        pending, self._pending = self._pending, {}
+        for key in reversed(pending):
+            parent = self.parent[key]
+            if parent is not None:
+                self._adopt(parent)
+            self._leaf(key)
+
+    # -- internals --------------------------------------------------------------------------
+    def _adopt(self, parent: PageKey) -> None:
+        """One more resident child of ``parent`` (resident or not: it may arrive later)."""
+        kids = self._kids.get(parent, 0)
+        if kids == 0 and parent in self.last:
+            self._unleaf(parent)
+        self._kids[parent] = kids + 1
+
+    def _orphan(self, key: PageKey) -> None:
+        parent = self.parent[key]
+        if parent is None:
+            return
+        kids = self._kids[parent] - 1
+        if kids:
+            self._kids[parent] = kids
+        elif parent in self.last:
+            self._kids[parent] = 0
+            self._leaf(parent)
+        else:
+            del self._kids[parent]
+
+    def _leaf(self, key: PageKey) -> None:
+        self._next += 1
+        s = self._next
+        self._seq[key] = s
+        c, t = self.cls[key], self.last[key]
+        self._leaves[c] += 1
+        self._dirty.add(c)
+        heapq.heappush(self._old[c], (t, s, key))
+        if self._young:
+            heapq.heappush(self._new[c], (-t, -s, key))
+            if len(self._new[c]) > 2 * self._leaves[c] + 64:
+                self._compact(c)
+
+    def _unleaf(self, key: PageKey) -> None:
+        if self._seq.pop(key, None) is not None:
+            c = self.cls[key]
+            self._leaves[c] -= 1
+            self._dirty.add(c)
+
+    def _compact(self, c: int) -> None:
+        """Drop stale entries: the young heap's stale entries sink and are never popped."""
+        for heap, sign in ((self._old[c], 1), (self._new[c], -1)):
+            live = [e for e in heap if self._seq.get(e[2]) == sign * e[1]]
+            heapq.heapify(live)
+            heap[:] = live
+
+    def _head(self, heap: list[tuple[float, int, PageKey]], evictable: Callable[[PageKey], bool],
+              young: bool) -> tuple[float, int, PageKey] | None:
+        sign = -1 if young else 1
+        while heap:
+            entry = heap[0]
+            if self._seq.get(entry[2]) != sign * entry[1]:
+                heapq.heappop(heap)
+            elif evictable(entry[2]):
+                return entry
+            else:
+                self._stash.append((heap, heapq.heappop(heap)))
+        return None
