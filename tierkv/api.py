@@ -86,6 +86,7 @@ class Store:
         self._lock = threading.RLock()
         self._closed = False
         self._namespaces: dict[bytes, bytes] = {}
+        self._announced: bytes | None = None  # the key blob of the last get, until its put
         self._counters = Counters()
         self._dir = Path(config.path)
         parts = open_store_parts(config, read_only)
@@ -161,6 +162,7 @@ class Store:
             if not rows.flags.writeable:
                 raise InputError("get(out=...): the output buffer is read-only")
             want = rows.shape[0]
+            self._announce(blob, from_get=True)
             entries = self._leading(blob, want)
             tiers = tuple(e.fastest for e in entries)
             loaded = self._transfers.read(entries, rows)
@@ -169,6 +171,18 @@ class Store:
             if loaded and not self.read_only and self.config.promote_on_hit:
                 self._promote(entries[:loaded], rows)
             return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers[:loaded])
+
+    def _announce(self, blob: bytes, *, from_get: bool) -> None:
+        """Show the policies every page a request needs (cached or not), once per request:
+        an engine's get then put of the same prompt is one request. Lookups are not
+        announced: engines repeat them while a request waits."""
+        if self.read_only:
+            return
+        if not from_get and blob == self._announced:
+            self._announced = None
+            return
+        self._manager.note_request(split_keys(blob))
+        self._announced = blob if from_get else None
 
     def _promote(self, entries: list[Entry], rows: np.ndarray) -> int:
         top = self._manager.tiers[0].kind
@@ -192,8 +206,10 @@ class Store:
             self._check_open()
             if self.read_only:
                 raise InputError(f"the store at {self._dir} was opened read-only; put needs the writer")
-            keys = split_keys(self._keys(tokens, tenant))
+            blob = self._keys(tokens, tenant)
+            keys = split_keys(blob)
             rows = page_rows(pages, self.layout, "put(pages=...)", len(keys))
+            self._announce(blob, from_get=False)
             new: list[tuple[PageKey, PageKey | None]] = []
             row_of: dict[PageKey, int] = {}
             for i in range(rows.shape[0]):

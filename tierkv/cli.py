@@ -1,4 +1,4 @@
-"""The ``tierkv`` command line: ``tierkv replay``, ``bench``, ``plan`` and ``demo``.
+"""The ``tierkv`` command line: ``tierkv replay``, ``bench``, ``sim``, ``plan`` and ``demo``.
 
 ``main(argv)`` is the console-script entry point (and ``python -m tierkv``). It
 returns the exit status: 0 on success, 2 for bad input (arguments, sizes, trace
@@ -84,6 +84,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from tierkv.demo import add_parser as add_demo_parser
 
     add_demo_parser(sub)
+    from tierkv.sim import add_parser as add_sim_parser
+
+    add_sim_parser(sub)
     return parser
 
 

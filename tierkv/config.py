@@ -16,9 +16,11 @@ from pathlib import Path
 
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.layout import KVLayout
+from tierkv.policy import DEFAULT_POLICY, POLICY_NAMES
 from tierkv.units import parse_size
 
-POLICIES = ("lru",)
+STORE_POLICIES = POLICY_NAMES
+
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class StoreConfig:
     layout: KVLayout
     dram: DramConfig | None = None
     nvme: NvmeConfig | None = None
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     promote_on_hit: bool = True
     persist_on_close: bool = True
     verify_index: str = "always"
@@ -96,8 +98,8 @@ class StoreConfig:
             raise ConfigError(f"store.model_id must be a non-empty string, got {self.model_id!r}")
         if self.verify_index not in ("always", "unclean", "never"):
             raise ConfigError(f"store.verify_index must be 'always', 'unclean' or 'never', got {self.verify_index!r}")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        if self.policy not in STORE_POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; expected one of {', '.join(STORE_POLICIES)}")
         if self.dram is None and self.nvme is None:
             raise ConfigError("a store needs at least one tier: set [tiers.dram] or [tiers.nvme]")
 

@@ -15,6 +15,7 @@ copy survives a restart.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -302,6 +303,12 @@ class BlockManager:
             if self._by_kind[kind].persistent and self._index is not None:
                 self._index.commit(kind.value, delete=[key])
             self._by_kind[kind].free([slot])
+
+    def note_request(self, keys: Sequence[PageKey]) -> None:
+        """Tell every tier's policy which pages a request needs, cached or not, in order."""
+        now = time.monotonic()
+        for policy in self._policies.values():
+            policy.on_request(keys, now)
 
     def touch(self, key: PageKey, kind: TierKind) -> None:
         self._policies[kind].touch(key)

@@ -28,6 +28,7 @@ from tierkv.stats import TierStats
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.errors import CapacityError, ConfigError, CorruptPageError
 from tierkv.layout import DType, KVLayout
+from tierkv.policy import DEFAULT_POLICY
 from tierkv.progress import task_progress
 from tierkv.workload import MOONCAKE_BLOCK_TOKENS, Request, _mix64, request_tokens
 
@@ -89,7 +90,7 @@ def replay_config(workdir: str | Path, page_bytes: int, dram_bytes: int, nvme_by
     return StoreConfig(path=str(workdir), model_id="replay", layout=replay_layout(page_bytes),
                        dram=DramConfig(capacity_bytes=dram_bytes),
                        nvme=NvmeConfig(capacity_bytes=nvme_bytes, o_direct=True, io_threads=4) if nvme_bytes else None,
-                       policy="lru")
+                       policy=DEFAULT_POLICY)
 
 
 # --------------------------------------------------------------------------------------

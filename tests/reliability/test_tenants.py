@@ -35,7 +35,9 @@ def test_keys_differ_per_tenant() -> None:
 
 
 def test_every_path_keeps_tenants_apart(tmp_path: Path) -> None:
-    cfg = make_config(tmp_path / "s", 4, 64)  # DRAM holds one tenant's prompt: the rest demote
+    # DRAM holds one tenant's prompt: the rest demote. LRU, so that which tier holds
+    # what is predictable; tenant isolation does not depend on the policy.
+    cfg = make_config(tmp_path / "s", 4, 64, policy="lru")
     with Store.open(cfg) as s:
         for t, name in enumerate(TENANTS[:2]):
             assert s.put(tokens(), data(t), tenant=name).stored == 4

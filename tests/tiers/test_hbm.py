@@ -3,6 +3,8 @@ its config, and a store with an HBM tier on top (on device="cpu" here; on CUDA w
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +164,11 @@ def test_store_with_an_hbm_tier(tmp_path: Path, device: str) -> None:
     """HBM on top: puts land there, evictions demote through the HBM -> DRAM copy-table entry."""
     tokens = as_token_array(np.arange(16 * LAYOUT.tokens_per_page))
     pages = page_data(7, 16)
-    with Store.open(store_config(tmp_path / "s", hbm_pages=4, device=device)) as store:
+    # LRU evicts the prompt's older pages to make room for its newer ones, which is the
+    # demotion this test needs; gittins keeps a request's own pages and places the new
+    # ones lower instead.
+    cfg = dataclasses.replace(store_config(tmp_path / "s", hbm_pages=4, device=device), policy="lru")
+    with Store.open(cfg) as store:
         assert [t.kind for t in store._manager.tiers] == [TierKind.HBM, TierKind.DRAM, TierKind.NVME]
         tpp = LAYOUT.tokens_per_page
         for n in (4, 8, 12, 16):  # each batch fills HBM and pushes the previous one down
