@@ -232,3 +232,14 @@ def test_store_files_are_private(store: Store, store_config) -> None:  # type: i
     assert root.stat().st_mode & 0o077 == 0
     for p in [root / "nvme.data", root / "writer.lock", *(root / "index.lmdb").iterdir()]:
         assert p.stat().st_mode & 0o077 == 0, p
+
+
+def test_extending_a_prompt_never_evicts_its_own_prefix(tmp_path: Path) -> None:
+    with Store.open(make_config(tmp_path / "s", 4, 0, policy="lru")) as s:
+        tokens, data = prompt(20, 4), page_data(20, 4)
+        s.put(tokens[: 2 * TPP], data[:2])           # the prompt's first two pages: oldest
+        s.put(prompt(21, 2), page_data(21, 2))       # DRAM is full
+        assert s.put(tokens, data).stored == 2       # LRU alone would evict pages 0-1 here
+        n, out = load(s, tokens, 4)
+        assert n == 4 and np.array_equal(out, data)
+        assert s.lookup(prompt(21, 2)).cached_pages == 0  # the other prompt made room

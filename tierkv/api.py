@@ -216,7 +216,8 @@ class Store:
                 if self._manager.entry(keys[i]) is None:
                     new.append((keys[i], keys[i - 1] if i else None))
                     row_of[keys[i]] = i
-            plan = self._manager.plan_store(new, self.layout.page_bytes)
+            plan = self._manager.plan_store(new, self.layout.page_bytes,
+                                            prefix=[k for k in keys[:rows.shape[0]] if k not in row_of])
             stored = self._transfers.run(plan, rows, row_of)
             self._counters.events["pages_stored"] += stored
             self._counters.events["pages_dropped"] += plan.dropped

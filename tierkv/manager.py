@@ -153,13 +153,18 @@ class BlockManager:
         return len(good)
 
     # -- planning --------------------------------------------------------------------
-    def plan_store(self, pages: Sequence[tuple[PageKey, PageKey | None]], nbytes: int) -> Plan:
-        """Reserve slots for new pages, fastest tier first, evicting as the policies say."""
+    def plan_store(self, pages: Sequence[tuple[PageKey, PageKey | None]], nbytes: int,
+                   prefix: Sequence[PageKey] = ()) -> Plan:
+        """Reserve slots for new pages, fastest tier first, evicting as the policies say.
+
+        ``prefix`` are the prompt's pages already cached: they are not evicted to make
+        room for the new pages that extend them (that would leave those orphaned).
+        """
         total = sum(t.num_slots for t in self.tiers)
         if len(pages) > total:
             raise CapacityError(f"asked to store {len(pages)} pages; all tiers together hold {total}")
         plan = Plan()
-        protect = {k for k, _ in pages}
+        protect = {k for k, _ in pages} | set(prefix)
         todo = list(pages)
         for tier in self.tiers:
             if not todo:

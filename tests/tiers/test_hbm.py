@@ -162,21 +162,23 @@ def store_config(path: Path, hbm_pages: int, device: str = "cpu") -> StoreConfig
 @pytest.mark.parametrize("device", DEVICES)
 def test_store_with_an_hbm_tier(tmp_path: Path, device: str) -> None:
     """HBM on top: puts land there, evictions demote through the HBM -> DRAM copy-table entry."""
-    tokens = as_token_array(np.arange(16 * LAYOUT.tokens_per_page))
-    pages = page_data(7, 16)
-    # LRU evicts the prompt's older pages to make room for its newer ones, which is the
-    # demotion this test needs; gittins keeps a request's own pages and places the new
-    # ones lower instead.
+    tpp = LAYOUT.tokens_per_page
+    prompts = [as_token_array(np.arange(4 * tpp) + 10_000 * (i + 1)) for i in range(4)]
+    pages = [page_data(7 + i, 4) for i in range(4)]
+    # LRU, so that which tier holds what is predictable: each prompt fills HBM and
+    # pushes the previous one down.
     cfg = dataclasses.replace(store_config(tmp_path / "s", hbm_pages=4, device=device), policy="lru")
     with Store.open(cfg) as store:
         assert [t.kind for t in store._manager.tiers] == [TierKind.HBM, TierKind.DRAM, TierKind.NVME]
-        tpp = LAYOUT.tokens_per_page
-        for n in (4, 8, 12, 16):  # each batch fills HBM and pushes the previous one down
-            assert store.put(tokens[:n * tpp], pages[:n]).stored == 4
-        out = np.zeros_like(pages)
-        got = store.get(tokens, out)
-        assert got.pages == 16 and TierKind.DRAM in got.tiers
-        np.testing.assert_array_equal(out, pages)
+        for tokens, data in zip(prompts, pages):
+            assert store.put(tokens, data).stored == 4
+        for i, (tokens, data) in enumerate(zip(prompts, pages)):
+            out = np.zeros_like(data)
+            got = store.get(tokens, out)
+            assert got.pages == 4
+            np.testing.assert_array_equal(out, data)
+            if i == 0:
+                assert TierKind.HBM not in got.tiers  # the first prompt was demoted
         stats = store.stats()
         assert stats.tiers["hbm"].used_slots == 4
         assert stats.bytes_moved.get("hbm->dram", 0) > 0
