@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from tierkv.errors import ConfigError, InputError, LayoutError, TierKVError
+from tierkv.errors import ConfigError, InputError
 from tierkv.units import format_size, parse_size
 
 if TYPE_CHECKING:  # the model stack loads only when the demo runs
@@ -208,23 +208,10 @@ def _yes(value: object) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``demo`` alone; returns the exit status (one line on stderr and 2 for bad input)."""
-    parser = _Parser(prog="tierkv")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    add_parser(sub)
-    try:
-        args = parser.parse_args(["demo", *(sys.argv[1:] if argv is None else argv)])
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    try:
-        code: int = args.handler(args)
-        return code
-    except (InputError, ConfigError, LayoutError) as exc:
-        print(f"tierkv: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_USAGE
-    except TierKVError as exc:
-        print(f"tierkv: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_FAILED
+    """Run ``demo`` alone (``python -m tierkv.demo``): the same as ``tierkv demo``."""
+    from tierkv.cli import main as cli_main
+
+    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from tierkv.errors import ConfigError, InputError, LayoutError
+from tierkv.errors import InputError
 from tierkv.layout import DType
 from tierkv.units import parse_size
 
@@ -197,16 +197,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``plan`` alone; returns the exit status."""
-    parser = _Parser(prog="tierkv")
-    add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
-    try:
-        args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    try:
-        code: int = args.handler(args)
-        return code
-    except (InputError, ConfigError, LayoutError) as exc:
-        print(f"tierkv: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_USAGE
+    """Run ``plan`` alone (``python -m tierkv.plan``): the same as ``tierkv plan``."""
+    from tierkv.cli import main as cli_main
+
+    return cli_main(["plan", *(sys.argv[1:] if argv is None else argv)])
+

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from typing import TYPE_CHECKING
 
-from tierkv.errors import InputError, TierKVError
+from tierkv.errors import InputError
 from tierkv.progress import task_progress
 
 if TYPE_CHECKING:
@@ -158,18 +158,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main_sim(argv: Sequence[str] | None = None) -> int:
-    """``tierkv sim`` on its own: returns the exit status (2 with one line on stderr for bad input)."""
-    parser = _Parser(prog="tierkv")
-    add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
-    try:
-        args = parser.parse_args(["sim", *(sys.argv[1:] if argv is None else argv)])
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    try:
-        return run_sim(args)
-    except TierKVError as exc:
-        print(f"tierkv: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"tierkv: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    """Run ``sim`` alone (``python -m tierkv.sim``): the same as ``tierkv sim``."""
+    from tierkv.cli import main as cli_main
+
+    return cli_main(["sim", *(sys.argv[1:] if argv is None else argv)])
+
