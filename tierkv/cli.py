@@ -136,13 +136,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from tierkv import replay, workload
 
     layout = replay.replay_layout(page_bytes)
-    if args.trace is not None:
-        requests = list(workload.read_mooncake(args.trace, args.limit))
-        source: dict[str, object] = {"source": "mooncake", "trace": str(args.trace)}
-    else:
-        n = DEFAULT_SYNTHETIC_REQUESTS if args.synthetic_requests is None else args.synthetic_requests
-        requests = workload.synthetic(args.seed, n if args.limit is None else min(n, args.limit))
-        source = {"source": "synthetic", "seed": args.seed}
+    n = DEFAULT_SYNTHETIC_REQUESTS if args.synthetic_requests is None else args.synthetic_requests
+    requests, source = workload.load_requests(args.trace, args.limit, n, args.seed)
     source["requests"] = len(requests)
     base = None
     if args.config is not None:

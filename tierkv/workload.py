@@ -377,3 +377,14 @@ def synthetic(seed: int, n_requests: int, mix: SyntheticMix = SyntheticMix()) ->
         session += 1
     rows.sort(key=lambda row: row[:3])
     return [row[3] for row in rows[:n_requests]]
+
+
+def load_requests(trace: str | os.PathLike[str] | None, limit: int | None, synthetic_requests: int,
+                  seed: int) -> tuple[list[Request], dict[str, object]]:
+    """The requests a CLI command runs: the Mooncake ``trace`` if given, else
+    ``synthetic_requests`` of the built-in mix for ``seed``; at most ``limit`` either way.
+    Returns them with a JSON-ready description of their source."""
+    if trace is not None:
+        return list(read_mooncake(trace, limit)), {"source": "mooncake", "trace": str(trace)}
+    n = synthetic_requests if limit is None else min(synthetic_requests, limit)
+    return synthetic(seed, n), {"source": "synthetic", "seed": seed}

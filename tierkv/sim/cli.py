@@ -97,13 +97,8 @@ def _load(args: argparse.Namespace) -> Workload:
     from tierkv import workload as wl
     from tierkv.sim.run import Workload
 
-    if args.trace is not None:
-        reqs = list(wl.read_mooncake(args.trace, args.limit))
-        source: dict[str, object] = {"source": "mooncake", "trace": str(args.trace)}
-    else:
-        n = DEFAULT_SYNTHETIC_REQUESTS if args.synthetic_requests is None else args.synthetic_requests
-        reqs = wl.synthetic(args.seed, n if args.limit is None else min(n, args.limit))
-        source = {"source": "synthetic", "seed": args.seed}
+    n = DEFAULT_SYNTHETIC_REQUESTS if args.synthetic_requests is None else args.synthetic_requests
+    reqs, source = wl.load_requests(args.trace, args.limit, n, args.seed)
     if not reqs:
         raise InputError("the workload has no requests")
     return Workload.from_requests(reqs, cache_partial=args.cache_partial, source=source)
