@@ -13,6 +13,7 @@ and page tensors, never keys.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from tierkv.config import StoreConfig, load_config
-from tierkv.errors import InputError, StoreClosedError
+from tierkv.errors import InputError, StoreClosedError, TierIOError
 from tierkv.index_check import mark_clean
 from tierkv.keys import KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest, split_keys
 from tierkv.layout import KVLayout
@@ -32,6 +33,8 @@ from tierkv.pages import PageBatch, page_rows
 from tierkv.stats import Counters, StoreStats, TierStats
 from tierkv.tiers.base import TierKind
 from tierkv.transfer import Transfers
+
+log = logging.getLogger(__name__)
 
 _KIND_BY_RANK = {kind.rank: kind for kind in TierKind}
 
@@ -144,6 +147,9 @@ class Store:
                 ranks = bytes(e.fastest.rank for e in self._leading(blob, total))
             else:
                 ranks = self._manager.resident.prefix_values(blob)
+                down = self._manager.unavailable_ranks()
+                if down:  # pages whose fastest copy is on a degraded tier are misses for now
+                    ranks = ranks[:next((i for i, r in enumerate(ranks) if r in down), len(ranks))]
             n = len(ranks)
             return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
 
@@ -164,13 +170,13 @@ class Store:
             want = rows.shape[0]
             self._announce(blob, from_get=True)
             entries = self._leading(blob, want)
-            tiers = tuple(e.fastest for e in entries)
             loaded = self._transfers.read(entries, rows)
+            tiers = tuple(self._manager.source(e) or e.fastest for e in entries[:loaded])
             self._counters.events["pages_requested"] += want
             self._counters.events["pages_hit"] += loaded
             if loaded and not self.read_only and self.config.promote_on_hit:
                 self._promote(entries[:loaded], rows)
-            return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers[:loaded])
+            return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
 
     def _announce(self, blob: bytes, *, from_get: bool) -> None:
         """Show the policies every page a request needs (cached or not), once per request:
@@ -188,8 +194,9 @@ class Store:
         top = self._manager.tiers[0].kind
         protect = {e.key for e in entries}
         promoted = 0
-        for kind in {e.fastest for e in entries if e.fastest is not top}:
-            picked = [(i, e) for i, e in enumerate(entries) if e.fastest is kind]
+        source = [self._manager.source(e) for e in entries]
+        for kind in {k for k in source if k is not None and k is not top}:
+            picked = [(i, e) for i, e in enumerate(entries) if source[i] is kind]
             plan = self._manager.plan_promote([e.key for _, e in picked], top, protect)
             promoted += self._transfers.run(plan, rows, {e.key: i for i, e in picked}, source=kind.value)
         self._counters.events["promotions"] += promoted
@@ -275,7 +282,8 @@ class Store:
             tiers = {
                 t.kind.value: TierStats(t.kind.value, c.tier_hits[t.kind.value], t.num_slots,
                                         t.num_slots - t.num_free, t.slot_bytes, c.tier_read[t.kind.value],
-                                        c.tier_written[t.kind.value], c.tier_io_s[t.kind.value])
+                                        c.tier_written[t.kind.value], c.tier_io_s[t.kind.value],
+                                        "available" if t.available else "degraded")
                 for t in self._manager.tiers
             }
             ev = c.events
@@ -294,7 +302,10 @@ class Store:
             if self.config.persist_on_close and not self.read_only:
                 self._transfers.run(self._manager.plan_writeback())
             for t in self._manager.tiers:
-                t.flush()
+                try:
+                    t.flush()
+                except TierIOError as exc:  # a degraded fabric tier: its committed pages stay indexed
+                    log.warning("flush of the %s tier at close failed: %s", t.kind.value, exc)
                 t.close()
             if self._index is not None:
                 self._index.close()

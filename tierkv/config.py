@@ -68,6 +68,69 @@ class NvmeConfig:
             raise ConfigError(f"nvme.io_threads must be an integer in [1, 256], got {self.io_threads!r}")
 
 
+_TRANSPORTS = ("rdma", "tcp", "loop")
+
+
+@dataclass(frozen=True)
+class NvmeofConfig:
+    """The NVMe-oF tier: slots on a namespace exported by an NVMe-oF target.
+
+    Either ``device`` names a block device that something else connected, or
+    ``transport``/``traddr``/``trsvcid``/``subnqn`` say where to connect (the store
+    connects at open through ``nvmeof``, finds the namespace ``nsid`` of that subsystem,
+    and reconnects when the kernel gives up). ``capacity_bytes`` 0 takes the whole
+    namespace. ``io_timeout_s`` bounds every transfer: past it, or on an I/O error, the
+    tier is degraded (its pages are misses) until the monitor, polling every
+    ``monitor_interval_s``, finds the namespace back with the store's label on it.
+    ``ctrl_loss_tmo_s``, ``reconnect_delay_s`` and ``fast_io_fail_tmo_s`` are passed to
+    the kernel's connect (-1 for ctrl_loss_tmo_s: reconnect forever). DH-HMAC-CHAP secrets
+    are read from files (``DHHC-1:...`` lines), never written in the config itself.
+    """
+
+    capacity_bytes: int = 0
+    device: str | None = None
+    transport: str | None = None
+    traddr: str | None = None
+    trsvcid: str = "4420"
+    subnqn: str | None = None
+    nsid: int = 1
+    hostnqn: str | None = None
+    hostid: str | None = None
+    dhchap_secret_file: str | None = None
+    dhchap_ctrl_secret_file: str | None = None
+    o_direct: bool = True
+    io_threads: int = 4
+    io_timeout_s: float = 5.0
+    monitor_interval_s: float = 1.0
+    connect_timeout_s: float = 15.0
+    ctrl_loss_tmo_s: int = 600
+    reconnect_delay_s: int = 1
+    fast_io_fail_tmo_s: int = 2
+    disconnect_on_close: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvmeof.capacity_bytes"))
+        if self.subnqn is None and self.device is None:
+            raise ConfigError("nvmeof needs either device = \"/dev/nvmeXnY\" or transport, traddr and subnqn")
+        if self.subnqn is not None:
+            if self.transport not in _TRANSPORTS:
+                raise ConfigError(f"nvmeof.transport must be one of {', '.join(_TRANSPORTS)}, got {self.transport!r}")
+            if self.transport != "loop" and not self.traddr:
+                raise ConfigError(f"nvmeof.traddr is required for transport {self.transport!r}")
+        for name in ("io_threads", "nsid"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 16:
+                raise ConfigError(f"nvmeof.{name} must be a positive integer, got {v!r}")
+        for name in ("io_timeout_s", "monitor_interval_s", "connect_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"nvmeof.{name} must be a number of seconds > 0, got {v!r}")
+        for name in ("ctrl_loss_tmo_s", "reconnect_delay_s", "fast_io_fail_tmo_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+                raise ConfigError(f"nvmeof.{name} must be an integer >= -1, got {v!r}")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Everything needed to open a store.
@@ -90,6 +153,7 @@ class StoreConfig:
     persist_on_close: bool = True
     verify_index: str = "always"
     hbm: HbmConfig | None = None
+    nvmeof: NvmeofConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -100,8 +164,8 @@ class StoreConfig:
             raise ConfigError(f"store.verify_index must be 'always', 'unclean' or 'never', got {self.verify_index!r}")
         if self.policy not in STORE_POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; expected one of {', '.join(STORE_POLICIES)}")
-        if self.dram is None and self.nvme is None:
-            raise ConfigError("a store needs at least one tier: set [tiers.dram] or [tiers.nvme]")
+        if self.dram is None and self.nvme is None and self.nvmeof is None:
+            raise ConfigError("a store needs at least one tier: set [tiers.dram], [tiers.nvme] or [tiers.nvmeof]")
 
     def nvme_path(self) -> Path:
         """Where the NVMe tier's data lives (a file or a block device)."""
@@ -137,17 +201,19 @@ def config_from_dict(data: Mapping[str, object], source: str = "<dict>") -> Stor
     store = _section(data, "store", source)
     layout = _build(KVLayout, _section(data, "layout", source), f"{source} [layout]")
     tiers = _section(data, "tiers", source)
-    unknown = sorted(set(tiers) - {"hbm", "dram", "nvme"})
+    unknown = sorted(set(tiers) - {"hbm", "dram", "nvme", "nvmeof"})
     if unknown:
-        raise ConfigError(f"{source}: unknown tier(s) {', '.join(unknown)}; this build has hbm, dram and nvme")
+        raise ConfigError(f"{source}: unknown tier(s) {', '.join(unknown)}; this build has hbm, dram, nvme and nvmeof")
     hbm = _build(HbmConfig, _section(tiers, "hbm", source), f"{source} [tiers.hbm]") if "hbm" in tiers else None
     dram = _build(DramConfig, _section(tiers, "dram", source), f"{source} [tiers.dram]") if "dram" in tiers else None
     nvme = _build(NvmeConfig, _section(tiers, "nvme", source), f"{source} [tiers.nvme]") if "nvme" in tiers else None
+    nvmeof = (_build(NvmeofConfig, _section(tiers, "nvmeof", source), f"{source} [tiers.nvmeof]")
+              if "nvmeof" in tiers else None)
     values = dict(store)
     if isinstance(values.get("path"), str):
         values["path"] = os.path.expanduser(str(values["path"]))
-    values.update(layout=layout, dram=dram, nvme=nvme, hbm=hbm)
-    for key in ("layout", "dram", "nvme", "hbm"):
+    values.update(layout=layout, dram=dram, nvme=nvme, hbm=hbm, nvmeof=nvmeof)
+    for key in ("layout", "dram", "nvme", "hbm", "nvmeof"):
         if key in store:
             raise ConfigError(f"{source}: [store] may not set {key!r}; use its own table")
     cfg = _build(StoreConfig, values, f"{source} [store]")

@@ -42,3 +42,7 @@ class TierIOError(TierKVError):
 
 class CorruptPageError(TierKVError):
     """A page read back does not match its recorded length or checksum."""
+
+
+class TierUnavailableError(TierIOError):
+    """A tier is degraded (its fabric link or device is gone): its pages are misses until it recovers."""

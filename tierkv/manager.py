@@ -124,9 +124,17 @@ class BlockManager:
         return tier.num_slots - tier.num_free
 
     def below(self, kind: TierKind) -> Tier | None:
-        """The next slower tier, if any."""
+        """The next slower tier that is available (a degraded fabric tier is skipped), if any."""
         idx = self.tiers.index(self._by_kind[kind])
-        return self.tiers[idx + 1] if idx + 1 < len(self.tiers) else None
+        return next((t for t in self.tiers[idx + 1:] if t.available), None)
+
+    def source(self, e: Entry) -> TierKind | None:
+        """The fastest available tier holding ``e``; None when its only copies are on degraded tiers."""
+        return min((k for k in e.slots if self._by_kind[k].available), key=lambda k: k.rank, default=None)
+
+    def unavailable_ranks(self) -> frozenset[int]:
+        """Ranks of the tiers that serve no I/O now (degraded fabric tiers)."""
+        return frozenset(t.kind.rank for t in self.tiers if not t.available)
 
     # -- reopening -------------------------------------------------------------------
     def adopt_persistent(self, kind: TierKind) -> int:
@@ -169,6 +177,8 @@ class BlockManager:
         for tier in self.tiers:
             if not todo:
                 break
+            if not tier.available:
+                continue
             admitted = [(k, p) for k, p in todo if self._policies[tier.kind].admit(k, p)]
             slots = self._reserve(tier, len(admitted), protect, plan)
             for (key, parent), slot in zip(admitted, slots):
@@ -199,7 +209,7 @@ class BlockManager:
         are evicted as that tier's policy says.
         """
         plan = Plan()
-        target = next((t for t in self.tiers if t.persistent), None)
+        target = next((t for t in self.tiers if t.persistent and t.available), None)
         if target is None:
             return plan
         volatile = [e for e in self._entries.values() if not any(self._by_kind[k].persistent for k in e.slots)]

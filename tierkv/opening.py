@@ -23,7 +23,9 @@ from tierkv.tiers.aligned import round_up
 from tierkv.tiers.base import Tier
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.hbm import HbmTier
+from tierkv.tiers.fabric import open_nvmeof_tier
 from tierkv.tiers.nvme import NvmeTier
+from tierkv.tiers.nvmeof import NvmeofTier
 
 FORMAT_VERSION = 2
 # The NVMe data file starts with a 4 KiB label: magic + the store's 16-byte identity.
@@ -120,7 +122,8 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
 
 
 def build_tiers(cfg: StoreConfig, read_only: bool) -> list[Tier]:
-    """The tiers ``cfg`` asks for, fastest first; readers get the persistent ones only."""
+    """The tiers ``cfg`` asks for, fastest first; readers get the persistent ones only
+    (a reader of an NVMe-oF tier uses the namespace where it is connected, never connects)."""
     tiers: list[Tier] = []
     try:
         _add_tiers(cfg, read_only, tiers)
@@ -151,6 +154,8 @@ def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
             raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
         tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
                               io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES))
+    if cfg.nvmeof is not None:
+        tiers.append(open_nvmeof_tier(cfg.nvmeof, pb, header_bytes=LABEL_BYTES, connect=not read_only))
     if not tiers:
         raise ConfigError("a read-only open needs the store's NVMe tier configured" if read_only
                           else "every tier of this store has zero capacity")
@@ -159,6 +164,8 @@ def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
 def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool) -> None:
     """Make sure the data file belongs to this index; a foreign one loses its records."""
     label = _LABEL_MAGIC + index.store_id()
+    if isinstance(tier, NvmeofTier):
+        tier.expect_header(label)  # recovery after a fabric loss requires this label back
     if tier.read_header().startswith(label):
         return
     if read_only:

@@ -25,6 +25,7 @@ class TierStats:
     bytes_read: int
     bytes_written: int
     io_seconds: float
+    state: str = "available"  # "degraded" while a fabric tier's namespace is unreachable
 
     @property
     def occupancy(self) -> float:

@@ -17,7 +17,7 @@ from itertools import groupby
 import numpy as np
 
 from tierkv.checksum import checksum64, checksum_rows
-from tierkv.errors import TierIOError
+from tierkv.errors import TierIOError, TierUnavailableError
 from tierkv.keys import PageKey
 from tierkv.manager import BlockManager, Entry, Move, Plan
 from tierkv.stats import Counters
@@ -138,7 +138,11 @@ class Transfers:
         checksum or whose read fails is forgotten (a miss from now on) and ends the run.
         """
         loaded = 0
-        for kind, group in groupby(enumerate(entries), key=lambda ie: ie[1].fastest):
+        sources = [self._m.source(e) for e in entries]
+        if None in sources:  # the rest of the prefix lives only on a degraded tier: misses, kept
+            sources = sources[:sources.index(None)]
+        for kind, group in groupby(enumerate(entries[:len(sources)]), key=lambda ie: sources[ie[0]]):
+            assert kind is not None
             items = list(group)
             first = items[0][0]
             rows = out[first:first + len(items)]
@@ -146,6 +150,10 @@ class Transfers:
             start = time.perf_counter()
             try:
                 tier.read([e.slots[kind] for _, e in items], rows)
+            except TierUnavailableError as exc:
+                # The tier went down under this read: the pages are still there, only unreachable.
+                log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), kind.value, exc)
+                return loaded
             except TierIOError as exc:
                 log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), kind.value, exc)
                 for _, e in items:

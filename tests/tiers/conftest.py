@@ -20,7 +20,9 @@ import torch
 from tierkv.tiers.base import Tier
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.hbm import HbmTier
+from tierkv.tiers.aligned import round_up
 from tierkv.tiers.nvme import NvmeTier
+from tierkv.tiers.nvmeof import NvmeofTier, StaticLink
 
 SHM = Path("/dev/shm")
 
@@ -43,6 +45,15 @@ _BUILDERS: dict[str, Builder] = {
     "hbm-cpu": lambda s, n, p: HbmTier(n, p, device="cpu"),
     "hbm-cuda": lambda s, n, p: HbmTier(n, p, device="cuda") if torch.cuda.is_available() else pytest.skip("no CUDA"),
 }
+def _nvmeof_on_file(s: Scratch, n: int, p: int) -> Tier:
+    """The NVMe-oF tier's own code (deadlines, monitor) over a file standing in for the namespace."""
+    path = s.disk / s.name
+    with open(path, "wb") as f:
+        f.truncate(n * round_up(p))
+    return NvmeofTier(StaticLink(path), n, p, io_timeout_s=10.0, monitor_interval_s=0.2)
+
+
+_BUILDERS["nvmeof-file"] = _nvmeof_on_file
 _MARKS: dict[str, pytest.MarkDecorator] = {"hbm-cuda": pytest.mark.gpu}
 
 TierFactory = Callable[[int, int], Tier]

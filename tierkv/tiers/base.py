@@ -119,6 +119,12 @@ class Tier(abc.ABC):
 
     # -- slot bookkeeping -------------------------------------------------------
     @property
+    def available(self) -> bool:
+        """Whether the tier serves I/O now. Local tiers always do while open; a fabric
+        tier is unavailable while degraded (its pages are misses, nothing lands there)."""
+        return not self._closed
+
+    @property
     def num_free(self) -> int:
         return self._slots.num_free
 

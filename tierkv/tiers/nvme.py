@@ -118,6 +118,9 @@ class NvmeTier(Tier):
                         if io_threads > 1 else None)
         self._cond = threading.Condition()
         self._inflight = 0
+        # How long close() waits for transfers in flight (None: forever). A fabric tier
+        # bounds it, since a syscall on a lost namespace can outlive any caller.
+        self._close_wait_s: float | None = None
 
     def read_header(self) -> bytes:
         """The ``header_bytes`` reserved before slot 0 (an owner's label for the medium)."""
@@ -172,7 +175,9 @@ class NvmeTier(Tier):
 
     def _close(self) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self._inflight == 0)
+            if not self._cond.wait_for(lambda: self._inflight == 0, timeout=self._close_wait_s):
+                logger.warning("nvme tier %s: closing with %d transfers still stuck in the kernel",
+                               self.path, self._inflight)
             fd, self._fd = self._fd, -1
         if self._fanout is not None:
             self._fanout.shutdown(wait=True)

@@ -1,0 +1,174 @@
+"""The NVMe-oF tier's lifecycle on the host: deadlines, degradation, held slots, recovery.
+
+The namespace is a plain file behind a :class:`StaticLink`. Losing it for real (a
+removed path) drives the monitor; I/O errors and syscalls that hang are injected by a
+hand-written subclass with failure switches, since no fabric can fail on this host.
+The rig (tests/rig) runs the same tier against the kernel's NVMe-oF target.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierkv.errors import TierIOError, TierUnavailableError
+from tierkv.tiers.aligned import round_up
+from tierkv.tiers.nvmeof import NvmeofTier, StaticLink
+
+PAGE = 8192
+SLOTS = 16
+HEADER = 4096
+LABEL = b"tierkv-test-label"
+
+
+class FlakyTier(NvmeofTier):
+    """Syscalls fail (``fail``) or block until ``release`` is set (``hang``)."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        self.fail = False
+        self.hang = False
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+
+    def _syscall(self, op, fd, chunk, iov):  # type: ignore[no-untyped-def]
+        if self.hang:
+            self.entered.set()
+            self.release.wait(30)
+            if self._closed:  # a real stuck syscall holds its file; this fake must not use a stale fd
+                raise TierIOError("closed while stuck")
+        if self.fail:
+            raise TierIOError("injected EIO")
+        return super()._syscall(op, fd, chunk, iov)
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def dev(tmp_path: Path) -> Path:
+    path = tmp_path / "ns1.img"
+    with open(path, "wb") as f:
+        f.truncate(HEADER + SLOTS * round_up(PAGE))
+    return path
+
+
+@pytest.fixture
+def tier(dev: Path) -> Iterator[FlakyTier]:
+    t = FlakyTier(StaticLink(dev), SLOTS, PAGE, io_timeout_s=0.5, monitor_interval_s=0.05, header_bytes=HEADER)
+    t.write_header(LABEL)
+    t.expect_header(LABEL)
+    yield t
+    t.release.set()
+    t.close()
+
+
+def pages(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8)
+
+
+def test_io_error_degrades_then_the_monitor_recovers(tier: FlakyTier) -> None:
+    src = pages(2)
+    slots = tier.allocate(2)
+    tier.write(slots, src)
+    tier.fail = True
+    out = np.zeros_like(src)
+    with pytest.raises(TierUnavailableError, match="injected EIO"):
+        tier.read(slots, out)
+    assert not tier.available and tier.state()["state"] == "degraded"
+    # While degraded every call fails at once, with the reason.
+    with pytest.raises(TierUnavailableError, match="degraded"):
+        tier.read(slots, out)
+    assert not out.any()
+    tier.fail = False
+    assert wait_for(lambda: tier.available)
+    tier.read(slots, out)
+    assert np.array_equal(out, src)
+    assert tier.degradations == 1 and tier.recoveries == 1
+
+
+def test_a_hung_read_times_out_and_never_touches_the_callers_buffer(tier: FlakyTier) -> None:
+    src = pages(3, seed=1)
+    slots = tier.allocate(3)
+    tier.write(slots, src)
+    tier.hang = True
+    out = np.full_like(src, 7)
+    start = time.monotonic()
+    with pytest.raises(TierUnavailableError, match="did not complete within 0.5 s"):
+        tier.read(slots, out)
+    assert time.monotonic() - start < 3.0
+    assert not tier.available
+    tier.hang = False
+    tier.release.set()  # the stuck syscall now completes, into the tier's private buffer
+    assert wait_for(lambda: tier.available)
+    assert (out == 7).all()
+
+
+def test_slots_of_a_timed_out_write_are_not_reused_until_it_returns(tier: FlakyTier) -> None:
+    slots = tier.allocate(2)
+    tier.hang = True
+    with pytest.raises(TierUnavailableError):
+        tier.write(slots, pages(2, seed=2))
+    assert tier.entered.is_set()
+    free_before = tier.num_free
+    tier.free(slots)  # the store abandons the write: the slots must stay out of the free list
+    assert tier.num_free == free_before
+    tier.hang = False
+    tier.release.set()
+    assert wait_for(lambda: tier.num_free == free_before + 2)
+
+
+def test_a_lost_device_degrades_and_comes_back(tier: FlakyTier, dev: Path) -> None:
+    src = pages(4, seed=3)
+    slots = tier.allocate(4)
+    tier.write(slots, src)
+    tier.flush()
+    moved = dev.with_suffix(".away")
+    os.rename(dev, moved)
+    assert wait_for(lambda: not tier.available)
+    assert "gone" in str(tier.state()["reason"])
+    os.rename(moved, dev)
+    assert wait_for(lambda: tier.available)
+    out = np.zeros_like(src)
+    tier.read(slots, out)
+    assert np.array_equal(out, src)
+
+
+def test_a_namespace_with_another_label_keeps_the_tier_degraded(tier: FlakyTier, dev: Path) -> None:
+    moved = dev.with_suffix(".away")
+    os.rename(dev, moved)
+    assert wait_for(lambda: not tier.available)
+    with open(dev, "wb") as f:  # a different namespace appears under the same name
+        f.write(b"someone-else".ljust(HEADER, b"\0"))
+        f.truncate(HEADER + SLOTS * round_up(PAGE))
+    time.sleep(0.5)
+    assert not tier.available
+    os.replace(moved, dev)
+    assert wait_for(lambda: tier.available)
+
+
+def test_close_does_not_hang_on_a_stuck_syscall(tier: FlakyTier) -> None:
+    slots = tier.allocate(1)
+    tier.hang = True
+    with pytest.raises(TierUnavailableError):
+        tier.write(slots, pages(1))
+    start = time.monotonic()
+    tier.close()
+    assert time.monotonic() - start < 5.0
+
+
+def test_static_link_refuses_a_missing_device(tmp_path: Path) -> None:
+    with pytest.raises(TierIOError, match="does not exist"):
+        NvmeofTier(StaticLink(tmp_path / "nope"), 1, PAGE)

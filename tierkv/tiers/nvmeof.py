@@ -1,0 +1,295 @@
+"""The NVMe-oF tier: the NVMe tier's slots on a namespace reached over a fabric, plus its lifecycle.
+
+A fabric namespace can vanish under a running store (target down, port removed,
+namespace disabled, link lost), and a syscall on a lost namespace can block for as long
+as the kernel keeps retrying. So this tier wraps every transfer of
+:class:`~tierkv.tiers.nvme.NvmeTier` in a deadline and keeps a state:
+
+- **available**: transfers run; a monitor thread polls the link (controller state in
+  sysfs, through a :class:`NamespaceLink`) every ``monitor_interval_s``.
+- **degraded**: entered on an I/O error, a transfer past ``io_timeout_s``, or a link
+  that is no longer live. Every transfer fails at once with
+  :class:`~tierkv.errors.TierUnavailableError`; the manager then treats the tier as
+  absent (its pages are misses, nothing is placed there) but keeps its index, since the
+  pages are still on the target. The monitor reattaches the link (reconnecting where the
+  kernel has given up), reopens the block device if its name changed, and reads the
+  label the store wrote at open: only the same label brings the tier back.
+
+Never wrong data, never a hang: reads land in a private buffer and are copied to the
+caller only when they complete in time (a late completion cannot touch the caller's
+memory); the slots of a write that timed out are held back from reuse until the
+stuck syscall returns, so a late write cannot clobber a page stored after recovery;
+and every page read is checked against its checksum by the store anyway.
+
+Built by :mod:`tierkv.opening` from ``[tiers.nvmeof]``; the link comes from
+:mod:`tierkv.tiers.fabric` (``nvmeof`` host code) or is a fixed device path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from tierkv.errors import InputError, TierIOError, TierUnavailableError
+from tierkv.tiers.aligned import aligned_empty
+from tierkv.tiers.base import TierKind
+from tierkv.tiers.nvme import DEFAULT_MAX_IO_BYTES, NvmeTier, _open_backing
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LinkStatus:
+    """What the link looks like now: the namespace's block device (None when none is
+    attached), whether its controller is live, and a human-readable detail."""
+
+    device: str | None
+    live: bool
+    detail: str
+
+
+class NamespaceLink(Protocol):
+    """How the tier gets and watches its namespace. ``attach`` connects if needed and
+    returns the block device path (raising TierIOError when it cannot); ``status`` is a
+    cheap poll (sysfs reads); ``reattach`` is one recovery attempt, returning the device
+    path once the namespace is back or None; ``close`` releases what the link set up."""
+
+    def attach(self) -> str: ...
+
+    def status(self) -> LinkStatus: ...
+
+    def reattach(self) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
+class StaticLink:
+    """A namespace (or any block device or file) that something else connected: the
+    link is live while the path exists. Used for ``device = "/dev/..."`` without
+    fabric parameters, and by tests on a plain file."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+
+    def attach(self) -> str:
+        if not os.path.exists(self.path):
+            raise TierIOError(f"nvmeof tier: device {self.path} does not exist (namespace not connected?)")
+        return self.path
+
+    def status(self) -> LinkStatus:
+        there = os.path.exists(self.path)
+        return LinkStatus(self.path if there else None, there, "present" if there else f"{self.path} is gone")
+
+    def reattach(self) -> str | None:
+        return self.path if os.path.exists(self.path) else None
+
+    def close(self) -> None:
+        pass
+
+
+class NvmeofTier(NvmeTier):
+    """NVMe tier slots on a fabric namespace, with deadlines, degradation and recovery.
+
+    ``link`` supplies the device (see :class:`NamespaceLink`); it is attached here and
+    closed with the tier. ``io_timeout_s`` bounds every transfer, flush and probe;
+    ``monitor_interval_s`` is the poll period of the link and of recovery attempts.
+    The device must already hold ``header_bytes + num_slots * slot_bytes`` bytes.
+    Thread-safety as for every tier; state changes are atomic under one lock.
+    """
+
+    kind = TierKind.NVMEOF
+    persistent = True
+
+    def __init__(self, link: NamespaceLink, num_slots: int, page_bytes: int, *,
+                 io_timeout_s: float = 5.0, monitor_interval_s: float = 1.0, o_direct: bool = True,
+                 io_threads: int = 4, max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0) -> None:
+        if not io_timeout_s > 0 or not monitor_interval_s > 0:
+            raise InputError(f"nvmeof tier needs io_timeout_s > 0 and monitor_interval_s > 0, "
+                             f"got {io_timeout_s}, {monitor_interval_s}")
+        self._link = link
+        path = link.attach()
+        try:
+            super().__init__(path, num_slots, page_bytes, o_direct=o_direct, io_threads=io_threads,
+                             create=False, max_io_bytes=max_io_bytes, header_bytes=header_bytes)
+        except BaseException:
+            link.close()
+            raise
+        self.io_timeout_s = io_timeout_s
+        self.monitor_interval_s = monitor_interval_s
+        self._close_wait_s = io_timeout_s
+        self._o_direct = o_direct
+        self._state = threading.Lock()
+        self._up = True
+        self.reason = ""
+        self.degraded_since: float | None = None
+        self.degradations = 0
+        self.recoveries = 0
+        self._identity: bytes | None = None
+        self._held: set[int] = set()          # slots of timed-out writes still in the kernel
+        self._deferred: set[int] = set()      # of those, the ones the owner has freed since
+        self._stale_fds: list[int] = []
+        # Guarded calls run here so the caller can stop waiting; threads stuck in the
+        # kernel stay stuck, but no caller waits on them past io_timeout_s.
+        self._guard = ThreadPoolExecutor(max_workers=max(4, 2 * io_threads), thread_name_prefix="tierkv-nvmeof")
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="tierkv-nvmeof-monitor", daemon=True)
+        self._monitor.start()
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self._up and not self._closed
+
+    def state(self) -> dict[str, object]:
+        """The tier's health for stats and logs: state, reason, since, counts, device."""
+        return {"state": "available" if self.available else ("closed" if self._closed else "degraded"),
+                "reason": self.reason, "degraded_since": self.degraded_since, "device": self.path,
+                "degradations": self.degradations, "recoveries": self.recoveries}
+
+    def expect_header(self, data: bytes) -> None:
+        """The label the owner wrote (or found) at open; recovery requires the same label."""
+        self._identity = data
+
+    def degrade(self, reason: str) -> None:
+        """Stop serving I/O until the monitor has proven the namespace is back."""
+        with self._state:
+            if not self._up:
+                return
+            self._up = False
+            self.reason = reason
+            self.degraded_since = time.monotonic()
+            self.degradations += 1
+        log.warning("nvmeof tier %s degraded: %s; its pages are misses until it recovers", self.path, reason)
+
+    def _recovered(self) -> None:
+        with self._state:
+            self._up = True
+            since = self.degraded_since
+            self.reason = ""
+            self.degraded_since = None
+            self.recoveries += 1
+        log.warning("nvmeof tier %s recovered after %.1f s", self.path, time.monotonic() - (since or 0.0))
+
+    # -- slots ---------------------------------------------------------------------------
+    def free(self, slots: Sequence[int]) -> None:
+        with self._state:
+            later = [s for s in slots if s in self._held]
+            self._deferred.update(later)
+        super().free([s for s in slots if s not in later])
+
+    def _release(self, slots: Sequence[int]) -> None:
+        """A timed-out write has finally returned: its slots may be reused."""
+        with self._state:
+            self._held.difference_update(slots)
+            ready = [s for s in slots if s in self._deferred]
+            self._deferred.difference_update(ready)
+        if ready and not self._closed:
+            super().free(ready)
+
+    # -- guarded I/O -----------------------------------------------------------------------
+    def _guarded(self, what: str, fn: Callable[[], T], hold: Sequence[int] = ()) -> T:
+        """Run ``fn`` with the deadline; a failure or timeout degrades the tier."""
+        if not self._up:
+            raise TierUnavailableError(f"nvmeof tier {self.path} is degraded ({self.reason}); {what} refused")
+        fut: Future[T] = self._guard.submit(fn)
+        try:
+            return fut.result(timeout=self.io_timeout_s)
+        except FutureTimeout:
+            if hold:
+                with self._state:
+                    self._held.update(hold)
+                held = list(hold)
+                fut.add_done_callback(lambda _f: self._release(held))
+            msg = f"{what} did not complete within {self.io_timeout_s} s"
+            self.degrade(msg)
+            raise TierUnavailableError(f"nvmeof tier {self.path}: {msg}") from None
+        except TierIOError as exc:
+            self.degrade(str(exc))
+            raise TierUnavailableError(str(exc)) from exc
+
+    def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
+        n, width = len(slots), dst.shape[1]
+        scratch = aligned_empty(max(1, n * width))[:n * width].reshape(n, width)
+        read = super()._read
+        self._guarded(f"read of {n} slots", lambda: read(slots, scratch))
+        dst[...] = scratch
+
+    def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
+        write = super()._write
+        self._guarded(f"write of {len(slots)} slots", lambda: write(slots, src), hold=list(slots))
+
+    def flush(self) -> None:
+        self._check_open()
+        sync = super().flush
+        self._guarded("flush", sync)
+
+    # -- the monitor -----------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(self.monitor_interval_s):
+            try:
+                if self._up:
+                    st = self._link.status()
+                    if not st.live:
+                        self.degrade(st.detail)
+                else:
+                    self._try_recover()
+            except Exception as exc:  # noqa: BLE001 - the monitor must outlive any one failure
+                log.warning("nvmeof tier %s: monitor step failed: %s", self.path, exc)
+
+    def _try_recover(self) -> None:
+        device = self._link.reattach()
+        if device is None or self._closed:
+            return
+        # Reopen even under the same name: a namespace that was removed and rescanned is
+        # a new block device behind the old node, and the old descriptor only fails.
+        self._swap_device(device)
+        # The probe reads the label straight from the device, with the same deadline.
+        header = self._guarded_probe()
+        if header is None:
+            return
+        if self._identity is not None and not header.startswith(self._identity):
+            log.error("nvmeof tier %s: the namespace that came back carries another label; staying degraded",
+                      self.path)
+            return
+        self._recovered()
+
+    def _guarded_probe(self) -> bytes | None:
+        if self.header_bytes == 0:
+            return b""
+        fut = self._guard.submit(self.read_header)
+        try:
+            return fut.result(timeout=self.io_timeout_s)
+        except (FutureTimeout, TierIOError):
+            return None
+
+    def _swap_device(self, device: str) -> None:
+        """The namespace came back under another block device name: reopen it there."""
+        size = self.header_bytes + self.num_slots * self.slot_bytes
+        fd, _direct = _open_backing(device, size, o_direct=self._o_direct, create=False)
+        with self._cond:
+            old, self._fd = self._fd, fd
+        self._stale_fds.append(old)  # a stuck syscall may still hold it; closed with the tier
+        if device != self.path:
+            log.warning("nvmeof tier: namespace moved from %s to %s", self.path, device)
+        self.path = device
+
+    def _close(self) -> None:
+        self._stop.set()
+        if self._monitor.is_alive() and threading.current_thread() is not self._monitor:
+            self._monitor.join(timeout=self.io_timeout_s + self.monitor_interval_s + 1)
+        super()._close()
+        self._guard.shutdown(wait=False, cancel_futures=True)
+        for fd in self._stale_fds:
+            os.close(fd)
+        self._stale_fds.clear()
+        self._link.close()
