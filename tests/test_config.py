@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path: Path) -> None:
     cfg = load_config(path)
-    assert cfg.layout.page_bytes > 0 and (cfg.dram or cfg.nvme)
+    assert cfg.layout.page_bytes > 0 and (cfg.dram or cfg.nvme or cfg.nvmeof)
 
 
 def test_default_config_values() -> None:
@@ -52,6 +52,12 @@ def with_(section: str, **kw: object) -> dict[str, object]:
     (with_("store", model_id=""), "model_id"),
     ({**BASE, "tiers": {"tape": {}}}, "unknown tier"),
     ({**BASE, "tiers": {}}, "at least one tier"),
+    ({**BASE, "tiers": {"nvmeof": {"capacity_bytes": "1GiB"}}}, "either device"),
+    ({**BASE, "tiers": {"nvmeof": {"subnqn": "nqn.2026-12.io.x:y", "transport": "ib"}}}, "transport must be"),
+    ({**BASE, "tiers": {"nvmeof": {"subnqn": "nqn.2026-12.io.x:y", "transport": "rdma"}}}, "traddr is required"),
+    ({**BASE, "tiers": {"nvmeof": {"device": "/dev/nvme1n1", "io_timeout_s": 0}}}, "io_timeout_s"),
+    ({**BASE, "tiers": {"nvmeof": {"device": "/dev/nvme1n1", "ctrl_loss_tmo_s": -5}}}, "ctrl_loss_tmo_s"),
+    ({**BASE, "tiers": {"nvmeof": {"device": "/dev/nvme1n1", "nsid": 0}}}, "nsid"),
 ])
 def test_bad_configs_name_the_problem(data: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
