@@ -87,6 +87,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from tierkv.sim import add_parser as add_sim_parser
 
     add_sim_parser(sub)
+    from tierkv.doctor import add_parser as add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 

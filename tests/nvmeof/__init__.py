@@ -1,0 +1,1 @@
+"""Tests for the standalone nvmeof package (target side)."""
