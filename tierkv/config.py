@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from tierkv.codec.auto import CodecMode
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.layout import KVLayout
 from tierkv.policy import DEFAULT_POLICY, POLICY_NAMES
@@ -21,6 +22,14 @@ from tierkv.units import parse_size
 
 STORE_POLICIES = POLICY_NAMES
 
+
+
+def _check_codec(cfg: NvmeConfig | NvmeofConfig, tier: str) -> None:
+    """Validate and normalise a tier's ``codec`` and ``bandwidth_gbps``."""
+    object.__setattr__(cfg, "codec", CodecMode.parse(cfg.codec).value)
+    v = cfg.bandwidth_gbps
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        raise ConfigError(f"{tier}.bandwidth_gbps must be a number of GB/s >= 0 (0: measure), got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -55,15 +64,23 @@ class NvmeConfig:
 
     ``o_direct`` asks for O_DIRECT; where the filesystem refuses it the tier falls back
     to buffered I/O with a warning. ``io_threads`` is the queue depth of the I/O pool.
+    ``codec`` ("none", "lossless", "auto") codes pages with the lossless KV codec as
+    they enter the tier; coded pages take fewer 4 KiB blocks, so the tier holds more
+    of them. "auto" codes only where that makes transfers faster, from the codec's
+    measured speed and the tier's bandwidth: ``bandwidth_gbps`` (GB/s) if set, else
+    measured from the tier's own transfers.
     """
 
     capacity_bytes: int
     path: str | None = None
     o_direct: bool = True
     io_threads: int = 4
+    codec: str = "none"
+    bandwidth_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvme.capacity_bytes"))
+        _check_codec(self, "nvme")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 256:
             raise ConfigError(f"nvme.io_threads must be an integer in [1, 256], got {self.io_threads!r}")
 
@@ -85,6 +102,7 @@ class NvmeofConfig:
     ``ctrl_loss_tmo_s``, ``reconnect_delay_s`` and ``fast_io_fail_tmo_s`` are passed to
     the kernel's connect (-1 for ctrl_loss_tmo_s: reconnect forever). DH-HMAC-CHAP secrets
     are read from files (``DHHC-1:...`` lines), never written in the config itself.
+    ``codec`` and ``bandwidth_gbps`` are as for the NVMe tier.
     """
 
     capacity_bytes: int = 0
@@ -107,9 +125,12 @@ class NvmeofConfig:
     reconnect_delay_s: int = 1
     fast_io_fail_tmo_s: int = 2
     disconnect_on_close: bool = False
+    codec: str = "none"
+    bandwidth_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvmeof.capacity_bytes"))
+        _check_codec(self, "nvmeof")
         if self.subnqn is None and self.device is None:
             raise ConfigError("nvmeof needs either device = \"/dev/nvmeXnY\" or transport, traddr and subnqn")
         if self.subnqn is not None:

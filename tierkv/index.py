@@ -34,6 +34,10 @@ from tierkv.index_check import probe_index, was_clean
 from tierkv.keys import KEY_BYTES, PageKey
 
 _RECORD = struct.Struct("<QIQ16sB")  # slot, nbytes, checksum, parent, has_parent
+# Block-addressed tiers append the page's block runs: a count, then (first block, blocks) each.
+_EXTENT_COUNT = struct.Struct("<H")
+_EXTENT = struct.Struct("<QI")
+MAX_EXTENTS = 4096
 _SEAL = struct.Struct("<Q")  # xxh3-64 of key + record: catches bytes flipped in the LMDB file
 _NO_PARENT = bytes(KEY_BYTES)
 log = logging.getLogger(__name__)
@@ -104,25 +108,39 @@ class IndexRecord:
     nbytes: int
     checksum: int
     parent: PageKey | None
+    # Block runs (first 4 KiB block, count) on a block-addressed tier; () on slot tiers,
+    # whose records stay byte for byte what format 2 wrote.
+    extents: tuple[tuple[int, int], ...] = ()
 
     def pack(self) -> bytes:
         parent = self.parent if self.parent is not None else _NO_PARENT
         body = _RECORD.pack(self.slot, self.nbytes, self.checksum, parent, self.parent is not None)
+        if self.extents:
+            body += _EXTENT_COUNT.pack(len(self.extents)) + b"".join(_EXTENT.pack(f, c) for f, c in self.extents)
         return body + _SEAL.pack(xxhash.xxh3_64_intdigest(self.key + body))
 
     @classmethod
     def unpack(cls, key: bytes, value: bytes) -> IndexRecord:
         """Decode a stored record; raises CorruptPageError if its length or seal is wrong."""
         key, value = bytes(key), bytes(value)
-        if len(key) != KEY_BYTES or len(value) != _RECORD.size + _SEAL.size:
+        base = _RECORD.size + _SEAL.size
+        extra = len(value) - base
+        n_ext = -1
+        if extra >= _EXTENT_COUNT.size:
+            (n_ext,) = _EXTENT_COUNT.unpack_from(value, _RECORD.size)
+        if len(key) != KEY_BYTES or not (extra == 0 or (
+                0 < n_ext <= MAX_EXTENTS and extra == _EXTENT_COUNT.size + n_ext * _EXTENT.size)):
             raise CorruptPageError(f"index record of {len(key)}+{len(value)} bytes, "
-                                   f"expected {KEY_BYTES}+{_RECORD.size + _SEAL.size}")
-        body = value[:_RECORD.size]
-        (seal,) = _SEAL.unpack(value[_RECORD.size:])
+                                   f"expected {KEY_BYTES}+{base} (+ extents)")
+        body = value[:-_SEAL.size]
+        (seal,) = _SEAL.unpack(value[-_SEAL.size:])
         if seal != xxhash.xxh3_64_intdigest(key + body):
             raise CorruptPageError(f"index record of page {key.hex()} fails its seal")
-        slot, nbytes, checksum, parent, has_parent = _RECORD.unpack(body)
-        return cls(PageKey(bytes(key)), slot, nbytes, checksum, PageKey(parent) if has_parent else None)
+        slot, nbytes, checksum, parent, has_parent = _RECORD.unpack_from(body)
+        extents = tuple(_EXTENT.unpack_from(body, _RECORD.size + _EXTENT_COUNT.size + i * _EXTENT.size)
+                        for i in range(max(n_ext, 0))) if extra else ()
+        return cls(PageKey(bytes(key)), slot, nbytes, checksum, PageKey(parent) if has_parent else None,
+                   extents)
 
 
 def _decode(key: bytes, value: bytes) -> IndexRecord | None:
@@ -139,6 +157,7 @@ class PersistentIndex:
     def __init__(self, store_dir: Path, tier_names: Iterable[str], *, read_only: bool = False) -> None:
         self._read_only = read_only
         path = store_dir / "index.lmdb"
+        self._path = store_dir
         if read_only and not path.exists():
             raise ConfigError(f"no store index at {path}; a read-only open needs an existing store")
         self._env = _open_env(path, read_only)
@@ -149,11 +168,14 @@ class PersistentIndex:
             _close_env(self._env)  # a damaged env must not stay cached for the next open
             raise
 
-    def check_meta(self, meta: dict[str, object]) -> None:
+    def check_meta(self, meta: dict[str, object], upgrade_from: Iterable[int] = ()) -> None:
         """Record ``meta`` on first open; afterwards require that it matches.
 
-        Both meta records carry a seal, so a damaged one (IndexDamaged) is told apart
-        from a store opened with other settings (ConfigError naming the differences).
+        A store whose stored format is in ``upgrade_from`` and whose geometry is
+        otherwise the same is taken as it is (its records read unchanged) and, by the
+        writer, marked with the current format. Both meta records carry a seal, so a
+        damaged one (IndexDamaged) is told apart from a store opened with other
+        settings (ConfigError naming the differences).
         """
         blob = json.dumps(meta, sort_keys=True).encode()
         stored = self._meta_get(b"store")
@@ -165,6 +187,16 @@ class PersistentIndex:
         if stored != blob:
             old = json.loads(stored)
             diff = {k: (old.get(k), meta.get(k)) for k in sorted(set(old) | set(meta)) if old.get(k) != meta.get(k)}
+            if set(diff) == {"format"} and old.get("format") in set(upgrade_from):
+                log.info("store index format %s read as format %s", old.get("format"), meta.get("format"))
+                if not self._read_only:
+                    self._meta_put(b"store", blob)
+                return
+            if "format" in diff:
+                raise ConfigError(
+                    f"the store at {self._path} is in format {old.get('format')}; this tierkv reads format "
+                    f"{meta.get('format')}" + (f" (and {', '.join(map(str, upgrade_from))})" if upgrade_from else "")
+                    + ". It is a cache: remove the directory, or open it with the tierkv that wrote it")
             raise ConfigError(
                 "the store was created with a different geometry; differing settings (stored, configured): "
                 f"{diff}. Open it with the settings it was created with, or use another store path"
@@ -255,7 +287,7 @@ class PersistentIndex:
 
 
 def open_index(store_dir: Path, tier_names: list[str], meta: dict[str, object], *,
-               read_only: bool, verify: str = "always") -> PersistentIndex:
+               read_only: bool, verify: str = "always", upgrade_from: Iterable[int] = ()) -> PersistentIndex:
     """Open the store's index and check its geometry; a structurally corrupt index is
     moved aside (``index.lmdb.corrupt-<ns>``, logged) and replaced by an empty one, so
     the store serves misses instead of failing. ConfigError on a geometry mismatch.
@@ -273,7 +305,7 @@ def open_index(store_dir: Path, tier_names: list[str], meta: dict[str, object], 
     try:
         index = PersistentIndex(store_dir, tier_names, read_only=read_only)
         try:
-            index.check_meta(meta)
+            index.check_meta(meta, upgrade_from)
             index.store_id()
             for name in tier_names:
                 index.count(name)

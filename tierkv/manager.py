@@ -23,6 +23,7 @@ from tierkv.errors import CapacityError, InputError
 from tierkv.index import IndexRecord, PersistentIndex
 from tierkv.keys import PageKey, new_keyset
 from tierkv.policy import Policy
+from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.base import Tier, TierKind
 
 
@@ -91,6 +92,17 @@ class Plan:
         return sorted(self.moves, key=lambda m: -m.src.rank)
 
 
+def _as_slot(rec: IndexRecord, blocks_per_slot: int) -> int | None:
+    """The slot a record names on a slot tier; a block record only if it is one whole slot, raw."""
+    if not rec.extents:
+        return rec.slot
+    if len(rec.extents) == 1:
+        first, count = rec.extents[0]
+        if count == blocks_per_slot and first % blocks_per_slot == 0:
+            return first // blocks_per_slot
+    return None
+
+
 class BlockManager:
     """Page directory plus per-tier policies over an ordered list of tiers (fastest first)."""
 
@@ -141,20 +153,36 @@ class BlockManager:
         """Load the index records of a persistent tier; their slots become used. Returns the count."""
         assert self._index is not None
         tier = self._by_kind[kind]
-        seen: set[int] = set()
+        blocks_per_slot = tier.slot_bytes // ALIGN
+        slot_of: dict[PageKey, int] = {}
 
         def valid(rec: IndexRecord) -> bool:
-            ok = rec.slot < tier.num_slots and rec.slot not in seen and rec.nbytes <= tier.slot_bytes
-            seen.add(rec.slot)
-            return ok
+            if rec.nbytes > tier.slot_bytes:
+                return False
+            if not tier.block_addressed:  # slot tier: a block record is usable only as a whole raw slot
+                slot = _as_slot(rec, blocks_per_slot)
+                if slot is None or slot >= tier.num_slots or slot in taken:
+                    return False
+                taken.add(slot)
+                slot_of[rec.key] = slot
+                return True
+            # Block tier: a record from a slot-addressed open is its slot's blocks, raw.
+            extents = rec.extents or ((rec.slot * blocks_per_slot, blocks_per_slot),)
+            try:
+                slot_of[rec.key] = tier.claim_extents(extents)
+            except InputError:
+                return False
+            return True
 
+        taken: set[int] = set()
         good, dropped = self._index.adopt(kind.value, valid)
         if dropped:
             log.warning("%s index: %d records fail validation (undecodable, out of range or sharing a slot); "
                         "dropped, those pages are misses", kind.value, dropped)
-        tier.claim([r.slot for r in good])
+        if not tier.block_addressed:
+            tier.claim([slot_of[r.key] for r in good])
         for rec in good:
-            e = Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {kind: rec.slot})
+            e = Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {kind: slot_of[rec.key]})
             self._entries[rec.key] = e
             self.resident.add(rec.key, kind.rank)
             self._policies[kind].insert(rec.key, rec.parent)
@@ -224,15 +252,21 @@ class BlockManager:
         if need > 0 and not tier.persistent and self.below(tier.kind) is not None:
             # Demote in batches: one flush and one index commit then cover many pages.
             need = max(need, min(self.demotion_batch, tier.num_slots // 16))
-        if need > 0:
-            policy = self._policies[tier.kind]
+        policy = self._policies[tier.kind]
 
-            def evictable(k: PageKey) -> bool:
-                e = self._entries[k]
-                return k not in protect and e.pins == 0
+        def evictable(k: PageKey) -> bool:
+            e = self._entries[k]
+            return k not in protect and e.pins == 0
 
-            for victim in policy.victims(need, evictable):
+        # A compressed page frees less than the raw page reserved in its place, so a
+        # block tier may need more victims than pages asked for: evict until they fit.
+        while need > 0:
+            victims = policy.victims(need, evictable)
+            for victim in victims:
                 self._evict(victim, tier, protect, plan)
+            need = n - tier.num_free
+            if not victims:
+                break
         return tier.allocate(min(n, tier.num_free))
 
     def _evict(self, key: PageKey, tier: Tier, protect: set[PageKey], plan: Plan) -> None:
@@ -284,7 +318,12 @@ class BlockManager:
             if self._by_kind[kind].persistent:
                 if e.checksum is None:
                     raise InputError(f"page bound for the {kind.value} tier has no checksum")
-                by_tier.setdefault(kind, []).append(IndexRecord(key, slot, e.nbytes, e.checksum, e.parent))
+                extents = self._by_kind[kind].extents(slot) or ()
+                # Block records name the slot of their first block: a reader that addresses
+                # the file in slots finds a raw page there, or bytes that fail the checksum.
+                first = extents[0][0] * ALIGN // self._by_kind[kind].slot_bytes if extents else slot
+                by_tier.setdefault(kind, []).append(
+                    IndexRecord(key, first, e.nbytes, e.checksum, e.parent, extents))
         if self._index is not None:
             for kind, recs in by_tier.items():
                 deletes = plan.deletes.pop(kind, []) if plan is not None else []

@@ -13,21 +13,27 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierkv.config import StoreConfig
+from tierkv.codec import Codec, CodecMode
+from tierkv.config import NvmeConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError, StoreBusyError
 from tierkv.index import PersistentIndex, is_damage, open_index, quarantine_index
 from tierkv.index_check import mark_clean
 from tierkv.manager import BlockManager
 from tierkv.policy import make_policy
-from tierkv.tiers.aligned import round_up
+from tierkv.store_codec import CodecChoice
+from tierkv.tiers.aligned import ALIGN, round_up
 from tierkv.tiers.base import Tier
+from tierkv.tiers.blocks import BlockPageTier
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.hbm import HbmTier
 from tierkv.tiers.fabric import open_nvmeof_tier
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvmeof import NvmeofTier
 
-FORMAT_VERSION = 2
+# 3: records of block-addressed tiers carry extents (format 2 stores open unchanged:
+# their records are slot records, byte for byte).
+FORMAT_VERSION = 3
+UPGRADABLE_FORMATS = (2,)
 # The NVMe data file starts with a 4 KiB label: magic + the store's 16-byte identity.
 LABEL_BYTES = 4096
 _LABEL_MAGIC = b"tierkv-data-v2\n\0"
@@ -101,12 +107,13 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
         if persistent:
             store_dir = Path(cfg.path)
             index = open_index(store_dir, persistent, _meta(cfg, tiers), read_only=read_only,
-                               verify=cfg.verify_index)
+                               verify=cfg.verify_index, upgrade_from=UPGRADABLE_FORMATS)
             if not read_only:
                 mark_clean(store_dir, False)
             for t in tiers:
-                if isinstance(t, NvmeTier):
-                    _check_label(t, index, read_only)
+                medium = t.blocks if isinstance(t, BlockPageTier) else t
+                if isinstance(medium, NvmeTier):
+                    _check_label(medium, index, read_only)
         manager = BlockManager(tiers, {t.kind: make_policy(cfg.policy) for t in tiers}, index)
         if not read_only:
             for t in tiers:
@@ -152,13 +159,37 @@ def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
         slots = cfg.nvme.capacity_bytes // slot_bytes
         if slots == 0:
             raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
-        tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
-                              io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES))
+        # Readers address the file in slots whatever the codec: they see the writer's raw
+        # pages, and coded ones fail their checksum (misses). Block readers are to come.
+        if cfg.nvme.codec == CodecMode.NONE.value or read_only:
+            tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
+                                  io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES))
+        else:  # the same file, addressed in 4 KiB blocks
+            blocks = NvmeTier(cfg.nvme_path(), slots * (slot_bytes // ALIGN), ALIGN, o_direct=cfg.nvme.o_direct,
+                              io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES)
+            tiers.append(_block_tier(blocks, slots, cfg, cfg.nvme))
     if cfg.nvmeof is not None:
-        tiers.append(open_nvmeof_tier(cfg.nvmeof, pb, header_bytes=LABEL_BYTES, connect=not read_only))
+        if cfg.nvmeof.codec == CodecMode.NONE.value or read_only:
+            tiers.append(open_nvmeof_tier(cfg.nvmeof, pb, header_bytes=LABEL_BYTES, connect=not read_only))
+        else:
+            fabric = open_nvmeof_tier(cfg.nvmeof, ALIGN, header_bytes=LABEL_BYTES, connect=not read_only)
+            tiers.append(_block_tier(fabric, fabric.num_slots // (round_up(pb) // ALIGN), cfg, cfg.nvmeof))
     if not tiers:
         raise ConfigError("a read-only open needs the store's NVMe tier configured" if read_only
                           else "every tier of this store has zero capacity")
+
+
+def _block_tier(blocks: NvmeTier, pages: int, cfg: StoreConfig, tier_cfg: NvmeConfig | NvmeofConfig) -> BlockPageTier:
+    """Pages over a tier opened with 4 KiB slots, coded as ``tier_cfg.codec`` says."""
+    try:
+        if pages == 0:
+            raise ConfigError(f"{blocks.kind.value} capacity holds no page of {cfg.layout.page_bytes} bytes")
+        codec = Codec(cfg.layout, threads=max(1, min(tier_cfg.io_threads, os.cpu_count() or 1)))
+        choice = CodecChoice(CodecMode.parse(tier_cfg.codec), codec, tier_cfg.bandwidth_gbps)
+        return BlockPageTier(blocks, pages, cfg.layout.page_bytes, choice)
+    except BaseException:
+        blocks.close()
+        raise
 
 
 def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool) -> None:

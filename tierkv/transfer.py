@@ -23,6 +23,7 @@ from tierkv.manager import BlockManager, Entry, Move, Plan
 from tierkv.stats import Counters
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
+from tierkv.tiers.blocks import UndecodablePageError
 from tierkv.tiers.hbm import dram_to_hbm, hbm_to_dram
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,17 @@ class Transfers:
             start = time.perf_counter()
             try:
                 tier.read([e.slots[kind] for _, e in items], rows)
+            except UndecodablePageError as exc:
+                # Damaged blobs on a block tier: the pages before the first are intact.
+                bad = min(exc.rows)
+                good = self._verify(tier, items[:bad], rows[:bad]) if bad else 0
+                if good == bad:
+                    _, e = items[bad]
+                    log.warning("page %s in %s does not decode (%s); quarantined", e.key.hex(), kind.value, exc)
+                    self._c.events["corrupt_pages"] += 1
+                    self._m.forget(e.key)
+                self._count_hits(kind, items[:good])
+                return loaded + good
             except TierUnavailableError as exc:
                 # The tier went down under this read: the pages are still there, only unreachable.
                 log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), kind.value, exc)
@@ -163,13 +175,16 @@ class Transfers:
                 elapsed = self._timed(kind, start)
             good = self._verify(tier, items, rows)
             self._c.moved_bytes(kind.value, "caller", good * self._nbytes, elapsed)
-            self._c.tier_hits[kind.value] += good
-            for _, e in items[:good]:
-                self._m.touch(e.key, kind)
+            self._count_hits(kind, items[:good])
             loaded += good
             if good < len(items):
                 return loaded
         return loaded
+
+    def _count_hits(self, kind: TierKind, items: list[tuple[int, Entry]]) -> None:
+        self._c.tier_hits[kind.value] += len(items)
+        for _, e in items:
+            self._m.touch(e.key, kind)
 
     def _verify(self, tier: Tier, items: list[tuple[int, Entry]], rows: np.ndarray) -> int:
         if not tier.persistent:

@@ -25,6 +25,10 @@ import numpy as np
 from tierkv.errors import CapacityError, InputError, StoreClosedError
 
 
+# Runs of 4 KiB blocks ``(first block, count)`` holding one page on a block-addressed tier.
+Extents = tuple[tuple[int, int], ...]
+
+
 class TierKind(enum.Enum):
     """Tiers from fastest to slowest; ``rank`` orders them (0 is the fastest)."""
 
@@ -47,28 +51,47 @@ class TierKind(enum.Enum):
 
 
 class SlotAllocator:
-    """A thread-safe free list of slot indices ``0 .. num_slots-1``.
+    """A thread-safe free map of slot indices ``0 .. num_slots-1``.
 
-    Hands out the lowest free slots first so that file-backed tiers stay compact.
+    Hands out the lowest free slots first so that file-backed tiers stay compact;
+    ``contiguous=True`` asks for the lowest run of consecutive free slots instead
+    (first fit), falling back to the lowest free ones when no run is long enough.
+    One byte per slot; every operation is a C scan of that map (``bytearray.find``),
+    so block-granular tiers with millions of slots stay cheap.
     """
 
     def __init__(self, num_slots: int) -> None:
         self._lock = threading.Lock()
         self._num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() from the end = lowest first
         self._used = bytearray(num_slots)
+        self._num_free = num_slots
+        self._low = 0  # no free slot below this index
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, contiguous: bool = False) -> list[int]:
         with self._lock:
-            if n > len(self._free):
-                raise CapacityError(f"asked for {n} slots, {len(self._free)} of {self._num_slots} free")
-            slots = [self._free.pop() for _ in range(n)]
-            for s in slots:
-                self._used[s] = 1
+            if n > self._num_free:
+                raise CapacityError(f"asked for {n} slots, {self._num_free} of {self._num_slots} free")
+            if n <= 0:
+                return []
+            start = self._used.find(bytes(n), self._low) if contiguous and n > 1 else -1
+            if start >= 0:
+                slots = list(range(start, start + n))
+                self._used[start:start + n] = b"\x01" * n
+            else:
+                slots = []
+                at = self._low
+                while len(slots) < n:
+                    at = self._used.find(0, at)
+                    slots.append(at)
+                    self._used[at] = 1
+                    at += 1
+            self._num_free -= n
+            if slots[0] == self._low:
+                self._low = self._advance(self._low)
             return slots
 
     def free(self, slots: Sequence[int]) -> None:
@@ -78,19 +101,27 @@ class SlotAllocator:
                 if not self._used[s]:
                     raise InputError(f"slot {s} freed twice")
                 self._used[s] = 0
-                self._free.append(s)
-            self._free.sort(reverse=True)
+                self._num_free += 1
+                if s < self._low:
+                    self._low = s
 
     def claim(self, slots: Sequence[int]) -> None:
         """Mark specific slots used (reopening a persistent tier)."""
         with self._lock:
-            for s in slots:
+            seen: set[int] = set()
+            for s in slots:  # all or nothing: a bad claim leaves the map as it was
                 self._check(s)
-                if self._used[s]:
+                if self._used[s] or s in seen:
                     raise InputError(f"slot {s} claimed twice")
+                seen.add(s)
+            for s in seen:
                 self._used[s] = 1
-            claimed = set(slots)
-            self._free = [s for s in self._free if s not in claimed]
+            self._num_free -= len(seen)
+            self._low = self._advance(self._low)
+
+    def _advance(self, at: int) -> int:
+        nxt = self._used.find(0, at)
+        return self._num_slots if nxt < 0 else nxt
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self._num_slots:
@@ -107,6 +138,8 @@ class Tier(abc.ABC):
 
     kind: TierKind
     persistent: bool = False
+    # Slots are handles of pages stored in runs of 4 KiB blocks (tierkv.tiers.blocks).
+    block_addressed: bool = False
 
     def __init__(self, num_slots: int, slot_bytes: int, io_threads: int = 1) -> None:
         if num_slots < 0 or slot_bytes <= 0:
@@ -128,10 +161,11 @@ class Tier(abc.ABC):
     def num_free(self) -> int:
         return self._slots.num_free
 
-    def allocate(self, n: int) -> list[int]:
-        """Reserve ``n`` free slots; raises CapacityError when fewer are free."""
+    def allocate(self, n: int, contiguous: bool = False) -> list[int]:
+        """Reserve ``n`` free slots, lowest first (``contiguous``: the lowest run of ``n``
+        consecutive ones where there is one); raises CapacityError when fewer are free."""
         self._check_open()
-        return self._slots.allocate(n)
+        return self._slots.allocate(n, contiguous)
 
     def free(self, slots: Sequence[int]) -> None:
         self._check_open()
@@ -141,6 +175,16 @@ class Tier(abc.ABC):
         """Mark slots that a persistent index already owns as used."""
         self._check_open()
         self._slots.claim(slots)
+
+    def extents(self, slot: int) -> Extents | None:
+        """The 4 KiB block runs a page occupies on a block-addressed tier (recorded in the
+        index so a restart can claim them back); None on slot-addressed tiers."""
+        return None
+
+    def claim_extents(self, extents: Extents) -> int:
+        """Claim the blocks of a page recorded at an earlier open; returns its slot handle.
+        Only block-addressed tiers (:mod:`tierkv.tiers.blocks`) support it."""
+        raise InputError(f"the {self.kind.value} tier is slot-addressed; it cannot claim block extents")
 
     # -- data movement ------------------------------------------------------------
     def write(self, slots: Sequence[int], src: np.ndarray) -> None:
@@ -210,6 +254,9 @@ class Tier(abc.ABC):
             raise InputError(f"rows of {buf.shape[1]} bytes exceed the slot size of {self.slot_bytes}")
         if not buf.flags.c_contiguous:
             raise InputError("tier I/O buffer must be C-contiguous")
+        self._check_slots(slots)
+
+    def _check_slots(self, slots: Sequence[int]) -> None:
         for s in slots:
             if not 0 <= s < self.num_slots:
                 raise InputError(f"slot {s} out of range [0, {self.num_slots})")

@@ -1,0 +1,272 @@
+"""Block-addressed page tiers: pages stored as runs of 4 KiB blocks, coded where that pays.
+
+A :class:`BlockPageTier` presents the usual page-slot :class:`~tierkv.tiers.base.Tier`
+to the manager and the transfers, over an NVMe or NVMe-oF tier opened with 4 KiB
+slots (its *blocks*). A page's slot is an opaque handle; the page occupies a short
+list of block runs (*extents*), which the index records so a restart can claim them
+back. The manager reserves worst-case room (a raw page's ``ceil(page_bytes / 4096)``
+blocks) when it plans; when the pages are written, the tier codes them with the
+lossless KV codec (where its :class:`~tierkv.store_codec.CodecChoice` says so) and
+re-places each page in exactly the blocks its blob needs, lowest run first, so
+compressed pages pack together and the tier holds more pages than its raw capacity.
+
+A page is stored coded exactly when it takes fewer blocks than a raw page; otherwise
+raw, so coded-or-raw follows from the extents and no flag is needed. Reads move only
+a page's blocks and decode them; a blob that does not decode raises
+:class:`UndecodablePageError` naming the rows, after every other row is filled, so
+the store serves those pages as misses and never wrong bytes (the store then checks
+each page against its recorded checksum as for every persistent tier).
+
+A freed handle stays readable until the next write into the tier, as a freed slot's
+bytes do on a slot tier: a plan reads the pages it moves out of a tier before it
+writes into that tier (deepest tier first). Thread-safety as for every tier. Built by
+:mod:`tierkv.opening` for ``codec = "lossless"`` or ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from tierkv.codec import Direction, max_encoded_bytes
+from tierkv.errors import CapacityError, InputError, TierIOError
+from tierkv.store_codec import CodecChoice
+from tierkv.tiers.aligned import ALIGN, aligned_empty, round_up
+from tierkv.tiers.base import Extents, Tier
+from tierkv.tiers.nvme import NvmeTier
+
+
+class UndecodablePageError(TierIOError):
+    """Pages whose stored blob does not decode (damaged on the medium); ``rows`` are
+    their indices in the read. Every other row of the read was filled correctly."""
+
+    def __init__(self, message: str, rows: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.rows = rows
+
+
+def to_extents(blocks: Sequence[int]) -> Extents:
+    """Block indices (in page order) as runs ``(first, count)``."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((int(b), 1))
+    return tuple(runs)
+
+
+def block_list(extents: Extents) -> list[int]:
+    return [b for first, count in extents for b in range(first, first + count)]
+
+
+def extent_blocks(extents: Extents) -> int:
+    return sum(count for _, count in extents)
+
+
+class BlockPageTier(Tier):
+    """Pages of ``page_bytes`` over the 4 KiB slots of ``blocks`` (an NVMe or NVMe-oF tier).
+
+    ``num_pages`` is the raw capacity (what the slot layout of the same file holds); its
+    ``num_pages * ceil(page_bytes / 4096)`` blocks are used, any further blocks of
+    ``blocks`` are left alone. ``num_free`` counts worst-case (raw) pages that still fit.
+    Closing this tier closes ``blocks`` and the codec.
+    """
+
+    persistent = True
+    block_addressed = True
+
+    def __init__(self, blocks: NvmeTier, num_pages: int, page_bytes: int, choice: CodecChoice) -> None:
+        if blocks.slot_bytes != ALIGN:
+            raise InputError(f"a block tier needs {ALIGN}-byte blocks below it, got {blocks.slot_bytes}-byte slots")
+        self.kind = blocks.kind  # before Tier.__init__, which names its threads after it
+        slot_bytes = round_up(page_bytes)
+        self.blocks_per_page = slot_bytes // ALIGN
+        used = num_pages * self.blocks_per_page
+        if used > blocks.num_slots:
+            raise InputError(f"{num_pages} pages of {slot_bytes} bytes need {used} blocks, the tier has {blocks.num_slots}")
+        super().__init__(num_pages, slot_bytes)
+        self.blocks = blocks
+        self.page_bytes = page_bytes
+        self.choice = choice
+        if used < blocks.num_slots:  # a device a little larger than whole pages: keep the rest out of use
+            blocks.claim(range(used, blocks.num_slots))
+        self._lock = threading.Lock()
+        self._pages: dict[int, Extents] = {}
+        self._retired: dict[int, Extents] = {}
+        self._handles = itertools.count()
+        self._stride = round_up(max_encoded_bytes(page_bytes))
+
+    # -- slot bookkeeping ---------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return not self._closed and self.blocks.available
+
+    @property
+    def num_free(self) -> int:
+        return self.blocks.num_free // self.blocks_per_page
+
+    @property
+    def stored_pages(self) -> int:
+        return len(self._pages)
+
+    def allocate(self, n: int, contiguous: bool = False) -> list[int]:
+        """Reserve room for ``n`` raw pages (each in one run where possible); returns handles."""
+        self._check_open()
+        bpp = self.blocks_per_page
+        with self._lock:
+            if n * bpp > self.blocks.num_free:
+                raise CapacityError(f"asked for {n} pages ({n * bpp} blocks), {self.blocks.num_free} blocks free")
+            handles = []
+            for _ in range(n):
+                h = next(self._handles)
+                self._pages[h] = to_extents(self.blocks.allocate(bpp, contiguous=True))
+                handles.append(h)
+            return handles
+
+    def free(self, slots: Sequence[int]) -> None:
+        self._check_open()
+        with self._lock:
+            for h in slots:
+                ext = self._pages.pop(h, None)
+                if ext is None:
+                    raise InputError(f"page handle {h} freed twice or never allocated")
+                self._retired[h] = ext
+                self.blocks.free(block_list(ext))
+
+    def claim(self, slots: Sequence[int]) -> None:
+        raise InputError(f"the {self.kind.value} tier is block-addressed; claim pages with claim_extents")
+
+    def extents(self, slot: int) -> Extents | None:
+        with self._lock:
+            return self._pages[slot]
+
+    def claim_extents(self, extents: Extents) -> int:
+        """Claim a page's recorded blocks (all or nothing); InputError if any is out of
+        range, taken already, or the page would exceed a raw page's blocks."""
+        self._check_open()
+        n = extent_blocks(extents)
+        if not extents or any(count <= 0 for _, count in extents) or n > self.blocks_per_page:
+            raise InputError(f"extents {extents} do not describe a page of 1..{self.blocks_per_page} blocks")
+        with self._lock:
+            self.blocks.claim(block_list(extents))
+            h = next(self._handles)
+            self._pages[h] = tuple(extents)
+            return h
+
+    def flush(self) -> None:
+        self._check_open()
+        self.blocks.flush()
+
+    # -- data movement --------------------------------------------------------------------
+    def _check_slots(self, slots: Sequence[int]) -> None:
+        for h in slots:
+            if h not in self._pages and h not in self._retired:
+                raise InputError(f"page handle {h} is not allocated in the {self.kind.value} tier")
+
+    def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
+        n, width = src.shape
+        bpp = self.blocks_per_page
+        self._retired.clear()  # the blocks of freed pages may be overwritten from here on
+        sizes: np.ndarray | None = None
+        staged = None
+        if width == self.page_bytes and self.choice.compress(src):
+            assert self.choice.codec is not None
+            staged = aligned_empty(n * self._stride).reshape(n, self._stride)
+            sizes = self.choice.codec.encode_into(src, staged)
+            need = [min(bpp, -(-int(s) // ALIGN)) for s in sizes]
+        else:
+            need = [bpp] * n
+        if any(k < bpp for k in need):
+            self._replace(slots, need)
+        with self._lock:
+            exts = [self._pages[h] for h in slots]
+        blocks = [b for e in exts for b in block_list(e)]
+        if staged is None and width == self.slot_bytes:
+            packed = src.reshape(n * bpp, ALIGN)  # raw pages of whole blocks: straight from the caller
+        else:
+            packed = self._pack(src, staged, sizes, need)
+        start = time.perf_counter()
+        self.blocks.write(blocks, packed)
+        self.choice.meter.note(Direction.WRITE, packed.nbytes, time.perf_counter() - start)
+
+    def _replace(self, slots: Sequence[int], need: list[int]) -> None:
+        """Swap each page's worst-case reservation for exactly ``need[i]`` blocks, lowest run
+        first: released first, so the batch packs into one run where the room allows."""
+        with self._lock:
+            self.blocks.free([b for h in slots for b in block_list(self._pages[h])])
+            for h, k in zip(slots, need):
+                self._pages[h] = to_extents(self.blocks.allocate(k, contiguous=True))
+
+    def _pack(self, src: np.ndarray, staged: np.ndarray | None, sizes: np.ndarray | None,
+              need: list[int]) -> np.ndarray:
+        """One buffer of whole blocks, page after page; tails zeroed so no stale bytes reach the medium."""
+        packed = aligned_empty(sum(need) * ALIGN)
+        off = 0
+        bpp = self.blocks_per_page
+        for i, k in enumerate(need):
+            if k < bpp:
+                assert staged is not None and sizes is not None
+                row, length = staged[i], int(sizes[i])
+            else:
+                row, length = src[i], src.shape[1]
+            packed[off:off + length] = row[:length]
+            packed[off + length:off + k * ALIGN] = 0
+            off += k * ALIGN
+        return packed.reshape(-1, ALIGN)
+
+    def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
+        n, width = dst.shape
+        bpp = self.blocks_per_page
+        with self._lock:
+            exts = [self._pages.get(h) or self._retired[h] for h in slots]
+        counts = [extent_blocks(e) for e in exts]
+        blocks = [b for e in exts for b in block_list(e)]
+        if width == self.slot_bytes and all(c == bpp for c in counts):
+            self._timed_read(blocks, dst.reshape(n * bpp, ALIGN))  # raw pages of whole blocks: no staging
+            return
+        packed = aligned_empty(len(blocks) * ALIGN).reshape(-1, ALIGN)
+        self._timed_read(blocks, packed)
+        flat = packed.reshape(-1)
+        coded: list[int] = []
+        blobs: list[np.ndarray] = []
+        off = 0
+        for i, c in enumerate(counts):
+            if c < bpp:
+                coded.append(i)
+                blobs.append(flat[off:off + c * ALIGN])
+            else:
+                dst[i] = flat[off:off + width]
+            off += c * ALIGN
+        if coded:
+            self._decode(coded, blobs, dst)
+
+    def _timed_read(self, blocks: list[int], buf: np.ndarray) -> None:
+        start = time.perf_counter()
+        self.blocks.read(blocks, buf)
+        self.choice.meter.note(Direction.READ, len(blocks) * ALIGN, time.perf_counter() - start)
+
+    def _decode(self, coded: list[int], blobs: list[np.ndarray], dst: np.ndarray) -> None:
+        codec = self.choice.codec
+        if codec is None:
+            raise UndecodablePageError(f"{self.kind.value} tier holds coded pages but has no codec", tuple(coded))
+        whole = dst.shape[1] == self.page_bytes and len(coded) == dst.shape[0]
+        out = dst if whole else np.empty((len(coded), self.page_bytes), dtype=np.uint8)
+        report = codec.decode_into(blobs, out)
+        if not whole:
+            for j, i in enumerate(coded):
+                if j not in report.failed:
+                    dst[i] = out[j, :dst.shape[1]]
+        if not report.ok:
+            rows = tuple(coded[j] for j in report.failed)
+            raise UndecodablePageError(f"{self.kind.value} tier: {len(rows)} stored pages do not decode "
+                                       f"({report.reasons[0]})", rows)
+
+    def _close(self) -> None:
+        self.blocks.close()
+        if self.choice.codec is not None:
+            self.choice.codec.close()
