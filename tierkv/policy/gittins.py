@@ -15,6 +15,17 @@ Three ideas, each measured in ``docs/policies.md``:
 * **Prefix-aware.** Only leaves are evicted (:mod:`tierkv.policy.leaves`), so a page
   never outlives its prefix; the candidates are the oldest and the youngest leaf of
   each class (the learned index is unimodal in age), the lowest index wins.
+* **Know what has been left behind.** When a request follows a cached prompt only up to
+  some page that is not a hot shared prefix and then differs (an edited or regenerated
+  turn), the rest of the earlier prompt is *abandoned*: its pages move to a class of
+  their own, whose reuse is learned like any other (on the Mooncake trace they almost
+  never come back), so they leave first.
+* **Do not admit what would be the next victim.** Once the tier is full, a new page of
+  the request being served is not admitted when its class's index at age 0 is below,
+  beyond both error bars, the index of the page the policy would evict to make room for
+  it; the pages after it in the prompt are then not admitted either, so what is kept
+  stays a prefix. A page more used than that victim is admitted (the dominance rule
+  below); pages demoted from a tier above are always admitted.
 * **Never trust noise over recency.** A candidate displaces the LRU choice (the oldest
   leaf) only if it has not been used more often than that leaf (a page both more
   recent and more frequent than LRU's victim stays), and only when its index is lower
@@ -28,8 +39,10 @@ of page accesses (pages adopted at a store's start, say), which requests then co
 With a :class:`~tierkv.policy.cost.CostModel`, indices are weighted by the seconds a
 hit saves and pages not worth loading from the tier are not admitted.
 
-Cost per access: O(log n) heap work plus O(classes) candidates per victim; the model
-is refreshed every 64 requests in O(classes * bins^2) numpy work.
+Cost per access: O(log n) heap work plus O(classes) candidates per victim and once per
+request for admission; marking an abandoned branch costs O(log n) per page of it (each
+page is marked at most once per access); the model is refreshed every 64 requests in
+O(classes * bins^2) numpy work.
 """
 
 from __future__ import annotations
@@ -43,13 +56,16 @@ from tierkv.policy.cost import CostModel
 from tierkv.policy.hazard import MAX_AGE, ReuseModel, age_bin
 from tierkv.policy.leaves import Candidate, LeafHeaps
 
-#: Access-count classes 0-4 (0, 1, 2-3, 4-7, 8 or more earlier accesses), and class 5:
-#: a new page whose request continues a prompt seen before (not a hot shared prefix).
-CLASSES = 6
+#: Access-count classes 0-4 (0, 1, 2-3, 4-7, 8 or more earlier accesses); class 5: a new
+#: page whose request continues a prompt seen before (not a hot shared prefix); class 6:
+#: a page of a branch that a later request left (abandoned).
+CLASSES = 7
 HOT_CLASS = 4
 CONTINUING = 5
-#: How often a page of each class has been used, for the dominance rule: new pages rank 0.
-USE_RANK = (0, 1, 2, 3, 4, 0)
+ABANDONED = 6
+#: How often a page of each class has been used, for the dominance rule: new and
+#: abandoned pages rank 0.
+USE_RANK = (0, 1, 2, 3, 4, 0, 0)
 #: Requests between refreshes of the index table.
 REFRESH_REQUESTS = 64
 #: Error bars of the index, in standard errors.
@@ -79,6 +95,11 @@ class GittinsPolicy:
         self._cost = cost
         self._depth: dict[PageKey, int] = {}
         self._scores: dict[Candidate, tuple[float, float]] = {}
+        self._next: dict[PageKey, PageKey] = {}    # page -> the page after it in its last request
+        self._room = 0                             # resident pages when victims were last asked for (0: never)
+        self._admitted = 0                         # pages of this request admitted so far
+        self._bar: tuple[int, float, float] | None = None   # this request's admission bar
+        self._refused = False                      # a page of this request was refused
 
     def __len__(self) -> int:
         return len(self._leaves)
@@ -89,9 +110,9 @@ class GittinsPolicy:
         self._now = t = self._now + 1.0
         if self._requests % REFRESH_REQUESTS == 0:
             self._model.refresh(t)
-        ghost, model = self._ghost, self._model
+        ghost, model, after = self._ghost, self._model, self._next
         new = CONTINUING if self._continues(keys) else 0
-        for k in keys:
+        for i, k in enumerate(keys):
             e = ghost.get(k)
             if e is None:
                 e = ghost[k] = [t, 0.0, 0.0]
@@ -103,18 +124,50 @@ class GittinsPolicy:
             e[1] += 1
             e[2] = c
             model.start(c, t)
+            if i + 1 < len(keys):
+                after[k] = keys[i + 1]
+            else:
+                after.pop(k, None)
         self._request = {k: d for d, k in enumerate(keys)}
+        self._admitted, self._bar, self._refused = 0, None, False
         self._forget(t)
 
     def _continues(self, keys: Sequence[PageKey]) -> bool:
-        """Whether the longest prefix of ``keys`` seen before ends in a page that is not hot."""
-        deepest = None
+        """Whether the longest prefix of ``keys`` seen before ends in a page that is not hot.
+
+        If it does and the prompt that page was last seen in went on differently, the
+        rest of that prompt is marked abandoned (before this request's accesses).
+        """
+        deepest: PageKey | None = None
+        depth = 0
         for k in keys:
-            e = self._ghost.get(k)
-            if e is None:
+            if k not in self._ghost:
                 break
-            deepest = e
-        return deepest is not None and access_class(int(deepest[1])) < HOT_CLASS
+            deepest, depth = k, depth + 1
+        if deepest is None or access_class(int(self._ghost[deepest][1])) >= HOT_CLASS:
+            return False
+        left = self._next.get(deepest)
+        if left is not None and (depth == len(keys) or left != keys[depth]):
+            self._abandon(left, self._ghost[deepest][0])
+        return True
+
+    def _abandon(self, key: PageKey | None, t0: float) -> None:
+        """Move the pages of the branch from ``key`` on, last seen together at ``t0``, to ABANDONED.
+
+        Their open reuse observations are censored in their old class and restarted,
+        at the same last access, in the abandoned one; residents keep their age.
+        """
+        ghost, model, leaves = self._ghost, self._model, self._leaves
+        while key is not None:
+            e = ghost.get(key)
+            if e is None or e[0] != t0 or int(e[2]) == ABANDONED:
+                return
+            model.censor(int(e[2]), t0, self._now)
+            model.start(ABANDONED, t0)
+            e[2] = ABANDONED
+            if key in leaves:
+                leaves.touch(key, ABANDONED, leaves.last[key])
+            key = self._next.get(key)
 
     def _forget(self, t: float) -> None:
         limit = self._ghost_pages + len(self._leaves)
@@ -124,6 +177,7 @@ class GittinsPolicy:
             if len(ghost) <= limit and t - e[0] < MAX_AGE:
                 break
             ghost.popitem(last=False)
+            self._next.pop(k, None)
             self._model.censor(int(e[2]), e[0], t)
 
     def _tick(self) -> float:
@@ -151,6 +205,7 @@ class GittinsPolicy:
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         leaves = self._leaves
         leaves.undo()
+        self._room = len(leaves)
         out: list[PageKey] = []
         self._scores = {}
         request = self._request
@@ -193,18 +248,25 @@ class GittinsPolicy:
         got = self._scores.get(cand)
         if got is None:
             key, c, last, _ = cand
-            b = age_bin(self._now - last)
-            support = self._model.support[c][b]
-            value = self._model.index[c][b]
-            if self._cost is not None:
-                value *= self._saved(key)
-            # Fewer than one reuse seen counts as one: no reuses at all is evidence too.
-            got = self._scores[cand] = (CONFIDENCE_Z / math.sqrt(max(support, 1.0)), value)
+            got = self._scores[cand] = self._score(key, c, self._now - last)
         return got
+
+    def _score(self, key: PageKey, c: int, age: float) -> tuple[float, float]:
+        """Relative error and value of the index of page ``key`` of class ``c`` at ``age``."""
+        b = age_bin(age)
+        support = self._model.support[c][b]
+        value = self._model.index[c][b]
+        if self._cost is not None:
+            value *= self._saved(key)
+        # Fewer than one reuse seen counts as one: no reuses at all is evidence too.
+        return CONFIDENCE_Z / math.sqrt(max(support, 1.0)), value
 
     def _saved(self, key: PageKey) -> float:
         assert self._cost is not None
-        return max(self._cost.saved_s(self._depth.get(key, 0)), 0.0)
+        depth = self._depth.get(key)
+        if depth is None:               # a page of this request, not inserted yet
+            depth = self._request.get(key, 0)
+        return max(self._cost.saved_s(depth), 0.0)
 
     def _depth_of(self, key: PageKey, parent: PageKey | None) -> int:
         d = self._request.get(key)
@@ -213,4 +275,41 @@ class GittinsPolicy:
         return self._depth.get(parent, -1) + 1 if parent is not None else 0
 
     def admit(self, key: PageKey, parent: PageKey | None) -> bool:
-        return self._cost is None or self._cost.saved_s(self._depth_of(key, parent)) > 0
+        if self._cost is not None and self._cost.saved_s(self._depth_of(key, parent)) <= 0:
+            return False
+        if key not in self._request:        # demoted from the tier above, or no request hints
+            return True
+        if self._refused:                   # what is kept of a prompt stays a prefix
+            return False
+        if self._room and len(self._leaves) + self._admitted >= self._room:
+            self._refused = not self._beats_victim(key)
+        if self._refused:
+            return False
+        self._admitted += 1
+        return True
+
+    def _beats_victim(self, key: PageKey) -> bool:
+        """Whether a new page is worth the page that would be evicted for it (see the module doc)."""
+        if self._bar is None:
+            self._bar = self._victim_score()
+        rank, err, value = self._bar
+        c = self._class(key)
+        if USE_RANK[c] > rank:
+            return True
+        page_err, page_value = self._score(key, c, 0.0)
+        return not page_value * (1.0 + page_err) < value * max(0.0, 1.0 - err)
+
+    def _victim_score(self) -> tuple[int, float, float]:
+        """Use rank, relative error and index of the page the next victims call would take first."""
+        leaves, request = self._leaves, self._request
+        leaves.undo()
+        self._scores = {}
+        try:
+            cands = leaves.candidates(lambda k: k not in request)
+            if not cands:
+                return 0, 0.0, 0.0      # nothing to evict for it: the bar is zero
+            key = self._choose(cands)
+            cand = next(c for c in cands if c[0] == key)
+            return (USE_RANK[cand[1]], *self._bound(cand))
+        finally:
+            leaves.settle()
