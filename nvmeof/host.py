@@ -8,7 +8,9 @@ then watches sysfs (``nvmeof.sysfs``) until the result is visible:
   short-lived child of ``/usr/bin/python3``. The bindings import only there, and their
   iterators can segfault the interpreter; a child keeps a crash away from the caller and
   works from any interpreter or venv. Only connect and discovery go through it.
-- ``Backend.NVME_CLI``: ``nvme discover/connect -o json`` (``nvmeof.nvmecli``).
+- ``Backend.NVME_CLI``: ``nvme discover/connect -o json`` (``nvmeof.nvmecli``); the
+  default where it is installed (libnvme 1.3's child crashes after connecting in the
+  rig's Debian 6.1 guest).
 
 Disconnect writes ``1`` to ``/sys/class/nvme/<ctrl>/delete_controller``, which is what both
 tools do. Options a backend cannot pass (``fast_io_fail_tmo`` in libnvme 1.3's bindings and
@@ -236,7 +238,9 @@ def _choose(backend: Backend | None, opts: ConnectOptions | None, attempted: str
             raise ConnectError(attempted, ConnectFailure.NO_BACKEND,
                                f"{nvmecli.LIBNVME_PYTHON} cannot import libnvme (apt-get install python3-nvme)")
         return backend
-    if backend is Backend.NVME_CLI or (backend is None and (needs_cli or not nvmecli.libnvme_available())):
+    # Without a choice nvme-cli goes first: in the rig's 6.1 guest libnvme 1.3's child
+    # connects the controller and then dies of a general protection fault in libnvme.so.
+    if backend is Backend.NVME_CLI or (backend is None and (has_cli or needs_cli or not nvmecli.libnvme_available())):
         if not has_cli:
             raise ConnectError(attempted, ConnectFailure.NO_BACKEND,
                                "nvme-cli not on PATH (apt-get install nvme-cli)")
