@@ -243,3 +243,12 @@ def test_extending_a_prompt_never_evicts_its_own_prefix(tmp_path: Path) -> None:
         n, out = load(s, tokens, 4)
         assert n == 4 and np.array_equal(out, data)
         assert s.lookup(prompt(21, 2)).cached_pages == 0  # the other prompt made room
+
+
+def test_importing_the_api_does_not_load_torch() -> None:
+    # torch takes seconds to import (minutes in the emulated rig guest); a store without
+    # an HBM tier and callers passing numpy pages never need it.
+    import subprocess
+    import sys
+    code = "import sys, tierkv.api, tierkv.cli; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

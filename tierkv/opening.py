@@ -25,7 +25,6 @@ from tierkv.tiers.aligned import ALIGN, round_up
 from tierkv.tiers.base import Tier
 from tierkv.tiers.blocks import BlockPageTier
 from tierkv.tiers.dram import DramTier
-from tierkv.tiers.hbm import HbmTier
 from tierkv.tiers.fabric import open_nvmeof_tier
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvmeof import NvmeofTier
@@ -147,6 +146,8 @@ def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
         slots = cfg.hbm.capacity_bytes // pb
         if slots == 0:
             raise ConfigError(f"hbm capacity of {cfg.hbm.capacity_bytes} bytes holds no page of {pb} bytes")
+        from tierkv.tiers.hbm import HbmTier  # torch loads only for stores with an HBM tier
+
         tiers.append(HbmTier(slots, pb, device=cfg.hbm.device))
     if cfg.dram is not None and not read_only:
         slots = cfg.dram.capacity_bytes // pb

@@ -8,20 +8,32 @@ raises :class:`~tierkv.errors.InputError` naming what was expected. Called by th
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING, Union
+
 import numpy as np
-import torch
 
 from tierkv.errors import InputError
 from tierkv.layout import KVLayout
 
-PageBatch = torch.Tensor | np.ndarray
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported lazily (it takes seconds, and minutes in the emulated rig guest): a
+# caller holding a tensor has imported it already, so sys.modules tells whether one can be.
+PageBatch = Union["torch.Tensor", np.ndarray]
+
+
+def _is_tensor(x: object) -> bool:
+    torch_mod = sys.modules.get("torch")
+    return torch_mod is not None and isinstance(x, torch_mod.Tensor)
 
 
 def page_rows(pages: PageBatch, layout: KVLayout, what: str, max_pages: int) -> np.ndarray:
     """A ``uint8 [n, page_bytes]`` view of ``pages``; raises InputError on any mismatch."""
     pb = layout.page_bytes
-    if isinstance(pages, torch.Tensor):
-        rows = _torch_rows(pages, layout, what)
+    if _is_tensor(pages):
+        rows = _torch_rows(pages, layout, what)  # type: ignore[arg-type]
     elif isinstance(pages, np.ndarray):
         if pages.dtype != np.uint8 or pages.ndim != 2 or pages.shape[1] != pb:
             raise InputError(f"{what}: a numpy page batch must be uint8 of shape [n, {pb}], "
@@ -38,6 +50,8 @@ def page_rows(pages: PageBatch, layout: KVLayout, what: str, max_pages: int) -> 
 
 
 def _torch_rows(t: torch.Tensor, layout: KVLayout, what: str) -> np.ndarray:
+    import torch
+
     pb = layout.page_bytes
     if t.device.type != "cpu":
         raise InputError(f"{what}: pages on {t.device} are not supported by this store's tiers; "

@@ -24,7 +24,6 @@ from tierkv.stats import Counters
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.tiers.blocks import UndecodablePageError
-from tierkv.tiers.hbm import dram_to_hbm, hbm_to_dram
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +37,16 @@ def staged_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Seque
     src.read(src_slots, staging)
     dst.write(dst_slots, staging)
     return staging
+
+
+def hbm_to_dram(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Sequence[int], nbytes: int) -> np.ndarray:
+    from tierkv.tiers.hbm import hbm_to_dram as copy  # torch loads only for stores with an HBM tier
+    return copy(src, src_slots, dst, dst_slots, nbytes)  # type: ignore[arg-type]
+
+
+def dram_to_hbm(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Sequence[int], nbytes: int) -> np.ndarray:
+    from tierkv.tiers.hbm import dram_to_hbm as copy
+    return copy(src, src_slots, dst, dst_slots, nbytes)  # type: ignore[arg-type]
 
 
 # (src, dst) -> copy function. Pairs absent here fall back to ``staged_copy``.

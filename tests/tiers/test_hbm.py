@@ -89,8 +89,9 @@ def test_tensor_io_checks_arguments() -> None:
 
 
 def test_copy_table_registers_hbm_pairs() -> None:
-    assert COPY_TABLE[(TierKind.HBM, TierKind.DRAM)] is hbm_to_dram
-    assert COPY_TABLE[(TierKind.DRAM, TierKind.HBM)] is dram_to_hbm
+    # The table holds thin wrappers so that torch loads only for stores with an HBM tier.
+    assert COPY_TABLE[(TierKind.HBM, TierKind.DRAM)].__name__ == hbm_to_dram.__name__
+    assert COPY_TABLE[(TierKind.DRAM, TierKind.HBM)].__name__ == dram_to_hbm.__name__
 
 
 @pytest.mark.parametrize("device", DEVICES)
