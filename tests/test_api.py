@@ -252,3 +252,23 @@ def test_importing_the_api_does_not_load_torch() -> None:
     import sys
     code = "import sys, tierkv.api, tierkv.cli; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_last_tier_keeps_a_parent_whose_child_lives_above(tmp_path: Path) -> None:
+    # DRAM 2 pages over NVMe 2 pages, LRU. p is demoted to NVMe, then its child c is
+    # stored in DRAM; when NVMe must make room, LRU's victim would be p (the oldest),
+    # which would leave c in DRAM with no parent: the lookup of [p, c] would find nothing.
+    cfg = make_config(tmp_path / "s", 2, 2, policy="lru", persist_on_close=False)
+    p_tokens, c_tokens = prompt(1, 1), prompt(2, 1)
+    pc = np.concatenate([p_tokens, c_tokens])
+    with Store.open(cfg) as s:
+        s.put(p_tokens, page_data(1, 1))
+        s.put(prompt(3, 1), page_data(3, 1))                   # x1
+        s.put(prompt(4, 1), page_data(4, 1))                   # x2: p goes down to NVMe
+        s.put(pc, np.concatenate([page_data(1, 1), page_data(2, 1)]))  # c in DRAM, x1 down
+        assert s.lookup(pc).tiers == (TierKind.NVME, TierKind.DRAM)
+        s.put(prompt(5, 1), page_data(5, 1))                   # x2 down: NVMe must evict
+        assert s.lookup(pc).tiers == (TierKind.NVME, TierKind.DRAM)
+        n, out = load(s, pc, 2)
+        assert n == 2 and np.array_equal(out, np.concatenate([page_data(1, 1), page_data(2, 1)]))
+        assert s.lookup(prompt(3, 1)).cached_pages == 0      # x1 was evicted instead

@@ -113,6 +113,9 @@ class BlockManager:
         self._policies = policies
         self._index = index
         self._entries: dict[PageKey, Entry] = {}
+        # Cached children of each page: the last tier keeps a parent whose child lives in
+        # a faster tier (dropping it would orphan the child: lookups stop at the gap).
+        self._children: dict[PageKey, set[PageKey]] = {}
         # Published pages -> rank of their fastest tier, so a lookup is one C scan.
         self.resident = new_keyset()
         self.demotion_batch = DEMOTION_BATCH
@@ -183,7 +186,7 @@ class BlockManager:
             tier.claim([slot_of[r.key] for r in good])
         for rec in good:
             e = Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {kind: slot_of[rec.key]})
-            self._entries[rec.key] = e
+            self._add(e)
             self.resident.add(rec.key, kind.rank)
             self._policies[kind].insert(rec.key, rec.parent)
         return len(good)
@@ -211,7 +214,7 @@ class BlockManager:
             slots = self._reserve(tier, len(admitted), protect, plan)
             for (key, parent), slot in zip(admitted, slots):
                 plan.placements.append((key, tier.kind, slot))
-                self._entries[key] = Entry(key, parent, nbytes, None, {tier.kind: slot})
+                self._add(Entry(key, parent, nbytes, None, {tier.kind: slot}))
             placed = {k for k, _ in admitted[:len(slots)]}
             todo = [(k, p) for k, p in todo if k not in placed]
         plan.dropped += len(todo)
@@ -254,9 +257,16 @@ class BlockManager:
             need = max(need, min(self.demotion_batch, tier.num_slots // 16))
         policy = self._policies[tier.kind]
 
+        last = self.below(tier.kind) is None
+        entries, children, faster = self._entries, self._children, tier.kind.rank
+
         def evictable(k: PageKey) -> bool:
-            e = self._entries[k]
-            return k not in protect and e.pins == 0
+            e = entries[k]
+            if k in protect or e.pins:
+                return False
+            if last and len(e.slots) == 1:  # its last copy: dropped, not demoted
+                return not any(any(t.rank < faster for t in entries[c].slots) for c in children.get(k, ()))
+            return True
 
         # A compressed page frees less than the raw page reserved in its place, so a
         # block tier may need more victims than pages asked for: evict until they fit.
@@ -285,12 +295,27 @@ class BlockManager:
                 plan.moves.append(Move(key, tier.kind, slot, lower.kind, dst[0]))  # type: ignore[union-attr]
                 e.slots[lower.kind] = dst[0]  # type: ignore[union-attr]
             else:
-                del self._entries[key]
+                self._remove(key)
                 self.resident.discard(key)
                 plan.dropped += 1
         if e.slots and key in self.resident:
             self.resident.add(key, e.fastest.rank)
         tier.free([slot])
+
+    def _add(self, e: Entry) -> None:
+        self._entries[e.key] = e
+        if e.parent is not None:
+            self._children.setdefault(e.parent, set()).add(e.key)
+
+    def _remove(self, key: PageKey) -> Entry | None:
+        e = self._entries.pop(key, None)
+        if e is not None and e.parent is not None:
+            sib = self._children.get(e.parent)
+            if sib is not None:
+                sib.discard(key)
+                if not sib:
+                    del self._children[e.parent]
+        return e
 
     # -- completion --------------------------------------------------------------------
     def commit_deletes(self, plan: Plan) -> None:
@@ -348,7 +373,7 @@ class BlockManager:
 
     def forget(self, key: PageKey) -> None:
         """Drop a page from every tier (quarantine or failed write); frees its slots."""
-        e = self._entries.pop(key, None)
+        e = self._remove(key)
         self.resident.discard(key)
         if e is None:
             return

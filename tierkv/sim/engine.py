@@ -43,6 +43,7 @@ class SimManager:
         self.promote = promote
         self.where: dict[PageKey, int] = {}       # key -> bit i set when tier i holds it
         self.parent: dict[PageKey, PageKey | None] = {}
+        self.kids: dict[PageKey, set[PageKey]] = {}  # cached children of each page
         self.tier_hits = [0] * len(capacities)
         self.rejected = 0                         # puts larger than every tier together
 
@@ -105,6 +106,8 @@ class SimManager:
                 placed.append((k, t))
                 where[k] = 1 << t
                 self.parent[k] = p
+                if p is not None:
+                    self.kids.setdefault(p, set()).add(k)
             done = {k for k, _ in admitted[:got]}
             todo = [(k, p) for k, p in todo if k not in done]
         self._publish(moves, placed)
@@ -116,7 +119,19 @@ class SimManager:
         if need > 0 and t + 1 < len(self.capacities):
             need = max(need, min(DEMOTION_BATCH, self.capacities[t] // 16))
         if need > 0:
-            for victim in self.policies[t].victims(need, lambda k: k not in protect):
+            last, bit, kids, where = t + 1 == len(self.capacities), 1 << t, self.kids, self.where
+            faster = bit - 1
+
+            def evictable(k: PageKey) -> bool:
+                # As the manager: the last tier keeps the last copy of a page while a
+                # child of it lives in a faster tier (dropping it would orphan the child).
+                if k in protect:
+                    return False
+                if last and where[k] == bit:
+                    return not any(where[c] & faster for c in kids.get(k, ()))
+                return True
+
+            for victim in self.policies[t].victims(need, evictable):
                 self._evict(victim, t, protect, moves)
         got = min(n, self.capacities[t] - self.used[t])
         self.used[t] += got
@@ -135,6 +150,11 @@ class SimManager:
                 mask = 1 << lower
             else:
                 del self.where[key]
+                if parent is not None:
+                    sib = self.kids[parent]
+                    sib.discard(key)
+                    if not sib:
+                        del self.kids[parent]
                 del self.parent[key]
                 return
         self.where[key] = mask
