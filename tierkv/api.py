@@ -32,6 +32,7 @@ from tierkv.opening import open_store_parts, release_dir
 from tierkv.pages import PageBatch, page_rows
 from tierkv.stats import Counters, StoreStats, TierStats
 from tierkv.tiers.base import TierKind
+from tierkv.tiers.blocks import BlockPageTier
 from tierkv.transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,14 @@ class Store:
         for rec in self._index.get_many(tier.kind.value, split_keys(blob[:limit * KEY_BYTES])):
             if rec is None:
                 break
-            out.append(Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {tier.kind: rec.slot}))
+            slot = rec.slot
+            if isinstance(tier, BlockPageTier):  # a coded tier: read at the record's blocks
+                bpp = tier.blocks_per_page
+                try:
+                    slot = tier.view(rec.extents or ((rec.slot * bpp, bpp),))
+                except InputError:
+                    break  # a record that cannot be a page of this tier: a miss
+            out.append(Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {tier.kind: slot}))
         return out
 
     # -- the API ---------------------------------------------------------------------------

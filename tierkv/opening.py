@@ -160,9 +160,9 @@ def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
         slots = cfg.nvme.capacity_bytes // slot_bytes
         if slots == 0:
             raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
-        # Readers address the file in slots whatever the codec: they see the writer's raw
-        # pages, and coded ones fail their checksum (misses). Block readers are to come.
-        if cfg.nvme.codec == CodecMode.NONE.value or read_only:
+        # A coded tier is the same file addressed in 4 KiB blocks, for readers too: they
+        # read each page at the extents its index record names (BlockPageTier.view).
+        if cfg.nvme.codec == CodecMode.NONE.value:
             tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
                                   io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES))
         else:  # the same file, addressed in 4 KiB blocks
@@ -170,7 +170,7 @@ def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
                               io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES)
             tiers.append(_block_tier(blocks, slots, cfg, cfg.nvme))
     if cfg.nvmeof is not None:
-        if cfg.nvmeof.codec == CodecMode.NONE.value or read_only:
+        if cfg.nvmeof.codec == CodecMode.NONE.value:
             tiers.append(open_nvmeof_tier(cfg.nvmeof, pb, header_bytes=LABEL_BYTES, connect=not read_only))
         else:
             fabric = open_nvmeof_tier(cfg.nvmeof, ALIGN, header_bytes=LABEL_BYTES, connect=not read_only)

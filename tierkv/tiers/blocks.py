@@ -99,6 +99,7 @@ class BlockPageTier(Tier):
         self._pages: dict[int, Extents] = {}
         self._retired: dict[int, Extents] = {}
         self._handles = itertools.count()
+        self._views: dict[Extents, int] = {}  # read-only openers' handles, by extents
         self._stride = round_up(max_encoded_bytes(page_bytes))
 
     # -- slot bookkeeping ---------------------------------------------------------------
@@ -156,6 +157,23 @@ class BlockPageTier(Tier):
             self.blocks.claim(block_list(extents))
             h = next(self._handles)
             self._pages[h] = tuple(extents)
+            return h
+
+    def view(self, extents: Extents) -> int:
+        """A handle to read a page another process (the writer) recorded at ``extents``,
+        without claiming its blocks: for read-only openers, which never allocate. The same
+        extents give the same handle. InputError for extents that cannot be a page."""
+        self._check_open()
+        n = extent_blocks(extents)
+        if not extents or any(c <= 0 or f < 0 or f + c > self.blocks.num_slots for f, c in extents) \
+                or n > self.blocks_per_page:
+            raise InputError(f"extents {extents} do not describe a page of 1..{self.blocks_per_page} blocks")
+        key = tuple(extents)
+        with self._lock:
+            h = self._views.get(key)
+            if h is None:
+                h = self._views[key] = next(self._handles)
+                self._pages[h] = key
             return h
 
     def flush(self) -> None:
