@@ -23,6 +23,7 @@ from tierkv.tiers.hbm import HbmTier
 from tierkv.tiers.aligned import round_up
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvmeof import NvmeofTier, StaticLink
+from tierkv.tiers.peer import loopback_peer_tier
 
 SHM = Path("/dev/shm")
 
@@ -54,6 +55,7 @@ def _nvmeof_on_file(s: Scratch, n: int, p: int) -> Tier:
 
 
 _BUILDERS["nvmeof-file"] = _nvmeof_on_file
+_BUILDERS["peer-tcp"] = lambda s, n, p: loopback_peer_tier(n, p)  # a PeerServer on 127.0.0.1 in this process
 _MARKS: dict[str, pytest.MarkDecorator] = {"hbm-cuda": pytest.mark.gpu}
 
 TierFactory = Callable[[int, int], Tier]

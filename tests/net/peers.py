@@ -1,0 +1,71 @@
+"""Helpers for the transport tests: a peer server in a real second process, and page data.
+
+``serve_forever`` is the child's entry point (``multiprocessing`` spawn): it builds a DRAM
+tier, stores ``n`` seeded pages under published keys, reports ready, and serves until
+killed. Tests kill it with SIGKILL to lose the peer mid-transfer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.process import BaseProcess
+
+import numpy as np
+
+
+def pages(n: int, width: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.frombuffer(rng.bytes(n * width), dtype=np.uint8).reshape(n, width).copy()
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_forever(port: int, num_slots: int, page_bytes: int, stored: int, seed: int, ready: object,
+                  host: str = "127.0.0.1", rdma: bool = False) -> None:
+    import os
+    import sys
+
+    if os.environ.get("TIERKV_RIG_GUEST") == "1":
+        # The DRAM tier imports torch only to pin memory for CUDA; under TCG that import
+        # costs about 100 s per process, and the rig has no GPU.
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    from tierkv.net import PeerServer
+    from tierkv.tiers.dram import DramTier
+
+    tier = DramTier(num_slots, page_bytes)
+    server = PeerServer(tier, host, port, rdma=rdma)
+    if stored:
+        server.store.store([key(i) for i in range(stored)], pages(stored, page_bytes, seed))
+    ready.set()  # type: ignore[attr-defined]
+    while True:
+        time.sleep(3600)
+
+
+@contextmanager
+def server_process(port: int, num_slots: int, page_bytes: int, stored: int = 0, seed: int = 0,
+                   host: str = "127.0.0.1", rdma: bool = False) -> Iterator[BaseProcess]:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=serve_forever, args=(port, num_slots, page_bytes, stored, seed, ready, host, rdma),
+                       daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(120):
+            raise RuntimeError("peer server process did not come up in 120 s")
+        yield proc
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)

@@ -1,0 +1,58 @@
+"""Whole messages over a stream socket: send a header and payload parts, receive one
+message into a caller-chosen buffer. Used by :mod:`tierkv.net.tcp` (both sides) and by
+the RDMA transport's out-of-band handshake. Not thread-safe per socket: callers hold a
+send lock; one reader per socket.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from tierkv.net.wire import HEADER_BYTES, Body, Header, Kind, check_payload, decode_body, decode_header, encode_header
+
+Alloc = Callable[[int], memoryview]
+
+
+def send_message(sock: socket.socket, kind: Kind, channel: int, credits: int, seq: int,
+                 parts: Sequence[bytes | memoryview]) -> None:
+    head = encode_header(kind, channel, credits, seq, parts)
+    bufs = [memoryview(head)] + [memoryview(p).cast("B") for p in parts if len(p)]
+    while bufs:
+        n = sock.sendmsg(bufs[:64])
+        while n:
+            if n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][n:]
+                n = 0
+
+
+def recv_exact(sock: socket.socket, into: memoryview) -> None:
+    """Fill ``into``; raises ConnectionError on EOF."""
+    got = 0
+    while got < len(into):
+        n = sock.recv_into(into[got:])
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        got += n
+
+
+def _plain(n: int) -> memoryview:
+    return np.empty(n, dtype=np.uint8).data
+
+
+def recv_message(sock: socket.socket, alloc: Alloc = _plain) -> tuple[Header, Body, memoryview]:
+    """One checked message: its header, decoded body and the raw payload buffer (which the
+    body's views point into; from ``alloc`` so callers can land pages in registered memory)."""
+    raw = memoryview(bytearray(HEADER_BYTES))
+    recv_exact(sock, raw)
+    header, checksum = decode_header(raw)
+    payload = alloc(header.length) if header.length else memoryview(b"")
+    if header.length:
+        recv_exact(sock, payload)
+    check_payload(raw, checksum, payload)
+    return header, decode_body(header.kind, payload), payload

@@ -1,0 +1,151 @@
+"""The serving side of a peer: a DRAM tier's slots, their metas, and a key index.
+
+:class:`SlotStore` wraps a :class:`~tierkv.tiers.dram.DramTier` of this node and is what
+both transports' servers call: it answers page reads by slot, applies page writes
+idempotently (keyed by slot and generation), keeps one :class:`~tierkv.net.wire.PageMeta`
+record per slot in a packed table (24 bytes a slot, in memory the RDMA server registers
+so a peer can also read a meta one-sided), and holds a small key -> slot index so a
+peer can ask "which of these keys do you hold" (the ``lookup`` call).
+
+Thread-safety: every method may be called from any thread. Page bytes are copied
+outside the meta lock; a reader racing a writer may see torn bytes, which fail their
+checksum at the reader (a miss), never wrong data.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from tierkv.errors import InputError
+from tierkv.net.wire import (EMPTY_GENERATION, Call, PageMeta, Pages, Reply, WriteAck, WriteStatus,
+                             decode_keys, encode_metas, page_checksum)
+from tierkv.tiers.dram import DramTier
+
+META_DTYPE = np.dtype([("slot", "<u4"), ("generation", "<u8"), ("length", "<u4"), ("checksum", "<u8")])
+assert META_DTYPE.itemsize == 24
+Method = Callable[[bytes], bytes]
+
+
+class SlotStore:
+    """Pages of ``tier`` addressed by slot, with metas and a key index."""
+
+    def __init__(self, tier: DramTier) -> None:
+        self.tier = tier
+        self.num_slots = tier.num_slots
+        self.slot_bytes = tier.slot_bytes
+        self.epoch = (time.time_ns() ^ (os.getpid() << 40)) & ((1 << 64) - 1) or 1
+        self.metas = np.zeros(self.num_slots, dtype=META_DTYPE)
+        self.metas["slot"] = np.arange(self.num_slots, dtype=np.uint32)
+        self._lock = threading.Lock()
+        self._index: dict[bytes, int] = {}
+        self.methods: dict[str, Method] = {"lookup": self._lookup}
+
+    # -- node-local API -------------------------------------------------------------------
+    def meta(self, slot: int) -> PageMeta:
+        with self._lock:
+            r = self.metas[slot]
+            return PageMeta(slot, int(r["generation"]), int(r["length"]), int(r["checksum"]))
+
+    def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Announce that ``keys[i]`` lives in ``slots[i]`` (already written)."""
+        with self._lock:
+            self._index.update(zip(keys, slots))
+
+    def forget(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._index.pop(k, None)
+
+    def store(self, keys: Sequence[bytes], src: np.ndarray, generation: int = 1) -> list[int]:
+        """Allocate slots in the tier, write ``src`` there and publish ``keys`` (what the
+        owning node does with its own pages)."""
+        slots = self.tier.allocate(len(keys))
+        for i, s in enumerate(slots):
+            self.put(s, generation, src[i].data)
+        self.publish(keys, slots)
+        return slots
+
+    # -- what the servers call ------------------------------------------------------------
+    def read(self, slots: Sequence[int]) -> tuple[tuple[PageMeta, ...], list[memoryview]]:
+        """The metas of ``slots`` and views of their stored bytes (empty for a miss or an
+        out-of-range slot, whose meta then has generation 0)."""
+        metas, parts = [], []
+        buf = self.tier.buffer
+        for s in slots:
+            if not 0 <= s < self.num_slots:
+                metas.append(PageMeta(s, EMPTY_GENERATION, 0, 0))
+                continue
+            m = self.meta(s)
+            metas.append(m)
+            if m.generation != EMPTY_GENERATION:
+                parts.append(buf[s, :m.length].data)
+        return tuple(metas), parts
+
+    def write(self, pages: Pages) -> WriteAck:
+        offs = pages.offsets()
+        out = []
+        for m, at in zip(pages.metas, offs):
+            out.append(self.put(m.slot, m.generation, pages.data[at:at + m.length], m.checksum))
+        return WriteAck(tuple(out))
+
+    def commit(self, metas: Sequence[PageMeta]) -> WriteAck:
+        """Pages whose bytes an RDMA WRITE already placed in their slots: check and publish."""
+        out = []
+        for m in metas:
+            if not (0 <= m.slot < self.num_slots and 0 < m.length <= self.slot_bytes):
+                out.append(WriteStatus.OUT_OF_RANGE)
+                continue
+            data = self.tier.buffer[m.slot, :m.length].data
+            actual = page_checksum(data)
+            with self._lock:
+                r = self.metas[m.slot]
+                dup = int(r["generation"]) == m.generation and int(r["checksum"]) == actual == m.checksum
+            out.append(WriteStatus.DUPLICATE if dup else self._set_meta(m, actual))
+        return WriteAck(tuple(out))
+
+    def put(self, slot: int, generation: int, data: memoryview, checksum: int | None = None) -> WriteStatus:
+        if not (0 <= slot < self.num_slots and 0 < len(data) <= self.slot_bytes) or generation <= 0:
+            return WriteStatus.OUT_OF_RANGE
+        actual = page_checksum(data)
+        if checksum is not None and actual != checksum:
+            return WriteStatus.BAD_CHECKSUM
+        with self._lock:
+            cur = int(self.metas[slot]["generation"])
+            if generation < cur:
+                return WriteStatus.STALE
+            if generation == cur and int(self.metas[slot]["checksum"]) == actual:
+                return WriteStatus.DUPLICATE
+            self.metas[slot]["generation"] = EMPTY_GENERATION  # torn-read guard while the bytes move
+        self.tier.buffer[slot, :len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return self._set_meta(PageMeta(slot, generation, len(data), actual), actual)
+
+    def call(self, call: Call) -> Reply:
+        fn = self.methods.get(call.method)
+        if fn is None:
+            return Reply(False, f"unknown method {call.method!r}; known: {sorted(self.methods)}".encode())
+        try:
+            return Reply(True, fn(call.body))
+        except (InputError, ValueError, IndexError) as e:
+            return Reply(False, f"{call.method}: {e}".encode())
+
+    def _set_meta(self, m: PageMeta, actual: int) -> WriteStatus:
+        if actual != m.checksum:
+            return WriteStatus.BAD_CHECKSUM
+        with self._lock:
+            cur = int(self.metas[m.slot]["generation"])
+            if m.generation < cur:
+                return WriteStatus.STALE
+            r = self.metas[m.slot]
+            r["generation"], r["length"], r["checksum"] = m.generation, m.length, m.checksum
+            return WriteStatus.STORED
+
+    def _lookup(self, body: bytes) -> bytes:
+        keys = decode_keys(body)
+        with self._lock:
+            slots = [self._index.get(k, -1) for k in keys]
+        return encode_metas([self.meta(s) if s >= 0 else PageMeta(0, EMPTY_GENERATION, 0, 0) for s in slots])

@@ -1,0 +1,166 @@
+"""The TCP fallback's server: serves a :class:`~tierkv.net.server.SlotStore` over plain sockets.
+
+One listener thread accepts; each connection gets a reader thread that checks every
+message and hands it to a small shared worker pool; replies go back under the
+connection's send lock. Receive credits are enforced as RDMA enforces them: each
+connection has ``recv_credits`` posted receives (a :class:`~tierkv.net.credits.ReceiveLedger`);
+a message beyond them is answered with a NAK (RDMA's RNR NAK), counted in ``naks``, and
+the client retries it. A message that fails its checksum or does not parse closes the
+connection (the client reconnects and resends). Started by :class:`tierkv.net.PeerServer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tierkv.net.credits import ReceiveLedger
+from tierkv.net.framing import recv_message, send_message
+from tierkv.net.server import SlotStore
+from tierkv.net.transport import NetConfig
+from tierkv.net.wire import Body, Call, Header, Kind, Pages, ProtocolError, ReadPages, Welcome
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    connections: int
+    requests: int
+    naks: int
+    protocol_errors: int
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, depth: int) -> None:
+        self.sock = sock
+        self.ledger = ReceiveLedger(depth)
+        self.send_lock = threading.Lock()
+        self.open = True
+
+    def send(self, kind: Kind, channel: int, seq: int, parts: list[bytes | memoryview]) -> None:
+        with self.send_lock:
+            if self.open:
+                send_message(self.sock, kind, channel, self.ledger.take_grants(), seq, parts)
+
+
+class TcpServer:
+    def __init__(self, store: SlotStore, host: str, port: int, config: NetConfig, workers: int = 4) -> None:
+        self.store = store
+        self.config = config
+        self._listener = socket.create_server((host, port))  # SO_REUSEADDR: a restarted server rebinds at once
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierkv-peer-srv")
+        self._conns: set[_Conn] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._counts = {"connections": 0, "requests": 0, "naks": 0, "protocol_errors": 0}
+        self._thread = threading.Thread(target=self._accept_loop, name="tierkv-peer-listen", daemon=True)
+        self._thread.start()
+
+    def stats(self) -> ServerStats:
+        with self._lock:
+            return ServerStats(**self._counts)
+
+    def drop_connections(self) -> int:
+        """Cut every client connection (a fault switch for tests: clients reconnect and
+        resend what was not acknowledged); returns how many were cut."""
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            _shut(c)
+        return len(conns)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._listener.close()
+        self._thread.join(timeout=5)
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            _shut(c)
+        self._workers.shutdown(wait=True)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                ready, _, _ = select.select([self._listener], [], [], 0.2)
+                if not ready:
+                    continue
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, self.config.recv_credits)
+            with self._lock:
+                self._conns.add(conn)
+                self._counts["connections"] += 1
+            threading.Thread(target=self._serve, args=(conn,), name="tierkv-peer-conn", daemon=True).start()
+
+    def _serve(self, conn: _Conn) -> None:
+        try:
+            while not self._closed.is_set():
+                ready, _, _ = select.select([conn.sock], [], [], 0.2)
+                if not ready:
+                    continue
+                conn.sock.settimeout(self.config.timeout_s)  # a message started must finish in time
+                header, body, _payload = recv_message(conn.sock)
+                conn.sock.settimeout(None)
+                if header.kind == Kind.HELLO:
+                    w = Welcome(self.store.epoch, self.store.num_slots, self.store.slot_bytes, conn.ledger.depth)
+                    conn.send(Kind.WELCOME, header.channel, header.seq, w.encode())
+                    continue
+                if not conn.ledger.consume():  # no receive posted for it: RNR
+                    self._count("naks")
+                    conn.send(Kind.NAK, header.channel, header.seq, [])
+                    continue
+                self._count("requests")
+                self._workers.submit(self._handle, conn, header, body)
+        except ProtocolError as e:
+            self._count("protocol_errors")
+            log.warning("peer server: closing a connection after a bad message: %s", e)
+        except (OSError, ConnectionError, RuntimeError):
+            pass  # peer gone, or the pool shut down at close
+        finally:
+            _shut(conn)
+            with self._lock:
+                self._conns.discard(conn)
+
+    def _handle(self, conn: _Conn, header: Header, body: Body) -> None:
+        try:
+            kind, parts = self._reply(body)
+            conn.ledger.repost()
+            conn.send(kind, header.channel, header.seq, parts)
+        except (OSError, ProtocolError):
+            _shut(conn)
+
+    def _reply(self, body: Body) -> tuple[Kind, list[bytes | memoryview]]:
+        if isinstance(body, ReadPages):
+            metas, parts = self.store.read(body.slots)
+            head = Pages(metas, memoryview(b"")).encode()
+            return Kind.PAGES, head + list(parts)
+        if isinstance(body, Pages):
+            return Kind.WRITE_ACK, self.store.write(body).encode()
+        if isinstance(body, Call):
+            return Kind.REPLY, self.store.call(body).encode()
+        raise ProtocolError(f"a client sent a {type(body).__name__}")
+
+
+def _shut(conn: _Conn) -> None:
+    conn.open = False
+    try:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.sock.close()
+

@@ -1,0 +1,305 @@
+"""The node-to-node wire protocol: a versioned, checksummed header and frozen message types.
+
+Every message is a 28-byte header followed by ``length`` payload bytes. The header's
+``checksum`` is xxh3-64 over the header's first 20 bytes and the payload, so a torn,
+truncated or corrupted message is refused whole. Page payloads also carry each page's
+own :class:`PageMeta` (slot, generation, length, xxh3-64 of the page): a page whose bytes
+do not hash to its meta, or whose generation is not the one expected, is a miss.
+
+Used by both transports: :mod:`tierkv.net.tcp` sends whole messages over a socket;
+:mod:`tierkv.net.rdma` sends the control messages (no page data) with SEND/RECV and
+moves page data one-sided. Pure functions and frozen dataclasses, thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from tierkv.errors import TierKVError
+
+MAGIC = b"TK"
+VERSION = 1
+MAX_PAYLOAD_BYTES = 1 << 30  # refuse a header announcing more: a garbage or hostile length
+_HEAD = struct.Struct("<2sBBHHQI")  # magic, version, kind, channel, credits, seq, length
+_SUM = struct.Struct("<Q")
+HEADER_BYTES = _HEAD.size + _SUM.size
+_META = struct.Struct("<IQIQ")  # slot, generation, length, checksum
+_COUNT = struct.Struct("<I")
+
+
+class ProtocolError(TierKVError):
+    """A message that does not parse: bad magic, version, length or checksum."""
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1        # client -> server: Hello
+    WELCOME = 2      # server -> client: Welcome
+    READ = 3         # ReadPages
+    PAGES = 4        # Pages (reply to READ)
+    WRITE = 5        # WritePages (pages inline over TCP; meta only over RDMA)
+    WRITE_ACK = 6    # WriteAck
+    CALL = 7         # Call (control RPC)
+    REPLY = 8        # Reply
+    NAK = 9          # receiver had no posted receive for the message (an RNR NAK): retry it
+
+
+class WriteStatus(enum.IntEnum):
+    STORED = 0
+    DUPLICATE = 1      # same slot and generation already stored: an idempotent resend
+    STALE = 2          # an older generation than the one stored: ignored
+    BAD_CHECKSUM = 3   # the bytes do not hash to the meta: not stored
+    OUT_OF_RANGE = 4
+    FAILED = 5         # the transfer failed (peer lost, timeout): not known to be stored
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    channel: int
+    credits: int  # receive credits granted to the other side with this message
+    seq: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PageMeta:
+    """What a slot holds: ``generation`` 0 means nothing (a miss); ``checksum`` is the
+    xxh3-64 of its ``length`` stored bytes."""
+
+    slot: int
+    generation: int
+    length: int
+    checksum: int
+
+
+EMPTY_GENERATION = 0
+
+
+def page_checksum(data: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+# -- framing ----------------------------------------------------------------------------
+def encode_header(kind: Kind, channel: int, credits: int, seq: int, payload: Sequence[bytes | memoryview]) -> bytes:
+    length = sum(len(p) for p in payload)
+    head = _HEAD.pack(MAGIC, VERSION, int(kind), channel, min(credits, 0xFFFF), seq, length)
+    h = xxhash.xxh3_64(head)
+    for part in payload:
+        h.update(part)
+    return head + _SUM.pack(h.intdigest())
+
+
+def decode_header(raw: bytes | bytearray | memoryview) -> tuple[Header, int]:
+    """The header and its checksum (checked against the payload by :func:`check_payload`)."""
+    if len(raw) != HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes, expected {HEADER_BYTES}")
+    magic, version, kind, channel, credits, seq, length = _HEAD.unpack_from(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}, this side speaks {VERSION}")
+    if length > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"payload of {length} bytes exceeds the limit of {MAX_PAYLOAD_BYTES}")
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind}") from None
+    return Header(k, channel, credits, seq, length), _SUM.unpack_from(raw, _HEAD.size)[0]
+
+
+def check_payload(raw_header: bytes | bytearray | memoryview, checksum: int, payload: memoryview | bytes) -> None:
+    h = xxhash.xxh3_64(bytes(raw_header[:_HEAD.size]))
+    h.update(payload)
+    if h.intdigest() != checksum:
+        raise ProtocolError(f"message checksum {h.intdigest():#x} does not match the header's {checksum:#x}")
+
+
+# -- message bodies ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    client_id: int
+
+    def encode(self) -> list[bytes | memoryview]:
+        return [struct.pack("<Q", self.client_id)]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> Hello:
+        return cls(*_unpack("<Q", b))
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The server's side of the handshake: its epoch (changes when the server restarts),
+    its slot geometry and the receive credits it grants to this connection."""
+
+    epoch: int
+    num_slots: int
+    slot_bytes: int
+    credits: int
+
+    def encode(self) -> list[bytes | memoryview]:
+        return [struct.pack("<QIQI", self.epoch, self.num_slots, self.slot_bytes, self.credits)]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> Welcome:
+        return cls(*_unpack("<QIQI", b))
+
+
+@dataclass(frozen=True)
+class ReadPages:
+    slots: tuple[int, ...]
+
+    def encode(self) -> list[bytes | memoryview]:
+        return [_COUNT.pack(len(self.slots)) + struct.pack(f"<{len(self.slots)}I", *self.slots)]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> ReadPages:
+        (n,) = _COUNT.unpack_from(b)
+        _need(b, 4 + 4 * n)
+        return cls(struct.unpack_from(f"<{n}I", b, 4))
+
+
+@dataclass(frozen=True)
+class Pages:
+    """Page metas followed by their bytes back to back (``data`` may be empty when the
+    bytes moved one-sided). Reply to READ, and the body of WRITE."""
+
+    metas: tuple[PageMeta, ...]
+    data: memoryview
+
+    def encode(self) -> list[bytes | memoryview]:
+        head = bytearray(_COUNT.pack(len(self.metas)))
+        for m in self.metas:
+            head += _META.pack(m.slot, m.generation, m.length, m.checksum)
+        return [bytes(head), self.data] if len(self.data) else [bytes(head)]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> Pages:
+        (n,) = _COUNT.unpack_from(b)
+        end = 4 + n * _META.size
+        _need(b, end)
+        metas = tuple(PageMeta(*_META.unpack_from(b, 4 + i * _META.size)) for i in range(n))
+        return cls(metas, b[end:])
+
+    def offsets(self) -> list[int]:
+        """Where each page's bytes start in ``data``; raises ProtocolError when they do not add up."""
+        out, at = [], 0
+        for m in self.metas:
+            out.append(at)
+            at += m.length
+        if len(self.data) and at != len(self.data):
+            raise ProtocolError(f"page lengths add up to {at} bytes, the message carries {len(self.data)}")
+        return out
+
+
+@dataclass(frozen=True)
+class WriteAck:
+    statuses: tuple[WriteStatus, ...]
+
+    def encode(self) -> list[bytes | memoryview]:
+        return [_COUNT.pack(len(self.statuses)) + bytes(int(s) for s in self.statuses)]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> WriteAck:
+        (n,) = _COUNT.unpack_from(b)
+        _need(b, 4 + n)
+        return cls(tuple(WriteStatus(x) for x in bytes(b[4:4 + n])))
+
+
+@dataclass(frozen=True)
+class Call:
+    """A control RPC: a method name and an opaque body (the server's handler parses it)."""
+
+    method: str
+    body: bytes
+
+    def encode(self) -> list[bytes | memoryview]:
+        name = self.method.encode()
+        return [struct.pack("<H", len(name)) + name, self.body]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> Call:
+        (n,) = _unpack("<H", b[:2])
+        _need(b, 2 + n)
+        return cls(bytes(b[2:2 + n]).decode(), bytes(b[2 + n:]))
+
+
+@dataclass(frozen=True)
+class Reply:
+    ok: bool
+    body: bytes
+
+    def encode(self) -> list[bytes | memoryview]:
+        return [bytes([1 if self.ok else 0]), self.body]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> Reply:
+        _need(b, 1)
+        return cls(b[0] == 1, bytes(b[1:]))
+
+
+@dataclass(frozen=True)
+class Nak:
+    def encode(self) -> list[bytes | memoryview]:
+        return []
+
+    @classmethod
+    def decode(cls, b: memoryview) -> Nak:
+        return cls()
+
+
+Body = Hello | Welcome | ReadPages | Pages | WriteAck | Call | Reply | Nak
+BODY_OF: dict[Kind, type[Body]] = {
+    Kind.HELLO: Hello, Kind.WELCOME: Welcome, Kind.READ: ReadPages, Kind.PAGES: Pages,
+    Kind.WRITE: Pages, Kind.WRITE_ACK: WriteAck, Kind.CALL: Call, Kind.REPLY: Reply, Kind.NAK: Nak,
+}
+
+
+def decode_body(kind: Kind, payload: memoryview) -> Body:
+    try:
+        return BODY_OF[kind].decode(payload)
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"malformed {kind.name} body of {len(payload)} bytes: {e}") from None
+
+
+# -- key lists for the lookup RPC -------------------------------------------------------
+def encode_keys(keys: Sequence[bytes]) -> bytes:
+    out = bytearray(_COUNT.pack(len(keys)))
+    for k in keys:
+        out += struct.pack("<H", len(k)) + k
+    return bytes(out)
+
+
+def decode_keys(b: bytes) -> list[bytes]:
+    (n,) = _COUNT.unpack_from(b)
+    keys, at = [], 4
+    for _ in range(n):
+        (ln,) = struct.unpack_from("<H", b, at)
+        keys.append(b[at + 2:at + 2 + ln])
+        at += 2 + ln
+    return keys
+
+
+def encode_metas(metas: Sequence[PageMeta]) -> bytes:
+    return bytes(Pages(tuple(metas), memoryview(b"")).encode()[0])
+
+
+def decode_metas(b: bytes) -> tuple[PageMeta, ...]:
+    return Pages.decode(memoryview(b)).metas
+
+
+def _need(b: memoryview, n: int) -> None:
+    if len(b) < n:
+        raise ProtocolError(f"body of {len(b)} bytes, needs at least {n}")
+
+
+def _unpack(fmt: str, b: memoryview | bytes) -> tuple[int, ...]:
+    size = struct.calcsize(fmt)
+    if len(b) != size:
+        raise ProtocolError(f"body of {len(b)} bytes, expected {size}")
+    return struct.unpack(fmt, b)
