@@ -69,8 +69,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         description="Run the benchmarks of tierkv.bench and print a table or JSON: "
                                     "'store' (default) measures the DRAM and NVMe tiers and the keys, "
                                     "'codec' the lossless KV codec against zipnn and zstd on real KV pages.")
-    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store"), default="store",
-                    help="what to measure ('codec-store': an NVMe tier with codec none vs lossless)")
+    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net"), default="store",
+                    help="what to measure ('codec-store': an NVMe tier with codec none vs lossless; "
+                         "'net': peer page fetches and incast over TCP, and RDMA where a device exists)")
     bp.add_argument("--kv", metavar="FILE.safetensors", help="codec: KV tensors layerNN.k/.v "
                     "[kv_heads, tokens, head_dim] (default: ../shared/data/kv/)")
     bp.add_argument("--page-tokens", type=int, default=16, metavar="N", help="codec: tokens per page (default 16)")
@@ -248,6 +249,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from tierkv.bench.codec import run_codec_bench
 
         result = run_codec_bench(args.kv, args.page_tokens, args.runs or (2 if args.quick else 3))
+    elif args.suite == "net":
+        from tierkv.bench.net import net_report
+
+        result = net_report(quick=args.quick)
     elif args.suite == "codec-store":
         from tierkv.bench.codec_store import run_codec_store_bench
 

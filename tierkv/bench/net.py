@@ -164,6 +164,24 @@ def bench_local(page_bytes: int = 65536, pages: int = 64, fetches: int = 500, se
         proc.join(10)
 
 
+def net_report(quick: bool = False) -> dict[str, object]:
+    """``tierkv bench net``: :func:`bench_local` as one JSON-ready dict, with the ratios of
+    the same run: incast with credits against without, batched against single fetches."""
+    results = bench_local(pages=16 if quick else 64, fetches=50 if quick else 500)
+    by = {(r.kind, r.case): r for r in results}
+    out: dict[str, object] = {"results": [r.__dict__ for r in results]}
+    for kind in sorted({r.kind for r in results}):
+        on, off = by.get((kind, "incast-credits")), by.get((kind, "incast-no-credits"))
+        if on and off and off.pages_per_s:
+            out[f"{kind}_incast_credits_vs_none_throughput"] = on.pages_per_s / off.pages_per_s
+            out[f"{kind}_incast_naks_with_credits"] = on.naks
+            out[f"{kind}_incast_naks_without_credits"] = off.naks
+        one, batch = by.get((kind, "fetch-1")), by.get((kind, "fetch-batch"))
+        if one and batch and one.pages_per_s:
+            out[f"{kind}_batch_vs_single_fetch_throughput"] = batch.pages_per_s / one.pages_per_s
+    return out
+
+
 if __name__ == "__main__":
     for r in bench_local():
         print(r)
