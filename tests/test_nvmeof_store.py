@@ -9,13 +9,12 @@ against the kernel's NVMe-oF target over soft-RoCE.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from tests.conftest import LAYOUT, PB, page_data
+from tests.polling import wait_for
 from tierkv.api import Store
 from tierkv.config import DramConfig, NvmeofConfig, StoreConfig
 from tierkv.opening import LABEL_BYTES
@@ -27,15 +26,6 @@ SLOTS = 32
 
 def prompt(seed: int, pages: int) -> np.ndarray:
     return np.random.default_rng(seed + 7000).integers(0, 50000, pages * TPP, dtype=np.int64)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def make(tmp_path: Path) -> tuple[StoreConfig, Path]:

@@ -10,7 +10,7 @@ the deadline, nothing wrong is returned, and the tier recovers when the target d
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.rig.conftest import RIG_ADDR, RIG_HOSTNQN, RIG_NQN
+from tests.polling import wait_for
 from tierkv.api import Store
 from tierkv.config import DramConfig, NvmeofConfig, StoreConfig
 from tierkv.layout import KVLayout
@@ -37,15 +38,6 @@ def pages(seed: int, n: int) -> np.ndarray:
 
 def tokens(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed + 99).integers(0, 50000, n * LAYOUT.tokens_per_page, dtype=np.int64)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def tier_state(store: Store) -> str:
@@ -100,11 +92,11 @@ def test_namespace_disabled_mid_run(store_config: StoreConfig) -> None:
             start = time.monotonic()
             check(s, prompts)  # misses or exact pages, never wrong ones, never a hang
             assert time.monotonic() - start < 2 * DEADLINE_S * len(prompts)
-            assert wait_for(lambda: tier_state(s) == "degraded", 2 * DEADLINE_S)
+            assert wait_for(lambda: tier_state(s) == "degraded", 2 * DEADLINE_S, step=0.1)
             assert check(s, prompts[:4]) <= 4 * 4
         finally:
             set_namespace_enabled(RIG_NQN, 1, True)
-        assert wait_for(lambda: tier_state(s) == "available", 30)
+        assert wait_for(lambda: tier_state(s) == "available", 30, step=0.1)
         assert check(s, prompts) == 32
 
 
@@ -116,7 +108,7 @@ def test_port_removed_mid_run(store_config: StoreConfig) -> None:
         prompts = fill(s, 8)
         unlink_port(portid, RIG_NQN)
         try:
-            assert wait_for(lambda: tier_state(s) == "degraded", 4 * DEADLINE_S)
+            assert wait_for(lambda: tier_state(s) == "degraded", 4 * DEADLINE_S, step=0.1)
             start = time.monotonic()
             assert check(s, prompts) <= 4  # only what DRAM holds
             assert time.monotonic() - start < DEADLINE_S
@@ -125,7 +117,7 @@ def test_port_removed_mid_run(store_config: StoreConfig) -> None:
             assert s.put(t, p).stored == 2
         finally:
             link_port(portid, RIG_NQN)
-        assert wait_for(lambda: tier_state(s) == "available", 30)
+        assert wait_for(lambda: tier_state(s) == "available", 30, step=0.1)
         # Prompts 0-6 live on the namespace; prompt 7 lived only in DRAM, and the put
         # while the fabric was down dropped two of its pages (no tier to demote them to).
         assert check(s, prompts[:7]) == 28

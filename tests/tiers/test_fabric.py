@@ -7,13 +7,12 @@ device node is a plain file. The rig runs the same link against the kernel.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.nvmeof.test_sysfs import add_controller
+from tests.polling import wait_for
 from tierkv.config import NvmeofConfig
 from tierkv.errors import ConfigError, TierIOError
 from tierkv.tiers.aligned import round_up
@@ -22,15 +21,6 @@ from tierkv.tiers.fabric import FabricLink, _read_secret, open_nvmeof_tier
 NQN = "nqn.2026-12.io.tierkv:rig"
 PAGE = 8192
 HEADER = 4096
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def cfg(**kw: object) -> NvmeofConfig:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.polling import wait_for
 from tierkv.errors import TierIOError, TierUnavailableError
 from tierkv.tiers.aligned import round_up
 from tierkv.tiers.nvmeof import NvmeofTier, StaticLink
@@ -46,15 +47,6 @@ class FlakyTier(NvmeofTier):
         if self.fail:
             raise TierIOError("injected EIO")
         return super()._syscall(op, fd, chunk, iov)
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.fixture
