@@ -71,12 +71,7 @@ def _run(args: argparse.Namespace) -> int:
             cfg = generate(load_spec(args.spec))
         for w in caught:
             print("nvmeof: warning: %s" % w.message, file=sys.stderr)
-        if args.output:
-            cfg.dump(args.output)
-            _out(args, {"ok": True, "output": args.output}, "wrote %s" % args.output)
-        else:
-            sys.stdout.write(cfg.to_json())
-        return 0
+        return _emit(args, cfg)
     if args.command == "validate":
         cfg = NvmetConfig.load(args.file)
         cfg.validate(NqnRule.SPEC if args.strict_nqn else NqnRule.PERMISSIVE)
@@ -93,7 +88,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "clear":
         return _report(args, configfs.clear(args.root, NvmetConfig.load(args.file) if args.file else None),
                        "cleared")
-    cfg = configfs.read_tree(args.root)
+    return _emit(args, configfs.read_tree(args.root))
+
+
+def _emit(args: argparse.Namespace, cfg: NvmetConfig) -> int:
+    """Write ``cfg`` to ``--output`` (0600, atomically) or print it as nvmetcli JSON."""
     if args.output:
         cfg.dump(args.output)
         _out(args, {"ok": True, "output": args.output}, "wrote %s" % args.output)
