@@ -2,7 +2,9 @@
 
 ``serve_forever`` is the child's entry point (``multiprocessing`` spawn): it builds a DRAM
 tier, stores ``n`` seeded pages under published keys, reports ready, and serves until
-killed. Tests kill it with SIGKILL to lose the peer mid-transfer.
+killed. Tests kill it with SIGKILL to lose the peer mid-transfer, or set the ``reset``
+event (see :func:`reset_event`) to cut every client connection without losing memory:
+RDMA QPs are moved to ERR, TCP connections are shut.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as EventType
 
 import numpy as np
 
@@ -32,8 +35,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def reset_event() -> EventType:
+    """An event for :func:`server_process`'s ``reset`` (of the spawn context it uses)."""
+    return mp.get_context("spawn").Event()
+
+
 def serve_forever(port: int, num_slots: int, page_bytes: int, stored: int, seed: int, ready: object,
-                  host: str = "127.0.0.1", rdma: bool = False) -> None:
+                  host: str = "127.0.0.1", rdma: bool = False, reset: object = None) -> None:
     import os
     import sys
 
@@ -50,15 +58,23 @@ def serve_forever(port: int, num_slots: int, page_bytes: int, stored: int, seed:
         server.store.store([key(i) for i in range(stored)], pages(stored, page_bytes, seed))
     ready.set()  # type: ignore[attr-defined]
     while True:
-        time.sleep(3600)
+        if reset is None:
+            time.sleep(3600)
+            continue
+        if reset.wait(3600):  # type: ignore[attr-defined]
+            reset.clear()  # type: ignore[attr-defined]
+            if server.rdma is not None:
+                server.rdma.reset_qps()
+            else:
+                server.tcp.drop_connections()
 
 
 @contextmanager
 def server_process(port: int, num_slots: int, page_bytes: int, stored: int = 0, seed: int = 0,
-                   host: str = "127.0.0.1", rdma: bool = False) -> Iterator[BaseProcess]:
+                   host: str = "127.0.0.1", rdma: bool = False, reset: object = None) -> Iterator[BaseProcess]:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=serve_forever, args=(port, num_slots, page_bytes, stored, seed, ready, host, rdma),
+    proc = ctx.Process(target=serve_forever, args=(port, num_slots, page_bytes, stored, seed, ready, host, rdma, reset),
                        daemon=True)
     proc.start()
     try:

@@ -6,13 +6,13 @@ import struct
 
 import pytest
 
-from tierkv.net.wire import (HEADER_BYTES, Call, Hello, Kind, Nak, PageMeta, Pages, ProtocolError, ReadPages,
-                             Reply, Welcome, WriteAck, WriteStatus, check_payload, decode_body, decode_header,
+from tierkv.net.wire import (HEADER_BYTES, Body, Call, Hello, Kind, Nak, PageMeta, Pages, ProtocolError, ReadPages,
+                             Reply, Stage, Welcome, WriteAck, WriteStatus, check_payload, decode_body, decode_header,
                              decode_keys, decode_metas, encode_header, encode_keys, encode_metas, page_checksum)
 
 DATA = bytes(range(256)) * 3
 META = (PageMeta(3, 7, 500, page_checksum(DATA[:500])), PageMeta(9, 1, 268, page_checksum(DATA[500:])))
-BODIES = {
+BODIES: dict[Kind, Body] = {
     Kind.HELLO: Hello(12345),
     Kind.WELCOME: Welcome(2**63 + 5, 1000, 1 << 20, 16),
     Kind.READ: ReadPages((4, 0, 99)),
@@ -21,6 +21,7 @@ BODIES = {
     Kind.CALL: Call("lookup", b"\x00\x01body"),
     Kind.REPLY: Reply(False, b"why"),
     Kind.NAK: Nak(),
+    Kind.STAGE: Stage(2**47 + 4096, 16 << 20),
 }
 
 

@@ -40,7 +40,7 @@ class PeerServer:
         self.store = SlotStore(tier)
         self.rdma = None
         if rdma:
-            from tierkv.net.rdma import RdmaServer
+            from tierkv.net.rdma_server import RdmaServer
 
             self.rdma = RdmaServer(self.store, host, self.config)
             self.store.methods["rdma-connect"] = self.rdma.accept

@@ -7,9 +7,11 @@ record per slot in a packed table (24 bytes a slot, in memory the RDMA server re
 so a peer can also read a meta one-sided), and holds a small key -> slot index so a
 peer can ask "which of these keys do you hold" (the ``lookup`` call).
 
-Thread-safety: every method may be called from any thread. Page bytes are copied
-outside the meta lock; a reader racing a writer may see torn bytes, which fail their
-checksum at the reader (a miss), never wrong data.
+Thread-safety: every method may be called from any thread. Writers of one slot are
+serialized (a striped lock held from the generation check to the new meta), so racing
+writers leave the newest generation's bytes; page bytes are copied outside the meta
+lock, so a reader racing a writer may see torn bytes, which fail their checksum at the
+reader (a miss), never wrong data.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class SlotStore:
         self.metas = np.zeros(self.num_slots, dtype=META_DTYPE)
         self.metas["slot"] = np.arange(self.num_slots, dtype=np.uint32)
         self._lock = threading.Lock()
+        self._slot_locks = [threading.Lock() for _ in range(64)]  # striped by slot
         self._index: dict[bytes, int] = {}
         self.methods: dict[str, Method] = {"lookup": self._lookup}
 
@@ -93,20 +96,21 @@ class SlotStore:
             out.append(self.put(m.slot, m.generation, pages.data[at:at + m.length], m.checksum))
         return WriteAck(tuple(out))
 
-    def commit(self, metas: Sequence[PageMeta]) -> WriteAck:
-        """Pages whose bytes an RDMA WRITE already placed in their slots: check and publish."""
-        out = []
-        for m in metas:
-            if not (0 <= m.slot < self.num_slots and 0 < m.length <= self.slot_bytes):
-                out.append(WriteStatus.OUT_OF_RANGE)
-                continue
-            data = self.tier.buffer[m.slot, :m.length].data
-            actual = page_checksum(data)
-            with self._lock:
-                r = self.metas[m.slot]
-                dup = int(r["generation"]) == m.generation and int(r["checksum"]) == actual == m.checksum
-            out.append(WriteStatus.DUPLICATE if dup else self._set_meta(m, actual))
-        return WriteAck(tuple(out))
+    def decide(self, m: PageMeta) -> WriteStatus | None:
+        """What a write of ``m`` would do, when that is known without its bytes: OUT_OF_RANGE,
+        STALE (older than the stored generation), DUPLICATE (this generation and checksum
+        are stored); None when only the bytes decide. The RDMA server asks before it
+        grants staging, so a resend of a write that already landed moves no bytes."""
+        if not (0 <= m.slot < self.num_slots and 0 < m.length <= self.slot_bytes) or m.generation <= 0:
+            return WriteStatus.OUT_OF_RANGE
+        with self._lock:
+            r = self.metas[m.slot]
+            cur, checksum = int(r["generation"]), int(r["checksum"])
+        if m.generation < cur:
+            return WriteStatus.STALE
+        if m.generation == cur and m.checksum == checksum:
+            return WriteStatus.DUPLICATE
+        return None
 
     def put(self, slot: int, generation: int, data: memoryview, checksum: int | None = None) -> WriteStatus:
         if not (0 <= slot < self.num_slots and 0 < len(data) <= self.slot_bytes) or generation <= 0:
@@ -114,15 +118,18 @@ class SlotStore:
         actual = page_checksum(data)
         if checksum is not None and actual != checksum:
             return WriteStatus.BAD_CHECKSUM
-        with self._lock:
-            cur = int(self.metas[slot]["generation"])
-            if generation < cur:
-                return WriteStatus.STALE
-            if generation == cur and int(self.metas[slot]["checksum"]) == actual:
-                return WriteStatus.DUPLICATE
-            self.metas[slot]["generation"] = EMPTY_GENERATION  # torn-read guard while the bytes move
-        self.tier.buffer[slot, :len(data)] = np.frombuffer(data, dtype=np.uint8)
-        return self._set_meta(PageMeta(slot, generation, len(data), actual), actual)
+        # One writer per slot from the generation check to the new meta: two writers racing
+        # on a slot (TCP workers, two clients) must not interleave their bytes.
+        with self._slot_locks[slot % len(self._slot_locks)]:
+            with self._lock:
+                cur = int(self.metas[slot]["generation"])
+                if generation < cur:
+                    return WriteStatus.STALE
+                if generation == cur and int(self.metas[slot]["checksum"]) == actual:
+                    return WriteStatus.DUPLICATE
+                self.metas[slot]["generation"] = EMPTY_GENERATION  # torn-read guard while the bytes move
+            self.tier.buffer[slot, :len(data)] = np.frombuffer(data, dtype=np.uint8)
+            return self._set_meta(PageMeta(slot, generation, len(data), actual), actual)
 
     def call(self, call: Call) -> Reply:
         fn = self.methods.get(call.method)

@@ -254,6 +254,11 @@ class TcpTransport(Transport):
     def connected(self) -> bool:
         return all(link.connected for link in self._links)
 
+    @property
+    def reachable(self) -> bool:
+        """False while a reconnect attempt has failed (requests then fail at once)."""
+        return not any(link._unreachable for link in self._links)
+
     def wait_connected(self, timeout_s: float) -> bool:
         """Wait until every link is connected (after a peer restart); False on timeout."""
         end = time.monotonic() + timeout_s

@@ -33,7 +33,9 @@ class NetConfig:
     server posts per connection (and so the credits it grants); ``window`` requests in
     flight per connection; ``credits=False`` turns the credit gate off (the benchmark's
     baseline: the server then NAKs overruns and the client retries after
-    ``rnr_delay_s``, as an RDMA NIC does on RNR)."""
+    ``rnr_delay_s``, as an RDMA NIC does on RNR). ``pool_bytes``: the client's registered
+    buffer; ``staging_bytes``: the RDMA server's registered pool that pushes land in
+    before they are checked and copied into their slots."""
 
     timeout_s: float = 5.0
     connect_timeout_s: float = 2.0
@@ -45,6 +47,7 @@ class NetConfig:
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 1.0
     pool_bytes: int = 64 << 20
+    staging_bytes: int = 64 << 20
 
 
 @dataclass(frozen=True)

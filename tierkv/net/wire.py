@@ -46,6 +46,7 @@ class Kind(enum.IntEnum):
     CALL = 7         # Call (control RPC)
     REPLY = 8        # Reply
     NAK = 9          # receiver had no posted receive for the message (an RNR NAK): retry it
+    STAGE = 10       # Stage (RDMA only: where to push a WRITE's bytes, reply to WRITE)
 
 
 class WriteStatus(enum.IntEnum):
@@ -244,6 +245,23 @@ class Reply:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """RDMA only, the server's first reply to a WRITE: the staging buffer it granted for
+    that WRITE's bytes (``addr`` in the server's staging MR, ``length`` bytes). ``length``
+    0: no staging free now, send the WRITE again later."""
+
+    addr: int
+    length: int
+
+    def encode(self) -> list[bytes | memoryview]:
+        return [struct.pack("<QQ", self.addr, self.length)]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> Stage:
+        return cls(*_unpack("<QQ", b))
+
+
+@dataclass(frozen=True)
 class Nak:
     def encode(self) -> list[bytes | memoryview]:
         return []
@@ -253,10 +271,11 @@ class Nak:
         return cls()
 
 
-Body = Hello | Welcome | ReadPages | Pages | WriteAck | Call | Reply | Nak
+Body = Hello | Welcome | ReadPages | Pages | WriteAck | Call | Reply | Nak | Stage
 BODY_OF: dict[Kind, type[Body]] = {
     Kind.HELLO: Hello, Kind.WELCOME: Welcome, Kind.READ: ReadPages, Kind.PAGES: Pages,
     Kind.WRITE: Pages, Kind.WRITE_ACK: WriteAck, Kind.CALL: Call, Kind.REPLY: Reply, Kind.NAK: Nak,
+    Kind.STAGE: Stage,
 }
 
 
