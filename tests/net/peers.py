@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as EventType
 
@@ -85,3 +87,47 @@ def server_process(port: int, num_slots: int, page_bytes: int, stored: int = 0, 
         if proc.is_alive():
             proc.kill()
         proc.join(10)
+
+
+@dataclass
+class KillResult:
+    """What a reader saw while its peer was killed: rows read exactly, rows read wrong
+    (must stay empty), and the duration of every fetch that came back with misses."""
+
+    good: list[int] = field(default_factory=list)
+    wrong: list[int] = field(default_factory=list)
+    miss_s: list[float] = field(default_factory=list)
+
+
+def kill_mid_read(tier: object, metas: Sequence[object], expected: np.ndarray, proc: BaseProcess, *,
+                  first_batch_s: float, settle_s: float, poll_s: float = 0.01) -> KillResult:
+    """Fetch ``metas`` in a loop on a thread; once one whole batch came back, SIGKILL the
+    peer ``proc``, keep reading for ``settle_s``, then stop. Every returned row is checked
+    against ``expected``."""
+    out = KillResult()
+    stop = threading.Event()
+
+    def reader() -> None:
+        dst = np.empty(expected.shape, np.uint8)
+        while not stop.is_set():
+            dst.fill(0xA5)
+            t0 = time.monotonic()
+            res = tier.fetch_remote(metas, dst)  # type: ignore[attr-defined]
+            for i, ok in enumerate(res.ok):
+                if ok:
+                    (out.good if np.array_equal(dst[i], expected[i]) else out.wrong).append(i)
+            if not res.all_ok:
+                out.miss_s.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    deadline = time.monotonic() + first_batch_s
+    while len(out.good) < len(expected) and time.monotonic() < deadline:  # a whole batch first
+        time.sleep(poll_s)
+    proc.kill()
+    proc.join(10)
+    time.sleep(settle_s)
+    stop.set()
+    t.join(60)
+    assert not t.is_alive(), "the reader did not return after the peer was killed"
+    return out

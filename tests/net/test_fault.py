@@ -6,12 +6,11 @@ recover by itself when a new server comes up on the same port.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 
-from tests.net.peers import free_port, key, pages, server_process
+from tests.net.peers import free_port, key, kill_mid_read, pages, server_process
 from tierkv.errors import TierIOError
 from tierkv.net import NetConfig, TcpTransport
 from tierkv.tiers.peer import PeerDramTier
@@ -28,35 +27,9 @@ def test_peer_killed_mid_read_gives_misses_then_recovers() -> None:
         tier = PeerDramTier(TcpTransport("127.0.0.1", port, CFG))
         metas = tier.lookup([key(i) for i in range(N)])
         assert all(m is not None for m in metas)
-        good: list[int] = []
-        wrong: list[int] = []
-        miss_latency: list[float] = []
-        stop = threading.Event()
-
-        def reader() -> None:
-            dst = np.empty((N, WIDTH), np.uint8)
-            while not stop.is_set():
-                dst.fill(0xA5)
-                t0 = time.monotonic()
-                res = tier.fetch_remote(metas, dst)  # type: ignore[arg-type]
-                for i, ok in enumerate(res.ok):
-                    if ok:
-                        (good if np.array_equal(dst[i], expected[i]) else wrong).append(i)
-                if not res.all_ok:
-                    miss_latency.append(time.monotonic() - t0)
-
-        t = threading.Thread(target=reader)
-        t.start()
-        deadline = time.monotonic() + 30
-        while len(good) < N and time.monotonic() < deadline:  # at least one whole batch first
-            time.sleep(0.01)
-        proc.kill()
-        proc.join(10)
-        time.sleep(1.0)
-        stop.set()
-        t.join(30)
-        assert not t.is_alive() and good and not wrong
-        assert miss_latency and max(miss_latency) < TIMEOUT_S + 1.0
+        seen = kill_mid_read(tier, metas, expected, proc, first_batch_s=30, settle_s=1.0)
+        assert seen.good and not seen.wrong
+        assert seen.miss_s and max(seen.miss_s) < TIMEOUT_S + 1.0
 
     with server_process(port, N, WIDTH, stored=N, seed=11):  # the peer returns on the same port
         assert tier.transport.wait_connected(10)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.net.peers import free_port, key, pages, reset_event, server_process
+from tests.net.peers import free_port, key, kill_mid_read, pages, reset_event, server_process
 from tests.rig.conftest import RIG_ADDR
 
 pytest.importorskip("pyverbs")
@@ -197,36 +197,11 @@ def test_rdma_peer_killed_mid_transfer_then_back() -> None:
     with server_process(port, N, WIDTH, stored=N, seed=3, host=RIG_ADDR, rdma=True) as proc:
         tier = PeerDramTier(RdmaTransport(RIG_ADDR, port, CFG))
         metas = tier.lookup([key(i) for i in range(N)])
-        wrong: list[int] = []
-        good: list[int] = []
-        miss_s: list[float] = []
-        stop = threading.Event()
-
-        def reader() -> None:
-            dst = np.empty((N, WIDTH), np.uint8)
-            while not stop.is_set():
-                dst.fill(0xA5)
-                t0 = time.monotonic()
-                res = tier.fetch_remote(metas, dst)  # type: ignore[arg-type]
-                for i, ok in enumerate(res.ok):
-                    if ok:
-                        (good if np.array_equal(dst[i], expected[i]) else wrong).append(i)
-                if not res.all_ok:
-                    miss_s.append(time.monotonic() - t0)
-
-        t = threading.Thread(target=reader)
-        t.start()
-        end = time.monotonic() + 60
-        while len(good) < N and time.monotonic() < end:
-            time.sleep(0.05)
-        proc.kill()
-        proc.join(10)
-        time.sleep(3)
-        stop.set()
-        t.join(60)
-        print(f"peer killed: {len(good)} good pages, {len(miss_s)} missed reads, slowest miss {max(miss_s or [0]):.2f} s")
-        assert good and not wrong and miss_s
-        assert max(miss_s) < CFG.timeout_s + 2.0
+        seen = kill_mid_read(tier, metas, expected, proc, first_batch_s=60, settle_s=3, poll_s=0.05)
+        print(f"peer killed: {len(seen.good)} good pages, {len(seen.miss_s)} missed reads, "
+              f"slowest miss {max(seen.miss_s or [0]):.2f} s")
+        assert seen.good and not seen.wrong and seen.miss_s
+        assert max(seen.miss_s) < CFG.timeout_s + 2.0
     with server_process(port, N, WIDTH, stored=N, seed=3, host=RIG_ADDR, rdma=True):
         assert tier.transport.wait_connected(30)
         metas2 = tier.lookup([key(i) for i in range(N)])
