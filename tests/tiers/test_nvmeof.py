@@ -42,8 +42,6 @@ class FlakyTier(NvmeofTier):
         if self.hang:
             self.entered.set()
             self.release.wait(30)
-            if self._closed:  # a real stuck syscall holds its file; this fake must not use a stale fd
-                raise TierIOError("closed while stuck")
         if self.fail:
             raise TierIOError("injected EIO")
         return super()._syscall(op, fd, chunk, iov)
@@ -159,6 +157,29 @@ def test_close_does_not_hang_on_a_stuck_syscall(tier: FlakyTier) -> None:
     start = time.monotonic()
     tier.close()
     assert time.monotonic() - start < 5.0
+
+
+def test_a_transfer_stuck_past_close_never_writes_into_another_file(dev: Path, tmp_path: Path) -> None:
+    # One slot per syscall, one thread: after the first syscall returns late, the stuck
+    # transfer goes on with the next chunks on the same fd number. Closing the tier must
+    # not free that number for another open() while the transfer holds it.
+    tier = FlakyTier(StaticLink(dev), SLOTS, PAGE, io_timeout_s=0.3, monitor_interval_s=0.05,
+                     header_bytes=HEADER, io_threads=1, max_io_bytes=round_up(PAGE))
+    slots = tier.allocate(4)
+    tier.hang = True
+    with pytest.raises(TierUnavailableError):
+        tier.write(slots, np.full((4, PAGE), 0xAB, dtype=np.uint8))
+    assert tier.entered.wait(5)
+    tier.close()
+    other = tmp_path / "other.bin"
+    other.write_bytes(bytes(4 * round_up(PAGE)))
+    fds = [os.open(other, os.O_RDWR) for _ in range(4)]  # likely to reuse a just-freed number
+    tier.hang = False
+    tier.release.set()
+    time.sleep(0.5)  # the stuck transfer finishes its remaining chunks
+    for fd in fds:
+        os.close(fd)
+    assert other.read_bytes() == bytes(4 * round_up(PAGE))
 
 
 def test_static_link_refuses_a_missing_device(tmp_path: Path) -> None:

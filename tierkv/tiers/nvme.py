@@ -118,6 +118,9 @@ class NvmeTier(Tier):
                         if io_threads > 1 else None)
         self._cond = threading.Condition()
         self._inflight = 0
+        # Descriptors to close once no transfer holds any: a transfer stuck in the kernel
+        # keeps using its fd *number*, which must not be reused by another open meanwhile.
+        self._retired_fds: list[int] = []
         # How long close() waits for transfers in flight (None: forever). A fabric tier
         # bounds it, since a syscall on a lost namespace can outlive any caller.
         self._close_wait_s: float | None = None
@@ -175,14 +178,25 @@ class NvmeTier(Tier):
 
     def _close(self) -> None:
         with self._cond:
-            if not self._cond.wait_for(lambda: self._inflight == 0, timeout=self._close_wait_s):
-                logger.warning("nvme tier %s: closing with %d transfers still stuck in the kernel",
-                               self.path, self._inflight)
+            idle = self._cond.wait_for(lambda: self._inflight == 0, timeout=self._close_wait_s)
+            if not idle:
+                logger.warning("nvme tier %s: closing with %d transfers still stuck in the kernel; their "
+                               "descriptor closes when they return", self.path, self._inflight)
             fd, self._fd = self._fd, -1
+            self._retire_fd(fd)
         if self._fanout is not None:
-            self._fanout.shutdown(wait=True)
+            self._fanout.shutdown(wait=idle, cancel_futures=not idle)
         self._bounce.clear()
-        os.close(fd)
+
+    def _retire_fd(self, fd: int) -> None:
+        """Close ``fd`` now if no transfer is in flight, else when the last one leaves.
+        Call with ``_cond`` held."""
+        if fd >= 0:
+            self._retired_fds.append(fd)
+        if self._inflight == 0:
+            for old in self._retired_fds:
+                os.close(old)
+            self._retired_fds.clear()
 
     # -- transfers ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -199,6 +213,7 @@ class NvmeTier(Tier):
             with self._cond:
                 self._inflight -= 1
                 if self._inflight == 0:
+                    self._retire_fd(-1)
                     self._cond.notify_all()
 
     def _transfer(self, op: _Op, slots: Sequence[int], buf: np.ndarray) -> None:

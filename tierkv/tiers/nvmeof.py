@@ -137,7 +137,7 @@ class NvmeofTier(NvmeTier):
         self._identity: bytes | None = None
         self._held: set[int] = set()          # slots of timed-out writes still in the kernel
         self._deferred: set[int] = set()      # of those, the ones the owner has freed since
-        self._stale_fds: list[int] = []
+        self._lifecycle = threading.Lock()  # orders a device swap against close
         # Guarded calls run here so the caller can stop waiting; threads stuck in the
         # kernel stay stuck, but no caller waits on them past io_timeout_s.
         self._guard = ThreadPoolExecutor(max_workers=max(4, 2 * io_threads), thread_name_prefix="tierkv-nvmeof")
@@ -201,10 +201,19 @@ class NvmeofTier(NvmeTier):
         """Run ``fn`` with the deadline; a failure or timeout degrades the tier."""
         if not self._up:
             raise TierUnavailableError(f"nvmeof tier {self.path} is degraded ({self.reason}); {what} refused")
-        fut: Future[T] = self._guard.submit(fn)
+
+        def run() -> T:
+            # Queued behind stuck workers, the call may start after its caller gave up or
+            # the tier degraded: it must not touch the device then.
+            if not self._up:
+                raise TierUnavailableError(f"nvmeof tier {self.path} degraded before the {what} started")
+            return fn()
+
+        fut: Future[T] = self._guard.submit(run)
         try:
             return fut.result(timeout=self.io_timeout_s)
         except FutureTimeout:
+            fut.cancel()  # still queued: it never runs
             if hold:
                 with self._state:
                     self._held.update(hold)
@@ -248,48 +257,65 @@ class NvmeofTier(NvmeTier):
 
     def _try_recover(self) -> None:
         device = self._link.reattach()
-        if device is None or self._closed:
+        if device is None:
             return
-        # Reopen even under the same name: a namespace that was removed and rescanned is
-        # a new block device behind the old node, and the old descriptor only fails.
-        self._swap_device(device)
-        # The probe reads the label straight from the device, with the same deadline.
-        header = self._guarded_probe()
-        if header is None:
-            return
-        if self._identity is not None and not header.startswith(self._identity):
-            log.error("nvmeof tier %s: the namespace that came back carries another label; staying degraded",
-                      self.path)
-            return
-        self._recovered()
-
-    def _guarded_probe(self) -> bytes | None:
-        if self.header_bytes == 0:
-            return b""
-        fut = self._guard.submit(self.read_header)
-        try:
-            return fut.result(timeout=self.io_timeout_s)
-        except (FutureTimeout, TierIOError):
-            return None
-
-    def _swap_device(self, device: str) -> None:
-        """The namespace came back under another block device name: reopen it there."""
+        # Open the device afresh even under the same name (a namespace that was removed
+        # and rescanned is a new block device behind the old node; the old descriptor only
+        # fails), read the label on the new descriptor with the deadline, and only then
+        # swap it in: nothing is ever written to a namespace before its label is checked.
         size = self.header_bytes + self.num_slots * self.slot_bytes
         fd, _direct = _open_backing(device, size, o_direct=self._o_direct, create=False)
-        with self._cond:
-            old, self._fd = self._fd, fd
-        self._stale_fds.append(old)  # a stuck syscall may still hold it; closed with the tier
-        if device != self.path:
-            log.warning("nvmeof tier: namespace moved from %s to %s", self.path, device)
-        self.path = device
+        header = self._probe(fd)
+        if header is None:
+            return  # _probe closes fd (now, or when its stuck read returns)
+        if self._identity is not None and not header.startswith(self._identity):
+            os.close(fd)
+            log.error("nvmeof tier %s: the namespace that came back carries another label; staying degraded",
+                      device)
+            return
+        with self._lifecycle:
+            if self._closed:
+                os.close(fd)
+                return
+            with self._cond:
+                old, self._fd = self._fd, fd
+                self._retire_fd(old)  # closed once no stuck transfer holds its number
+            if device != self.path:
+                log.warning("nvmeof tier: namespace moved from %s to %s", self.path, device)
+            self.path = device
+        self._recovered()
+
+    def _probe(self, fd: int) -> bytes | None:
+        """The header read from ``fd`` within the deadline; None (and ``fd`` closed) otherwise."""
+        if self.header_bytes == 0:
+            return b""
+        buf = aligned_empty(self.header_bytes)
+
+        def read() -> bytes | None:
+            try:
+                done = os.preadv(fd, [buf.data], 0)
+            except OSError:
+                return None
+            return buf.tobytes() if done == self.header_bytes else None
+
+        fut = self._guard.submit(read)
+        try:
+            header = fut.result(timeout=self.io_timeout_s)
+        except FutureTimeout:
+            if not fut.cancel():
+                fut.add_done_callback(lambda _f: os.close(fd))
+            else:
+                os.close(fd)
+            return None
+        if header is None:
+            os.close(fd)
+        return header
 
     def _close(self) -> None:
         self._stop.set()
         if self._monitor.is_alive() and threading.current_thread() is not self._monitor:
             self._monitor.join(timeout=self.io_timeout_s + self.monitor_interval_s + 1)
-        super()._close()
+        with self._lifecycle:  # a recovery in progress finishes or sees the tier closed
+            super()._close()
         self._guard.shutdown(wait=False, cancel_futures=True)
-        for fd in self._stale_fds:
-            os.close(fd)
-        self._stale_fds.clear()
         self._link.close()
