@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -60,9 +61,19 @@ class ConnectError(HostError):
     recent nvme log lines. Secrets never appear in the message."""
 
     def __init__(self, attempted: str, reason: ConnectFailure, detail: str = "") -> None:
+        # A tool or kernel line that echoes a DH-HMAC-CHAP secret must not carry it into
+        # messages and logs.
+        attempted, detail = _redact(attempted), _redact(detail)
         self.attempted, self.reason, self.detail = attempted, reason, detail.strip()
         msg = "connect to %s failed: %s" % (attempted, reason.value)
         super().__init__(msg + (": " + " | ".join(self.detail.splitlines()) if self.detail else ""))
+
+
+def _redact(text: str) -> str:
+    return _SECRET.sub("DHHC-1:<redacted>", text)
+
+
+_SECRET = re.compile(r"DHHC-1:[^\s'\",]*")
 
 
 class Backend(enum.Enum):

@@ -185,9 +185,19 @@ class BlockManager:
         if not tier.block_addressed:
             tier.claim([slot_of[r.key] for r in good])
         for rec in good:
-            e = Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {kind: slot_of[rec.key]})
-            self._add(e)
-            self.resident.add(rec.key, kind.rank)
+            have = self._entries.get(rec.key)
+            if have is not None and have.checksum == rec.checksum and have.nbytes == rec.nbytes:
+                # Recorded in an earlier persistent tier too: a crash between a demotion's
+                # commit and its source's delete. Copies are inclusive: keep both.
+                have.slots[kind] = slot_of[rec.key]
+            else:
+                if have is not None:  # the same key with other bytes: trust neither copy
+                    self.forget(rec.key)
+                    tier.free([slot_of[rec.key]])
+                    self._index.commit(kind.value, delete=[rec.key])
+                    continue
+                self._add(Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {kind: slot_of[rec.key]}))
+            self.resident.add(rec.key, self._entries[rec.key].fastest.rank)
             self._policies[kind].insert(rec.key, rec.parent)
         return len(good)
 

@@ -274,3 +274,12 @@ def test_wait_for_state(tmp_path: Path) -> None:
                           sysfs_root=str(sysfs)).name == "nvme0"
     with pytest.raises(HostTimeoutError, match="gone"):
         wait_for_state("nvme5", ControllerState.LIVE, timeout_s=0, sysfs_root=str(sysfs))
+
+
+def test_connect_error_never_carries_a_secret() -> None:
+    from nvmeof.host import ConnectError, ConnectFailure
+    secret = "DHHC-1:00:ia6zGodOr4SEG0Zzaw398rpY0wqipUWj4jWjUh4HWUz6aQ2n:"
+    err = ConnectError(f"rdma:1.2.3.4:4420 dhchap_secret={secret}", ConnectFailure.AUTH_FAILED,
+                       f"nvme connect --dhchap-secret={secret} failed\nkernel: bad key '{secret}'")
+    assert "ia6zGod" not in str(err) and "ia6zGod" not in err.detail and "ia6zGod" not in err.attempted
+    assert "DHHC-1:<redacted>" in str(err)

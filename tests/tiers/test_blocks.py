@@ -110,3 +110,19 @@ def test_claim_extents_and_damaged_blob(tier: BlockPageTier) -> None:
         tier.read(handles, back)
     assert info.value.rows == (1,)
     np.testing.assert_array_equal(back[0], rows[0])
+
+
+def test_reader_views_are_bounded_and_read_back(tier: BlockPageTier) -> None:
+    src = smooth_pages(2, seed=3)
+    handles = tier.allocate(2)
+    tier.write(handles, src)
+    exts = [tier.extents(h) for h in handles]
+    assert all(exts)
+    bpp = tier.blocks_per_page
+    # A long-lived reader sees many more distinct extents than the tier holds pages.
+    for i in range(5 * tier.num_slots):
+        tier.view(((i % (tier.num_slots * bpp - 1), 1),))
+    assert len(tier._views) <= tier.num_slots
+    out = np.zeros_like(src)
+    tier.read([tier.view(e) for e in exts], out)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(out, src)

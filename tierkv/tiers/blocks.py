@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -99,7 +100,7 @@ class BlockPageTier(Tier):
         self._pages: dict[int, Extents] = {}
         self._retired: dict[int, Extents] = {}
         self._handles = itertools.count()
-        self._views: dict[Extents, int] = {}  # read-only openers' handles, by extents
+        self._views: OrderedDict[Extents, int] = OrderedDict()  # read-only openers' handles
         self._stride = round_up(max_encoded_bytes(page_bytes))
 
     # -- slot bookkeeping ---------------------------------------------------------------
@@ -170,10 +171,16 @@ class BlockPageTier(Tier):
             raise InputError(f"extents {extents} do not describe a page of 1..{self.blocks_per_page} blocks")
         key = tuple(extents)
         with self._lock:
-            h = self._views.get(key)
+            h = self._views.pop(key, None)
             if h is None:
-                h = self._views[key] = next(self._handles)
+                h = next(self._handles)
                 self._pages[h] = key
+                # A long-lived reader sees the writer churn through pages: keep the views
+                # of at most as many pages as the tier holds, least recently viewed out.
+                while len(self._views) >= max(1, self.num_slots):
+                    _, old = self._views.popitem(last=False)
+                    del self._pages[old]
+            self._views[key] = h
             return h
 
     def flush(self) -> None:
