@@ -109,10 +109,18 @@ class _Run:
         if value is None or value == "":
             return True  # empty means "kernel default"; nvmetcli's write of "" is a no-op too
         text = str(value)
+        if os.path.basename(path) not in _SECRET_FILES and self._existed(os.path.dirname(path)) \
+                and _current(path) == text.strip():
+            return True  # re-applying to a live target: the kernel refuses rewrites of
+            # addr_* on an enabled port (EACCES) and device_path on an enabled namespace (EBUSY)
         ok = self.op(path, text, lambda: self.tree.write(path, text))
         if ok:
             self.written.append(path)
         return ok
+
+    def _existed(self, obj: str) -> bool:
+        """Whether ``obj`` was there before this apply (not made by it)."""
+        return all(p != obj for p, _ in self.created)
 
     def link(self, target: str, link: str) -> bool:
         if os.path.islink(link) and os.path.basename(os.readlink(link)) == os.path.basename(target):
@@ -144,6 +152,15 @@ class _Run:
     def report(self, method: ApplyMethod) -> ApplyReport:
         return ApplyReport(method, self.tree.root, tuple(p for p, _ in self.created), tuple(self.removed),
                            tuple(self.written), tuple(self.failures), tuple(self.notes))
+
+
+def _current(path: str) -> str | None:
+    """An attribute's value as the kernel shows it (padding stripped), None if unreadable."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def nvmetcli_gaps(cfg: NvmetConfig) -> list[str]:

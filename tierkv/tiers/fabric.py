@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 from tierkv.config import NvmeofConfig
@@ -39,6 +40,8 @@ class FabricLink:
         self._sysfs = sysfs_root
         self._dev = dev_root
         self._mine: list[str] = []
+        self._lock = threading.Lock()
+        self._closed = False
         self._secret = _read_secret(cfg.dhchap_secret_file, "dhchap_secret_file")
         self._ctrl_secret = _read_secret(cfg.dhchap_ctrl_secret_file, "dhchap_ctrl_secret_file")
 
@@ -103,19 +106,29 @@ class FabricLink:
         except NvmeofError as exc:
             raise TierIOError(f"nvmeof tier: cannot connect to {c.subnqn} at {c.transport}://{c.traddr}:"
                               f"{c.trsvcid}: {exc}") from exc
-        self._mine.append(ctrl.name)
+        with self._lock:
+            self._mine.append(ctrl.name)
+            late = self._closed  # the tier closed while this (re)connect ran
+        if late:
+            self._disconnect_mine()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._disconnect_mine()
+
+    def _disconnect_mine(self) -> None:
         if not self.cfg.disconnect_on_close:
             return
         from nvmeof.errors import NvmeofError
         from nvmeof.host import disconnect
-        for name in self._mine:
+        with self._lock:
+            mine, self._mine = self._mine, []
+        for name in mine:
             try:
                 disconnect(name=name)
             except NvmeofError as exc:
                 log.warning("nvmeof tier: disconnecting %s failed: %s", name, exc)
-        self._mine.clear()
 
 
 def _read_secret(path: str | None, what: str) -> str | None:
