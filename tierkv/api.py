@@ -30,6 +30,7 @@ from tierkv.layout import KVLayout
 from tierkv.manager import Entry
 from tierkv.opening import open_store_parts, release_dir
 from tierkv.pages import PageBatch, page_rows
+from tierkv.peering import Peering
 from tierkv.stats import Counters, StoreStats, TierStats
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.blocks import BlockPageTier
@@ -97,6 +98,13 @@ class Store:
         self._lockfile, self._index, self._manager = parts.lock_fd, parts.index, parts.manager
         self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-prefetch")
+        self._peering: Peering | None = None
+        if config.peers is not None and not read_only:
+            try:
+                self._peering = Peering(config.peers, self._manager, self.layout.page_bytes)
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def open(cls, config: StoreConfig | str | os.PathLike[str], *, read_only: bool = False) -> Store:
@@ -111,6 +119,11 @@ class Store:
         if ns is None:
             ns = self._namespaces[salt] = namespace_digest(self.config.model_id, self.layout, salt)
         return chain_keys(as_token_array(tokens), self.layout.tokens_per_page, ns)
+
+    @property
+    def peer_address(self) -> tuple[str, int] | None:
+        """Where this store serves its DRAM pages to other nodes (``[peers] serve``), or None."""
+        return self._peering.address if self._peering is not None else None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -180,10 +193,20 @@ class Store:
             entries = self._leading(blob, want)
             loaded = self._transfers.read(entries, rows)
             tiers = tuple(self._manager.source(e) or e.fastest for e in entries[:loaded])
-            self._counters.events["pages_requested"] += want
-            self._counters.events["pages_hit"] += loaded
             if loaded and not self.read_only and self.config.promote_on_hit:
                 self._promote(entries[:loaded], rows)
+            if self._peering is not None and loaded == len(entries) and loaded < want:
+                # The pages that follow the local ones, from another node's DRAM: checked
+                # against the peer's checksum, then kept here.
+                keys = split_keys(blob)
+                got = self._peering.fetch(keys[loaded:want], rows[loaded:want])
+                if got:
+                    self._counters.tier_hits[TierKind.PEER.value] += got
+                    self._store(keys, rows[loaded:loaded + got], loaded)
+                    tiers += (TierKind.PEER,) * got
+                    loaded += got
+            self._counters.events["pages_requested"] += want
+            self._counters.events["pages_hit"] += loaded
             return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
 
     def _announce(self, blob: bytes, *, from_get: bool) -> None:
@@ -225,19 +248,25 @@ class Store:
             keys = split_keys(blob)
             rows = page_rows(pages, self.layout, "put(pages=...)", len(keys))
             self._announce(blob, from_get=False)
-            new: list[tuple[PageKey, PageKey | None]] = []
-            row_of: dict[PageKey, int] = {}
-            for i in range(rows.shape[0]):
-                if self._manager.entry(keys[i]) is None:
-                    new.append((keys[i], keys[i - 1] if i else None))
-                    row_of[keys[i]] = i
-            plan = self._manager.plan_store(new, self.layout.page_bytes,
-                                            prefix=[k for k in keys[:rows.shape[0]] if k not in row_of])
-            stored = self._transfers.run(plan, rows, row_of)
-            self._counters.events["pages_stored"] += stored
-            self._counters.events["pages_dropped"] += plan.dropped
-            self._counters.events["evictions"] += plan.evicted
-            return PutResult(stored, rows.shape[0] - len(new), len(new) - stored)
+            stored, new = self._store(keys, rows, 0)
+            return PutResult(stored, rows.shape[0] - new, new - stored)
+
+    def _store(self, keys: list[PageKey], rows: np.ndarray, first: int) -> tuple[int, int]:
+        """Store ``rows[i]`` as page ``first + i`` of ``keys`` unless cached; (stored, new)."""
+        new: list[tuple[PageKey, PageKey | None]] = []
+        row_of: dict[PageKey, int] = {}
+        for i in range(rows.shape[0]):
+            j = first + i
+            if self._manager.entry(keys[j]) is None:
+                new.append((keys[j], keys[j - 1] if j else None))
+                row_of[keys[j]] = i
+        plan = self._manager.plan_store(new, self.layout.page_bytes,
+                                        prefix=[k for k in keys[:first + rows.shape[0]] if k not in row_of])
+        stored = self._transfers.run(plan, rows, row_of)
+        self._counters.events["pages_stored"] += stored
+        self._counters.events["pages_dropped"] += plan.dropped
+        self._counters.events["evictions"] += plan.evicted
+        return stored, len(new)
 
     def prefetch(self, tokens: Tokens, tenant: str | bytes = "") -> Future[int]:
         """Promote the leading cached pages of ``tokens`` to the fastest tier, in the background.
@@ -297,7 +326,7 @@ class Store:
             ev = c.events
             return StoreStats(tiers, dict(c.moved), dict(c.moved_s), ev["lookups"], ev["pages_requested"], ev["pages_hit"],
                               ev["pages_stored"], ev["pages_dropped"], ev["evictions"], ev["promotions"],
-                              ev["corrupt_pages"])
+                              ev["corrupt_pages"], c.tier_hits[TierKind.PEER.value])
 
     def close(self) -> None:
         """Finish background work, flush and release every tier, the index and the lock."""
@@ -306,6 +335,8 @@ class Store:
                 return
             self._closed = True
         self._prefetcher.shutdown(wait=True)
+        if self._peering is not None:  # stop serving before the DRAM tier goes away
+            self._peering.close()
         with self._lock:
             if self.config.persist_on_close and not self.read_only:
                 self._transfers.run(self._manager.plan_writeback())

@@ -152,6 +152,52 @@ class NvmeofConfig:
                 raise ConfigError(f"nvmeof.{name} must be an integer >= -1, got {v!r}")
 
 
+def _endpoint(text: object, what: str) -> tuple[str, int]:
+    if not isinstance(text, str) or text.count(":") < 1:
+        raise ConfigError(f"{what} must be 'host:port', got {text!r}")
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{what} must be 'host:port' with a port in 0..65535, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class PeersConfig:
+    """Handing pages between nodes (``tierkv.peering``, docs/rdma.md).
+
+    ``serve = "host:port"`` exposes this store's DRAM tier to other nodes (read-only to
+    them; port 0 picks a free one, see ``Store.peer_address``). ``fetch`` lists peers a
+    ``get`` asks, in order, for the pages that follow the ones cached here; pages found
+    there are loaded (checked against the peer's checksum) and stored here. ``transport``
+    is "auto" (RDMA where pyverbs and a device exist, else TCP), "tcp" or "rdma";
+    ``timeout_s`` bounds every peer operation: a slow or lost peer is a miss.
+    """
+
+    serve: str | None = None
+    fetch: tuple[str, ...] = ()
+    transport: str = "auto"
+    timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.serve is not None:
+            _endpoint(self.serve, "peers.serve")
+        if isinstance(self.fetch, str) or not isinstance(self.fetch, (list, tuple)):
+            raise ConfigError(f"peers.fetch must be a list of 'host:port', got {self.fetch!r}")
+        object.__setattr__(self, "fetch", tuple(self.fetch))
+        for i, addr in enumerate(self.fetch):
+            _endpoint(addr, f"peers.fetch[{i}]")
+        if self.transport not in ("auto", "tcp", "rdma"):
+            raise ConfigError(f"peers.transport must be auto, tcp or rdma, got {self.transport!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ConfigError(f"peers.timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+
+    def serve_endpoint(self) -> tuple[str, int] | None:
+        return _endpoint(self.serve, "peers.serve") if self.serve is not None else None
+
+    def fetch_endpoints(self) -> list[tuple[str, int]]:
+        return [_endpoint(a, "peers.fetch") for a in self.fetch]
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Everything needed to open a store.
@@ -175,6 +221,7 @@ class StoreConfig:
     verify_index: str = "always"
     hbm: HbmConfig | None = None
     nvmeof: NvmeofConfig | None = None
+    peers: PeersConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -233,8 +280,9 @@ def config_from_dict(data: Mapping[str, object], source: str = "<dict>") -> Stor
     values = dict(store)
     if isinstance(values.get("path"), str):
         values["path"] = os.path.expanduser(str(values["path"]))
-    values.update(layout=layout, dram=dram, nvme=nvme, hbm=hbm, nvmeof=nvmeof)
-    for key in ("layout", "dram", "nvme", "hbm", "nvmeof"):
+    peers = _build(PeersConfig, _section(data, "peers", source), f"{source} [peers]") if "peers" in data else None
+    values.update(layout=layout, dram=dram, nvme=nvme, hbm=hbm, nvmeof=nvmeof, peers=peers)
+    for key in ("layout", "dram", "nvme", "hbm", "nvmeof", "peers"):
         if key in store:
             raise ConfigError(f"{source}: [store] may not set {key!r}; use its own table")
     cfg = _build(StoreConfig, values, f"{source} [store]")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.errors import CapacityError, InputError
@@ -119,6 +119,10 @@ class BlockManager:
         # Published pages -> rank of their fastest tier, so a lookup is one C scan.
         self.resident = new_keyset()
         self.demotion_batch = DEMOTION_BATCH
+        # Observers told when pages become readable in a tier ("placed", after publish) and
+        # when they stop being so ("removed", before their slots are reused): f(event, kind,
+        # keys, slots). The store's peer server keeps its key index with them.
+        self.listeners: list[Callable[[str, TierKind, list[PageKey], list[int]], None]] = []
 
     # -- queries -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -289,9 +293,15 @@ class BlockManager:
                 break
         return tier.allocate(min(n, tier.num_free))
 
+    def _emit(self, event: str, kind: TierKind, keys: list[PageKey], slots: list[int]) -> None:
+        for listener in self.listeners:
+            listener(event, kind, keys, slots)
+
     def _evict(self, key: PageKey, tier: Tier, protect: set[PageKey], plan: Plan) -> None:
         e = self._entries[key]
         slot = e.slots.pop(tier.kind)
+        if self.listeners:
+            self._emit("removed", tier.kind, [key], [slot])
         self._policies[tier.kind].remove(key)
         plan.evicted += 1
         if tier.persistent:
@@ -367,10 +377,16 @@ class BlockManager:
             e = self._entries[key]
             self._policies[kind].insert(key, e.parent)
             self.resident.add(key, e.fastest.rank)
+        if self.listeners:
+            for kind in {k for _, k, _ in placed}:
+                mine = [(key, slot) for key, k, slot in placed if k is kind]
+                self._emit("placed", kind, [k for k, _ in mine], [s for _, s in mine])
 
     def abandon(self, placed: Sequence[tuple[PageKey, TierKind, int]]) -> None:
         """Roll back reservations whose writes failed: the slots are freed, the pages become misses."""
         for key, kind, slot in placed:
+            if self.listeners:
+                self._emit("removed", kind, [key], [slot])
             self._by_kind[kind].free([slot])
             e = self._entries.get(key)
             if e is None:
@@ -388,6 +404,8 @@ class BlockManager:
         if e is None:
             return
         for kind, slot in e.slots.items():
+            if self.listeners:
+                self._emit("removed", kind, [key], [slot])
             self._policies[kind].remove(key)
             if self._by_kind[kind].persistent and self._index is not None:
                 self._index.commit(kind.value, delete=[key])

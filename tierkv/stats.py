@@ -47,6 +47,7 @@ class StoreStats:
     evictions: int
     promotions: int
     corrupt_pages: int
+    peer_pages: int = 0  # pages get loaded from other nodes ([peers] fetch)
 
     @property
     def misses(self) -> int:

@@ -35,9 +35,9 @@ class PeerServer:
     """
 
     def __init__(self, tier: DramTier, host: str = "127.0.0.1", port: int = 0, config: NetConfig | None = None,
-                 rdma: bool = False, workers: int = 4) -> None:
+                 rdma: bool = False, workers: int = 4, accept_writes: bool = True) -> None:
         self.config = config or NetConfig()
-        self.store = SlotStore(tier)
+        self.store = SlotStore(tier, accept_writes)
         self.rdma = None
         if rdma:
             from tierkv.net.rdma_server import RdmaServer

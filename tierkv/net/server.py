@@ -36,8 +36,10 @@ Method = Callable[[bytes], bytes]
 class SlotStore:
     """Pages of ``tier`` addressed by slot, with metas and a key index."""
 
-    def __init__(self, tier: DramTier) -> None:
+    def __init__(self, tier: DramTier, accept_writes: bool = True) -> None:
         self.tier = tier
+        # A store serving its own DRAM tier to peers owns every slot: remote writes are refused.
+        self.accept_writes = accept_writes
         self.num_slots = tier.num_slots
         self.slot_bytes = tier.slot_bytes
         self.epoch = (time.time_ns() ^ (os.getpid() << 40)) & ((1 << 64) - 1) or 1
@@ -63,6 +65,25 @@ class SlotStore:
         with self._lock:
             for k in keys:
                 self._index.pop(k, None)
+
+    def seal(self, keys: Sequence[bytes], slots: Sequence[int], generation: int, length: int) -> None:
+        """Publish pages the owning node has already written into ``slots`` (its own
+        transfers, not :meth:`put`): their metas are computed from the bytes there."""
+        for k, s in zip(keys, slots):
+            actual = page_checksum(self.tier.buffer[s, :length].data)
+            with self._lock:
+                r = self.metas[s]
+                r["generation"], r["length"], r["checksum"] = generation, length, actual
+                self._index[k] = s
+
+    def unseal(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """The owning node is about to reuse ``slots``: their keys and metas are withdrawn,
+        so a peer's read racing the reuse fails its check (a miss) instead of matching."""
+        with self._lock:
+            for k, s in zip(keys, slots):
+                if self._index.get(k) == s:
+                    del self._index[k]
+                self.metas[s]["generation"] = EMPTY_GENERATION
 
     def store(self, keys: Sequence[bytes], src: np.ndarray, generation: int = 1) -> list[int]:
         """Allocate slots in the tier, write ``src`` there and publish ``keys`` (what the
@@ -90,6 +111,8 @@ class SlotStore:
         return tuple(metas), parts
 
     def write(self, pages: Pages) -> WriteAck:
+        if not self.accept_writes:
+            return WriteAck(tuple(WriteStatus.OUT_OF_RANGE for _ in pages.metas))
         offs = pages.offsets()
         out = []
         for m, at in zip(pages.metas, offs):
@@ -101,7 +124,8 @@ class SlotStore:
         STALE (older than the stored generation), DUPLICATE (this generation and checksum
         are stored); None when only the bytes decide. The RDMA server asks before it
         grants staging, so a resend of a write that already landed moves no bytes."""
-        if not (0 <= m.slot < self.num_slots and 0 < m.length <= self.slot_bytes) or m.generation <= 0:
+        if not self.accept_writes or not (0 <= m.slot < self.num_slots and 0 < m.length <= self.slot_bytes) \
+                or m.generation <= 0:
             return WriteStatus.OUT_OF_RANGE
         with self._lock:
             r = self.metas[m.slot]
@@ -113,7 +137,7 @@ class SlotStore:
         return None
 
     def put(self, slot: int, generation: int, data: memoryview, checksum: int | None = None) -> WriteStatus:
-        if not (0 <= slot < self.num_slots and 0 < len(data) <= self.slot_bytes) or generation <= 0:
+        if not self.accept_writes or not (0 <= slot < self.num_slots and 0 < len(data) <= self.slot_bytes) or generation <= 0:
             return WriteStatus.OUT_OF_RANGE
         actual = page_checksum(data)
         if checksum is not None and actual != checksum:

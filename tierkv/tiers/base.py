@@ -48,6 +48,8 @@ class TierKind(enum.Enum):
     DRAM = ("dram", 1)
     NVME = ("nvme", 2)
     NVMEOF = ("nvmeof", 3)
+    # Not a tier of this store: pages a get loaded from another node's DRAM (tierkv.peering).
+    PEER = ("peer", 4)
 
 
 class SlotAllocator:
