@@ -254,6 +254,22 @@ def test_importing_the_api_does_not_load_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_opening_a_dram_store_without_a_gpu_does_not_load_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tierkv.tiers.dram import _nvidia_driver
+    if _nvidia_driver():
+        pytest.skip("an NVIDIA driver is present: the DRAM tier pins its buffer through torch")
+    code = ("import sys, numpy as np\n"
+            "from tests.conftest import make_config, page_data, PB\n"
+            "from tierkv.api import Store\n"
+            f"s = Store.open(make_config({str(tmp_path / 's')!r}, 4, 8))\n"
+            "t = np.arange(16, dtype=np.int64); s.put(t, page_data(0, 1)); s.close()\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
 def test_last_tier_keeps_a_parent_whose_child_lives_above(tmp_path: Path) -> None:
     # DRAM 2 pages over NVMe 2 pages, LRU. p is demoted to NVMe, then its child c is
     # stored in DRAM; when NVMe must make room, LRU's victim would be p (the oldest),

@@ -7,6 +7,9 @@ copy. Volatile: its contents do not survive a close.
 
 from __future__ import annotations
 
+import glob
+import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,15 +18,25 @@ from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
 
 
-def _host_buffer(nbytes: int) -> np.ndarray:
-    """A zeroed host buffer, page-locked when a CUDA device is present."""
-    try:
-        import torch
+def _nvidia_driver() -> bool:
+    """Whether an NVIDIA driver is loaded (checked without importing torch)."""
+    return os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
 
-        if torch.cuda.is_available():
-            return torch.zeros(nbytes, dtype=torch.uint8).pin_memory().numpy()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+
+def _host_buffer(nbytes: int) -> np.ndarray:
+    """A zeroed host buffer, page-locked when a CUDA device is present.
+
+    torch is imported only where it can matter (already imported by the caller, or an
+    NVIDIA driver present): it takes seconds to import, and minutes in emulated guests.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None and _nvidia_driver():
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - torch is a dependency
+            torch = None
+    if torch is not None and torch.cuda.is_available():
+        return torch.zeros(nbytes, dtype=torch.uint8).pin_memory().numpy()
     return aligned_empty(nbytes)  # mmap'd, so zeroed; 4 KiB-aligned rows go to O_DIRECT without a bounce
 
 
