@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from tierkv.errors import CapacityError, InputError
 from tierkv.index import IndexRecord, PersistentIndex
 from tierkv.keys import PageKey, new_keyset
+from tierkv.plans import Entry, Move, PageLocation, Plan
 from tierkv.policy import Policy
 from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.base import Tier, TierKind
@@ -31,65 +31,6 @@ log = logging.getLogger(__name__)
 
 # Pages a full volatile tier demotes at once (capped at 1/16 of the tier).
 DEMOTION_BATCH = 64
-
-
-@dataclass(eq=False)
-class Entry:
-    """Mutable bookkeeping of one page (internal: callers see :class:`PageLocation`)."""
-
-    key: PageKey
-    parent: PageKey | None
-    nbytes: int
-    checksum: int | None = None
-    slots: dict[TierKind, int] = field(default_factory=dict)
-    pins: int = 0
-
-    @property
-    def fastest(self) -> TierKind:
-        return min(self.slots, key=lambda k: k.rank)
-
-
-@dataclass(frozen=True)
-class PageLocation:
-    """Where a page lives: its fastest tier, every (tier, slot) it occupies, and its metadata."""
-
-    key: PageKey
-    tier: TierKind
-    slots: tuple[tuple[TierKind, int], ...]
-    nbytes: int
-    checksum: int | None
-    parent: PageKey | None
-    pins: int
-
-
-@dataclass(frozen=True)
-class Move:
-    """Copy ``key`` from ``src``/``src_slot`` to ``dst``/``dst_slot``; the source slot is then free."""
-
-    key: PageKey
-    src: TierKind
-    src_slot: int
-    dst: TierKind
-    dst_slot: int
-
-
-@dataclass
-class Plan:
-    """What one store, promotion or eviction needs done, in execution order.
-
-    ``moves`` run deepest tier first, then ``placements`` are written; each batch is
-    published with one index commit that also carries the ``deletes`` (records of
-    evicted persistent pages) of its tier.
-    """
-
-    moves: list[Move] = field(default_factory=list)
-    placements: list[tuple[PageKey, TierKind, int]] = field(default_factory=list)
-    deletes: dict[TierKind, list[PageKey]] = field(default_factory=dict)
-    dropped: int = 0
-    evicted: int = 0
-
-    def ordered_moves(self) -> list[Move]:
-        return sorted(self.moves, key=lambda m: -m.src.rank)
 
 
 def _as_slot(rec: IndexRecord, blocks_per_slot: int) -> int | None:

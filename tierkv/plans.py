@@ -1,0 +1,73 @@
+"""What the block manager hands out: page entries, locations, moves and plans.
+
+Plain data: :class:`Entry` is the manager's mutable bookkeeping of one page,
+:class:`PageLocation` the frozen view callers get, :class:`Move` and :class:`Plan` what
+a store, promotion or eviction needs done, executed by :mod:`tierkv.transfer` and
+completed by :class:`tierkv.manager.BlockManager` (which re-exports these names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierkv.keys import PageKey
+from tierkv.tiers.base import TierKind
+
+
+@dataclass(eq=False)
+class Entry:
+    """Mutable bookkeeping of one page (internal: callers see :class:`PageLocation`)."""
+
+    key: PageKey
+    parent: PageKey | None
+    nbytes: int
+    checksum: int | None = None
+    slots: dict[TierKind, int] = field(default_factory=dict)
+    pins: int = 0
+
+    @property
+    def fastest(self) -> TierKind:
+        return min(self.slots, key=lambda k: k.rank)
+
+
+@dataclass(frozen=True)
+class PageLocation:
+    """Where a page lives: its fastest tier, every (tier, slot) it occupies, and its metadata."""
+
+    key: PageKey
+    tier: TierKind
+    slots: tuple[tuple[TierKind, int], ...]
+    nbytes: int
+    checksum: int | None
+    parent: PageKey | None
+    pins: int
+
+
+@dataclass(frozen=True)
+class Move:
+    """Copy ``key`` from ``src``/``src_slot`` to ``dst``/``dst_slot``; the source slot is then free."""
+
+    key: PageKey
+    src: TierKind
+    src_slot: int
+    dst: TierKind
+    dst_slot: int
+
+
+@dataclass
+class Plan:
+    """What one store, promotion or eviction needs done, in execution order.
+
+    ``moves`` run deepest tier first, then ``placements`` are written; each batch is
+    published with one index commit that also carries the ``deletes`` (records of
+    evicted persistent pages) of its tier.
+    """
+
+    moves: list[Move] = field(default_factory=list)
+    placements: list[tuple[PageKey, TierKind, int]] = field(default_factory=list)
+    deletes: dict[TierKind, list[PageKey]] = field(default_factory=dict)
+    dropped: int = 0
+    evicted: int = 0
+
+    def ordered_moves(self) -> list[Move]:
+        return sorted(self.moves, key=lambda m: -m.src.rank)
