@@ -192,7 +192,7 @@ class Store:
             self._announce(blob, from_get=True)
             entries = self._leading(blob, want)
             loaded = self._transfers.read(entries, rows)
-            tiers = tuple(self._manager.source(e) or e.fastest for e in entries[:loaded])
+            tiers = tuple(k or e.fastest for k, e in zip(self._manager.sources(entries[:loaded]), entries))
             if loaded and not self.read_only and self.config.promote_on_hit:
                 self._promote(entries[:loaded], rows)
             if self._peering is not None and loaded == len(entries) and loaded < want:
@@ -225,7 +225,7 @@ class Store:
         top = self._manager.tiers[0].kind
         protect = {e.key for e in entries}
         promoted = 0
-        source = [self._manager.source(e) for e in entries]
+        source = self._manager.sources(entries)
         for kind in {k for k in source if k is not None and k is not top}:
             picked = [(i, e) for i, e in enumerate(entries) if source[i] is kind]
             plan = self._manager.plan_promote([e.key for _, e in picked], top, protect)

@@ -92,6 +92,12 @@ class BlockManager:
         """The fastest available tier holding ``e``; None when its only copies are on degraded tiers."""
         return min((k for k in e.slots if self._by_kind[k].available), key=lambda k: k.rank, default=None)
 
+    def sources(self, entries: Sequence[Entry]) -> list[TierKind | None]:
+        """:meth:`source` of each entry; just their fastest tiers while every tier is up."""
+        if all(t.available for t in self.tiers):
+            return [e.fastest for e in entries]
+        return [self.source(e) for e in entries]
+
     def unavailable_ranks(self) -> frozenset[int]:
         """Ranks of the tiers that serve no I/O now (degraded fabric tiers)."""
         return frozenset(t.kind.rank for t in self.tiers if not t.available)
@@ -212,7 +218,9 @@ class BlockManager:
             need = max(need, min(self.demotion_batch, tier.num_slots // 16))
         policy = self._policies[tier.kind]
 
-        last = self.below(tier.kind) is None
+        # The last tier keeps a parent whose child sits in a faster tier; a store whose last
+        # tier is also its first (DRAM only) has no faster tier, so skips the check.
+        last = self.below(tier.kind) is None and tier is not self.tiers[0]
         entries, children, faster = self._entries, self._children, tier.kind.rank
 
         def evictable(k: PageKey) -> bool:

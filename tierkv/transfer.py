@@ -148,7 +148,7 @@ class Transfers:
         checksum or whose read fails is forgotten (a miss from now on) and ends the run.
         """
         loaded = 0
-        sources = [self._m.source(e) for e in entries]
+        sources = self._m.sources(entries)
         if None in sources:  # the rest of the prefix lives only on a degraded tier: misses, kept
             sources = sources[:sources.index(None)]
         for kind, group in groupby(enumerate(entries[:len(sources)]), key=lambda ie: sources[ie[0]]):
