@@ -43,6 +43,13 @@ def test_replay_json_default_workdir_is_removed(capsys: pytest.CaptureFixture[st
     assert list(private_tmp.iterdir()) == []
 
 
+def test_replay_mix_reaches_the_workload(capsys: pytest.CaptureFixture[str], private_tmp: Path) -> None:
+    doc = _run_json(capsys, ["replay", "--synthetic-requests", "40", "--page-bytes", "4KiB", "--no-verify",
+                             "--mix", "conversation_share=1,rag_share=0,agent_share=0", "--json"])
+    assert doc["workload"] == {"source": "synthetic", "seed": 0, "requests": 40,
+                               "mix": {"conversation_share": 1.0, "rag_share": 0.0, "agent_share": 0.0}}
+
+
 def test_replay_keep_and_workdir(capsys: pytest.CaptureFixture[str], private_tmp: Path, tmp_path: Path) -> None:
     _run_json(capsys, ["replay", "--synthetic-requests", "30", "--page-bytes", "4KiB", "--keep", "--json"])
     kept = list(private_tmp.iterdir())

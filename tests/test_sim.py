@@ -190,6 +190,17 @@ def test_tiers_and_synthetic(capsys: pytest.CaptureFixture[str]) -> None:
     assert [r["tiers"][1] for r in out][1] == 200 and set(out[0]["tier_hit_rate"]) == {"dram", "nvme"}
 
 
+def test_mix_changes_the_synthetic_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--synthetic-requests", "400", "--capacity", "5%", "--policy", "lru", "--json"]
+    assert main_sim(argv) == 0
+    default = json.loads(capsys.readouterr().out)[0]
+    assert main_sim([*argv, "--mix", "conversation_share=0,agent_share=0,documents=5"]) == 0
+    only_rag = json.loads(capsys.readouterr().out)[0]
+    # Five shared documents and one-request sessions: far fewer distinct blocks, more hits.
+    assert only_rag["capacity_blocks"] < default["capacity_blocks"] / 3
+    assert only_rag["prefix_hit_rate"] > default["prefix_hit_rate"]
+
+
 def test_policy_names_of_the_command_are_the_simulators() -> None:
     from tierkv.sim.cli import POLICY_CHOICES
     from tierkv.sim.run import SIM_POLICIES
@@ -205,6 +216,7 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize("argv", [
     ["--policy", "nope"], ["--capacity", "abc"], ["--capacity", "0"], ["--trace", "/does/not/exist"],
     ["--limit", "-1"], ["--plot", "x.svg"], ["--tiers", "1%,5%", "--policy", "lru-stack"], ["--bogus"],
+    ["--mix", "nope=1"], ["--mix", "documents=0"], ["--trace", "/dev/null", "--mix", "documents=3"],
 ])
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main_sim(["--synthetic-requests", "50", *argv]) == 2

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tierkv.errors import InputError, TierKVError
 from tierkv.keys import namespace_digest, page_keys
 from tierkv.layout import KVLayout
-from tierkv.workload import (Request, SyntheticMix, block_tokens, read_mooncake, request_tokens,
-                             synthetic)
+from tierkv.workload import (Request, SyntheticMix, block_tokens, load_requests, parse_mix, read_mooncake,
+                             request_tokens, synthetic)
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 B = 512
@@ -197,3 +197,29 @@ def test_synthetic_mix_validates() -> None:
         synthetic(0, -1)
     only_rag = synthetic(1, 50, SyntheticMix(conversation_share=0, agent_share=0))
     assert all(len(r.blocks) <= 4 + 24 + 1 for r in only_rag)
+
+
+def test_parse_mix_reads_numbers_and_ranges() -> None:
+    mix = parse_mix("conversation_share=1, rag_share=0,agent_share=0,think_time_s_mean=300,"
+                    "system_prompt_blocks=4-16,documents=9")
+    assert mix == SyntheticMix(conversation_share=1.0, rag_share=0.0, agent_share=0.0, think_time_s_mean=300.0,
+                               system_prompt_blocks=(4, 16), documents=9)
+    assert parse_mix("") == SyntheticMix()
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("nope=1", "field=value"), ("documents", "field=value"), ("documents=1.5", "integer"),
+    ("think_time_s_mean=soon", "number"), ("system_prompt_blocks=4", "low-high"),
+    ("documents=1,documents=2", "twice"), ("documents=0", "documents"), ("answer_tokens=9-3", "answer_tokens"),
+    ("block_tokens=256", "field=value"),
+])
+def test_parse_mix_names_what_was_expected(spec: str, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        parse_mix(spec)
+
+
+def test_load_requests_records_the_mix_it_used() -> None:
+    reqs, source = load_requests(None, None, 30, 2, parse_mix("rag_share=0,agent_share=0"))
+    assert reqs == synthetic(2, 30, SyntheticMix(rag_share=0.0, agent_share=0.0))
+    assert source == {"source": "synthetic", "seed": 2, "mix": {"rag_share": 0.0, "agent_share": 0.0}}
+    assert load_requests(None, None, 30, 2)[1] == {"source": "synthetic", "seed": 2}

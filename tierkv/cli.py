@@ -51,6 +51,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help=f"requests of the synthetic mix (default {DEFAULT_SYNTHETIC_REQUESTS})")
     rp.add_argument("--limit", type=int, metavar="N", help="replay at most the first N requests")
     rp.add_argument("--seed", type=int, default=0, help="seed of the synthetic mix (default 0)")
+    rp.add_argument("--mix", metavar="FIELD=VALUE,...", default=None,
+                    help="change the synthetic mix, e.g. conversation_share=1,rag_share=0,agent_share=0 or "
+                         "think_time_s_mean=300,system_prompt_blocks=4-16 (fields of tierkv.workload.SyntheticMix; "
+                         "ranges as low-high)")
     rp.add_argument("--page-bytes", metavar="SIZE", default="64KiB",
                     help="bytes per 512-token page, a multiple of 2048 (default 64KiB)")
     rp.add_argument("--dram", metavar="SIZE", help="DRAM tier capacity (default: 4%% of the workload's "
@@ -145,7 +149,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     layout = replay.replay_layout(page_bytes)
     n = DEFAULT_SYNTHETIC_REQUESTS if args.synthetic_requests is None else args.synthetic_requests
-    requests, source = workload.load_requests(args.trace, args.limit, n, args.seed)
+    mix = workload.parse_mix(args.mix) if args.mix is not None else None
+    requests, source = workload.load_requests(args.trace, args.limit, n, args.seed, mix)
     source["requests"] = len(requests)
     base = None
     if args.config is not None:

@@ -10,6 +10,7 @@ the ids: shared ids give shared pages. Called by :mod:`tierkv.replay` and the CL
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -379,12 +380,56 @@ def synthetic(seed: int, n_requests: int, mix: SyntheticMix = SyntheticMix()) ->
     return [row[3] for row in rows[:n_requests]]
 
 
+def parse_mix(spec: str) -> SyntheticMix:
+    """A :class:`SyntheticMix` from ``"field=value,field=value"``; ranges as ``low-high``.
+
+    For example ``"conversation_share=1,rag_share=0,agent_share=0,think_time_s_mean=300"``
+    or ``"system_prompt_blocks=4-16"``. Fields not named keep their defaults.
+    """
+    # The block size is the trace convention every consumer assumes, not a workload knob.
+    fields = {f.name: f for f in dataclasses.fields(SyntheticMix) if f.name != "block_tokens"}
+    values: dict[str, object] = {}
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        name, sep, raw = (x.strip() for x in item.partition("="))
+        if not sep or name not in fields:
+            raise InputError(f"--mix: expected field=value with a field of {', '.join(fields)}; got {item!r}")
+        if name in values:
+            raise InputError(f"--mix: {name} given twice")
+        kind = str(fields[name].type)
+        try:
+            if "IntRange" in kind:
+                lo, dash, hi = raw.partition("-")
+                if not dash:
+                    raise ValueError
+                values[name] = (int(lo), int(hi))
+            elif "float" in kind:
+                values[name] = float(raw)
+            else:
+                values[name] = int(raw)
+        except ValueError:
+            want = "a range low-high of integers" if "IntRange" in kind else \
+                "a number" if "float" in kind else "an integer"
+            raise InputError(f"--mix: {name} takes {want}, got {raw!r}") from None
+    return SyntheticMix(**values)  # type: ignore[arg-type]
+
+
 def load_requests(trace: str | os.PathLike[str] | None, limit: int | None, synthetic_requests: int,
-                  seed: int) -> tuple[list[Request], dict[str, object]]:
+                  seed: int, mix: SyntheticMix | None = None) -> tuple[list[Request], dict[str, object]]:
     """The requests a CLI command runs: the Mooncake ``trace`` if given, else
-    ``synthetic_requests`` of the built-in mix for ``seed``; at most ``limit`` either way.
-    Returns them with a JSON-ready description of their source."""
+    ``synthetic_requests`` of the synthetic ``mix`` (default: the built-in one) for
+    ``seed``; at most ``limit`` either way. Returns them with a JSON-ready description
+    of their source (the mix's fields that differ from the defaults, if any)."""
     if trace is not None:
+        if mix is not None:
+            raise InputError("--mix describes the synthetic mix; it cannot be used with --trace")
         return list(read_mooncake(trace, limit)), {"source": "mooncake", "trace": str(trace)}
     n = synthetic_requests if limit is None else min(synthetic_requests, limit)
-    return synthetic(seed, n), {"source": "synthetic", "seed": seed}
+    mix = mix or SyntheticMix()
+    source: dict[str, object] = {"source": "synthetic", "seed": seed}
+    changed = {f.name: getattr(mix, f.name) for f in dataclasses.fields(SyntheticMix)
+               if getattr(mix, f.name) != f.default}
+    if changed:
+        source["mix"] = changed
+    return synthetic(seed, n, mix), source

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
+
 from tierkv.keys import PageKey
 from tierkv.policy import DEFAULT_POLICY, make_policy
 from tierkv.policy.gittins import ABANDONED, GittinsPolicy
 from tierkv.policy.hazard import age_bin
 from tierkv.sim.engine import SimManager
 from tierkv.sim.run import Workload, simulate
-from tierkv.workload import synthetic
+from tierkv.workload import parse_mix, synthetic
 from tests.policy.helpers import everything, k, next_request, store
 
 
@@ -90,6 +92,17 @@ def test_beats_lru_on_the_synthetic_mix_when_the_cache_is_small() -> None:
     w = Workload.from_requests(synthetic(0, 4000))
     cap = [max(1, w.distinct_blocks // 100)]
     assert simulate(w, "gittins", cap).blocks_hit > simulate(w, "lru", cap).blocks_hit
+
+
+@pytest.mark.parametrize("mix", [
+    "conversation_share=0,rag_share=1,agent_share=0",       # shared documents, one request each
+    "conversation_share=0,rag_share=0,agent_share=1",       # long growing agent contexts
+    "think_time_s_mean=300",                                # turns that come back late
+])
+def test_beats_lru_on_other_mixes_when_the_cache_is_small(mix: str) -> None:
+    w = Workload.from_requests(synthetic(0, 3000, parse_mix(mix)))
+    cap = [max(1, w.distinct_blocks // 100)]
+    assert simulate(w, "gittins", cap).blocks_hit > 1.2 * simulate(w, "lru", cap).blocks_hit
 
 
 def test_runs_under_the_sim_manager_with_two_tiers() -> None:

@@ -46,6 +46,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     src.add_argument("--synthetic-requests", type=int, metavar="N", default=None,
                      help=f"requests of the synthetic mix (default {DEFAULT_SYNTHETIC_REQUESTS})")
     sp.add_argument("--seed", type=int, default=0, help="seed of the synthetic mix (default 0)")
+    sp.add_argument("--mix", metavar="FIELD=VALUE,...", default=None,
+                    help="change the synthetic mix, e.g. conversation_share=1,rag_share=0,agent_share=0 or "
+                         "think_time_s_mean=300,system_prompt_blocks=4-16 (fields of tierkv.workload.SyntheticMix; "
+                         "ranges as low-high)")
     sp.add_argument("--limit", type=int, metavar="N", help="only the first N requests")
     sp.add_argument("--capacity", metavar="LIST", default=None,
                     help="single-tier capacities: blocks or percentages of the distinct blocks, comma-"
@@ -98,7 +102,8 @@ def _load(args: argparse.Namespace) -> Workload:
     from tierkv.sim.run import Workload
 
     n = DEFAULT_SYNTHETIC_REQUESTS if args.synthetic_requests is None else args.synthetic_requests
-    reqs, source = wl.load_requests(args.trace, args.limit, n, args.seed)
+    mix = wl.parse_mix(args.mix) if args.mix is not None else None
+    reqs, source = wl.load_requests(args.trace, args.limit, n, args.seed, mix)
     if not reqs:
         raise InputError("the workload has no requests")
     return Workload.from_requests(reqs, cache_partial=args.cache_partial, source=source)
