@@ -199,6 +199,8 @@ def test_mix_changes_the_synthetic_workload(capsys: pytest.CaptureFixture[str]) 
     # Five shared documents and one-request sessions: far fewer distinct blocks, more hits.
     assert only_rag["capacity_blocks"] < default["capacity_blocks"] / 3
     assert only_rag["prefix_hit_rate"] > default["prefix_hit_rate"]
+    assert default["workload"] == {"source": "synthetic", "seed": 0}
+    assert only_rag["workload"]["mix"] == {"conversation_share": 0.0, "agent_share": 0.0, "documents": 5}
 
 
 def test_policy_names_of_the_command_are_the_simulators() -> None:

@@ -5,7 +5,8 @@
 (no numpy, no store): the simulator is imported by the handler. Bad input raises
 :class:`~tierkv.errors.InputError` inside the handler (the CLI turns it into one line
 and exit status 2) or, from ``main_sim``, prints that line itself. ``--json`` prints
-only a JSON list, one object per policy and tier configuration.
+only a JSON list, one object per policy and tier configuration, each naming its
+workload (trace path, or synthetic seed and the mix fields changed by ``--mix``).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def run_sim(args: argparse.Namespace) -> int:
 
         plot_curves(results, workload, args.plot)
     if args.json:
-        print(json.dumps([r.to_json() for r in results]))
+        print(json.dumps([{**r.to_json(), "workload": workload.source} for r in results]))
     else:
         _print_table(results, workload)
     return EXIT_OK
