@@ -281,3 +281,23 @@ def test_reader_of_a_coded_store_decodes_its_pages(tmp_path: Path, real: tuple[K
             n, out = get_all(reader, prompt(2, 4), 4, layout.page_bytes)
             assert n == 4
             np.testing.assert_array_equal(out, rows[4:8])
+
+
+def test_reader_serves_a_coded_prefix_longer_than_the_raw_capacity(tmp_path: Path) -> None:
+    """A coded tier holds more pages than raw slots; a read-only opener must serve them all."""
+    layout = KVLayout(2, 2, 64, DType.BF16, TPP)
+    n = 8
+    vals = np.random.default_rng(0).normal(0, 1, (n, layout.page_bytes // 2)).astype(np.float32)
+    bf16 = (vals.view(np.uint32) >> 16).astype(np.uint16) & 0xFFF0   # low-entropy mantissas: they code small
+    rows = bf16.view(np.uint8).reshape(n, layout.page_bytes).copy()
+    cfg = config(tmp_path / "s", layout, 4, "lossless")
+    tokens = prompt(0, n)
+    with Store.open(cfg) as writer:
+        for k in range(2, n + 1, 2):
+            writer.put(tokens[:k * TPP], rows[:k])
+        held, _ = get_all(writer, tokens, n, layout.page_bytes)
+        assert held > 4  # more pages than the tier's raw slots
+        with Store.open(cfg, read_only=True) as reader:
+            got, out = get_all(reader, tokens, n, layout.page_bytes)
+    assert got == held
+    np.testing.assert_array_equal(out[:got], rows[:got])

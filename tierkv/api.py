@@ -39,6 +39,8 @@ from tierkv.transfer import Transfers
 log = logging.getLogger(__name__)
 
 _KIND_BY_RANK = {kind.rank: kind for kind in TierKind}
+#: Name prefix of the prefetch worker thread (close() called on it must not join it).
+_PREFETCH_THREAD = "tierkv-prefetch"
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class Store:
         parts = open_store_parts(config, read_only)
         self._lockfile, self._index, self._manager = parts.lock_fd, parts.index, parts.manager
         self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes)
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-prefetch")
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_PREFETCH_THREAD)
         self._peering: Peering | None = None
         if config.peers is not None and not read_only:
             try:
@@ -177,9 +179,10 @@ class Store:
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "") -> GetResult:
         """Load the leading cached pages of ``tokens`` into ``out`` (up to its length).
 
-        Stops at the first page that is not cached or fails verification; rows past
-        the loaded ones are left untouched. Hits on slower tiers are promoted when the
-        config says so.
+        Stops at the first page that is not cached or fails verification. Only the
+        first ``pages`` rows of the result hold pages; rows past them may have been
+        written (pages are read, then checked). Hits on slower tiers are promoted when
+        the config says so.
         """
         with self._lock:
             self._check_open()
@@ -276,7 +279,11 @@ class Store:
         with self._lock:
             self._check_open()
             blob = self._keys(tokens, tenant)
-        return self._prefetcher.submit(self._prefetch, blob)
+        try:
+            return self._prefetcher.submit(self._prefetch, blob)
+        except RuntimeError:  # closed between the check and the submit
+            self._check_open()
+            raise
 
     def _prefetch(self, blob: bytes) -> int:
         with self._lock:
@@ -329,27 +336,49 @@ class Store:
                               ev["corrupt_pages"], c.tier_hits[TierKind.PEER.value])
 
     def close(self) -> None:
-        """Finish background work, flush and release every tier, the index and the lock."""
+        """Finish background work, flush and release every tier, the index and the lock.
+
+        Everything is released even when the write-back of volatile pages fails (that
+        error is raised afterwards, and the store is not marked cleanly closed, so the
+        next open checks its records). Safe to call from a prefetch future's callback.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._prefetcher.shutdown(wait=True)
+        # From a prefetch callback this runs on the prefetch worker, which cannot join itself.
+        self._prefetcher.shutdown(wait=not threading.current_thread().name.startswith(_PREFETCH_THREAD))
         if self._peering is not None:  # stop serving before the DRAM tier goes away
             self._peering.close()
         with self._lock:
-            if self.config.persist_on_close and not self.read_only:
-                self._transfers.run(self._manager.plan_writeback())
-            for t in self._manager.tiers:
-                try:
-                    t.flush()
-                except TierIOError as exc:  # a degraded fabric tier: its committed pages stay indexed
-                    log.warning("flush of the %s tier at close failed: %s", t.kind.value, exc)
+            failed: BaseException | None = None
+            try:
+                if self.config.persist_on_close and not self.read_only:
+                    self._transfers.run(self._manager.plan_writeback())
+            except BaseException as exc:  # noqa: BLE001 - raised below, once everything is released
+                failed = exc
+            try:
+                self._release(clean=failed is None)
+            finally:
+                if failed is not None:
+                    raise failed
+
+    def _release(self, clean: bool) -> None:
+        for t in self._manager.tiers:
+            try:
+                t.flush()
+            except TierIOError as exc:  # a degraded fabric tier: its committed pages stay indexed
+                log.warning("flush of the %s tier at close failed: %s", t.kind.value, exc)
+            try:
                 t.close()
+            except Exception:  # noqa: BLE001 - the other tiers, the index and the lock still go
+                log.exception("closing the %s tier failed", t.kind.value)
+        try:
             if self._index is not None:
                 self._index.close()
-                if not self.read_only:
+                if not self.read_only and clean:
                     mark_clean(self._dir, True)
+        finally:
             release_dir(self._lockfile)
             self._lockfile = None
 

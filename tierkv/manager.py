@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from tierkv.errors import CapacityError, InputError
+from tierkv.errors import CapacityError, InputError, TierIOError
 from tierkv.index import IndexRecord, PersistentIndex
 from tierkv.keys import PageKey, new_keyset
 from tierkv.plans import Entry, Move, PageLocation, Plan
@@ -64,6 +64,9 @@ class BlockManager:
         # when they stop being so ("removed", before their slots are reused): f(event, kind,
         # keys, slots). The store's peer server keeps its key index with them.
         self.listeners: list[Callable[[str, TierKind, list[PageKey], list[int]], None]] = []
+        # Deletes of evicted or forgotten records whose index transaction failed (a full
+        # disk, say): they ride in that tier's next commit, ahead of its puts.
+        self._unsynced: dict[TierKind, list[PageKey]] = {}
 
     # -- queries -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -287,12 +290,37 @@ class BlockManager:
         return e
 
     # -- completion --------------------------------------------------------------------
+    def _commit(self, kind: TierKind, put: Sequence[IndexRecord] = (), delete: Sequence[PageKey] = ()) -> None:
+        """One index transaction for ``kind``, carrying the deletes earlier ones could not.
+
+        On failure (TierIOError) the deletes are kept for the next commit; the puts are the
+        caller's to roll back. Deletes run before puts, so a key deleted late and stored
+        again in the same transaction keeps its new record.
+        """
+        assert self._index is not None
+        deletes = self._unsynced.pop(kind, []) + list(delete)
+        try:
+            self._index.commit(kind.value, put=put, delete=deletes)
+        except TierIOError:
+            if deletes:
+                self._unsynced[kind] = deletes
+            raise
+
     def commit_deletes(self, plan: Plan) -> None:
-        """Durably forget evicted persistent records that no publish has carried yet."""
+        """Durably forget evicted persistent records that no publish has carried yet.
+
+        A failed transaction is logged and its deletes wait for the tier's next commit:
+        until then a record may name a slot that holds newer bytes, which fail its
+        checksum after a restart (a miss, never wrong data).
+        """
         if self._index is None:
             return
         for kind, keys in plan.deletes.items():
-            self._index.commit(kind.value, delete=keys)
+            try:
+                self._commit(kind, delete=keys)
+            except TierIOError as exc:
+                log.warning("deleting %d evicted %s records from the index failed; retried with the "
+                            "next commit: %s", len(keys), kind.value, exc)
         plan.deletes.clear()
 
     def publish(self, placed: Sequence[tuple[PageKey, TierKind, int]], checksums: dict[PageKey, int],
@@ -302,7 +330,8 @@ class BlockManager:
         The plan's pending deletes for the same tier ride in the same transaction: one
         durable commit per batch. A crash before it leaves the evicted records pointing
         at slots that may hold newer bytes; their checksums then fail and the pages are
-        misses, never wrong data.
+        misses, never wrong data. A failed commit raises TierIOError with nothing made
+        visible; the caller then abandons ``placed``.
         """
         by_tier: dict[TierKind, list[IndexRecord]] = {}
         for key, kind, slot in placed:
@@ -321,7 +350,7 @@ class BlockManager:
         if self._index is not None:
             for kind, recs in by_tier.items():
                 deletes = plan.deletes.pop(kind, []) if plan is not None else []
-                self._index.commit(kind.value, put=recs, delete=deletes)
+                self._commit(kind, put=recs, delete=deletes)
         for key, kind, _slot in placed:
             e = self._entries[key]
             self._policies[kind].insert(key, e.parent)
@@ -347,7 +376,12 @@ class BlockManager:
                 self.resident.add(key, e.fastest.rank)
 
     def forget(self, key: PageKey) -> None:
-        """Drop a page from every tier (quarantine or failed write); frees its slots."""
+        """Drop a page from every tier (quarantine or failed write); frees its slots.
+
+        The page is gone from memory even if deleting its index record fails (logged; the
+        delete rides in the tier's next commit, and the record fails its checksum after a
+        restart if its slot was reused).
+        """
         e = self._remove(key)
         self.resident.discard(key)
         if e is None:
@@ -357,7 +391,11 @@ class BlockManager:
                 self._emit("removed", kind, [key], [slot])
             self._policies[kind].remove(key)
             if self._by_kind[kind].persistent and self._index is not None:
-                self._index.commit(kind.value, delete=[key])
+                try:
+                    self._commit(kind, delete=[key])
+                except TierIOError as exc:
+                    log.warning("deleting the %s record of page %s failed; retried with the next "
+                                "commit: %s", kind.value, key.hex(), exc)
             self._by_kind[kind].free([slot])
 
     def note_request(self, keys: Sequence[PageKey]) -> None:

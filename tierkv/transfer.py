@@ -77,15 +77,32 @@ class Transfers:
             source: str = "caller") -> int:
         """Execute ``plan``; placed page ``k`` takes its bytes from ``src[row_of[k]]``.
 
-        Returns how many placed pages were published.
+        Returns how many placed pages were published. A group whose write or index
+        commit fails is abandoned (its pages become misses) and the rest of the plan
+        still runs. If anything else escapes, every group not yet published is abandoned
+        before it propagates, so no entry is left naming a slot its bytes never reached.
         """
-        for (src_kind, dst_kind), group in groupby(plan.ordered_moves(), key=lambda m: (m.src, m.dst)):
-            self._move(src_kind, dst_kind, list(group), plan)
-        published = 0
-        for kind, pgroup in groupby(sorted(plan.placements, key=lambda p: p[1].rank), key=lambda p: p[1]):
-            placed = list(pgroup)
-            assert src is not None and row_of is not None
-            published += self._place(kind, placed, _gather(src, [row_of[k] for k, _, _ in placed]), source, plan)
+        moves = [list(g) for _, g in groupby(plan.ordered_moves(), key=lambda m: (m.src, m.dst))]
+        placements = [list(g) for _, g in groupby(sorted(plan.placements, key=lambda p: p[1].rank),
+                                                   key=lambda p: p[1])]
+        published = done = 0
+        try:
+            for group in moves:
+                self._move(group[0].src, group[0].dst, group, plan)
+                done += 1
+            for placed in placements:
+                assert src is not None and row_of is not None
+                published += self._place(placed[0][1], placed, _gather(src, [row_of[k] for k, _, _ in placed]),
+                                         source, plan)
+                done += 1
+        except BaseException:
+            rest = [[(m.key, m.dst, m.dst_slot) for m in group] for group in moves[done:]]
+            for undo in rest + placements[max(0, done - len(moves)):]:
+                try:
+                    self._m.abandon(undo)
+                except Exception:  # noqa: BLE001 - the original error is the one to raise
+                    log.exception("rolling back %d planned pages after a failed transfer failed too", len(undo))
+            raise
         self._m.commit_deletes(plan)  # evictions whose tier received nothing in this plan
         return published
 
@@ -109,8 +126,9 @@ class Transfers:
         finally:
             elapsed = self._timed(dst, start)
         self._c.moved_bytes(src.value, dst.value, len(moves) * self._nbytes, elapsed)
-        self._c.events["demotions"] += len(moves)
-        self._m.publish([(m.key, dst, m.dst_slot) for m in moves], sums, plan)
+        placed = [(m.key, dst, m.dst_slot) for m in moves]
+        if self._publish(placed, sums, plan, f"demotion {src.value}->{dst.value}"):
+            self._c.events["demotions"] += len(moves)
 
     def _place(self, kind: TierKind, placed: list[tuple[PageKey, TierKind, int]],
                buf: np.ndarray, source: str, plan: Plan) -> int:
@@ -127,8 +145,19 @@ class Transfers:
         finally:
             elapsed = self._timed(kind, start)
         self._c.moved_bytes(source, kind.value, len(placed) * self._nbytes, elapsed)
-        self._m.publish(placed, sums, plan)
-        return len(placed)
+        return len(placed) if self._publish(placed, sums, plan, f"write to {kind.value}") else 0
+
+    def _publish(self, placed: list[tuple[PageKey, TierKind, int]], sums: dict[PageKey, int], plan: Plan,
+                 what: str) -> bool:
+        """Publish written pages; if the index commit fails they are abandoned (misses), not served."""
+        try:
+            self._m.publish(placed, sums, plan)
+        except TierIOError as exc:
+            log.warning("%s of %d pages could not be committed to the index, dropping them: %s",
+                        what, len(placed), exc)
+            self._m.abandon(placed)
+            return False
+        return True
 
     def _checksums(self, kind: TierKind, keys: Sequence[PageKey], staged: np.ndarray) -> dict[PageKey, int]:
         """Checksums for pages entering a persistent tier that do not have one yet."""

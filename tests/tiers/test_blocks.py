@@ -118,11 +118,11 @@ def test_reader_views_are_bounded_and_read_back(tier: BlockPageTier) -> None:
     tier.write(handles, src)
     exts = [tier.extents(h) for h in handles]
     assert all(exts)
-    bpp = tier.blocks_per_page
+    blocks = tier.blocks.num_slots
     # A long-lived reader sees many more distinct extents than the tier holds pages.
-    for i in range(5 * tier.num_slots):
-        tier.view(((i % (tier.num_slots * bpp - 1), 1),))
-    assert len(tier._views) <= tier.num_slots
+    for i in range(3 * blocks):
+        tier.view(((i % (blocks - 1), 1),))
+    assert len(tier._views) <= blocks
     out = np.zeros_like(src)
     tier.read([tier.view(e) for e in exts], out)  # type: ignore[arg-type]
     np.testing.assert_array_equal(out, src)

@@ -176,8 +176,9 @@ class BlockPageTier(Tier):
                 h = next(self._handles)
                 self._pages[h] = key
                 # A long-lived reader sees the writer churn through pages: keep the views
-                # of at most as many pages as the tier holds, least recently viewed out.
-                while len(self._views) >= max(1, self.num_slots):
+                # of at most as many pages as the tier can hold (coded pages can be as small
+                # as one block, so a get's prefix never outgrows it), least recent out.
+                while len(self._views) >= max(1, self.blocks.num_slots):
                     _, old = self._views.popitem(last=False)
                     del self._pages[old]
             self._views[key] = h
