@@ -87,3 +87,13 @@ def test_layout_sizes() -> None:
     assert KVLayout(1, 1, 1, "fp8_e4m3", 1).page_bytes == 2
     with pytest.raises(LayoutError, match="limit"):
         KVLayout(1000, 1000, 1000, "fp32", 1000)
+
+
+def test_coded_tiers_refuse_pages_their_records_cannot_describe(tmp_path: Path) -> None:
+    from tierkv.config import NvmeConfig, StoreConfig
+
+    huge = KVLayout(num_layers=128, num_kv_heads=8, head_dim=128, dtype=DType.BF16, tokens_per_page=1024)
+    assert huge.page_bytes > 0xFFFF * 4096
+    StoreConfig(path=str(tmp_path), model_id="m", layout=huge, nvme=NvmeConfig(1 << 40))  # raw: fine
+    with pytest.raises(ConfigError, match="codec = \"none\""):
+        StoreConfig(path=str(tmp_path), model_id="m", layout=huge, nvme=NvmeConfig(1 << 40, codec="lossless"))

@@ -18,6 +18,7 @@ from tierkv.codec.auto import CodecMode
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.layout import KVLayout
 from tierkv.policy import DEFAULT_POLICY, POLICY_NAMES
+from tierkv.tiers.aligned import ALIGN, MAX_PAGE_BLOCKS
 from tierkv.units import parse_size
 
 STORE_POLICIES = POLICY_NAMES
@@ -234,6 +235,12 @@ class StoreConfig:
             raise ConfigError(f"unknown policy {self.policy!r}; expected one of {', '.join(STORE_POLICIES)}")
         if self.dram is None and self.nvme is None and self.nvmeof is None:
             raise ConfigError("a store needs at least one tier: set [tiers.dram], [tiers.nvme] or [tiers.nvmeof]")
+        for name, tier in (("nvme", self.nvme), ("nvmeof", self.nvmeof)):
+            if tier is not None and tier.codec != CodecMode.NONE.value \
+                    and -(-self.layout.page_bytes // ALIGN) > MAX_PAGE_BLOCKS:
+                raise ConfigError(f"tiers.{name}.codec = {tier.codec!r} addresses pages in 4 KiB blocks, at most "
+                                  f"{MAX_PAGE_BLOCKS} per page; pages of {self.layout.page_bytes} bytes need "
+                                  f"codec = \"none\"")
 
     def nvme_path(self) -> Path:
         """Where the NVMe tier's data lives (a file or a block device)."""

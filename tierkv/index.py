@@ -32,12 +32,14 @@ import xxhash
 from tierkv.errors import ConfigError, CorruptPageError, TierIOError
 from tierkv.index_check import probe_index, was_clean
 from tierkv.keys import KEY_BYTES, PageKey
+from tierkv.tiers.aligned import MAX_PAGE_BLOCKS
 
 _RECORD = struct.Struct("<QIQ16sB")  # slot, nbytes, checksum, parent, has_parent
 # Block-addressed tiers append the page's block runs: a count, then (first block, blocks) each.
 _EXTENT_COUNT = struct.Struct("<H")
 _EXTENT = struct.Struct("<QI")
-MAX_EXTENTS = 4096
+#: The most block runs a record can name (its count field).
+MAX_EXTENTS = MAX_PAGE_BLOCKS
 _SEAL = struct.Struct("<Q")  # xxh3-64 of key + record: catches bytes flipped in the LMDB file
 _NO_PARENT = bytes(KEY_BYTES)
 log = logging.getLogger(__name__)

@@ -63,6 +63,10 @@ def test_extents_round_trip() -> None:
     assert block_list(((4, 3), (9, 2))) == [4, 5, 6, 9, 10]
     rec = IndexRecord(PageKey(bytes(range(16))), 4, PB, 123, None, ((4, 3), (9, 2)))
     assert IndexRecord.unpack(rec.key, rec.pack()) == rec
+    # A page over 16 MiB whose blocks are all scattered: one run per block.
+    scattered = IndexRecord(PageKey(bytes(range(16))), 0, 5000 * ALIGN, 9, None,
+                            tuple((2 * b, 1) for b in range(5000)))
+    assert IndexRecord.unpack(scattered.key, scattered.pack()) == scattered
     plain = IndexRecord(PageKey(bytes(16)), 7, PB, 5, PageKey(bytes(range(16))))
     assert len(plain.pack()) == 8 + 4 + 8 + 16 + 1 + 8  # slot records stay format-2 bytes
     assert IndexRecord.unpack(plain.key, plain.pack()) == plain

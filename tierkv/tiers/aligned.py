@@ -18,6 +18,9 @@ import numpy as np
 from tierkv.errors import InputError
 
 ALIGN = 4096
+#: The most 4 KiB blocks a page of a block-addressed (coded) tier may span: its index record
+#: counts the page's block runs in 16 bits, and a page can take one run per block.
+MAX_PAGE_BLOCKS = 0xFFFF
 
 
 def round_up(nbytes: int, align: int = ALIGN) -> int:
