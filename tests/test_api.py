@@ -288,3 +288,23 @@ def test_last_tier_keeps_a_parent_whose_child_lives_above(tmp_path: Path) -> Non
         n, out = load(s, pc, 2)
         assert n == 2 and np.array_equal(out, np.concatenate([page_data(1, 1), page_data(2, 1)]))
         assert s.lookup(prompt(3, 1)).cached_pages == 0      # x1 was evicted instead
+
+
+def test_each_engine_thread_announces_its_own_requests(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engine threads interleaving get and put: each request reaches the policies once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seen: list[int] = []
+    monkeypatch.setattr(store._manager, "note_request", lambda keys: seen.append(len(keys)))
+    a, b = ThreadPoolExecutor(1), ThreadPoolExecutor(1)   # one thread each, like two engine workers
+    ta, tb = np.arange(32, dtype=np.int64), np.arange(48, dtype=np.int64) + 7_000
+    out = np.zeros((3, PB), np.uint8)
+    try:
+        a.submit(store.get, ta, out[:2]).result()
+        b.submit(store.get, tb, out).result()
+        a.submit(store.put, ta, page_data(1, 2)).result()
+        b.submit(store.put, tb, page_data(2, 3)).result()
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert seen == [2, 3]

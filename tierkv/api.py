@@ -93,7 +93,9 @@ class Store:
         self._lock = threading.RLock()
         self._closed = False
         self._namespaces: dict[bytes, bytes] = {}
-        self._announced: bytes | None = None  # the key blob of the last get, until its put
+        # Per calling thread, the key blob of its last get until its put: engines that serve
+        # requests on several threads interleave their gets and puts.
+        self._announced = threading.local()
         self._counters = Counters()
         self._dir = Path(config.path)
         parts = open_store_parts(config, read_only)
@@ -214,15 +216,15 @@ class Store:
 
     def _announce(self, blob: bytes, *, from_get: bool) -> None:
         """Show the policies every page a request needs (cached or not), once per request:
-        an engine's get then put of the same prompt is one request. Lookups are not
-        announced: engines repeat them while a request waits."""
+        an engine's get then put of the same prompt (on one thread) is one request.
+        Lookups are not announced: engines repeat them while a request waits."""
         if self.read_only:
             return
-        if not from_get and blob == self._announced:
-            self._announced = None
+        if not from_get and blob == getattr(self._announced, "blob", None):
+            self._announced.blob = None
             return
         self._manager.note_request(split_keys(blob))
-        self._announced = blob if from_get else None
+        self._announced.blob = blob if from_get else None
 
     def _promote(self, entries: list[Entry], rows: np.ndarray) -> int:
         top = self._manager.tiers[0].kind
