@@ -7,6 +7,7 @@ send lock; one reader per socket.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -31,10 +32,13 @@ def send_message(sock: socket.socket, kind: Kind, channel: int, credits: int, se
                 n = 0
 
 
-def recv_exact(sock: socket.socket, into: memoryview) -> None:
-    """Fill ``into``; raises ConnectionError on EOF."""
+def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = None) -> None:
+    """Fill ``into``; raises ConnectionError on EOF, TimeoutError once ``deadline`` (monotonic)
+    has passed between two receives (each receive is bounded by the socket's own timeout)."""
     got = 0
     while got < len(into):
+        if deadline is not None and got and time.monotonic() > deadline:
+            raise TimeoutError(f"a message did not arrive in time ({got} of {len(into)} bytes)")
         n = sock.recv_into(into[got:])
         if n == 0:
             raise ConnectionError("peer closed the connection")
@@ -45,14 +49,17 @@ def _plain(n: int) -> memoryview:
     return np.empty(n, dtype=np.uint8).data
 
 
-def recv_message(sock: socket.socket, alloc: Alloc = _plain) -> tuple[Header, Body, memoryview]:
+def recv_message(sock: socket.socket, alloc: Alloc = _plain,
+                 deadline: float | None = None) -> tuple[Header, Body, memoryview]:
     """One checked message: its header, decoded body and the raw payload buffer (which the
-    body's views point into; from ``alloc`` so callers can land pages in registered memory)."""
+    body's views point into; from ``alloc`` so callers can land pages in registered memory).
+    With a ``deadline`` (monotonic) a message still arriving after it fails (TimeoutError),
+    however the sender paces it."""
     raw = memoryview(bytearray(HEADER_BYTES))
-    recv_exact(sock, raw)
+    recv_exact(sock, raw, deadline)
     header, checksum = decode_header(raw)
     payload = alloc(header.length) if header.length else memoryview(b"")
     if header.length:
-        recv_exact(sock, payload)
+        recv_exact(sock, payload, deadline)
     check_payload(raw, checksum, payload)
     return header, decode_body(header.kind, payload), payload

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tierkv.errors import InputError
+from tierkv.errors import InputError, TierKVError
 from tierkv.net.wire import (EMPTY_GENERATION, Call, PageMeta, Pages, Reply, WriteAck, WriteStatus,
                              decode_keys, encode_metas, page_checksum)
 from tierkv.tiers.dram import DramTier
@@ -52,9 +52,13 @@ class SlotStore:
 
     # -- node-local API -------------------------------------------------------------------
     def meta(self, slot: int) -> PageMeta:
+        """The slot's page; an empty one (never written, withdrawn, or mid-write) has no bytes."""
         with self._lock:
             r = self.metas[slot]
-            return PageMeta(slot, int(r["generation"]), int(r["length"]), int(r["checksum"]))
+            gen = int(r["generation"])
+            if gen == EMPTY_GENERATION:  # unseal and put leave the old length behind
+                return PageMeta(slot, EMPTY_GENERATION, 0, 0)
+            return PageMeta(slot, gen, int(r["length"]), int(r["checksum"]))
 
     def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Announce that ``keys[i]`` lives in ``slots[i]`` (already written)."""
@@ -161,7 +165,7 @@ class SlotStore:
             return Reply(False, f"unknown method {call.method!r}; known: {sorted(self.methods)}".encode())
         try:
             return Reply(True, fn(call.body))
-        except (InputError, ValueError, IndexError) as e:
+        except (TierKVError, ValueError, IndexError) as e:  # InputError, a malformed body (ProtocolError)
             return Reply(False, f"{call.method}: {e}".encode())
 
     def _set_meta(self, m: PageMeta, actual: int) -> WriteStatus:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,14 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.errors import StoreClosedError, TierUnavailableError
+from tierkv.errors import StoreClosedError, TierKVError, TierUnavailableError
 from tierkv.net.credits import CreditGate
 from tierkv.net.framing import recv_message, send_message
 from tierkv.net.mux import Mux
 from tierkv.net.pool import Block, PagePool
 from tierkv.net.transport import (CallResult, LinkStats, NetConfig, PeerInfo, ReadResult, Transport,
                                   WriteResult)
-from tierkv.net.verify import check_rows, copy_accepted, failed_read
+from tierkv.net.verify import check_generations, check_rows, check_slots, copy_accepted, failed_read
 from tierkv.net.wire import (Body, Call, Hello, Kind, PageMeta, Pages, ProtocolError, ReadPages, Reply,
                              Welcome, WriteAck, WriteStatus, page_checksum)
 from tierkv.net.window import Entry, SendWindow
@@ -77,7 +78,7 @@ class TcpLink:
         self._closed = threading.Event()
         self._unreachable = False
         self.info = PeerInfo(0, 0, 0)
-        self.counts = {"sent": 0, "naks": 0, "expired": 0, "reconnects": 0}
+        self.counts = {"sent": 0, "naks": 0, "expired": 0, "reconnects": 0, "bad_replies": 0}
         self._connect()  # the first connect raises; later ones retry in the background
         for fn, name in ((self._send_loop, "send"), (self._reap_loop, "reap"), (self._reconnect_loop, "reconnect")):
             threading.Thread(target=fn, name=f"tierkv-peer-{name}", daemon=True).start()
@@ -109,12 +110,15 @@ class TcpLink:
 
     # -- connection lifecycle -------------------------------------------------------------
     def _connect(self) -> None:
+        sock: socket.socket | None = None
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.config.connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             send_message(sock, Kind.HELLO, 0, 0, 0, Hello(self.client_id).encode())
             _, body, _ = recv_message(sock)
         except (OSError, ConnectionError, ProtocolError) as e:
+            if sock is not None:
+                sock.close()
             raise TierUnavailableError(f"cannot reach peer {self.host}:{self.port}: {e}") from None
         if not isinstance(body, Welcome):
             sock.close()
@@ -211,7 +215,12 @@ class TcpLink:
                     continue
                 e = self.window.ack(header.seq)
                 if e is not None:
-                    _resolve(e, e.item.on_reply(body))
+                    try:
+                        result = e.item.on_reply(body)
+                    except (TierKVError, ValueError, struct.error) as err:  # a reply that does not add up
+                        self.counts["bad_replies"] += 1
+                        result = e.item.on_fail(f"peer {self.host}:{self.port} sent a malformed reply: {err}")
+                    _resolve(e, result)
             finally:
                 self._free(blocks)
 
@@ -266,7 +275,7 @@ class TcpTransport(Transport):
 
     def read(self, slots: Sequence[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None = None,
              channel: int = 0) -> Future[ReadResult]:
-        slots = [int(s) for s in slots]
+        slots = check_slots(slots, self.info.num_slots)
         check_rows(dst, len(slots), self.info.slot_bytes, "read destination")
         fut: Future[ReadResult] = Future()
         if not slots:
@@ -286,7 +295,8 @@ class TcpTransport(Transport):
 
     def write(self, slots: Sequence[int], generations: Sequence[int], src: np.ndarray,
               channel: int = 0) -> Future[WriteResult]:
-        slots = [int(s) for s in slots]
+        slots = check_slots(slots, self.info.num_slots)
+        generations = check_generations(generations, len(slots))
         check_rows(src, len(slots), self.info.slot_bytes, "write source")
         fut: Future[WriteResult] = Future()
         if not slots:

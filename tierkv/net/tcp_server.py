@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -101,6 +103,14 @@ class TcpServer:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # The socket stays blocking; the kernel bounds each send and receive instead, so
+            # neither direction's timeout leaks into the other. A client that stops reading
+            # its replies cannot hold the shared workers: a send that makes no progress for
+            # timeout_s fails and the connection is cut. Slow receives are cut the same way.
+            secs = max(self.config.timeout_s, 0.001)
+            tv = struct.pack("ll", int(secs), int((secs % 1) * 1_000_000))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             conn = _Conn(sock, self.config.recv_credits)
             with self._lock:
                 self._conns.add(conn)
@@ -113,9 +123,8 @@ class TcpServer:
                 ready, _, _ = select.select([conn.sock], [], [], 0.2)
                 if not ready:
                     continue
-                conn.sock.settimeout(self.config.timeout_s)  # a message started must finish in time
-                header, body, _payload = recv_message(conn.sock)
-                conn.sock.settimeout(None)
+                # A message started must finish in time, however slowly it trickles in.
+                header, body, _payload = recv_message(conn.sock, deadline=time.monotonic() + self.config.timeout_s)
                 if header.kind == Kind.HELLO:
                     w = Welcome(self.store.epoch, self.store.num_slots, self.store.slot_bytes, conn.ledger.depth)
                     conn.send(Kind.WELCOME, header.channel, header.seq, w.encode())
@@ -129,8 +138,8 @@ class TcpServer:
         except ProtocolError as e:
             self._count("protocol_errors")
             log.warning("peer server: closing a connection after a bad message: %s", e)
-        except (OSError, ConnectionError, RuntimeError):
-            pass  # peer gone, or the pool shut down at close
+        except (OSError, ConnectionError, RuntimeError, ValueError):
+            pass  # peer gone or too slow, the pool shut down at close, or a worker cut the connection
         finally:
             _shut(conn)
             with self._lock:
@@ -141,7 +150,11 @@ class TcpServer:
             kind, parts = self._reply(body)
             conn.ledger.repost()
             conn.send(kind, header.channel, header.seq, parts)
-        except (OSError, ProtocolError):
+        except OSError:
+            _shut(conn)  # the client is gone or stopped reading
+        except Exception as e:  # noqa: BLE001 - a worker must not die silently with the credit taken
+            self._count("protocol_errors")
+            log.warning("peer server: closing a connection after a request it could not answer: %s", e)
             _shut(conn)
 
     def _reply(self, body: Body) -> tuple[Kind, list[bytes | memoryview]]:

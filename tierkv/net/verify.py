@@ -51,3 +51,24 @@ def check_rows(buf: np.ndarray, rows: int, slot_bytes: int, what: str) -> None:
         raise InputError(f"{rows} slots but {what} has {buf.shape[0]} rows")
     if buf.shape[1] > slot_bytes:
         raise InputError(f"{what} rows of {buf.shape[1]} bytes exceed the peer's slot size of {slot_bytes}")
+
+
+def check_slots(slots: Sequence[int], num_slots: int) -> list[int]:
+    """``slots`` as ints, each a slot of the peer (InputError otherwise: a one-sided RDMA
+    read outside the peer's region would break the connection, not just miss)."""
+    out = [int(s) for s in slots]
+    bad = [s for s in out if not 0 <= s < num_slots]
+    if bad:
+        raise InputError(f"slot {bad[0]} is outside the peer's {num_slots} slots")
+    return out
+
+
+def check_generations(generations: Sequence[int], n: int) -> list[int]:
+    """One generation per slot, each in 1 .. 2**64-1 (0 means empty)."""
+    out = [int(g) for g in generations]
+    if len(out) != n:
+        raise InputError(f"{n} slots but {len(out)} generations")
+    bad = [g for g in out if not 0 < g < 1 << 64]
+    if bad:
+        raise InputError(f"generation {bad[0]} is outside 1 .. 2**64-1")
+    return out

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tierkv.errors import TierKVError
+from tierkv.errors import InputError, TierKVError
 
 MAGIC = b"TK"
 VERSION = 1
@@ -221,6 +221,8 @@ class Call:
 
     def encode(self) -> list[bytes | memoryview]:
         name = self.method.encode()
+        if len(name) > 0xFFFF:
+            raise InputError(f"an RPC method name is at most 65535 bytes, got {len(name)}")
         return [struct.pack("<H", len(name)) + name, self.body]
 
     @classmethod
@@ -290,17 +292,29 @@ def decode_body(kind: Kind, payload: memoryview) -> Body:
 def encode_keys(keys: Sequence[bytes]) -> bytes:
     out = bytearray(_COUNT.pack(len(keys)))
     for k in keys:
+        if not isinstance(k, (bytes, bytearray)) or len(k) > 0xFFFF:
+            raise InputError(f"a lookup key must be bytes of at most 65535, got {type(k).__name__} "
+                             f"of {len(k) if hasattr(k, '__len__') else '?'}")
         out += struct.pack("<H", len(k)) + k
     return bytes(out)
 
 
 def decode_keys(b: bytes) -> list[bytes]:
+    """The keys of a lookup body; ProtocolError unless the body is exactly a key list."""
+    if len(b) < _COUNT.size:
+        raise ProtocolError(f"a key list of {len(b)} bytes has no count")
     (n,) = _COUNT.unpack_from(b)
-    keys, at = [], 4
-    for _ in range(n):
+    keys, at = [], _COUNT.size
+    for i in range(n):
+        if at + 2 > len(b):
+            raise ProtocolError(f"a key list of {len(b)} bytes ends before key {i} of {n}")
         (ln,) = struct.unpack_from("<H", b, at)
+        if at + 2 + ln > len(b):
+            raise ProtocolError(f"key {i} of {ln} bytes runs past the {len(b)}-byte key list")
         keys.append(b[at + 2:at + 2 + ln])
         at += 2 + ln
+    if at != len(b):
+        raise ProtocolError(f"{len(b) - at} bytes after the {n} keys of a key list")
     return keys
 
 
@@ -309,7 +323,11 @@ def encode_metas(metas: Sequence[PageMeta]) -> bytes:
 
 
 def decode_metas(b: bytes) -> tuple[PageMeta, ...]:
-    return Pages.decode(memoryview(b)).metas
+    """The metas of a lookup reply; ProtocolError if it is not exactly a meta list."""
+    try:
+        return Pages.decode(memoryview(b)).metas
+    except (struct.error, ValueError) as e:
+        raise ProtocolError(f"malformed meta list of {len(b)} bytes: {e}") from None
 
 
 def _need(b: memoryview, n: int) -> None:

@@ -1,0 +1,158 @@
+"""The TCP transport against races, garbled peers and clients that misbehave.
+
+Each case was a reproduced failure: a read racing a slot's reuse killed the client's
+reader thread (the request never resolved), a truncated lookup body cost the server a
+receive credit and got no reply, a garbled lookup reply crashed ``Store.get``'s peer
+fetch, a client that stopped reading held every server worker, a client that trickled
+a message in kept it open forever, and bad arguments raised ``struct.error``.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tests.net.peers import pages
+from tierkv.errors import InputError
+from tierkv.net import NetConfig, PeerServer, TcpTransport
+from tierkv.net.framing import recv_message, send_message
+from tierkv.net.wire import Call, Hello, Kind, ProtocolError, ReadPages, Reply, decode_keys, decode_metas, encode_keys
+from tierkv.tiers.dram import DramTier
+
+CFG = NetConfig(timeout_s=1.0, links=1)
+W = 4096
+
+
+@pytest.fixture
+def server() -> Iterator[PeerServer]:
+    with DramTier(8, W) as tier, PeerServer(tier, config=CFG) as srv:
+        srv.store.store([b"a", b"b"], pages(2, W, 1))
+        yield srv
+
+
+@pytest.fixture
+def thread_errors() -> Iterator[list[str]]:
+    errors: list[str] = []
+    old = threading.excepthook
+    threading.excepthook = lambda a: errors.append(f"{a.thread.name if a.thread else '?'}: {a.exc_value!r}")
+    yield errors
+    threading.excepthook = old
+
+
+def raw_client(srv: PeerServer) -> socket.socket:
+    sock = socket.create_connection(srv.address, timeout=5)
+    send_message(sock, Kind.HELLO, 0, 0, 0, Hello(7).encode())
+    recv_message(sock)
+    return sock
+
+
+def test_a_read_racing_a_reuse_is_a_miss_and_the_link_lives_on(server: PeerServer, thread_errors: list[str]) -> None:
+    server.store.unseal([b"b"], [1])        # the owner is about to reuse slot 1
+    with TcpTransport(*server.address, CFG) as tr:
+        dst = np.zeros((2, W), np.uint8)
+        r = tr.read([0, 1], dst).result(5)
+        assert r.ok == (True, False)
+        np.testing.assert_array_equal(dst[0], pages(2, W, 1)[0])
+        assert tr.read([0], dst[:1]).result(5).all_ok   # the same link still serves
+    assert thread_errors == []
+
+
+def test_a_reply_that_does_not_add_up_fails_its_request_only(server: PeerServer, thread_errors: list[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # A server (an older one, or a broken one) naming a length it does not send.
+    real = server.store.read
+
+    def lying_read(slots: list[int]) -> tuple[tuple[object, ...], list[memoryview]]:
+        metas, parts = real(slots)
+        return metas, parts[:-1]
+
+    monkeypatch.setattr(server.store, "read", lying_read)
+    with TcpTransport(*server.address, CFG) as tr:
+        dst = np.zeros((2, W), np.uint8)
+        r = tr.read([0, 1], dst).result(5)
+        assert r.ok == (False, False) and "malformed" in (r.error or "")
+        monkeypatch.setattr(server.store, "read", real)
+        assert tr.read([0, 1], dst).result(5).all_ok
+    assert thread_errors == []
+
+
+@pytest.mark.parametrize("body, why", [
+    (struct.pack("<I", 5), "ends before key 0"),
+    (b"\x01", "has no count"),
+    (encode_keys([b"a"]) + b"!", "after the 1 keys"),
+    (struct.pack("<IH", 1, 9) + b"abc", "runs past"),
+])
+def test_a_malformed_lookup_gets_an_error_reply_and_keeps_its_credit(server: PeerServer, body: bytes,
+                                                                     why: str) -> None:
+    sock = raw_client(server)
+    with sock:
+        for seq in range(2 * CFG.recv_credits):    # more than the credits: each must be returned
+            send_message(sock, Kind.CALL, 0, 0, seq, Call("lookup", body).encode())
+            header, reply, _ = recv_message(sock)
+            assert header.kind == Kind.REPLY and isinstance(reply, Reply)
+            assert not reply.ok and why in reply.body.decode()
+        send_message(sock, Kind.CALL, 0, 0, 99, Call("lookup", encode_keys([b"a"])).encode())
+        header, reply, _ = recv_message(sock)
+        assert header.kind == Kind.REPLY and isinstance(reply, Reply) and reply.ok
+
+
+def test_wire_key_and_meta_lists_refuse_garbage() -> None:
+    assert decode_keys(encode_keys([b"ab", b""])) == [b"ab", b""]
+    with pytest.raises(ProtocolError, match="meta list"):
+        decode_metas(b"\x02\x00")
+    with pytest.raises(InputError, match="65535"):
+        encode_keys([b"x" * 70_000])
+    with pytest.raises(InputError, match="bytes"):
+        encode_keys(["text"])  # type: ignore[list-item]
+
+
+def test_bad_arguments_name_what_was_expected(server: PeerServer) -> None:
+    with TcpTransport(*server.address, CFG) as tr:
+        row = np.zeros((1, W), np.uint8)
+        with pytest.raises(InputError, match="outside the peer's 8 slots"):
+            tr.read([8], row)
+        with pytest.raises(InputError, match="outside the peer's 8 slots"):
+            tr.read([-1], row)
+        with pytest.raises(InputError, match="2 slots but 1 generations"):
+            tr.write([0, 1], [3], np.zeros((2, W), np.uint8))
+        with pytest.raises(InputError, match="generation 0"):
+            tr.write([0], [0], row)
+        with pytest.raises(InputError, match="method name"):
+            tr.call("m" * 70_000, b"")
+        assert tr.read([0], row).result(5).all_ok
+    assert server.tcp is not None and server.tcp.stats().connections == 1   # no reconnect storm
+
+
+def test_a_client_that_stops_reading_does_not_stall_the_others() -> None:
+    wide = 65536
+    with DramTier(2, wide) as tier, PeerServer(tier, config=CFG) as srv:
+        srv.store.store([b"a"], pages(1, wide, 2))
+        evil = raw_client(srv)
+        evil.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        with evil, TcpTransport(*srv.address, CFG) as good:
+            for seq in range(8):                  # 32 MiB of reply each, and never a byte read
+                send_message(evil, Kind.READ, 0, 0, seq, ReadPages(tuple([0] * 512)).encode())
+            time.sleep(CFG.timeout_s)
+            dst = np.zeros((1, wide), np.uint8)
+            end = time.monotonic() + 5 * CFG.timeout_s
+            while not good.read([0], dst).result(10).all_ok:   # stuck sends are cut within timeout_s
+                assert time.monotonic() < end, "the server stayed stalled by a client that does not read"
+
+
+def test_a_message_trickled_in_is_cut_at_the_deadline(server: PeerServer) -> None:
+    sock = raw_client(server)
+    with sock:
+        head = b"TK\x01" + bytes([Kind.CALL]) + b"\0" * 12 + struct.pack("<I", 1 << 20) + b"\0" * 8
+        sock.sendall(head)
+        end = time.monotonic() + 6 * CFG.timeout_s
+        with pytest.raises(OSError):
+            while time.monotonic() < end:                      # a byte at a time, never finishing
+                sock.sendall(b"x")
+                time.sleep(CFG.timeout_s / 4)
+            raise AssertionError("the server kept a trickling message open past its deadline")
