@@ -169,8 +169,19 @@ def test_layout_mismatch_on_reopen_is_refused(tmp_path: Path) -> None:
     from tierkv.errors import ConfigError
     cfg = make_config(tmp_path / "s", 0, 8)
     Store.open(cfg).close()
-    with pytest.raises(ConfigError, match="geometry"):
-        Store.open(replace(cfg, layout=replace(LAYOUT, tokens_per_page=32)))
+    tokens = np.arange(16 * 2, dtype=np.int64)
+    with Store.open(cfg) as s:
+        s.put(tokens, page_data(5, 2))
+    data = Path(cfg.nvme_path())
+    size = data.stat().st_size
+    for other in (replace(cfg, layout=replace(LAYOUT, tokens_per_page=32)),   # a bigger page: a bigger file
+                  replace(cfg, nvme=replace(cfg.nvme, capacity_bytes=16 * PB))):
+        with pytest.raises(ConfigError, match="geometry"):
+            Store.open(other)
+        assert data.stat().st_size == size   # a refused open leaves the store as it was
+    with Store.open(cfg) as s:              # and the original settings still open it, pages intact
+        n, out = load(s, tokens, 2)
+        assert n == 2 and np.array_equal(out, page_data(5, 2))
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -112,6 +112,7 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
             for t in tiers:
                 medium = t.blocks if isinstance(t, BlockPageTier) else t
                 if isinstance(medium, NvmeTier):
+                    medium.grow_back()  # the index accepted this geometry: now a truncated file may grow
                     _check_label(medium, index, read_only)
         manager = BlockManager(tiers, {t.kind: make_policy(cfg.policy) for t in tiers}, index)
         if not read_only:
@@ -164,10 +165,12 @@ def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
         # read each page at the extents its index record names (BlockPageTier.view).
         if cfg.nvme.codec == CodecMode.NONE.value:
             tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
-                                  io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES))
+                                  io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES,
+                                  defer_grow=True))
         else:  # the same file, addressed in 4 KiB blocks
             blocks = NvmeTier(cfg.nvme_path(), slots * (slot_bytes // ALIGN), ALIGN, o_direct=cfg.nvme.o_direct,
-                              io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES)
+                              io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES,
+                              defer_grow=True)
             tiers.append(_block_tier(blocks, slots, cfg, cfg.nvme))
     if cfg.nvmeof is not None:
         if cfg.nvmeof.codec == CodecMode.NONE.value:

@@ -89,7 +89,7 @@ class NvmeTier(Tier):
 
     def __init__(self, path: str | os.PathLike[str], num_slots: int, page_bytes: int, *,
                  o_direct: bool = True, io_threads: int = 4, create: bool = True,
-                 max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0) -> None:
+                 max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0, defer_grow: bool = False) -> None:
         if page_bytes <= 0 or num_slots < 0:
             raise InputError(f"nvme tier needs page_bytes > 0 and num_slots >= 0, got {page_bytes}, {num_slots}")
         if io_threads < 1:
@@ -104,7 +104,10 @@ class NvmeTier(Tier):
         self.io_threads = io_threads
         self.header_bytes = header_bytes
         size = header_bytes + num_slots * self.slot_bytes
-        self._fd, self.direct = _open_backing(self.path, size, o_direct=o_direct, create=create)
+        self._fd, self.direct, short = _open_backing(self.path, size, o_direct=o_direct, create=create)
+        # A truncated file is grown back, but a store grows it only once its index has
+        # accepted this geometry (``defer_grow``): a refused open must leave the file alone.
+        self._grow: tuple[int, int] | None = (short, size) if short is not None else None
         self._chunk_slots = max(1, min(max_io_bytes // self.slot_bytes, _MAX_IOVECS // 2))
         self._bounce_slots = max(1, min(self._chunk_slots, BOUNCE_CHUNK_BYTES // self.slot_bytes))
         self._bounce = BouncePool(self._bounce_slots * self.slot_bytes, keep=io_threads)
@@ -124,6 +127,22 @@ class NvmeTier(Tier):
         # How long close() waits for transfers in flight (None: forever). A fabric tier
         # bounds it, since a syscall on a lost namespace can outlive any caller.
         self._close_wait_s: float | None = None
+        if not defer_grow:
+            self.grow_back()
+
+    def grow_back(self) -> None:
+        """Grow a truncated backing file back to the tier's size (slots past the old end read
+        as zeros, which fail their checksums: those pages become misses). No-op otherwise."""
+        if self._grow is None:
+            return
+        have, size = self._grow
+        logger.warning("nvme tier file %s is %d bytes, shorter than the tier's %d (truncated?); "
+                       "growing it back: pages past byte %d become misses", self.path, have, size, have)
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as e:
+            raise TierIOError(f"nvme tier {self.path}: cannot grow it back to {size} bytes: {_oserr(e)}") from e
+        self._grow = None
 
     def read_header(self) -> bytes:
         """The ``header_bytes`` reserved before slot 0 (an owner's label for the medium)."""
@@ -311,8 +330,10 @@ class NvmeTier(Tier):
 
 
 # -- opening the backing file -------------------------------------------------------
-def _open_backing(path: str, size: int, *, o_direct: bool, create: bool) -> tuple[int, bool]:
-    """Create or check the backing file, then open it; returns ``(fd, direct)``."""
+def _open_backing(path: str, size: int, *, o_direct: bool, create: bool) -> tuple[int, bool, int | None]:
+    """Create or check the backing file, then open it; returns ``(fd, direct, short)``,
+    ``short`` the size of an existing file shorter than ``size`` (to grow back), else None."""
+    short: int | None = None
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -320,18 +341,19 @@ def _open_backing(path: str, size: int, *, o_direct: bool, create: bool) -> tupl
             raise ConfigError(f"nvme tier file {path} does not exist and create=False") from None
         _create_file(path, size)
     else:
-        _check_existing(path, st, size, grow=create)
+        if _check_existing(path, st, size, grow=create):
+            short = st.st_size
     flags = os.O_RDWR | os.O_CLOEXEC
     if o_direct:
         try:
-            return os.open(path, flags | os.O_DIRECT), True
+            return os.open(path, flags | os.O_DIRECT), True, short
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise TierIOError(f"nvme tier {path}: cannot open with O_DIRECT: {_oserr(e)}") from e
             logger.warning("nvme tier %s: the filesystem refuses O_DIRECT (%s); using buffered I/O,"
                            " so reads may come from the page cache", path, os.strerror(e.errno))
     try:
-        return os.open(path, flags), False
+        return os.open(path, flags), False, short
     except OSError as e:
         raise TierIOError(f"nvme tier {path}: cannot open: {_oserr(e)}") from e
 
@@ -356,12 +378,11 @@ def _create_file(path: str, size: int) -> None:
     os.close(fd)
 
 
-def _check_existing(path: str, st: os.stat_result, size: int, *, grow: bool) -> None:
+def _check_existing(path: str, st: os.stat_result, size: int, *, grow: bool) -> bool:
     """An existing file must be exactly ``size`` bytes; a block device at least that.
 
-    A file that is too short (truncated) is grown back when ``grow`` is set, with a
-    warning: the slots past the old end read as zeros, which fail their checksums, so
-    those pages become misses and the rest are served.
+    A file that is too short (truncated) may be grown back when ``grow`` is set: returns
+    True for it (the caller grows it, :meth:`NvmeTier.grow_back`), False when it fits.
     """
     if stat.S_ISBLK(st.st_mode):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -373,18 +394,13 @@ def _check_existing(path: str, st: os.stat_result, size: int, *, grow: bool) -> 
             raise ConfigError(f"nvme tier block device {path} holds {have} bytes, the tier needs {size}")
     elif stat.S_ISREG(st.st_mode):
         if st.st_size < size and grow:
-            logger.warning("nvme tier file %s is %d bytes, shorter than the tier's %d (truncated?); "
-                           "growing it back: pages past byte %d become misses", path, st.st_size, size, st.st_size)
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
-        elif st.st_size != size:
+            return True
+        if st.st_size != size:
             raise ConfigError(f"nvme tier file {path} is {st.st_size} bytes, the tier needs exactly {size}"
                               " (num_slots * slot_bytes); remove it or open it with its own geometry")
     else:
         raise ConfigError(f"nvme tier path {path} is neither a regular file nor a block device")
+    return False
 
 
 def _oserr(e: OSError) -> str:

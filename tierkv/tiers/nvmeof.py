@@ -264,7 +264,7 @@ class NvmeofTier(NvmeTier):
         # fails), read the label on the new descriptor with the deadline, and only then
         # swap it in: nothing is ever written to a namespace before its label is checked.
         size = self.header_bytes + self.num_slots * self.slot_bytes
-        fd, _direct = _open_backing(device, size, o_direct=self._o_direct, create=False)
+        fd, _direct, _short = _open_backing(device, size, o_direct=self._o_direct, create=False)
         header = self._probe(fd)
         if header is None:
             return  # _probe closes fd (now, or when its stuck read returns)
