@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tierkv.policy.leaves import LeafHeaps
 from tests.policy.helpers import everything, k
 
@@ -52,9 +54,10 @@ def test_ends_of_each_class_and_unevictable_heads_are_skipped() -> None:
     assert [c[0] for c in h.candidates(everything)] == [k(0), k(2)]
 
 
-def test_touching_many_times_does_not_grow_the_heaps_without_bound() -> None:
-    h = LeafHeaps(1)
+@pytest.mark.parametrize("young", [True, False])   # gittins, and lru-leaf (oldest end only)
+def test_touching_many_times_does_not_grow_the_heaps_without_bound(young: bool) -> None:
+    h = LeafHeaps(1, young=young)
     h.add(k("a"), None, 0, 0.0)
     for t in range(1, 5000):
-        h.touch(k("a"), 0, float(t))
+        h.touch(k("a"), 0, float(t))   # a tier that never fills: no victims call pops the stale entries
     assert len(h._new[0]) < 200 and len(h._old[0]) < 200

@@ -45,3 +45,23 @@ def test_victims_not_removed_are_offered_again() -> None:
     assert p.victims(1, everything) == [k("a")]
     assert len(p.victims(1, everything)) == 1
     assert len(p) == 3
+
+
+def test_pinned_pages_are_walked_past_once_not_per_victim() -> None:
+    p = S3FIFOPolicy()
+    for i in range(3000):
+        p.insert(k(i), None)
+    pinned = {k(i) for i in range(2000)}       # the oldest pages, at the head of the queues
+    looked: list[PageKey] = []
+
+    def evictable(key: PageKey) -> bool:
+        looked.append(key)
+        return key not in pinned
+
+    for _ in range(2):
+        looked.clear()
+        out = p.victims(64, evictable)
+        assert len(out) == 64 and not pinned & set(out)
+        for key in out:
+            p.remove(key)
+    assert len(looked) < 500                    # the second call no longer walks the 2,000 pinned pages

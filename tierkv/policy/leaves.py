@@ -164,8 +164,11 @@ class LeafHeaps:
         heapq.heappush(self._old[c], (t, s, key))
         if self._young:
             heapq.heappush(self._new[c], (-t, -s, key))
-            if len(self._new[c]) > 2 * self._leaves[c] + 64:
-                self._compact(c)
+        # Each touch of a leaf leaves a stale entry behind; a tier that never fills never
+        # pops them, so both heaps are compacted once they outgrow the live leaves.
+        bound = 2 * self._leaves[c] + 64
+        if len(self._old[c]) > bound or len(self._new[c]) > bound:
+            self._compact(c)
 
     def _unleaf(self, key: PageKey) -> None:
         if self._seq.pop(key, None) is not None:
@@ -174,7 +177,8 @@ class LeafHeaps:
             self._dirty.add(c)
 
     def _compact(self, c: int) -> None:
-        """Drop stale entries: the young heap's stale entries sink and are never popped."""
+        """Drop stale entries (the young heap's sink and are never popped; the old heap's are
+        popped only by victims calls, which a tier that never fills does not make)."""
         for heap, sign in ((self._old[c], 1), (self._new[c], -1)):
             live = [e for e in heap if self._seq.get(e[2]) == sign * e[1]]
             heapq.heapify(live)

@@ -88,9 +88,13 @@ class S3FIFOPolicy:
 
     @staticmethod
     def _first(queue: OrderedDict[PageKey, None], evictable: Callable[[PageKey], bool]) -> PageKey | None:
-        for key in queue:
+        """The first evictable page; pages that are not (pinned, protected) move to the back,
+        so the next look does not walk past them again (a second chance, as CLOCK gives)."""
+        for _ in range(len(queue)):
+            key = next(iter(queue))
             if evictable(key):
                 return key
+            queue.move_to_end(key)
         return None
 
     def _evict_small(self, evictable: Callable[[PageKey], bool]) -> PageKey | None:
