@@ -17,6 +17,7 @@ import os
 import stat
 from enum import Enum
 
+from nvmeof.errors import ApplyError, ApplyFailure
 from nvmeof.model import Address, AnaGroup, Device, Host, Namespace, NvmetConfig, Port, Referral, Subsystem
 
 DEFAULT_ROOT = "/sys/kernel/config/nvmet"
@@ -112,11 +113,19 @@ class Tree:
     def path(self, *parts: str | int) -> str:
         return os.path.join(self.root, *(str(p) for p in parts))
 
+    def check_root(self) -> None:
+        """``OSError`` (ENOENT or ENOTDIR, with a message naming the root) unless the
+        root is a directory."""
+        if os.path.isdir(self.root):
+            return
+        if os.path.exists(self.root):
+            raise OSError(errno.ENOTDIR, "nvmet configfs root %s is not a directory" % self.root, self.root)
+        raise OSError(errno.ENOENT, "nvmet configfs root %s does not exist (modprobe nvmet?)"
+                      % self.root, self.root)
+
     def prepare(self) -> None:
         """Check the root exists; on a stand-in, create the three top-level groups."""
-        if not os.path.isdir(self.root):
-            raise OSError(errno.ENOENT, "nvmet configfs root %s does not exist (modprobe nvmet?)"
-                          % self.root, self.root)
+        self.check_root()
         if self.emulate:
             for group in ("hosts", "ports", "subsystems"):
                 os.makedirs(self.path(group), exist_ok=True)
@@ -218,8 +227,13 @@ def _address(tree: Tree, path: str) -> Address:
 def read_tree(root: str = DEFAULT_ROOT) -> NvmetConfig:
     """What is configured under ``root`` now, in ``nvmetcli save``'s shape (plus
     ``buffered_io`` and, where a key is set, the host's ``dhchap_*``). Entries are
-    sorted. Reads secrets: treat the result as sensitive."""
+    sorted. Reads secrets: treat the result as sensitive. :class:`ApplyError` if
+    ``root`` is missing or not a directory."""
     t = Tree(root)
+    try:
+        t.check_root()
+    except OSError as e:
+        raise ApplyError("cannot read", [ApplyFailure(t.root, None, e.strerror or str(e))]) from None
     hosts = []
     for nqn in t.list("hosts"):
         p = t.path("hosts", nqn)

@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from nvmeof import configfs
 from nvmeof.errors import ApplyError, NvmeofError
@@ -21,10 +22,17 @@ from nvmeof.model import NqnRule, NvmetConfig
 from nvmeof.spec import generate, load_spec
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one ``nvmeof: error: ...`` line (exit 2), like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, "nvmeof: error: %s (see --help)\n" % message)
+
+
 def _parser() -> argparse.ArgumentParser:
     root = os.environ.get("NVMEOF_CONFIGFS_ROOT", configfs.DEFAULT_ROOT)
-    p = argparse.ArgumentParser(prog="python3 -m nvmeof", description="NVMe-oF target configuration (nvmet)")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="python3 -m nvmeof", description="NVMe-oF target configuration (nvmet)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def cmd(name: str, help: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help)
@@ -103,7 +111,10 @@ def _emit(args: argparse.Namespace, cfg: NvmetConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (see the module docstring)."""
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed
+        return e.code if isinstance(e.code, int) else 2
     try:
         return _run(args)
     except NvmeofError as e:

@@ -306,7 +306,8 @@ def _apply_nvmetcli(cfg: NvmetConfig, exe: str, policy: OnError) -> ApplyReport:
 
 def clear(root: str = DEFAULT_ROOT, cfg: NvmetConfig | None = None) -> ApplyReport:
     """Tear down in reverse dependency order and report; never raises for a failed
-    step (see ``report.failures``), only :class:`ApplyError` if ``root`` is missing.
+    step (see ``report.failures``), only :class:`ApplyError` if ``root`` is missing or
+    not a directory.
 
     Without ``cfg`` everything under ``root`` goes: port links, referrals, ANA groups,
     ports, namespaces (disabled first), allowed_hosts links, subsystems, hosts. With
@@ -314,8 +315,10 @@ def clear(root: str = DEFAULT_ROOT, cfg: NvmetConfig | None = None) -> ApplyRepo
     that still holds or serves something outside ``cfg`` is kept and noted.
     """
     run = _Run(Tree(root), abort=False)
-    if not os.path.isdir(run.tree.root):
-        raise ApplyError("cannot clear", [ApplyFailure(run.tree.root, None, "no such directory")])
+    try:
+        run.tree.check_root()
+    except OSError as e:
+        raise ApplyError("cannot clear", [ApplyFailure(run.tree.root, None, e.strerror or str(e))]) from None
     t = run.tree
     ports = [str(p.portid) for p in cfg.ports] if cfg else t.list("ports")
     nqns = [s.nqn for s in cfg.subsystems] if cfg else t.list("subsystems")

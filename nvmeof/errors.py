@@ -41,7 +41,7 @@ class ApplyFailure:
 
 
 class ApplyError(NvmeofError):
-    """Applying or tearing down a target configuration failed.
+    """Applying, tearing down or reading back a target configuration failed.
 
     ``failures`` lists every failed operation (at least one). When raised by an
     aborting apply, what that call had created has already been rolled back.

@@ -408,8 +408,15 @@ class NvmetConfig:
 
     def dump(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_json` to ``path`` durably (temp file, fsync, rename), mode
-        0600 because host entries may hold DH-HMAC-CHAP secrets."""
-        target = os.fspath(path)
+        0600 because host entries may hold DH-HMAC-CHAP secrets. A missing folder, a
+        directory at ``path`` or a failed write is a :class:`ConfigError` naming
+        ``path``; nothing is left behind."""
+        try:
+            self._dump(os.fspath(path))
+        except OSError as e:
+            raise ConfigError("cannot write %s: %s" % (os.fspath(path), e.strerror or e)) from None
+
+    def _dump(self, target: str) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".nvmet-", dir=os.path.dirname(os.path.abspath(target)))
         try:
             with os.fdopen(fd, "w") as f:

@@ -13,7 +13,7 @@ from tierkv.cli import main
 from tierkv.errors import InputError
 from tierkv.rig.plan import (GuestMode, RigEnv, RigError, RigOptions, boot_command, forwarded_env, load_env,
                              parse_env_file, preconditions, pytest_args, setup_command)
-from tierkv.rig.run import RunCounts, parse_junit, read_guest, rig_processes, teardown
+from tierkv.rig.run import RunCounts, check_purge, parse_junit, read_guest, rig_processes, teardown
 
 ENV_TEXT = """RIG_WORK=/w
 RIG_KVER=6.1.0-57-amd64
@@ -151,5 +151,50 @@ def test_down_finds_rig_qemus_by_kernel_path_and_removes_state(tmp_path: Path) -
     result = teardown(opts, None, purge=False)
     assert not opts.out_dir.exists() and not opts.host_log.exists() and opts.work_dir.exists()
     assert result["killed"] == []
+    opts.env_file.write_text(ENV_TEXT)  # what setup.sh leaves: the mark of a rig work folder
     teardown(opts, None, purge=True)
     assert not opts.work_dir.exists()
+
+
+def test_purge_refuses_a_folder_that_is_not_a_rig_work_folder(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    (data / "out").mkdir(parents=True)
+    (data / "precious.txt").write_text("keep")
+    assert main(["rig", "down", "--purge", "--work", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{data} is not a rig work folder (no rig.env" in err
+    assert main(["rig", "down", "--purge", "--json", "--work", str(data)]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["command"] == "down" and out["ok"] is False and out["exit_status"] == 2 and "rig.env" in out["error"]
+    assert (data / "precious.txt").read_text() == "keep" and (data / "out").is_dir()  # nothing removed, not even out/
+    with pytest.raises(RigError, match="not a directory"):
+        teardown(RigOptions(work_dir=data / "precious.txt"), None, purge=True)
+    assert (data / "precious.txt").exists()
+
+
+def test_purge_refuses_root_home_and_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "rig.env").write_text(ENV_TEXT)
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(RigError, match="refusing to delete"):
+        check_purge(home)
+    with pytest.raises(RigError, match="refusing to delete /;"):
+        check_purge(Path("/"))
+    (tmp_path / "link").symlink_to(home)
+    with pytest.raises(RigError, match="not a directory"):
+        teardown(RigOptions(work_dir=tmp_path / "link"), None, purge=True)
+    assert (home / "rig.env").exists()
+
+
+def test_purge_removes_a_rig_work_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work = tmp_path / "rig"
+    for sub in ("kernel/boot", "vng-venv/bin", "guest-venv/bin", "out"):
+        (work / sub).mkdir(parents=True)
+    (work / "rig.env").write_text(ENV_TEXT)
+    (work / "rig.lock").write_text("123\n")
+    assert main(["rig", "down", "--purge", "--json", "--work", str(work)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and str(work) in out["removed"] and not work.exists() and tmp_path.exists()
+    assert main(["rig", "down", "--purge", "--work", str(work)]) == 0  # already gone: nothing to do

@@ -81,7 +81,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--page-tokens", type=int, default=16, metavar="N", help="codec: tokens per page (default 16)")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bp.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    bp.add_argument("--dir", metavar="DIR", help="directory for benchmark files (default: a temporary one)")
+    bp.add_argument("--dir", metavar="DIR", help="directory for the files of the store and codec-store suites "
+                    "(default: a temporary one; codec and net write none)")
     bp.add_argument("--runs", type=int, default=None, metavar="N", help="repetitions per measurement")
     bp.set_defaults(handler=_cmd_bench)
     from tierkv.plan.cli import add_parser as add_plan_parser

@@ -55,6 +55,50 @@ def test_errors_exit_2_with_one_line(argv: list[str], message: str, capsys: pyte
     assert err.startswith("nvmeof: error: ") and message in err and err.count("\n") == 1
 
 
+def test_unwritable_output_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = str(CONFIGS / "rig-rdma.toml")
+    (tmp_path / "nvmet").mkdir()
+    for argv, path, reason in (
+            (["generate", spec, "-o", "/nonexistent/x.json"], "/nonexistent/x.json", "No such file or directory"),
+            (["generate", spec, "-o", str(tmp_path)], str(tmp_path), "Is a directory"),
+            (["save", "--root", str(tmp_path / "nvmet"), "-o", "/nonexistent/x.json"], "/nonexistent/x.json",
+             "No such file or directory")):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == "nvmeof: error: cannot write %s: %s\n" % (path, reason)
+        assert main([*argv, "--json"]) == 2
+        assert json.loads(capsys.readouterr().out) == {"ok": False, "error": "cannot write %s: %s" % (path, reason)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nvmet"]  # no temp file left behind
+
+
+@pytest.mark.parametrize("command", [["save"], ["clear"], ["apply", str(EXAMPLES / "rdma.json")]])
+def test_a_missing_or_file_root_is_an_error(command: list[str], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("")
+    for root, reason in ((tmp_path / "absent", "does not exist"), (tmp_path / "file", "is not a directory")):
+        assert main([*command, "--root", str(root)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+        assert captured.err.startswith("nvmeof: error: ") and "root %s %s" % (root, reason) in captured.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the following arguments are required: command"),
+    (["bogus"], "invalid choice: 'bogus'"),
+    (["generate"], "the following arguments are required: spec"),
+    (["validate", "x.json", "--bad"], "unrecognized arguments: --bad"),
+])
+def test_usage_errors_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nvmeof: error: ") and message in err and err.endswith(" (see --help)\n")
+    assert err.count("\n") == 1
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert "generate" in capsys.readouterr().out
+
+
 def test_apply_abort_and_collect_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "nvmet"
     (root / "ports").mkdir(parents=True)

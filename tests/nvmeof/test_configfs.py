@@ -145,8 +145,20 @@ def test_apply_refuses_an_invalid_config_and_a_missing_root(tmp_path: Path, rig:
         apply(bad, str(tmp_path))
     with pytest.raises(ApplyError, match="does not exist"):
         apply(rig, str(tmp_path / "absent"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ApplyError, match="root .*/file is not a directory"):
+        apply(rig, str(tmp_path / "file"))
     with pytest.raises(ConfigError, match="nvmetcli only writes"):
         apply(rig, str(tmp_path), nvmetcli="/usr/sbin/nvmetcli")
+
+
+def test_read_tree_and_clear_refuse_a_missing_or_file_root(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    for fn in (read_tree, clear):
+        with pytest.raises(ApplyError, match="root .*/absent does not exist"):
+            fn(str(tmp_path / "absent"))
+        with pytest.raises(ApplyError, match="root .*/file is not a directory"):
+            fn(str(tmp_path / "file"))
 
 
 def test_clear_everything_leaves_an_empty_root(root: Path, rig: NvmetConfig) -> None:

@@ -49,6 +49,15 @@ def test_shared_examples_load_validate_and_round_trip(name: str, tmp_path: Path)
     assert out.stat().st_mode & 0o777 == 0o600
 
 
+def test_dump_failure_is_a_config_error_naming_the_path(tmp_path: Path) -> None:
+    cfg = NvmetConfig.load(EXAMPLES / "tcp.json")
+    with pytest.raises(ConfigError, match="cannot write .*/absent/out.json: No such file or directory"):
+        cfg.dump(tmp_path / "absent" / "out.json")
+    with pytest.raises(ConfigError, match="Is a directory"):
+        cfg.dump(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_example_fields_are_typed() -> None:
     cfg = NvmetConfig.load(EXAMPLES / "tcp.json")
     port, sub = cfg.ports[0], cfg.subsystems[0]

@@ -114,6 +114,10 @@ def _bad_profile(tmp_path: Path) -> str:
     (["--model", "llama-3.1-8b", "--trace", "/nonexistent.jsonl"], "does not exist"),
     (["--model-config", "/nonexistent/config.json"], "does not exist"),
     ([*SMALL, "--target-hit-rate", "2"], "--target-hit-rate must be in (0, 1]"),
+    ([*SMALL, "--ttft-percentile", "0"], "--ttft-percentile must be in (0, 100], got 0.0"),
+    ([*SMALL, "--ttft-percentile", "150"], "--ttft-percentile must be in (0, 100], got 150.0"),
+    ([*SMALL, "--target-ttft-s", "1", "--ttft-percentile", "nan"], "--ttft-percentile must be in (0, 100]"),
+    ([*SMALL, "--plot", "x.jpg"], "--plot: expected a .png file name, got 'x.jpg'"),
     ([*SMALL, "--hbm", "0", "--dram", "0", "--nvme", "0", "--nvmeof", "0"], "every tier is sized 0"),
     (["--model", "llama-3.1-70b", "--hardware", "dev-box", "--synthetic", "10"], "do not fit in one node"),
 ])

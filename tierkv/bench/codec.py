@@ -24,6 +24,7 @@ import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 import torch
@@ -51,19 +52,20 @@ def load_kv(path: str | Path | None) -> tuple[Path, dict[int, tuple[torch.Tensor
     if not p.is_file():
         raise InputError(f"KV file {p} does not exist")
     raw = p.read_bytes()
-    (hlen,) = struct.unpack_from("<Q", raw)
-    header = json.loads(raw[8:8 + hlen])
+    start, header = _header(p, raw)
     layers: dict[int, dict[str, torch.Tensor]] = {}
     for name, meta in header.items():
         m = _NAME.match(name)
         if m is None:
             continue
-        if meta["dtype"] not in _ST_DTYPES or len(meta["shape"]) != 3:
-            raise InputError(f"{p}: {name} is {meta['dtype']} {meta['shape']}; expected BF16, F16 or F32 "
+        dtype, shape, (lo, hi) = _tensor_meta(p, raw, start, name, meta)
+        if dtype not in _ST_DTYPES or len(shape) != 3 or 0 in shape:
+            raise InputError(f"{p}: {name} is {dtype} {shape}; expected BF16, F16 or F32 "
                              "[kv_heads, tokens, head_dim]")
-        lo, hi = meta["data_offsets"]
-        buf = bytearray(raw[8 + hlen + lo:8 + hlen + hi])
-        t = torch.frombuffer(buf, dtype=_ST_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+        if hi - lo != _ST_DTYPES[dtype].itemsize * int(np.prod(shape)):
+            raise _not_safetensors(p, f"{name}: data_offsets [{lo}, {hi}] do not hold {dtype} {shape}")
+        buf = bytearray(raw[start + lo:start + hi])
+        t = torch.frombuffer(buf, dtype=_ST_DTYPES[dtype]).reshape(shape)
         layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
     if not layers or any(set(kv) != {"k", "v"} for kv in layers.values()):
         raise InputError(f"{p}: expected tensors layerNN.k and layerNN.v for every layer, got "
@@ -72,6 +74,43 @@ def load_kv(path: str | Path | None) -> tuple[Path, dict[int, tuple[torch.Tensor
     if len(shapes) != 1:
         raise InputError(f"{p}: every layerNN.k/.v must have one shape, got {sorted(shapes)}")
     return p, {n: (kv["k"], kv["v"]) for n, kv in sorted(layers.items())}
+
+
+def _not_safetensors(p: Path, why: str) -> InputError:
+    return InputError(f"{p} is not a safetensors file ({why})")
+
+
+def _header(p: Path, raw: bytes) -> tuple[int, dict[str, object]]:
+    """Where the tensor data starts and the parsed JSON header; InputError if ``raw``
+    is not laid out as safetensors (8-byte little-endian length, then a JSON object)."""
+    if len(raw) < 8:
+        raise _not_safetensors(p, f"{len(raw)} bytes, shorter than the 8-byte header length")
+    (hlen,) = struct.unpack_from("<Q", raw)
+    if hlen > len(raw) - 8:
+        raise _not_safetensors(p, f"header length {hlen} past the end of its {len(raw)} bytes")
+    try:
+        header = json.loads(raw[8:8 + hlen])
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise _not_safetensors(p, f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise _not_safetensors(p, f"header is JSON {type(header).__name__}, not an object")
+    return 8 + hlen, header
+
+
+def _tensor_meta(p: Path, raw: bytes, start: int, name: str, meta: object) -> tuple[str, list[int], tuple[int, int]]:
+    """A header entry's dtype, shape and data offsets, checked to lie inside the file."""
+    entry = meta if isinstance(meta, dict) else {}
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(dtype, str) and _counts(shape) and _counts(offsets) and len(offsets) == 2):
+        raise _not_safetensors(p, f"{name}: expected dtype, shape and data_offsets, got {meta!r:.200}")
+    lo, hi = offsets
+    if not lo <= hi <= len(raw) - start:
+        raise _not_safetensors(p, f"{name}: data_offsets [{lo}, {hi}] outside its {len(raw) - start} data bytes")
+    return dtype, shape, (lo, hi)
+
+
+def _counts(value: object) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
 
 
 def kv_pages(layers: dict[int, tuple[torch.Tensor, torch.Tensor]], page_tokens: int,

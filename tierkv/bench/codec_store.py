@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tierkv.api import Store
+from tierkv.bench import check_dir
 from tierkv.bench.codec import kv_pages, load_kv
 from tierkv.config import NvmeConfig, StoreConfig
 from tierkv.layout import DType, KVLayout
@@ -73,7 +74,9 @@ def _capacity(layout: KVLayout, rows: np.ndarray, codec: str, capacity_pages: in
 
 def run_codec_store_bench(kv_path: str | Path | None = None, page_tokens: int = 16, runs: int = 3,
                           where: str | None = None, copies: int = 8, capacity_pages: int = 16) -> dict[str, object]:
-    """Both codecs over the same pages in one run; ``copies`` tiles the file's pages."""
+    """Both codecs over the same pages in one run; ``copies`` tiles the file's pages.
+    ``where`` (``--dir``, None: a temporary directory) must be a writable directory."""
+    check_dir(where)
     path, layers = load_kv(kv_path)
     layout, rows = kv_pages(layers, page_tokens, DType.BF16)
     rows = np.ascontiguousarray(np.tile(rows, (copies, 1)))

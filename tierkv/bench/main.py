@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 
+from tierkv.bench import check_dir
 from tierkv.bench.io import bench_nvme
 from tierkv.bench.keys import bench_keys
 from tierkv.bench.store import bench_store_dram
@@ -27,7 +28,9 @@ QUICK_SHAPES = ((1 << 20, 32),)
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
-    """Run the benchmarks that ``args`` (``--quick``, ``--runs``, ``--dir``) select."""
+    """Run the benchmarks that ``args`` (``--quick``, ``--runs``, ``--dir``) select;
+    InputError for a ``--dir`` that is not a writable directory."""
+    check_dir(args.dir)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     runs = args.runs or (3 if args.quick else 5)
     per_shape: list[dict[str, object]] = []

@@ -5,13 +5,17 @@ and incast pushes with and without receive credits, all against one peer in one 
 store published ``pages`` pages under the keys ``i.to_bytes(16, "little")``;
 :func:`bench_local` starts such a server in a second process on 127.0.0.1 first (the
 host path: TCP only where there is no RDMA device). Results are frozen dataclasses; the
-ratios against TCP are computed in the same run.
+ratios against TCP are computed in the same run. :func:`net_report` is ``tierkv bench
+net``; :func:`main` is ``python3 -m tierkv.bench.net [--json] [--quick]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing as mp
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -167,7 +171,14 @@ def bench_local(page_bytes: int = 65536, pages: int = 64, fetches: int = 500, se
 def net_report(quick: bool = False) -> dict[str, object]:
     """``tierkv bench net``: :func:`bench_local` as one JSON-ready dict, with the ratios of
     the same run: incast with credits against without, batched against single fetches."""
-    results = bench_local(pages=16 if quick else 64, fetches=50 if quick else 500)
+    return _report(bench_local(**_sizes(quick)))
+
+
+def _sizes(quick: bool) -> dict[str, int]:
+    return {"pages": 16 if quick else 64, "fetches": 50 if quick else 500}
+
+
+def _report(results: Sequence[NetBenchResult]) -> dict[str, object]:
     by = {(r.kind, r.case): r for r in results}
     out: dict[str, object] = {"results": [r.__dict__ for r in results]}
     for kind in sorted({r.kind for r in results}):
@@ -182,6 +193,26 @@ def net_report(quick: bool = False) -> dict[str, object]:
     return out
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python3 -m tierkv.bench.net``: :func:`bench_local`, one line per case (or
+    ``--json``: what ``tierkv bench net --json`` prints). Returns the exit status."""
+    p = argparse.ArgumentParser(prog="python3 -m tierkv.bench.net",
+                                description="Page fetches and incast pushes against a peer server started in a "
+                                            "second process on 127.0.0.1 (TCP; see docs/rdma.md).")
+    p.add_argument("--json", action="store_true", help="print one JSON object (as tierkv bench net --json)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    results = bench_local(**_sizes(args.quick))
+    if args.json:
+        print(json.dumps(_report(results)))
+    else:
+        for r in results:
+            print(r)
+    return 0
+
+
 if __name__ == "__main__":
-    for r in bench_local():
-        print(r)
+    sys.exit(main())

@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     from tierkv.plan.recommend import Target
 
     _check_numbers(args)
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise InputError(f"--plot: expected a .png file name, got {args.plot!r}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise InputError("--plot needs matplotlib: pip install matplotlib (or tierkv[plot])")
     dtype = DType.parse(args.kv_dtype)
@@ -135,6 +137,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise InputError(f"{flag} must be > 0, got {value}")
     if not 0 < args.codec_ratio <= 1:
         raise InputError(f"--codec-ratio must be in (0, 1] (compressed / raw bytes), got {args.codec_ratio}")
+    if not 0 < args.ttft_percentile <= 100:  # checked even without --target-ttft-s: it would be ignored silently
+        raise InputError(f"--ttft-percentile must be in (0, 100], got {args.ttft_percentile}")
     stray = [f"--{f.replace('_', '-')}" for f in _PARAM_FLAGS if getattr(args, f) is not None]
     if stray and not args.params:
         raise InputError(f"{', '.join(stray)} describe a --params workload; add --params")

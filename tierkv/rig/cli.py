@@ -43,7 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     test.add_argument("pytest_args", nargs="*", metavar="PYTEST_ARG",
                       help="more pytest arguments (after --), e.g. -- -x tests/rig/test_target.py")
     down = sub.add_parser("down", help="kill a leftover rig VM and remove transient state")
-    down.add_argument("--purge", action="store_true", help="also delete the work folder (kernel, venvs)")
+    down.add_argument("--purge", action="store_true", help="also delete the work folder (kernel, venvs); only "
+                      "one that holds setup.sh's rig.env")
     for p in (up, test, down):
         p.add_argument("--work", metavar="DIR", default=None,
                        help=f"work folder (default $RIG_WORK or {DEFAULT_WORK})")
@@ -180,7 +181,10 @@ def cmd_down(args: argparse.Namespace) -> int:
         env = load_env(opts)
     except RigError:
         env = None  # not set up, or half-purged: still find QEMUs by the work folder
-    result = teardown(opts, env, args.purge)
+    try:
+        result = teardown(opts, env, args.purge)
+    except RigError as exc:  # --purge of something that is not a rig work folder
+        return _failure(args, "down", str(exc), status=EXIT_USAGE)
     out = {"command": "down", "ok": True, "exit_status": EXIT_OK, **result}
     _emit(args, out, lambda: print(f"tierkv rig down: killed {len(result['killed'])} process(es), "  # type: ignore[arg-type]
                                    f"removed {len(result['removed'])} path(s)"))  # type: ignore[arg-type]

@@ -202,9 +202,27 @@ def rig_processes(opts: RigOptions, env: RigEnv | None, proc_root: str = "/proc"
     return found
 
 
+def check_purge(work_dir: Path) -> None:
+    """:class:`RigError` unless ``work_dir`` may be deleted whole: a directory (not a
+    link) where setup.sh wrote ``rig.env``, and neither ``/`` nor the home directory.
+    ``--work`` is typed by hand; a slip must not cost a tree of someone's files."""
+    if work_dir.is_symlink() or not work_dir.is_dir():
+        raise RigError(f"--purge: {work_dir} is not a directory; nothing deleted")
+    real = work_dir.resolve()
+    if real == Path("/") or real == Path.home().resolve():
+        raise RigError(f"--purge: refusing to delete {real}; nothing deleted")
+    if not (work_dir / "rig.env").is_file():
+        raise RigError(f"--purge: {work_dir} is not a rig work folder (no rig.env from tools/rig/setup.sh); "
+                       f"nothing deleted, remove it by hand if it is one")
+
+
 def teardown(opts: RigOptions, env: RigEnv | None, purge: bool) -> dict[str, object]:
     """Kill a leftover vng process group and any QEMU of this rig, remove the transient
-    files (output folder, logs, pid file); ``purge`` also deletes the work folder."""
+    files (output folder, logs, pid file); ``purge`` also deletes the work folder. With
+    ``purge``, an existing work folder that fails :func:`check_purge` is a
+    :class:`RigError` before anything is killed or removed."""
+    if purge and (opts.work_dir.exists() or opts.work_dir.is_symlink()):
+        check_purge(opts.work_dir)
     killed: list[int] = []
     with contextlib.suppress(FileNotFoundError, ValueError):
         pgid = int(opts.pid_file.read_text().strip())
