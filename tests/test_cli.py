@@ -50,6 +50,53 @@ def test_replay_mix_reaches_the_workload(capsys: pytest.CaptureFixture[str], pri
                                "mix": {"conversation_share": 1.0, "rag_share": 0.0, "agent_share": 0.0}}
 
 
+def _serving_config(tmp_path: Path, extra: str = "") -> Path:
+    """A serving config whose store and NVMe data live elsewhere (a device, in real life)."""
+    cfg = tmp_path / "serving.toml"
+    cfg.write_text(f"""
+[store]
+path = "{tmp_path / 'serving-store'}"
+model_id = "m"
+[layout]
+num_layers = 2
+num_kv_heads = 2
+head_dim = 64
+dtype = "bf16"
+tokens_per_page = 16
+[tiers.dram]
+capacity_bytes = "1MiB"
+[tiers.nvme]
+capacity_bytes = "4MiB"
+path = "{tmp_path / 'device.img'}"
+{extra}""")
+    return cfg
+
+
+def test_replay_config_never_writes_to_the_configs_paths(capsys: pytest.CaptureFixture[str], private_tmp: Path,
+                                                         tmp_path: Path) -> None:
+    cfg = _serving_config(tmp_path)
+    _run_json(capsys, ["replay", "--config", str(cfg), "--synthetic-requests", "30", "--json"])
+    work = tmp_path / "work"
+    _run_json(capsys, ["replay", "--config", str(cfg), "--synthetic-requests", "30", "--workdir", str(work), "--json"])
+    assert not (tmp_path / "device.img").exists() and not (tmp_path / "serving-store").exists()
+    assert (work / "nvme.data").is_file()
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_replay_refuses_fabric_and_peer_configs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cfg = _serving_config(tmp_path, "[peers]\nserve = \"127.0.0.1:7000\"\n")
+    assert main(["replay", "--config", str(cfg), "--synthetic-requests", "10", "--json"]) == 2
+    assert "[peers]" in capsys.readouterr().err
+
+
+def test_replay_on_a_kept_store_says_it_starts_warm(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    argv = ["replay", "--synthetic-requests", "30", "--page-bytes", "4KiB", "--workdir", str(tmp_path / "w"), "--json"]
+    assert "warm_start" not in _run_json(capsys, argv)["workload"]  # type: ignore[operator]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["workload"]["warm_start"] is True and "starts warm" in out.err
+
+
 def test_replay_keep_and_workdir(capsys: pytest.CaptureFixture[str], private_tmp: Path, tmp_path: Path) -> None:
     _run_json(capsys, ["replay", "--synthetic-requests", "30", "--page-bytes", "4KiB", "--keep", "--json"])
     kept = list(private_tmp.iterdir())
@@ -80,9 +127,9 @@ def test_replay_with_config_file(capsys: pytest.CaptureFixture[str], tmp_path: P
     doc = _run_json(capsys, ["replay", "--config", str(toml), "--synthetic-requests", "40", "--page-bytes", "4KiB",
                              "--dram", "1MiB", "--json"])
     cfg = doc["config"]
-    assert cfg["path"] == str(store) and cfg["page_bytes"] == 4096  # type: ignore[index]
+    assert cfg["page_bytes"] == 4096  # type: ignore[index]
     assert cfg["dram"]["capacity_bytes"] == 1 << 20 and cfg["nvme"]["capacity_bytes"] == 16 << 20  # type: ignore[index]
-    assert store.is_dir()
+    assert cfg["path"] != str(store) and not store.exists()  # type: ignore[index]  # never the config's store
 
 
 def test_python_dash_m_help() -> None:

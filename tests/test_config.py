@@ -97,3 +97,12 @@ def test_coded_tiers_refuse_pages_their_records_cannot_describe(tmp_path: Path) 
     StoreConfig(path=str(tmp_path), model_id="m", layout=huge, nvme=NvmeConfig(1 << 40))  # raw: fine
     with pytest.raises(ConfigError, match="codec = \"none\""):
         StoreConfig(path=str(tmp_path), model_id="m", layout=huge, nvme=NvmeConfig(1 << 40, codec="lossless"))
+
+
+@pytest.mark.parametrize("table", ["store2", "tier", "peer"])
+def test_unknown_top_level_tables_are_refused(table: str) -> None:
+    data = {"store": {"path": "/tmp/x", "model_id": "m"},
+            "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 16},
+            "tiers": {"dram": {"capacity": "1MiB"}}, table: {"nvme": {"capacity": "1GiB"}}}
+    with pytest.raises(ConfigError, match=f"unknown top-level key.*{table}"):
+        config_from_dict(data, "x.toml")

@@ -61,8 +61,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     "distinct blocks, at least twice its largest request)")
     rp.add_argument("--nvme", metavar="SIZE", help="NVMe tier capacity, 0 disables the tier (default: 40%% "
                     "of the distinct blocks, at least four times the largest request)")
-    rp.add_argument("--config", metavar="TOML", help="store config to take tiers, capacities, paths and "
-                    "policy from; the page layout always comes from --page-bytes")
+    rp.add_argument("--config", metavar="TOML", help="store config to take tiers, capacities and policy "
+                    "from; the page layout always comes from --page-bytes, and the store (NVMe data included) "
+                    "goes to --workdir or a temporary directory, never to the config's paths")
     rp.add_argument("--workdir", metavar="DIR", help="store directory (kept afterwards); default: a "
                     "temporary directory removed afterwards")
     rp.add_argument("--keep", action="store_true", help="keep the temporary store directory")
@@ -158,7 +159,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         from tierkv.config import load_config
 
         base = load_config(args.config)
-    workdir, temporary = _workdir(args, base.path if base is not None else None)
+        if base.nvmeof is not None or base.peers is not None:
+            raise ConfigError(f"{args.config}: replay does not run [tiers.nvmeof] or [peers] (it would write "
+                              "synthetic pages to a fabric namespace or to other nodes); use a config without them")
+    workdir, temporary = _workdir(args)
+    if not temporary and (workdir / "index.lmdb").exists():
+        print(f"tierkv: {workdir} already holds a store: the replay starts warm (pages it holds are hits)",
+              file=sys.stderr)
+        source["warm_start"] = True
     try:
         if base is None:
             base = replay.replay_config(workdir, page_bytes, *replay.default_capacities(requests, page_bytes))
@@ -177,20 +185,25 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _workdir(args: argparse.Namespace, config_path: str | None) -> tuple[Path, bool]:
-    """The store directory and whether it is a temporary one of ours."""
+def _workdir(args: argparse.Namespace) -> tuple[Path, bool]:
+    """The store directory and whether it is a temporary one of ours (never a config's
+    store.path: a replay must not write synthetic pages into a serving store)."""
     if args.workdir is not None:
         return Path(args.workdir), False
-    if config_path is not None:
-        return Path(config_path), False
     return Path(tempfile.mkdtemp(prefix="tierkv-replay-")), True
 
 
 def _override(cfg: StoreConfig, dram: int | None, nvme: int | None) -> StoreConfig:
-    """``cfg`` with the tier capacities given on the command line (0 removes a tier)."""
+    """``cfg`` with the tier capacities given on the command line (0 removes a tier).
+
+    The NVMe tier's data always goes to the store directory: a replay writes synthetic
+    pages, and must never write them to the device or file a serving config names.
+    """
     from tierkv.config import DramConfig, NvmeConfig
 
     dram_cfg, nvme_cfg = cfg.dram, cfg.nvme
+    if nvme_cfg is not None and nvme_cfg.path is not None:
+        nvme_cfg = replace(nvme_cfg, path=None)
     if dram is not None:
         dram_cfg = DramConfig(capacity_bytes=dram) if dram else None
     if nvme is not None:

@@ -273,6 +273,10 @@ def _build(cls: type, values: Mapping[str, object], where: str) -> object:
 
 def config_from_dict(data: Mapping[str, object], source: str = "<dict>") -> StoreConfig:
     """Build a StoreConfig from parsed TOML; ``source`` names the file in errors."""
+    unknown_tables = sorted(set(data) - {"store", "layout", "tiers", "peers"})
+    if unknown_tables:  # a misspelt [tier.nvme] or [peer] must not silently drop a tier
+        raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(unknown_tables)}; "
+                          "expected [store], [layout], [tiers.*] and [peers]")
     store = _section(data, "store", source)
     layout = _build(KVLayout, _section(data, "layout", source), f"{source} [layout]")
     tiers = _section(data, "tiers", source)
