@@ -225,10 +225,11 @@ class BlockManager:
         # tier is also its first (DRAM only) has no faster tier, so skips the check.
         last = self.below(tier.kind) is None and tier is not self.tiers[0]
         entries, children, faster = self._entries, self._children, tier.kind.rank
+        parents, kept = plan.parents_below.get(tier.kind, ()), plan.kept
 
         def evictable(k: PageKey) -> bool:
             e = entries[k]
-            if k in protect or e.pins:
+            if k in protect or e.pins or k in parents or k in kept:
                 return False
             if last and len(e.slots) == 1:  # its last copy: dropped, not demoted
                 return not any(any(t.rank < faster for t in entries[c].slots) for c in children.get(k, ()))
@@ -251,6 +252,19 @@ class BlockManager:
 
     def _evict(self, key: PageKey, tier: Tier, protect: set[PageKey], plan: Plan) -> None:
         e = self._entries[key]
+        lower: Tier | None = None
+        dst: list[int] = []
+        if len(e.slots) == 1:  # its last copy: demoted to the next tier down, or dropped
+            lower = self.below(tier.kind)
+            if lower is not None and self._policies[lower.kind].admit(key, e.parent):
+                if e.parent is not None:  # see Plan.parents_below
+                    plan.parents_below.setdefault(lower.kind, set()).add(e.parent)
+                dst = self._reserve(lower, 1, protect | {key}, plan)
+            if not dst and lower is not None and self._children.get(key):
+                # Dropping it would strand its cached descendants (they went down before
+                # it, leaves first, or live below): it stays where it is for this plan.
+                plan.kept.add(key)
+                return
         slot = e.slots.pop(tier.kind)
         if self.listeners:
             self._emit("removed", tier.kind, [key], [slot])
@@ -259,10 +273,6 @@ class BlockManager:
         if tier.persistent:
             plan.deletes.setdefault(tier.kind, []).append(key)
         if not e.slots:
-            lower = self.below(tier.kind)
-            dst: list[int] = []
-            if lower is not None and self._policies[lower.kind].admit(key, e.parent):
-                dst = self._reserve(lower, 1, protect | {key}, plan)
             if dst:
                 plan.moves.append(Move(key, tier.kind, slot, lower.kind, dst[0]))  # type: ignore[union-attr]
                 e.slots[lower.kind] = dst[0]  # type: ignore[union-attr]

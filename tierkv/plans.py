@@ -68,6 +68,13 @@ class Plan:
     deletes: dict[TierKind, list[PageKey]] = field(default_factory=dict)
     dropped: int = 0
     evicted: int = 0
+    # Parents of pages this plan moves down into each tier: a tier's policy learns of a
+    # moved page only at publish, so until then its parent looks like a leaf there and
+    # must not be evicted from that tier (the page would outlive its prefix).
+    parents_below: dict[TierKind, set[PageKey]] = field(default_factory=dict)
+    # Pages a victims call offered whose last copy could neither move down nor be dropped
+    # (cached descendants depend on them): they stay, and are not offered again.
+    kept: set[PageKey] = field(default_factory=set)
 
     def ordered_moves(self) -> list[Move]:
         return sorted(self.moves, key=lambda m: -m.src.rank)

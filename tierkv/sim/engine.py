@@ -15,7 +15,9 @@ order, so a policy class behaves here exactly as it does in the store:
    inserted below before the new pages are inserted, as the transfers publish them.
    A full tier that has a tier below evicts at least ``DEMOTION_BATCH`` pages (at most
    1/16 of it) at a time, as the manager does; every tier but the last is taken to be
-   volatile, the last one persistent.
+   volatile, the last one persistent. As in the manager, a page's parent is not evicted
+   from the tier the page is being demoted into, and a page whose last copy can neither
+   move down nor be dropped (cached descendants depend on it) stays for that plan.
 
 Called by :mod:`tierkv.sim.run`; single-threaded. Keys are whatever the caller
 supplies (the simulator uses 8-byte block ids).
@@ -46,6 +48,8 @@ class SimManager:
         self.kids: dict[PageKey, set[PageKey]] = {}  # cached children of each page
         self.tier_hits = [0] * len(capacities)
         self.rejected = 0                         # puts larger than every tier together
+        self._parents_below: dict[int, set[PageKey]] = {}   # per plan, as Plan.parents_below
+        self._kept: set[PageKey] = set()                     # per plan, as Plan.kept
 
     # -- one request ---------------------------------------------------------------------
     def request(self, keys: Sequence[PageKey], now: float) -> int:
@@ -81,6 +85,7 @@ class SimManager:
             self._promote(below_top, set(hits))
 
     def _promote(self, keys: list[PageKey], protect: set[PageKey]) -> None:
+        self._parents_below, self._kept = {}, set()
         moves: list[tuple[PageKey, int]] = []
         got = self._reserve(0, len(keys), protect | set(keys), moves)
         self._publish(moves, [(k, 0) for k in keys[:got]])
@@ -94,6 +99,7 @@ class SimManager:
             self.rejected += 1
             return
         protect = {k for k, _ in new}
+        self._parents_below, self._kept = {}, set()
         moves: list[tuple[PageKey, int]] = []
         placed: list[tuple[PageKey, int]] = []
         todo = new
@@ -121,11 +127,12 @@ class SimManager:
         if need > 0:
             last, bit, kids, where = t + 1 == len(self.capacities), 1 << t, self.kids, self.where
             faster = bit - 1
+            parents, kept = self._parents_below.get(t, ()), self._kept
 
             def evictable(k: PageKey) -> bool:
                 # As the manager: the last tier keeps the last copy of a page while a
                 # child of it lives in a faster tier (dropping it would orphan the child).
-                if k in protect:
+                if k in protect or k in parents or k in kept:
                     return False
                 if last and where[k] == bit:
                     return not any(where[c] & faster for c in kids.get(k, ()))
@@ -139,25 +146,35 @@ class SimManager:
 
     def _evict(self, key: PageKey, t: int, protect: set[PageKey], moves: list[tuple[PageKey, int]]) -> None:
         mask = self.where[key] & ~(1 << t)
+        lower = t + 1
+        got = 0
+        if not mask and lower < len(self.policies):  # its last copy: demoted, or dropped
+            parent = self.parent[key]
+            if self.policies[lower].admit(key, parent):
+                if parent is not None:  # as the manager's Plan.parents_below
+                    self._parents_below.setdefault(lower, set()).add(parent)
+                got = self._reserve(lower, 1, protect | {key}, moves)
+            if not got and self.kids.get(key):  # as Plan.kept: cached descendants depend on it
+                self._kept.add(key)
+                return
         self.policies[t].remove(key)
         self.used[t] -= 1
         if not mask:
-            lower = t + 1
-            parent = self.parent[key]
-            if lower < len(self.policies) and self.policies[lower].admit(key, parent) \
-                    and self._reserve(lower, 1, protect | {key}, moves):
-                moves.append((key, lower))
-                mask = 1 << lower
-            else:
-                del self.where[key]
-                if parent is not None:
-                    sib = self.kids[parent]
-                    sib.discard(key)
-                    if not sib:
-                        del self.kids[parent]
-                del self.parent[key]
+            if not got:
+                self._drop(key)
                 return
+            moves.append((key, lower))
+            mask = 1 << lower
         self.where[key] = mask
+
+    def _drop(self, key: PageKey) -> None:
+        del self.where[key]
+        parent = self.parent.pop(key)
+        if parent is not None:
+            sib = self.kids[parent]
+            sib.discard(key)
+            if not sib:
+                del self.kids[parent]
 
     def _publish(self, moves: list[tuple[PageKey, int]], placed: list[tuple[PageKey, int]]) -> None:
         """Insert demoted pages (deepest tier first), then placed pages (fastest tier first)."""
