@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run_sim(args: argparse.Namespace) -> int:
     """The handler of ``tierkv sim``: parse, load, simulate, print."""
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    policies = list(dict.fromkeys(p.strip() for p in args.policy.split(",") if p.strip()))  # each once
     unknown = [p for p in policies if p not in POLICY_CHOICES]
     if unknown or not policies:
         raise InputError(f"--policy: unknown {', '.join(unknown) or '(empty)'}; expected from {', '.join(POLICY_CHOICES)}")

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tierkv.errors import CapacityError
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
+from tierkv.units import format_size
 
 
 def _nvidia_driver() -> bool:
@@ -53,7 +55,14 @@ class DramTier(Tier):
 
     def __init__(self, num_slots: int, slot_bytes: int) -> None:
         super().__init__(num_slots, slot_bytes, io_threads=2)
-        self._buf = _host_buffer(num_slots * slot_bytes).reshape(num_slots, slot_bytes)
+        try:
+            self._buf = _host_buffer(num_slots * slot_bytes).reshape(num_slots, slot_bytes)
+        except (MemoryError, OSError, RuntimeError) as exc:  # mmap ENOMEM; torch's pinning fails as RuntimeError
+            self._closed = True
+            self._pool.shutdown(wait=False)
+            raise CapacityError(f"dram tier: cannot allocate {format_size(num_slots * slot_bytes)} "
+                                f"({num_slots} slots of {slot_bytes} bytes): {exc}; lower [tiers.dram] "
+                                "capacity_bytes") from None
 
     @property
     def buffer(self) -> np.ndarray:
