@@ -346,3 +346,13 @@ def test_new_keyset_prefers_native(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(keys, "_native", None)
     assert isinstance(keys.new_keyset(), keys.KeySet)
     assert chain_keys(np.arange(48, dtype="<u4"), 16, NS) == _chain_keys_py(np.arange(48, dtype="<u4"), 16, NS)
+
+
+@pytest.mark.parametrize("tenant", ["\udc80", bytearray(b"t"), ["t"], 7])
+def test_bad_tenants_are_input_errors_in_the_store_too(tmp_path: Path, tenant: object) -> None:
+    from tests.conftest import make_config
+    from tierkv.api import Store
+
+    with Store.open(make_config(tmp_path / "s", 4, 0)) as s:
+        with pytest.raises(InputError, match="tenant salt"):
+            s.lookup(np.arange(32, dtype=np.int64), tenant=tenant)  # type: ignore[arg-type]

@@ -71,6 +71,14 @@ def test_replay_is_deterministic_and_dram_only_works(tmp_path: Path, small_synth
     _check_consistent(a, 150)
 
 
+def test_tenants_sharing_block_ids_share_nothing(tmp_path: Path) -> None:
+    """The same blocks from two tenants: no hit, and the unbounded-cache bound says so too."""
+    tpp = replay_config(tmp_path / "x", PAGE, 64 * PAGE, None).layout.tokens_per_page
+    reqs = [Request(0.0, (1, 2, 3), 3 * tpp, 1, tenant="alice"), Request(1.0, (1, 2, 3), 3 * tpp, 1, tenant="bob")]
+    r = run_replay(reqs, replay_config(tmp_path / "s", PAGE, 64 * PAGE, None), progress=False)
+    assert r.prefix_hit_rate == 0.0 and r.ideal_hit_rate == 0.0
+
+
 @pytest.mark.skipif(not TRACE.is_file(), reason="Mooncake trace not present")
 def test_trace_prefix_replay(tmp_path: Path) -> None:
     reqs = list(read_mooncake(TRACE, limit=300))

@@ -25,7 +25,8 @@ import numpy as np
 from tierkv.config import StoreConfig, load_config
 from tierkv.errors import InputError, StoreClosedError, TierIOError
 from tierkv.index_check import mark_clean
-from tierkv.keys import KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest, split_keys
+from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest, split_keys,
+                         tenant_salt)
 from tierkv.layout import KVLayout
 from tierkv.manager import Entry
 from tierkv.opening import open_store_parts, release_dir
@@ -118,7 +119,7 @@ class Store:
 
     # -- keys ----------------------------------------------------------------------------
     def _keys(self, tokens: Tokens, tenant: str | bytes) -> bytes:
-        salt = tenant.encode() if isinstance(tenant, str) else tenant
+        salt = tenant_salt(tenant)
         ns = self._namespaces.get(salt)
         if ns is None:
             ns = self._namespaces[salt] = namespace_digest(self.config.model_id, self.layout, salt)

@@ -54,15 +54,24 @@ def namespace_digest(model_id: str, layout: KVLayout, tenant: str | bytes = b"")
     """
     if not isinstance(model_id, str) or not model_id:
         raise InputError(f"model_id must be a non-empty string, got {model_id!r}")
-    if isinstance(tenant, str):
-        tenant = tenant.encode()
-    if not isinstance(tenant, bytes):
-        raise InputError(f"tenant salt must be str or bytes, got {type(tenant).__name__}")
+    tenant = tenant_salt(tenant)
     header = json.dumps({"v": 1, "model": model_id, "layout": layout.fingerprint().decode()},
                         sort_keys=True).encode()
     # Length-prefix each part so that no (model, tenant) pair can collide with another.
     material = len(header).to_bytes(8, "little") + header + len(tenant).to_bytes(8, "little") + tenant
     return xxhash.xxh3_128_digest(b"tierkv-namespace\0" + material)
+
+
+def tenant_salt(tenant: object) -> bytes:
+    """A tenant as the bytes that salt its namespace (a str is UTF-8); InputError otherwise."""
+    if isinstance(tenant, str):
+        try:
+            return tenant.encode()
+        except UnicodeEncodeError as exc:  # a lone surrogate cannot be UTF-8
+            raise InputError(f"tenant salt {tenant!r} is not encodable as UTF-8: {exc.reason}") from None
+    if not isinstance(tenant, bytes):
+        raise InputError(f"tenant salt must be str or bytes, got {type(tenant).__name__}")
+    return tenant
 
 
 def as_token_array(tokens: Tokens) -> np.ndarray:

@@ -209,7 +209,7 @@ class _Tally:
         self.stored = self.already_present = self.dropped = self.rejected = self.verified = 0
         self.tier_blocks: dict[str, int] = {name: 0 for name in tier_names}
         self.timings = {"lookup": 0.0, "get": 0.0, "put": 0.0, "prefill": 0.0, "verify": 0.0}
-        self.seen: set[int] = set()
+        self.seen: set[tuple[str, int]] = set()   # (tenant, block): tenants never share pages
 
 
 class _Replayer:
@@ -231,13 +231,13 @@ class _Replayer:
             self.buf = np.empty((max(n, 2 * self.buf.shape[0]), self.layout.page_bytes), dtype=np.uint8)
         return self.buf[:n]
 
-    def _ideal(self, blocks: Sequence[int]) -> None:
+    def _ideal(self, tenant: str, blocks: Sequence[int]) -> None:
         t = self.tally
         lead = 0
-        while lead < len(blocks) and blocks[lead] in t.seen:
+        while lead < len(blocks) and (tenant, blocks[lead]) in t.seen:
             lead += 1
         t.ideal_hits += lead
-        t.seen.update(blocks)
+        t.seen.update((tenant, b) for b in blocks)
 
     def run(self, index: int, req: Request) -> None:
         t = self.tally
@@ -245,7 +245,7 @@ class _Replayer:
         t.requests += 1
         t.prompt_tokens += req.input_tokens
         t.blocks_requested += n
-        self._ideal(req.blocks[:n])
+        self._ideal(req.tenant, req.blocks[:n])
         if n == 0:
             return
         tokens = request_tokens(req, self.block)

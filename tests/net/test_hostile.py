@@ -156,3 +156,54 @@ def test_a_message_trickled_in_is_cut_at_the_deadline(server: PeerServer) -> Non
                 sock.sendall(b"x")
                 time.sleep(CFG.timeout_s / 4)
             raise AssertionError("the server kept a trickling message open past its deadline")
+
+
+def test_a_lookup_never_vouches_for_a_page_that_replaced_the_one_asked_for() -> None:
+    """The owner reuses a slot for another key (another tenant's page) while lookups run:
+    every meta a lookup returns for key A is A's page or empty, never the new page's."""
+    import sys
+
+    from tierkv.net.server import SlotStore
+    from tierkv.net.wire import page_checksum
+
+    with DramTier(1, W) as tier:
+        store = SlotStore(tier)
+        a, b = pages(1, W, 3)[0], pages(1, W, 4)[0]
+        sums = {page_checksum(a.data): b"A", page_checksum(b.data): b"B"}
+        stop = threading.Event()
+
+        def owner() -> None:
+            gen = 1
+            while not stop.is_set():
+                for key, page in ((b"A", a), (b"B", b)):
+                    store.unseal([b"A", b"B"], [0, 0])
+                    tier.buffer[0] = page
+                    gen += 1
+                    store.seal([key], [0], gen, W)
+
+        class Yielding:
+            """The store's lock, giving the other thread a turn after every release."""
+
+            def __init__(self) -> None:
+                self._lock = threading.Lock()
+
+            def __enter__(self) -> None:
+                self._lock.acquire()
+
+            def __exit__(self, *exc: object) -> None:
+                self._lock.release()
+                time.sleep(0.0001)
+
+        store._lock = Yielding()  # type: ignore[assignment]
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        t = threading.Thread(target=owner)
+        t.start()
+        try:
+            for _ in range(1500):
+                (meta,) = decode_metas(store.call(Call("lookup", encode_keys([b"A"]))).body)
+                assert meta.generation == 0 or sums[meta.checksum] == b"A"
+        finally:
+            stop.set()
+            t.join()
+            sys.setswitchinterval(old)

@@ -54,11 +54,15 @@ class SlotStore:
     def meta(self, slot: int) -> PageMeta:
         """The slot's page; an empty one (never written, withdrawn, or mid-write) has no bytes."""
         with self._lock:
-            r = self.metas[slot]
-            gen = int(r["generation"])
-            if gen == EMPTY_GENERATION:  # unseal and put leave the old length behind
-                return PageMeta(slot, EMPTY_GENERATION, 0, 0)
-            return PageMeta(slot, gen, int(r["length"]), int(r["checksum"]))
+            return self._meta_held(slot)
+
+    def _meta_held(self, slot: int) -> PageMeta:
+        """:meth:`meta` for a caller holding ``self._lock``."""
+        r = self.metas[slot]
+        gen = int(r["generation"])
+        if gen == EMPTY_GENERATION:  # unseal and put leave the old length behind
+            return PageMeta(slot, EMPTY_GENERATION, 0, 0)
+        return PageMeta(slot, gen, int(r["length"]), int(r["checksum"]))
 
     def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Announce that ``keys[i]`` lives in ``slots[i]`` (already written)."""
@@ -181,6 +185,9 @@ class SlotStore:
 
     def _lookup(self, body: bytes) -> bytes:
         keys = decode_keys(body)
+        # Slot and meta under one hold: between two, the owner could reuse the slot for
+        # another page (another tenant's), whose meta would then vouch for it under this key.
         with self._lock:
             slots = [self._index.get(k, -1) for k in keys]
-        return encode_metas([self.meta(s) if s >= 0 else PageMeta(0, EMPTY_GENERATION, 0, 0) for s in slots])
+            metas = [self._meta_held(s) if s >= 0 else PageMeta(0, EMPTY_GENERATION, 0, 0) for s in slots]
+        return encode_metas(metas)
