@@ -34,7 +34,7 @@ import torch
 
 from tierkv.engine import cuda
 from tierkv.engine.layout import EngineLayout, EngineLayoutKind, PageGeometry
-from tierkv.engine.rows import CopyPath, Indices, as_indices, check_rows, check_rows_tensor, copy_runs, default_path
+from tierkv.engine.rows import CopyPath, Indices, as_indices, check_rows, check_rows_tensor, copy_runs, parse_path
 from tierkv.errors import InputError
 from tierkv.layout import KVLayout
 
@@ -51,15 +51,17 @@ class EngineKV:
     """
 
     def __init__(self, layout: EngineLayout, layers: Sequence[torch.Tensor], store: KVLayout,
-                 path: CopyPath | None = None, max_ctas: int | None = None) -> None:
+                 path: CopyPath | str | None = None, max_ctas: int | None = None) -> None:
         self.layout = layout
         self.geometry: PageGeometry = layout.geometry(store)
         self._layers = list(layers)
         self.num_blocks, block_stride, plane_stride = _check_layers(layout, self._layers)
         self.device = self._layers[0].device
-        self.path = path or default_path(self.device)
+        self.path = parse_path(path, self.device)
         if self.path is CopyPath.KERNEL and self.device.type == "cuda" and not cuda.kernel_available():
             raise InputError("CopyPath.KERNEL needs CuPy on a CUDA machine; use CopyPath.TORCH")
+        if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
+            raise InputError(f"max_ctas must be a positive integer or None, got {max_ctas!r}")
         self.max_ctas = max_ctas
         item = layout.dtype.itemsize
         self._block_stride, self._plane_stride = block_stride * item, plane_stride * item
@@ -161,7 +163,7 @@ class EngineKV:
         total = self.geometry.num_layers
         if layers is None:
             return range(total)
-        if layers.step != 1 or not 0 <= layers.start <= layers.stop <= total:
+        if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start <= layers.stop <= total:
             raise InputError(f"layers must be a contiguous range inside [0, {total}), got {layers}")
         return layers
 

@@ -63,8 +63,10 @@ class EngineLayout:
     @classmethod
     def for_store(cls, store: KVLayout, kind: EngineLayoutKind | str, block_size: int | None = None) -> EngineLayout:
         """The engine layout of ``kind`` matching ``store`` (block size defaults to its tokens per page)."""
-        return cls(EngineLayoutKind(kind) if isinstance(kind, str) else kind, store.num_layers,
-                   block_size or store.tokens_per_page, store.num_kv_heads, store.head_dim, store.dtype)
+        # The constructor parses and checks ``kind`` and ``block_size`` (0 is refused, not defaulted).
+        return cls(kind, store.num_layers,  # type: ignore[arg-type]
+                   store.tokens_per_page if block_size is None else block_size,
+                   store.num_kv_heads, store.head_dim, store.dtype)
 
     @property
     def planes(self) -> int:

@@ -33,6 +33,18 @@ class CopyPath(enum.Enum):
     KERNEL = "kernel"
 
 
+def parse_path(path: CopyPath | str | None, device: torch.device) -> CopyPath:
+    """``path`` as a :class:`CopyPath` (its value spelled out is fine); None: :func:`default_path`."""
+    if path is None:
+        return default_path(device)
+    if isinstance(path, CopyPath):
+        return path
+    try:
+        return CopyPath(str(path).lower())
+    except ValueError:
+        raise InputError(f"copy path must be one of {', '.join(p.value for p in CopyPath)}, got {path!r}") from None
+
+
 def default_path(device: torch.device) -> CopyPath:
     """``KERNEL`` on CUDA where CuPy can build it, else ``TORCH``."""
     return CopyPath.KERNEL if device.type == "cuda" and cuda.kernel_available() else CopyPath.TORCH
@@ -56,7 +68,7 @@ def check_rows_tensor(t: torch.Tensor, width: int, what: str) -> None:
         raise InputError(f"{what} must be a torch tensor, got {type(t).__name__}")
     if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] < width:
         raise InputError(f"{what} must be uint8 [rows, >= {width}], got {t.dtype} {list(t.shape)}")
-    if t.shape[1] > 1 and t.stride(1) != 1 or t.shape[0] > 1 and t.stride(0) < t.shape[1]:
+    if t.shape[0] and (t.shape[1] > 1 and t.stride(1) != 1 or t.shape[0] > 1 and t.stride(0) < t.shape[1]):
         raise InputError(f"{what} rows must be contiguous and disjoint, got strides {list(t.stride())}")
 
 

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from tierkv.engine.rows import CopyPath, Indices, as_indices, check_rows, check_rows_tensor, copy_rows, default_path
+from tierkv.engine.rows import CopyPath, Indices, as_indices, check_rows, check_rows_tensor, copy_rows, parse_path
 from tierkv.engine.streams import CopyStream
 from tierkv.errors import CapacityError, ConfigError, InputError, TierIOError
 from tierkv.tiers.base import Tier, TierKind
@@ -35,7 +35,7 @@ class HbmTier(Tier):
     persistent = False
 
     def __init__(self, num_slots: int, slot_bytes: int, device: str | torch.device = "cuda",
-                 path: CopyPath | None = None) -> None:
+                 path: CopyPath | str | None = None) -> None:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"an HBM tier on {dev} needs a CUDA device, and none is available here")
@@ -53,7 +53,7 @@ class HbmTier(Tier):
             free, total = torch.cuda.mem_get_info(dev)
             raise CapacityError(f"{asked}, {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB free") from None
         self.device = self._buf.device
-        self.path = path or default_path(self.device)
+        self.path = parse_path(path, self.device)
         self._copies = CopyStream(self.device)
 
     @property
