@@ -27,6 +27,32 @@ def test_real_pages_round_trip(kv_layers: dict, dtype: DType, simd: bool) -> Non
 
 
 @requires_native
+@pytest.mark.parametrize("tokens", [65, 128, 512])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.value)
+def test_real_pages_of_more_than_64_tokens_round_trip(kv_layers: dict, dtype: DType, tokens: int,
+                                                      simd: bool) -> None:
+    """Signs are decoded 64 rows at a time; pages longer than that went wrong (a review)."""
+    layout, rows = real_pages(kv_layers, dtype, tokens)
+    if not len(rows):
+        pytest.skip(f"the KV sample has fewer than {tokens} tokens")
+    with Codec(layout) as codec:
+        roundtrip(codec, rows)
+
+
+@requires_native
+@pytest.mark.parametrize("tokens, flip", [(65, 64), (129, 64), (200, 128), (512, 192), (100, 63), (100, 65)])
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16], ids=lambda d: d.value)
+def test_a_first_sign_flip_on_a_64_row_boundary_round_trips(dtype: DType, tokens: int, flip: int,
+                                                              simd: bool) -> None:
+    layout = KVLayout(1, 1, 64, dtype, tokens)
+    x = np.abs(np.random.default_rng(1).standard_normal(layout.page_shape)).astype(np.float32) + 0.1
+    x[0, 0, flip:, 0, 5] *= -1          # one channel positive until row ``flip``, negative after
+    rows = torch.from_numpy(x).to(getattr(torch, dtype.torch_name)).contiguous().view(torch.uint8)
+    with Codec(layout, native=True) as codec:
+        roundtrip(codec, rows.reshape(1, -1).numpy().copy())
+
+
+@requires_native
 def test_simd_and_portable_paths_agree(kv_layers: dict) -> None:
     from tierkv.codec import _codec  # type: ignore[attr-defined]
 

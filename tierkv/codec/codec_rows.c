@@ -84,7 +84,7 @@ plane_signs(Dec *D, int coded, uint32_t nrows)
         for (uint32_t k0 = 0; k0 < nrows; k0 += 64) {
             uint32_t n = nrows - k0 < 64 ? nrows - k0 : 64, at = 0;
             uint64_t w = 0;
-            if (fc > k0) {
+            if (coded && fc >= k0) {   /* fc == k0: the inverted row opens this block */
                 at = fc - k0 < n ? fc - k0 : n;
                 w = s0 ? (at == 64 ? ~0ull : (1ull << at) - 1) : 0;
                 if (at < n) w |= (s0 ^ 1) << at++;
