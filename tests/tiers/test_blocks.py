@@ -130,3 +130,21 @@ def test_reader_views_are_bounded_and_read_back(tier: BlockPageTier) -> None:
     out = np.zeros_like(src)
     tier.read([tier.view(e) for e in exts], out)  # type: ignore[arg-type]
     np.testing.assert_array_equal(out, src)
+
+
+def test_slot_wide_reads_of_coded_pages_pad_with_zeros(tmp_path: Path) -> None:
+    """A page narrower than its slot (4,352 of 8,192 bytes) reads back slot-wide like a raw one."""
+    from tests.codec.conftest import normal_pages
+
+    layout = KVLayout(1, 1, 68, DType.BF16, 16)
+    assert layout.page_bytes == 4352
+    rows = normal_pages(layout, 4)
+    blocks = NvmeTier(tmp_path / "narrow.dat", 4 * 2, ALIGN)
+    with BlockPageTier(blocks, 4, layout.page_bytes, CodecChoice(CodecMode.LOSSLESS, Codec(layout))) as t:
+        handles = t.allocate(4)
+        t.write(handles, rows)
+        assert any(sum(c for _, c in t.extents(h) or ()) < 2 for h in handles)   # some are coded
+        wide = np.full((4, t.slot_bytes), 0xEE, dtype=np.uint8)
+        t.read(handles, wide)
+    np.testing.assert_array_equal(wide[:, :layout.page_bytes], rows)
+    assert not wide[:, layout.page_bytes:].any()

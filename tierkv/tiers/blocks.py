@@ -284,9 +284,11 @@ class BlockPageTier(Tier):
         out = dst if whole else np.empty((len(coded), self.page_bytes), dtype=np.uint8)
         report = codec.decode_into(blobs, out)
         if not whole:
+            width = min(dst.shape[1], self.page_bytes)
             for j, i in enumerate(coded):
                 if j not in report.failed:
-                    dst[i] = out[j, :dst.shape[1]]
+                    dst[i, :width] = out[j, :width]
+                    dst[i, width:] = 0  # a slot-wide read: a page's padding is zeros, as raw pages store it
         if not report.ok:
             rows = tuple(coded[j] for j in report.failed)
             raise UndecodablePageError(f"{self.kind.value} tier: {len(rows)} stored pages do not decode "
