@@ -42,7 +42,7 @@ from tierkv.net.rdma_link import Link
 from tierkv.net.server import META_DTYPE
 from tierkv.net.tcp import TcpTransport
 from tierkv.net.transport import CallResult, LinkStats, NetConfig, PeerInfo, ReadResult, Transport, WriteResult
-from tierkv.net.verify import check_generations, check_rows, check_slots, copy_accepted, failed_read
+from tierkv.net.verify import copy_accepted, failed_read, read_args, write_args
 from tierkv.net.wire import Call, Kind, PageMeta, Pages, Reply, Stage, WriteAck, WriteStatus, page_checksum
 from tierkv.net.window import SendWindow
 
@@ -114,8 +114,7 @@ class RdmaTransport(Transport):
     # -- operations -------------------------------------------------------------------------
     def read(self, slots: Sequence[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None = None,
              channel: int = 0) -> Future[ReadResult]:
-        slots = check_slots(slots, self.info.num_slots)
-        check_rows(dst, len(slots), self.info.slot_bytes, "read destination")
+        slots = read_args(slots, dst, self.info)
         fut: Future[ReadResult] = Future()
         if not slots:
             fut.set_result(ReadResult((), ()))
@@ -155,9 +154,7 @@ class RdmaTransport(Transport):
 
     def write(self, slots: Sequence[int], generations: Sequence[int], src: np.ndarray,
               channel: int = 0) -> Future[WriteResult]:
-        slots = check_slots(slots, self.info.num_slots)
-        generations = check_generations(generations, len(slots))
-        check_rows(src, len(slots), self.info.slot_bytes, "write source")
+        slots, generations = write_args(slots, generations, src, self.info)
         fut: Future[WriteResult] = Future()
         if not slots:
             fut.set_result(WriteResult(()))

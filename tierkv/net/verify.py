@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tierkv.errors import InputError
-from tierkv.net.transport import ReadResult
+from tierkv.net.transport import PeerInfo, ReadResult
 from tierkv.net.wire import EMPTY_GENERATION, PageMeta, page_checksum
 
 
@@ -72,3 +72,19 @@ def check_generations(generations: Sequence[int], n: int) -> list[int]:
     if bad:
         raise InputError(f"generation {bad[0]} is outside 1 .. 2**64-1")
     return out
+
+
+def read_args(slots: Sequence[int], dst: np.ndarray, info: PeerInfo) -> list[int]:
+    """A read's slots, checked against the peer, with its destination rows (both transports)."""
+    out = check_slots(slots, info.num_slots)
+    check_rows(dst, len(out), info.slot_bytes, "read destination")
+    return out
+
+
+def write_args(slots: Sequence[int], generations: Sequence[int], src: np.ndarray,
+               info: PeerInfo) -> tuple[list[int], list[int]]:
+    """A write's slots and generations, checked against the peer, with its source rows."""
+    out = check_slots(slots, info.num_slots)
+    gens = check_generations(generations, len(out))
+    check_rows(src, len(out), info.slot_bytes, "write source")
+    return out, gens
