@@ -77,6 +77,7 @@ def test_a_reply_that_does_not_add_up_fails_its_request_only(server: PeerServer,
         dst = np.zeros((2, W), np.uint8)
         r = tr.read([0, 1], dst).result(5)
         assert r.ok == (False, False) and "malformed" in (r.error or "")
+        assert [s.bad_replies for s in tr.stats()] == [1]
         monkeypatch.setattr(server.store, "read", real)
         assert tr.read([0, 1], dst).result(5).all_ok
     assert thread_errors == []

@@ -89,7 +89,8 @@ class TcpLink:
 
     def stats(self) -> LinkStats:
         c = self.counts
-        return LinkStats(c["sent"], self.window.resends, c["naks"], c["expired"], c["reconnects"], self.gate.waits)
+        return LinkStats(c["sent"], self.window.resends, c["naks"], c["expired"], c["reconnects"], self.gate.waits,
+                         c["bad_replies"])
 
     def submit(self, req: _Req) -> None:
         if self._closed.is_set():

@@ -101,7 +101,8 @@ class CallResult:
 @dataclass(frozen=True)
 class LinkStats:
     """Counters of one connection (QP): messages sent, resent after reconnects, NAKed by
-    the receiver (RNR), expired, reconnects, and how often the sender waited for credits."""
+    the receiver (RNR), expired, reconnects, how often the sender waited for credits, and
+    replies that did not add up (their requests failed; TCP only)."""
 
     sent: int
     resent: int
@@ -109,6 +110,7 @@ class LinkStats:
     expired: int
     reconnects: int
     credit_waits: int
+    bad_replies: int = 0
 
 
 class Transport(abc.ABC):
