@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from tierkv.cli import main
+from tierkv.config import load_config
+from tierkv.errors import ConfigError
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -81,6 +83,27 @@ def test_replay_config_never_writes_to_the_configs_paths(capsys: pytest.CaptureF
     assert not (tmp_path / "device.img").exists() and not (tmp_path / "serving-store").exists()
     assert (work / "nvme.data").is_file()
     assert list(private_tmp.iterdir()) == []
+
+
+def test_replay_config_needs_no_layout_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cfg = _serving_config(tmp_path)
+    text = cfg.read_text()
+    cfg.write_text(text[:text.index("[layout]")] + text[text.index("[tiers.dram]"):])
+    doc = _run_json(capsys, ["replay", "--config", str(cfg), "--synthetic-requests", "20", "--page-bytes", "4KiB",
+                             "--json"])
+    assert doc["requests"] == 20
+    assert doc["config"]["page_bytes"] == 4096                  # type: ignore[index]
+    assert doc["config"]["dram_pages"] == 256                   # type: ignore[index]  # the config's 1 MiB
+    with pytest.raises(ConfigError, match=r"\[layout\]"):       # a store still needs the table
+        load_config(cfg)
+
+
+def test_replay_refuses_a_seed_with_a_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n')
+    assert main(["replay", "--trace", str(trace), "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and len(err.strip().splitlines()) == 1
 
 
 def test_replay_refuses_fabric_and_peer_configs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

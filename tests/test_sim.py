@@ -218,10 +218,16 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize("argv", [
     ["--policy", "nope"], ["--capacity", "abc"], ["--capacity", "0"], ["--trace", "/does/not/exist"],
     ["--limit", "-1"], ["--plot", "x.svg"], ["--tiers", "1%,5%", "--policy", "lru-stack"], ["--bogus"],
-    ["--mix", "nope=1"], ["--mix", "documents=0"], ["--trace", "/dev/null", "--mix", "documents=3"],
+    ["--mix", "nope=1"], ["--mix", "documents=0"], ["--trace", "TRACE", "--mix", "documents=3"],
+    ["--trace", "TRACE", "--seed", "3"],
 ])
-def test_bad_input_is_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main_sim(["--synthetic-requests", "50", *argv]) == 2
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    if "TRACE" in argv:     # a real trace, so only the flag combination can be what is refused
+        argv = [str(_trace(tmp_path)) if a == "TRACE" else a for a in argv]
+    else:
+        argv = ["--synthetic-requests", "50", *argv]
+    assert main_sim(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err and "\n" not in err and "Traceback" not in err
 

@@ -223,3 +223,14 @@ def test_load_requests_records_the_mix_it_used() -> None:
     assert reqs == synthetic(2, 30, SyntheticMix(rag_share=0.0, agent_share=0.0))
     assert source == {"source": "synthetic", "seed": 2, "mix": {"rag_share": 0.0, "agent_share": 0.0}}
     assert load_requests(None, None, 30, 2)[1] == {"source": "synthetic", "seed": 2}
+
+
+def test_load_requests_refuses_a_seed_or_mix_with_a_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n')
+    assert load_requests(trace, None, 30, None)[1] == {"source": "mooncake", "trace": str(trace)}
+    with pytest.raises(InputError, match="--seed .* cannot be used with --trace"):
+        load_requests(trace, None, 30, 0)
+    with pytest.raises(InputError, match="--mix"):
+        load_requests(trace, None, 30, None, SyntheticMix())
+    assert load_requests(None, None, 5, None)[1] == {"source": "synthetic", "seed": 0}

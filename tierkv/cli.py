@@ -50,7 +50,7 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--synthetic-requests", type=int, metavar="N", default=None,
                      help=f"requests of the synthetic mix (default {DEFAULT_SYNTHETIC_REQUESTS})")
     rp.add_argument("--limit", type=int, metavar="N", help="replay at most the first N requests")
-    rp.add_argument("--seed", type=int, default=0, help="seed of the synthetic mix (default 0)")
+    rp.add_argument("--seed", type=int, default=None, help="seed of the synthetic mix (default 0; not with --trace)")
     rp.add_argument("--mix", metavar="FIELD=VALUE,...", default=None,
                     help="change the synthetic mix, e.g. conversation_share=1,rag_share=0,agent_share=0 or "
                          "think_time_s_mean=300,system_prompt_blocks=4-16 (fields of tierkv.workload.SyntheticMix; "
@@ -158,7 +158,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.config is not None:
         from tierkv.config import load_config
 
-        base = load_config(args.config)
+        base = load_config(args.config, layout)   # the replay sets its own layout
         if base.nvmeof is not None or base.peers is not None:
             raise ConfigError(f"{args.config}: replay does not run [tiers.nvmeof] or [peers] (it would write "
                               "synthetic pages to a fabric namespace or to other nodes); use a config without them")

@@ -271,14 +271,20 @@ def _build(cls: type, values: Mapping[str, object], where: str) -> object:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def config_from_dict(data: Mapping[str, object], source: str = "<dict>") -> StoreConfig:
-    """Build a StoreConfig from parsed TOML; ``source`` names the file in errors."""
+def config_from_dict(data: Mapping[str, object], source: str = "<dict>",
+                     layout: KVLayout | None = None) -> StoreConfig:
+    """Build a StoreConfig from parsed TOML; ``source`` names the file in errors.
+
+    ``layout``, if given, is used when the data has no ``[layout]`` table (a caller that
+    sets the layout itself, as ``tierkv replay`` does); otherwise the table is required.
+    """
     unknown_tables = sorted(set(data) - {"store", "layout", "tiers", "peers"})
     if unknown_tables:  # a misspelt [tier.nvme] or [peer] must not silently drop a tier
         raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(unknown_tables)}; "
                           "expected [store], [layout], [tiers.*] and [peers]")
     store = _section(data, "store", source)
-    layout = _build(KVLayout, _section(data, "layout", source), f"{source} [layout]")
+    if layout is None or "layout" in data:
+        layout = _build(KVLayout, _section(data, "layout", source), f"{source} [layout]")  # type: ignore[assignment]
     tiers = _section(data, "tiers", source)
     unknown = sorted(set(tiers) - {"hbm", "dram", "nvme", "nvmeof"})
     if unknown:
@@ -301,8 +307,9 @@ def config_from_dict(data: Mapping[str, object], source: str = "<dict>") -> Stor
     return cfg
 
 
-def load_config(path: str | os.PathLike[str]) -> StoreConfig:
-    """Read a TOML store config; relative ``store.path`` resolves against the current directory."""
+def load_config(path: str | os.PathLike[str], layout: KVLayout | None = None) -> StoreConfig:
+    """Read a TOML store config; relative ``store.path`` resolves against the current directory.
+    ``layout`` stands in for a missing ``[layout]`` table (see :func:`config_from_dict`)."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())
@@ -312,4 +319,4 @@ def load_config(path: str | os.PathLike[str]) -> StoreConfig:
         raise ConfigError(f"cannot read config file {p}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from None
-    return config_from_dict(data, str(p))
+    return config_from_dict(data, str(p), layout)

@@ -416,17 +416,22 @@ def parse_mix(spec: str) -> SyntheticMix:
 
 
 def load_requests(trace: str | os.PathLike[str] | None, limit: int | None, synthetic_requests: int,
-                  seed: int, mix: SyntheticMix | None = None) -> tuple[list[Request], dict[str, object]]:
+                  seed: int | None, mix: SyntheticMix | None = None) -> tuple[list[Request], dict[str, object]]:
     """The requests a CLI command runs: the Mooncake ``trace`` if given, else
     ``synthetic_requests`` of the synthetic ``mix`` (default: the built-in one) for
-    ``seed``; at most ``limit`` either way. Returns them with a JSON-ready description
-    of their source (the mix's fields that differ from the defaults, if any)."""
+    ``seed`` (default 0); at most ``limit`` either way. Returns them with a JSON-ready
+    description of their source (the mix's fields that differ from the defaults, if any).
+    A seed or a mix given with a trace is an error: a trace runs as recorded."""
     if trace is not None:
         if mix is not None:
             raise InputError("--mix describes the synthetic mix; it cannot be used with --trace")
+        if seed is not None:
+            raise InputError("--seed seeds the synthetic mix; a trace runs as recorded, so it cannot be "
+                             "used with --trace")
         return list(read_mooncake(trace, limit)), {"source": "mooncake", "trace": str(trace)}
     n = synthetic_requests if limit is None else min(synthetic_requests, limit)
     mix = mix or SyntheticMix()
+    seed = 0 if seed is None else seed
     source: dict[str, object] = {"source": "synthetic", "seed": seed}
     changed = {f.name: getattr(mix, f.name) for f in dataclasses.fields(SyntheticMix)
                if getattr(mix, f.name) != f.default}

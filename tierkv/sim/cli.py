@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     src.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace; default: the synthetic mix")
     src.add_argument("--synthetic-requests", type=int, metavar="N", default=None,
                      help=f"requests of the synthetic mix (default {DEFAULT_SYNTHETIC_REQUESTS})")
-    sp.add_argument("--seed", type=int, default=0, help="seed of the synthetic mix (default 0)")
+    sp.add_argument("--seed", type=int, default=None, help="seed of the synthetic mix (default 0; not with --trace)")
     sp.add_argument("--mix", metavar="FIELD=VALUE,...", default=None,
                     help="change the synthetic mix, e.g. conversation_share=1,rag_share=0,agent_share=0 or "
                          "think_time_s_mean=300,system_prompt_blocks=4-16 (fields of tierkv.workload.SyntheticMix; "
