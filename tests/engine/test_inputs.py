@@ -47,3 +47,30 @@ def test_empty_batches_are_no_ops_and_layers_must_be_a_range() -> None:
     assert kv.gather([], out=empty).shape[0] == 0
     with pytest.raises(InputError, match="contiguous range"):
         kv.gather([0, 1], layers=[0])  # type: ignore[arg-type]
+
+
+def test_layers_that_share_memory_are_refused() -> None:
+    layout = EngineLayout.for_store(STORE, "flash", 4)
+    one = torch.zeros(layout.layer_shape(6), dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="layers 0 and 1 share memory"):
+        EngineKV(layout, [one, one], STORE)
+    big = torch.zeros((2, 7, 4, 2, 8), dtype=torch.bfloat16)      # layer 1 starts one block into layer 0
+    with pytest.raises(InputError, match="layers 0 and 1 share memory"):
+        EngineKV(layout, [big[:, :6], big[:, 1:]], STORE)
+    tight = torch.zeros((2, 2048), dtype=torch.bfloat16)           # blocks one token apart overlap
+    views = [torch.as_strided(t, layout.layer_shape(6), (6 * 64, 16, 16, 8, 1)) for t in tight]
+    with pytest.raises(InputError, match="overlap inside a layer"):
+        EngineKV(layout, views, STORE)
+
+
+def test_layer_interleaved_views_of_one_allocation_are_accepted() -> None:
+    """[blocks, layers, 2, block, heads, dim] split into per-layer FLASH views: spans
+    overlap, bytes do not, and copies keep blocks apart."""
+    layout = EngineLayout.for_store(STORE, "flash", 4)
+    alloc = torch.zeros((6, STORE.num_layers, 2, 4, 2, 8), dtype=torch.bfloat16)
+    layers = [alloc[:, i].transpose(0, 1) for i in range(STORE.num_layers)]
+    kv = EngineKV(layout, layers, STORE)
+    pages = torch.arange(2 * STORE.page_bytes, dtype=torch.int64).remainder(251).to(torch.uint8).view(2, -1)
+    kv.scatter(pages, [0, 1, 4, 5])
+    assert torch.equal(kv.gather([0, 1, 4, 5]), pages)
+    assert not alloc[2:4].any()

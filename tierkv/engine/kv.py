@@ -21,7 +21,9 @@ Two paths (:class:`CopyPath`), chosen per registration:
 Copies are stream-ordered on the current CUDA stream and return at once (synchronize,
 or run them under :class:`~tierkv.engine.streams.CopyStream` for a future); on CPU they
 complete before returning. Arguments are checked before anything moves: block ids and
-rows in range, no duplicate destinations, dtype, shapes and devices (InputError).
+rows in range, no duplicate destinations, dtype, shapes and devices (InputError); at
+registration, that no two (layer, block, K/V plane) chunks share bytes (0.4 s once for
+100,000 blocks of 32 layer-interleaved layers, milliseconds for separate tensors).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class EngineKV:
         item = layout.dtype.itemsize
         self._block_stride, self._plane_stride = block_stride * item, plane_stride * item
         self._layer_addrs = np.array([t.data_ptr() for t in self._layers], dtype=np.int64)
+        _check_disjoint(self._layer_addrs, self.num_blocks, layout.planes, layout.chunk_bytes,
+                        self._block_stride, self._plane_stride)
         self._chunks = [torch.as_strided(t.view(torch.uint8), (self.num_blocks, layout.planes, layout.chunk_bytes),
                                          (self._block_stride, self._plane_stride, 1),
                                          t.storage_offset() * item) for t in self._layers]
@@ -288,3 +292,30 @@ def _check_layers(layout: EngineLayout, layers: list[torch.Tensor]) -> tuple[int
                          f"got strides {list(first.stride())}")
     plane_stride = 0 if layout.kind is EngineLayoutKind.MLA else first.stride(1 - block_dim)
     return num_blocks, first.stride(block_dim), plane_stride
+
+
+def _check_disjoint(addrs: np.ndarray, blocks: int, planes: int, chunk: int, block_stride: int,
+                    plane_stride: int) -> None:
+    """Refuse layers whose (layer, block, plane) chunks share bytes: a scatter into one block
+    would silently change another. Byte addresses only; nothing is read.
+
+    Cost: a sort of one layer's ``blocks * planes`` offsets; all layers' only when their
+    spans overlap (views of one layer-interleaved allocation).
+    """
+    offsets = np.sort((np.arange(blocks, dtype=np.int64)[:, None] * block_stride
+                       + np.arange(planes, dtype=np.int64)[None, :] * plane_stride).ravel())
+    if (np.diff(offsets) < chunk).any():
+        raise InputError(f"engine KV blocks overlap inside a layer (block stride {block_stride} bytes, K/V stride "
+                         f"{plane_stride} bytes, {chunk} bytes per block and plane)")
+    order = np.argsort(addrs, kind="stable")
+    starts = addrs[order] + offsets[0]
+    ends = addrs[order] + offsets[-1] + chunk
+    if (starts[1:] >= np.maximum.accumulate(ends)[:-1]).all():
+        return                                   # layer spans are disjoint
+    every = (addrs[:, None] + offsets[None, :]).ravel()
+    idx = np.argsort(every, kind="stable")
+    clash = np.flatnonzero(np.diff(every[idx]) < chunk)
+    if clash.size:
+        a, b = sorted((int(idx[clash[0]]) // offsets.size, int(idx[clash[0] + 1]) // offsets.size))
+        where = f"layers {a} and {b}" if a != b else f"layer {a}"
+        raise InputError(f"engine KV {where} share memory: every layer, block and K/V plane must own its bytes")
