@@ -319,3 +319,27 @@ def test_each_engine_thread_announces_its_own_requests(store: Store, monkeypatch
         a.shutdown()
         b.shutdown()
     assert seen == [2, 3]
+
+
+def test_tier_counters_count_real_reads_and_real_hits(tmp_path: Path) -> None:
+    """A promoted hit is read from NVMe once (not once more for the copy up), and a
+    prefetch reads without being a hit: per-tier hits add up to pages_hit."""
+    cfg = make_config(tmp_path / "s", 4, 16)
+    tokens, data = prompt(7, 3), page_data(7, 3)
+    with Store.open(cfg) as s:
+        s.put(tokens, data)
+    with Store.open(cfg) as s:                       # reopened: the pages are on NVMe only
+        n, out = load(s, tokens, 3)
+        st = s.stats()
+        assert n == 3 and np.array_equal(out, data) and st.promotions == 3
+        assert st.tiers["nvme"].bytes_read == 3 * PB, "a promoted hit was counted as two reads"
+        assert st.bytes_moved["nvme->caller"] == st.bytes_moved["nvme->dram"] == 3 * PB
+        assert st.tiers["dram"].bytes_written == 3 * PB
+    with Store.open(cfg) as s:
+        assert s.prefetch(tokens).result(timeout=30) == 3
+        st = s.stats()
+        assert st.tiers["nvme"].hits == 0 and st.pages_hit == 0, "a prefetch is not a hit"
+        assert "nvme->caller" not in st.bytes_moved and st.tiers["nvme"].bytes_read == 3 * PB
+        assert load(s, tokens, 3)[0] == 3
+        st = s.stats()
+        assert st.tiers["dram"].hits == 3 and sum(t.hits for t in st.tiers.values()) == st.pages_hit == 3

@@ -162,13 +162,17 @@ class Store:
         return out
 
     # -- the API ---------------------------------------------------------------------------
-    def lookup(self, tokens: Tokens, tenant: str | bytes = "") -> LookupResult:
-        """How many leading full pages of ``tokens`` are cached, and on which tiers. Does no I/O."""
+    def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True) -> LookupResult:
+        """How many leading full pages of ``tokens`` are cached, and on which tiers. Does no I/O.
+
+        ``count=False`` leaves it out of ``stats().lookups`` (bookkeeping, not an engine's query).
+        """
         with self._lock:
             self._check_open()
             blob = self._keys(tokens, tenant)
             total = len(blob) // KEY_BYTES
-            self._counters.events["lookups"] += 1
+            if count:
+                self._counters.events["lookups"] += 1
             if self.read_only:
                 ranks = bytes(e.fastest.rank for e in self._leading(blob, total))
             else:
@@ -179,13 +183,16 @@ class Store:
             n = len(ranks)
             return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
 
-    def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "") -> GetResult:
+    def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
+            requested: int | None = None) -> GetResult:
         """Load the leading cached pages of ``tokens`` into ``out`` (up to its length).
 
         Stops at the first page that is not cached or fails verification. Only the
         first ``pages`` rows of the result hold pages; rows past them may have been
         written (pages are read, then checked). Hits on slower tiers are promoted when
-        the config says so.
+        the config says so. ``requested`` is how many pages the request needed, for
+        ``stats()`` (default: the rows of ``out``); an adapter that loads only what a
+        lookup found passes the prompt's pages, so that its misses are counted.
         """
         with self._lock:
             self._check_open()
@@ -195,6 +202,10 @@ class Store:
             if not rows.flags.writeable:
                 raise InputError("get(out=...): the output buffer is read-only")
             want = rows.shape[0]
+            if requested is None:
+                requested = want
+            elif isinstance(requested, bool) or not isinstance(requested, int) or requested < want:
+                raise InputError(f"get: requested must be an integer >= the {want} rows of out, got {requested!r}")
             self._announce(blob, from_get=True)
             entries = self._leading(blob, want)
             loaded = self._transfers.read(entries, rows)
@@ -211,17 +222,19 @@ class Store:
                     self._store(keys, rows[loaded:loaded + got], loaded)
                     tiers += (TierKind.PEER,) * got
                     loaded += got
-            self._counters.events["pages_requested"] += want
+            self._counters.events["pages_requested"] += requested
             self._counters.events["pages_hit"] += loaded
             return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
 
     def _announce(self, blob: bytes, *, from_get: bool) -> None:
         """Show the policies every page a request needs (cached or not), once per request:
-        an engine's get then put of the same prompt (on one thread) is one request.
-        Lookups are not announced: engines repeat them while a request waits."""
+        an engine's get then put of the same prompt (on one thread) is one request, also
+        when the put's prompt has grown by what the request generated (it extends the
+        get's). Lookups are not announced: engines repeat them while a request waits."""
         if self.read_only:
             return
-        if not from_get and blob == getattr(self._announced, "blob", None):
+        announced = getattr(self._announced, "blob", None)
+        if not from_get and announced and blob.startswith(announced):
             self._announced.blob = None
             return
         self._manager.note_request(split_keys(blob))
@@ -298,7 +311,7 @@ class Store:
             slow = [e for e in entries if e.fastest is not top]
             if slow:
                 staging = np.empty((len(slow), self.layout.page_bytes), dtype=np.uint8)
-                loaded = self._transfers.read(slow, staging)
+                loaded = self._transfers.read(slow, staging, serve=False)
                 self._promote(slow[:loaded], staging)
             return sum(1 for e in entries if top in e.slots)
 
@@ -307,7 +320,11 @@ class Store:
         return self._pin(tokens, tenant, +1)
 
     def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
-        """Undo one ``pin`` of the leading cached pages; returns how many were unpinned."""
+        """Undo one ``pin`` of the pages of ``tokens``; returns how many were unpinned.
+
+        Every pinned page of ``tokens`` is unpinned, also past a page that has gone since
+        (one that failed its checksum, say), so that no page stays pinned unreachable.
+        """
         return self._pin(tokens, tenant, -1)
 
     def _pin(self, tokens: Tokens, tenant: str | bytes, delta: int) -> int:
@@ -315,9 +332,12 @@ class Store:
             self._check_open()
             if self.read_only:
                 raise InputError("pin/unpin need the writer; this store was opened read-only")
-            entries = self._leading(self._keys(tokens, tenant), 1 << 62)
-            if delta < 0:
-                entries = [e for e in entries if e.pins > 0]
+            blob = self._keys(tokens, tenant)
+            if delta > 0:
+                entries = self._leading(blob, 1 << 62)
+            else:
+                found = (self._manager.entry(k) for k in split_keys(blob))
+                entries = [e for e in found if e is not None and e.pins > 0]
             for e in entries:
                 self._manager.pin(e.key, delta)
             return len(entries)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TierStats:
-    """Counters of one tier. ``hits`` counts pages served from it by ``get``."""
+    """Counters of one tier. ``hits`` counts pages served from it by ``get`` (a prefetch
+    is not a hit); ``bytes_read`` and ``bytes_written`` count bytes that crossed the tier's
+    own I/O, once each (a promoted hit is read once)."""
 
     kind: str
     hits: int
@@ -78,11 +80,12 @@ class Counters:
         self.tier_written: Counter[str] = Counter()
         self.tier_io_s: defaultdict[str, float] = defaultdict(float)
 
-    def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
-        """Count a transfer between a tier pair and the wall time it took."""
+    def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float, src_read: bool = True) -> None:
+        """Count a transfer between a tier pair and the wall time it took. ``src_read=False``:
+        the bytes came from a buffer already read (a promotion), not from ``src`` again."""
         self.moved[f"{src}->{dst}"] += nbytes
         self.moved_s[f"{src}->{dst}"] += seconds
-        if src != "caller":
+        if src != "caller" and src_read:
             self.tier_read[src] += nbytes
         if dst != "caller":
             self.tier_written[dst] += nbytes

@@ -144,7 +144,8 @@ class Transfers:
             return 0
         finally:
             elapsed = self._timed(kind, start)
-        self._c.moved_bytes(source, kind.value, len(placed) * self._nbytes, elapsed)
+        # The bytes come from a buffer: a source tier's read was counted when it happened.
+        self._c.moved_bytes(source, kind.value, len(placed) * self._nbytes, elapsed, src_read=False)
         return len(placed) if self._publish(placed, sums, plan, f"write to {kind.value}") else 0
 
     def _publish(self, placed: list[tuple[PageKey, TierKind, int]], sums: dict[PageKey, int], plan: Plan,
@@ -170,11 +171,14 @@ class Transfers:
                 out[key] = checksum64(staged[i])
         return out
 
-    def read(self, entries: Sequence[Entry], out: np.ndarray) -> int:
+    def read(self, entries: Sequence[Entry], out: np.ndarray, serve: bool = True) -> int:
         """Load ``entries`` (leading pages, in order) into ``out`` rows, each from its fastest tier.
 
         Returns how many leading pages were loaded intact. A page that fails its
         checksum or whose read fails is forgotten (a miss from now on) and ends the run.
+        ``serve``: the pages go to a caller's ``get`` (counted as hits and as
+        ``tier->caller`` bytes, and touched in the policy); otherwise (a prefetch) only
+        the tier's bytes read are counted.
         """
         loaded = 0
         sources = self._m.sources(entries)
@@ -198,7 +202,7 @@ class Transfers:
                     log.warning("page %s in %s does not decode (%s); quarantined", e.key.hex(), kind.value, exc)
                     self._c.events["corrupt_pages"] += 1
                     self._m.forget(e.key)
-                self._count_hits(kind, items[:good])
+                self._count(kind, items[:good], time.perf_counter() - start, serve)
                 return loaded + good
             except TierUnavailableError as exc:
                 # The tier went down under this read: the pages are still there, only unreachable.
@@ -212,14 +216,18 @@ class Transfers:
             finally:
                 elapsed = self._timed(kind, start)
             good = self._verify(tier, items, rows)
-            self._c.moved_bytes(kind.value, "caller", good * self._nbytes, elapsed)
-            self._count_hits(kind, items[:good])
+            self._count(kind, items[:good], elapsed, serve)
             loaded += good
             if good < len(items):
                 return loaded
         return loaded
 
-    def _count_hits(self, kind: TierKind, items: list[tuple[int, Entry]]) -> None:
+    def _count(self, kind: TierKind, items: list[tuple[int, Entry]], seconds: float, serve: bool) -> None:
+        """Count the intact pages of a read: hits and bytes to the caller, or bytes read only."""
+        if not serve:
+            self._c.tier_read[kind.value] += len(items) * self._nbytes
+            return
+        self._c.moved_bytes(kind.value, "caller", len(items) * self._nbytes, seconds)
         self._c.tier_hits[kind.value] += len(items)
         for _, e in items:
             self._m.touch(e.key, kind)

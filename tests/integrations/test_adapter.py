@@ -262,3 +262,56 @@ def test_an_sglang_shaped_shim_round_trips_pages_by_key(store: Store) -> None:
     assert shim.batch_get_v1(["0" * 64], [5]) == [False]
     with pytest.raises(InputError, match="at least 4 tokens"):
         external_key_tokens("k", 2)
+
+
+def test_store_stats_count_each_requests_misses_and_only_engine_lookups(store: Store,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the adapter the worker asks the store only for pages a lookup found, yet
+    stats() must count the request's misses; bookkeeping lookups are not the engine's,
+    and the policy sees each request once (load and store of one prompt)."""
+    announced: list[int] = []
+    note = store._manager.note_request
+    monkeypatch.setattr(store._manager, "note_request", lambda keys: (announced.append(len(keys)), note(keys))[1])
+    sched = OffloadScheduler(store)
+    worker = OffloadWorker(store, engine_kv("cpu", 5))
+    first = tokens(0, 3 * T + 1)
+    assert sched.lookup(first).cached_pages == 0
+    assert sched.prepare_load(first, []) is None            # nothing to load: counted all the same
+    store_via_adapter(sched, worker, first, [0, 1, 2])
+    second = first[:3 * T] + tokens(500, 2 * T + 1)          # the next turn: 3 pages cached, 2 new
+    assert sched.lookup(second).cached_pages == 3
+    spec = sched.prepare_load(second, [4, 5, 6])
+    assert spec is not None and worker.transfer(spec).pages == 3
+    sched.complete_load(spec)
+    store_via_adapter(sched, worker, second, [4, 5, 6, 0, 1])
+    sched.take_events()
+    st = store.stats()
+    assert st.lookups == 2, "the adapter's own lookups were counted as the engine's"
+    assert (st.pages_requested, st.pages_hit, st.misses) == (3 + 5, 3, 5)
+    assert sum(t.hits for t in st.tiers.values()) == st.pages_hit
+    assert announced == [3, 5], "each request must reach the policy once, with its whole prompt"
+
+
+def test_a_page_gone_under_a_load_leaves_no_pins(tmp_path: Path) -> None:
+    """Page 0 fails its checksum during the load and is dropped: unpinning must still
+    reach pages 1.., which no prefix walk finds any more."""
+    s = open_store(tmp_path / "s", dram_pages=0, nvme_pages=64)
+    try:
+        sched = OffloadScheduler(s)
+        worker = OffloadWorker(s, engine_kv("cpu", 6))
+        prompt = tokens(100, 4 * T + 1)
+        store_via_adapter(sched, worker, prompt, [0, 1, 2, 3])
+        keys = sched.page_keys(prompt)
+        nvme = s._manager.tiers[0]
+        slot = s._manager.entry(keys[0]).slots[nvme.kind]          # type: ignore[union-attr]
+        with open(nvme.path, "r+b") as f:                          # type: ignore[attr-defined]
+            f.seek(nvme.header_bytes + slot * nvme.slot_bytes)     # type: ignore[attr-defined]
+            f.write(b"\xff" * 64)
+        spec = sched.prepare_load(prompt, [4, 5, 6, 7])
+        assert spec is not None and spec.num_pages == 4
+        assert worker.transfer(spec).pages == 0
+        sched.complete_load(spec)
+        left = [e.pins for e in map(s._manager.entry, keys[1:]) if e is not None]
+        assert left == [0, 0, 0], f"pages stayed pinned: {left}"
+    finally:
+        s.close()

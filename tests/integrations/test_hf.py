@@ -94,3 +94,47 @@ def test_a_store_of_another_layout_is_refused(smol: smollm2.LoadedModel, tmp_pat
                          dram=DramConfig("16MiB"))
     with Store.open(config) as s, pytest.raises(ConfigError, match="does not match"):
         TierKVCache(s, smol.model)
+
+
+def _tiny_llama(seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _tiny_store(path: Path, model: torch.nn.Module, dram_pages: int) -> Store:
+    layout = model_layout(model, 4)
+    return Store.open(StoreConfig(path=str(path), model_id="tiny", layout=layout,
+                                  dram=DramConfig(dram_pages * layout.page_bytes)))
+
+
+def test_another_model_of_the_same_layout_never_loads_its_kv(tmp_path: Path, one_thread: None) -> None:
+    """Two checkpoints of one layout (a base model and its tune, say) share a store:
+    neither may be handed the other's KV, which would silently change its output."""
+    a, b = _tiny_llama(0), _tiny_llama(1)
+    prompt = list(range(1, 30))
+    with _tiny_store(tmp_path / "s", a, 64) as s:
+        cache_a = TierKVCache(s, a)
+        loaded = cache_a.load(prompt)
+        out = greedy(a, prompt, loaded.cache, max_new_tokens=2, stop_ids=[])
+        assert cache_a.save(loaded.cache, prompt + list(out.tokens)).pages_stored == 7
+        assert cache_a.load(prompt).tokens == 28
+        assert TierKVCache(s, b).load(prompt).tokens == 0, "model b was handed model a's KV"
+        assert TierKVCache(s, _tiny_llama(0)).load(prompt).tokens == 28, "the same weights must match"
+
+
+def test_a_cache_larger_than_the_store_saves_what_fits(tmp_path: Path, one_thread: None) -> None:
+    model = _tiny_llama(0)
+    prompt = list(range(1, 30))                              # 7 full pages of 4 tokens
+    with _tiny_store(tmp_path / "s", model, 4) as s:
+        cache = TierKVCache(s, model)
+        loaded = cache.load(prompt)
+        out = greedy(model, prompt, loaded.cache, max_new_tokens=2, stop_ids=[])
+        saved = cache.save(loaded.cache, prompt + list(out.tokens))
+        assert (saved.pages_stored, saved.tokens) == (4, 16)
+        again = cache.load(prompt)
+        assert again.tokens == 16
+        st = s.stats()
+        assert (st.pages_requested, st.pages_hit) == (7 + 7, 4), "both loads' misses must be counted"

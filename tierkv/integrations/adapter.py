@@ -12,9 +12,12 @@ The protocol, per request:
 1. ``lookup(tokens)``: how many leading tokens the store can serve, in whole pages, and
    from which tiers. It never offers the whole prompt: the engine must compute at
    least the last token to get its logits.
-2. ``prepare_load(tokens, block_ids)`` pins the pages to load (no policy evicts them
-   while the worker copies) and returns a :class:`LoadSpec`; after the worker's
-   transfer, ``complete_load(spec)`` unpins them.
+2. ``prepare_load(tokens, block_ids)``, once per scheduled request even when the
+   lookup found nothing: it pins the pages to load (no policy evicts them while the
+   worker copies) and returns a :class:`LoadSpec`, or ``None`` when there is nothing to
+   load. It is where the request counts in ``Store.stats()`` (its pages requested,
+   misses included) and is shown to the eviction policy. After the worker's transfer,
+   ``complete_load(spec)`` unpins them.
 3. ``prepare_store(tokens, block_ids)`` pins the pages the store already holds and
    returns a :class:`StoreSpec` for the rest (``None`` when there is nothing to store);
    after the worker's transfer, ``complete_store(spec, success)`` unpins, and on
@@ -78,13 +81,18 @@ class LoadSpec:
     """Load pages ``0 .. num_pages-1`` of ``tokens`` into ``block_ids`` (one block per page).
 
     ``tokens`` (read-only uint32) covers exactly those pages. The pages are pinned until
-    ``complete_load``.
+    ``complete_load``. ``request_tokens`` are the full pages of the request's whole
+    prompt and ``requested_pages`` how many of them it could have loaded: the worker
+    passes both to ``Store.get`` so that the request's misses are counted and the
+    policy sees its whole prompt once.
     """
 
     job_id: int
     tenant: str
     tokens: np.ndarray = field(repr=False)
     block_ids: tuple[int, ...]
+    request_tokens: np.ndarray | None = field(default=None, repr=False)
+    requested_pages: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -147,12 +155,16 @@ class OffloadScheduler:
         tokens_per_page`` pages, so the engine still computes the last token's logits;
         engines that apply that rule themselves (SGLang's radix cache) pass False.
         """
-        arr = as_token_array(tokens)
-        full = self.store.lookup(arr, tenant)
-        usable = full.cached_pages
-        if leave_last_token:
-            usable = min(usable, max(arr.size - 1, 0) // self.tokens_per_page)
+        return self._lookup(as_token_array(tokens), tenant, leave_last_token, count=True)
+
+    def _lookup(self, arr: np.ndarray, tenant: str, leave_last_token: bool, count: bool) -> LookupResult:
+        full = self.store.lookup(arr, tenant, count=count)
+        usable = min(full.cached_pages, self._usable_pages(arr, leave_last_token))
         return LookupResult(usable, usable * self.tokens_per_page, full.total_pages, full.tier_ranks[:usable])
+
+    def _usable_pages(self, arr: np.ndarray, leave_last_token: bool) -> int:
+        """Pages of ``arr`` an engine may load: all full pages, or all but the last token's."""
+        return (max(arr.size - 1, 0) if leave_last_token else arr.size) // self.tokens_per_page
 
     def page_keys(self, tokens: Tokens, tenant: str = "") -> list[PageKey]:
         """The store's keys of every full page of ``tokens`` under ``tenant``."""
@@ -168,18 +180,21 @@ class OffloadScheduler:
 
         Returns ``None`` when no page can be loaded. The spec may cover fewer pages than
         ``lookup`` reported if some were evicted in between. ``leave_last_token`` as in
-        :meth:`lookup`.
+        :meth:`lookup`. Call it once per scheduled request, also when the lookup found
+        nothing: a request with nothing to load is counted here (its pages are misses).
         """
         arr = as_token_array(tokens)
-        n = min(len(block_ids), self.lookup(arr, tenant, leave_last_token=leave_last_token).cached_pages)
-        if n == 0:
-            return None
-        prefix = arr[: n * self.tokens_per_page]
-        pinned = self.store.pin(prefix, tenant)
+        whole = _frozen(arr[: arr.size // self.tokens_per_page * self.tokens_per_page])
+        requested = self._usable_pages(arr, leave_last_token)
+        n = min(len(block_ids), self._lookup(arr, tenant, leave_last_token, count=False).cached_pages)
+        pinned = self.store.pin(arr[: n * self.tokens_per_page], tenant) if n else 0
         if pinned == 0:
+            if requested:   # nothing to load: count the request's misses, show it to the policy
+                self.store.get(whole, np.empty((0, self.store.layout.page_bytes), np.uint8), tenant,
+                               requested=requested)
             return None
-        spec = LoadSpec(next(self._job_ids), tenant, _frozen(prefix[: pinned * self.tokens_per_page]),
-                        tuple(int(b) for b in block_ids[:pinned]))
+        spec = LoadSpec(next(self._job_ids), tenant, _frozen(arr[: pinned * self.tokens_per_page]),
+                        tuple(int(b) for b in block_ids[:pinned]), whole, requested)
         with self._lock:
             self._loads[spec.job_id] = spec
         return spec
@@ -239,7 +254,7 @@ class OffloadScheduler:
             visible: set[PageKey] = set()
             followed = list(self._tracked.items())
             for last, t in followed:
-                n = self.store.lookup(t.tokens, t.tenant).cached_pages
+                n = self.store.lookup(t.tokens, t.tenant, count=False).cached_pages
                 visible.update(t.keys[:n])
                 if n == 0:
                     del self._tracked[last]
@@ -258,7 +273,7 @@ class OffloadScheduler:
 
     def _track(self, spec: StoreSpec) -> None:
         keys = self.page_keys(spec.tokens, spec.tenant)
-        n = self.store.lookup(spec.tokens, spec.tenant).cached_pages
+        n = self.store.lookup(spec.tokens, spec.tenant, count=False).cached_pages
         with self._lock:
             new = [(i, k) for i, k in enumerate(keys[:n]) if k not in self._announced]
             if new:

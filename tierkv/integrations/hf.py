@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from tierkv.api import Store
-from tierkv.errors import ConfigError, InputError
+from tierkv.errors import CapacityError, ConfigError, InputError, TierIOError
 from tierkv.integrations import MissingDependencyError
 from tierkv.integrations.adapter import OffloadScheduler
 from tierkv.integrations.worker import OffloadWorker, TransferResult
@@ -116,11 +117,30 @@ def _text_config(model: torch.nn.Module) -> object:
     return get_text(decoder=True) if callable(get_text) else cfg
 
 
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """16 hex digits that tell models apart by their weights: every parameter's name,
+    shape and dtype and 256 of its elements spread over it. Two checkpoints with one
+    layout (a base model and its instruct tune, say) differ; one model loaded twice,
+    anywhere, does not. Costs one small read per parameter."""
+    h = xxhash.xxh3_64()
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            flat = param.detach().reshape(-1)
+            step = max(1, flat.numel() // 256)
+            sample = flat[::step][:256].to("cpu", copy=True).contiguous()
+            h.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class TierKVCache:
     """Loads and saves a decoder model's KV cache through a store, one page at a time.
 
     ``store.layout`` must match the model's KV layout (layers, KV heads, head dim,
-    dtype); a mismatch raises ConfigError naming both. ``tenant`` salts every key.
+    dtype); a mismatch raises ConfigError naming both. ``tenant`` salts every key, and
+    so does the model's :func:`model_fingerprint`: a store shared by two models of one
+    layout never hands one of them the other's KV (the store's ``model_id`` names the
+    model but cannot check it).
     """
 
     def __init__(self, store: Store, model: torch.nn.Module, *, tenant: str = "") -> None:
@@ -131,8 +151,11 @@ class TierKVCache:
         self.store = store
         self.layout = have
         self.tenant = tenant
+        self.fingerprint = model_fingerprint(model)
+        self._salt = f"{tenant}\x00model:{self.fingerprint}"     # what keys are salted with
         self.scheduler = OffloadScheduler(store)
         self._dtype = getattr(torch, have.dtype.torch_name)
+        self._device = next(model.parameters()).device
 
     def load(self, tokens: Tokens) -> LoadedPrefix:
         """A DynamicCache holding the longest cached prefix of ``tokens`` (whole pages).
@@ -143,8 +166,8 @@ class TierKVCache:
         t0 = time.perf_counter()
         arr = as_token_array(tokens)
         cache = DynamicCache()
-        hit = self.scheduler.lookup(arr, self.tenant)
-        spec = self.scheduler.prepare_load(arr, range(hit.cached_pages), self.tenant) if hit.cached_pages else None
+        hit = self.scheduler.lookup(arr, self._salt)
+        spec = self.scheduler.prepare_load(arr, range(hit.cached_pages), self._salt)   # counts misses too
         if spec is None:
             return LoadedPrefix(cache, 0, {}, time.perf_counter() - t0)
         shape = (1, self.layout.num_kv_heads, spec.num_pages * self.layout.tokens_per_page, self.layout.head_dim)
@@ -157,14 +180,15 @@ class TierKVCache:
         n = result.pages * self.layout.tokens_per_page
         if n:
             for layer in range(self.layout.num_layers):
-                cache.update(keys[layer][:, :, :n], values[layer][:, :, :n], layer)
+                cache.update(keys[layer][:, :, :n].to(self._device), values[layer][:, :, :n].to(self._device), layer)
         return LoadedPrefix(cache, n, dict(result.tokens_per_tier), time.perf_counter() - t0)
 
     def save(self, cache: DynamicCache, tokens: Tokens) -> SavedPrefix:
         """Store the full pages of ``cache``; ``tokens`` are the ids whose KV it holds, in order.
 
         ``tokens`` may run past the cache (e.g. the last generated token, not yet
-        processed); only the first ``cache.get_seq_length()`` count.
+        processed); only the first ``cache.get_seq_length()`` count. A cache longer than
+        every tier together stores its leading pages that fit.
         """
         t0 = time.perf_counter()
         arr = as_token_array(tokens)
@@ -174,8 +198,8 @@ class TierKVCache:
             raise InputError(f"save: the cache holds {seq} tokens but only {arr.size} token ids were given")
         if keys and keys[0].dtype != self._dtype:
             raise InputError(f"save: the cache holds {keys[0].dtype}, the store's layout {self.layout.dtype.value}")
-        n_pages = seq // self.layout.tokens_per_page
-        spec = self.scheduler.prepare_store(arr[:seq], range(n_pages), self.tenant)
+        n_pages = min(seq // self.layout.tokens_per_page, self._capacity_pages())
+        spec = self.scheduler.prepare_store(arr[:n_pages * self.layout.tokens_per_page], range(n_pages), self._salt)
         if spec is None:
             return SavedPrefix(0, n_pages * self.layout.tokens_per_page, time.perf_counter() - t0)
         result: TransferResult | None = None
@@ -184,9 +208,13 @@ class TierKVCache:
         finally:
             self.scheduler.complete_store(spec, success=result is not None and result.success)
         if not result.success:
-            raise InputError(f"save: storing {len(spec.block_ids)} pages failed: {result.error}")
-        stored_tokens = self.store.lookup(arr[:seq], self.tenant).cached_tokens
+            err = CapacityError if isinstance(result.exception, CapacityError) else TierIOError
+            raise err(f"save: storing {len(spec.block_ids)} pages failed: {result.error}") from result.exception
+        stored_tokens = self.store.lookup(arr[:seq], self._salt, count=False).cached_tokens
         return SavedPrefix(result.pages, stored_tokens, time.perf_counter() - t0)
+
+    def _capacity_pages(self) -> int:
+        return sum(t.capacity_slots for t in self.store.stats().tiers.values())
 
 
 def _cache_tensors(cache: DynamicCache, num_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -107,6 +107,7 @@ class TransferResult:
     tokens_per_tier: dict[str, int] = field(default_factory=dict)
     failed_block_ids: tuple[int, ...] = ()
     error: str | None = None
+    exception: BaseException | None = field(default=None, repr=False, compare=False)
 
 
 class OffloadWorker:
@@ -136,11 +137,15 @@ class OffloadWorker:
             log.warning("tierkv %s job %d failed: %s", kind, spec.job_id, exc)
             failed = spec.block_ids if isinstance(spec, LoadSpec) else ()
             return TransferResult(spec.job_id, kind, False, 0, time.perf_counter() - t0,
-                                  failed_block_ids=failed, error=f"{type(exc).__name__}: {exc}")
+                                  failed_block_ids=failed, error=f"{type(exc).__name__}: {exc}", exception=exc)
 
     def _load(self, spec: LoadSpec, t0: float) -> TransferResult:
         staging = torch.empty((spec.num_pages, *self._layout.page_shape), dtype=self._dtype)
-        got = self.store.get(spec.tokens, staging, spec.tenant)
+        if spec.request_tokens is not None:     # the whole prompt: its misses count, the policy sees it once
+            got = self.store.get(spec.request_tokens, staging, spec.tenant,
+                                 requested=max(spec.requested_pages, spec.num_pages))
+        else:
+            got = self.store.get(spec.tokens, staging, spec.tenant)
         if got.pages:
             self.blocks.scatter(staging[: got.pages], spec.block_ids[: got.pages])
         per_tier: dict[str, int] = {}
