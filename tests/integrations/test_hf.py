@@ -138,3 +138,12 @@ def test_a_cache_larger_than_the_store_saves_what_fits(tmp_path: Path, one_threa
         assert again.tokens == 16
         st = s.stats()
         assert (st.pages_requested, st.pages_hit) == (7 + 7, 4), "both loads' misses must be counted"
+
+
+def test_a_read_only_store_is_refused_up_front(tmp_path: Path) -> None:
+    model = _tiny_llama(0)
+    layout = model_layout(model, 4)
+    cfg = StoreConfig(path=str(tmp_path / "s"), model_id="tiny", layout=layout, nvme=NvmeConfig("1MiB"))
+    Store.open(cfg).close()
+    with Store.open(cfg, read_only=True) as s, pytest.raises(ConfigError, match="writer"):
+        TierKVCache(s, model)

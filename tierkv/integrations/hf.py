@@ -144,6 +144,9 @@ class TierKVCache:
     """
 
     def __init__(self, store: Store, model: torch.nn.Module, *, tenant: str = "") -> None:
+        if store.read_only:
+            raise ConfigError("TierKVCache needs the store's writer (it pins pages while loading and saves "
+                              "new ones); this store was opened read_only=True")
         want = model_layout(model, store.layout.tokens_per_page)
         have = store.layout
         if have.kind is not LayoutKind.KV or have != want:
