@@ -107,11 +107,12 @@ def _bad_profile(tmp_path: Path) -> str:
     ([*SMALL, "--dram", "-5GiB"], "argument --dram: expected one argument"),
     ([*SMALL, "--nvme", "lots"], "cannot parse 'lots'"),
     ([*SMALL, "--kv-dtype", "int3"], "unknown KV dtype 'int3'"),
-    ([*SMALL, "--codec-ratio", "1.5"], "--codec-ratio must be in (0, 1]"),
+    ([*SMALL, "--codec-ratio", "1.5"], "--codec-ratio must be a finite number in [0.01, 1], got 1.5"),
     ([*SMALL, "--tokens-per-page", "0"], "--tokens-per-page must be >= 1"),
     ([*SMALL, "--turns", "3"], "--turns describe a --params workload"),
     ([*SMALL, "--hardware", "nope"], "hardware profile 'nope'"),
     (["--model", "llama-3.1-8b", "--trace", "/nonexistent.jsonl"], "does not exist"),
+    (["--model", "llama-3.1-8b", "--trace", "/nonexistent.jsonl", "--seed", "1"], "cannot be used with --trace"),
     (["--model-config", "/nonexistent/config.json"], "does not exist"),
     ([*SMALL, "--target-hit-rate", "2"], "--target-hit-rate must be in (0, 1]"),
     ([*SMALL, "--ttft-percentile", "0"], "--ttft-percentile must be in (0, 100], got 0.0"),
@@ -152,3 +153,55 @@ def test_through_tierkv_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     for argv in (["plan", "--model", "llama-9"], ["plan", *SMALL, "--hardware", "nope"], ["plan", "--bogus"]):
         assert cli.main(argv) == 2
         assert capsys.readouterr().err.count("\n") == 1
+
+
+# Review fixes: non-finite and extreme numbers are refused up front with one line naming the flag.
+@pytest.mark.parametrize("argv, message", [
+    ([*SMALL, "--request-rate", "inf"], "--request-rate must be a finite number in [1e-06, 1e+09]"),
+    ([*SMALL, "--request-rate", "1e-300"], "--request-rate must be a finite number in [1e-06, 1e+09]"),
+    ([*SMALL, "--request-rate", "nan"], "--request-rate must be a finite number"),
+    ([*SMALL, "--prefill-tokens-s", "inf", "--json"], "--prefill-tokens-s must be a finite number in [1, 1e+09]"),
+    ([*SMALL, "--prefill-tokens-s", "1e-300"], "--prefill-tokens-s must be a finite number in [1, 1e+09]"),
+    ([*SMALL, "--codec-ratio", "1e-300"], "--codec-ratio must be a finite number in [0.01, 1]"),
+    (["--model", "smollm2-135m", "--params", "--turns", "inf", "--requests", "50"],
+     "--turns must be a finite number in [1, 1000]"),
+    (["--model", "smollm2-135m", "--params", "--turns", "0.5"], "--turns must be a finite number in [1, 1000]"),
+    ([*SMALL, "--target-ttft-s", "inf"], "--target-ttft-s must be a finite number > 0"),
+    ([*SMALL, "--dram", "100000000000000TB"], "--dram must be a size from 0 to 1 EiB"),
+    ([*SMALL, "--dram", "1" + "0" * 400], "--dram must be a size from 0 to 1 EiB"),
+    ([*SMALL, "--seed", "-1"], "--seed must be >= 0, got -1"),
+    ([*SMALL, "--plot", "/nonexistent-dir/plan.png"], "--plot: cannot write"),
+])
+def test_extreme_numbers_exit_2_with_one_line(argv: list[str], message: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_cli.main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1 and message in cap.err, cap.err
+
+
+@pytest.mark.parametrize("flags", [
+    ["--request-rate", "1e-6"], ["--request-rate", "1e9"], ["--prefill-tokens-s", "1"],
+    ["--prefill-tokens-s", "1e9"], ["--codec-ratio", "0.01"], ["--dram", str(2**60)],
+])
+def test_extremes_inside_the_ranges_give_finite_json(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The range edges run through the arithmetic (windows, crossovers, boundaries) to strict JSON."""
+    doc = _json(capsys, ["--model", "smollm2-135m", "--hardware", "dev-box", "--synthetic", "200", "--json", *flags])
+    assert 0 <= doc["hit_rate"] <= 1  # type: ignore[operator]
+
+
+def test_tp_not_dividing_the_gpus_leaves_idle_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp 3 on 8 GPUs: floor(8 / 3) = 2 instances and 2 idle GPUs, as docs/plan.md says."""
+    doc = _json(capsys, ["--model", "llama-3.1-8b", "--synthetic", "200", "--tp", "3", "--json"])
+    hw = doc["hardware"]
+    assert isinstance(hw, dict) and hw["instances_per_node"] == 2 and hw["idle_gpus_per_node"] == 2
+    weights = doc["model"]["weight_bytes"]  # type: ignore[index]
+    assert hw["hbm_kv_space_bytes_per_node"] == int(2 * (3 * 141e9 * 0.9 - weights))
+    assert doc["tiers"][0]["available_bandwidth_bytes_s"] == pytest.approx(4.8e12 * 6)  # type: ignore[index]
+    assert plan_cli.main(["--model", "llama-3.1-8b", "--synthetic", "200", "--tp", "3"]) == 0
+    assert "2 GPU(s) idle" in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_petabyte_capacities_print_in_pib(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_cli.main(["--model", "llama-3.1-8b", "--synthetic", "200", "--nvmeof", "2000TB"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("nvmeof"))
+    assert "1.78 PiB" in row and "e+" not in row, row

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tierkv.errors import ConfigError, InputError
@@ -68,3 +70,36 @@ def test_instance_gpus() -> None:
         instance_gpus(builtin("llama-3.1-70b"), load_profile("dev-box"))
     with pytest.raises(InputError, match=r"--tp must be in \[1, 8\]"):
         instance_gpus(builtin("llama-3.1-8b"), hw, tp=16)
+
+
+def test_auto_tp_uses_every_gpu_of_a_node_that_is_not_a_power_of_two() -> None:
+    """6 GPUs hold DeepSeek-V3 with 10% to spare: powers of two first, then all of them."""
+    hw = load_profile("h200-node")
+    six = replace(hw, gpu=replace(hw.gpu, count=6))
+    assert instance_gpus(builtin("deepseek-v3"), six) == 6
+    assert instance_gpus(builtin("llama-3.1-70b"), six) == 2  # the power-of-two preference stays
+    with pytest.raises(ConfigError, match="do not fit in one node of 'h200-node' with 10% left for KV"):
+        instance_gpus(builtin("deepseek-v3"), replace(hw, gpu=replace(hw.gpu, count=5)))
+
+
+@pytest.mark.parametrize("tokens_s, latency_s, bandwidth, expected", [
+    (1e-300, 1e-4, 1e10, 1),         # recompute takes forever: loading wins at once
+    (1e300, 1e-4, 1e10, None),       # recompute is free
+    (1e4, 1e300, 1e10, None),        # the load never starts
+    (1e4, 1e-4, 1e-300, None),       # the load never ends
+    (1e-300, 0.0, 1e-300, None),     # both absurd: the quadratic root lies past the context
+    (10.0, 1e-4, 1e10, 1),
+])
+def test_crossover_survives_extreme_rates(tokens_s: float, latency_s: float, bandwidth: float,
+                                          expected: int | None) -> None:
+    prefill = PrefillModel(tokens_s=tokens_s, flops_s=tokens_s * 1e9, attention_flops_coeff=1e4, source="test")
+    load = LoadModel(latency_s=latency_s, bytes_per_token=1e5, bandwidth_bytes_s=bandwidth)
+    assert crossover_tokens(load, prefill, 131_072) == expected
+
+
+@pytest.mark.parametrize("peak_flops, message", [(1e-300, "a prefill rate of 3.58e-311 tokens/s \\(derived"),
+                                                 (1e30, "a prefill rate of 3.58e\\+19 tokens/s \\(derived")])
+def test_absurd_derived_prefill_rates_are_refused(peak_flops: float, message: str) -> None:
+    hw = load_profile("h200-node")
+    with pytest.raises(ConfigError, match=message):
+        prefill_model(builtin("llama-3.1-8b"), replace(hw, gpu=replace(hw.gpu, peak_flops=peak_flops)), 1)

@@ -42,7 +42,7 @@ def test_missing_field_names_table_and_field() -> None:
 @pytest.mark.parametrize("table, key, value, message", [
     ("dram", "capacity_bytes", -5, "size >= 0, got -5"),
     ("dram", "capacity_bytes", "-5GiB", "size >= 0, got '-5GiB'"),
-    ("nvme", "bandwidth_bytes_s", 0, "bandwidth_bytes_s must be > 0"),
+    ("nvme", "bandwidth_bytes_s", 0, "bandwidth_bytes_s must be a bandwidth >= 1 byte/s"),
     ("nvme", "latency_s", -1e-6, "finite number >= 0"),
     ("nvme", "bandwith_bytes_s", "1GB", "unknown key"),
     ("dram", "capacity_bytes", "lots", "cannot parse 'lots'"),
@@ -80,3 +80,29 @@ def test_with_capacity() -> None:
     assert dram is not None and dram.capacity_bytes == 10**12
     with pytest.raises(ConfigError, match="has no nvmeof tier"):
         load_profile("dev-box").with_capacity(TierKind.NVMEOF, 10**12)
+
+
+@pytest.mark.parametrize("table, key, value, message", [
+    (("gpu",), "hbm_bandwidth_bytes_s", 0, r"\[gpu\] hbm_bandwidth_bytes_s must be a bandwidth >= 1 byte/s, got 0"),
+    (("nics", 1), "bandwidth_bytes_s", 0, r"\[nics\[1\]\] bandwidth_bytes_s must be a bandwidth >= 1 byte/s"),
+    (("nics", 0), "bandwidth_bytes_s", "0GB", r"\[nics\[0\]\] bandwidth_bytes_s must be a bandwidth >= 1 byte/s"),
+    (("tiers", "hbm"), "bandwidth_bytes_s", "1GB", r"unknown key\(s\) bandwidth_bytes_s in \[tiers.hbm\]"),
+    (("tiers", "hbm"), "request_bandwidth_bytes_s", "1GB", r"unknown key\(s\) request_bandwidth_bytes_s in"),
+    (("tiers", "hbm"), "shared", True, r"unknown key\(s\) shared in \[tiers.hbm\]"),
+    (("tiers", "dram"), "capacity_bytes", 1000.5, r"\[tiers.dram\] capacity_bytes must be a whole number of bytes"),
+    (("tiers", "hbm"), "capacity_bytes", 1e9 + 0.25, r"\[tiers.hbm\] capacity_bytes must be a whole number"),
+    (("gpu",), "hbm_bytes", 141e9 + 0.5, r"\[gpu\] hbm_bytes must be a whole number of bytes"),
+    (("tiers", "nvme"), "capacity_bytes", 1e30, r"\[tiers.nvme\] capacity_bytes must be a size from 0 to 1 EiB"),
+    (("tiers", "nvme"), "request_bandwidth_bytes_s", "40GB",
+     r"\[tiers.nvme\] request_bandwidth_bytes_s \(4e\+10\) must be <= bandwidth_bytes_s \(3e\+10\)"),
+    (("tiers", "nvme"), "request_bandwidth_bytes_s", 0, r"request_bandwidth_bytes_s must be a bandwidth >= 1"),
+])
+def test_review_bad_values(table: tuple[object, ...], key: str, value: object, message: str) -> None:
+    """Zero bandwidths, keys HBM does not use, fractional bytes and a request faster than its tier."""
+    data = _h200()
+    node: object = data
+    for part in table:
+        node = node[part]  # type: ignore[index]
+    node[key] = value  # type: ignore[index]
+    with pytest.raises(ConfigError, match=message):
+        parse_profile(data, "p.toml")

@@ -111,3 +111,19 @@ def test_hf_unreadable_files(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not readable JSON"):
         load_hf_config(tmp_path / "x.json")
+
+
+@pytest.mark.parametrize("top, text, per_param", [
+    ({"quantization_config": {"quant_method": "fp8"}, "torch_dtype": "bfloat16"}, {}, 1),  # top-level quant
+    ({"torch_dtype": "float32"}, {}, 4),                                 # top-level dtype
+    ({"dtype": "float32"}, {}, 4),                                       # newer transformers' key
+    ({"torch_dtype": "float32"}, {"torch_dtype": "bfloat16"}, 2),        # the text config's own wins
+    ({"quantization_config": {"quant_method": "fp8"}}, {"quantization_config": {"quant_method": "gptq"}}, 2),
+    ({"torch_dtype": "bfloat16", "dtype": "float32"}, {}, 2),            # torch_dtype before dtype
+])
+def test_multimodal_weights_read_the_top_level(top: dict[str, object], text: dict[str, object],
+                                               per_param: int) -> None:
+    geometry = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4}
+    model = from_hf_config({**top, "text_config": {**geometry, **text}}, "mm")
+    assert model.weight_bytes_per_param == per_param
+    assert from_hf_config({**top, **geometry, **text}, "flat").weight_bytes_per_param == per_param

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +31,11 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_USAGE = 0, 2
 DEFAULT_SYNTHETIC_REQUESTS = 3000
 _PARAM_FLAGS = ("requests", "context_tokens", "turns", "reuse")
+#: Float flags and their sane ranges, inclusive; anything else (inf and nan included) exits 2. Past
+#: these the arithmetic overflows or the answer means nothing: a request per 11 days to a billion per
+#: second, a codec shrinking KV at most 100x (--prefill-tokens-s: costs.PREFILL_TOKENS_S_RANGE).
+_FLOAT_RANGES = {"--request-rate": (1e-6, 1e9), "--codec-ratio": (0.01, 1.0), "--turns": (1.0, 1000.0),
+                 "--reuse": (0.0, 1.0)}
 
 
 def add_parser(subparsers: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParser:
@@ -67,7 +74,8 @@ def add_parser(subparsers: "argparse._SubParsersAction[Any]") -> argparse.Argume
     wx.add_argument("--params", action="store_true", help="conversations from --requests, --request-rate, "
                     "--context-tokens, --turns, --reuse")
     w.add_argument("--limit", type=int, metavar="N", help="use the first N requests of the trace or mix")
-    w.add_argument("--seed", type=int, default=0, help="seed of the synthetic or parametric workload")
+    w.add_argument("--seed", type=int, default=None,
+                   help="seed of the synthetic or parametric workload (default 0; not with --trace)")
     w.add_argument("--request-rate", type=float, metavar="R", help="requests/s to plan for (a trace or the mix "
                    "is rescaled in time; --params default 1.0)")
     w.add_argument("--requests", type=int, metavar="N", help="--params: requests (default 3000)")
@@ -95,10 +103,8 @@ def run(args: argparse.Namespace) -> int:
     from tierkv.plan.recommend import Target
 
     _check_numbers(args)
-    if args.plot is not None and not args.plot.lower().endswith(".png"):
-        raise InputError(f"--plot: expected a .png file name, got {args.plot!r}")
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise InputError("--plot needs matplotlib: pip install matplotlib (or tierkv[plot])")
+    if args.plot is not None:
+        _check_plot(args.plot)
     dtype = DType.parse(args.kv_dtype)
     model = _model(args)
     model.layout(dtype, args.tokens_per_page)  # a bad page size fails here, before the workload is read
@@ -129,19 +135,34 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_numbers(args: argparse.Namespace) -> None:
     for flag, value in (("--limit", args.limit), ("--synthetic", args.synthetic), ("--requests", args.requests),
-                        ("--tokens-per-page", args.tokens_per_page), ("--tp", args.tp)):
-        if value is not None and value < (0 if flag == "--limit" else 1):
-            raise InputError(f"{flag} must be >= {0 if flag == '--limit' else 1}, got {value}")
-    for flag, value in (("--request-rate", args.request_rate), ("--prefill-tokens-s", args.prefill_tokens_s)):
-        if value is not None and not value > 0:
-            raise InputError(f"{flag} must be > 0, got {value}")
-    if not 0 < args.codec_ratio <= 1:
-        raise InputError(f"--codec-ratio must be in (0, 1] (compressed / raw bytes), got {args.codec_ratio}")
+                        ("--tokens-per-page", args.tokens_per_page), ("--tp", args.tp), ("--seed", args.seed)):
+        low = 0 if flag in ("--limit", "--seed") else 1
+        if value is not None and value < low:
+            raise InputError(f"{flag} must be >= {low}, got {value}")
+    from tierkv.plan.costs import PREFILL_TOKENS_S_RANGE
+
+    for flag, (lo, hi) in {**_FLOAT_RANGES, "--prefill-tokens-s": PREFILL_TOKENS_S_RANGE}.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not (math.isfinite(value) and lo <= value <= hi):
+            raise InputError(f"{flag} must be a finite number in [{lo:g}, {hi:g}], got {value}")
+    if args.target_ttft_s is not None and not (math.isfinite(args.target_ttft_s) and args.target_ttft_s > 0):
+        raise InputError(f"--target-ttft-s must be a finite number > 0 (seconds), got {args.target_ttft_s}")
     if not 0 < args.ttft_percentile <= 100:  # checked even without --target-ttft-s: it would be ignored silently
         raise InputError(f"--ttft-percentile must be in (0, 100], got {args.ttft_percentile}")
     stray = [f"--{f.replace('_', '-')}" for f in _PARAM_FLAGS if getattr(args, f) is not None]
     if stray and not args.params:
         raise InputError(f"{', '.join(stray)} describe a --params workload; add --params")
+
+
+def _check_plot(path: str) -> None:
+    """The plot's name and folder, before any work: a bad path should not cost a whole plan."""
+    if not path.lower().endswith(".png"):
+        raise InputError(f"--plot: expected a .png file name, got {path!r}")
+    folder = Path(path).parent
+    if Path(path).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise InputError(f"--plot: cannot write {path!r}: expected a file name in an existing, writable folder")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InputError("--plot needs matplotlib: pip install matplotlib (or tierkv[plot])")
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
@@ -151,7 +172,7 @@ def _model(args: argparse.Namespace) -> ModelSpec:
 
 
 def _profile(profile: HardwareProfile, args: argparse.Namespace) -> HardwareProfile:
-    from tierkv.plan.hardware import TierKind
+    from tierkv.plan.hardware import MAX_CAPACITY_BYTES, TierKind
 
     for kind in TierKind:
         value = getattr(args, kind.value)
@@ -159,7 +180,13 @@ def _profile(profile: HardwareProfile, args: argparse.Namespace) -> HardwareProf
             continue
         if value.strip().startswith("-"):
             raise InputError(f"--{kind.value} must be a size >= 0, got {value!r}")
-        profile = profile.with_capacity(kind, parse_size(value, f"--{kind.value}"))
+        try:
+            size = parse_size(value, f"--{kind.value}")
+        except OverflowError:  # hundreds of digits: no float holds them
+            size = MAX_CAPACITY_BYTES + 1
+        if size > MAX_CAPACITY_BYTES:
+            raise InputError(f"--{kind.value} must be a size from 0 to 1 EiB, got {value!r}")
+        profile = profile.with_capacity(kind, size)
     if not profile.tiers:
         raise InputError("every tier is sized 0: nothing left to plan")
     return profile
@@ -169,7 +196,11 @@ def _workload(args: argparse.Namespace) -> tuple[list[Request], str]:
     from tierkv import workload
 
     if args.trace is not None:
+        if args.seed is not None:
+            raise InputError("--seed seeds the synthetic or parametric workload; a trace runs as recorded, "
+                             "so it cannot be used with --trace")
         return list(workload.read_mooncake(args.trace, args.limit)), f"mooncake trace {Path(args.trace).name}"
+    args.seed = 0 if args.seed is None else args.seed
     if args.params:
         from tierkv.plan.workloads import ParamWorkload, param_workload
 

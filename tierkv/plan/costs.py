@@ -26,6 +26,10 @@ from tierkv.errors import ConfigError, InputError
 from tierkv.plan.hardware import HardwareProfile
 from tierkv.plan.models import ModelSpec
 
+#: Prefill tokens/s of one instance the planner accepts, from any source (flag, profile, derived):
+#: outside it recompute times overflow or mean nothing.
+PREFILL_TOKENS_S_RANGE = (1.0, 1e9)
+
 
 @dataclass(frozen=True)
 class PrefillModel:
@@ -72,13 +76,20 @@ def crossover_tokens(load: LoadModel, prefill: PrefillModel, max_tokens: int) ->
     """
     a, b = load.latency_s, load.s_per_token
     c, d = 1.0 / prefill.tokens_s, prefill.attention_flops_coeff / prefill.flops_s
+    if not math.isfinite(a + b):
+        return None  # a load that never ends never wins
     if d == 0:
         if c <= b:
             return None
         root = a / (c - b)
     else:
-        root = (-(c - b) + math.sqrt((c - b) ** 2 + 4 * d * a)) / (2 * d)
-    n = max(1, math.floor(root) + 1)
+        # hypot and the two forms of the root avoid overflow and cancellation at extreme rates.
+        disc = math.hypot(c - b, 2 * math.sqrt(d * a))
+        root = 2 * a / ((c - b) + disc) if c > b else (disc - (c - b)) / (2 * d)
+    if math.isnan(root):
+        return None
+    # Past max_tokens the answer is None; clipping keeps huge roots from overflowing or stepping forever.
+    n = max(1, math.floor(min(root, max_tokens)) + 1)
     # Float rounding near the root: step to the exact smallest integer.
     while n > 1 and _wins(load, prefill, n - 1):
         n -= 1
@@ -93,7 +104,8 @@ def _wins(load: LoadModel, prefill: PrefillModel, n: int) -> bool:
 
 def instance_gpus(model: ModelSpec, profile: HardwareProfile, tp: int | None = None) -> int:
     """GPUs per model instance: ``tp`` if given, else the smallest power of two whose usable HBM
-    holds the weights with at least 10% to spare for KV. ConfigError when the node cannot."""
+    holds the weights with at least 10% to spare for KV, else (a node whose GPU count is not a
+    power of two) all the node's GPUs if they do. ConfigError when the node cannot."""
     gpu = profile.gpu
     usable = gpu.hbm_bytes * gpu.memory_utilization
     if tp is not None:
@@ -103,13 +115,13 @@ def instance_gpus(model: ModelSpec, profile: HardwareProfile, tp: int | None = N
             raise ConfigError(f"{model.name}: {model.weight_bytes / 2**30:.1f} GiB of weights do not fit in "
                               f"{tp} GPU(s) x {usable / 2**30:.1f} GiB of usable HBM")
         return tp
-    n = 1
-    while n <= gpu.count:
+    powers = [2**k for k in range(gpu.count.bit_length()) if 2**k <= gpu.count]
+    for n in powers + ([gpu.count] if gpu.count not in powers else []):
         if model.weight_bytes <= 0.9 * n * usable:
             return n
-        n *= 2
     raise ConfigError(f"{model.name}: {model.weight_bytes / 2**30:.1f} GiB of weights do not fit in one node of "
-                      f"{profile.name!r} ({gpu.count} GPUs x {usable / 2**30:.1f} GiB usable HBM)")
+                      f"{profile.name!r} with 10% left for KV ({gpu.count} GPUs x {usable / 2**30:.1f} GiB usable "
+                      "HBM); --tp N forces a size")
 
 
 def prefill_model(model: ModelSpec, profile: HardwareProfile, tp: int, tokens_s: float | None = None,
@@ -124,5 +136,9 @@ def prefill_model(model: ModelSpec, profile: HardwareProfile, tp: int, tokens_s:
     else:
         rate = tp * profile.gpu.peak_flops * profile.gpu.prefill_mfu / flops_per_token
         source = f"derived: {tp} GPU(s) x {profile.gpu.peak_flops:.3g} FLOP/s x MFU {profile.gpu.prefill_mfu:g}"
+    lo, hi = PREFILL_TOKENS_S_RANGE
+    if not lo <= rate <= hi:
+        raise ConfigError(f"{model.name}: a prefill rate of {rate:.3g} tokens/s ({source}) is outside "
+                          f"[{lo:g}, {hi:g}]; check the profile or pass --prefill-tokens-s")
     coeff = float(model.attention_flops_coeff) if attention_term else 0.0
     return PrefillModel(tokens_s=rate, flops_s=rate * flops_per_token, attention_flops_coeff=coeff, source=source)

@@ -20,6 +20,7 @@ Called by :mod:`tierkv.plan.planner` and :mod:`tierkv.plan.recommend`; pure nump
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,8 @@ PEAK_WINDOW_S = 60.0
 
 @dataclass(frozen=True)
 class Timeline:
-    """The workload's time base: ``duration_s`` and a window index per request, at the planned rate."""
+    """The workload's time base at the planned rate: ``duration_s`` and, per request, the index of its
+    ``PEAK_WINDOW_S`` window among the ``windows`` that have arrivals (empty ones move no bytes)."""
 
     duration_s: float
     request_rate_per_s: float
@@ -54,13 +56,16 @@ def timeline(profile: ReuseProfile, request_rate_per_s: float | None = None) -> 
     rate = request_rate_per_s if request_rate_per_s is not None else natural
     if rate is None:
         raise InputError(f"the workload's {n} request(s) all arrive at once; pass --request-rate")
-    if not rate > 0:
-        raise InputError(f"--request-rate must be > 0, got {rate}")
-    duration = n / rate
+    duration = n / rate if rate > 0 else math.inf
+    if not 0 < duration < math.inf:
+        raise InputError(f"--request-rate must be a finite number > 0 that leaves the workload a finite, "
+                         f"non-zero duration, got {rate}")
     scale = duration / span if span > 0 else 0.0
     real = (profile.arrival_s - profile.arrival_s.min()) * scale
     # A last, partial window's bytes are divided by the full window too: it can only under-report.
-    window = (real // PEAK_WINDOW_S).astype(np.int64)
+    # Dense numbering: a slow rate's long timeline costs no memory and cannot overflow int64.
+    _, window = np.unique(np.floor(real / PEAK_WINDOW_S), return_inverse=True)
+    window = window.reshape(-1).astype(np.int64)
     return Timeline(duration, rate, natural, window, int(window.max()) + 1)
 
 

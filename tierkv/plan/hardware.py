@@ -4,7 +4,8 @@ Profiles live in ``configs/hardware/*.toml`` (``load_profile("h200-node")`` find
 by name; a path works too). Every tier's numbers are per node, except a ``shared``
 tier (NVMe-oF by default) whose capacity and bandwidth are the pool's. Sizes and
 bandwidths accept ``"64GiB"``, ``"50GB"`` (decimal, so ``"50GB"`` of bandwidth is
-50e9 bytes/s) or plain numbers. A missing or unknown field raises
+50e9 bytes/s) or plain numbers; capacities are whole bytes up to 1 EiB, bandwidths at
+least 1 byte/s. A missing, unknown or out-of-range field raises
 :class:`tierkv.errors.ConfigError` naming the file, the table and the field.
 Called by :mod:`tierkv.plan.cli` and :mod:`tierkv.plan.planner`.
 """
@@ -24,6 +25,9 @@ from tierkv.units import parse_size
 
 #: Where named profiles live: ``<repo>/configs/hardware``.
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+#: The largest capacity a tier may have per node (or pool): 1 EiB, far past any KV cache, and small
+#: enough that block counts stay within int64.
+MAX_CAPACITY_BYTES = 2**60
 
 
 class TierKind(enum.Enum):
@@ -174,8 +178,8 @@ def parse_profile(data: Mapping[str, object], where: str = "hardware profile") -
 def _gpu(raw: object, where: str) -> GpuSpec:
     t = _Table(raw, where, "gpu", {"count", "hbm_bytes", "hbm_bandwidth_bytes_s", "peak_flops", "prefill_mfu",
                                    "memory_utilization", "cache_fraction"})
-    return GpuSpec(count=t.count("count"), hbm_bytes=int(t.size("hbm_bytes")),
-                   hbm_bandwidth_bytes_s=t.size("hbm_bandwidth_bytes_s"), peak_flops=t.positive("peak_flops"),
+    return GpuSpec(count=t.count("count"), hbm_bytes=t.capacity("hbm_bytes"),
+                   hbm_bandwidth_bytes_s=t.bandwidth("hbm_bandwidth_bytes_s"), peak_flops=t.positive("peak_flops"),
                    prefill_mfu=t.fraction("prefill_mfu", 0.5), memory_utilization=t.fraction("memory_utilization", 0.9),
                    cache_fraction=t.fraction("cache_fraction", 0.5))
 
@@ -191,21 +195,20 @@ def _cluster(raw: object, where: str) -> ClusterSpec:
 
 def _tier(kind: TierKind, raw: object, where: str) -> TierSpec:
     name = f"tiers.{kind.value}"
+    if kind is TierKind.HBM:  # bandwidth comes from [gpu]; capacity may be derived; never shared
+        t = _Table(raw, where, name, {"capacity_bytes", "latency_s", "cost_per_gib"})
+        cap = None if t.raw.get("capacity_bytes", "auto") == "auto" else t.capacity("capacity_bytes")
+        return TierSpec(kind, cap, 0.0, 0.0, t.nonneg("latency_s", 0.0),
+                        t.nonneg("cost_per_gib", DEFAULT_COST_PER_GIB[kind]))
     t = _Table(raw, where, name, {"capacity_bytes", "bandwidth_bytes_s", "request_bandwidth_bytes_s",
                                   "latency_s", "cost_per_gib", "shared"})
-    cost = t.nonneg("cost_per_gib", DEFAULT_COST_PER_GIB[kind])
-    if kind is TierKind.HBM:  # bandwidth and latency come from [gpu]; capacity may be derived
-        cap = None if t.raw.get("capacity_bytes", "auto") == "auto" else int(t.size("capacity_bytes"))
-        return TierSpec(kind, cap, 0.0, 0.0, t.nonneg("latency_s", 0.0), cost)
-    bw = t.size("bandwidth_bytes_s")
-    if bw <= 0:
-        raise ConfigError(f"{where}: [{name}] bandwidth_bytes_s must be > 0, got {t.raw['bandwidth_bytes_s']!r}")
-    req_bw = t.size("request_bandwidth_bytes_s", bw)
-    shared = t.raw.get("shared", kind is TierKind.NVMEOF)
-    if not isinstance(shared, bool):
-        raise ConfigError(f"{where}: [{name}] shared must be true or false, got {shared!r}")
-    return TierSpec(kind, int(t.size("capacity_bytes")), bw, min(req_bw, bw) if req_bw > 0 else bw,
-                    t.nonneg("latency_s"), cost, shared)
+    bw = t.bandwidth("bandwidth_bytes_s")
+    req_bw = t.bandwidth("request_bandwidth_bytes_s", bw)
+    if req_bw > bw:
+        raise ConfigError(f"{where}: [{name}] request_bandwidth_bytes_s ({req_bw:g}) must be <= bandwidth_bytes_s "
+                          f"({bw:g}): one request's load cannot outrun the whole tier")
+    return TierSpec(kind, t.capacity("capacity_bytes"), bw, req_bw, t.nonneg("latency_s"),
+                    t.nonneg("cost_per_gib", DEFAULT_COST_PER_GIB[kind]), t.bool("shared", kind is TierKind.NVMEOF))
 
 
 def _nics(raw: object, where: str) -> tuple[NicSpec, ...]:
@@ -216,7 +219,7 @@ def _nics(raw: object, where: str) -> tuple[NicSpec, ...]:
         t = _Table(item, where, f"nics[{i}]", {"name", "count", "bandwidth_bytes_s", "reaches_storage",
                                                "reaches_compute"})
         storage = t.bool("reaches_storage", False)
-        out.append(NicSpec(t.str("name", f"nic{i}"), t.count("count", 1), t.size("bandwidth_bytes_s"),
+        out.append(NicSpec(t.str("name", f"nic{i}"), t.count("count", 1), t.bandwidth("bandwidth_bytes_s"),
                            storage, t.bool("reaches_compute", not storage)))
     return tuple(out)
 
@@ -265,8 +268,27 @@ class _Table:
         if isinstance(value, (int, str)) and not isinstance(value, bool):
             if isinstance(value, int) and value < 0 or isinstance(value, str) and value.strip().startswith("-"):
                 raise self._bad(key, "a size >= 0")
-            return float(parse_size(value, f"{self.where}: [{self.name}] {key}"))
+            try:
+                return float(parse_size(value, f"{self.where}: [{self.name}] {key}"))
+            except OverflowError:  # hundreds of digits: no float holds them
+                raise self._bad(key, "a finite size") from None
         raise self._bad(key, "a size such as 4096, 1.5e9 or '64GiB'")
+
+    def capacity(self, key: str) -> int:
+        """Whole bytes from 0 to :data:`MAX_CAPACITY_BYTES`."""
+        value = self.size(key)
+        if value != int(value):
+            raise self._bad(key, "a whole number of bytes")
+        if value > MAX_CAPACITY_BYTES:
+            raise self._bad(key, "a size from 0 to 1 EiB")
+        return int(value)
+
+    def bandwidth(self, key: str, default: float | None = None) -> float:
+        """Bytes/s, at least 1: a zero bandwidth would divide by zero or drop the traffic it carries."""
+        value = self.size(key, default)
+        if value < 1:
+            raise self._bad(key, "a bandwidth >= 1 byte/s")
+        return value
 
     def nonneg(self, key: str, default: float | None = None) -> float:
         value = self._get(key, default)

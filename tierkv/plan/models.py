@@ -154,8 +154,10 @@ def from_hf_config(cfg: Mapping[str, object], name: str, where: str = "model con
     Handles ``num_key_value_heads`` absent (MHA), ``head_dim`` absent
     (``hidden_size / num_attention_heads``), DeepSeek's MLA (``kv_lora_rank``,
     ``qk_rope_head_dim``) and MoE fields of Mixtral, Qwen-MoE and DeepSeek.
-    A multimodal config's ``text_config`` is used when the top level has no layers.
+    A multimodal config's ``text_config`` is used when the top level has no layers; its
+    quantization and dtype, when it lacks them, come from the top level.
     """
+    outer = cfg
     text = cfg.get("text_config")
     if "num_hidden_layers" not in cfg and isinstance(text, Mapping):
         cfg = text
@@ -181,7 +183,8 @@ def from_hf_config(cfg: Mapping[str, object], name: str, where: str = "model con
     active, total = _params(f, kind, layers, hidden, heads, kv_heads, qk_dim, v_dim)
     return ModelSpec(name=name, attention=kind, num_layers=layers, num_attention_heads=heads,
                      num_kv_heads=kv_heads, head_dim=cached_dim, qk_head_dim=qk_dim, v_head_dim=v_dim,
-                     active_params=active, total_params=total, weight_bytes_per_param=_weight_bytes(cfg),
+                     active_params=active, total_params=total,
+                     weight_bytes_per_param=_weight_bytes(cfg, outer),
                      max_context_tokens=f.opt_int("max_position_embeddings") or 131072)
 
 
@@ -241,9 +244,11 @@ def _params(f: _Fields, kind: AttentionKind, layers: int, hidden: int, heads: in
     return layers * attn + active_mlp, layers * attn + total_mlp + embeddings
 
 
-def _weight_bytes(cfg: Mapping[str, object]) -> int:
-    quant = cfg.get("quantization_config")
+def _weight_bytes(cfg: Mapping[str, object], outer: Mapping[str, object]) -> int:
+    """Bytes per weight: 1 for FP8 quantization, else from the dtype (``torch_dtype``, or ``dtype`` as
+    recent transformers write it); ``cfg`` (the text config) first, then ``outer`` (the whole file)."""
+    quant = cfg.get("quantization_config") or outer.get("quantization_config")
     if isinstance(quant, Mapping) and str(quant.get("quant_method", "")).lower() == "fp8":
         return 1
-    dtype = str(cfg.get("torch_dtype") or "bfloat16").lower()
-    return 4 if dtype in ("float32", "fp32") else 2
+    dtype = next((c[k] for c in (cfg, outer) for k in ("torch_dtype", "dtype") if c.get(k)), "bfloat16")
+    return 4 if str(dtype).lower() in ("float32", "fp32") else 2

@@ -40,6 +40,7 @@ def to_json(plan: Plan) -> dict[str, JSONValue]:
         "hardware": {"profile": req.profile.name, "nodes": cluster.nodes, "disaggregated": cluster.disaggregated,
                      "prefill_nodes": cluster.prefill_nodes, "decode_nodes": cluster.decode_nodes,
                      "instance_gpus": dep.instance_gpus, "instances_per_node": dep.instances_per_node,
+                     "idle_gpus_per_node": dep.idle_gpus_per_node,
                      "hbm_kv_space_bytes_per_node": dep.kv_space_bytes_per_node,
                      "hbm_cache_bytes_per_node": dep.hbm_cache_bytes_per_node},
         "workload": {"source": req.workload, "requests": prof.requests, "full_blocks": prof.blocks,
@@ -145,8 +146,9 @@ def print_plan(plan: Plan, console: Console) -> None:
                   f"{layout.num_kv_heads} KV heads x {layout.head_dim} dims, {layout.dtype.value}): "
                   f"{layout.token_bytes:,} bytes/token, {format_size(layout.page_bytes)} per "
                   f"{layout.tokens_per_page}-token page")
+    idle = f" ({dep.idle_gpus_per_node} GPU(s) idle)" if dep.idle_gpus_per_node else ""
     console.print(f"hardware [bold]{escape(req.profile.name)}[/]: {cluster.nodes} node(s){split}, "
-                  f"{dep.instances_per_node} instance(s) of {dep.instance_gpus} GPU(s) per node; prefill "
+                  f"{dep.instances_per_node} instance(s) of {dep.instance_gpus} GPU(s) per node{idle}; prefill "
                   f"{plan.prefill.tokens_s:,.0f} tokens/s per instance ({escape(plan.prefill.source)}), busy "
                   f"{plan.prefill_utilization:.1%} at the planned rate")
     distinct = int(np.count_nonzero(prof.depth == np.iinfo(np.int64).max))
@@ -192,10 +194,15 @@ def _notes(plan: Plan) -> list[str]:
     return out
 
 
-def _size(nbytes: float) -> str:
-    text = format_size(nbytes)
-    number, unit = text.split(" ")
-    return f"{float(number):.3g} {unit}"
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
+
+
+def _size(nbytes: float, spec: str = ".3g") -> str:
+    """Bytes in the binary unit that keeps the number under 1000, so ``.3g`` never turns to an exponent."""
+    value, unit = float(nbytes), 0
+    while abs(value) >= 1000 and unit < len(_BINARY_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{value:.0f} B" if unit == 0 else f"{value:{spec}} {_BINARY_UNITS[unit]}"
 
 
 def _count(n: float) -> str:
@@ -251,7 +258,7 @@ def _network_table(plan: Plan, table_cls: type) -> Table:
 def _recommendation_line(rec: Recommendation) -> str:
     goal = (f"hit rate >= {rec.target.hit_rate:.1%}" if rec.target.hit_rate is not None
             else f"p{rec.target.ttft_percentile:g} TTFT <= {_secs(rec.target.ttft_s or 0.0)}")
-    sizes = ", ".join(f"{t.kind.value} {format_size(t.capacity_bytes // t.nodes)}"
+    sizes = ", ".join(f"{t.kind.value} {_size(t.capacity_bytes // t.nodes, '.1f')}"
                       + ("" if t.nodes == 1 else "/node") for t in rec.tiers if t.capacity_bytes) or "no cache"
     verdict = "cheapest configuration that meets it" if rec.met else "[red]not met[/] by any candidate; closest"
     return (f"recommendation for {goal}: {verdict}: {sizes} (cost {rec.cost:,.0f}; hit rate {rec.hit_rate:.1%}, "

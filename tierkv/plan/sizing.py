@@ -20,6 +20,10 @@ from tierkv.plan.costs import LoadModel
 from tierkv.plan.hardware import HardwareProfile, TierKind
 from tierkv.plan.models import ModelSpec
 
+#: Block counts are capped here (2**56 blocks of 512 tokens: beyond any workload), so a few tiers'
+#: cumulative boundaries stay within int64 whatever the profile's capacities and node counts.
+MAX_BLOCKS = 2**56
+
 
 @dataclass(frozen=True)
 class Deployment:
@@ -30,6 +34,7 @@ class Deployment:
     weight_bytes: int
     kv_space_bytes_per_node: int      # HBM left for KV after weights, running requests included
     hbm_cache_bytes_per_node: int     # the share of it that keeps cached prefixes
+    idle_gpus_per_node: int = 0       # count % instance_gpus: GPUs no whole instance uses
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class ResolvedTier:
         return int(self.capacity_bytes // self.bytes_per_token)
 
     def capacity_blocks(self, block_tokens: int) -> int:
-        return int(self.capacity_bytes // (self.bytes_per_token * block_tokens))
+        """Whole blocks the tier holds, at most :data:`MAX_BLOCKS`."""
+        return min(MAX_BLOCKS, int(self.capacity_bytes // (self.bytes_per_token * block_tokens)))
 
     @property
     def load(self) -> LoadModel:
@@ -65,6 +71,7 @@ class ResolvedTier:
 
 
 def deployment(model: ModelSpec, profile: HardwareProfile, instance_gpus: int) -> Deployment:
+    """``count // instance_gpus`` whole instances per node; the ``count % instance_gpus`` GPUs left idle."""
     gpu = profile.gpu
     instances = gpu.count // instance_gpus
     usable = gpu.hbm_bytes * gpu.memory_utilization * instance_gpus
@@ -72,7 +79,8 @@ def deployment(model: ModelSpec, profile: HardwareProfile, instance_gpus: int) -
     if kv_space <= 0:
         raise ConfigError(f"{model.name}: {model.weight_bytes / 2**30:.1f} GiB of weights leave no HBM for KV in "
                           f"{instance_gpus} GPU(s) x {gpu.hbm_bytes * gpu.memory_utilization / 2**30:.1f} GiB")
-    return Deployment(instance_gpus, instances, model.weight_bytes, kv_space, int(kv_space * gpu.cache_fraction))
+    return Deployment(instance_gpus, instances, model.weight_bytes, kv_space, int(kv_space * gpu.cache_fraction),
+                      gpu.count % instance_gpus)
 
 
 def resolve_tiers(profile: HardwareProfile, layout: KVLayout, dep: Deployment,
@@ -86,8 +94,9 @@ def resolve_tiers(profile: HardwareProfile, layout: KVLayout, dep: Deployment,
         if spec.kind is TierKind.HBM:
             per_node = dep.hbm_cache_bytes_per_node if spec.capacity_bytes is None else spec.capacity_bytes
             nodes = cluster.prefill_nodes
+            busy_gpus = dep.instances_per_node * dep.instance_gpus  # idle GPUs hold no KV
             out.append(ResolvedTier(TierKind.HBM, per_node * nodes, float(layout.token_bytes),
-                                    gpu.hbm_bandwidth_bytes_s * gpu.count * nodes,
+                                    gpu.hbm_bandwidth_bytes_s * busy_gpus * nodes,
                                     gpu.hbm_bandwidth_bytes_s * dep.instance_gpus, spec.latency_s,
                                     spec.cost_per_gib, nodes))
             continue

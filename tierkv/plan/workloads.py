@@ -45,17 +45,18 @@ class ParamWorkload:
     def __post_init__(self) -> None:
         if self.requests < 1:
             raise InputError(f"--requests must be >= 1, got {self.requests}")
-        if not self.request_rate_per_s > 0:
-            raise InputError(f"--request-rate must be > 0, got {self.request_rate_per_s}")
+        if not 0 < self.request_rate_per_s < math.inf:
+            raise InputError(f"--request-rate must be a finite number > 0, got {self.request_rate_per_s}")
         for name in ("context_tokens", "turn_tokens"):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise InputError(f"{name} must be LOW:HIGH with 1 <= LOW <= HIGH, got {lo}:{hi}")
-        if not self.turns_mean >= 1:
-            raise InputError(f"--turns must be >= 1 (mean turns per conversation), got {self.turns_mean}")
+        if not 1 <= self.turns_mean < math.inf:  # inf would make the geometric draw's p zero
+            raise InputError(f"--turns must be a finite number >= 1 (mean turns per conversation), "
+                             f"got {self.turns_mean}")
         if not 0 <= self.reuse <= 1:
             raise InputError(f"--reuse must be in [0, 1], got {self.reuse}")
-        if self.shared_prefixes < 1 or self.think_time_s < 0 or self.block_tokens < 1:
+        if self.shared_prefixes < 1 or not 0 <= self.think_time_s < math.inf or self.block_tokens < 1:
             raise InputError("shared_prefixes and block_tokens must be >= 1 and think_time_s >= 0, got "
                              f"{self.shared_prefixes}, {self.block_tokens}, {self.think_time_s}")
 
