@@ -177,8 +177,10 @@ class Tree:
             os.close(fd)
 
     def read(self, path: str) -> str:
+        """An attribute's value stripped of surrounding whitespace, as nvmetcli's
+        ``get_attr`` reads it (the kernel pads ``attr_serial`` to 20 characters)."""
         with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read().rstrip("\n")
+            return f.read().strip()
 
     def writable(self, path: str) -> bool:
         return bool(os.stat(path).st_mode & stat.S_IWUSR)

@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 _POLL_S = 0.05
+_CTRL_NAME = re.compile(r"nvme\d+")
 _GONE = (ControllerState.DELETING, ControllerState.DELETING_NOIO, ControllerState.DEAD)
 
 
@@ -221,9 +222,10 @@ def connect(transport: str, traddr: str, trsvcid: str | int, nqn: str, *,
     Returns once the controller's state is ``live`` and at least one of its namespaces has
     a block device node under ``dev_root`` (``Controller.namespaces``, e.g. ``("nvme1n1",)``).
     Idempotent: if a live controller with the same transport, address, NQN and hostnqn
-    already exists, it is returned and nothing new is created. The hostnqn/hostid pair is
-    ``host_identity(hostnqn, hostid)``. ``backend=None`` picks libnvme when its bindings
-    import (and the options allow it), else nvme-cli. Times are whole seconds, passed to
+    already exists (``Controller.reaches``; ``loop`` controllers have no address, so
+    there the address is not compared), it is returned and nothing new is created. The hostnqn/hostid pair is
+    ``host_identity(hostnqn, hostid)``. ``backend=None`` picks nvme-cli when it is on PATH
+    (or the options need it), else libnvme. Times are whole seconds, passed to
     the kernel as they are (None: the kernel's default); ``timeout_s`` bounds the whole call.
 
     Raises ConnectError, whose ``reason`` says why: a host missing from the subsystem's
@@ -277,9 +279,7 @@ def connect(transport: str, traddr: str, trsvcid: str | int, nqn: str, *,
 
 def _matching(opts: ConnectOptions, sysfs_root: str) -> list[Controller]:
     return [c for c in list_controllers(sysfs_root)
-            if c.transport == opts.transport and c.subsysnqn == opts.nqn
-            and c.address.traddr == opts.traddr and c.address.trsvcid == opts.trsvcid
-            and (c.hostnqn is None or opts.hostnqn is None or c.hostnqn == opts.hostnqn)
+            if c.reaches(opts.transport, opts.traddr, opts.trsvcid, opts.nqn, opts.hostnqn)
             and c.state not in _GONE]
 
 
@@ -308,8 +308,15 @@ def _await_live(opts: ConnectOptions, name: str | None, before: set[str], post: 
         time.sleep(_POLL_S)                          # sysfs has no change notification
     if seen is not None:
         _delete(seen.name, sysfs_root)
-    state = "no controller appeared" if seen is None else "%s was %s with namespaces %s" % (
-        seen.name, seen.state.value, list(seen.namespaces) or "none")
+        state = "%s was %s with namespaces %s" % (seen.name, seen.state.value,
+                                                  list(seen.namespaces) or "none")
+    elif name is not None and _CTRL_NAME.fullmatch(name) and name not in before:
+        # The tool made a controller that never matched what was asked for (its sysfs
+        # view differs): it is still this call's, so it goes too.
+        _delete(name, sysfs_root)
+        state = "the tool reported %s, which never matched the request" % name
+    else:
+        state = "no controller appeared"
     raise ConnectError(attempted, ConnectFailure.TIMEOUT, state)
 
 

@@ -220,8 +220,9 @@ class Subsystem:
 
     @property
     def allow_any_host(self) -> bool:
-        """Whether ``attr_allow_any_host`` is ``"1"`` (the kernel default is 0)."""
-        return self.attr.get("allow_any_host", "0").strip() == "1"
+        """Whether ``attr_allow_any_host`` is true as the kernel reads it (``"1"``, ``"y"``...; default 0)."""
+        from nvmeof.validate import kernel_bool
+        return kernel_bool(self.attr.get("allow_any_host", "0")) is True
 
     @staticmethod
     def from_dict(value: object, where: str) -> Subsystem:

@@ -73,16 +73,22 @@ def connect_args(opts: ConnectOptions, *, fast_io_fail_flag: bool = True) -> lis
     option is left out and the caller must set it in sysfs after the connect. Secrets are
     passed as arguments, as nvme-cli takes them: they are visible in ``ps`` for the
     command's lifetime, and ``host`` never puts an argv into an exception message.
+    Over ``loop`` there is no service id and nothing to reconnect: ``--trsvcid``,
+    ``--ctrl-loss-tmo`` and ``--reconnect-delay`` (options the kernel's nvme-loop does not
+    take) are left out, and so is an empty ``--traddr``.
     """
-    argv = [NVME, "connect", f"--transport={opts.transport}", f"--traddr={opts.traddr}",
-            f"--trsvcid={opts.trsvcid}", f"--nqn={opts.nqn}"]
+    loop = opts.transport == "loop"
+    argv = [NVME, "connect", f"--transport={opts.transport}"]
+    argv += [f"--traddr={opts.traddr}"] if opts.traddr or not loop else []
+    argv += [f"--trsvcid={opts.trsvcid}"] if not loop else []
+    argv.append(f"--nqn={opts.nqn}")
     argv += _host_args(opts.hostnqn, opts.hostid)
     if opts.dhchap_secret is not None:
         argv.append(f"--dhchap-secret={opts.dhchap_secret}")
     if opts.dhchap_ctrl_secret is not None:
         argv.append(f"--dhchap-ctrl-secret={opts.dhchap_ctrl_secret}")
-    for flag, value in (("--ctrl-loss-tmo", opts.ctrl_loss_tmo_s),
-                        ("--reconnect-delay", opts.reconnect_delay_s),
+    for flag, value in (("--ctrl-loss-tmo", None if loop else opts.ctrl_loss_tmo_s),
+                        ("--reconnect-delay", None if loop else opts.reconnect_delay_s),
                         ("--keep-alive-tmo", opts.keep_alive_tmo_s)):
         if value is not None:
             argv.append(f"{flag}={value}")

@@ -23,8 +23,10 @@ that vanished meanwhile counts as "absent", never as an error.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +104,32 @@ class Controller:
     def is_discovery(self) -> bool:
         """Whether this is a (persistent) discovery controller rather than an I/O one."""
         return self.subsysnqn == DISCOVERY_NQN
+
+    def reaches(self, transport: str, traddr: str | None, trsvcid: str | None, subsysnqn: str,
+                hostnqn: str | None = None) -> bool:
+        """Whether this controller is the one a connect with these arguments makes.
+
+        Subsystem NQN and transport must be equal; so must the target address
+        (``traddr`` compared as an IP address where both sides parse as one, ``trsvcid``
+        as text), except over ``loop``, whose controllers have no ``address`` file.
+        ``hostnqn`` counts where both sides know it. The state is not looked at.
+        """
+        if self.subsysnqn != subsysnqn or self.transport != transport:
+            return False
+        if hostnqn is not None and self.hostnqn is not None and self.hostnqn != hostnqn:
+            return False
+        if transport == "loop":
+            return True
+        return _same_addr(self.address.traddr, traddr) and (self.address.trsvcid or "") == (trsvcid or "")
+
+
+def _same_addr(have: str | None, want: str | None) -> bool:
+    if have == want:
+        return True
+    try:
+        return ipaddress.ip_address(have or "") == ipaddress.ip_address(want or "")
+    except ValueError:
+        return False
 
 
 def parse_address(text: str) -> FabricAddress:
@@ -237,6 +265,7 @@ def controller_state(name: str, sysfs_root: str = "/sys") -> ControllerState | N
 
 
 def find_namespace(nqn: str, nsid: int = 1, transport: str | None = None, *,
+                   controllers: Collection[str] | None = None,
                    sysfs_root: str = "/sys", dev_root: str = "/dev") -> str | None:
     """The block device path (``"/dev/nvme0n1"``) of namespace ``nsid`` of subsystem ``nqn``.
 
@@ -244,16 +273,22 @@ def find_namespace(nqn: str, nsid: int = 1, transport: str | None = None, *,
     directly off a controller (``nvme_core.multipath=N``). A device counts only if its
     ``nsid`` file says ``nsid`` (names carry the head instance, not the NSID) and its node
     exists under ``dev_root``. With ``transport``, only subsystems/controllers reached over
-    that transport count. The controller's state is not checked: ask ``controller_state``.
-    Returns None when nothing matches (not connected, namespace not scanned yet, udev slow).
+    that transport count. With ``controllers`` (names like ``"nvme0"``), only devices
+    reached through those controllers count: another target exporting the same NQN is
+    then never taken for this one. The controller's state is not checked: ask
+    ``controller_state``. Returns None when nothing matches (not connected, namespace not
+    scanned yet, udev slow).
     """
     ctrls = [c for c in list_controllers(sysfs_root)
-             if c.subsysnqn == nqn and (transport is None or c.transport == transport)]
+             if c.subsysnqn == nqn and (transport is None or c.transport == transport)
+             and (controllers is None or c.name in controllers)]
     subsys_names = {c.subsystem for c in ctrls if c.subsystem is not None}
+    reached = {n for c in ctrls for n in c.namespaces}
     candidates: list[Path] = []
     for sub in _subsystems(sysfs_root):
         if sub.name in subsys_names:
-            candidates += [sub / n for n in _listdir(sub) if _BLOCK.match(n)]
+            candidates += [sub / n for n in _listdir(sub)
+                           if _BLOCK.match(n) and (controllers is None or n in reached)]
     base = Path(sysfs_root) / "class" / "nvme"
     for c in ctrls:
         candidates += [base / c.name / n for n in _listdir(base / c.name) if _BLOCK.match(n)]

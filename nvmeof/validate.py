@@ -35,6 +35,13 @@ _SPEC_NQN = re.compile(r"nqn\.(\d{4})-(\d{2})\.([A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)+)(:.+)?", re.DOTALL)
 _FC_ADDR = re.compile(r"nn-0x[0-9A-Fa-f]{16}:pn-0x[0-9A-Fa-f]{16}")
 _VERSION = re.compile(r"\d+\.\d+(\.\d+)?")
+# What the kernel's parsers take: nvmet's device_nguid store reads 16 hex pairs, each
+# optionally followed by '-' or ':'; device_uuid goes through uuid_parse (8-4-4-4-12).
+_NGUID = re.compile(r"(?:[0-9A-Fa-f]{2}[-:]?){16}")
+_UUID = re.compile(r"[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}")
+# kstrtobool (attr_allow_any_host) looks at the first characters only; these are the
+# spellings it reads that a person would write.
+_KERNEL_BOOLS = {"1": True, "y": True, "yes": True, "on": True, "0": False, "n": False, "no": False, "off": False}
 
 
 def _fail(msg: str, *args: object) -> ConfigError:
@@ -75,6 +82,12 @@ def _unique(items: Iterable[object], what: str) -> None:
         seen.add(x)
 
 
+def kernel_bool(value: str) -> bool | None:
+    """An ``attr_allow_any_host``-style value as the kernel's kstrtobool reads it
+    (``1``/``y``/``yes``/``on``, ``0``/``n``/``no``/``off``, any case); None otherwise."""
+    return _KERNEL_BOOLS.get(value.strip().lower())
+
+
 def _check_01(value: object, what: str) -> None:
     if value is not None and value not in (0, 1, "0", "1"):
         raise _fail("%s: expected 0 or 1, got %r", what, value)
@@ -113,15 +126,20 @@ def _check_subsystem(s: Subsystem, hosts: set[str], rule: NqnRule) -> None:
     if s.nqn == DISCOVERY_NQN:
         raise _fail("%s: the discovery NQN cannot be a subsystem", what)
     attrs = dict(s.attr)
-    _check_01(attrs.get("allow_any_host", "0").strip(), "%s attr allow_any_host" % what)
+    if kernel_bool(attrs.get("allow_any_host", "0")) is None:
+        raise _fail("%s: attr allow_any_host: expected 0 or 1 (or y/n, yes/no, on/off), got %r",
+                    what, attrs["allow_any_host"])
     _check_01(attrs.get("pi_enable"), "%s attr pi_enable" % what)
     if s.allow_any_host and s.allowed_hosts:
         raise _fail("%s: allow_any_host=1 together with allowed_hosts %s; the kernel refuses both, "
                     "choose one", what, list(s.allowed_hosts))
     lo = _check_int_attr(attrs, "cntlid_min", 1, MAX_CNTLID, what)
     hi = _check_int_attr(attrs, "cntlid_max", 1, MAX_CNTLID, what)
-    if lo is not None and hi is not None and lo > hi:
-        raise _fail("%s: cntlid_min %d is above cntlid_max %d", what, lo, hi)
+    # The kernel refuses a cntlid_min >= cntlid_max; an unset one keeps its default.
+    lo_v, hi_v = (1 if lo is None else lo), (MAX_CNTLID if hi is None else hi)
+    if lo_v >= hi_v:
+        raise _fail("%s: cntlid_min %d must be below cntlid_max %d (unset: the kernel's 1 and %d)",
+                    what, lo_v, hi_v, MAX_CNTLID)
     serial = attrs.get("serial")
     if serial is not None and (not serial or len(serial) > 20 or not serial.isascii() or not serial.isprintable()):
         raise _fail("%s: attr serial %r: expected 1..20 printable ASCII characters", what, serial)
@@ -149,16 +167,12 @@ def _check_subsystem(s: Subsystem, hosts: set[str], rule: NqnRule) -> None:
             raise _fail("%s: enabled without a device path", nw)
         if path and not path.startswith("/"):
             raise _fail("%s: device path %r must be absolute", nw, path)
-        for k in ("nguid", "uuid"):
-            v = getattr(n.device, k)
-            if v is not None:
-                try:
-                    ok = len(v) == 36 and uuidlib.UUID(v) is not None
-                except ValueError:
-                    ok = False
-                if not ok:
-                    raise _fail("%s: device %s %r: expected 8-4-4-4-12 hex like "
-                                "'ef90689c-6c46-d44c-89c1-4067801309a8'", nw, k, v)
+        if n.device.nguid is not None and not _NGUID.fullmatch(n.device.nguid.strip()):
+            raise _fail("%s: device nguid %r: expected 32 hex digits, pairs optionally separated by "
+                        "'-' or ':', like 'ef90689c-6c46-d44c-89c1-4067801309a8'", nw, n.device.nguid)
+        if n.device.uuid is not None and not _UUID.fullmatch(n.device.uuid.strip()):
+            raise _fail("%s: device uuid %r: expected 8-4-4-4-12 hex like "
+                        "'ef90689c-6c46-d44c-89c1-4067801309a8'", nw, n.device.uuid)
 
 
 def check_address(a: Address, what: str) -> None:

@@ -8,17 +8,25 @@ against the kernel's NVMe-oF target over soft-RoCE.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.conftest import LAYOUT, PB, page_data
+from tests.nvmeof.test_sysfs import HOSTNQN, add_controller
 from tests.polling import wait_for
 from tierkv.api import Store
 from tierkv.config import DramConfig, NvmeofConfig, StoreConfig
-from tierkv.opening import LABEL_BYTES
+from tierkv.errors import ConfigError, TierIOError
+from tierkv.opening import LABEL_BYTES, label_data_bytes
 from tierkv.tiers.base import TierKind
+from tierkv.tiers.fabric import FabricLink, open_nvmeof_tier
 
 TPP = LAYOUT.tokens_per_page
 SLOTS = 32
@@ -100,5 +108,176 @@ def test_close_while_degraded_keeps_the_index(tmp_path: Path) -> None:
     os.rename(away, dev)
     with Store.open(cfg) as s:
         tokens, data = prompts[0]
+        n, out = load(s, tokens, 2)
+        assert n == 2 and np.array_equal(out, data)
+
+
+# -- labels: whose namespace is it -------------------------------------------------------
+
+def _two_stores(tmp_path: Path) -> tuple[StoreConfig, StoreConfig, list[tuple[np.ndarray, np.ndarray]]]:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, _ = make(tmp_path / "a")
+    b, _ = make(tmp_path / "b")
+    prompts = [(prompt(i, 2), page_data(i, 2)) for i in range(2)]
+    for cfg in (a, b):
+        with Store.open(cfg) as s:
+            for tokens, data in prompts:
+                assert s.put(tokens, data).stored == 2
+    return a, b, prompts
+
+
+def _served(cfg: StoreConfig, prompts: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
+    with Store.open(cfg) as s:
+        counts = []
+        for tokens, data in prompts:
+            n, out = load(s, tokens, 2)
+            assert np.array_equal(out[:n], data[:n])
+            counts.append(n)
+        return counts
+
+
+def test_a_namespace_labelled_by_another_store_is_refused(tmp_path: Path) -> None:
+    a, b, prompts = _two_stores(tmp_path)
+    assert a.nvmeof is not None and b.nvmeof is not None
+    b_dev = Path(b.nvmeof.device or "")
+    before = b_dev.read_bytes()[:LABEL_BYTES]
+    # /dev names shifted: store A's config now names B's namespace
+    wrong = dataclasses.replace(a, nvmeof=dataclasses.replace(a.nvmeof, device=str(b_dev)))
+    with pytest.raises(ConfigError, match="belongs to another tierkv store") as err:
+        Store.open(wrong)
+    assert str(b_dev) in str(err.value) and "\n" not in str(err.value)
+    assert b_dev.read_bytes()[:LABEL_BYTES] == before      # B's label untouched
+    assert _served(b, prompts) == [2, 2]                   # B keeps every page
+    assert _served(a, prompts) == [2, 2]                   # and A kept its index records
+
+
+def test_a_blank_or_non_tierkv_namespace_is_labelled(tmp_path: Path) -> None:
+    cfg, dev = make(tmp_path)
+    with open(dev, "r+b") as f:
+        f.write(b"some filesystem superblock" * 10)
+    with Store.open(cfg) as s:
+        assert state(s) == "available"
+    assert dev.read_bytes().startswith(b"tierkv-data-")
+
+
+def test_a_store_whose_index_was_lost_takes_its_namespace_back(tmp_path: Path) -> None:
+    cfg, dev = make(tmp_path)
+    prompts = [(prompt(0, 2), page_data(0, 2))]
+    with Store.open(cfg) as s:
+        s.put(*prompts[0])
+    shutil.rmtree(cfg.path)  # "it is a cache: remove the directory" (same path, new identity)
+    assert _served(cfg, prompts) == [0]
+    with Store.open(cfg) as s:
+        assert s.put(*prompts[0]).stored == 2
+    assert _served(cfg, prompts) == [2]
+
+
+def test_a_label_from_before_owner_records_is_kept_and_completed(tmp_path: Path) -> None:
+    cfg, dev = make(tmp_path)
+    prompts = [(prompt(0, 2), page_data(0, 2))]
+    with Store.open(cfg) as s:
+        s.put(*prompts[0])
+    with open(dev, "r+b") as f:  # magic + identity, zeros after: the label as written before
+        f.seek(32)
+        f.write(b"\0" * (LABEL_BYTES - 32))
+    assert _served(cfg, prompts) == [2]
+    assert label_data_bytes(dev.read_bytes()[:LABEL_BYTES]) == SLOTS * PB
+
+
+# -- the fabric link: which controller is the store's ------------------------------------
+
+NQN = "nqn.2026-12.io.tierkv:kv"
+
+
+def _fabric_cfg(**kw: object) -> NvmeofConfig:
+    base: dict[str, object] = dict(transport="rdma", traddr="10.77.0.1", subnqn=NQN, hostnqn=HOSTNQN,
+                                   io_timeout_s=1.0, monitor_interval_s=0.05, o_direct=False)
+    base.update(kw)
+    return NvmeofConfig(**base)  # type: ignore[arg-type]
+
+
+def _namespace(dev: Path, name: str) -> None:
+    with open(dev / name, "r+b") as f:
+        f.truncate(LABEL_BYTES + SLOTS * PB)
+
+
+def test_the_link_ignores_another_target_exporting_the_same_nqn(tmp_path: Path) -> None:
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    add_controller(sysfs, ctrl=0, subsys=1, nqn=NQN, address="traddr=10.99.0.2,trsvcid=4420", dev_root=dev)
+    link = FabricLink(_fabric_cfg(), connect=False, sysfs_root=str(sysfs), dev_root=str(dev))
+    st = link.status()
+    assert not st.live and st.device is None and "at 10.77.0.1:4420" in st.detail
+    with pytest.raises(TierIOError, match="may not connect"):
+        link.attach()
+    # once the configured target is connected too, its namespace is the one used
+    add_controller(sysfs, ctrl=1, subsys=2, nqn=NQN, heads={2: 1}, dev_root=dev)
+    assert link.attach() == str(dev / "nvme2n2")
+
+
+def test_the_link_ignores_a_controller_of_another_host_nqn(tmp_path: Path) -> None:
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    add_controller(sysfs, ctrl=0, subsys=1, nqn=NQN, dev_root=dev)
+    link = FabricLink(_fabric_cfg(hostnqn="nqn.2026-12.io.tierkv:another-host"), connect=False,
+                      sysfs_root=str(sysfs), dev_root=str(dev))
+    assert not link.status().live
+
+
+def test_a_failed_open_disconnects_what_it_connected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nvmeof.host
+    from nvmeof.sysfs import get_controller
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    gone: list[str] = []
+
+    def fake_connect(*args: object, **kw: object) -> object:
+        add_controller(sysfs, ctrl=0, subsys=1, nqn=NQN, dev_root=dev)  # namespace 1 only
+        return get_controller("nvme0", str(sysfs))
+
+    def fake_disconnect(**kw: object) -> int:
+        gone.append(str(kw["name"]))
+        return 1
+
+    monkeypatch.setattr(nvmeof.host, "connect", fake_connect)
+    monkeypatch.setattr(nvmeof.host, "disconnect", fake_disconnect)
+    cfg = _fabric_cfg(nsid=2, disconnect_on_close=True)
+    link = FabricLink(cfg, connect=True, sysfs_root=str(sysfs), dev_root=str(dev))
+    with pytest.raises(TierIOError, match="namespace 2 has no block device"):
+        open_nvmeof_tier(cfg, PB, header_bytes=LABEL_BYTES, connect=True, link=link)
+    assert gone == ["nvme0"]
+
+
+# -- a namespace that grew ----------------------------------------------------------------
+
+@pytest.fixture
+def loop_device(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A real block device (a loop device over a file), for root where losetup works."""
+    backing = tmp_path / "ns.img"
+    with open(backing, "wb") as f:
+        f.truncate(LABEL_BYTES + SLOTS * PB)
+    if os.geteuid() != 0 or shutil.which("losetup") is None:
+        pytest.skip("needs root and losetup for a loop block device")
+    res = subprocess.run(["losetup", "-f", "--show", str(backing)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"no loop device here: {res.stderr.strip()}")
+    node = Path(res.stdout.strip())
+    try:
+        yield node, backing
+    finally:
+        subprocess.run(["losetup", "-d", str(node)], check=False)
+
+
+def test_a_grown_namespace_keeps_the_size_the_store_was_created_with(tmp_path: Path,
+                                                                     loop_device: tuple[Path, Path]) -> None:
+    node, backing = loop_device
+    cfg = StoreConfig(path=str(tmp_path / "store"), model_id="m", layout=LAYOUT,
+                      nvmeof=NvmeofConfig(device=str(node), io_timeout_s=2.0, monitor_interval_s=0.05))
+    tokens, data = prompt(0, 2), page_data(0, 2)
+    with Store.open(cfg) as s:
+        assert s.put(tokens, data).stored == 2
+    with open(backing, "r+b") as f:  # the target's admin grows the namespace
+        f.truncate(LABEL_BYTES + 2 * SLOTS * PB)
+    subprocess.run(["losetup", "-c", str(node)], check=True)
+    with Store.open(cfg) as s:
+        assert s.stats().tiers["nvmeof"].capacity_slots == SLOTS
         n, out = load(s, tokens, 2)
         assert n == 2 and np.array_equal(out, data)

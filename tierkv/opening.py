@@ -8,10 +8,14 @@ failure it closes what it opened. Called once per ``Store.open``.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+
+import xxhash
 
 from tierkv.codec import Codec, CodecMode
 from tierkv.config import NvmeConfig, NvmeofConfig, StoreConfig
@@ -33,9 +37,12 @@ from tierkv.tiers.nvmeof import NvmeofTier
 # their records are slot records, byte for byte).
 FORMAT_VERSION = 3
 UPGRADABLE_FORMATS = (2,)
-# The NVMe data file starts with a 4 KiB label: magic + the store's 16-byte identity.
+# The NVMe data file starts with a 4 KiB label: magic + the store's 16-byte identity,
+# then a JSON owner record ({"host", "path", "data_bytes"}) ended by a NUL. Labels
+# written before the owner record have zeros there; a writer adds it at its next open.
 LABEL_BYTES = 4096
 _LABEL_MAGIC = b"tierkv-data-v2\n\0"
+_ID_BYTES = 16
 log = logging.getLogger(__name__)
 
 
@@ -105,15 +112,18 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
         persistent = [t.kind.value for t in tiers if t.persistent]
         if persistent:
             store_dir = Path(cfg.path)
-            index = open_index(store_dir, persistent, _meta(cfg, tiers), read_only=read_only,
-                               verify=cfg.verify_index, upgrade_from=UPGRADABLE_FORMATS)
+            try:
+                index = open_index(store_dir, persistent, _meta(cfg, tiers), read_only=read_only,
+                                   verify=cfg.verify_index, upgrade_from=UPGRADABLE_FORMATS)
+            except ConfigError as exc:
+                raise _with_resize_hint(cfg, exc) from None
             if not read_only:
                 mark_clean(store_dir, False)
             for t in tiers:
                 medium = t.blocks if isinstance(t, BlockPageTier) else t
                 if isinstance(medium, NvmeTier):
                     medium.grow_back()  # the index accepted this geometry: now a truncated file may grow
-                    _check_label(medium, index, read_only)
+                    _check_label(medium, index, read_only, store_dir)
         manager = BlockManager(tiers, {t.kind: make_policy(cfg.policy) for t in tiers}, index)
         if not read_only:
             for t in tiers:
@@ -174,9 +184,11 @@ def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
             tiers.append(_block_tier(blocks, slots, cfg, cfg.nvme))
     if cfg.nvmeof is not None:
         if cfg.nvmeof.codec == CodecMode.NONE.value:
-            tiers.append(open_nvmeof_tier(cfg.nvmeof, pb, header_bytes=LABEL_BYTES, connect=not read_only))
+            tiers.append(open_nvmeof_tier(cfg.nvmeof, pb, header_bytes=LABEL_BYTES, connect=not read_only,
+                                          labelled_bytes=label_data_bytes))
         else:
-            fabric = open_nvmeof_tier(cfg.nvmeof, ALIGN, header_bytes=LABEL_BYTES, connect=not read_only)
+            fabric = open_nvmeof_tier(cfg.nvmeof, ALIGN, header_bytes=LABEL_BYTES, connect=not read_only,
+                                      labelled_bytes=label_data_bytes)
             tiers.append(_block_tier(fabric, fabric.num_slots // (round_up(pb) // ALIGN), cfg, cfg.nvmeof))
     if not tiers:
         raise ConfigError("a read-only open needs the store's NVMe tier configured" if read_only
@@ -196,21 +208,80 @@ def _block_tier(blocks: NvmeTier, pages: int, cfg: StoreConfig, tier_cfg: NvmeCo
         raise
 
 
-def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool) -> None:
-    """Make sure the data file belongs to this index; a foreign one loses its records."""
-    label = _LABEL_MAGIC + index.store_id()
+def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_dir: Path) -> None:
+    """Make sure the data file belongs to this index, and label it when it may be taken.
+
+    This store's label: kept (rewritten by a writer when its owner record is missing or
+    out of date). A local data file without it (foreign, replaced, blank) loses this
+    store's records and is labelled. A namespace is shared media: one labelled by another
+    store (another identity, and another directory or host) is refused with ConfigError
+    and nothing is changed, index included; a blank or non-tierkv one, or one labelled by
+    an earlier store in this same directory (its index was lost), is labelled.
+    """
+    ident = _LABEL_MAGIC + index.store_id()
+    owner = _owner_of(store_dir, tier.num_slots * tier.slot_bytes)
+    label = ident + json.dumps(owner, sort_keys=True).encode() + b"\0"
     if isinstance(tier, NvmeofTier):
-        tier.expect_header(label)  # recovery after a fabric loss requires this label back
-    if tier.read_header().startswith(label):
+        tier.expect_header(ident)  # recovery after a fabric loss requires this identity back
+    header = tier.read_header()
+    if header.startswith(ident):
+        if not read_only and not header.startswith(label):
+            tier.write_header(label)
         return
     if read_only:
         raise ConfigError(f"{tier.path} does not belong to the store index beside it")
+    if isinstance(tier, NvmeofTier) and header.startswith(_LABEL_MAGIC):
+        theirs = _owner_record(header)
+        if (theirs.get("host"), theirs.get("path")) != (owner["host"], owner["path"]):
+            who = (f"the store at {theirs.get('path')} on host {theirs.get('host')}" if "path" in theirs
+                   else f"store {header[len(_LABEL_MAGIC):len(ident)].hex()}")
+            raise ConfigError(
+                f"{tier.path} belongs to another tierkv store ({who}); refusing to relabel it for the store at "
+                f"{owner['path']}: point [tiers.nvmeof] at this store's own namespace, or zero its first "
+                f"{LABEL_BYTES} bytes to hand it over")
+        log.warning("%s carries the label of an earlier store in %s (its index was lost); labelling it for "
+                    "this one", tier.path, owner["path"])
     stale = index.count(tier.kind.value)
     if stale:
         log.warning("%s carries no label of this store (a foreign or replaced file); its %d index "
                     "records are dropped and those pages become misses", tier.path, stale)
         index.clear(tier.kind.value)
     tier.write_header(label)
+
+
+def _owner_of(store_dir: Path, data_bytes: int) -> dict[str, object]:
+    path = os.fsdecode(os.path.realpath(store_dir))
+    if len(path.encode(errors="surrogateescape")) > 1024:   # the label is 4 KiB: name a very long path by digest
+        path = "xxh3:" + xxhash.xxh3_128_hexdigest(path.encode(errors="surrogateescape"))
+    return {"host": socket.gethostname(), "path": path, "data_bytes": data_bytes}
+
+
+def _owner_record(header: bytes) -> dict[str, object]:
+    """The owner record of a tierkv label; {} where there is none (an older label)."""
+    body = header[len(_LABEL_MAGIC) + _ID_BYTES:].split(b"\0", 1)[0]
+    try:
+        rec = json.loads(body) if body else {}
+    except ValueError:  # UnicodeDecodeError included
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def label_data_bytes(header: bytes) -> int | None:
+    """The data bytes the store that labelled this header uses (None: no tierkv label, or
+    one written before labels recorded it). Sizes an NVMe-oF tier whose namespace grew."""
+    if not header.startswith(_LABEL_MAGIC):
+        return None
+    size = _owner_record(header).get("data_bytes")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def _with_resize_hint(cfg: StoreConfig, exc: ConfigError) -> ConfigError:
+    """A geometry refusal caused by a namespace that changed size under ``capacity_bytes = 0``
+    (a store labelled before labels recorded their size) says what to do about it."""
+    if cfg.nvmeof is None or cfg.nvmeof.capacity_bytes or "nvmeof_slots" not in str(exc):
+        return exc
+    return ConfigError(f"{exc}. [tiers.nvmeof] capacity_bytes = 0 sizes the tier by its namespace, which has "
+                       "changed size since: set capacity_bytes to the size the store was created with")
 
 
 def _meta(cfg: StoreConfig, tiers: list[Tier]) -> dict[str, object]:

@@ -278,3 +278,16 @@ def test_reapplying_to_a_live_target_rewrites_nothing(root: Path, rig: NvmetConf
     # Secrets are written again (never read back to compare); the kernel takes that live.
     assert again.ok and not again.created
     assert [w for w in again.written if "dhchap" not in os.path.basename(w)] == []
+
+
+def test_read_tree_strips_the_kernels_padding(root: Path, rig: NvmetConfig) -> None:
+    apply(rig, str(root))
+    serial = root / "subsystems" / SUB / "attr_serial"
+    serial.write_text("tierkvrig0001       \n")  # the kernel shows attr_serial padded to 20
+    saved = read_tree(str(root))
+    assert saved.subsystems[0].attr["serial"] == "tierkvrig0001"  # as nvmetcli's get_attr reads it
+    # load -> apply -> save keeps the serial
+    again = root.parent / "again"
+    again.mkdir()
+    apply(NvmetConfig.from_dict(saved.to_dict()), str(again))
+    assert read_tree(str(again)).subsystems[0].attr["serial"] == "tierkvrig0001"

@@ -127,6 +127,13 @@ def test_connect_and_discover_args_minimal() -> None:
         f"--hostnqn={HOSTNQN}", "--output-format=json"]
 
 
+def test_connect_args_over_loop_carry_no_address_and_no_reconnect_settings() -> None:
+    opts = ConnectOptions("loop", "", "4420", NQN, HOSTNQN, None, None, None, 600, 1, 2, None)
+    assert nvmecli.connect_args(opts) == [
+        "nvme", "connect", "--transport=loop", f"--nqn={NQN}", f"--hostnqn={HOSTNQN}",
+        "--fast_io_fail_tmo=2", "--output-format=json"]
+
+
 @pytest.mark.skipif(shutil.which("nvme") is None, reason="nvme-cli not installed")
 def test_options_against_the_installed_nvme_cli() -> None:
     """Every option we build, except --fast_io_fail_tmo (nvme-cli >= 2.4), is one the real
@@ -283,3 +290,33 @@ def test_connect_error_never_carries_a_secret() -> None:
                        f"nvme connect --dhchap-secret={secret} failed\nkernel: bad key '{secret}'")
     assert "ia6zGod" not in str(err) and "ia6zGod" not in err.detail and "ia6zGod" not in err.attempted
     assert "DHHC-1:<redacted>" in str(err)
+
+
+def _loop_controller(sysfs: Path, dev: Path, ctrl: int = 0) -> None:
+    add_controller(sysfs, ctrl=ctrl, subsys=ctrl, transport="loop", dev_root=dev)
+    (sysfs / f"devices/virtual/nvme-fabrics/ctl/nvme{ctrl}/address").unlink()  # nvme-loop has no get_address
+
+
+def test_loop_controllers_are_found_without_an_address(tmp_path: Path) -> None:
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    _loop_controller(sysfs, dev)
+    loop = ConnectOptions("loop", "", "4420", NQN, hostnqn=HOSTNQN, hostid=OPTS.hostid)
+    # what a connect over loop waits for once nvme-cli has made the controller
+    assert _await_live(loop, "nvme0", set(), {}, time.monotonic() + 2, "t", str(sysfs), str(dev)).name == "nvme0"
+    # and the idempotent path: an existing live loop controller is returned, nothing asked of the kernel
+    assert connect("loop", "", "4420", NQN, hostnqn=HOSTNQN, sysfs_root=str(sysfs), dev_root=str(dev)).name == "nvme0"
+    assert (sysfs / "class/nvme/nvme0/delete_controller").read_text() == "\n"
+
+
+def test_await_live_deletes_the_controller_the_tool_made_when_it_never_matches(tmp_path: Path) -> None:
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    add_controller(sysfs, ctrl=1, subsys=0, address="traddr=10.77.0.9,trsvcid=4420", dev_root=dev)
+    with pytest.raises(ConnectError, match="reported nvme1") as info:
+        _await_live(OPTS, "nvme1", set(), {}, time.monotonic(), "t", str(sysfs), str(dev))
+    assert info.value.reason is ConnectFailure.TIMEOUT
+    assert (sysfs / "class/nvme/nvme1/delete_controller").read_text() == "1"
+    # one that was there before the call is not the call's to delete
+    add_controller(sysfs, ctrl=2, subsys=0, address="traddr=10.77.0.9,trsvcid=4420", dev_root=dev)
+    with pytest.raises(ConnectError):
+        _await_live(OPTS, "nvme2", {"nvme2"}, {}, time.monotonic(), "t", str(sysfs), str(dev))
+    assert (sysfs / "class/nvme/nvme2/delete_controller").read_text() == "\n"

@@ -160,14 +160,21 @@ BAD = [
     (lambda d: d["ports"][0].update(subsystems=["nqn.2026-12.io.tierkv:other"]), "not in subsystems"),
     (lambda d: d["subsystems"][0].update(allowed_hosts=["nqn.2026-12.io.tierkv:stranger"]), "is not in hosts"),
     (lambda d: d["subsystems"][0]["attr"].update(allow_any_host="1"), "allow_any_host=1 together with allowed_hosts"),
-    (lambda d: d["subsystems"][0]["attr"].update(allow_any_host="yes"), "expected 0 or 1"),
-    (lambda d: d["subsystems"][0]["attr"].update(cntlid_min="9", cntlid_max="3"), "cntlid_min 9 is above"),
+    (lambda d: d["subsystems"][0]["attr"].update(allow_any_host="maybe"), "expected 0 or 1"),
+    (lambda d: d["subsystems"][0]["attr"].update(cntlid_min="9", cntlid_max="3"), "cntlid_min 9 must be below"),
+    (lambda d: d["subsystems"][0]["attr"].update(cntlid_min="5", cntlid_max="5"), "cntlid_min 5 must be below"),
+    (lambda d: d["subsystems"][0]["attr"].update(cntlid_max="1"), "cntlid_min 1 must be below cntlid_max 1"),
+    (lambda d: d["subsystems"][0]["attr"].update(cntlid_min="65519"), "cntlid_min 65519 must be below"),
     (lambda d: d["subsystems"][0]["attr"].update(serial="x" * 21), "1..20 printable"),
     (lambda d: d["subsystems"][0]["attr"].update(version="one"), "major.minor"),
     (lambda d: d["subsystems"][0]["namespaces"][0].update(enable=2), "expected 0 or 1"),
     (lambda d: d["subsystems"][0]["namespaces"][0].update(device={}), "enabled without a device path"),
     (lambda d: d["subsystems"][0]["namespaces"][0]["device"].update(path="rel/img"), "must be absolute"),
-    (lambda d: d["subsystems"][0]["namespaces"][0]["device"].update(nguid="xyz"), "8-4-4-4-12"),
+    (lambda d: d["subsystems"][0]["namespaces"][0]["device"].update(nguid="xyz"), "32 hex digits"),
+    (lambda d: d["subsystems"][0]["namespaces"][0]["device"].update(nguid="ef90689c6c46d44c89c14067801309"),
+     "32 hex digits"),
+    (lambda d: d["subsystems"][0]["namespaces"][0]["device"].update(uuid="ef90689c6c46d44c89c14067801309a8"),
+     "8-4-4-4-12"),
     (lambda d: d["subsystems"][0]["namespaces"][0].update(ana_grpid=0), "ana_grpid 0"),
     (lambda d: d["ports"][0].update(ana_groups=[{"grpid": 1, "ana": {"state": "bad"}}]), "state 'bad'"),
     (lambda d: d["ports"][0].update(ana_groups=[{"grpid": 200}]), "grpid 1..128"),
@@ -180,6 +187,35 @@ BAD = [
     (lambda d: d["hosts"][0].update(dhchap_hash="sha256"), "expected one of hmac"),
     (lambda d: d["hosts"][0].update(dhchap_dhgroup="ffdhe1024"), "expected one of null"),
 ]
+
+
+# What Linux 6.1's nvmet configfs takes (measured in the rig, tests/rig/test_kernel_agreement.py).
+GOOD = [
+    lambda d: d["subsystems"][0]["namespaces"][0]["device"].update(nguid="ef90689c6c46d44c89c14067801309a8"),
+    lambda d: d["subsystems"][0]["namespaces"][0]["device"].update(nguid="EF:90:68:9C:6C:46:D4:4C:89:C1:40:67:80:13:09:A8"),
+    lambda d: d["subsystems"][0]["namespaces"][0]["device"].update(uuid="D592CDF3-5D1C-44E0-8412-3FCF7D99DF27"),
+    lambda d: (d["subsystems"][0]["attr"].update(allow_any_host="y"), d["subsystems"][0].update(allowed_hosts=[])),
+    lambda d: d["subsystems"][0]["attr"].update(allow_any_host="n"),
+    lambda d: d["subsystems"][0]["attr"].update(cntlid_min="5", cntlid_max="6"),
+    lambda d: d["subsystems"][0]["attr"].update(cntlid_min="65518"),
+]
+
+
+@pytest.mark.parametrize("mutate", GOOD)
+def test_what_the_kernel_takes_is_accepted(mutate: Any) -> None:
+    d = base()
+    mutate(d)
+    NvmetConfig.from_dict(d).validate(NqnRule.SPEC)
+
+
+def test_allow_any_host_reads_as_the_kernel_reads_it() -> None:
+    d = base()
+    d["subsystems"][0]["attr"]["allow_any_host"] = "y"
+    assert NvmetConfig.from_dict(d).subsystems[0].allow_any_host
+    with pytest.raises(ConfigError, match="allow_any_host=1 together with allowed_hosts"):
+        NvmetConfig.from_dict(d).validate(NqnRule.SPEC)
+    d["subsystems"][0]["attr"]["allow_any_host"] = "N"
+    assert not NvmetConfig.from_dict(d).subsystems[0].allow_any_host
 
 
 @pytest.mark.parametrize("mutate, message", BAD)

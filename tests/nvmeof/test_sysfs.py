@@ -163,3 +163,41 @@ def test_controller_state_and_get(tree: tuple[Path, Path]) -> None:
     assert ctrl is not None and ctrl.state is ControllerState.LIVE
     with pytest.raises(ValueError, match="nvme0"):
         controller_state("nvme0n1", str(sysfs))
+
+
+def test_reaches_compares_subsystem_transport_address_and_host(tree: tuple[Path, Path]) -> None:
+    sysfs, _ = tree
+    add_controller(sysfs, ctrl=0, subsys=0, address="traddr=fe80::1,trsvcid=4420")
+    (c,) = list_controllers(str(sysfs))
+    assert c.reaches("rdma", "fe80:0:0::1", "4420", NQN, HOSTNQN)      # the same IPv6 address
+    assert c.reaches("rdma", "fe80::1", "4420", NQN)                   # no host NQN asked for
+    assert not c.reaches("rdma", "fe80::2", "4420", NQN, HOSTNQN)      # another target
+    assert not c.reaches("rdma", "fe80::1", "4421", NQN, HOSTNQN)      # another port
+    assert not c.reaches("tcp", "fe80::1", "4420", NQN, HOSTNQN)
+    assert not c.reaches("rdma", "fe80::1", "4420", "nqn.other", HOSTNQN)
+    assert not c.reaches("rdma", "fe80::1", "4420", NQN, "nqn.2026-12.io.tierkv:another-host")
+
+
+def test_a_loop_controller_has_no_address_and_still_matches(tree: tuple[Path, Path]) -> None:
+    sysfs, _ = tree
+    add_controller(sysfs, ctrl=0, subsys=0, transport="loop")
+    (sysfs / "devices/virtual/nvme-fabrics/ctl/nvme0/address").unlink()  # nvme-loop has no get_address
+    (c,) = list_controllers(str(sysfs))
+    assert c.address == FabricAddress()
+    assert c.reaches("loop", "", "4420", NQN, HOSTNQN) and c.reaches("loop", None, None, NQN)
+
+
+def test_find_namespace_only_through_the_named_controllers(tree: tuple[Path, Path]) -> None:
+    sysfs, dev = tree
+    # Two targets export the same NQN: nvme0 reaches one (head nvme1n1), nvme1 the other (nvme2n2).
+    add_controller(sysfs, ctrl=0, subsys=1, address="traddr=10.99.0.2,trsvcid=4420", dev_root=dev)
+    add_controller(sysfs, ctrl=1, subsys=2, heads={2: 1}, dev_root=dev)
+    assert find_namespace(NQN, 1, "rdma", sysfs_root=str(sysfs), dev_root=str(dev)) == str(dev / "nvme1n1")
+    assert find_namespace(NQN, 1, "rdma", controllers={"nvme1"}, sysfs_root=str(sysfs),
+                          dev_root=str(dev)) == str(dev / "nvme2n2")
+    assert find_namespace(NQN, 1, "rdma", controllers=set(), sysfs_root=str(sysfs), dev_root=str(dev)) is None
+    # without multipath the disk hangs off the controller itself
+    add_controller(sysfs, ctrl=3, subsys=3, nqn="nqn.b", multipath=False, dev_root=dev)
+    add_controller(sysfs, ctrl=4, subsys=4, nqn="nqn.b", heads={5: 1}, multipath=False, dev_root=dev)
+    assert find_namespace("nqn.b", 1, controllers={"nvme4"}, sysfs_root=str(sysfs),
+                          dev_root=str(dev)) == str(dev / "nvme4n5")

@@ -21,6 +21,7 @@ from tests.rig.conftest import RIG_ADDR, RIG_HOSTNQN, RIG_NQN
 from tests.polling import wait_for
 from tierkv.api import Store
 from tierkv.config import DramConfig, NvmeofConfig, StoreConfig
+from tierkv.errors import ConfigError
 from tierkv.layout import KVLayout
 from tierkv.tiers.base import TierKind
 
@@ -124,11 +125,17 @@ def test_port_removed_mid_run(store_config: StoreConfig) -> None:
         assert check(s, prompts[7:]) <= 4
 
 
-def test_a_namespace_taken_over_by_another_store_is_not_trusted(store_config: StoreConfig) -> None:
+def test_a_namespace_of_another_store_is_refused_until_handed_over(store_config: StoreConfig) -> None:
     with Store.open(store_config) as s:
         prompts = fill(s, 2)
     other = replace(store_config, path=store_config.path + "-other")
-    with Store.open(other) as s:  # another store labels the namespace as its own
+    with pytest.raises(ConfigError, match="belongs to another tierkv store"):
+        Store.open(other)                    # a second store on this namespace would destroy the first's pages
+    with Store.open(store_config) as s:      # nothing was changed by the refusal
+        assert check(s, prompts) == sum(len(p) for _, p in prompts) > 0
+        fabric = next(t for t in s._manager.tiers if t.kind is TierKind.NVMEOF)
+        fabric.write_header(b"")             # handed over: the label zeroed (the device goes at close)
+    with Store.open(other) as s:             # the other store labels it as its own
         assert check(s, prompts) == 0
-    with Store.open(store_config) as s:  # the first store's records now point at a foreign medium
-        assert check(s, prompts) == 0
+    with pytest.raises(ConfigError, match="belongs to another tierkv store"):
+        Store.open(store_config)             # now the first store is the stranger

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nvmeof.test_sysfs import add_controller
+from tests.nvmeof.test_sysfs import HOSTNQN, add_controller
 from tests.polling import wait_for
 from tierkv.config import NvmeofConfig
 from tierkv.errors import ConfigError, TierIOError
@@ -24,8 +24,10 @@ HEADER = 4096
 
 
 def cfg(**kw: object) -> NvmeofConfig:
-    base: dict[str, object] = dict(transport="rdma", traddr="10.77.0.1", subnqn=NQN, io_timeout_s=1.0,
-                                   monitor_interval_s=0.05)
+    # The controllers in the tree carry HOSTNQN: name it, or the link takes this machine's
+    # /etc/nvme/hostnqn (random on a fresh machine) and matches none of them.
+    base: dict[str, object] = dict(transport="rdma", traddr="10.77.0.1", subnqn=NQN, hostnqn=HOSTNQN,
+                                   io_timeout_s=1.0, monitor_interval_s=0.05)
     base.update(kw)
     return NvmeofConfig(**base)  # type: ignore[arg-type]
 

@@ -1,9 +1,10 @@
 """How the NVMe-oF tier gets and watches its namespace: a link over the ``nvmeof`` host code.
 
-:class:`FabricLink` connects to a subsystem at open (unless a controller for it is
-already there), finds the namespace's block device through sysfs, reports whether
-the controller is live, and reconnects once the kernel has given up on it (after
-``ctrl_loss_tmo``). :func:`open_nvmeof_tier` builds the tier from ``[tiers.nvmeof]``.
+:class:`FabricLink` connects to a subsystem at open (unless a controller to that
+subsystem at that address, for that host NQN, is already there), finds the namespace's
+block device through that controller in sysfs, reports whether the controller is live,
+and reconnects once the kernel has given up on it (after ``ctrl_loss_tmo``).
+:func:`open_nvmeof_tier` builds the tier from ``[tiers.nvmeof]``.
 Called by :mod:`tierkv.opening`; the tier polls the link from its monitor thread.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tierkv.config import NvmeofConfig
@@ -44,26 +46,36 @@ class FabricLink:
         self._closed = False
         self._secret = _read_secret(cfg.dhchap_secret_file, "dhchap_secret_file")
         self._ctrl_secret = _read_secret(cfg.dhchap_ctrl_secret_file, "dhchap_ctrl_secret_file")
+        from nvmeof.diagnose import host_identity
+        self._hostnqn = host_identity(cfg.hostnqn, cfg.hostid)[0]  # the one a connect uses
 
     def _controllers(self) -> list[tuple[str, str]]:
+        """(name, state) of the controllers a connect with this config makes: same subsystem,
+        transport, target address and host NQN (another target exporting the same NQN,
+        or another host identity, is not this link's)."""
         from nvmeof.sysfs import list_controllers
-        return [(c.name, c.state.value) for c in list_controllers(self._sysfs)
-                if c.subsysnqn == self.cfg.subnqn and c.transport == self.cfg.transport]
+        c = self.cfg
+        return [(x.name, x.state.value) for x in list_controllers(self._sysfs)
+                if x.reaches(c.transport or "", c.traddr, c.trsvcid, c.subnqn or "", self._hostnqn)]
 
-    def _device(self) -> str | None:
+    def _device(self, ctrls: list[tuple[str, str]] | None = None) -> str | None:
         from nvmeof.sysfs import find_namespace
-        return find_namespace(self.cfg.subnqn or "", self.cfg.nsid, self.cfg.transport,
+        names = {name for name, _ in (self._controllers() if ctrls is None else ctrls)}
+        if not names:
+            return None
+        return find_namespace(self.cfg.subnqn or "", self.cfg.nsid, self.cfg.transport, controllers=names,
                               sysfs_root=self._sysfs, dev_root=self._dev)
 
     def status(self) -> LinkStatus:
         ctrls = self._controllers()
         if not ctrls:
-            return LinkStatus(None, False, f"no {self.cfg.transport} controller for {self.cfg.subnqn}")
+            at = "" if self.cfg.transport == "loop" else f" at {self.cfg.traddr}:{self.cfg.trsvcid}"
+            return LinkStatus(None, False, f"no {self.cfg.transport} controller for {self.cfg.subnqn}{at}")
         live = [name for name, state in ctrls if state == "live"]
         if not live:
             states = ", ".join(f"{n} {s}" for n, s in ctrls)
             return LinkStatus(None, False, f"no live controller for {self.cfg.subnqn} ({states})")
-        device = self._device()
+        device = self._device(ctrls)
         if device is None:
             return LinkStatus(None, False, f"controller {live[0]} is live but namespace {self.cfg.nsid} is gone")
         return LinkStatus(device, True, f"{live[0]} live, {device}")
@@ -102,7 +114,8 @@ class FabricLink:
             ctrl = connect(c.transport or "", c.traddr or "", c.trsvcid, c.subnqn or "", hostnqn=c.hostnqn,
                            hostid=c.hostid, dhchap_secret=self._secret, dhchap_ctrl_secret=self._ctrl_secret,
                            ctrl_loss_tmo_s=c.ctrl_loss_tmo_s, reconnect_delay_s=c.reconnect_delay_s,
-                           fast_io_fail_tmo_s=c.fast_io_fail_tmo_s, timeout_s=c.connect_timeout_s)
+                           fast_io_fail_tmo_s=c.fast_io_fail_tmo_s, timeout_s=c.connect_timeout_s,
+                           sysfs_root=self._sysfs, dev_root=self._dev)
         except NvmeofError as exc:
             raise TierIOError(f"nvmeof tier: cannot connect to {c.subnqn} at {c.transport}://{c.traddr}:"
                               f"{c.trsvcid}: {exc}") from exc
@@ -126,7 +139,7 @@ class FabricLink:
             mine, self._mine = self._mine, []
         for name in mine:
             try:
-                disconnect(name=name)
+                disconnect(name=name, sysfs_root=self._sysfs)
             except NvmeofError as exc:
                 log.warning("nvmeof tier: disconnecting %s failed: %s", name, exc)
 
@@ -152,14 +165,22 @@ def make_link(cfg: NvmeofConfig, *, connect: bool) -> NamespaceLink:
 
 
 def open_nvmeof_tier(cfg: NvmeofConfig, page_bytes: int, *, header_bytes: int, connect: bool,
-                     link: NamespaceLink | None = None) -> NvmeofTier:
-    """Attach the namespace, size the tier (``capacity_bytes`` or the whole device), open it."""
+                     link: NamespaceLink | None = None,
+                     labelled_bytes: Callable[[bytes], int | None] | None = None) -> NvmeofTier:
+    """Attach the namespace, size the tier (``capacity_bytes`` or the whole device), open it.
+
+    With ``capacity_bytes`` 0 and ``labelled_bytes`` (which reads, from the device's
+    first ``header_bytes``, how many data bytes the store that labelled it uses, or
+    None), a namespace that grew since keeps the size it was labelled with, so the store
+    still opens with its geometry. On any failure the link is closed (with
+    ``disconnect_on_close``, a controller it connected is disconnected).
+    """
     link = link or make_link(cfg, connect=connect)
-    device = link.attach()
     slot_bytes = round_up(page_bytes)
     try:
+        device = link.attach()
         have = _device_bytes(device)
-        want = cfg.capacity_bytes or have - header_bytes
+        want = cfg.capacity_bytes or _whole(device, have, header_bytes, labelled_bytes)
         if header_bytes + want > have:
             raise ConfigError(f"nvmeof capacity of {want} bytes (+{header_bytes} label) exceeds {device}'s {have}")
         slots = want // slot_bytes
@@ -171,6 +192,28 @@ def open_nvmeof_tier(cfg: NvmeofConfig, page_bytes: int, *, header_bytes: int, c
     return NvmeofTier(link, slots, page_bytes, io_timeout_s=cfg.io_timeout_s,
                       monitor_interval_s=cfg.monitor_interval_s, o_direct=cfg.o_direct,
                       io_threads=cfg.io_threads, header_bytes=header_bytes)
+
+
+def _whole(device: str, have: int, header_bytes: int, labelled_bytes: Callable[[bytes], int | None] | None) -> int:
+    """The data bytes of a tier sized by its namespace: the labelled size where the
+    namespace still holds it (it may have grown since), else all of it past the label."""
+    room = have - header_bytes
+    if labelled_bytes is None or header_bytes == 0 or room <= 0:
+        return room
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            header = os.pread(fd, header_bytes, 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise TierIOError(f"nvmeof tier: cannot read the label of {device}: {exc.strerror}") from None
+    labelled = labelled_bytes(header)
+    if labelled is not None and 0 < labelled < room:
+        log.info("nvmeof tier: %s has %d bytes past its label; the store labelled it with %d and keeps "
+                 "that size (set capacity_bytes to use more)", device, room, labelled)
+        return labelled
+    return room
 
 
 def _device_bytes(path: str) -> int:

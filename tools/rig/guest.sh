@@ -72,8 +72,19 @@ if [ "$MODE" = check ]; then
     finish 0
 fi
 
-# No test path among the arguments: run the whole rig suite.
-case " $* " in *" tests/"*) ;; *) set -- tests/rig "$@" ;; esac
+# No test path among the arguments (an existing file or folder, relative or absolute,
+# with or without a ::node suffix; not the value of an option such as -k): run the
+# whole rig suite. With one, run only what was asked.
+has_path=0 skip=0
+for arg in "$@"; do
+    if [ $skip = 1 ]; then skip=0; continue; fi
+    case $arg in
+        -k|-m|-p|-o|-c|-W|--deselect|--ignore|--rootdir|--junitxml|--confcutdir) skip=1; continue ;;
+        -*) continue ;;
+    esac
+    [ -e "${arg%%::*}" ] && { has_path=1; break; }
+done
+[ $has_path = 1 ] || set -- tests/rig "$@"
 # --confcutdir: tests/conftest.py imports torch (about 100 s under TCG); rig tests that
 # need the store import it themselves.
 "$PY" -m pytest -m rig -p no:cacheprovider --confcutdir=tests/rig --junitxml="$OUT/junit.xml" "$@"
