@@ -22,7 +22,7 @@ from tests.conftest import LAYOUT, PB, page_data
 from tests.nvmeof.test_sysfs import HOSTNQN, add_controller
 from tests.polling import wait_for
 from tierkv.api import Store
-from tierkv.config import DramConfig, NvmeofConfig, StoreConfig
+from tierkv.config import DramConfig, NvmeConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError, TierIOError
 from tierkv.opening import LABEL_BYTES, label_data_bytes
 from tierkv.tiers.base import TierKind
@@ -279,5 +279,24 @@ def test_a_grown_namespace_keeps_the_size_the_store_was_created_with(tmp_path: P
     subprocess.run(["losetup", "-c", str(node)], check=True)
     with Store.open(cfg) as s:
         assert s.stats().tiers["nvmeof"].capacity_slots == SLOTS
+        n, out = load(s, tokens, 2)
+        assert n == 2 and np.array_equal(out, data)
+
+
+def test_a_local_tier_on_a_raw_device_of_another_store_is_refused(tmp_path: Path,
+                                                                   loop_device: tuple[Path, Path]) -> None:
+    """A local NVMe tier on a block device is shared media as a namespace is: after device
+    names move, another store's drive is refused, not relabelled (its pages kept)."""
+    node, _ = loop_device
+    mine = StoreConfig(path=str(tmp_path / "a"), model_id="m", layout=LAYOUT,
+                       nvme=NvmeConfig(SLOTS * PB, path=str(node)))
+    tokens, data = prompt(0, 2), page_data(0, 2)
+    with Store.open(mine) as s:
+        assert s.put(tokens, data).stored == 2
+    before = node.read_bytes()[:LABEL_BYTES]
+    with pytest.raises(ConfigError, match="belongs to another tierkv store"):
+        Store.open(dataclasses.replace(mine, path=str(tmp_path / "b")))
+    assert node.read_bytes()[:LABEL_BYTES] == before
+    with Store.open(mine) as s:
         n, out = load(s, tokens, 2)
         assert n == 2 and np.array_equal(out, data)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,10 +214,11 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
 
     This store's label: kept (rewritten by a writer when its owner record is missing or
     out of date). A local data file without it (foreign, replaced, blank) loses this
-    store's records and is labelled. A namespace is shared media: one labelled by another
-    store (another identity, and another directory or host) is refused with ConfigError
-    and nothing is changed, index included; a blank or non-tierkv one, or one labelled by
-    an earlier store in this same directory (its index was lost), is labelled.
+    store's records and is labelled. A namespace, or a local tier on a raw block device,
+    is shared media: one labelled by another store (another identity, and another
+    directory or host) is refused with ConfigError and nothing is changed, index
+    included; a blank or non-tierkv one, or one labelled by an earlier store in this
+    same directory (its index was lost), is labelled.
     """
     ident = _LABEL_MAGIC + index.store_id()
     owner = _owner_of(store_dir, tier.num_slots * tier.slot_bytes)
@@ -230,7 +232,7 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
         return
     if read_only:
         raise ConfigError(f"{tier.path} does not belong to the store index beside it")
-    if isinstance(tier, NvmeofTier) and header.startswith(_LABEL_MAGIC):
+    if (isinstance(tier, NvmeofTier) or _is_block_device(tier.path)) and header.startswith(_LABEL_MAGIC):
         theirs = _owner_record(header)
         if (theirs.get("host"), theirs.get("path")) != (owner["host"], owner["path"]):
             who = (f"the store at {theirs.get('path')} on host {theirs.get('host')}" if "path" in theirs
@@ -247,6 +249,15 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
                     "records are dropped and those pages become misses", tier.path, stale)
         index.clear(tier.kind.value)
     tier.write_header(label)
+
+
+def _is_block_device(path: str | os.PathLike[str]) -> bool:
+    """Whether a local NVMe tier sits on a raw device: shared media whose name can change
+    across reboots (``/dev/nvme1n1`` may be another drive), treated as a namespace is."""
+    try:
+        return stat.S_ISBLK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _owner_of(store_dir: Path, data_bytes: int) -> dict[str, object]:
