@@ -176,6 +176,8 @@ def _bad_trace(tmp_path: Path) -> Path:
     (["replay", "--config", "/nonexistent/x.toml", "--synthetic-requests", "1"], "does not exist"),
     (["replay", "--trace", "x", "--synthetic-requests", "3"], "not allowed with argument"),
     (["replay", "--seed", "abc"], "invalid int value"),
+    (["replay", "--seed", "-3", "--limit", "5"], "--seed must be >= 0"),
+    (["replay", "--limit", "0"], "the workload has no requests"),
     (["replay", "--frobnicate"], "unrecognized arguments"),
     ([], "required"),
 ])

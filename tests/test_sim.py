@@ -219,7 +219,7 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     ["--policy", "nope"], ["--capacity", "abc"], ["--capacity", "0"], ["--trace", "/does/not/exist"],
     ["--limit", "-1"], ["--plot", "x.svg"], ["--tiers", "1%,5%", "--policy", "lru-stack"], ["--bogus"],
     ["--mix", "nope=1"], ["--mix", "documents=0"], ["--trace", "TRACE", "--mix", "documents=3"],
-    ["--trace", "TRACE", "--seed", "3"],
+    ["--trace", "TRACE", "--seed", "3"], ["--seed", "-3"],
 ])
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -153,6 +153,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     n = DEFAULT_SYNTHETIC_REQUESTS if args.synthetic_requests is None else args.synthetic_requests
     mix = workload.parse_mix(args.mix) if args.mix is not None else None
     requests, source = workload.load_requests(args.trace, args.limit, n, args.seed, mix)
+    if not requests:
+        raise InputError("the workload has no requests")
     source["requests"] = len(requests)
     base = None
     if args.config is not None:

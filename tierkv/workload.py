@@ -432,6 +432,8 @@ def load_requests(trace: str | os.PathLike[str] | None, limit: int | None, synth
     n = synthetic_requests if limit is None else min(synthetic_requests, limit)
     mix = mix or SyntheticMix()
     seed = 0 if seed is None else seed
+    if seed < 0:
+        raise InputError(f"--seed must be >= 0, got {seed}")
     source: dict[str, object] = {"source": "synthetic", "seed": seed}
     changed = {f.name: getattr(mix, f.name) for f in dataclasses.fields(SyntheticMix)
                if getattr(mix, f.name) != f.default}

