@@ -106,3 +106,28 @@ def test_unknown_top_level_tables_are_refused(table: str) -> None:
             "tiers": {"dram": {"capacity": "1MiB"}}, table: {"nvme": {"capacity": "1GiB"}}}
     with pytest.raises(ConfigError, match=f"unknown top-level key.*{table}"):
         config_from_dict(data, "x.toml")
+
+
+def test_default_toml_names_every_key() -> None:
+    """README: configs/default.toml documents every key (set, or commented out)."""
+    import dataclasses
+    import re
+
+    from tierkv.config import DramConfig, HbmConfig, NvmeConfig, NvmeofConfig, PeersConfig, StoreConfig
+    from tierkv.layout import KVLayout
+
+    text = (Path(__file__).resolve().parents[1] / "configs" / "default.toml").read_text()
+    tables = {"store": StoreConfig, "layout": KVLayout, "tiers.hbm": HbmConfig, "tiers.dram": DramConfig,
+              "tiers.nvme": NvmeConfig, "tiers.nvmeof": NvmeofConfig, "peers": PeersConfig}
+    nested = {"layout", "dram", "nvme", "hbm", "nvmeof", "peers"}
+    missing = []
+    for table, cls in tables.items():
+        head = re.search(rf"^#? ?\[{re.escape(table)}\]", text, re.M)
+        assert head is not None, f"[{table}] is not in default.toml"
+        body = text[head.end():]
+        nxt = re.search(r"^#? ?\[", body, re.M)
+        body = body[:nxt.start()] if nxt else body
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in nested and not re.search(rf"^#? ?{f.name} =", body, re.M):
+                missing.append(f"[{table}] {f.name}")
+    assert not missing, f"default.toml does not name: {', '.join(missing)}"
