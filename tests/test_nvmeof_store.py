@@ -152,6 +152,21 @@ def test_a_namespace_labelled_by_another_store_is_refused(tmp_path: Path) -> Non
     assert _served(a, prompts) == [2, 2]                   # and A kept its index records
 
 
+def test_a_refused_first_open_leaves_no_index_behind(tmp_path: Path) -> None:
+    """A new store pointed at another store's namespace by mistake: once the config names
+    its own namespace (of another size), it opens, with no geometry left from the mistake."""
+    a, b, _ = _two_stores(tmp_path)
+    assert a.nvmeof is not None and b.nvmeof is not None
+    fresh = dataclasses.replace(a, path=str(tmp_path / "c"), nvmeof=dataclasses.replace(a.nvmeof, device=b.nvmeof.device))
+    with pytest.raises(ConfigError, match="belongs to another tierkv store"):
+        Store.open(fresh)
+    own = tmp_path / "c.img"
+    with open(own, "wb") as f:
+        f.truncate(LABEL_BYTES + SLOTS // 2 * PB)
+    with Store.open(dataclasses.replace(fresh, nvmeof=dataclasses.replace(a.nvmeof, device=str(own)))) as s:
+        assert s.stats().tiers["nvmeof"].capacity_slots == SLOTS // 2
+
+
 def test_a_blank_or_non_tierkv_namespace_is_labelled(tmp_path: Path) -> None:
     cfg, dev = make(tmp_path)
     with open(dev, "r+b") as f:
@@ -183,6 +198,44 @@ def test_a_label_from_before_owner_records_is_kept_and_completed(tmp_path: Path)
         f.write(b"\0" * (LABEL_BYTES - 32))
     assert _served(cfg, prompts) == [2]
     assert label_data_bytes(dev.read_bytes()[:LABEL_BYTES]) == SLOTS * PB
+
+
+def test_a_label_from_before_owner_records_is_taken_after_the_index_is_lost(tmp_path: Path) -> None:
+    """An old label cannot name its owner: the documented reset (remove the directory)
+    must still work for a store not opened since labels carried owners."""
+    cfg, dev = make(tmp_path)
+    with Store.open(cfg) as s:
+        s.put(prompt(0, 2), page_data(0, 2))
+    with open(dev, "r+b") as f:          # the label as written before owner records
+        f.seek(32)
+        f.write(b"\0" * (LABEL_BYTES - 32))
+    shutil.rmtree(cfg.path)
+    tokens, data = prompt(1, 2), page_data(1, 2)
+    with Store.open(cfg) as s:
+        assert s.put(tokens, data).stored == 2
+    assert _served(cfg, [(tokens, data)]) == [2]
+
+
+def test_a_store_in_a_very_long_path_fits_its_label_and_knows_it(tmp_path: Path) -> None:
+    deep = tmp_path
+    for i in range(8):                   # 800 bytes of path, six times that as escaped JSON
+        deep = deep / (f"{i}" + "\x01" * 99)
+    deep.mkdir(parents=True)
+    cfg, dev = make(tmp_path)
+    cfg = dataclasses.replace(cfg, path=str(deep / "store"))
+    prompts = [(prompt(0, 2), page_data(0, 2))]
+    with Store.open(cfg) as s:
+        s.put(*prompts[0])
+    assert dev.read_bytes()[:LABEL_BYTES].count(b"xxh3:") == 1
+    shutil.rmtree(cfg.path)              # its own namespace, after an index loss: taken back
+    assert _served(cfg, prompts) == [0]
+
+
+def test_an_integer_port_is_text_as_sysfs_has_it() -> None:
+    cfg = NvmeofConfig(transport="rdma", traddr="10.77.0.1", trsvcid=4420, subnqn="nqn.x:y")  # type: ignore[arg-type]
+    assert cfg.trsvcid == "4420"
+    with pytest.raises(ConfigError, match="trsvcid"):
+        NvmeofConfig(transport="rdma", traddr="10.77.0.1", trsvcid=-1, subnqn="nqn.x:y")  # type: ignore[arg-type]
 
 
 # -- the fabric link: which controller is the store's ------------------------------------

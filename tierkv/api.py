@@ -228,13 +228,12 @@ class Store:
 
     def _announce(self, blob: bytes, *, from_get: bool) -> None:
         """Show the policies every page a request needs (cached or not), once per request:
-        an engine's get then put of the same prompt (on one thread) is one request, also
-        when the put's prompt has grown by what the request generated (it extends the
-        get's). Lookups are not announced: engines repeat them while a request waits."""
+        an engine's get then put of the same prompt (on one thread) is one request; a put
+        whose request a get has shown already in any other way passes ``announce=False``.
+        Lookups are not announced: engines repeat them while a request waits."""
         if self.read_only:
             return
-        announced = getattr(self._announced, "blob", None)
-        if not from_get and announced and blob.startswith(announced):
+        if not from_get and blob == getattr(self._announced, "blob", None):
             self._announced.blob = None
             return
         self._manager.note_request(split_keys(blob))
@@ -252,12 +251,16 @@ class Store:
         self._counters.events["promotions"] += promoted
         return promoted
 
-    def put(self, tokens: Tokens, pages: PageBatch, tenant: str | bytes = "") -> PutResult:
+    def put(self, tokens: Tokens, pages: PageBatch, tenant: str | bytes = "", *,
+            announce: bool = True) -> PutResult:
         """Store ``pages[i]`` as the KV of the ``i``-th full page of ``tokens``.
 
         Pages already cached are skipped. Room is made by the policy: victims are
         demoted to the next tier down or dropped. Raises CapacityError when the batch
-        is larger than all tiers together.
+        is larger than all tiers together. ``announce=False``: this put belongs to a
+        request a ``get`` already showed the eviction policy (an engine adapter that
+        knows its requests), possibly grown by what it generated, so it is not shown as
+        another request.
         """
         with self._lock:
             self._check_open()
@@ -266,7 +269,8 @@ class Store:
             blob = self._keys(tokens, tenant)
             keys = split_keys(blob)
             rows = page_rows(pages, self.layout, "put(pages=...)", len(keys))
-            self._announce(blob, from_get=False)
+            if announce:
+                self._announce(blob, from_get=False)
             stored, new = self._store(keys, rows, 0)
             return PutResult(stored, rows.shape[0] - new, new - stored)
 

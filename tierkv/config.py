@@ -132,6 +132,11 @@ class NvmeofConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvmeof.capacity_bytes"))
         _check_codec(self, "nvmeof")
+        port = self.trsvcid
+        if isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535:
+            object.__setattr__(self, "trsvcid", str(port))   # TOML's 4420: sysfs and nvme-cli speak text
+        elif not isinstance(port, str) or not port:
+            raise ConfigError(f"nvmeof.trsvcid must be a port number or service id, got {port!r}")
         if self.subnqn is None and self.device is None:
             raise ConfigError("nvmeof needs either device = \"/dev/nvmeXnY\" or transport, traddr and subnqn")
         if self.subnqn is not None:

@@ -11,6 +11,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import stat
 from dataclasses import dataclass
@@ -109,10 +110,13 @@ def release_dir(lock_fd: int | None) -> None:
 def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | None, BlockManager]:
     tiers = build_tiers(cfg, read_only)
     index: PersistentIndex | None = None
+    created: Path | None = None         # an index this open made: removed again if the open fails
     try:
         persistent = [t.kind.value for t in tiers if t.persistent]
         if persistent:
             store_dir = Path(cfg.path)
+            if not read_only and not (store_dir / "index.lmdb").exists():
+                created = store_dir / "index.lmdb"
             try:
                 index = open_index(store_dir, persistent, _meta(cfg, tiers), read_only=read_only,
                                    verify=cfg.verify_index, upgrade_from=UPGRADABLE_FORMATS)
@@ -136,6 +140,8 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
             t.close()
         if index is not None:
             index.close()
+        if created is not None:         # a refused open leaves no geometry behind for the next one
+            shutil.rmtree(created, ignore_errors=True)
         raise
 
 
@@ -221,7 +227,7 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
     same directory (its index was lost), is labelled.
     """
     ident = _LABEL_MAGIC + index.store_id()
-    owner = _owner_of(store_dir, tier.num_slots * tier.slot_bytes)
+    owner = _owner_of(store_dir, tier.num_slots * tier.slot_bytes, LABEL_BYTES - len(ident))
     label = ident + json.dumps(owner, sort_keys=True).encode() + b"\0"
     if isinstance(tier, NvmeofTier):
         tier.expect_header(ident)  # recovery after a fabric loss requires this identity back
@@ -232,11 +238,12 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
         return
     if read_only:
         raise ConfigError(f"{tier.path} does not belong to the store index beside it")
-    if (isinstance(tier, NvmeofTier) or _is_block_device(tier.path)) and header.startswith(_LABEL_MAGIC):
-        theirs = _owner_record(header)
+    theirs = _owner_record(header) if header.startswith(_LABEL_MAGIC) else {}
+    if (isinstance(tier, NvmeofTier) or _is_block_device(tier.path)) and theirs:
+        # A label from before owner records ({}) cannot say whose it is: it is taken, as it
+        # always was (a store's own label gains the record at its first open since).
         if (theirs.get("host"), theirs.get("path")) != (owner["host"], owner["path"]):
-            who = (f"the store at {theirs.get('path')} on host {theirs.get('host')}" if "path" in theirs
-                   else f"store {header[len(_LABEL_MAGIC):len(ident)].hex()}")
+            who = f"the store at {theirs.get('path')} on host {theirs.get('host')}"
             raise ConfigError(
                 f"{tier.path} belongs to another tierkv store ({who}); refusing to relabel it for the store at "
                 f"{owner['path']}: point [tiers.nvmeof] at this store's own namespace, or zero its first "
@@ -260,11 +267,15 @@ def _is_block_device(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def _owner_of(store_dir: Path, data_bytes: int) -> dict[str, object]:
+def _owner_of(store_dir: Path, data_bytes: int, room: int) -> dict[str, object]:
+    """This store's owner record as the label holds it: host, store directory and data
+    bytes, within ``room`` bytes of JSON and a NUL (a path too long for that, as escaped
+    JSON, is named by its digest, and so compared)."""
     path = os.fsdecode(os.path.realpath(store_dir))
-    if len(path.encode(errors="surrogateescape")) > 1024:   # the label is 4 KiB: name a very long path by digest
-        path = "xxh3:" + xxhash.xxh3_128_hexdigest(path.encode(errors="surrogateescape"))
-    return {"host": socket.gethostname(), "path": path, "data_bytes": data_bytes}
+    owner: dict[str, object] = {"host": socket.gethostname()[:255], "path": path, "data_bytes": data_bytes}
+    if len(json.dumps(owner, sort_keys=True).encode()) + 1 > room:
+        owner["path"] = "xxh3:" + xxhash.xxh3_128_hexdigest(path.encode(errors="surrogateescape"))
+    return owner
 
 
 def _owner_record(header: bytes) -> dict[str, object]:

@@ -51,9 +51,6 @@ def test_empty_batches_are_no_ops_and_layers_must_be_a_range() -> None:
 
 def test_layers_that_share_memory_are_refused() -> None:
     layout = EngineLayout.for_store(STORE, "flash", 4)
-    one = torch.zeros(layout.layer_shape(6), dtype=torch.bfloat16)
-    with pytest.raises(InputError, match="layers 0 and 1 share memory"):
-        EngineKV(layout, [one, one], STORE)
     big = torch.zeros((2, 7, 4, 2, 8), dtype=torch.bfloat16)      # layer 1 starts one block into layer 0
     with pytest.raises(InputError, match="layers 0 and 1 share memory"):
         EngineKV(layout, [big[:, :6], big[:, 1:]], STORE)
@@ -74,3 +71,14 @@ def test_layer_interleaved_views_of_one_allocation_are_accepted() -> None:
     kv.scatter(pages, [0, 1, 4, 5])
     assert torch.equal(kv.gather([0, 1, 4, 5]), pages)
     assert not alloc[2:4].any()
+
+
+def test_one_tensor_shared_by_two_layers_and_empty_layers_are_accepted() -> None:
+    """vLLM's KV sharing hands two layers the same tensor: copies write it the same bytes.
+    An engine with no blocks yet registers too."""
+    layout = EngineLayout.for_store(STORE, "flash", 4)
+    one = torch.zeros(layout.layer_shape(6), dtype=torch.bfloat16)
+    kv = EngineKV(layout, [one, one], STORE)
+    assert kv.num_blocks == 6
+    empty = [torch.zeros(layout.layer_shape(0), dtype=torch.bfloat16) for _ in range(STORE.num_layers)]
+    assert EngineKV(layout, empty, STORE).num_blocks == 0

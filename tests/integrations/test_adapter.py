@@ -264,32 +264,55 @@ def test_an_sglang_shaped_shim_round_trips_pages_by_key(store: Store) -> None:
         external_key_tokens("k", 2)
 
 
+def _spy_requests(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The page counts of the requests the store shows its eviction policy."""
+    announced: list[int] = []
+    note = store._manager.note_request
+    monkeypatch.setattr(store._manager, "note_request", lambda keys: (announced.append(len(keys)), note(keys))[1])
+    return announced
+
+
 def test_store_stats_count_each_requests_misses_and_only_engine_lookups(store: Store,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the adapter the worker asks the store only for pages a lookup found, yet
     stats() must count the request's misses; bookkeeping lookups are not the engine's,
     and the policy sees each request once (load and store of one prompt)."""
-    announced: list[int] = []
-    note = store._manager.note_request
-    monkeypatch.setattr(store._manager, "note_request", lambda keys: (announced.append(len(keys)), note(keys))[1])
+    announced = _spy_requests(store, monkeypatch)
     sched = OffloadScheduler(store)
     worker = OffloadWorker(store, engine_kv("cpu", 5))
     first = tokens(0, 3 * T + 1)
     assert sched.lookup(first).cached_pages == 0
-    assert sched.prepare_load(first, []) is None            # nothing to load: counted all the same
-    store_via_adapter(sched, worker, first, [0, 1, 2])
+    assert sched.prepare_load(first, [], request_id="r1") is None    # nothing to load: counted all the same
+    spec_s = sched.prepare_store(first, [0, 1, 2], request_id="r1")
+    assert spec_s is not None and spec_s.announced
+    worker.submit(spec_s).result(timeout=30)                          # on the worker's thread
+    sched.complete_store(spec_s)
     second = first[:3 * T] + tokens(500, 2 * T + 1)          # the next turn: 3 pages cached, 2 new
     assert sched.lookup(second).cached_pages == 3
-    spec = sched.prepare_load(second, [4, 5, 6])
+    spec = sched.prepare_load(second, [4, 5, 6], request_id="r2")
     assert spec is not None and worker.transfer(spec).pages == 3
     sched.complete_load(spec)
-    store_via_adapter(sched, worker, second, [4, 5, 6, 0, 1])
+    spec_s = sched.prepare_store(second + tokens(900, T), [4, 5, 6, 0, 1, 2], request_id="r2")   # grown by its reply
+    assert spec_s is not None
+    worker.submit(spec_s).result(timeout=30)
+    sched.complete_store(spec_s)
+    worker.close()
     sched.take_events()
     st = store.stats()
     assert st.lookups == 2, "the adapter's own lookups were counted as the engine's"
     assert (st.pages_requested, st.pages_hit, st.misses) == (3 + 5, 3, 5)
     assert sum(t.hits for t in st.tiers.values()) == st.pages_hit
     assert announced == [3, 5], "each request must reach the policy once, with its whole prompt"
+
+
+def test_every_request_reaches_the_policy(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get that needs no put (a full hit) must not swallow the next request's put."""
+    announced = _spy_requests(store, monkeypatch)
+    a, b = tokens(0, 2 * T), tokens(0, 4 * T)
+    store.put(a, torch.zeros(2, *LAYOUT.page_shape))
+    store.get(a, torch.zeros(2, *LAYOUT.page_shape))           # a full hit: no put follows
+    store.put(b, torch.zeros(4, *LAYOUT.page_shape))           # the next request, put only
+    assert announced == [2, 2, 4]
 
 
 def test_a_page_gone_under_a_load_leaves_no_pins(tmp_path: Path) -> None:

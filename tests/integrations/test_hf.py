@@ -147,3 +147,21 @@ def test_a_read_only_store_is_refused_up_front(tmp_path: Path) -> None:
     Store.open(cfg).close()
     with Store.open(cfg, read_only=True) as s, pytest.raises(ConfigError, match="writer"):
         TierKVCache(s, model)
+
+
+def test_the_fingerprint_ignores_wrappers_and_meta_weights_need_a_name(tmp_path: Path) -> None:
+    from tierkv.integrations.hf import model_fingerprint
+
+    model = _tiny_llama(0)
+
+    class Wrapped(torch.nn.Module):          # what torch.compile and DDP do to parameter names
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self._orig_mod = inner
+
+    assert model_fingerprint(Wrapped(model)) == model_fingerprint(model) != model_fingerprint(_tiny_llama(1))
+    meta = _tiny_llama(0).to("meta")
+    with pytest.raises(ConfigError, match="meta device"):
+        model_fingerprint(meta)
+    with _tiny_store(tmp_path / "s", model, 4) as s:
+        assert TierKVCache(s, model, fingerprint="my-checkpoint-v1").fingerprint == "my-checkpoint-v1"

@@ -300,8 +300,13 @@ def _check_disjoint(addrs: np.ndarray, blocks: int, planes: int, chunk: int, blo
     would silently change another. Byte addresses only; nothing is read.
 
     Cost: a sort of one layer's ``blocks * planes`` offsets; all layers' only when their
-    spans overlap (views of one layer-interleaved allocation).
+    spans overlap (views of one layer-interleaved allocation). Layers that are the same
+    tensor (vLLM's KV sharing across layers) are one layer here: a scatter writes them
+    the same bytes.
     """
+    if blocks == 0:
+        return
+    addrs = np.unique(addrs)            # strides are equal across layers: one address, one tensor
     offsets = np.sort((np.arange(blocks, dtype=np.int64)[:, None] * block_stride
                        + np.arange(planes, dtype=np.int64)[None, :] * plane_stride).ravel())
     if (np.diff(offsets) < chunk).any():

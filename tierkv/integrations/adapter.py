@@ -104,7 +104,9 @@ class StoreSpec:
     """Store pages ``first_page .. num_pages-1`` of ``tokens`` from ``block_ids``.
 
     Pages before ``first_page`` are already in the store and pinned until
-    ``complete_store``; ``block_ids[i]`` holds page ``first_page + i``.
+    ``complete_store``; ``block_ids[i]`` holds page ``first_page + i``. ``announced``:
+    the request was shown to the eviction policy by its ``prepare_load`` (same
+    ``request_id``), so the store does not show it again.
     """
 
     job_id: int
@@ -112,6 +114,7 @@ class StoreSpec:
     tokens: np.ndarray = field(repr=False)
     first_page: int
     block_ids: tuple[int, ...]
+    announced: bool = False
 
     @property
     def num_pages(self) -> int:
@@ -146,6 +149,7 @@ class OffloadScheduler:
         self._tracked_limit = tracked_prefixes
         self._announced: set[PageKey] = set()
         self._events: list[OffloadEvent] = []
+        self._loaded_requests: OrderedDict[str, None] = OrderedDict()   # request ids prepare_load has seen
 
     # -- lookups ------------------------------------------------------------------------
     def lookup(self, tokens: Tokens, tenant: str = "", *, leave_last_token: bool = True) -> LookupResult:
@@ -175,14 +179,22 @@ class OffloadScheduler:
 
     # -- loads ----------------------------------------------------------------------------
     def prepare_load(self, tokens: Tokens, block_ids: Sequence[int], tenant: str = "", *,
-                     leave_last_token: bool = True) -> LoadSpec | None:
+                     leave_last_token: bool = True, request_id: str | None = None) -> LoadSpec | None:
         """Pin the leading cached pages of ``tokens`` (at most ``len(block_ids)``) for loading.
 
         Returns ``None`` when no page can be loaded. The spec may cover fewer pages than
         ``lookup`` reported if some were evicted in between. ``leave_last_token`` as in
         :meth:`lookup`. Call it once per scheduled request, also when the lookup found
         nothing: a request with nothing to load is counted here (its pages are misses).
+        With the engine's ``request_id``, the ``prepare_store`` of the same request (any
+        thread, its prompt possibly grown by what it generated) is not shown to the
+        eviction policy a second time.
         """
+        if request_id is not None:
+            with self._lock:
+                self._loaded_requests[request_id] = None
+                while len(self._loaded_requests) > self._tracked_limit:
+                    self._loaded_requests.popitem(last=False)
         arr = as_token_array(tokens)
         whole = _frozen(arr[: arr.size // self.tokens_per_page * self.tokens_per_page])
         requested = self._usable_pages(arr, leave_last_token)
@@ -207,12 +219,19 @@ class OffloadScheduler:
         self.store.unpin(spec.tokens, spec.tenant)
 
     # -- stores ---------------------------------------------------------------------------
-    def prepare_store(self, tokens: Tokens, block_ids: Sequence[int], tenant: str = "") -> StoreSpec | None:
+    def prepare_store(self, tokens: Tokens, block_ids: Sequence[int], tenant: str = "", *,
+                      request_id: str | None = None) -> StoreSpec | None:
         """Plan storing the full pages of ``tokens`` held in ``block_ids`` (block ``i`` = page ``i``).
 
         Pages the store already holds are pinned and skipped; returns ``None`` when every
-        page is already stored (or ``tokens`` holds no full page).
+        page is already stored (or ``tokens`` holds no full page). ``request_id`` as in
+        :meth:`prepare_load`.
         """
+        announced = False
+        if request_id is not None:
+            with self._lock:
+                announced = request_id in self._loaded_requests
+                self._loaded_requests.pop(request_id, None)
         arr = as_token_array(tokens)
         n = min(arr.size // self.tokens_per_page, len(block_ids))
         if n == 0:
@@ -223,7 +242,7 @@ class OffloadScheduler:
             self.store.unpin(prefix, tenant)
             return None
         spec = StoreSpec(next(self._job_ids), tenant, _frozen(prefix), present,
-                         tuple(int(b) for b in block_ids[present:n]))
+                         tuple(int(b) for b in block_ids[present:n]), announced)
         with self._lock:
             self._stores[spec.job_id] = spec
         return spec

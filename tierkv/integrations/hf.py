@@ -18,6 +18,7 @@ and the tests; not thread-safe (one generation at a time per instance).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,14 +118,30 @@ def _text_config(model: torch.nn.Module) -> object:
     return get_text(decoder=True) if callable(get_text) else cfg
 
 
+#: Prefixes wrappers add to parameter names (torch.compile, DDP/DataParallel).
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def _plain_name(name: str) -> str:
+    while name.startswith(_WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """16 hex digits that tell models apart by their weights: every parameter's name,
-    shape and dtype and 256 of its elements spread over it. Two checkpoints with one
-    layout (a base model and its instruct tune, say) differ; one model loaded twice,
-    anywhere, does not. Costs one small read per parameter."""
+    """16 hex digits that tell models apart by their weights: every parameter's name
+    (without ``torch.compile``/DDP prefixes), shape and dtype and 256 of its elements
+    spread over it. Two checkpoints with one layout (a base model and its instruct tune,
+    say) differ; one checkpoint loaded again, in any process, wrapped or not, does not.
+    Costs one small read per parameter. Weights on the meta device (offloaded) cannot be
+    read: ConfigError, and ``TierKVCache(fingerprint=...)`` names the model instead."""
     h = xxhash.xxh3_64()
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        for name, param in sorted(model.named_parameters(), key=lambda kv: _plain_name(kv[0])):
+            if param.device.type == "meta":
+                raise ConfigError(f"parameter {name} is on the meta device (offloaded): its weights cannot be "
+                                  "fingerprinted; pass TierKVCache(..., fingerprint=...) naming this checkpoint")
+            name = _plain_name(name)
             flat = param.detach().reshape(-1)
             step = max(1, flat.numel() // 256)
             sample = flat[::step][:256].to("cpu", copy=True).contiguous()
@@ -140,10 +157,12 @@ class TierKVCache:
     dtype); a mismatch raises ConfigError naming both. ``tenant`` salts every key, and
     so does the model's :func:`model_fingerprint`: a store shared by two models of one
     layout never hands one of them the other's KV (the store's ``model_id`` names the
-    model but cannot check it).
+    model but cannot check it). ``fingerprint`` overrides it (a checkpoint name or hash,
+    for weights that cannot be read, e.g. offloaded to the meta device).
     """
 
-    def __init__(self, store: Store, model: torch.nn.Module, *, tenant: str = "") -> None:
+    def __init__(self, store: Store, model: torch.nn.Module, *, tenant: str = "",
+                 fingerprint: str | None = None) -> None:
         if store.read_only:
             raise ConfigError("TierKVCache needs the store's writer (it pins pages while loading and saves "
                               "new ones); this store was opened read_only=True")
@@ -154,11 +173,15 @@ class TierKVCache:
         self.store = store
         self.layout = have
         self.tenant = tenant
-        self.fingerprint = model_fingerprint(model)
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+            raise InputError(f"fingerprint must be a non-empty string naming the checkpoint, got {fingerprint!r}")
+        self.fingerprint = fingerprint or model_fingerprint(model)
         self._salt = f"{tenant}\x00model:{self.fingerprint}"     # what keys are salted with
         self.scheduler = OffloadScheduler(store)
         self._dtype = getattr(torch, have.dtype.torch_name)
         self._device = next(model.parameters()).device
+        self._requests = itertools.count(1)
+        self._request: str | None = None        # the last load's request: its save is the same request
 
     def load(self, tokens: Tokens) -> LoadedPrefix:
         """A DynamicCache holding the longest cached prefix of ``tokens`` (whole pages).
@@ -170,7 +193,9 @@ class TierKVCache:
         arr = as_token_array(tokens)
         cache = DynamicCache()
         hit = self.scheduler.lookup(arr, self._salt)
-        spec = self.scheduler.prepare_load(arr, range(hit.cached_pages), self._salt)   # counts misses too
+        self._request = f"hf-{next(self._requests)}"
+        spec = self.scheduler.prepare_load(arr, range(hit.cached_pages), self._salt,   # counts misses too
+                                           request_id=self._request)
         if spec is None:
             return LoadedPrefix(cache, 0, {}, time.perf_counter() - t0)
         shape = (1, self.layout.num_kv_heads, spec.num_pages * self.layout.tokens_per_page, self.layout.head_dim)
@@ -202,7 +227,9 @@ class TierKVCache:
         if keys and keys[0].dtype != self._dtype:
             raise InputError(f"save: the cache holds {keys[0].dtype}, the store's layout {self.layout.dtype.value}")
         n_pages = min(seq // self.layout.tokens_per_page, self._capacity_pages())
-        spec = self.scheduler.prepare_store(arr[:n_pages * self.layout.tokens_per_page], range(n_pages), self._salt)
+        request, self._request = self._request, None
+        spec = self.scheduler.prepare_store(arr[:n_pages * self.layout.tokens_per_page], range(n_pages), self._salt,
+                                            request_id=request)
         if spec is None:
             return SavedPrefix(0, n_pages * self.layout.tokens_per_page, time.perf_counter() - t0)
         result: TransferResult | None = None
