@@ -252,7 +252,7 @@ class Store:
         return promoted
 
     def put(self, tokens: Tokens, pages: PageBatch, tenant: str | bytes = "", *,
-            announce: bool = True) -> PutResult:
+            announce: bool = True, unfilled: int = 0) -> PutResult:
         """Store ``pages[i]`` as the KV of the ``i``-th full page of ``tokens``.
 
         Pages already cached are skipped. Room is made by the policy: victims are
@@ -260,7 +260,9 @@ class Store:
         is larger than all tiers together. ``announce=False``: this put belongs to a
         request a ``get`` already showed the eviction policy (an engine adapter that
         knows its requests), possibly grown by what it generated, so it is not shown as
-        another request.
+        another request. ``unfilled``: the first rows hold no data, because the caller
+        pinned those pages as stored; if one of them has gone since (it failed its
+        checksum under another request), nothing is stored, since its row is no page.
         """
         with self._lock:
             self._check_open()
@@ -269,8 +271,15 @@ class Store:
             blob = self._keys(tokens, tenant)
             keys = split_keys(blob)
             rows = page_rows(pages, self.layout, "put(pages=...)", len(keys))
+            if isinstance(unfilled, bool) or not isinstance(unfilled, int) or not 0 <= unfilled <= rows.shape[0]:
+                raise InputError(f"put: unfilled must be an integer from 0 to the {rows.shape[0]} rows, got {unfilled!r}")
             if announce:
                 self._announce(blob, from_get=False)
+            gone = next((j for j in range(unfilled) if self._manager.entry(keys[j]) is None), None)
+            if gone is not None:
+                log.warning("put: page %d was pinned as stored but has gone; its row holds no data, nothing is "
+                            "stored", gone)
+                return PutResult(0, gone, 0)
             stored, new = self._store(keys, rows, 0)
             return PutResult(stored, rows.shape[0] - new, new - stored)
 

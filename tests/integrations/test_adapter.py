@@ -338,3 +338,32 @@ def test_a_page_gone_under_a_load_leaves_no_pins(tmp_path: Path) -> None:
         assert left == [0, 0, 0], f"pages stayed pinned: {left}"
     finally:
         s.close()
+
+
+def test_a_pinned_page_gone_before_its_store_is_never_stored_from_an_unfilled_row(tmp_path: Path) -> None:
+    """prepare_store pins the pages already stored and the worker leaves their rows
+    unfilled. If one fails its checksum under another request meanwhile, the pending
+    store must not write that unfilled row as the page."""
+    s = open_store(tmp_path / "s", dram_pages=0, nvme_pages=64)
+    try:
+        kv = engine_kv("cpu", 7)
+        sched, worker = OffloadScheduler(s), OffloadWorker(s, kv)
+        prompt = tokens(100, 6 * T)
+        store_via_adapter(sched, worker, prompt[:4 * T], [0, 1, 2, 3])
+        spec = sched.prepare_store(prompt, [0, 1, 2, 3, 4, 5])
+        assert spec is not None and spec.first_page == 4
+        nvme = s._manager.tiers[0]
+        slot = s._manager.entry(sched.page_keys(prompt)[2]).slots[nvme.kind]   # type: ignore[union-attr]
+        with open(nvme.path, "r+b") as f:                                       # type: ignore[attr-defined]
+            f.seek(nvme.header_bytes + slot * nvme.slot_bytes)                  # type: ignore[attr-defined]
+            f.write(b"\xff" * 64)                                               # page 2 rots on disk
+        assert s.get(prompt[:4 * T], torch.zeros(4, *LAYOUT.page_shape)).pages == 2
+        result = worker.transfer(spec)
+        sched.complete_store(spec, result.success)
+        truth = torch.empty(6, *LAYOUT.page_shape)
+        kv.gather([0, 1, 2, 3, 4, 5], truth)
+        out = torch.zeros(6, *LAYOUT.page_shape)
+        n = s.get(prompt, out).pages
+        assert n == 2 and torch.equal(out[:n], truth[:n]), f"{n} pages served"
+    finally:
+        s.close()

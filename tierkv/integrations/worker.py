@@ -161,7 +161,8 @@ class OffloadWorker:
         # put skips them and never reads these rows.
         staging = torch.empty((spec.num_pages, *self._layout.page_shape), dtype=self._dtype)
         self.blocks.gather(spec.block_ids, staging[spec.first_page:])
-        put = self.store.put(spec.tokens, staging, spec.tenant, announce=not spec.announced)
+        put = self.store.put(spec.tokens, staging, spec.tenant, announce=not spec.announced,
+                             unfilled=spec.first_page)
         return TransferResult(spec.job_id, "store", True, put.stored, time.perf_counter() - t0)
 
     def submit(self, spec: LoadSpec | StoreSpec) -> Future[TransferResult]:
