@@ -343,3 +343,13 @@ def test_tier_counters_count_real_reads_and_real_hits(tmp_path: Path) -> None:
         assert load(s, tokens, 3)[0] == 3
         st = s.stats()
         assert st.tiers["dram"].hits == 3 and sum(t.hits for t in st.tiers.values()) == st.pages_hit == 3
+
+
+def test_unpin_releases_what_pin_took_and_no_more(store: Store) -> None:
+    tokens, data = prompt(9, 4), page_data(9, 4)
+    store.put(tokens[:2 * TPP], data[:2])
+    assert store.pin(tokens) == 2                   # pages 0-1 cached then
+    store.put(tokens, data)                         # pages 2-3 arrive later, unpinned
+    assert store.unpin(tokens) == 2
+    assert store.unpin(tokens) == 0                 # nothing left to release, nothing below zero
+    assert store.pin(tokens[:TPP]) == 1 and store.unpin(tokens) == 1

@@ -335,8 +335,12 @@ class Store:
     def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
         """Undo one ``pin`` of the pages of ``tokens``; returns how many were unpinned.
 
-        Every pinned page of ``tokens`` is unpinned, also past a page that has gone since
-        (one that failed its checksum, say), so that no page stays pinned unreachable.
+        The pages ``pin`` took are unpinned, also past a page that has gone since (one
+        that failed its checksum, say), so that no page stays pinned unreachable; the
+        walk ends at a present page nobody pins (``pin`` stopped before it). Pins are
+        counts, not handles: pages past the ones this pin took that another holder pinned
+        since may be released too; callers that need exactness unpin the tokens of the
+        pages their pin returned (as the engine adapter does).
         """
         return self._pin(tokens, tenant, -1)
 
@@ -349,8 +353,15 @@ class Store:
             if delta > 0:
                 entries = self._leading(blob, 1 << 62)
             else:
-                found = (self._manager.entry(k) for k in split_keys(blob))
-                entries = [e for e in found if e is not None and e.pins > 0]
+                # What pin took: the leading pages then cached. A page gone since is skipped;
+                # a present one that nobody pins was not cached at pin time, so it ends them.
+                entries = []
+                for k in split_keys(blob):
+                    e = self._manager.entry(k)
+                    if e is not None and e.pins == 0:
+                        break
+                    if e is not None:
+                        entries.append(e)
             for e in entries:
                 self._manager.pin(e.key, delta)
             return len(entries)
