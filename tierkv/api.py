@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,9 @@ from tierkv.manager import Entry
 from tierkv.opening import open_store_parts, release_dir
 from tierkv.pages import PageBatch, page_rows
 from tierkv.peering import Peering
+from tierkv.results import GetResult as GetResult
+from tierkv.results import LookupResult as LookupResult
+from tierkv.results import PutResult as PutResult
 from tierkv.stats import Counters, StoreStats, TierStats
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.blocks import BlockPageTier
@@ -39,49 +41,8 @@ from tierkv.transfer import Transfers
 
 log = logging.getLogger(__name__)
 
-_KIND_BY_RANK = {kind.rank: kind for kind in TierKind}
 #: Name prefix of the prefetch worker thread (close() called on it must not join it).
 _PREFETCH_THREAD = "tierkv-prefetch"
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """How much of a prompt is cached: leading full pages, and the fastest tier of each.
-
-    ``tier_ranks`` holds one byte per cached page (its fastest tier's rank); ``tiers``
-    and ``pages_per_tier`` decode it on demand, so a lookup costs no per-page Python work.
-    """
-
-    cached_pages: int
-    cached_tokens: int
-    total_pages: int
-    tier_ranks: bytes = field(repr=False)
-
-    @property
-    def tiers(self) -> tuple[TierKind, ...]:
-        return tuple(_KIND_BY_RANK[r] for r in self.tier_ranks)
-
-    @property
-    def pages_per_tier(self) -> dict[TierKind, int]:
-        return {kind: self.tier_ranks.count(kind.rank) for kind in TierKind if kind.rank in self.tier_ranks}
-
-
-@dataclass(frozen=True)
-class GetResult:
-    """Leading pages loaded into the caller's buffer and the tier each came from."""
-
-    pages: int
-    tokens: int
-    tiers: tuple[TierKind, ...]
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """``stored`` new pages, ``already_present`` skipped, ``dropped`` that found no room."""
-
-    stored: int
-    already_present: int
-    dropped: int
 
 
 class Store:
