@@ -59,3 +59,21 @@ def test_bench_dir_must_be_a_directory(suite: str, tmp_path: Path, capsys: pytes
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err == f"tierkv: error: --dir: {path} is not a directory\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_the_nvme_baseline_is_tuned_as_the_tier_is(tmp_path: Path) -> None:
+    """fio's queue depth is swept as the tier's I/O threads are, and the timed fio runs use
+    the best depth of the sweep for reads and for writes."""
+    import shutil
+
+    if shutil.which("fio") is None:
+        pytest.skip("fio is not installed")
+    from tierkv.bench.io import bench_nvme
+
+    out = bench_nvme(tmp_path, 64 << 10, 8, 1, (1, 8), io_threads_options=(2,))
+    sweep = out["fio_queue_depth_sweep"]
+    depth = out["fio_queue_depth"]
+    assert isinstance(sweep, dict) and isinstance(depth, dict) and set(sweep) == {1, 8}
+    for rw in ("read", "write"):
+        assert sweep[depth[rw]][f"{rw}_gbps"] == max(v[f"{rw}_gbps"] for v in sweep.values())
+    assert out["verified"] is True

@@ -11,7 +11,7 @@ repetitions after one untimed warm-up; the baseline's repetitions are interleave
 with the tier's so that both see the same machine. The functions return plain dicts
 and print nothing, e.g.::
 
-    python -c "from tierkv.bench.io import bench_nvme; print(bench_nvme('/tmp', 2 << 20, 64, 5, 16))"
+    python -c "from tierkv.bench.io import bench_nvme; print(bench_nvme('/tmp', 2 << 20, 64, 5, (1, 16)))"
 """
 
 from __future__ import annotations
@@ -64,14 +64,17 @@ def bench_dram(page_bytes: int = 2 << 20, pages: int = 64, runs: int = 5) -> dic
 
 
 def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: int = 64, runs: int = 5,
-               queue_depth: int = 16, *, io_threads_options: Sequence[int] = (1, 2, 4, 8),
+               queue_depths: Sequence[int] = (1, 4, 16, 32), *, io_threads_options: Sequence[int] = (1, 2, 4, 8),
                max_io_bytes: int = DEFAULT_MAX_IO_BYTES) -> dict[str, object]:
     """NvmeTier write (with flush) and cold read GB/s against fio on the same file.
 
     ``dir`` must be on the filesystem under test; one scratch file of
     ``pages * slot_bytes`` is made there and removed at the end. The tier is timed
     with page-aligned caller buffers (what pinned host memory gives) and with plain
-    numpy buffers (which take the bounce path). Raises TierKVError if fio is missing.
+    numpy buffers (which take the bounce path). Both sides are tuned the same way: the
+    tier's I/O threads are swept over ``io_threads_options`` and fio's queue depth over
+    ``queue_depths`` (reads and writes each at their best depth), one pass each, before
+    the interleaved timed runs. Raises TierKVError if fio is missing.
     """
     fio = shutil.which("fio")
     if fio is None:
@@ -94,10 +97,13 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
         tier = NvmeTier(path, pages, page_bytes, io_threads=best, max_io_bytes=max_io_bytes)
         with tier:  # not ``with NvmeTier(...) as tier``: Tier.__enter__ is typed to return Tier
             slots = list(range(pages))
-            fio_run = _FioRun(fio, path, tier.slot_bytes, pages, queue_depth)
+            fio_sweep = _fio_sweep(fio, path, tier.slot_bytes, pages, queue_depths)
+            depth = {rw: max(fio_sweep, key=lambda d: fio_sweep[d][f"{rw}_gbps"]) for rw in ("write", "read")}
+            fio_w = _FioRun(fio, path, tier.slot_bytes, pages, depth["write"])
+            fio_r = _FioRun(fio, path, tier.slot_bytes, pages, depth["read"])
             timed = {f"nvme_{name}": op for name, op in _tier_ops(tier, bufs).items()}
-            timed["fio_write"] = lambda: fio_run("write")
-            timed["fio_read"] = lambda: fio_run("read")
+            timed["fio_write"] = lambda: fio_w("write")
+            timed["fio_read"] = lambda: fio_r("read")
             secs = _interleaved(timed, runs)
             verified = _verify(tier, slots, bufs)
             direct = tier.direct
@@ -106,14 +112,15 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
     gbps = _rates(secs, nbytes)
     return {
         "dir": os.fspath(dir), "page_bytes": page_bytes, "pages": pages, "runs": runs,
-        "queue_depth": queue_depth, "io_threads": best, "max_io_bytes": max_io_bytes, "direct": direct,
-        "fio_engine": fio_run.engine, "verified": verified,
+        "fio_queue_depth": depth, "io_threads": best, "max_io_bytes": max_io_bytes, "direct": direct,
+        "fio_engine": fio_r.engine, "verified": verified,
         **{f"{k}_gbps": v for k, v in gbps.items()},
         "nvme_write_vs_fio": _ratio(gbps["nvme_write"], gbps["fio_write"]),
         "nvme_read_vs_fio": _ratio(gbps["nvme_read"], gbps["fio_read"]),
         "nvme_write_unaligned_vs_fio": _ratio(gbps["nvme_write_unaligned"], gbps["fio_write"]),
         "nvme_read_unaligned_vs_fio": _ratio(gbps["nvme_read_unaligned"], gbps["fio_read"]),
         "io_threads_sweep": sweep,
+        "fio_queue_depth_sweep": fio_sweep,
         "spread_gbps": _spreads(secs, nbytes),
     }
 
@@ -161,6 +168,20 @@ def _verify(tier: NvmeTier, slots: list[int], bufs: dict[str, tuple[np.ndarray, 
         tier.read(slots, dst)
         ok = ok and bool(np.array_equal(src, dst))
     return ok
+
+
+def _fio_sweep(fio: str, path: Path, block_bytes: int, blocks: int,
+               depths: Sequence[int]) -> dict[int, dict[str, float]]:
+    """fio's write and read GB/s at each queue depth, one run each (write first: it lays
+    the file out for the read)."""
+    out: dict[int, dict[str, float]] = {}
+    nbytes = block_bytes * blocks
+    for d in depths:
+        run = _FioRun(fio, path, block_bytes, blocks, d)
+        w = run("write")
+        r = run("read")
+        out[d] = {"write_gbps": round(nbytes / w / 1e9, 3), "read_gbps": round(nbytes / r / 1e9, 3)}
+    return out
 
 
 class _FioRun:

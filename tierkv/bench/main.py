@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             for page_bytes, pages in shapes:
                 dram = bench_store_dram(page_bytes, pages, runs)
                 step()
-                nvme = bench_nvme(scratch, page_bytes, pages, runs,
+                nvme = bench_nvme(scratch, page_bytes, pages, runs, (16,) if args.quick else (1, 4, 16, 32),
                                   io_threads_options=(4,) if args.quick else (1, 2, 4, 8))
                 step()
                 per_shape.append({"page_bytes": page_bytes, "pages": pages, "dram": dram, "nvme": nvme})
