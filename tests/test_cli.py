@@ -198,6 +198,17 @@ def test_bad_trace_line_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert "bad.jsonl:2: not valid JSON" in err and len(err.strip().splitlines()) == 1
 
 
+def test_bench_exits_1_when_its_copies_came_back_wrong(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    stub = types.ModuleType("tierkv.bench.net")
+    stub.net_report = lambda quick=False: {"results": [], "mismatches": 3}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tierkv.bench.net", stub)
+    assert main(["bench", "net", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["mismatches"] == 3
+    stub.net_report = lambda quick=False: {"results": [], "mismatches": 0}  # type: ignore[attr-defined]
+    assert main(["bench", "net", "--json"]) == 0
+
+
 def test_bench_prints_table_or_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, object] = {}
 

@@ -283,9 +283,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from tierkv.bench.main import run
 
         result = run(args)
+    # A benchmark whose copies came back wrong measured nothing: say so in the exit status.
+    status = 1 if result.get("mismatches") or result.get("verified") is False else EXIT_OK
     if args.json:
         print(json.dumps(result))
-        return EXIT_OK
+        return status
     from rich.console import Console
     from rich.table import Table
 
@@ -295,7 +297,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for key, value in _flatten(result):
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     Console().print(table)
-    return EXIT_OK
+    return status
 
 
 def _flatten(value: object, prefix: str = "") -> list[tuple[str, object]]:
