@@ -367,3 +367,17 @@ def test_a_pinned_page_gone_before_its_store_is_never_stored_from_an_unfilled_ro
         assert n == 2 and torch.equal(out[:n], truth[:n]), f"{n} pages served"
     finally:
         s.close()
+
+
+def test_a_one_page_prompt_reaches_the_policy_once(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of exactly one page has nothing an engine may load (its last token is
+    computed), yet its store must still reach the policy, once."""
+    announced = _spy_requests(store, monkeypatch)
+    sched = OffloadScheduler(store)
+    prompt = tokens(0, T)
+    assert sched.prepare_load(prompt, [], request_id="r") is None
+    spec = sched.prepare_store(prompt, [0], request_id="r")
+    assert spec is not None
+    sched.complete_store(spec, OffloadWorker(store, engine_kv("cpu", 8)).transfer(spec).success)
+    assert announced == [1]
+    assert store.stats().pages_requested == 0          # nothing it could have loaded

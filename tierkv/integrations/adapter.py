@@ -201,7 +201,7 @@ class OffloadScheduler:
         n = min(len(block_ids), self._lookup(arr, tenant, leave_last_token, count=False).cached_pages)
         pinned = self.store.pin(arr[: n * self.tokens_per_page], tenant) if n else 0
         if pinned == 0:
-            if requested:   # nothing to load: count the request's misses, show it to the policy
+            if whole.size:  # nothing to load: count the request's misses, show it to the policy
                 self.store.get(whole, np.empty((0, self.store.layout.page_bytes), np.uint8), tenant,
                                requested=requested)
             return None
