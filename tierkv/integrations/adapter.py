@@ -51,6 +51,9 @@ from tierkv.keys import PageKey, Tokens, as_token_array, namespace_digest, page_
 
 # Stored prefixes followed for REMOVED events; the oldest are forgotten past this.
 DEFAULT_TRACKED_PREFIXES = 4096
+# Request ids prepare_load remembers for their prepare_store; the oldest are forgotten past this
+# (a forgotten one only means that request's store is shown to the policy again).
+REMEMBERED_REQUESTS = 4096
 
 
 class EventKind(enum.Enum):
@@ -193,7 +196,7 @@ class OffloadScheduler:
         if request_id is not None:
             with self._lock:
                 self._loaded_requests[request_id] = None
-                while len(self._loaded_requests) > self._tracked_limit:
+                while len(self._loaded_requests) > REMEMBERED_REQUESTS:
                     self._loaded_requests.popitem(last=False)
         arr = as_token_array(tokens)
         whole = _frozen(arr[: arr.size // self.tokens_per_page * self.tokens_per_page])
