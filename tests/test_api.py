@@ -46,6 +46,65 @@ def test_torch_pages_in_layout_dtype(store: Store) -> None:
     assert torch.equal(out.view(torch.int16), pages.view(torch.int16))
 
 
+@pytest.mark.parametrize("dram,nvme", [(8, 0), (0, 8), (2, 16)])
+def test_put_takes_a_list_of_separate_pages(tmp_path: Path, dram: int, nvme: int) -> None:
+    cfg = make_config(tmp_path / "s", dram, nvme)
+    tokens, data = prompt(11, 6), page_data(11, 6)
+    as_bf16 = torch.from_numpy(data.copy()).view(torch.bfloat16).reshape(6, *LAYOUT.page_shape)
+    listed = [data[0].copy(), data[1:2].copy(),                       # numpy [pb] and [1, pb]
+              torch.from_numpy(data[2].copy()), as_bf16[3].clone(),   # uint8 [pb], bf16 [*page_shape]
+              data[4].copy(), data[5].copy()]
+    with Store.open(cfg) as s:
+        res = s.put(tokens, listed)
+        assert (res.stored, res.already_present) == (6, 0)
+        n, out = load(s, tokens, 6)
+        assert n == 6 and np.array_equal(out, data)
+        assert s.put(tokens, tuple(listed)).already_present == 6  # a tuple too; all cached already
+    if nvme:  # the checksums recorded for listed pages hold: a reopened store verifies every read
+        with Store.open(cfg) as s:
+            n, out = load(s, tokens, 6)
+            assert n == min(6, nvme) and np.array_equal(out[:n], data[:n])
+
+
+def test_list_put_demotes_and_skips_cached_pages(tmp_path: Path) -> None:
+    with Store.open(make_config(tmp_path / "s", 4, 16)) as s:
+        first, later = prompt(12, 3), prompt(13, 3)
+        s.put(first, list(page_data(12, 3)))
+        s.put(later, [row for row in page_data(13, 3)])  # DRAM holds 4: pages go down to NVMe
+        assert TierKind.NVME in s.lookup(first).tiers + s.lookup(later).tiers
+        longer = np.concatenate([first, prompt(14, 2)])
+        grown = np.concatenate([page_data(12, 3), page_data(14, 2)])
+        res = s.put(longer, list(grown))
+        assert (res.stored, res.already_present) == (2, 3)
+        for tokens, data in ((first, page_data(12, 3)), (later, page_data(13, 3)), (longer, grown)):
+            n, out = load(s, tokens, len(data))
+            assert n == len(data) and np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([np.zeros(PB, np.float32)], r"put\(pages=...\)\[0\]: a numpy page must be uint8"),
+    ([np.zeros(PB, np.uint8), np.zeros(PB + 1, np.uint8)], r"\[1\]: a numpy page must be uint8 of shape"),
+    ([np.zeros((2, PB), np.uint8)], "shape"),
+    ([np.zeros(2 * PB, np.uint8)[::2]], "C-contiguous"),
+    ([torch.zeros(*LAYOUT.page_shape, dtype=torch.float16)], "bfloat16 of shape"),
+    ([torch.zeros(2, *LAYOUT.page_shape, dtype=torch.bfloat16)], "bfloat16 of shape"),
+    ([torch.zeros(2 * PB, dtype=torch.uint8)[::2]], "contiguous"),
+    ([np.zeros(PB, np.uint8)] * 9, "full pages"),
+    ([b"x" * PB], "torch.Tensor or numpy.ndarray, got bytes"),
+])
+def test_bad_page_lists_raise_input_error(store: Store, bad: object, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        store.put(prompt(7, 8), bad)  # type: ignore[arg-type]
+    assert store.stats().pages_stored == 0
+
+
+def test_get_into_a_list_says_it_takes_one_batch(store: Store) -> None:
+    tokens = prompt(15, 2)
+    store.put(tokens, page_data(15, 2))
+    with pytest.raises(InputError, match="one batch buffer"):
+        store.get(tokens, [np.zeros(PB, np.uint8), np.zeros(PB, np.uint8)])  # type: ignore[arg-type]
+
+
 def test_demotion_and_promotion_are_bit_exact(store: Store) -> None:
     prompts = [(prompt(i, 2), page_data(i, 2)) for i in range(6)]  # 12 pages, DRAM holds 4
     for tokens, data in prompts:

@@ -29,7 +29,7 @@ from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys,
 from tierkv.layout import KVLayout
 from tierkv.manager import Entry
 from tierkv.opening import open_store_parts, release_dir
-from tierkv.pages import PageBatch, page_rows
+from tierkv.pages import PageBatch, PageSource, Rows, page_list, page_rows
 from tierkv.peering import Peering
 from tierkv.results import GetResult as GetResult
 from tierkv.results import LookupResult as LookupResult
@@ -159,6 +159,10 @@ class Store:
             self._check_open()
             blob = self._keys(tokens, tenant)
             total = len(blob) // KEY_BYTES
+            if isinstance(out, (list, tuple)):
+                raise InputError("get(out=...): takes one batch buffer ([n, *page_shape] in the layout's dtype, or "
+                                 "uint8 [n, page_bytes]), whose rows become the pages; a list of separate pages is "
+                                 "for put only")
             rows = page_rows(out, self.layout, "get(out=...)", max(total, 0))
             if not rows.flags.writeable:
                 raise InputError("get(out=...): the output buffer is read-only")
@@ -212,9 +216,13 @@ class Store:
         self._counters.events["promotions"] += promoted
         return promoted
 
-    def put(self, tokens: Tokens, pages: PageBatch, tenant: str | bytes = "", *,
+    def put(self, tokens: Tokens, pages: PageSource, tenant: str | bytes = "", *,
             announce: bool = True, unfilled: int = 0) -> PutResult:
         """Store ``pages[i]`` as the KV of the ``i``-th full page of ``tokens``.
+
+        ``pages`` is one batch, or a list (or tuple) of separate pages, each
+        ``[*layout.page_shape]`` in the layout's dtype or ``uint8 [page_bytes]``: those
+        are copied straight from where they are, without being stacked first.
 
         Pages already cached are skipped. Room is made by the policy: victims are
         demoted to the next tier down or dropped. Raises CapacityError when the batch
@@ -231,7 +239,9 @@ class Store:
                 raise InputError(f"the store at {self._dir} was opened read-only; put needs the writer")
             blob = self._keys(tokens, tenant)
             keys = split_keys(blob)
-            rows = page_rows(pages, self.layout, "put(pages=...)", len(keys))
+            rows: Rows = (page_list(pages, self.layout, "put(pages=...)", len(keys))
+                          if isinstance(pages, (list, tuple)) else
+                          page_rows(pages, self.layout, "put(pages=...)", len(keys)))  # type: ignore[arg-type]
             if isinstance(unfilled, bool) or not isinstance(unfilled, int) or not 0 <= unfilled <= rows.shape[0]:
                 raise InputError(f"put: unfilled must be an integer from 0 to the {rows.shape[0]} rows, got {unfilled!r}")
             if announce:
@@ -244,7 +254,7 @@ class Store:
             stored, new = self._store(keys, rows, 0)
             return PutResult(stored, rows.shape[0] - new, new - stored)
 
-    def _store(self, keys: list[PageKey], rows: np.ndarray, first: int) -> tuple[int, int]:
+    def _store(self, keys: list[PageKey], rows: Rows, first: int) -> tuple[int, int]:
         """Store ``rows[i]`` as page ``first + i`` of ``keys`` unless cached; (stored, new)."""
         new: list[tuple[PageKey, PageKey | None]] = []
         row_of: dict[PageKey, int] = {}

@@ -2,14 +2,18 @@
 
 Engines pass pages as a torch tensor ``[n, *layout.page_shape]`` in the layout's
 dtype, or as raw bytes: a uint8 torch tensor or numpy array ``[n, page_bytes]``.
-Either becomes a zero-copy ``uint8 [n, page_bytes]`` numpy view. Every mismatch
+Either becomes a zero-copy ``uint8 [n, page_bytes]`` numpy view. A put may also take
+a list of separate pages (each ``[*layout.page_shape]`` in the layout's dtype, or
+``uint8 [page_bytes]``), which becomes a :class:`PageList` of zero-copy views, so the
+caller need not stack them into one batch first (a copy of every byte). Every mismatch
 raises :class:`~tierkv.errors.InputError` naming what was expected. Called by the API.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Union
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Union, overload
 
 import numpy as np
 
@@ -22,11 +26,84 @@ if TYPE_CHECKING:
 # torch is imported lazily (it takes seconds, and minutes in the emulated rig guest): a
 # caller holding a tensor has imported it already, so sys.modules tells whether one can be.
 PageBatch = Union["torch.Tensor", np.ndarray]
+#: What ``Store.put`` takes: a batch, or a list of separate pages.
+PageSource = Union[PageBatch, Sequence["torch.Tensor"], Sequence[np.ndarray]]
+
+
+class PageList:
+    """Pages held as separate ``uint8 [page_bytes]`` arrays (views of the caller's pages).
+
+    Stands where a ``uint8 [n, page_bytes]`` batch would in the put path: ``shape``,
+    ``len``, integer indexing (one page's row) and slicing (another PageList, no copy).
+    A tier that can copy page by page takes it as is; the others stack it once into
+    their own (aligned) buffer.
+    """
+
+    __slots__ = ("_rows", "shape")
+
+    def __init__(self, rows: list[np.ndarray], page_bytes: int) -> None:
+        self._rows = rows
+        self.shape = (len(rows), page_bytes)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> PageList: ...
+
+    def __getitem__(self, i: int | slice) -> np.ndarray | PageList:
+        if isinstance(i, slice):
+            return PageList(self._rows[i], self.shape[1])
+        return self._rows[i]
+
+    def take(self, idx: Sequence[int]) -> PageList:
+        """The pages at ``idx``, in that order (no copy)."""
+        return PageList([self._rows[i] for i in idx], self.shape[1])
+
+    def stacked(self, out: np.ndarray) -> np.ndarray:
+        """Copy the pages into the rows of ``out`` (``uint8 [n, page_bytes]``); returns ``out``."""
+        for i, row in enumerate(self._rows):
+            out[i] = row
+        return out
+
+
+#: Rows as the put path carries them.
+Rows = Union[np.ndarray, PageList]
 
 
 def _is_tensor(x: object) -> bool:
     torch_mod = sys.modules.get("torch")
     return torch_mod is not None and isinstance(x, torch_mod.Tensor)
+
+
+def page_list(pages: Sequence[object], layout: KVLayout, what: str, max_pages: int) -> PageList:
+    """A :class:`PageList` of zero-copy views of separate pages; raises InputError on any mismatch."""
+    pb = layout.page_bytes
+    if len(pages) > max_pages:
+        raise InputError(f"{what}: {len(pages)} pages given but the tokens hold only {max_pages} full "
+                         f"pages of {layout.tokens_per_page} tokens")
+    rows: list[np.ndarray] = []
+    for i, page in enumerate(pages):
+        where = f"{what}[{i}]"
+        if _is_tensor(page):
+            row = _torch_page(page, layout, where)  # type: ignore[arg-type]
+        elif isinstance(page, np.ndarray):
+            if page.dtype != np.uint8 or page.shape not in ((pb,), (1, pb)):
+                raise InputError(f"{where}: a numpy page must be uint8 of shape [{pb}], "
+                                 f"got {page.dtype} {tuple(page.shape)}")
+            if not page.flags.c_contiguous:
+                raise InputError(f"{where}: the page must be C-contiguous")
+            row = page.reshape(pb)
+        else:
+            raise InputError(f"{where}: a page must be a torch.Tensor or numpy.ndarray, got {type(page).__name__}")
+        rows.append(row)
+    return PageList(rows, pb)
 
 
 def page_rows(pages: PageBatch, layout: KVLayout, what: str, max_pages: int) -> np.ndarray:
@@ -47,6 +124,23 @@ def page_rows(pages: PageBatch, layout: KVLayout, what: str, max_pages: int) -> 
         raise InputError(f"{what}: {rows.shape[0]} pages given but the tokens hold only {max_pages} full "
                          f"pages of {layout.tokens_per_page} tokens")
     return rows
+
+
+def _torch_page(t: torch.Tensor, layout: KVLayout, what: str) -> np.ndarray:
+    """One page's tensor (``[*page_shape]`` in the layout's dtype, or uint8 ``[page_bytes]``)
+    as a zero-copy ``uint8 [page_bytes]`` view."""
+    import torch
+
+    pb = layout.page_bytes
+    if t.dtype == torch.uint8 and tuple(t.shape) in ((pb,), (1, pb)):
+        if not t.is_contiguous():
+            raise InputError(f"{what}: the page tensor must be contiguous (call .contiguous())")
+        return _torch_rows(t.reshape(1, pb), layout, what)[0]
+    want = getattr(torch, layout.dtype.torch_name)
+    if t.dtype != want or tuple(t.shape) != layout.page_shape:
+        raise InputError(f"{what}: a page tensor must be {want} of shape [{', '.join(map(str, layout.page_shape))}] "
+                         f"or uint8 [{pb}], got {t.dtype} {list(t.shape)}")
+    return _torch_rows(t.unsqueeze(0), layout, what)[0]
 
 
 def _torch_rows(t: torch.Tensor, layout: KVLayout, what: str) -> np.ndarray:

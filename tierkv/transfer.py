@@ -20,6 +20,7 @@ from tierkv.checksum import checksum64, checksum_rows
 from tierkv.errors import TierIOError, TierUnavailableError
 from tierkv.keys import PageKey
 from tierkv.manager import BlockManager, Entry, Move, Plan
+from tierkv.pages import PageList, Rows
 from tierkv.stats import Counters
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
@@ -56,8 +57,11 @@ COPY_TABLE: dict[tuple[TierKind, TierKind], CopyFn] = {
 }
 
 
-def _gather(src: np.ndarray, rows: list[int]) -> np.ndarray:
-    """``src[rows]`` as a contiguous array: a zero-copy view when the rows are consecutive."""
+def _gather(src: Rows, rows: list[int]) -> Rows:
+    """``src[rows]``: a zero-copy view when the rows are consecutive or ``src`` is a
+    list of separate pages, else a contiguous copy."""
+    if isinstance(src, PageList):
+        return src.take(rows)
     first = rows[0]
     if rows == list(range(first, first + len(rows))):
         return src[first:first + len(rows)]
@@ -73,7 +77,7 @@ class Transfers:
         self._c = counters
         self._nbytes = page_bytes
 
-    def run(self, plan: Plan, src: np.ndarray | None = None, row_of: dict[PageKey, int] | None = None,
+    def run(self, plan: Plan, src: Rows | None = None, row_of: dict[PageKey, int] | None = None,
             source: str = "caller") -> int:
         """Execute ``plan``; placed page ``k`` takes its bytes from ``src[row_of[k]]``.
 
@@ -131,11 +135,14 @@ class Transfers:
             self._c.events["demotions"] += len(moves)
 
     def _place(self, kind: TierKind, placed: list[tuple[PageKey, TierKind, int]],
-               buf: np.ndarray, source: str, plan: Plan) -> int:
+               buf: Rows, source: str, plan: Plan) -> int:
         tier = self._tiers[kind]
         start = time.perf_counter()
         try:
-            tier.write([s for _, _, s in placed], buf)
+            if isinstance(buf, PageList):
+                tier.write_rows([s for _, _, s in placed], buf)
+            else:
+                tier.write([s for _, _, s in placed], buf)
             sums = self._checksums(kind, [k for k, _, _ in placed], buf)
             tier.flush()
         except TierIOError as exc:
@@ -160,7 +167,7 @@ class Transfers:
             return False
         return True
 
-    def _checksums(self, kind: TierKind, keys: Sequence[PageKey], staged: np.ndarray) -> dict[PageKey, int]:
+    def _checksums(self, kind: TierKind, keys: Sequence[PageKey], staged: Rows) -> dict[PageKey, int]:
         """Checksums for pages entering a persistent tier that do not have one yet."""
         if not self._tiers[kind].persistent:
             return {}

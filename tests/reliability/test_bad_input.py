@@ -40,6 +40,12 @@ page_batches = st.one_of(
                st.tuples(st.integers(0, 5), st.sampled_from([PB, PB - 1, 8]))),
     st.builds(lambda n, dt: torch.zeros(n, *LAYOUT.page_shape, dtype=dt),
               st.integers(0, 5), st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
+    st.lists(st.one_of(  # separate pages, as put takes them
+        hnp.arrays(st.sampled_from([np.uint8, np.float16]),
+                   st.sampled_from([(PB,), (1, PB), (2, PB), (PB - 1,), (0,)])),
+        st.builds(lambda dt: torch.zeros(*LAYOUT.page_shape, dtype=dt), st.sampled_from([torch.bfloat16, torch.uint8])),
+        st.builds(lambda n: torch.zeros(n, dtype=torch.uint8), st.sampled_from([PB, PB + 1])),
+        st.just(None)), max_size=6),
 )
 
 

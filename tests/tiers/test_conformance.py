@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from tierkv.errors import CapacityError, InputError, StoreClosedError
+from tierkv.pages import PageList
+from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier
 
 PAGE = 8192
@@ -90,6 +92,51 @@ def test_empty_batch_is_a_no_op(tier_factory: TierFactory) -> None:
     tier = tier_factory(2, PAGE)
     tier.write([], np.empty((0, PAGE), dtype=np.uint8))
     tier.read([], np.empty((0, PAGE), dtype=np.uint8))
+
+
+# -- pages handed in separately (write_rows) ------------------------------------------------
+def separate(src: np.ndarray, aligned: bool) -> PageList:
+    """The rows of ``src`` as separate arrays: each on a 4 KiB boundary, or each 8 bytes past one."""
+    rows = []
+    for row in src:
+        base = aligned_empty(src.shape[1] + 4096)
+        at = 0 if aligned else 8
+        base[at:at + src.shape[1]] = row
+        rows.append(base[at:at + src.shape[1]])
+    return PageList(rows, src.shape[1])
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize(("page_bytes", "num_slots"), [(PAGE, 24), (ODD_PAGE, 6), (1 << 20, 12)])
+def test_write_rows_round_trip(tier_factory: TierFactory, page_bytes: int, num_slots: int, aligned: bool) -> None:
+    tier = tier_factory(num_slots, page_bytes)
+    slots = [s for s in reversed(range(num_slots)) if s != 2]  # out of order, with a gap
+    src = pages(len(slots), page_bytes, seed=page_bytes + aligned)
+    rows = separate(src, aligned)
+    tier.write_rows(slots, rows)
+    np.testing.assert_array_equal(read_back(tier, slots, page_bytes), src)
+    np.testing.assert_array_equal(np.stack(list(rows)), src)  # the caller's pages are unchanged
+    again = pages(3, page_bytes, seed=99)   # and a later batch write lands over them as usual
+    tier.write(slots[:3], again)
+    np.testing.assert_array_equal(read_back(tier, slots[:3], page_bytes), again)
+    np.testing.assert_array_equal(read_back(tier, slots[3:], page_bytes), src[3:])
+
+
+def test_write_rows_checks_its_input(tier_factory: TierFactory) -> None:
+    tier = tier_factory(4, PAGE)
+    two = PageList([np.zeros(PAGE, np.uint8), np.zeros(PAGE, np.uint8)], PAGE)
+    with pytest.raises(InputError, match="3 slots but 2 pages"):
+        tier.write_rows([0, 1, 2], two)
+    with pytest.raises(InputError, match="out of range"):
+        tier.write_rows([0, 4], two)
+    with pytest.raises(InputError, match="exceed the slot size"):
+        tier.write_rows([0], PageList([np.zeros(tier.slot_bytes + 1, np.uint8)], tier.slot_bytes + 1))
+    with pytest.raises(InputError, match="PageList"):
+        tier.write_rows([0, 1], np.zeros((2, PAGE), np.uint8))  # type: ignore[arg-type]
+    tier.write_rows([], PageList([], PAGE))
+    tier.close()
+    with pytest.raises(StoreClosedError):
+        tier.write_rows([0, 1], two)
 
 
 # -- futures ----------------------------------------------------------------------------

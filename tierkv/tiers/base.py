@@ -23,6 +23,8 @@ from typing import Self
 import numpy as np
 
 from tierkv.errors import CapacityError, InputError, StoreClosedError
+from tierkv.pages import PageList
+from tierkv.tiers.aligned import aligned_empty
 
 
 # Runs of 4 KiB blocks ``(first block, count)`` holding one page on a block-addressed tier.
@@ -194,6 +196,18 @@ class Tier(abc.ABC):
         self._check_io(slots, src)
         self._write(slots, src)
 
+    def write_rows(self, slots: Sequence[int], rows: PageList) -> None:
+        """Copy page ``rows[i]`` (pages handed in separately) into slot ``slots[i]``."""
+        self._check_open()
+        if not isinstance(rows, PageList):
+            raise InputError(f"write_rows takes a PageList, got {type(rows).__name__}")
+        if len(rows) != len(slots):
+            raise InputError(f"{len(slots)} slots but {len(rows)} pages")
+        if rows.shape[1] > self.slot_bytes:
+            raise InputError(f"rows of {rows.shape[1]} bytes exceed the slot size of {self.slot_bytes}")
+        self._check_slots(slots)
+        self._write_rows(slots, rows)
+
     def read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         """Copy slot ``slots[i]`` into row ``i`` of ``dst`` (first ``dst.shape[1]`` bytes)."""
         self._check_io(slots, dst)
@@ -232,6 +246,14 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None: ...
+
+    def _write_rows(self, slots: Sequence[int], rows: PageList) -> None:
+        """Separate pages: stacked once into an aligned batch, then ``_write``. Tiers that
+        copy page by page anyway override it to take each page from where it is."""
+        if not len(rows):
+            return
+        n, width = rows.shape
+        self._write(slots, rows.stacked(aligned_empty(n * width).reshape(n, width)))
 
     def _close(self) -> None:
         """Release the medium; called once by ``close``."""

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tierkv.errors import CapacityError
+from tierkv.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.units import format_size
@@ -83,6 +84,11 @@ class DramTier(Tier):
             return
         for run_start, run_slot, run_len in runs:
             self._buf[run_slot:run_slot + run_len, :width] = src[run_start:run_start + run_len]
+
+    def _write_rows(self, slots: Sequence[int], rows: PageList) -> None:
+        width = rows.shape[1]
+        for slot, row in zip(slots, rows):  # one copy per page, straight from the caller's page
+            self._buf[slot, :width] = row
 
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         width = dst.shape[1]

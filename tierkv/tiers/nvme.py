@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierkv.errors import CapacityError, ConfigError, InputError, StoreClosedError, TierIOError
+from tierkv.pages import PageList
 from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, is_aligned, round_up
 from tierkv.tiers.base import Tier, TierKind
 
@@ -235,7 +236,12 @@ class NvmeTier(Tier):
                     self._retire_fd(-1)
                     self._cond.notify_all()
 
-    def _transfer(self, op: _Op, slots: Sequence[int], buf: np.ndarray) -> None:
+    def _write_rows(self, slots: Sequence[int], rows: PageList) -> None:
+        # Separate pages go to the syscalls as they are (aligned ones) or through the
+        # bounce buffers a misaligned batch needs anyway, never through a stacked copy.
+        self._transfer(_Op.WRITE, slots, rows)
+
+    def _transfer(self, op: _Op, slots: Sequence[int], buf: np.ndarray | PageList) -> None:
         """Move every chunk of one call, in parallel, and raise the first failure."""
         if len(slots) == 0 or buf.shape[1] == 0:
             return
@@ -282,13 +288,15 @@ class NvmeTier(Tier):
             start = end
         return chunks
 
-    def _serves_in_place(self, buf: np.ndarray) -> bool:
+    def _serves_in_place(self, buf: np.ndarray | PageList) -> bool:
         """Whether the syscalls can use the caller's rows without a bounce buffer."""
         if not self.direct:
             return True
-        return is_aligned(buf) and buf.shape[1] % ALIGN == 0
+        if buf.shape[1] % ALIGN:
+            return False
+        return all(is_aligned(row) for row in buf) if isinstance(buf, PageList) else is_aligned(buf)
 
-    def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray, in_place: bool) -> None:
+    def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray | PageList, in_place: bool) -> None:
         rows = buf[chunk.row:chunk.row + chunk.count]
         width = buf.shape[1]
         if in_place:
@@ -297,18 +305,22 @@ class NvmeTier(Tier):
         with self._bounce.borrow() as bounce:
             staged = bounce[:chunk.count * self.slot_bytes].reshape(chunk.count, self.slot_bytes)
             if op is _Op.WRITE:
-                staged[:, :width] = rows
+                if isinstance(rows, PageList):
+                    rows.stacked(staged[:, :width])
+                else:
+                    staged[:, :width] = rows
                 # The bounce buffer holds another page's bytes; never leak them to disk.
                 staged[:, width:] = 0
             self._syscall(op, fd, chunk, [staged.reshape(-1).data])
             if op is _Op.READ:
+                assert isinstance(rows, np.ndarray)  # reads always land in a batch
                 rows[...] = staged[:, :width]
 
-    def _iovecs(self, op: _Op, rows: np.ndarray) -> list[memoryview]:
+    def _iovecs(self, op: _Op, rows: np.ndarray | PageList) -> list[memoryview]:
         """The caller's rows as syscall buffers, each padded out to a whole slot."""
         width = rows.shape[1]
         if width == self.slot_bytes:
-            return [rows.reshape(-1).data]
+            return [row.data for row in rows] if isinstance(rows, PageList) else [rows.reshape(-1).data]
         tail = (self._zeros if op is _Op.WRITE else self._sink)[:self.slot_bytes - width].data
         iov: list[memoryview] = []
         for row in rows:

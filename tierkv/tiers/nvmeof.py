@@ -40,6 +40,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from tierkv.errors import InputError, TierIOError, TierUnavailableError
+from tierkv.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.nvme import DEFAULT_MAX_IO_BYTES, NvmeTier, _open_backing
@@ -236,6 +237,10 @@ class NvmeofTier(NvmeTier):
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         write = super()._write
         self._guarded(f"write of {len(slots)} slots", lambda: write(slots, src), hold=list(slots))
+
+    def _write_rows(self, slots: Sequence[int], rows: PageList) -> None:
+        write = super()._write_rows
+        self._guarded(f"write of {len(slots)} slots", lambda: write(slots, rows), hold=list(slots))
 
     def flush(self) -> None:
         self._check_open()
