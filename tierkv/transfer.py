@@ -198,8 +198,12 @@ class Transfers:
             rows = out[first:first + len(items)]
             tier = self._tiers[kind]
             start = time.perf_counter()
+            sums: list[int] | None = None
             try:
-                tier.read([e.slots[kind] for _, e in items], rows)
+                if tier.persistent:  # hashed on the I/O threads, as each chunk lands
+                    sums = tier.read_checksummed([e.slots[kind] for _, e in items], rows)
+                else:
+                    tier.read([e.slots[kind] for _, e in items], rows)
             except UndecodablePageError as exc:
                 # Damaged blobs on a block tier: the pages before the first are intact.
                 bad = min(exc.rows)
@@ -222,7 +226,7 @@ class Transfers:
                 return loaded
             finally:
                 elapsed = self._timed(kind, start)
-            good = self._verify(tier, items, rows)
+            good = self._verify(tier, items, rows, sums)
             self._count(kind, items[:good], elapsed, serve)
             loaded += good
             if good < len(items):
@@ -239,10 +243,14 @@ class Transfers:
         for _, e in items:
             self._m.touch(e.key, kind)
 
-    def _verify(self, tier: Tier, items: list[tuple[int, Entry]], rows: np.ndarray) -> int:
+    def _verify(self, tier: Tier, items: list[tuple[int, Entry]], rows: np.ndarray,
+                sums: list[int] | None = None) -> int:
+        """How many leading ``items`` match their recorded checksums (``sums``: the rows'
+        checksums where the read computed them); quarantines the first that does not."""
         if not tier.persistent:
             return len(items)
-        sums = checksum_rows(rows)
+        if sums is None:
+            sums = checksum_rows(rows)
         for i, (_, e) in enumerate(items):
             if sums[i] != e.checksum:
                 log.warning("page %s in %s slot %d failed its checksum (stored %s, read %x); quarantined",

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
+from tierkv.checksum import checksum64
 from tierkv.errors import CapacityError, InputError, StoreClosedError
 from tierkv.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
@@ -137,6 +138,24 @@ def test_write_rows_checks_its_input(tier_factory: TierFactory) -> None:
     tier.close()
     with pytest.raises(StoreClosedError):
         tier.write_rows([0, 1], two)
+
+
+@pytest.mark.parametrize(("page_bytes", "num_slots"), [(PAGE, 40), (ODD_PAGE, 9), (1 << 20, 24)])
+def test_read_checksummed_hashes_what_it_read(tier_factory: TierFactory, page_bytes: int, num_slots: int) -> None:
+    tier = tier_factory(num_slots, page_bytes)
+    slots = [s for s in reversed(range(num_slots)) if s % 5 != 3]  # several runs: several chunks
+    src = pages(len(slots), page_bytes, seed=page_bytes + 1)
+    tier.write(slots, src)
+    for width in (page_bytes, 4096, 1):
+        dst = np.full((len(slots), width), 0xA5, dtype=np.uint8)
+        sums = tier.read_checksummed(slots, dst)
+        np.testing.assert_array_equal(dst, src[:, :width])
+        assert sums == [checksum64(row) for row in src[:, :width]]
+    ro = np.zeros((1, page_bytes), dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(InputError, match="read-only"):
+        tier.read_checksummed(slots[:1], ro)
+    assert tier.read_checksummed([], np.empty((0, page_bytes), dtype=np.uint8)) == []
 
 
 # -- futures ----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Self
 
 import numpy as np
 
+from tierkv.checksum import checksum_rows
 from tierkv.errors import CapacityError, InputError, StoreClosedError
 from tierkv.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
@@ -214,6 +215,15 @@ class Tier(abc.ABC):
         self._check_writable(dst)
         self._read(slots, dst)
 
+    def read_checksummed(self, slots: Sequence[int], dst: np.ndarray) -> list[int]:
+        """``read``, then the xxh3-64 of each row of ``dst`` (what a verified read compares).
+
+        Tiers that read in chunks on several threads checksum each chunk on the thread
+        that read it, overlapping the hashing with the other chunks' I/O."""
+        self._check_io(slots, dst)
+        self._check_writable(dst)
+        return self._read_checksummed(slots, dst)
+
     def write_async(self, slots: Sequence[int], src: np.ndarray) -> Future[None]:
         self._check_io(slots, src)
         return self._pool.submit(self._write, list(slots), src)
@@ -246,6 +256,10 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None: ...
+
+    def _read_checksummed(self, slots: Sequence[int], dst: np.ndarray) -> list[int]:
+        self._read(slots, dst)
+        return checksum_rows(dst)
 
     def _write_rows(self, slots: Sequence[int], rows: PageList) -> None:
         """Separate pages: stacked once into an aligned batch, then ``_write``. Tiers that

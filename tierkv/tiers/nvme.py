@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tierkv.checksum import checksum_rows
 from tierkv.errors import CapacityError, ConfigError, InputError, StoreClosedError, TierIOError
 from tierkv.pages import PageList
 from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, is_aligned, round_up
@@ -241,8 +242,18 @@ class NvmeTier(Tier):
         # bounce buffers a misaligned batch needs anyway, never through a stacked copy.
         self._transfer(_Op.WRITE, slots, rows)
 
-    def _transfer(self, op: _Op, slots: Sequence[int], buf: np.ndarray | PageList) -> None:
-        """Move every chunk of one call, in parallel, and raise the first failure."""
+    def _read_checksummed(self, slots: Sequence[int], dst: np.ndarray) -> list[int]:
+        if not dst.flags.writeable:
+            raise InputError("nvme tier read needs a writeable destination buffer, got a read-only one")
+        sums = [0] * len(slots)
+        self._transfer(_Op.READ, slots, dst, sums)
+        return sums
+
+    def _transfer(self, op: _Op, slots: Sequence[int], buf: np.ndarray | PageList,
+                  sums: list[int] | None = None) -> None:
+        """Move every chunk of one call, in parallel, and raise the first failure.
+
+        ``sums`` (reads only): filled with each row's checksum, by the thread that read it."""
         if len(slots) == 0 or buf.shape[1] == 0:
             return
         in_place = self._serves_in_place(buf)
@@ -259,6 +270,10 @@ class NvmeTier(Tier):
                         return
                     try:
                         self._move(op, fd, chunk, buf, in_place)
+                        if sums is not None:
+                            assert isinstance(buf, np.ndarray)
+                            sums[chunk.row:chunk.row + chunk.count] = checksum_rows(
+                                buf[chunk.row:chunk.row + chunk.count])
                     except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller
                         errors.append(e)
 

@@ -234,6 +234,14 @@ class NvmeofTier(NvmeTier):
         self._guarded(f"read of {n} slots", lambda: read(slots, scratch))
         dst[...] = scratch
 
+    def _read_checksummed(self, slots: Sequence[int], dst: np.ndarray) -> list[int]:
+        n, width = len(slots), dst.shape[1]
+        scratch = aligned_empty(max(1, n * width))[:n * width].reshape(n, width)
+        read = super()._read_checksummed
+        sums = self._guarded(f"read of {n} slots", lambda: read(slots, scratch))
+        dst[...] = scratch
+        return sums
+
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         write = super()._write
         self._guarded(f"write of {len(slots)} slots", lambda: write(slots, src), hold=list(slots))
