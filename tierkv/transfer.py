@@ -32,12 +32,15 @@ CopyFn = Callable[[Tier, Sequence[int], Tier, Sequence[int], int], np.ndarray]
 
 
 def staged_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Sequence[int],
-                nbytes: int) -> np.ndarray:
-    """Read from ``src`` into a staging buffer, write it to ``dst``; returns the staged rows."""
+                nbytes: int) -> tuple[np.ndarray, list[int] | None]:
+    """Read from ``src`` into a staging buffer, write it to ``dst``; returns the staged rows
+    and, where ``dst`` is persistent, their checksums (hashed while the write ran)."""
     staging = aligned_empty(len(src_slots) * nbytes).reshape(len(src_slots), nbytes)
     src.read(src_slots, staging)
+    if dst.persistent:
+        return staging, dst.write_checksummed(dst_slots, staging)
     dst.write(dst_slots, staging)
-    return staging
+    return staging, None
 
 
 def hbm_to_dram(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Sequence[int], nbytes: int) -> np.ndarray:
@@ -116,12 +119,13 @@ class Transfers:
         return elapsed
 
     def _move(self, src: TierKind, dst: TierKind, moves: list[Move], plan: Plan) -> None:
-        copy = COPY_TABLE.get((src, dst), staged_copy)
+        copy = COPY_TABLE.get((src, dst))
+        args = (self._tiers[src], [m.src_slot for m in moves], self._tiers[dst], [m.dst_slot for m in moves],
+                self._nbytes)
         start = time.perf_counter()
         try:
-            staged = copy(self._tiers[src], [m.src_slot for m in moves], self._tiers[dst],
-                          [m.dst_slot for m in moves], self._nbytes)
-            sums = self._checksums(dst, [m.key for m in moves], staged)
+            staged, hashed = staged_copy(*args) if copy is None else (copy(*args), None)
+            sums = self._checksums(dst, [m.key for m in moves], staged, hashed)
             self._tiers[dst].flush()
         except TierIOError as exc:
             log.warning("demotion %s->%s of %d pages failed, dropping them: %s", src.value, dst.value, len(moves), exc)
@@ -139,11 +143,15 @@ class Transfers:
         tier = self._tiers[kind]
         start = time.perf_counter()
         try:
-            if isinstance(buf, PageList):
-                tier.write_rows([s for _, _, s in placed], buf)
+            slots = [s for _, _, s in placed]
+            hashed: list[int] | None = None
+            if tier.persistent:  # hashed on the I/O threads, as each chunk is written
+                hashed = tier.write_checksummed(slots, buf)
+            elif isinstance(buf, PageList):
+                tier.write_rows(slots, buf)
             else:
-                tier.write([s for _, _, s in placed], buf)
-            sums = self._checksums(kind, [k for k, _, _ in placed], buf)
+                tier.write(slots, buf)
+            sums = self._checksums(kind, [k for k, _, _ in placed], buf, hashed)
             tier.flush()
         except TierIOError as exc:
             log.warning("write of %d pages to %s failed, they stay misses: %s", len(placed), kind.value, exc)
@@ -167,15 +175,17 @@ class Transfers:
             return False
         return True
 
-    def _checksums(self, kind: TierKind, keys: Sequence[PageKey], staged: Rows) -> dict[PageKey, int]:
-        """Checksums for pages entering a persistent tier that do not have one yet."""
+    def _checksums(self, kind: TierKind, keys: Sequence[PageKey], staged: Rows,
+                   hashed: list[int] | None = None) -> dict[PageKey, int]:
+        """Checksums for pages entering a persistent tier that do not have one yet
+        (``hashed``: the rows' checksums where the write computed them)."""
         if not self._tiers[kind].persistent:
             return {}
         out: dict[PageKey, int] = {}
         for i, key in enumerate(keys):
             e = self._m.entry(key)
             if e is not None and e.checksum is None:
-                out[key] = checksum64(staged[i])
+                out[key] = hashed[i] if hashed is not None else checksum64(staged[i])
         return out
 
     def read(self, entries: Sequence[Entry], out: np.ndarray, serve: bool = True) -> int:

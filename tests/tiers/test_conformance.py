@@ -158,6 +158,21 @@ def test_read_checksummed_hashes_what_it_read(tier_factory: TierFactory, page_by
     assert tier.read_checksummed([], np.empty((0, page_bytes), dtype=np.uint8)) == []
 
 
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize(("page_bytes", "num_slots"), [(PAGE, 40), (ODD_PAGE, 9), (1 << 20, 24)])
+def test_write_checksummed_hashes_what_it_wrote(tier_factory: TierFactory, page_bytes: int, num_slots: int,
+                                                as_list: bool) -> None:
+    tier = tier_factory(num_slots, page_bytes)
+    slots = [s for s in reversed(range(num_slots)) if s % 5 != 3]
+    src = pages(len(slots), page_bytes, seed=page_bytes + 2)
+    given = separate(src, aligned=False) if as_list else src
+    assert tier.write_checksummed(slots, given) == [checksum64(row) for row in src]
+    np.testing.assert_array_equal(read_back(tier, slots, page_bytes), src)
+    with pytest.raises(InputError, match="3 slots but"):
+        tier.write_checksummed(slots[:3], separate(src[:2], True) if as_list else src[:2])
+    assert tier.write_checksummed([], PageList([], page_bytes) if as_list else src[:0]) == []
+
+
 # -- futures ----------------------------------------------------------------------------
 def test_async_variants_return_futures(tier_factory: TierFactory) -> None:
     tier = tier_factory(16, ODD_PAGE)

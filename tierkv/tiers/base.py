@@ -22,7 +22,7 @@ from typing import Self
 
 import numpy as np
 
-from tierkv.checksum import checksum_rows
+from tierkv.checksum import checksum64, checksum_rows
 from tierkv.errors import CapacityError, InputError, StoreClosedError
 from tierkv.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
@@ -199,15 +199,19 @@ class Tier(abc.ABC):
 
     def write_rows(self, slots: Sequence[int], rows: PageList) -> None:
         """Copy page ``rows[i]`` (pages handed in separately) into slot ``slots[i]``."""
-        self._check_open()
-        if not isinstance(rows, PageList):
-            raise InputError(f"write_rows takes a PageList, got {type(rows).__name__}")
-        if len(rows) != len(slots):
-            raise InputError(f"{len(slots)} slots but {len(rows)} pages")
-        if rows.shape[1] > self.slot_bytes:
-            raise InputError(f"rows of {rows.shape[1]} bytes exceed the slot size of {self.slot_bytes}")
-        self._check_slots(slots)
+        self._check_rows(slots, rows)
         self._write_rows(slots, rows)
+
+    def write_checksummed(self, slots: Sequence[int], src: np.ndarray | PageList) -> list[int]:
+        """``write`` (or ``write_rows`` for a PageList), then the xxh3-64 of each row written.
+
+        Tiers that write in chunks on several threads hash each chunk on the thread
+        that wrote it, overlapping the hashing with the other chunks' I/O."""
+        if isinstance(src, PageList):
+            self._check_rows(slots, src)
+        else:
+            self._check_io(slots, src)
+        return self._write_checksummed(slots, src)
 
     def read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         """Copy slot ``slots[i]`` into row ``i`` of ``dst`` (first ``dst.shape[1]`` bytes)."""
@@ -261,6 +265,13 @@ class Tier(abc.ABC):
         self._read(slots, dst)
         return checksum_rows(dst)
 
+    def _write_checksummed(self, slots: Sequence[int], src: np.ndarray | PageList) -> list[int]:
+        if isinstance(src, PageList):
+            self._write_rows(slots, src)
+            return [checksum64(row) for row in src]
+        self._write(slots, src)
+        return checksum_rows(src)
+
     def _write_rows(self, slots: Sequence[int], rows: PageList) -> None:
         """Separate pages: stacked once into an aligned batch, then ``_write``. Tiers that
         copy page by page anyway override it to take each page from where it is."""
@@ -292,6 +303,16 @@ class Tier(abc.ABC):
             raise InputError(f"rows of {buf.shape[1]} bytes exceed the slot size of {self.slot_bytes}")
         if not buf.flags.c_contiguous:
             raise InputError("tier I/O buffer must be C-contiguous")
+        self._check_slots(slots)
+
+    def _check_rows(self, slots: Sequence[int], rows: PageList) -> None:
+        self._check_open()
+        if not isinstance(rows, PageList):
+            raise InputError(f"write_rows takes a PageList, got {type(rows).__name__}")
+        if len(rows) != len(slots):
+            raise InputError(f"{len(slots)} slots but {len(rows)} pages")
+        if rows.shape[1] > self.slot_bytes:
+            raise InputError(f"rows of {rows.shape[1]} bytes exceed the slot size of {self.slot_bytes}")
         self._check_slots(slots)
 
     def _check_slots(self, slots: Sequence[int]) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierkv.checksum import checksum_rows
+from tierkv.checksum import checksum64
 from tierkv.errors import CapacityError, ConfigError, InputError, StoreClosedError, TierIOError
 from tierkv.pages import PageList
 from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, is_aligned, round_up
@@ -242,6 +242,11 @@ class NvmeTier(Tier):
         # bounce buffers a misaligned batch needs anyway, never through a stacked copy.
         self._transfer(_Op.WRITE, slots, rows)
 
+    def _write_checksummed(self, slots: Sequence[int], src: np.ndarray | PageList) -> list[int]:
+        sums = [0] * len(slots)
+        self._transfer(_Op.WRITE, slots, src, sums)
+        return sums
+
     def _read_checksummed(self, slots: Sequence[int], dst: np.ndarray) -> list[int]:
         if not dst.flags.writeable:
             raise InputError("nvme tier read needs a writeable destination buffer, got a read-only one")
@@ -253,7 +258,8 @@ class NvmeTier(Tier):
                   sums: list[int] | None = None) -> None:
         """Move every chunk of one call, in parallel, and raise the first failure.
 
-        ``sums`` (reads only): filled with each row's checksum, by the thread that read it."""
+        ``sums``: filled with each row's checksum, by the thread that moved it (after the
+        read, or after the write so that the syscall goes out first)."""
         if len(slots) == 0 or buf.shape[1] == 0:
             return
         in_place = self._serves_in_place(buf)
@@ -269,11 +275,7 @@ class NvmeTier(Tier):
                     except IndexError:
                         return
                     try:
-                        self._move(op, fd, chunk, buf, in_place)
-                        if sums is not None:
-                            assert isinstance(buf, np.ndarray)
-                            sums[chunk.row:chunk.row + chunk.count] = checksum_rows(
-                                buf[chunk.row:chunk.row + chunk.count])
+                        self._move(op, fd, chunk, buf, in_place, sums)
                     except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller
                         errors.append(e)
 
@@ -311,11 +313,14 @@ class NvmeTier(Tier):
             return False
         return all(is_aligned(row) for row in buf) if isinstance(buf, PageList) else is_aligned(buf)
 
-    def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray | PageList, in_place: bool) -> None:
+    def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray | PageList, in_place: bool,
+              sums: list[int] | None = None) -> None:
         rows = buf[chunk.row:chunk.row + chunk.count]
         width = buf.shape[1]
         if in_place:
             self._syscall(op, fd, chunk, self._iovecs(op, rows))
+            if sums is not None:
+                sums[chunk.row:chunk.row + chunk.count] = [checksum64(row) for row in rows]
             return
         with self._bounce.borrow() as bounce:
             staged = bounce[:chunk.count * self.slot_bytes].reshape(chunk.count, self.slot_bytes)
@@ -326,10 +331,14 @@ class NvmeTier(Tier):
                     staged[:, :width] = rows
                 # The bounce buffer holds another page's bytes; never leak them to disk.
                 staged[:, width:] = 0
+                if sums is not None:  # hashed while the copy is still in cache
+                    sums[chunk.row:chunk.row + chunk.count] = [checksum64(row) for row in staged[:, :width]]
             self._syscall(op, fd, chunk, [staged.reshape(-1).data])
             if op is _Op.READ:
                 assert isinstance(rows, np.ndarray)  # reads always land in a batch
                 rows[...] = staged[:, :width]
+                if sums is not None:
+                    sums[chunk.row:chunk.row + chunk.count] = [checksum64(row) for row in rows]
 
     def _iovecs(self, op: _Op, rows: np.ndarray | PageList) -> list[memoryview]:
         """The caller's rows as syscall buffers, each padded out to a whole slot."""

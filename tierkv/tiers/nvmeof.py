@@ -242,6 +242,10 @@ class NvmeofTier(NvmeTier):
         dst[...] = scratch
         return sums
 
+    def _write_checksummed(self, slots: Sequence[int], src: np.ndarray | PageList) -> list[int]:
+        write = super()._write_checksummed
+        return self._guarded(f"write of {len(slots)} slots", lambda: write(slots, src), hold=list(slots))
+
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         write = super()._write
         self._guarded(f"write of {len(slots)} slots", lambda: write(slots, src), hold=list(slots))
