@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
 import logging
 import os
-import shutil
-import stat
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -32,9 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierkv.checksum import checksum64
-from tierkv.errors import CapacityError, ConfigError, InputError, StoreClosedError, TierIOError
+from tierkv.errors import InputError, StoreClosedError, TierIOError
 from tierkv.pages import PageList
 from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, is_aligned, round_up
+from tierkv.tiers.backing import open_backing, oserr
 from tierkv.tiers.base import Tier, TierKind
 
 logger = logging.getLogger(__name__)
@@ -106,7 +104,7 @@ class NvmeTier(Tier):
         self.io_threads = io_threads
         self.header_bytes = header_bytes
         size = header_bytes + num_slots * self.slot_bytes
-        self._fd, self.direct, short = _open_backing(self.path, size, o_direct=o_direct, create=create)
+        self._fd, self.direct, short = open_backing(self.path, size, o_direct=o_direct, create=create)
         # A truncated file is grown back, but a store grows it only once its index has
         # accepted this geometry (``defer_grow``): a refused open must leave the file alone.
         self._grow: tuple[int, int] | None = (short, size) if short is not None else None
@@ -143,7 +141,7 @@ class NvmeTier(Tier):
         try:
             os.posix_fallocate(self._fd, 0, size)
         except OSError as e:
-            raise TierIOError(f"nvme tier {self.path}: cannot grow it back to {size} bytes: {_oserr(e)}") from e
+            raise TierIOError(f"nvme tier {self.path}: cannot grow it back to {size} bytes: {oserr(e)}") from e
         self._grow = None
 
     def read_header(self) -> bytes:
@@ -154,7 +152,7 @@ class NvmeTier(Tier):
             try:
                 done = os.preadv(fd, [buf.data], 0)
             except OSError as e:
-                raise TierIOError(f"nvme tier {self.path}: reading the header failed: {_oserr(e)}") from e
+                raise TierIOError(f"nvme tier {self.path}: reading the header failed: {oserr(e)}") from e
         if done != self.header_bytes:
             raise TierIOError(f"nvme tier {self.path}: short header read, {done} of {self.header_bytes} bytes")
         return buf.tobytes()
@@ -171,7 +169,7 @@ class NvmeTier(Tier):
                 done = os.pwritev(fd, [buf.data], 0)
                 os.fdatasync(fd)
             except OSError as e:
-                raise TierIOError(f"nvme tier {self.path}: writing the header failed: {_oserr(e)}") from e
+                raise TierIOError(f"nvme tier {self.path}: writing the header failed: {oserr(e)}") from e
         if done != self.header_bytes:
             raise TierIOError(f"nvme tier {self.path}: short header write, {done} of {self.header_bytes} bytes")
 
@@ -186,7 +184,7 @@ class NvmeTier(Tier):
             try:
                 os.fdatasync(fd)
             except OSError as e:
-                raise TierIOError(f"nvme tier {self.path}: fdatasync failed: {_oserr(e)}") from e
+                raise TierIOError(f"nvme tier {self.path}: fdatasync failed: {oserr(e)}") from e
 
     # -- Tier hooks -------------------------------------------------------------
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
@@ -358,86 +356,8 @@ class NvmeTier(Tier):
             done = os.pwritev(fd, iov, offset) if op is _Op.WRITE else os.preadv(fd, iov, offset)
         except OSError as e:
             raise TierIOError(f"nvme tier {self.path}: {op.value} of slot {chunk.slot}"
-                              f" ({chunk.count} slots, {length} bytes at offset {offset}) failed: {_oserr(e)}") from e
+                              f" ({chunk.count} slots, {length} bytes at offset {offset}) failed: {oserr(e)}") from e
         if done != length:
             bad = chunk.slot + done // self.slot_bytes
             raise TierIOError(f"nvme tier {self.path}: short {op.value} at slot {bad} (offset {offset + done}):"
                               f" {done} of {length} bytes from offset {offset} (file or device shorter than the tier?)")
-
-
-# -- opening the backing file -------------------------------------------------------
-def _open_backing(path: str, size: int, *, o_direct: bool, create: bool) -> tuple[int, bool, int | None]:
-    """Create or check the backing file, then open it; returns ``(fd, direct, short)``,
-    ``short`` the size of an existing file shorter than ``size`` (to grow back), else None."""
-    short: int | None = None
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        if not create:
-            raise ConfigError(f"nvme tier file {path} does not exist and create=False") from None
-        _create_file(path, size)
-    else:
-        if _check_existing(path, st, size, grow=create):
-            short = st.st_size
-    flags = os.O_RDWR | os.O_CLOEXEC
-    if o_direct:
-        try:
-            return os.open(path, flags | os.O_DIRECT), True, short
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise TierIOError(f"nvme tier {path}: cannot open with O_DIRECT: {_oserr(e)}") from e
-            logger.warning("nvme tier %s: the filesystem refuses O_DIRECT (%s); using buffered I/O,"
-                           " so reads may come from the page cache", path, os.strerror(e.errno))
-    try:
-        return os.open(path, flags), False, short
-    except OSError as e:
-        raise TierIOError(f"nvme tier {path}: cannot open: {_oserr(e)}") from e
-
-
-def _create_file(path: str, size: int) -> None:
-    """Create ``path`` with mode 0600 and allocate ``size`` bytes; no file on failure."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise TierIOError(f"nvme tier {path}: cannot create: {_oserr(e)}") from e
-    try:
-        os.fchmod(fd, 0o600)  # the umask could have taken the owner's write bit
-        if size:
-            os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        os.close(fd)
-        os.unlink(path)
-        if e.errno == errno.ENOSPC:
-            free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-            raise CapacityError(f"nvme tier {path}: asked for {size} bytes, {free} free") from e
-        raise TierIOError(f"nvme tier {path}: cannot preallocate {size} bytes: {_oserr(e)}") from e
-    os.close(fd)
-
-
-def _check_existing(path: str, st: os.stat_result, size: int, *, grow: bool) -> bool:
-    """An existing file must be exactly ``size`` bytes; a block device at least that.
-
-    A file that is too short (truncated) may be grown back when ``grow`` is set: returns
-    True for it (the caller grows it, :meth:`NvmeTier.grow_back`), False when it fits.
-    """
-    if stat.S_ISBLK(st.st_mode):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            have = os.lseek(fd, 0, os.SEEK_END)
-        finally:
-            os.close(fd)
-        if have < size:
-            raise ConfigError(f"nvme tier block device {path} holds {have} bytes, the tier needs {size}")
-    elif stat.S_ISREG(st.st_mode):
-        if st.st_size < size and grow:
-            return True
-        if st.st_size != size:
-            raise ConfigError(f"nvme tier file {path} is {st.st_size} bytes, the tier needs exactly {size}"
-                              " (num_slots * slot_bytes); remove it or open it with its own geometry")
-    else:
-        raise ConfigError(f"nvme tier path {path} is neither a regular file nor a block device")
-    return False
-
-
-def _oserr(e: OSError) -> str:
-    return f"[Errno {e.errno}] {os.strerror(e.errno)}" if e.errno is not None else str(e)

@@ -43,7 +43,8 @@ from tierkv.errors import InputError, TierIOError, TierUnavailableError
 from tierkv.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import TierKind
-from tierkv.tiers.nvme import DEFAULT_MAX_IO_BYTES, NvmeTier, _open_backing
+from tierkv.tiers.backing import open_backing
+from tierkv.tiers.nvme import DEFAULT_MAX_IO_BYTES, NvmeTier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -281,7 +282,7 @@ class NvmeofTier(NvmeTier):
         # fails), read the label on the new descriptor with the deadline, and only then
         # swap it in: nothing is ever written to a namespace before its label is checked.
         size = self.header_bytes + self.num_slots * self.slot_bytes
-        fd, _direct, _short = _open_backing(device, size, o_direct=self._o_direct, create=False)
+        fd, _direct, _short = open_backing(device, size, o_direct=self._o_direct, create=False)
         header = self._probe(fd)
         if header is None:
             return  # _probe closes fd (now, or when its stuck read returns)
