@@ -188,6 +188,33 @@ def test_a_store_whose_index_was_lost_takes_its_namespace_back(tmp_path: Path) -
     assert _served(cfg, prompts) == [2]
 
 
+def test_another_store_with_the_same_host_and_path_is_refused(tmp_path: Path) -> None:
+    """Two containers, one host name, one store path, two namespaces: when the device
+    names swap, the second store's index (an identity of its own, not a lost one) must
+    not take the first store's namespace as 'its earlier self'."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, a_dev = make(tmp_path / "a")
+    _, b_dev = make(tmp_path / "b")
+    prompts = [(prompt(i, 2), page_data(i, 2)) for i in range(2)]
+    with Store.open(a) as s:                       # container A: its store at a.path, on namespace a_dev
+        for tokens, data in prompts:
+            s.put(tokens, data)
+    parked = Path(a.path).with_name("parked")
+    os.rename(a.path, parked)                      # A's directory leaves: "another container"
+    b = dataclasses.replace(a, nvmeof=dataclasses.replace(a.nvmeof, device=str(b_dev)))  # same path
+    with Store.open(b) as s:                       # container B: same host, same path, own namespace
+        s.put(*prompts[0])
+    before = a_dev.read_bytes()[:LABEL_BYTES]
+    with pytest.raises(ConfigError, match="with another identity than this store's index") as err:
+        Store.open(dataclasses.replace(b, nvmeof=dataclasses.replace(b.nvmeof, device=str(a_dev))))
+    assert "\n" not in str(err.value)
+    assert a_dev.read_bytes()[:LABEL_BYTES] == before     # A's label untouched
+    shutil.rmtree(a.path)
+    os.rename(parked, a.path)
+    assert _served(a, prompts) == [2, 2]                   # and A keeps every page
+
+
 def test_a_label_from_before_owner_records_is_kept_and_completed(tmp_path: Path) -> None:
     cfg, dev = make(tmp_path)
     prompts = [(prompt(0, 2), page_data(0, 2))]

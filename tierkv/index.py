@@ -158,6 +158,9 @@ class PersistentIndex:
 
     def __init__(self, store_dir: Path, tier_names: Iterable[str], *, read_only: bool = False) -> None:
         self._read_only = read_only
+        # Whether this open made the store's identity: a new index, or one that replaced a
+        # damaged index moved aside (set by store_id()).
+        self.identity_is_new = False
         path = store_dir / "index.lmdb"
         self._path = store_dir
         if read_only and not path.exists():
@@ -227,6 +230,7 @@ class PersistentIndex:
                 raise ConfigError("the store index has no identity; it was never opened for writing")
             sid = os.urandom(16)
             self._meta_put(b"id", sid)
+            self.identity_is_new = True
         if len(sid) != 16:
             raise IndexDamaged(f"the store identity is {len(sid)} bytes, expected 16")
         return sid

@@ -224,9 +224,13 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
     is shared media: one labelled by another store (another identity, and another
     directory or host) is refused with ConfigError and nothing is changed, index
     included; a blank or non-tierkv one, or one labelled by an earlier store in this
-    same directory (its index was lost), is labelled.
+    same directory (its index was lost), is labelled. "Its index was lost" means this
+    index is new: one with an identity from earlier opens meeting another identity's label
+    under its own host and directory is another store (a container with the same host
+    name and path), or a restored index whose namespace has moved on, and is refused too.
     """
     ident = _LABEL_MAGIC + index.store_id()
+    fresh = index.identity_is_new
     owner = _owner_of(store_dir, tier.num_slots * tier.slot_bytes, LABEL_BYTES - len(ident))
     label = ident + json.dumps(owner, sort_keys=True).encode() + b"\0"
     if isinstance(tier, NvmeofTier):
@@ -242,8 +246,11 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
     if (isinstance(tier, NvmeofTier) or _is_block_device(tier.path)) and theirs:
         # A label from before owner records ({}) cannot say whose it is: it is taken, as it
         # always was (a store's own label gains the record at its first open since).
-        if (theirs.get("host"), theirs.get("path")) != (owner["host"], owner["path"]):
+        if (theirs.get("host"), theirs.get("path")) != (owner["host"], owner["path"]) or not fresh:
             who = f"the store at {theirs.get('path')} on host {theirs.get('host')}"
+            if not fresh and (theirs.get("host"), theirs.get("path")) == (owner["host"], owner["path"]):
+                who += ", with another identity than this store's index: another container with the same " \
+                       "host name and path, or an index restored from before the namespace was relabelled"
             raise ConfigError(
                 f"{tier.path} belongs to another tierkv store ({who}); refusing to relabel it for the store at "
                 f"{owner['path']}: point [tiers.nvmeof] at this store's own namespace, or zero its first "
