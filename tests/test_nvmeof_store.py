@@ -215,6 +215,39 @@ def test_another_store_with_the_same_host_and_path_is_refused(tmp_path: Path) ->
     assert _served(a, prompts) == [2, 2]                   # and A keeps every page
 
 
+def test_an_index_that_never_labelled_still_takes_its_namespace_back(tmp_path: Path) -> None:
+    """The index is damaged (moved aside, a new one made) and, in that same open, the device
+    names are swapped, so the open is refused before it labels anything. The new index
+    has an identity but no namespace of its own yet: once the names are right again it
+    takes its own namespace back instead of being refused for good."""
+    a, b, prompts = _two_stores(tmp_path)
+    assert a.nvmeof is not None and b.nvmeof is not None
+    os.truncate(Path(a.path) / "index.lmdb" / "data.mdb", 4096)          # A's index is damaged
+    with pytest.raises(ConfigError, match="belongs to another tierkv store"):
+        Store.open(dataclasses.replace(a, nvmeof=dataclasses.replace(a.nvmeof, device=b.nvmeof.device)))
+    assert _served(a, prompts) == [0, 0]      # opens on its own namespace (its pages went with the index)
+    with Store.open(a) as s:
+        assert s.put(*prompts[0]).stored == 2
+    assert _served(b, prompts) == [2, 2]       # and B was never touched
+
+
+def test_a_pre_owner_label_is_refused_by_an_index_with_a_namespace_of_its_own(tmp_path: Path) -> None:
+    """A label from before owner records cannot say whose it is. A new index takes it (it
+    is most likely this directory's earlier store); one that has labelled its own
+    namespace already does not: it is another store's."""
+    a, b, prompts = _two_stores(tmp_path)
+    assert a.nvmeof is not None and b.nvmeof is not None
+    b_dev = Path(b.nvmeof.device or "")
+    with open(b_dev, "r+b") as f:   # B's label as written before owner records: magic + identity, zeros
+        f.seek(32)
+        f.write(b"\0" * (LABEL_BYTES - 32))
+    before = b_dev.read_bytes()[:LABEL_BYTES]
+    with pytest.raises(ConfigError, match="labelled before labels named their owner"):
+        Store.open(dataclasses.replace(a, nvmeof=dataclasses.replace(a.nvmeof, device=str(b_dev))))
+    assert b_dev.read_bytes()[:LABEL_BYTES] == before
+    assert _served(b, prompts) == [2, 2] and _served(a, prompts) == [2, 2]
+
+
 def test_a_label_from_before_owner_records_is_kept_and_completed(tmp_path: Path) -> None:
     cfg, dev = make(tmp_path)
     prompts = [(prompt(0, 2), page_data(0, 2))]

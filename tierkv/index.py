@@ -158,9 +158,6 @@ class PersistentIndex:
 
     def __init__(self, store_dir: Path, tier_names: Iterable[str], *, read_only: bool = False) -> None:
         self._read_only = read_only
-        # Whether this open made the store's identity: a new index, or one that replaced a
-        # damaged index moved aside (set by store_id()).
-        self.identity_is_new = False
         path = store_dir / "index.lmdb"
         self._path = store_dir
         if read_only and not path.exists():
@@ -230,10 +227,18 @@ class PersistentIndex:
                 raise ConfigError("the store index has no identity; it was never opened for writing")
             sid = os.urandom(16)
             self._meta_put(b"id", sid)
-            self.identity_is_new = True
         if len(sid) != 16:
             raise IndexDamaged(f"the store identity is {len(sid)} bytes, expected 16")
         return sid
+
+    def has_labelled(self, tier: str) -> bool:
+        """Whether this index has ever put its label on (or found it on) ``tier``'s medium."""
+        return self._meta_get(b"labelled:" + tier.encode()) is not None
+
+    def mark_labelled(self, tier: str) -> None:
+        """Record that ``tier``'s medium carries this index's label (once; idempotent)."""
+        if not self.has_labelled(tier):
+            self._meta_put(b"labelled:" + tier.encode(), b"1")
 
     def get_many(self, tier: str, keys: Iterable[PageKey]) -> list[IndexRecord | None]:
         """Records of ``keys`` in one read transaction (None where absent or undecodable)."""

@@ -221,48 +221,53 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
     This store's label: kept (rewritten by a writer when its owner record is missing or
     out of date). A local data file without it (foreign, replaced, blank) loses this
     store's records and is labelled. A namespace, or a local tier on a raw block device,
-    is shared media: one labelled by another store (another identity, and another
-    directory or host) is refused with ConfigError and nothing is changed, index
-    included; a blank or non-tierkv one, or one labelled by an earlier store in this
-    same directory (its index was lost), is labelled. "Its index was lost" means this
-    index is new: one with an identity from earlier opens meeting another identity's label
-    under its own host and directory is another store (a container with the same host
-    name and path), or a restored index whose namespace has moved on, and is refused too.
+    is shared media: a blank or non-tierkv one is labelled; one labelled by another store
+    is refused with ConfigError and nothing is changed, index included. The one tierkv
+    label that is taken is an earlier store's in this same directory on this host whose
+    index was lost (or one from before labels had owner records): only by an index that
+    has never labelled this tier's medium. An index that has (its identity on its own
+    namespace) meeting another identity here is another store under the same host name
+    and path (another container), or an index restored from before its namespace was
+    relabelled: refused too.
     """
     ident = _LABEL_MAGIC + index.store_id()
-    fresh = index.identity_is_new
+    kind = tier.kind.value
     owner = _owner_of(store_dir, tier.num_slots * tier.slot_bytes, LABEL_BYTES - len(ident))
     label = ident + json.dumps(owner, sort_keys=True).encode() + b"\0"
     if isinstance(tier, NvmeofTier):
         tier.expect_header(ident)  # recovery after a fabric loss requires this identity back
     header = tier.read_header()
     if header.startswith(ident):
-        if not read_only and not header.startswith(label):
-            tier.write_header(label)
+        if not read_only:
+            if not header.startswith(label):
+                tier.write_header(label)
+            index.mark_labelled(kind)
         return
     if read_only:
         raise ConfigError(f"{tier.path} does not belong to the store index beside it")
-    theirs = _owner_record(header) if header.startswith(_LABEL_MAGIC) else {}
-    if (isinstance(tier, NvmeofTier) or _is_block_device(tier.path)) and theirs:
-        # A label from before owner records ({}) cannot say whose it is: it is taken, as it
-        # always was (a store's own label gains the record at its first open since).
-        if (theirs.get("host"), theirs.get("path")) != (owner["host"], owner["path"]) or not fresh:
-            who = f"the store at {theirs.get('path')} on host {theirs.get('host')}"
-            if not fresh and (theirs.get("host"), theirs.get("path")) == (owner["host"], owner["path"]):
-                who += ", with another identity than this store's index: another container with the same " \
-                       "host name and path, or an index restored from before the namespace was relabelled"
+    if (isinstance(tier, NvmeofTier) or _is_block_device(tier.path)) and header.startswith(_LABEL_MAGIC):
+        theirs = _owner_record(header)    # {}: a label from before owner records
+        here = (theirs.get("host"), theirs.get("path")) == (owner["host"], owner["path"])
+        if (theirs and not here) or index.has_labelled(kind):
+            who = (f"the store at {theirs.get('path')} on host {theirs.get('host')}" if theirs
+                   else "a store labelled before labels named their owner")
+            if index.has_labelled(kind) and (here or not theirs):
+                who += (", with another identity than this store's index, which has labelled a namespace of its "
+                        "own: another container with the same host name and path, or an index restored from "
+                        "before this namespace was relabelled")
             raise ConfigError(
                 f"{tier.path} belongs to another tierkv store ({who}); refusing to relabel it for the store at "
-                f"{owner['path']}: point [tiers.nvmeof] at this store's own namespace, or zero its first "
+                f"{owner['path']}: point [tiers.{kind}] at this store's own namespace, or zero its first "
                 f"{LABEL_BYTES} bytes to hand it over")
         log.warning("%s carries the label of an earlier store in %s (its index was lost); labelling it for "
                     "this one", tier.path, owner["path"])
-    stale = index.count(tier.kind.value)
+    stale = index.count(kind)
     if stale:
         log.warning("%s carries no label of this store (a foreign or replaced file); its %d index "
                     "records are dropped and those pages become misses", tier.path, stale)
-        index.clear(tier.kind.value)
+        index.clear(kind)
     tier.write_header(label)
+    index.mark_labelled(kind)
 
 
 def _is_block_device(path: str | os.PathLike[str]) -> bool:
