@@ -53,7 +53,7 @@ def test_put_takes_a_list_of_separate_pages(tmp_path: Path, dram: int, nvme: int
     as_bf16 = torch.from_numpy(data.copy()).view(torch.bfloat16).reshape(6, *LAYOUT.page_shape)
     listed = [data[0].copy(), data[1:2].copy(),                       # numpy [pb] and [1, pb]
               torch.from_numpy(data[2].copy()), as_bf16[3].clone(),   # uint8 [pb], bf16 [*page_shape]
-              data[4].copy(), data[5].copy()]
+              torch.from_numpy(data[4:5].copy()), as_bf16[5:6].clone()]  # uint8 [1, pb], bf16 [1, *page_shape]
     with Store.open(cfg) as s:
         res = s.put(tokens, listed)
         assert (res.stored, res.already_present) == (6, 0)
@@ -82,8 +82,10 @@ def test_list_put_demotes_and_skips_cached_pages(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bad,match", [
-    ([np.zeros(PB, np.float32)], r"put\(pages=...\)\[0\]: a numpy page must be uint8"),
-    ([np.zeros(PB, np.uint8), np.zeros(PB + 1, np.uint8)], r"\[1\]: a numpy page must be uint8 of shape"),
+    ([np.zeros(PB, np.float32)], r"put\(pages=...\)\[0\]: a numpy page must be raw bytes, uint8 of shape"),
+    ([np.zeros(PB, np.uint8), np.zeros(PB + 1, np.uint8)], r"\[1\]: a numpy page must be raw bytes"),
+    ([torch.zeros(*LAYOUT.page_shape, dtype=torch.bfloat16).transpose(0, 1)], "contiguous"),
+    ("not pages", "or a list or tuple of pages, got str"),
     ([np.zeros((2, PB), np.uint8)], "shape"),
     ([np.zeros(2 * PB, np.uint8)[::2]], "C-contiguous"),
     ([torch.zeros(*LAYOUT.page_shape, dtype=torch.float16)], "bfloat16 of shape"),

@@ -220,9 +220,10 @@ class Store:
             announce: bool = True, unfilled: int = 0) -> PutResult:
         """Store ``pages[i]`` as the KV of the ``i``-th full page of ``tokens``.
 
-        ``pages`` is one batch, or a list (or tuple) of separate pages, each
-        ``[*layout.page_shape]`` in the layout's dtype or ``uint8 [page_bytes]``: those
-        are copied straight from where they are, without being stacked first.
+        ``pages`` is one batch, or a list (or tuple) of separate pages, each a tensor
+        ``[*layout.page_shape]`` in the layout's dtype or raw bytes ``uint8 [page_bytes]``:
+        the DRAM and uncoded NVMe tiers copy those from where they are, without a stacked
+        batch in between.
 
         Pages already cached are skipped. Room is made by the policy: victims are
         demoted to the next tier down or dropped. Raises CapacityError when the batch
@@ -241,7 +242,7 @@ class Store:
             keys = split_keys(blob)
             rows: Rows = (page_list(pages, self.layout, "put(pages=...)", len(keys))
                           if isinstance(pages, (list, tuple)) else
-                          page_rows(pages, self.layout, "put(pages=...)", len(keys)))  # type: ignore[arg-type]
+                          page_rows(pages, self.layout, "put(pages=...)", len(keys), lists=True))  # type: ignore[arg-type]
             if isinstance(unfilled, bool) or not isinstance(unfilled, int) or not 0 <= unfilled <= rows.shape[0]:
                 raise InputError(f"put: unfilled must be an integer from 0 to the {rows.shape[0]} rows, got {unfilled!r}")
             if announce:

@@ -95,8 +95,8 @@ def page_list(pages: Sequence[object], layout: KVLayout, what: str, max_pages: i
             row = _torch_page(page, layout, where)  # type: ignore[arg-type]
         elif isinstance(page, np.ndarray):
             if page.dtype != np.uint8 or page.shape not in ((pb,), (1, pb)):
-                raise InputError(f"{where}: a numpy page must be uint8 of shape [{pb}], "
-                                 f"got {page.dtype} {tuple(page.shape)}")
+                raise InputError(f"{where}: a numpy page must be raw bytes, uint8 of shape [{pb}] or [1, {pb}] "
+                                 f"(a typed page goes in as a torch tensor), got {page.dtype} {tuple(page.shape)}")
             if not page.flags.c_contiguous:
                 raise InputError(f"{where}: the page must be C-contiguous")
             row = page.reshape(pb)
@@ -106,8 +106,9 @@ def page_list(pages: Sequence[object], layout: KVLayout, what: str, max_pages: i
     return PageList(rows, pb)
 
 
-def page_rows(pages: PageBatch, layout: KVLayout, what: str, max_pages: int) -> np.ndarray:
-    """A ``uint8 [n, page_bytes]`` view of ``pages``; raises InputError on any mismatch."""
+def page_rows(pages: PageBatch, layout: KVLayout, what: str, max_pages: int, *, lists: bool = False) -> np.ndarray:
+    """A ``uint8 [n, page_bytes]`` view of ``pages``; raises InputError on any mismatch
+    (``lists``: the caller also takes a list of pages, and the message says so)."""
     pb = layout.page_bytes
     if _is_tensor(pages):
         rows = _torch_rows(pages, layout, what)  # type: ignore[arg-type]
@@ -119,7 +120,8 @@ def page_rows(pages: PageBatch, layout: KVLayout, what: str, max_pages: int) -> 
             raise InputError(f"{what}: the page batch must be C-contiguous")
         rows = pages
     else:
-        raise InputError(f"{what}: pages must be a torch.Tensor or numpy.ndarray, got {type(pages).__name__}")
+        also = ", or a list or tuple of pages" if lists else ""
+        raise InputError(f"{what}: pages must be a torch.Tensor or numpy.ndarray{also}, got {type(pages).__name__}")
     if rows.shape[0] > max_pages:
         raise InputError(f"{what}: {rows.shape[0]} pages given but the tokens hold only {max_pages} full "
                          f"pages of {layout.tokens_per_page} tokens")
@@ -132,15 +134,17 @@ def _torch_page(t: torch.Tensor, layout: KVLayout, what: str) -> np.ndarray:
     import torch
 
     pb = layout.page_bytes
+    if not t.is_contiguous():  # checked first: a reshape would copy it silently
+        raise InputError(f"{what}: the page tensor must be contiguous (call .contiguous())")
     if t.dtype == torch.uint8 and tuple(t.shape) in ((pb,), (1, pb)):
-        if not t.is_contiguous():
-            raise InputError(f"{what}: the page tensor must be contiguous (call .contiguous())")
         return _torch_rows(t.reshape(1, pb), layout, what)[0]
     want = getattr(torch, layout.dtype.torch_name)
-    if t.dtype != want or tuple(t.shape) != layout.page_shape:
-        raise InputError(f"{what}: a page tensor must be {want} of shape [{', '.join(map(str, layout.page_shape))}] "
-                         f"or uint8 [{pb}], got {t.dtype} {list(t.shape)}")
-    return _torch_rows(t.unsqueeze(0), layout, what)[0]
+    shape = layout.page_shape
+    if t.dtype != want or tuple(t.shape) not in (shape, (1, *shape)):
+        dims = ", ".join(map(str, shape))
+        raise InputError(f"{what}: a page tensor must be {want} of shape [{dims}] or [1, {dims}], or uint8 [{pb}] "
+                         f"or [1, {pb}], got {t.dtype} {list(t.shape)}")
+    return _torch_rows(t.reshape(1, *shape), layout, what)[0]
 
 
 def _torch_rows(t: torch.Tensor, layout: KVLayout, what: str) -> np.ndarray:

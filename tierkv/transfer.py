@@ -38,7 +38,7 @@ def staged_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Seque
     staging = aligned_empty(len(src_slots) * nbytes).reshape(len(src_slots), nbytes)
     src.read(src_slots, staging)
     if dst.persistent:
-        return staging, dst.write_checksummed(dst_slots, staging)
+        return staging, dst.write(dst_slots, staging, checksums=True)
     dst.write(dst_slots, staging)
     return staging, None
 
@@ -53,7 +53,8 @@ def dram_to_hbm(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Seque
     return copy(src, src_slots, dst, dst_slots, nbytes)  # type: ignore[arg-type]
 
 
-# (src, dst) -> copy function. Pairs absent here fall back to ``staged_copy``.
+# (src, dst) -> copy function. Pairs absent here are staged through host memory (``staged_copy``,
+# which also returns the checksums a persistent destination computed).
 COPY_TABLE: dict[tuple[TierKind, TierKind], CopyFn] = {
     (TierKind.HBM, TierKind.DRAM): hbm_to_dram,  # one batched copy into the pinned buffer, no staging
     (TierKind.DRAM, TierKind.HBM): dram_to_hbm,
@@ -146,9 +147,7 @@ class Transfers:
             slots = [s for _, _, s in placed]
             hashed: list[int] | None = None
             if tier.persistent:  # hashed on the I/O threads, as each chunk is written
-                hashed = tier.write_checksummed(slots, buf)
-            elif isinstance(buf, PageList):
-                tier.write_rows(slots, buf)
+                hashed = tier.write(slots, buf, checksums=True)
             else:
                 tier.write(slots, buf)
             sums = self._checksums(kind, [k for k, _, _ in placed], buf, hashed)
@@ -210,10 +209,8 @@ class Transfers:
             start = time.perf_counter()
             sums: list[int] | None = None
             try:
-                if tier.persistent:  # hashed on the I/O threads, as each chunk lands
-                    sums = tier.read_checksummed([e.slots[kind] for _, e in items], rows)
-                else:
-                    tier.read([e.slots[kind] for _, e in items], rows)
+                # Persistent tiers are verified: hashed on the I/O threads, as each chunk lands.
+                sums = tier.read([e.slots[kind] for _, e in items], rows, checksums=tier.persistent)
             except UndecodablePageError as exc:
                 # Damaged blobs on a block tier: the pages before the first are intact.
                 bad = min(exc.rows)

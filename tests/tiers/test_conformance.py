@@ -95,7 +95,7 @@ def test_empty_batch_is_a_no_op(tier_factory: TierFactory) -> None:
     tier.read([], np.empty((0, PAGE), dtype=np.uint8))
 
 
-# -- pages handed in separately (write_rows) ------------------------------------------------
+# -- pages handed in separately (a PageList), and checksums from the I/O -------------------------
 def separate(src: np.ndarray, aligned: bool) -> PageList:
     """The rows of ``src`` as separate arrays: each on a 4 KiB boundary, or each 8 bytes past one."""
     rows = []
@@ -109,12 +109,12 @@ def separate(src: np.ndarray, aligned: bool) -> PageList:
 
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize(("page_bytes", "num_slots"), [(PAGE, 24), (ODD_PAGE, 6), (1 << 20, 12)])
-def test_write_rows_round_trip(tier_factory: TierFactory, page_bytes: int, num_slots: int, aligned: bool) -> None:
+def test_write_of_separate_pages_round_trips(tier_factory: TierFactory, page_bytes: int, num_slots: int, aligned: bool) -> None:
     tier = tier_factory(num_slots, page_bytes)
     slots = [s for s in reversed(range(num_slots)) if s != 2]  # out of order, with a gap
     src = pages(len(slots), page_bytes, seed=page_bytes + aligned)
     rows = separate(src, aligned)
-    tier.write_rows(slots, rows)
+    tier.write(slots, rows)
     np.testing.assert_array_equal(read_back(tier, slots, page_bytes), src)
     np.testing.assert_array_equal(np.stack(list(rows)), src)  # the caller's pages are unchanged
     again = pages(3, page_bytes, seed=99)   # and a later batch write lands over them as usual
@@ -123,54 +123,57 @@ def test_write_rows_round_trip(tier_factory: TierFactory, page_bytes: int, num_s
     np.testing.assert_array_equal(read_back(tier, slots[3:], page_bytes), src[3:])
 
 
-def test_write_rows_checks_its_input(tier_factory: TierFactory) -> None:
+def test_write_of_separate_pages_checks_them(tier_factory: TierFactory) -> None:
     tier = tier_factory(4, PAGE)
     two = PageList([np.zeros(PAGE, np.uint8), np.zeros(PAGE, np.uint8)], PAGE)
     with pytest.raises(InputError, match="3 slots but 2 pages"):
-        tier.write_rows([0, 1, 2], two)
+        tier.write([0, 1, 2], two)
     with pytest.raises(InputError, match="out of range"):
-        tier.write_rows([0, 4], two)
+        tier.write([0, 4], two)
     with pytest.raises(InputError, match="exceed the slot size"):
-        tier.write_rows([0], PageList([np.zeros(tier.slot_bytes + 1, np.uint8)], tier.slot_bytes + 1))
-    with pytest.raises(InputError, match="PageList"):
-        tier.write_rows([0, 1], np.zeros((2, PAGE), np.uint8))  # type: ignore[arg-type]
-    tier.write_rows([], PageList([], PAGE))
+        tier.write([0], PageList([np.zeros(tier.slot_bytes + 1, np.uint8)], tier.slot_bytes + 1))
+    for bad in (np.zeros(PAGE + 4096, np.uint8), np.zeros(PAGE // 4, np.float32), np.zeros(2 * PAGE, np.uint8)[::2],
+                bytearray(PAGE)):  # the list's pages are checked one by one, not only its declared width
+        with pytest.raises(InputError, match="page 1 of the list must be a C-contiguous uint8 array"):
+            tier.write([0, 1], PageList([np.zeros(PAGE, np.uint8), bad], PAGE))  # type: ignore[list-item]
+    tier.write([], PageList([], PAGE))
     tier.close()
     with pytest.raises(StoreClosedError):
-        tier.write_rows([0, 1], two)
+        tier.write([0, 1], two)
 
 
 @pytest.mark.parametrize(("page_bytes", "num_slots"), [(PAGE, 40), (ODD_PAGE, 9), (1 << 20, 24)])
-def test_read_checksummed_hashes_what_it_read(tier_factory: TierFactory, page_bytes: int, num_slots: int) -> None:
+def test_read_with_checksums_hashes_what_it_read(tier_factory: TierFactory, page_bytes: int, num_slots: int) -> None:
     tier = tier_factory(num_slots, page_bytes)
     slots = [s for s in reversed(range(num_slots)) if s % 5 != 3]  # several runs: several chunks
     src = pages(len(slots), page_bytes, seed=page_bytes + 1)
     tier.write(slots, src)
     for width in (page_bytes, 4096, 1):
         dst = np.full((len(slots), width), 0xA5, dtype=np.uint8)
-        sums = tier.read_checksummed(slots, dst)
+        sums = tier.read(slots, dst, checksums=True)
         np.testing.assert_array_equal(dst, src[:, :width])
         assert sums == [checksum64(row) for row in src[:, :width]]
     ro = np.zeros((1, page_bytes), dtype=np.uint8)
     ro.flags.writeable = False
     with pytest.raises(InputError, match="read-only"):
-        tier.read_checksummed(slots[:1], ro)
-    assert tier.read_checksummed([], np.empty((0, page_bytes), dtype=np.uint8)) == []
+        tier.read(slots[:1], ro, checksums=True)
+    assert tier.read([], np.empty((0, page_bytes), dtype=np.uint8), checksums=True) == []
+    assert tier.read(slots, np.empty((len(slots), 0), dtype=np.uint8), checksums=True) == [checksum64(b"")] * len(slots)
 
 
 @pytest.mark.parametrize("as_list", [False, True])
 @pytest.mark.parametrize(("page_bytes", "num_slots"), [(PAGE, 40), (ODD_PAGE, 9), (1 << 20, 24)])
-def test_write_checksummed_hashes_what_it_wrote(tier_factory: TierFactory, page_bytes: int, num_slots: int,
+def test_write_with_checksums_hashes_what_it_wrote(tier_factory: TierFactory, page_bytes: int, num_slots: int,
                                                 as_list: bool) -> None:
     tier = tier_factory(num_slots, page_bytes)
     slots = [s for s in reversed(range(num_slots)) if s % 5 != 3]
     src = pages(len(slots), page_bytes, seed=page_bytes + 2)
     given = separate(src, aligned=False) if as_list else src
-    assert tier.write_checksummed(slots, given) == [checksum64(row) for row in src]
+    assert tier.write(slots, given, checksums=True) == [checksum64(row) for row in src]
     np.testing.assert_array_equal(read_back(tier, slots, page_bytes), src)
     with pytest.raises(InputError, match="3 slots but"):
-        tier.write_checksummed(slots[:3], separate(src[:2], True) if as_list else src[:2])
-    assert tier.write_checksummed([], PageList([], page_bytes) if as_list else src[:0]) == []
+        tier.write(slots[:3], separate(src[:2], True) if as_list else src[:2], checksums=True)
+    assert tier.write([], PageList([], page_bytes) if as_list else src[:0], checksums=True) == []
 
 
 # -- futures ----------------------------------------------------------------------------

@@ -6,8 +6,10 @@ slots and owns the free list; it never decides which page goes where (that is th
 manager's job) and it knows nothing of keys. Called by :mod:`tierkv.api` through the
 transfer table, and by the conformance suite in ``tests/tiers``.
 
-Buffers are numpy ``uint8`` arrays of shape ``(n, page_bytes)`` (C-contiguous rows);
-``page_bytes <= slot_bytes``. Thread-safety: ``allocate``/``free``/``claim`` are safe
+Buffers are numpy ``uint8`` arrays of shape ``(n, page_bytes)`` (C-contiguous rows), or
+for writes a :class:`~tierkv.pages.PageList` of separate pages; ``page_bytes <= slot_bytes``.
+``read`` and ``write`` can also return each row's checksum (``checksums=True``), which
+the persistent tiers compute on their I/O threads. Thread-safety: ``allocate``/``free``/``claim`` are safe
 from any thread; ``read``/``write`` on disjoint slots may run concurrently.
 """
 
@@ -18,7 +20,7 @@ import enum
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Self
+from typing import Literal, Self, overload
 
 import numpy as np
 
@@ -192,41 +194,57 @@ class Tier(abc.ABC):
         raise InputError(f"the {self.kind.value} tier is slot-addressed; it cannot claim block extents")
 
     # -- data movement ------------------------------------------------------------
-    def write(self, slots: Sequence[int], src: np.ndarray) -> None:
-        """Copy row ``i`` of ``src`` into slot ``slots[i]``."""
-        self._check_io(slots, src)
-        self._write(slots, src)
+    @overload
+    def write(self, slots: Sequence[int], src: np.ndarray | PageList, *,
+              checksums: Literal[False] = False) -> None: ...
 
-    def write_rows(self, slots: Sequence[int], rows: PageList) -> None:
-        """Copy page ``rows[i]`` (pages handed in separately) into slot ``slots[i]``."""
-        self._check_rows(slots, rows)
-        self._write_rows(slots, rows)
+    @overload
+    def write(self, slots: Sequence[int], src: np.ndarray | PageList, *, checksums: Literal[True]) -> list[int]: ...
 
-    def write_checksummed(self, slots: Sequence[int], src: np.ndarray | PageList) -> list[int]:
-        """``write`` (or ``write_rows`` for a PageList), then the xxh3-64 of each row written.
+    @overload
+    def write(self, slots: Sequence[int], src: np.ndarray | PageList, *, checksums: bool) -> list[int] | None: ...
 
-        Tiers that write in chunks on several threads hash each chunk on the thread
-        that wrote it, overlapping the hashing with the other chunks' I/O."""
+    def write(self, slots: Sequence[int], src: np.ndarray | PageList, *, checksums: bool = False) -> list[int] | None:
+        """Copy row ``i`` of ``src`` into slot ``slots[i]``.
+
+        ``src`` is a batch, or a :class:`~tierkv.pages.PageList` of separate pages (DRAM and
+        NVMe tiers take each page from where it is; the others stack them once).
+        ``checksums``: also return the xxh3-64 of each row written; tiers that move chunks on
+        several threads hash each chunk on the thread that moved it, overlapping the rest's I/O.
+        """
         if isinstance(src, PageList):
             self._check_rows(slots, src)
         else:
             self._check_io(slots, src)
-        return self._write_checksummed(slots, src)
+        if checksums:
+            return self._write_checksummed(slots, src)
+        if isinstance(src, PageList):
+            self._write_rows(slots, src)
+        else:
+            self._write(slots, src)
+        return None
 
-    def read(self, slots: Sequence[int], dst: np.ndarray) -> None:
-        """Copy slot ``slots[i]`` into row ``i`` of ``dst`` (first ``dst.shape[1]`` bytes)."""
+    @overload
+    def read(self, slots: Sequence[int], dst: np.ndarray, *, checksums: Literal[False] = False) -> None: ...
+
+    @overload
+    def read(self, slots: Sequence[int], dst: np.ndarray, *, checksums: Literal[True]) -> list[int]: ...
+
+    @overload
+    def read(self, slots: Sequence[int], dst: np.ndarray, *, checksums: bool) -> list[int] | None: ...
+
+    def read(self, slots: Sequence[int], dst: np.ndarray, *, checksums: bool = False) -> list[int] | None:
+        """Copy slot ``slots[i]`` into row ``i`` of ``dst`` (first ``dst.shape[1]`` bytes).
+
+        ``checksums``: also return the xxh3-64 of each row read (what a verified read
+        compares), hashed per chunk on the I/O threads where the tier has them.
+        """
         self._check_io(slots, dst)
         self._check_writable(dst)
+        if checksums:
+            return self._read_checksummed(slots, dst)
         self._read(slots, dst)
-
-    def read_checksummed(self, slots: Sequence[int], dst: np.ndarray) -> list[int]:
-        """``read``, then the xxh3-64 of each row of ``dst`` (what a verified read compares).
-
-        Tiers that read in chunks on several threads checksum each chunk on the thread
-        that read it, overlapping the hashing with the other chunks' I/O."""
-        self._check_io(slots, dst)
-        self._check_writable(dst)
-        return self._read_checksummed(slots, dst)
+        return None
 
     def write_async(self, slots: Sequence[int], src: np.ndarray) -> Future[None]:
         self._check_io(slots, src)
@@ -307,12 +325,16 @@ class Tier(abc.ABC):
 
     def _check_rows(self, slots: Sequence[int], rows: PageList) -> None:
         self._check_open()
-        if not isinstance(rows, PageList):
-            raise InputError(f"write_rows takes a PageList, got {type(rows).__name__}")
+        width = rows.shape[1]
         if len(rows) != len(slots):
             raise InputError(f"{len(slots)} slots but {len(rows)} pages")
-        if rows.shape[1] > self.slot_bytes:
-            raise InputError(f"rows of {rows.shape[1]} bytes exceed the slot size of {self.slot_bytes}")
+        if width > self.slot_bytes:
+            raise InputError(f"rows of {width} bytes exceed the slot size of {self.slot_bytes}")
+        for i, row in enumerate(rows):
+            if (not isinstance(row, np.ndarray) or row.dtype != np.uint8 or row.shape != (width,)
+                    or not row.flags.c_contiguous):
+                raise InputError(f"page {i} of the list must be a C-contiguous uint8 array of {width} bytes, got "
+                                 f"{type(row).__name__} {getattr(row, 'dtype', '')} {getattr(row, 'shape', '')}")
         self._check_slots(slots)
 
     def _check_slots(self, slots: Sequence[int]) -> None:
