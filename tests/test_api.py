@@ -224,6 +224,25 @@ def test_read_only_second_open_sees_committed_pages(tmp_path: Path) -> None:
                 reader.put(tokens, data)
 
 
+def test_writer_after_a_reader_in_one_process_is_refused_and_loses_nothing(tmp_path: Path) -> None:
+    # LMDB gives one environment per file per process: a writer opened while a read-only
+    # Store holds a read-only one must be refused, not take the env's ReadonlyError for a
+    # damaged index and set every durable page aside.
+    from tierkv.errors import ConfigError
+    cfg = make_config(tmp_path / "s", 0, 8)
+    tokens, data = prompt(2, 2), page_data(2, 2)
+    with Store.open(cfg) as writer:
+        writer.put(tokens, data)
+    with Store.open(cfg, read_only=True) as reader:
+        with pytest.raises(ConfigError, match="open read-only in this process"):
+            Store.open(cfg)
+        assert reader.lookup(tokens).cached_pages == 2
+    assert not list((tmp_path / "s").glob("index.lmdb.corrupt-*"))
+    with Store.open(cfg) as writer:
+        n, out = load(writer, tokens, 2)
+        assert n == 2 and np.array_equal(out, data)
+
+
 def test_layout_mismatch_on_reopen_is_refused(tmp_path: Path) -> None:
     from dataclasses import replace
 

@@ -63,8 +63,9 @@ def _damaged(exc: lmdb.Error) -> bool:
     # A flipped version field comes back as a plain lmdb.Error ("data format vN is not supported").
     return isinstance(exc, _CORRUPT) or "format" in str(exc)
 
-# LMDB allows one environment per file per process: share it, counting handles.
-_ENVS: dict[str, tuple[lmdb.Environment, int]] = {}
+# LMDB allows one environment per file per process: share it, counting handles and
+# remembering whether it was opened read-only.
+_ENVS: dict[str, tuple[lmdb.Environment, int, bool]] = {}
 _ENVS_LOCK = threading.Lock()
 
 
@@ -72,8 +73,14 @@ def _open_env(path: Path, read_only: bool) -> lmdb.Environment:
     key = str(path.resolve())
     with _ENVS_LOCK:
         if key in _ENVS:
-            env, count = _ENVS[key]
-            _ENVS[key] = (env, count + 1)
+            env, count, env_read_only = _ENVS[key]
+            if env_read_only and not read_only:
+                # The read-only environment cannot take writes, and a second one on the
+                # same file in this process would break LMDB's locks.
+                raise ConfigError(f"the store index at {path} is open read-only in this process "
+                                  f"({count} handle(s)); close the read-only Store before opening "
+                                  f"a writer, or open the writer first")
+            _ENVS[key] = (env, count + 1, env_read_only)
             return env
         old_umask = os.umask(0o077)  # index files are 0600: they name every cached prefix
         try:
@@ -85,16 +92,16 @@ def _open_env(path: Path, read_only: bool) -> lmdb.Environment:
             raise ConfigError(f"cannot open the store index at {path}: {exc}") from None
         finally:
             os.umask(old_umask)
-        _ENVS[key] = (env, 1)
+        _ENVS[key] = (env, 1, read_only)
         return env
 
 
 def _close_env(env: lmdb.Environment) -> None:
     with _ENVS_LOCK:
-        for key, (held, count) in list(_ENVS.items()):
+        for key, (held, count, env_read_only) in list(_ENVS.items()):
             if held is env:
                 if count > 1:
-                    _ENVS[key] = (held, count - 1)
+                    _ENVS[key] = (held, count - 1, env_read_only)
                 else:
                     del _ENVS[key]
                     env.close()
@@ -289,6 +296,8 @@ class PersistentIndex:
                         dropped += 1
                         more = cursor.delete()  # moves to the next record
         except (lmdb.Error, SystemError) as exc:
+            if isinstance(exc, _OPERATIONAL):  # resources, locks, a read-only env: not the file
+                raise TierIOError(f"walking the {tier} records failed: {exc}") from None
             # A damaged B-tree can fail mid-walk (py-lmdb then surfaces SystemError too).
             raise IndexDamaged(f"walking the {tier} records failed: {exc}") from None
         return kept, dropped
