@@ -433,3 +433,47 @@ def test_unpin_releases_what_pin_took_and_no_more(store: Store) -> None:
     assert store.unpin(tokens) == 2
     assert store.unpin(tokens) == 0                 # nothing left to release, nothing below zero
     assert store.pin(tokens[:TPP]) == 1 and store.unpin(tokens) == 1
+
+
+def pins_of(store: Store, tokens: np.ndarray) -> list[int | None]:
+    from tierkv.keys import split_keys
+    entries = [store._manager.entry(k) for k in split_keys(store._keys(tokens, ""))]
+    return [e.pins if e is not None else None for e in entries]
+
+
+def test_two_holders_of_one_prefix_each_release_their_own_pin(store: Store) -> None:
+    # X pinned page 0 alone (pages 1-2 came later); W pinned 0-2. X's unpin must not eat
+    # W's pin on page 1, or W's unpin leaves page 2 pinned for good.
+    w_tokens, data = prompt(3, 3), page_data(3, 3)
+    x_tokens = w_tokens[:2 * TPP]
+    store.put(w_tokens[:TPP], data[:1])
+    assert store.pin(x_tokens) == 1
+    store.put(w_tokens, data)
+    assert store.pin(w_tokens) == 3
+    assert store.unpin(x_tokens) == 1
+    assert pins_of(store, w_tokens) == [1, 1, 1]
+    assert store.unpin(w_tokens) == 3
+    assert pins_of(store, w_tokens) == [0, 0, 0]
+
+
+def test_a_page_gone_and_stored_again_does_not_strand_the_pins_after_it(tmp_path: Path) -> None:
+    import os
+
+    from tierkv.keys import split_keys
+    cfg = make_config(tmp_path / "s", 0, 8)
+    tokens, data = prompt(4, 3), page_data(4, 3)
+    with Store.open(cfg) as s:
+        s.put(tokens, data)
+        assert s.pin(tokens) == 3
+        nvme = s._manager.tiers[0]
+        slot = s._manager.entry(split_keys(s._keys(tokens, ""))[1]).slots[nvme.kind]
+        fd = os.open(cfg.nvme_path(), os.O_WRONLY)
+        try:                                        # bit rot in page 1: it fails its checksum
+            os.pwrite(fd, b"\xff" * 64, nvme.header_bytes + slot * nvme.slot_bytes)
+        finally:
+            os.close(fd)
+        assert load(s, tokens, 3)[0] == 1
+        s.put(tokens, data)                         # recomputed and stored again, unpinned
+        assert pins_of(s, tokens) == [1, 0, 1]
+        assert s.unpin(tokens) == 2                 # pages 0 and 2; page 1's pin left with it
+        assert pins_of(s, tokens) == [0, 0, 0]

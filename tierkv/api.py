@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,14 @@ log = logging.getLogger(__name__)
 _PREFETCH_THREAD = "tierkv-prefetch"
 
 
+@dataclass(frozen=True)
+class _Pin:
+    """One ``pin`` call: the keys of the pages it pinned, concatenated, and their entries."""
+
+    keys: bytes
+    entries: list[Entry]
+
+
 class Store:
     """A tiered KV page store. Use ``Store.open(...)`` and close it (or use ``with``)."""
 
@@ -58,6 +67,8 @@ class Store:
         # Per calling thread, the key blob of its last get until its put: engines that serve
         # requests on several threads interleave their gets and puts.
         self._announced = threading.local()
+        # Outstanding pins, by the key of their first page: what each pin call took.
+        self._pins: dict[bytes, list[_Pin]] = {}
         self._counters = Counters()
         self._dir = Path(config.path)
         parts = open_store_parts(config, read_only)
@@ -301,42 +312,54 @@ class Store:
             return sum(1 for e in entries if top in e.slots)
 
     def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
-        """Pin the leading cached pages so no policy evicts them; returns how many were pinned."""
-        return self._pin(tokens, tenant, +1)
+        """Pin the leading cached pages so no policy evicts them; returns how many were pinned.
+
+        Each call is remembered until an ``unpin`` of the same tokens (or tokens that
+        extend the pages it pinned) releases it.
+        """
+        with self._lock:
+            self._check_writable_open()
+            entries = self._leading(self._keys(tokens, tenant), 1 << 62)
+            if entries:
+                for e in entries:
+                    self._manager.pin(e.key, +1)
+                self._pins.setdefault(entries[0].key, []).append(_Pin(b"".join(e.key for e in entries), entries))
+            return len(entries)
 
     def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
-        """Undo one ``pin`` of the pages of ``tokens``; returns how many were unpinned.
+        """Release one earlier ``pin`` of these tokens; returns how many pages it unpinned.
 
-        The pages ``pin`` took are unpinned, also past a page that has gone since (one
-        that failed its checksum, say), so that no page stays pinned unreachable; the
-        walk ends at a present page nobody pins (``pin`` stopped before it). Pins are
-        counts, not handles: pages past the ones this pin took that another holder pinned
-        since may be released too; callers that need exactness unpin the tokens of the
-        pages their pin returned (as the engine adapter does).
+        Exactly the pages that pin took are released: not pages cached since, nor pins
+        other holders took on longer prompts. Of the pins outstanding whose pages are a
+        prefix of ``tokens``' pages, the longest is released (pins on one prefix are
+        interchangeable, so every holder that unpins what it pinned releases one). A
+        page that has left the store since (one that failed its checksum, say) took
+        its pins with it and is not counted, even if it was stored again. Returns 0
+        when no such pin is outstanding.
         """
-        return self._pin(tokens, tenant, -1)
-
-    def _pin(self, tokens: Tokens, tenant: str | bytes, delta: int) -> int:
         with self._lock:
-            self._check_open()
-            if self.read_only:
-                raise InputError("pin/unpin need the writer; this store was opened read-only")
+            self._check_writable_open()
             blob = self._keys(tokens, tenant)
-            if delta > 0:
-                entries = self._leading(blob, 1 << 62)
-            else:
-                # What pin took: the leading pages then cached. A page gone since is skipped;
-                # a present one that nobody pins was not cached at pin time, so it ends them.
-                entries = []
-                for k in split_keys(blob):
-                    e = self._manager.entry(k)
-                    if e is not None and e.pins == 0:
-                        break
-                    if e is not None:
-                        entries.append(e)
-            for e in entries:
-                self._manager.pin(e.key, delta)
-            return len(entries)
+            held = self._pins.get(blob[:KEY_BYTES])
+            if not held:
+                return 0
+            fits = [i for i, p in enumerate(held) if blob.startswith(p.keys)]
+            if not fits:
+                return 0
+            taken = held.pop(max(fits, key=lambda i: len(held[i].keys)))
+            if not held:
+                del self._pins[blob[:KEY_BYTES]]
+            released = 0
+            for e in taken.entries:
+                if self._manager.entry(e.key) is e:  # not removed (and maybe re-stored) since
+                    self._manager.pin(e.key, -1)
+                    released += 1
+            return released
+
+    def _check_writable_open(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise InputError("pin/unpin need the writer; this store was opened read-only")
 
     def stats(self) -> StoreStats:
         """A snapshot of the per-tier and store-wide counters."""

@@ -340,6 +340,33 @@ def test_a_page_gone_under_a_load_leaves_no_pins(tmp_path: Path) -> None:
         s.close()
 
 
+def test_a_page_gone_under_a_load_and_stored_again_leaves_no_pins(tmp_path: Path) -> None:
+    """As above, but another request recomputes and stores page 0 before the load
+    completes: the new page 0 (nobody's pin) must not end the unpin short of pages 1.."""
+    s = open_store(tmp_path / "s", dram_pages=0, nvme_pages=64)
+    try:
+        sched = OffloadScheduler(s)
+        worker = OffloadWorker(s, engine_kv("cpu", 6))
+        prompt = tokens(100, 4 * T + 1)
+        store_via_adapter(sched, worker, prompt, [0, 1, 2, 3])
+        keys = sched.page_keys(prompt)
+        nvme = s._manager.tiers[0]
+        slot = s._manager.entry(keys[0]).slots[nvme.kind]          # type: ignore[union-attr]
+        with open(nvme.path, "r+b") as f:                          # type: ignore[attr-defined]
+            f.seek(nvme.header_bytes + slot * nvme.slot_bytes)     # type: ignore[attr-defined]
+            f.write(b"\xff" * 64)
+        spec_a = sched.prepare_load(prompt, [4, 5, 6, 7], request_id="A")
+        assert spec_a is not None and worker.transfer(spec_a).pages == 0
+        spec_b = sched.prepare_store(prompt, [0, 1, 2, 3], request_id="B")
+        assert spec_b is not None
+        sched.complete_store(spec_b, worker.transfer(spec_b).success)
+        sched.complete_load(spec_a)
+        left = [e.pins if e is not None else None for e in map(s._manager.entry, keys)]
+        assert left == [0, 0, 0, 0], f"pages stayed pinned: {left}"
+    finally:
+        s.close()
+
+
 def test_a_pinned_page_gone_before_its_store_is_never_stored_from_an_unfilled_row(tmp_path: Path) -> None:
     """prepare_store pins the pages already stored and the worker leaves their rows
     unfilled. If one fails its checksum under another request meanwhile, the pending
