@@ -477,3 +477,34 @@ def test_a_page_gone_and_stored_again_does_not_strand_the_pins_after_it(tmp_path
         assert pins_of(s, tokens) == [1, 0, 1]
         assert s.unpin(tokens) == 2                 # pages 0 and 2; page 1's pin left with it
         assert pins_of(s, tokens) == [0, 0, 0]
+
+
+def test_a_second_close_waits_for_the_first_to_release_the_store(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    cfg = make_config(tmp_path / "s", 4, 8)
+    s = Store.open(cfg)
+    s.put(prompt(1, 2), page_data(1, 2))
+    inside, go = threading.Event(), threading.Event()
+    shutdown = s._prefetcher.shutdown
+
+    def slow_shutdown(wait: bool = True) -> None:    # a long prefetch still finishing
+        inside.set()
+        assert go.wait(30)
+        shutdown(wait=wait)
+
+    monkeypatch.setattr(s._prefetcher, "shutdown", slow_shutdown)
+    first = threading.Thread(target=s.close)
+    first.start()
+    assert inside.wait(30)
+    second = threading.Thread(target=s.close)
+    second.start()
+    second.join(0.3)
+    waited = second.is_alive()
+    go.set()
+    assert waited, "the second close returned while the first still held the store"
+    first.join(30)
+    second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    with Store.open(cfg) as again:                  # released: the writer lock is free
+        assert again.lookup(prompt(1, 2)).cached_pages == 2

@@ -63,6 +63,7 @@ class Store:
         self.read_only = read_only
         self._lock = threading.RLock()
         self._closed = False
+        self._released = threading.Event()  # set once close() has released everything
         self._namespaces: dict[bytes, bytes] = {}
         # Per calling thread, the key blob of its last get until its put: engines that serve
         # requests on several threads interleave their gets and puts.
@@ -383,11 +384,23 @@ class Store:
         Everything is released even when the write-back of volatile pages fails (that
         error is raised afterwards, and the store is not marked cleanly closed, so the
         next open checks its records). Safe to call from a prefetch future's callback.
+        A close that finds another one running waits for it to release everything
+        (except on the prefetch worker, which that close may be waiting for).
         """
+        on_prefetcher = threading.current_thread().name.startswith(_PREFETCH_THREAD)
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
+        if not first:
+            if not on_prefetcher:
+                self._released.wait()
+            return
+        try:
+            self._close()
+        finally:
+            self._released.set()
+
+    def _close(self) -> None:
         # From a prefetch callback this runs on the prefetch worker, which cannot join itself.
         self._prefetcher.shutdown(wait=not threading.current_thread().name.startswith(_PREFETCH_THREAD))
         if self._peering is not None:  # stop serving before the DRAM tier goes away
