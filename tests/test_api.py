@@ -508,3 +508,18 @@ def test_a_second_close_waits_for_the_first_to_release_the_store(tmp_path: Path,
     assert not first.is_alive() and not second.is_alive()
     with Store.open(cfg) as again:                  # released: the writer lock is free
         assert again.lookup(prompt(1, 2)).cached_pages == 2
+
+
+def test_pages_a_promotion_pushes_out_are_counted(tmp_path: Path) -> None:
+    # 2 DRAM + 4 NVMe pages hold three 2-page prompts; promoting prompt 0 into DRAM
+    # demotes prompt 2 onto NVMe, which drops prompt 1: stats must say so.
+    with Store.open(make_config(tmp_path / "s", 2, 4, promote_on_hit=True)) as s:
+        for i in range(3):
+            s.put(prompt(i, 2), page_data(i, 2))
+        before = s.stats()
+        assert load(s, prompt(0, 2), 2)[0] == 2
+        after = s.stats()
+        gone = sum(s.lookup(prompt(i, 2)).cached_pages == 0 for i in range(3))
+        assert gone == 1 and after.promotions - before.promotions == 2
+        assert after.pages_dropped - before.pages_dropped == 2
+        assert after.evictions - before.evictions == 4     # 2 demoted to NVMe, 2 dropped from it

@@ -29,6 +29,7 @@ from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys,
                          tenant_salt)
 from tierkv.layout import KVLayout
 from tierkv.manager import Entry
+from tierkv.plans import Plan
 from tierkv.opening import open_store_parts, release_dir
 from tierkv.pages import PageBatch, PageSource, Rows, page_list, page_rows
 from tierkv.peering import Peering
@@ -225,6 +226,7 @@ class Store:
             picked = [(i, e) for i, e in enumerate(entries) if source[i] is kind]
             plan = self._manager.plan_promote([e.key for _, e in picked], top, protect)
             promoted += self._transfers.run(plan, rows, {e.key: i for i, e in picked}, source=kind.value)
+            self._count_plan(plan)
         self._counters.events["promotions"] += promoted
         return promoted
 
@@ -280,9 +282,13 @@ class Store:
                                         prefix=[k for k in keys[:first + rows.shape[0]] if k not in row_of])
         stored = self._transfers.run(plan, rows, row_of)
         self._counters.events["pages_stored"] += stored
+        self._count_plan(plan)
+        return stored, len(new)
+
+    def _count_plan(self, plan: Plan) -> None:
+        """Count the pages a plan evicted, and those it dropped from the store."""
         self._counters.events["pages_dropped"] += plan.dropped
         self._counters.events["evictions"] += plan.evicted
-        return stored, len(new)
 
     def prefetch(self, tokens: Tokens, tenant: str | bytes = "") -> Future[int]:
         """Promote the leading cached pages of ``tokens`` to the fastest tier, in the background.
