@@ -408,3 +408,21 @@ def test_a_one_page_prompt_reaches_the_policy_once(store: Store, monkeypatch: py
     sched.complete_store(spec, OffloadWorker(store, engine_kv("cpu", 8)).transfer(spec).success)
     assert announced == [1]
     assert store.stats().pages_requested == 0          # nothing it could have loaded
+
+
+def test_a_closed_worker_refuses_submits_and_starts_no_thread(store: Store) -> None:
+    import threading
+
+    from tierkv.errors import StoreClosedError
+    sched = OffloadScheduler(store)
+    worker = OffloadWorker(store, engine_kv("cpu", 1))
+    first = sched.prepare_store(tokens(0, 2 * T), [0, 1])
+    assert first is not None and worker.submit(first).result(timeout=30).success
+    worker.close()
+    spec = sched.prepare_store(tokens(100, 2 * T), [2, 3])
+    assert spec is not None
+    with pytest.raises(StoreClosedError, match="OffloadWorker is closed"):
+        worker.submit(spec)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tierkv-worker")]
+    assert worker.transfer(spec).success                # inline transfers still run
+    sched.complete_store(spec)

@@ -27,7 +27,7 @@ from typing import Protocol, Self
 import torch
 
 from tierkv.api import Store
-from tierkv.errors import InputError, TierKVError
+from tierkv.errors import InputError, StoreClosedError, TierKVError
 from tierkv.integrations.adapter import LoadSpec, StoreSpec
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class OffloadWorker:
         self._layout = store.layout
         self._dtype = getattr(torch, store.layout.dtype.torch_name)
         self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self._finished: list[TransferResult] = []
 
@@ -166,12 +167,17 @@ class OffloadWorker:
         return TransferResult(spec.job_id, "store", True, put.stored, time.perf_counter() - t0)
 
     def submit(self, spec: LoadSpec | StoreSpec) -> Future[TransferResult]:
-        """Run ``spec`` on the worker's background thread; the result also goes to ``get_finished``."""
-        with self._lock:
+        """Run ``spec`` on the worker's background thread; the result also goes to ``get_finished``.
+
+        StoreClosedError once ``close()`` has begun (``transfer`` still runs a spec inline).
+        """
+        with self._lock:  # held across the submit, so close() cannot shut the pool in between
+            if self._closed:
+                raise StoreClosedError(f"this OffloadWorker is closed; job {spec.job_id} was not submitted "
+                                       f"(run it with transfer(), or make a new worker)")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-worker")
-            pool = self._pool
-        return pool.submit(self._run_and_record, spec)
+            return self._pool.submit(self._run_and_record, spec)
 
     def _run_and_record(self, spec: LoadSpec | StoreSpec) -> TransferResult:
         result = self.transfer(spec)
@@ -186,8 +192,9 @@ class OffloadWorker:
         return out
 
     def close(self) -> None:
-        """Wait for submitted transfers and stop the background thread."""
+        """Wait for submitted transfers and stop the background thread; later submits are refused."""
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
