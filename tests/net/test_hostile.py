@@ -4,7 +4,11 @@ Each case was a reproduced failure: a read racing a slot's reuse killed the clie
 reader thread (the request never resolved), a truncated lookup body cost the server a
 receive credit and got no reply, a garbled lookup reply crashed ``Store.get``'s peer
 fetch, a client that stopped reading held every server worker, a client that trickled
-a message in kept it open forever, and bad arguments raised ``struct.error``.
+a message in kept it open forever, and bad arguments raised ``struct.error``. On the
+client side: a peer trickling its WELCOME held ``Store.get`` (and the store lock) past
+every timeout, a close during a reconnect's handshake left its socket and reader
+running, and a peer that welcomed then dropped each connection drew thousands of
+reconnects a second.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import numpy as np
 import pytest
 
 from tests.net.peers import pages
-from tierkv.errors import InputError
+from tierkv.errors import InputError, TierUnavailableError
 from tierkv.net import NetConfig, PeerServer, TcpTransport
 from tierkv.net.framing import recv_message, send_message
-from tierkv.net.wire import Call, Hello, Kind, ProtocolError, ReadPages, Reply, decode_keys, decode_metas, encode_keys
+from tierkv.net.wire import (Call, Hello, Kind, ProtocolError, ReadPages, Reply, Welcome, decode_keys, decode_metas,
+                             encode_header, encode_keys)
 from tierkv.tiers.dram import DramTier
 
 CFG = NetConfig(timeout_s=1.0, links=1)
@@ -222,3 +227,99 @@ def test_an_rdma_server_without_pyverbs_is_a_config_error() -> None:
     from tierkv.tiers.dram import DramTier
     with pytest.raises(ConfigError, match="needs pyverbs"):
         PeerServer(DramTier(2, 4096), rdma=True)
+
+
+class FakePeer:
+    """A listening socket whose every connection is handled by ``handle(conn, n)``."""
+
+    def __init__(self, handle: object) -> None:
+        self.lsn = socket.create_server(("127.0.0.1", 0))
+        host, port = self.lsn.getsockname()[:2]
+        self.address: tuple[str, int] = (host, port)
+        self.accepted = 0
+        self._handle = handle
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.lsn.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._handle, args=(conn, self.accepted), daemon=True).start()  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.lsn.close()
+
+
+def welcome(conn: socket.socket) -> None:
+    header, _, _ = recv_message(conn)
+    send_message(conn, Kind.WELCOME, 0, 0, header.seq, Welcome(1, 8, W, 16).encode())
+
+
+def test_a_welcome_trickled_in_fails_the_connect_at_its_deadline() -> None:
+    def trickle(conn: socket.socket, n: int) -> None:
+        try:
+            recv_message(conn)
+            body = Welcome(1, 8, W, 16).encode()
+            msg = encode_header(Kind.WELCOME, 0, 0, 0, body) + body[0]
+            for b in msg:                   # a byte per 0.3 s: each receive meets its timeout
+                conn.sendall(bytes([b]))
+                time.sleep(0.3)
+        except OSError:
+            pass
+
+    peer = FakePeer(trickle)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TierUnavailableError, match="did not arrive in time"):
+            TcpTransport(*peer.address, NetConfig(timeout_s=1.0, connect_timeout_s=1.0, links=1))
+        assert time.monotonic() - t0 < 5, "the handshake ran past its deadline"
+    finally:
+        peer.close()
+
+
+def test_a_close_during_a_reconnect_handshake_keeps_no_socket_or_reader() -> None:
+    def handle(conn: socket.socket, n: int) -> None:
+        header, _, _ = recv_message(conn)
+        if n > 1:
+            time.sleep(1.0)                 # the reconnect's handshake is slow
+        send_message(conn, Kind.WELCOME, 0, 0, header.seq, Welcome(1, 8, W, 16).encode())
+        if n == 1:
+            time.sleep(0.2)
+            conn.shutdown(socket.SHUT_RDWR)  # drop the first connection
+
+    def readers() -> int:
+        return sum(t.name == "tierkv-peer-read" for t in threading.enumerate())
+
+    peer = FakePeer(handle)
+    before = readers()
+    try:
+        tr = TcpTransport(*peer.address, NetConfig(links=1, connect_timeout_s=3.0))
+        time.sleep(0.6)                     # dropped; the reconnect is mid-handshake
+        tr.close()
+        time.sleep(1.5)
+        link = tr._links[0]
+        assert link._sock is None and not link.connected
+        assert readers() <= before
+    finally:
+        peer.close()
+
+
+def test_a_peer_that_drops_every_connection_draws_backoff_not_a_storm() -> None:
+    def handle(conn: socket.socket, n: int) -> None:
+        try:
+            welcome(conn)
+            conn.close()                    # welcomes, then drops at once
+        except OSError:
+            pass
+
+    peer = FakePeer(handle)
+    try:
+        tr = TcpTransport(*peer.address, NetConfig(links=1, backoff_initial_s=0.05, backoff_max_s=1.0))
+        time.sleep(1.5)
+        tr.close()
+        assert peer.accepted <= 10, f"{peer.accepted} connections in 1.5 s"
+    finally:
+        peer.close()

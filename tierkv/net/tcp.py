@@ -77,6 +77,7 @@ class TcpLink:
         self._down = threading.Event()
         self._closed = threading.Event()
         self._unreachable = False
+        self._up_since = 0.0  # when the current connection came up
         self.info = PeerInfo(0, 0, 0)
         self.counts = {"sent": 0, "naks": 0, "expired": 0, "reconnects": 0, "bad_replies": 0}
         self._connect()  # the first connect raises; later ones retry in the background
@@ -116,7 +117,9 @@ class TcpLink:
             sock = socket.create_connection((self.host, self.port), timeout=self.config.connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             send_message(sock, Kind.HELLO, 0, 0, 0, Hello(self.client_id).encode())
-            _, body, _ = recv_message(sock)
+            # A whole-handshake deadline: each receive is bounded by the socket timeout, but
+            # a peer trickling its WELCOME a byte at a time would otherwise never time out.
+            _, body, _ = recv_message(sock, deadline=time.monotonic() + self.config.connect_timeout_s)
         except (OSError, ConnectionError, ProtocolError) as e:
             if sock is not None:
                 sock.close()
@@ -126,9 +129,13 @@ class TcpLink:
             raise TierUnavailableError(f"peer {self.host}:{self.port} answered the handshake with {type(body).__name__}")
         sock.settimeout(None)
         with self._lock:
+            if self._closed.is_set():  # closed while this handshake ran: keep nothing
+                sock.close()
+                raise StoreClosedError(f"transport to {self.host}:{self.port} is closed")
             self._gen += 1
             gen = self._gen
             self._sock = sock
+            self._up_since = time.monotonic()
             self.info = PeerInfo(body.epoch, body.num_slots, body.slot_bytes)
             self.gate.reset(body.credits)
             self.window.rewind()
@@ -154,14 +161,28 @@ class TcpLink:
 
     def _reconnect_loop(self) -> None:
         backoff = self.config.backoff_initial_s
+        retrying = False  # the last try failed and its backoff has been waited already
         while not self._closed.is_set():
             if not self._down.wait(0.1) or self._closed.is_set():
                 continue
+            young = time.monotonic() - self._up_since < self.config.backoff_max_s
+            if young and not retrying:
+                # It died young: a peer that welcomes and then drops every connection
+                # must not draw a reconnect storm, so back off before this try as well.
+                self._closed.wait(backoff)
+                backoff = min(backoff * 2, self.config.backoff_max_s)
+                if self._closed.is_set():
+                    return
+            elif not retrying:
+                backoff = self.config.backoff_initial_s
             try:
                 self._connect()
                 self.counts["reconnects"] += 1
-                backoff = self.config.backoff_initial_s
+                retrying = False
+            except StoreClosedError:
+                return
             except TierUnavailableError:
+                retrying = True
                 self._unreachable = True  # fail what waits, and new requests, at once
                 for e in self.window.drain():
                     _resolve(e, e.item.on_fail(f"peer {self.host}:{self.port} unreachable"))
