@@ -26,9 +26,9 @@ def prompt(seed: int, pages: int) -> np.ndarray:
     return np.random.default_rng(seed + 500).integers(0, 50000, pages * TPP, dtype=np.int64)
 
 
-def config(path: Path, peers: PeersConfig, dram_pages: int = 16) -> StoreConfig:
+def config(path: Path, peers: PeersConfig, dram_pages: int = 16, nvme_pages: int = 32) -> StoreConfig:
     return StoreConfig(path=str(path), model_id="m", layout=LAYOUT, dram=DramConfig(dram_pages * PB),
-                       nvme=NvmeConfig(32 * PB), peers=peers, policy="lru")
+                       nvme=NvmeConfig(nvme_pages * PB), peers=peers, policy="lru")
 
 
 @pytest.fixture
@@ -61,6 +61,17 @@ def test_decode_node_loads_what_prefill_holds_and_keeps_it(tmp_path: Path, prefi
         assert decode.stats().peer_pages == 3
         n, tiers, out = load(decode, tokens, 4)
         assert n == 4 and TierKind.PEER not in tiers and np.array_equal(out, data)
+
+
+def test_a_fetch_larger_than_this_store_returns_every_page_and_keeps_what_fits(tmp_path: Path,
+                                                                              prefill: Store) -> None:
+    tokens, data = prompt(7, 10), page_data(7, 10)
+    prefill.put(tokens, data)
+    with decode_node(tmp_path, prefill, dram_pages=2, nvme_pages=4) as decode:
+        n, tiers, out = load(decode, tokens, 10)
+        assert n == 10 and np.array_equal(out, data) and tiers == (TierKind.PEER,) * 10
+        assert decode.lookup(tokens).cached_pages == 6    # as many as its 2 + 4 slots hold
+        assert decode.stats().peer_pages == 10
 
 
 def test_tenants_do_not_share_pages_across_nodes(tmp_path: Path, prefill: Store) -> None:

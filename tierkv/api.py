@@ -197,7 +197,11 @@ class Store:
                 got = self._peering.fetch(keys[loaded:want], rows[loaded:want])
                 if got:
                     self._counters.tier_hits[TierKind.PEER.value] += got
-                    self._store(keys, rows[loaded:loaded + got], loaded)
+                    # Kept here as far as this store holds them with their prefix; the
+                    # caller has every fetched page either way.
+                    room = sum(t.num_slots for t in self._manager.tiers) - loaded
+                    if room > 0:
+                        self._store(keys, rows[loaded:loaded + min(got, room)], loaded)
                     tiers += (TierKind.PEER,) * got
                     loaded += got
             self._counters.events["pages_requested"] += requested
