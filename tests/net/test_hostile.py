@@ -118,6 +118,20 @@ def test_wire_key_and_meta_lists_refuse_garbage() -> None:
         encode_keys(["text"])  # type: ignore[list-item]
 
 
+def test_lists_longer_than_a_message_may_carry_are_refused_before_they_are_built() -> None:
+    # A 4 MiB READ naming 1M+1 slots (or a lookup of 1M+1 empty keys) would otherwise
+    # make the server build a reply or a list many times the frame's size.
+    from tierkv.net.wire import MAX_LOOKUP_KEYS, MAX_PAGES_PER_MESSAGE
+    n = MAX_PAGES_PER_MESSAGE + 1
+    with pytest.raises(ProtocolError, match="at most"):
+        ReadPages.decode(memoryview(struct.pack("<I", n) + b"\xff\xff\xff\xff" * n))
+    n = MAX_LOOKUP_KEYS + 1
+    with pytest.raises(ProtocolError, match="at most"):
+        decode_keys(struct.pack("<I", n) + b"\0\0" * n)
+    ok = MAX_PAGES_PER_MESSAGE
+    assert len(ReadPages.decode(memoryview(struct.pack("<I", ok) + b"\0" * 4 * ok)).slots) == ok
+
+
 def test_bad_arguments_name_what_was_expected(server: PeerServer) -> None:
     with TcpTransport(*server.address, CFG) as tr:
         row = np.zeros((1, W), np.uint8)

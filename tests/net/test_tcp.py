@@ -201,3 +201,53 @@ def test_two_writers_racing_on_slots_leave_the_newest_generation(server: PeerSer
         res = tr.read(slots, dst).result(T)
     assert res.all_ok and {m.generation for m in res.metas} == {2 * rounds}
     np.testing.assert_array_equal(dst, data[1, rounds - 1])
+
+
+@pytest.fixture
+def small_messages(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Messages of at most 3 pages on both sides (1 GiB of pages in production)."""
+    import tierkv.net.tcp as tcp
+    import tierkv.net.tcp_server as tcp_server
+    monkeypatch.setattr(tcp, "pages_per_message", lambda page_bytes: 3)
+    monkeypatch.setattr(tcp_server, "pages_per_message", lambda page_bytes: 3)
+    return 3
+
+
+def test_batches_a_message_cannot_carry_are_split_and_stay_exact(client: TcpTransport, small_messages: int) -> None:
+    src = pages(8, 4096, seed=8)
+    slots = [9, 1, 2, 30, 31, 4, 5, 60]
+    res = client.write(slots, list(range(1, 9)), src).result(T)
+    assert res.all_stored and len(res.metas) == 8 and [m.slot for m in res.metas] == slots
+    dst = np.zeros_like(src)
+    got = client.read(slots, dst).result(T)
+    assert got.all_ok and [m.slot for m in got.metas] == slots
+    np.testing.assert_array_equal(dst, src)
+    expect = list(res.metas)
+    expect[4] = PageMeta(31, 99, 4096, 0)               # one wrong expectation: that page only
+    got = client.read(slots, np.zeros_like(src), expect).result(T)
+    assert got.ok == (True,) * 4 + (False,) + (True,) * 3
+
+
+def test_a_read_over_the_message_limit_is_refused_by_the_server(server: PeerServer, small_messages: int) -> None:
+    import socket
+
+    from tierkv.net.framing import recv_message, send_message
+    from tierkv.net.wire import Hello, Kind, ReadPages
+    with socket.create_connection(server.address, timeout=5) as sock:
+        send_message(sock, Kind.HELLO, 0, 0, 0, Hello(7).encode())
+        recv_message(sock)
+        send_message(sock, Kind.READ, 0, 0, 1, ReadPages((0, 1, 2, 3)).encode())
+        with pytest.raises((ConnectionError, OSError)):
+            recv_message(sock)                        # cut, no 4-page reply built
+
+
+def test_a_lookup_of_more_keys_than_a_message_carries_is_split(server: PeerServer,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierkv.net.wire as wire
+    import tierkv.tiers.peer as peer
+    monkeypatch.setattr(wire, "MAX_LOOKUP_KEYS", 2)   # the server refuses more than 2 keys
+    monkeypatch.setattr(peer, "MAX_LOOKUP_KEYS", 2)
+    server.store.store([key(i) for i in range(4)], pages(4, 65536, 4))
+    with PeerDramTier(connect(*server.address, kind="tcp")) as tier:
+        metas = tier.lookup([key(0), key(1), key(77), key(2), key(3)])
+        assert [m is not None for m in metas] == [True, True, False, True, True]

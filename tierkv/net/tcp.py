@@ -19,6 +19,7 @@ waiting out their deadline. Replies land in the transport's :class:`~tierkv.net.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -28,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,10 +42,11 @@ from tierkv.net.transport import (CallResult, LinkStats, NetConfig, PeerInfo, Re
                                   WriteResult)
 from tierkv.net.verify import copy_accepted, failed_read, read_args, write_args
 from tierkv.net.wire import (Body, Call, Hello, Kind, PageMeta, Pages, ProtocolError, ReadPages, Reply,
-                             Welcome, WriteAck, WriteStatus, page_checksum)
+                             Welcome, WriteAck, WriteStatus, page_checksum, pages_per_message)
 from tierkv.net.window import Entry, SendWindow
 
 _client_ids = itertools.count(1)
+R = TypeVar("R")
 
 
 @dataclass
@@ -55,6 +57,29 @@ class _Req:
     future: Future[Any]
     on_reply: Callable[[Body], object]
     on_fail: Callable[[str], object]
+
+
+def _in_turn(parts: Sequence[Callable[[], Future[R]]], join: Callable[[list[R]], R]) -> Future[R]:
+    """Issue ``parts`` one after another (each once the one before has resolved, so each
+    has its own deadline: a batch a reply cannot carry takes the time its bytes need)
+    and resolve with ``join`` of their results, in order."""
+    out: Future[R] = Future()
+    results: list[R] = []
+
+    def step(prev: Future[R] | None) -> None:
+        try:
+            if prev is not None:
+                results.append(prev.result())
+            if len(results) == len(parts):
+                out.set_result(join(results))
+                return
+            parts[len(results)]().add_done_callback(step)
+        except BaseException as exc:  # noqa: BLE001 - the joined future carries it
+            if not out.done():
+                out.set_exception(exc)
+
+    step(None)
+    return out
 
 
 def _resolve(e: Entry[_Req], result: object) -> None:
@@ -298,6 +323,19 @@ class TcpTransport(Transport):
     def read(self, slots: Sequence[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None = None,
              channel: int = 0) -> Future[ReadResult]:
         slots = read_args(slots, dst, self.info)
+        per = pages_per_message(self.info.slot_bytes)
+        if len(slots) <= per:
+            return self._read(slots, dst, expect, channel)
+        # A reply carries at most ``per`` pages: split, and answer once every part has.
+        parts = [functools.partial(self._read, slots[i:i + per], dst[i:i + per],
+                                   None if expect is None else expect[i:i + per], channel)
+                 for i in range(0, len(slots), per)]
+        return _in_turn(parts, lambda rs: ReadResult(tuple(o for r in rs for o in r.ok),
+                                                    tuple(m for r in rs for m in r.metas),
+                                                    next((r.error for r in rs if r.error), None)))
+
+    def _read(self, slots: list[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None,
+              channel: int) -> Future[ReadResult]:
         fut: Future[ReadResult] = Future()
         if not slots:
             fut.set_result(ReadResult((), ()))
@@ -317,6 +355,17 @@ class TcpTransport(Transport):
     def write(self, slots: Sequence[int], generations: Sequence[int], src: np.ndarray,
               channel: int = 0) -> Future[WriteResult]:
         slots, generations = write_args(slots, generations, src, self.info)
+        per = pages_per_message(src.shape[1])
+        if len(slots) <= per:
+            return self._write(slots, generations, src, channel)
+        parts = [functools.partial(self._write, slots[i:i + per], generations[i:i + per], src[i:i + per], channel)
+                 for i in range(0, len(slots), per)]
+        return _in_turn(parts, lambda rs: WriteResult(tuple(st for r in rs for st in r.statuses),
+                                                     tuple(m for r in rs for m in r.metas),
+                                                     next((r.error for r in rs if r.error), None)))
+
+    def _write(self, slots: list[int], generations: Sequence[int], src: np.ndarray,
+               channel: int) -> Future[WriteResult]:
         fut: Future[WriteResult] = Future()
         if not slots:
             fut.set_result(WriteResult(()))

@@ -24,7 +24,7 @@ from tierkv.net.credits import ReceiveLedger
 from tierkv.net.framing import recv_message, send_message
 from tierkv.net.server import SlotStore
 from tierkv.net.transport import NetConfig
-from tierkv.net.wire import Body, Call, Header, Kind, Pages, ProtocolError, ReadPages, Welcome
+from tierkv.net.wire import Body, Call, Header, Kind, Pages, ProtocolError, ReadPages, Welcome, pages_per_message
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,9 @@ class TcpServer:
 
     def _reply(self, body: Body) -> tuple[Kind, list[bytes | memoryview]]:
         if isinstance(body, ReadPages):
+            if len(body.slots) > pages_per_message(self.store.slot_bytes):
+                raise ProtocolError(f"a read of {len(body.slots)} pages; a reply carries at most "
+                                    f"{pages_per_message(self.store.slot_bytes)} of {self.store.slot_bytes} bytes")
             metas, parts = self.store.read(body.slots)
             head = Pages(metas, memoryview(b"")).encode()
             return Kind.PAGES, head + list(parts)

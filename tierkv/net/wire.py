@@ -30,6 +30,24 @@ _SUM = struct.Struct("<Q")
 HEADER_BYTES = _HEAD.size + _SUM.size
 _META = struct.Struct("<IQIQ")  # slot, generation, length, checksum
 _COUNT = struct.Struct("<I")
+#: Most pages (slots, metas) one message may name, and most keys one lookup may carry: a
+#: receiver refuses more before building anything, so a small frame cannot make it
+#: allocate a reply or a list many times its size. Senders split larger batches.
+MAX_PAGES_PER_MESSAGE = 1 << 20
+MAX_LOOKUP_KEYS = 1 << 20
+
+
+def pages_per_message(page_bytes: int) -> int:
+    """How many pages of ``page_bytes`` one READ reply or WRITE may carry (at least one)."""
+    fits = (MAX_PAYLOAD_BYTES - _COUNT.size) // (_META.size + max(page_bytes, 0))
+    return max(1, min(MAX_PAGES_PER_MESSAGE, fits))
+
+
+def _count(b: memoryview, what: str, limit: int) -> int:
+    (n,) = _COUNT.unpack_from(b)
+    if n > limit:
+        raise ProtocolError(f"{what} names {n} entries; a message carries at most {limit}")
+    return int(n)
 
 
 class ProtocolError(TierKVError):
@@ -160,7 +178,7 @@ class ReadPages:
 
     @classmethod
     def decode(cls, b: memoryview) -> ReadPages:
-        (n,) = _COUNT.unpack_from(b)
+        n = _count(b, "a read", MAX_PAGES_PER_MESSAGE)
         _need(b, 4 + 4 * n)
         return cls(struct.unpack_from(f"<{n}I", b, 4))
 
@@ -181,7 +199,7 @@ class Pages:
 
     @classmethod
     def decode(cls, b: memoryview) -> Pages:
-        (n,) = _COUNT.unpack_from(b)
+        n = _count(b, "a page list", MAX_PAGES_PER_MESSAGE)
         end = 4 + n * _META.size
         _need(b, end)
         metas = tuple(PageMeta(*_META.unpack_from(b, 4 + i * _META.size)) for i in range(n))
@@ -207,7 +225,7 @@ class WriteAck:
 
     @classmethod
     def decode(cls, b: memoryview) -> WriteAck:
-        (n,) = _COUNT.unpack_from(b)
+        n = _count(b, "a write ack", MAX_PAGES_PER_MESSAGE)
         _need(b, 4 + n)
         return cls(tuple(WriteStatus(x) for x in bytes(b[4:4 + n])))
 
@@ -303,7 +321,7 @@ def decode_keys(b: bytes) -> list[bytes]:
     """The keys of a lookup body; ProtocolError unless the body is exactly a key list."""
     if len(b) < _COUNT.size:
         raise ProtocolError(f"a key list of {len(b)} bytes has no count")
-    (n,) = _COUNT.unpack_from(b)
+    n = _count(memoryview(b), "a key list", MAX_LOOKUP_KEYS)
     keys, at = [], _COUNT.size
     for i in range(n):
         if at + 2 > len(b):

@@ -34,7 +34,7 @@ import numpy as np
 from tierkv.errors import InputError, TierIOError, TierUnavailableError
 from tierkv.net import NetConfig, PeerServer, TransportKind, connect
 from tierkv.net.transport import ReadResult, Transport
-from tierkv.net.wire import PageMeta, WriteStatus, decode_metas, encode_keys
+from tierkv.net.wire import MAX_LOOKUP_KEYS, PageMeta, WriteStatus, decode_metas, encode_keys
 from tierkv.tiers.base import Tier, TierKind
 
 _GRACE_S = 2.0  # beyond the transport's own deadline, which always resolves its futures
@@ -86,10 +86,17 @@ class PeerDramTier(Tier):
     def lookup(self, keys: Sequence[bytes]) -> list[PageMeta | None]:
         """Which of ``keys`` the peer holds (its published pages): their remote metas, or None."""
         self._check_open()
-        res = self._wait(self.transport.call("lookup", encode_keys(keys), next(self._channels)))
-        if not res.ok:
-            raise TierUnavailableError(f"peer lookup of {len(keys)} keys failed: {res.error}")
-        return [m if m.generation else None for m in decode_metas(res.body)]
+        out: list[PageMeta | None] = []
+        for at in range(0, len(keys), MAX_LOOKUP_KEYS):  # the most one lookup may carry
+            part = keys[at:at + MAX_LOOKUP_KEYS]
+            res = self._wait(self.transport.call("lookup", encode_keys(part), next(self._channels)))
+            if not res.ok:
+                raise TierUnavailableError(f"peer lookup of {len(part)} keys failed: {res.error}")
+            metas = decode_metas(res.body)
+            if len(metas) != len(part):
+                raise TierUnavailableError(f"peer answered a lookup of {len(part)} keys with {len(metas)} metas")
+            out.extend(m if m.generation else None for m in metas)
+        return out
 
     def fetch_remote(self, metas: Sequence[PageMeta], dst: np.ndarray) -> ReadResult:
         """Read pages the peer published (found by :meth:`lookup`) by their remote slots;
