@@ -165,6 +165,41 @@ def test_a_client_that_stops_reading_does_not_stall_the_others() -> None:
                 assert time.monotonic() < end, "the server stayed stalled by a client that does not read"
 
 
+def test_clients_that_read_slowly_never_hold_the_workers_from_others() -> None:
+    # Four clients each take their 32 MiB replies 64 KiB at a time, never idle for
+    # timeout_s, so no socket timeout fires: they must not hold the four workers that
+    # every other client's requests need.
+    wide, n = 4 << 20, 8
+    stop = threading.Event()
+    with DramTier(n, wide) as tier, PeerServer(tier, config=CFG) as srv:
+        srv.store.store([bytes([i]) * 16 for i in range(n)], pages(n, wide, 3))
+
+        def slow() -> None:
+            with raw_client(srv) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+                for seq in range(8):
+                    send_message(sock, Kind.READ, 0, 0, seq + 1, ReadPages(tuple(range(n))).encode())
+                while not stop.is_set():
+                    try:
+                        sock.recv(65536)
+                    except OSError:
+                        return
+                    stop.wait(0.4 * CFG.timeout_s)
+
+        slow_clients = [threading.Thread(target=slow, daemon=True) for _ in range(4)]
+        for t in slow_clients:
+            t.start()
+        try:
+            time.sleep(CFG.timeout_s)
+            with TcpTransport(*srv.address, CFG) as good:
+                for _ in range(3):
+                    assert good.call("lookup", encode_keys([b"\0" * 16])).result(10).ok
+        finally:
+            stop.set()
+            for t in slow_clients:
+                t.join(10)
+
+
 def test_a_message_trickled_in_is_cut_at_the_deadline(server: PeerServer) -> None:
     sock = raw_client(server)
     with sock:

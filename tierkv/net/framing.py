@@ -18,7 +18,10 @@ Alloc = Callable[[int], memoryview]
 
 
 def send_message(sock: socket.socket, kind: Kind, channel: int, credits: int, seq: int,
-                 parts: Sequence[bytes | memoryview]) -> None:
+                 parts: Sequence[bytes | memoryview], deadline: float | None = None) -> None:
+    """Send one message whole. With a ``deadline`` (monotonic) a message still going out
+    after it fails (TimeoutError), however the receiver paces its reads (each send is
+    bounded by the socket's own timeout)."""
     head = encode_header(kind, channel, credits, seq, parts)
     bufs = [memoryview(head)] + [memoryview(p).cast("B") for p in parts if len(p)]
     while bufs:
@@ -30,6 +33,9 @@ def send_message(sock: socket.socket, kind: Kind, channel: int, credits: int, se
             else:
                 bufs[0] = bufs[0][n:]
                 n = 0
+        if bufs and deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"a {kind.name} message was not taken in time "
+                               f"({sum(len(b) for b in bufs)} bytes left)")
 
 
 def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = None) -> None:

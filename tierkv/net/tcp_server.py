@@ -1,8 +1,9 @@
 """The TCP fallback's server: serves a :class:`~tierkv.net.server.SlotStore` over plain sockets.
 
 One listener thread accepts; each connection gets a reader thread that checks every
-message and hands it to a small shared worker pool; replies go back under the
-connection's send lock. Receive credits are enforced as RDMA enforces them: each
+message and hands it to a small shared worker pool, and a sender thread that sends the
+replies the workers queue, in order (a reply the client does not take within
+``timeout_s`` cuts its connection), so no client's socket ever holds a worker. Receive credits are enforced as RDMA enforces them: each
 connection has ``recv_credits`` posted receives (a :class:`~tierkv.net.credits.ReceiveLedger`);
 a message beyond them is answered with a NAK (RDMA's RNR NAK), counted in ``naks``, and
 the client retries it. A message that fails its checksum or does not parse closes the
@@ -12,6 +13,7 @@ connection (the client reconnects and resends). Started by :class:`tierkv.net.Pe
 from __future__ import annotations
 
 import logging
+import queue
 import select
 import socket
 import struct
@@ -38,16 +40,38 @@ class ServerStats:
 
 
 class _Conn:
-    def __init__(self, sock: socket.socket, depth: int) -> None:
+    """One client connection. Replies go out on the connection's own sender thread, in
+    the order they were queued, so the shared workers never wait on a client's socket:
+    a client that reads slowly delays only itself, and a reply it has not taken within
+    ``timeout_s`` cuts its connection."""
+
+    def __init__(self, sock: socket.socket, depth: int, timeout_s: float) -> None:
         self.sock = sock
         self.ledger = ReceiveLedger(depth)
-        self.send_lock = threading.Lock()
+        self.timeout_s = timeout_s
         self.open = True
+        self._outbox: queue.SimpleQueue[tuple[Kind, int, int, list[bytes | memoryview]] | None] = queue.SimpleQueue()
+        self.sender = threading.Thread(target=self._send_loop, name="tierkv-peer-send", daemon=True)
 
     def send(self, kind: Kind, channel: int, seq: int, parts: list[bytes | memoryview]) -> None:
-        with self.send_lock:
-            if self.open:
-                send_message(self.sock, kind, channel, self.ledger.take_grants(), seq, parts)
+        if self.open:
+            self._outbox.put((kind, channel, seq, parts))
+
+    def stop(self) -> None:
+        self._outbox.put(None)
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None or not self.open:
+                return
+            kind, channel, seq, parts = item
+            try:
+                send_message(self.sock, kind, channel, self.ledger.take_grants(), seq, parts,
+                             deadline=time.monotonic() + self.timeout_s)
+            except OSError:  # the client is gone, stopped reading, or reads too slowly
+                _shut(self)
+                return
 
 
 class TcpServer:
@@ -111,10 +135,11 @@ class TcpServer:
             tv = struct.pack("ll", int(secs), int((secs % 1) * 1_000_000))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            conn = _Conn(sock, self.config.recv_credits)
+            conn = _Conn(sock, self.config.recv_credits, secs)
             with self._lock:
                 self._conns.add(conn)
                 self._counts["connections"] += 1
+            conn.sender.start()
             threading.Thread(target=self._serve, args=(conn,), name="tierkv-peer-conn", daemon=True).start()
 
     def _serve(self, conn: _Conn) -> None:
@@ -150,8 +175,6 @@ class TcpServer:
             kind, parts = self._reply(body)
             conn.ledger.repost()
             conn.send(kind, header.channel, header.seq, parts)
-        except OSError:
-            _shut(conn)  # the client is gone or stopped reading
         except Exception as e:  # noqa: BLE001 - a worker must not die silently with the credit taken
             self._count("protocol_errors")
             log.warning("peer server: closing a connection after a request it could not answer: %s", e)
@@ -174,6 +197,7 @@ class TcpServer:
 
 def _shut(conn: _Conn) -> None:
     conn.open = False
+    conn.stop()
     try:
         conn.sock.shutdown(socket.SHUT_RDWR)
     except OSError:
