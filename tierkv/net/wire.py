@@ -23,7 +23,7 @@ import xxhash
 from tierkv.errors import InputError, TierKVError
 
 MAGIC = b"TK"
-VERSION = 1
+VERSION = 2  # 2: a page list's frame checksum covers its metas, not its page bytes
 MAX_PAYLOAD_BYTES = 1 << 30  # refuse a header announcing more: a garbage or hostile length
 _HEAD = struct.Struct("<2sBBHHQI")  # magic, version, kind, channel, credits, seq, length
 _SUM = struct.Struct("<Q")
@@ -104,13 +104,41 @@ def page_checksum(data: memoryview | bytes) -> int:
 
 
 # -- framing ----------------------------------------------------------------------------
-def encode_header(kind: Kind, channel: int, credits: int, seq: int, payload: Sequence[bytes | memoryview]) -> bytes:
-    length = sum(len(p) for p in payload)
-    head = _HEAD.pack(MAGIC, VERSION, int(kind), channel, min(credits, 0xFFFF), seq, length)
+# Messages whose payload is a page list: the frame checksum covers the header, the
+# count and the metas; each page's bytes are checked against its meta's own checksum by
+# the receiver, so a page the owner overwrote mid-send is one miss, not a torn frame
+# that costs the whole connection (and the page bytes are hashed once, not twice).
+_PAGE_LISTS = frozenset((4, 5))  # Kind.PAGES, Kind.WRITE (Kind is defined below)
+
+
+def _covered(kind: int, first: bytes | memoryview, length: int) -> int:
+    """How many leading payload bytes the frame checksum covers."""
+    if kind not in _PAGE_LISTS or len(first) < _COUNT.size:
+        return length
+    (n,) = _COUNT.unpack_from(first)
+    return min(length, _COUNT.size + n * _META.size)
+
+
+def _digest(head: bytes, parts: Sequence[bytes | memoryview], upto: int) -> int:
     h = xxhash.xxh3_64(head)
-    for part in payload:
-        h.update(part)
-    return head + _SUM.pack(h.intdigest())
+    for part in parts:
+        if upto <= 0:
+            break
+        view = memoryview(part).cast("B")
+        h.update(view[:upto])
+        upto -= len(view)
+    return h.intdigest()
+
+
+def encode_header(kind: Kind, channel: int, credits: int, seq: int, payload: Sequence[bytes | memoryview]) -> bytes:
+    length = sum(len(memoryview(p).cast("B")) for p in payload)
+    head = _HEAD.pack(MAGIC, VERSION, int(kind), channel, min(credits, 0xFFFF), seq, length)
+    first = b""
+    for part in payload:  # the payload's first bytes (a page list's count), across parts
+        if len(first) >= _COUNT.size:
+            break
+        first += bytes(memoryview(part).cast("B")[:_COUNT.size - len(first)])
+    return head + _SUM.pack(_digest(head, payload, _covered(int(kind), first, length)))
 
 
 def decode_header(raw: bytes | bytearray | memoryview) -> tuple[Header, int]:
@@ -132,10 +160,11 @@ def decode_header(raw: bytes | bytearray | memoryview) -> tuple[Header, int]:
 
 
 def check_payload(raw_header: bytes | bytearray | memoryview, checksum: int, payload: memoryview | bytes) -> None:
-    h = xxhash.xxh3_64(bytes(raw_header[:_HEAD.size]))
-    h.update(payload)
-    if h.intdigest() != checksum:
-        raise ProtocolError(f"message checksum {h.intdigest():#x} does not match the header's {checksum:#x}")
+    head = bytes(raw_header[:_HEAD.size])
+    kind = head[3]
+    got = _digest(head, [payload], _covered(kind, payload, len(payload)))
+    if got != checksum:
+        raise ProtocolError(f"message checksum {got:#x} does not match the header's {checksum:#x}")
 
 
 # -- message bodies ---------------------------------------------------------------------
