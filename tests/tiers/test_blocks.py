@@ -148,3 +148,37 @@ def test_slot_wide_reads_of_coded_pages_pad_with_zeros(tmp_path: Path) -> None:
         t.read(handles, wide)
     np.testing.assert_array_equal(wide[:, :layout.page_bytes], rows)
     assert not wide[:, layout.page_bytes:].any()
+
+
+def test_a_coded_handle_rewritten_with_raw_pages_grows_back(tier: BlockPageTier) -> None:
+    h = tier.allocate(2)
+    tier.write(h, smooth_pages(2))
+    assert all(sum(c for _, c in tier.extents(s) or ()) < BPP for s in h)
+    rand = np.random.default_rng(1).integers(0, 256, (2, PB), dtype=np.uint8)
+    tier.write(h, rand)                              # raw: every block of a page again
+    assert all(sum(c for _, c in tier.extents(s) or ()) == BPP for s in h)
+    back = np.zeros_like(rand)
+    tier.read(h, back)
+    assert np.array_equal(back, rand)
+    tier.write(h, smooth_pages(2, seed=3))           # and shrinks again
+    back = np.zeros_like(rand)
+    tier.read(h, back)
+    assert np.array_equal(back, smooth_pages(2, seed=3))
+
+
+def test_a_rewrite_that_needs_more_blocks_than_are_free_changes_nothing(tmp_path: Path) -> None:
+    zeros = np.zeros((1, PB), np.uint8)              # codes to one block
+    with BlockPageTier(NvmeTier(tmp_path / "b.dat", 2 * BPP, ALIGN), 2, PB,
+                       CodecChoice(CodecMode.LOSSLESS, Codec(LAYOUT))) as t:
+        handles = []
+        for _ in range(5):                           # 5 pages in 2 raw pages' blocks
+            h = t.allocate(1)
+            t.write(h, zeros)
+            handles += h
+        before = [t.extents(s) for s in handles]
+        with pytest.raises(CapacityError, match="rewriting 2 pages needs"):
+            t.write(handles[:2], np.random.default_rng(5).integers(0, 256, (2, PB), dtype=np.uint8))
+        assert [t.extents(s) for s in handles] == before
+        back = np.ones((5, PB), np.uint8)
+        t.read(handles, back)
+        assert not back.any()

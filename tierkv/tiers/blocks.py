@@ -207,7 +207,9 @@ class BlockPageTier(Tier):
             need = [min(bpp, -(-int(s) // ALIGN)) for s in sizes]
         else:
             need = [bpp] * n
-        if any(k < bpp for k in need):
+        with self._lock:
+            have = [extent_blocks(self._pages[h]) for h in slots]
+        if have != need:  # coded pages shrink their reservation; a rewritten handle may grow back
             self._replace(slots, need)
         with self._lock:
             exts = [self._pages[h] for h in slots]
@@ -224,7 +226,11 @@ class BlockPageTier(Tier):
         """Swap each page's worst-case reservation for exactly ``need[i]`` blocks, lowest run
         first: released first, so the batch packs into one run where the room allows."""
         with self._lock:
-            self.blocks.free([b for h in slots for b in block_list(self._pages[h])])
+            held = [b for h in slots for b in block_list(self._pages[h])]
+            if sum(need) - len(held) > self.blocks.num_free:
+                raise CapacityError(f"rewriting {len(slots)} pages needs {sum(need)} blocks; they hold "
+                                    f"{len(held)} and {self.blocks.num_free} more are free")
+            self.blocks.free(held)
             for h, k in zip(slots, need):
                 self._pages[h] = to_extents(self.blocks.allocate(k, contiguous=True))
 
