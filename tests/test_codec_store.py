@@ -124,6 +124,28 @@ def test_auto_follows_the_bandwidth(tmp_path: Path, real: tuple[KVLayout, np.nda
         assert (blocks < 32 * bpp) is coded
 
 
+def test_auto_decides_on_each_tiers_own_pages(tmp_path: Path, real: tuple[KVLayout, np.ndarray],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # The codec's speed is measured once per process, on whatever pages come first; the
+    # ratio must not be: a first store of incompressible pages would otherwise keep
+    # every later tier (and this one, after its data turns compressible) storing raw.
+    import tierkv.store_codec as store_codec
+    monkeypatch.setattr(store_codec, "_MEASURED", {})
+    layout, rows = real
+    bpp = round_up(layout.page_bytes) // ALIGN
+    noise = np.random.default_rng(9).integers(0, 256, rows.shape, dtype=np.uint8)
+    with Store.open(config(tmp_path / "a", layout, nvme_pages=64, codec="auto", bandwidth_gbps=0.002)) as s:
+        s.put(prompt(0, 32), noise)                  # measured here, on noise: stored raw
+        for i in range(store_codec._RESAMPLE_BATCHES + 1):
+            s.put(prompt(1 + i), rows[i % 32][None])  # its pages turn compressible
+    coded = [r for r in records(tmp_path / "a") if sum(c for _, c in r.extents) < bpp]
+    assert coded, "the tier kept storing raw after its pages became compressible"
+    with Store.open(config(tmp_path / "b", layout, nvme_pages=32, codec="auto", bandwidth_gbps=0.002)) as s:
+        s.put(prompt(0, 32), rows)                   # another tier, real pages from its first batch
+    blocks = sum(sum(c for _, c in r.extents) for r in records(tmp_path / "b"))
+    assert blocks < 32 * bpp
+
+
 # -- capacity -----------------------------------------------------------------------------------
 def pages_held_before_evicting(path: Path, layout: KVLayout, rows: np.ndarray, codec: str, n: int) -> int:
     with Store.open(config(path, layout, nvme_pages=n, codec=codec)) as s:

@@ -2,15 +2,19 @@
 
 One :class:`CodecChoice` per tier holds its ``codec`` setting (``none``, ``lossless``,
 ``auto``) and, for ``auto``, the two figures :func:`tierkv.codec.should_compress`
-weighs: the codec's throughput, measured once per process on the first pages the
-tier stores (and cached for every tier of the same layout and thread count), and the
-tier's bandwidth per direction, either the configured ``bandwidth_gbps`` hint or
-measured from the tier's own transfers. Called by :mod:`tierkv.tiers.blocks` with the
+weighs: the codec's speed, measured once per process on the first pages the tier
+stores (and cached for every tier of the same layout and thread count); the ratio the
+tier's own pages code to, kept per tier from the pages it codes and, while it stores
+raw, from a page sampled every ``_RESAMPLE_BATCHES`` batches (so a first batch of
+incompressible pages does not decide for the tier's life); and the tier's bandwidth
+per direction, either the configured ``bandwidth_gbps`` hint or measured from the
+tier's own transfers. Called by :mod:`tierkv.tiers.blocks` with the
 store lock held; no I/O here apart from the one-off codec measurement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -29,6 +33,10 @@ _SAMPLE_PAGES = 8
 _EWMA = 0.25
 # Transfers smaller than this say more about syscall latency than bandwidth.
 _MIN_SAMPLE_BYTES = 1 << 20
+# While auto stores raw, one page of every this many batches is coded to refresh the ratio.
+_RESAMPLE_BATCHES = 16
+# Weight of the newest batch in a tier's coding ratio.
+_RATIO_EWMA = 0.5
 
 
 def codec_throughput(codec: Codec, sample_rows: np.ndarray) -> CodecThroughput:
@@ -73,6 +81,20 @@ class CodecChoice:
         self.codec = codec
         self.hint_gbps = hint_gbps
         self.meter = BandwidthMeter()
+        self._ratio: float | None = None  # blob bytes over page bytes of this tier's pages
+        self._raw_batches = 0
+
+    @property
+    def ratio(self) -> float | None:
+        """The coding ratio of this tier's recent pages (None before auto has sampled one)."""
+        return self._ratio
+
+    def observe(self, page_bytes: int, blob_bytes: int) -> None:
+        """Pages of ``page_bytes`` in all coded to ``blob_bytes``: the tier's ratio follows."""
+        if page_bytes <= 0:
+            return
+        r = blob_bytes / page_bytes
+        self._ratio = r if self._ratio is None else (1 - _RATIO_EWMA) * self._ratio + _RATIO_EWMA * r
 
     def tier_gbps(self, direction: Direction) -> float | None:
         return self.hint_gbps if self.hint_gbps > 0 else self.meter.gbps(direction)
@@ -90,5 +112,14 @@ class CodecChoice:
         if write_gbps is None or read_gbps is None or rows.shape[0] == 0:
             return False
         tp = codec_throughput(self.codec, rows)
-        return (should_compress(self.mode, tp, write_gbps, Direction.WRITE)
-                and should_compress(self.mode, tp, read_gbps, Direction.READ))
+        if self._ratio is None or self._raw_batches >= _RESAMPLE_BATCHES:
+            sample = np.ascontiguousarray(rows[:1])
+            out = np.empty((1, self.codec.max_encoded_bytes), dtype=np.uint8)
+            self.observe(sample.nbytes, int(self.codec.encode_into(sample, out).sum()))
+            self._raw_batches = 0
+        assert self._ratio is not None
+        mine = dataclasses.replace(tp, ratio=self._ratio)
+        code = (should_compress(self.mode, mine, write_gbps, Direction.WRITE)
+                and should_compress(self.mode, mine, read_gbps, Direction.READ))
+        self._raw_batches = 0 if code else self._raw_batches + 1
+        return code

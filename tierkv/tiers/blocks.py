@@ -204,6 +204,7 @@ class BlockPageTier(Tier):
             assert self.choice.codec is not None
             staged = aligned_empty(n * self._stride).reshape(n, self._stride)
             sizes = self.choice.codec.encode_into(src, staged)
+            self.choice.observe(src.nbytes, int(sizes.sum()))
             need = [min(bpp, -(-int(s) // ALIGN)) for s in sizes]
         else:
             need = [bpp] * n
