@@ -93,6 +93,23 @@ def test_auto_compresses_only_where_it_pays() -> None:
         should_compress(CodecMode.AUTO, None, 1.0, Direction.READ)
 
 
+def test_modes_spelled_as_in_the_config_and_bad_arguments_name_what_was_expected() -> None:
+    from tierkv.codec import peek_header
+    from tierkv.config import NvmeConfig
+    t = CodecThroughput(ratio=0.5, compress_gbps=100.0, decompress_gbps=100.0, threads=1)
+    assert not should_compress("none", t, 0.01, Direction.WRITE)       # was taken for "code it"
+    assert should_compress("lossless", None, 1.0, Direction.WRITE)
+    assert should_compress("auto", t, 0.01, Direction.WRITE)
+    with pytest.raises(ConfigError, match="none, lossless, auto"):
+        should_compress("zstd", t, 1.0, Direction.WRITE)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="a string"):
+        NvmeConfig(1 << 20, codec=None)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="KVLayout"):
+        Codec("bf16")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="blob's bytes"):
+        peek_header("TK" * 30)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("native", IMPLS)
 def test_measure_throughput(native: bool) -> None:
     rows = normal_pages(LAYOUT, 2)

@@ -31,6 +31,8 @@ class CodecMode(enum.Enum):
     def parse(cls, value: str | CodecMode) -> CodecMode:
         if isinstance(value, CodecMode):
             return value
+        if not isinstance(value, str):
+            raise ConfigError(f"codec must be one of none, lossless, auto (a string), got {value!r}")
         try:
             return cls(str(value).lower())
         except ValueError:
@@ -66,9 +68,11 @@ class CodecThroughput:
         return self.seconds(1 << 30, tier_gbps, direction) < (1 << 30) / (tier_gbps * 1e9)
 
 
-def should_compress(mode: CodecMode, throughput: CodecThroughput | None, tier_gbps: float,
+def should_compress(mode: CodecMode | str, throughput: CodecThroughput | None, tier_gbps: float,
                     direction: Direction) -> bool:
-    """The decision for one tier and direction; ``auto`` needs a measured throughput."""
+    """The decision for one tier and direction; ``auto`` needs a measured throughput.
+    ``mode`` is a CodecMode or its config spelling ("none", "lossless", "auto")."""
+    mode = CodecMode.parse(mode)
     if mode is CodecMode.NONE:
         return False
     if mode is CodecMode.LOSSLESS:

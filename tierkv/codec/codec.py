@@ -82,6 +82,9 @@ class Codec:
     """
 
     def __init__(self, layout: KVLayout, threads: int = 1, native: bool | None = None) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InputError(f"Codec takes the store's KVLayout (layers, heads, head_dim, dtype, "
+                             f"tokens per page), got {type(layout).__name__} {layout!r}")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise InputError(f"codec threads must be a positive integer, got {threads!r}")
         if native and _native is None:

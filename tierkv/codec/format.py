@@ -148,7 +148,11 @@ def peek_header(blob: bytes | bytearray | memoryview) -> PageHeader:
     Does not verify the checksum (decoding does); trailing bytes after the blob are
     allowed, as when a tier returns whole blocks.
     """
-    view = memoryview(blob).cast("B")
+    try:
+        view = memoryview(blob).cast("B")
+    except TypeError:
+        raise InputError(f"peek_header takes a blob's bytes (bytes, bytearray, memoryview or a uint8 "
+                         f"array), got {type(blob).__name__}") from None
     if len(view) < HEADER_BYTES:
         raise CorruptPageError(f"a codec page has a {HEADER_BYTES}-byte header, got {len(view)} bytes")
     (magic, codec, version, dtype, mode, kind, _, layers, tokens, heads, head_dim, plen,
