@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +28,15 @@ from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys,
                          tenant_salt)
 from tierkv.layout import KVLayout
 from tierkv.manager import Entry
-from tierkv.plans import Plan
 from tierkv.opening import open_store_parts, release_dir
 from tierkv.pages import PageBatch, PageSource, Rows, page_list, page_rows
 from tierkv.peering import Peering
+from tierkv.pins import PinLedger
+from tierkv.plans import Plan
 from tierkv.results import GetResult as GetResult
 from tierkv.results import LookupResult as LookupResult
 from tierkv.results import PutResult as PutResult
-from tierkv.stats import Counters, StoreStats, TierStats
+from tierkv.stats import Counters, StoreStats
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.blocks import BlockPageTier
 from tierkv.transfer import Transfers
@@ -45,14 +45,6 @@ log = logging.getLogger(__name__)
 
 #: Name prefix of the prefetch worker thread (close() called on it must not join it).
 _PREFETCH_THREAD = "tierkv-prefetch"
-
-
-@dataclass(frozen=True)
-class _Pin:
-    """One ``pin`` call: the keys of the pages it pinned, concatenated, and their entries."""
-
-    keys: bytes
-    entries: list[Entry]
 
 
 class Store:
@@ -69,12 +61,11 @@ class Store:
         # Per calling thread, the key blob of its last get until its put: engines that serve
         # requests on several threads interleave their gets and puts.
         self._announced = threading.local()
-        # Outstanding pins, by the key of their first page: what each pin call took.
-        self._pins: dict[bytes, list[_Pin]] = {}
         self._counters = Counters()
         self._dir = Path(config.path)
         parts = open_store_parts(config, read_only)
         self._lockfile, self._index, self._manager = parts.lock_fd, parts.index, parts.manager
+        self._pins = PinLedger(self._manager)  # what each pin call took
         self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_PREFETCH_THREAD)
         self._peering: Peering | None = None
@@ -330,42 +321,21 @@ class Store:
         """
         with self._lock:
             self._check_writable_open()
-            entries = self._leading(self._keys(tokens, tenant), 1 << 62)
-            if entries:
-                for e in entries:
-                    self._manager.pin(e.key, +1)
-                self._pins.setdefault(entries[0].key, []).append(_Pin(b"".join(e.key for e in entries), entries))
-            return len(entries)
+            return self._pins.pin(self._leading(self._keys(tokens, tenant), 1 << 62))
 
     def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
         """Release one earlier ``pin`` of these tokens; returns how many pages it unpinned.
 
         Exactly the pages that pin took are released: not pages cached since, nor pins
         other holders took on longer prompts. Of the pins outstanding whose pages are a
-        prefix of ``tokens``' pages, the longest is released (pins on one prefix are
-        interchangeable, so every holder that unpins what it pinned releases one). A
+        prefix of ``tokens``' pages, the longest is released (see :mod:`tierkv.pins`). A
         page that has left the store since (one that failed its checksum, say) took
         its pins with it and is not counted, even if it was stored again. Returns 0
         when no such pin is outstanding.
         """
         with self._lock:
             self._check_writable_open()
-            blob = self._keys(tokens, tenant)
-            held = self._pins.get(blob[:KEY_BYTES])
-            if not held:
-                return 0
-            fits = [i for i, p in enumerate(held) if blob.startswith(p.keys)]
-            if not fits:
-                return 0
-            taken = held.pop(max(fits, key=lambda i: len(held[i].keys)))
-            if not held:
-                del self._pins[blob[:KEY_BYTES]]
-            released = 0
-            for e in taken.entries:
-                if self._manager.entry(e.key) is e:  # not removed (and maybe re-stored) since
-                    self._manager.pin(e.key, -1)
-                    released += 1
-            return released
+            return self._pins.unpin(self._keys(tokens, tenant))
 
     def _check_writable_open(self) -> None:
         self._check_open()
@@ -375,18 +345,7 @@ class Store:
     def stats(self) -> StoreStats:
         """A snapshot of the per-tier and store-wide counters."""
         with self._lock:
-            c = self._counters
-            tiers = {
-                t.kind.value: TierStats(t.kind.value, c.tier_hits[t.kind.value], t.num_slots,
-                                        t.num_slots - t.num_free, t.slot_bytes, c.tier_read[t.kind.value],
-                                        c.tier_written[t.kind.value], c.tier_io_s[t.kind.value],
-                                        "available" if t.available else "degraded")
-                for t in self._manager.tiers
-            }
-            ev = c.events
-            return StoreStats(tiers, dict(c.moved), dict(c.moved_s), ev["lookups"], ev["pages_requested"], ev["pages_hit"],
-                              ev["pages_stored"], ev["pages_dropped"], ev["evictions"], ev["promotions"],
-                              ev["corrupt_pages"], c.tier_hits[TierKind.PEER.value])
+            return self._counters.snapshot(self._manager.tiers)
 
     def close(self) -> None:
         """Finish background work, flush and release every tier, the index and the lock.

@@ -10,7 +10,12 @@ and once as ``"nvme->dram"`` (the copy written up into DRAM from that same read)
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierkv.tiers.base import Tier
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,20 @@ class Counters:
         self.tier_read: Counter[str] = Counter()
         self.tier_written: Counter[str] = Counter()
         self.tier_io_s: defaultdict[str, float] = defaultdict(float)
+
+    def snapshot(self, tiers: Sequence[Tier]) -> StoreStats:
+        """The counters as a :class:`StoreStats`, with each tier's occupancy and state now."""
+        stats = {
+            t.kind.value: TierStats(t.kind.value, self.tier_hits[t.kind.value], t.num_slots,
+                                    t.num_slots - t.num_free, t.slot_bytes, self.tier_read[t.kind.value],
+                                    self.tier_written[t.kind.value], self.tier_io_s[t.kind.value],
+                                    "available" if t.available else "degraded")
+            for t in tiers
+        }
+        ev = self.events
+        return StoreStats(stats, dict(self.moved), dict(self.moved_s), ev["lookups"], ev["pages_requested"],
+                          ev["pages_hit"], ev["pages_stored"], ev["pages_dropped"], ev["evictions"],
+                          ev["promotions"], ev["corrupt_pages"], self.tier_hits["peer"])
 
     def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float, src_read: bool = True) -> None:
         """Count a transfer between a tier pair and the wall time it took. ``src_read=False``:
