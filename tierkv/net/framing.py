@@ -17,15 +17,26 @@ from tierkv.net.wire import HEADER_BYTES, Body, Header, Kind, check_payload, dec
 Alloc = Callable[[int], memoryview]
 
 
-def send_message(sock: socket.socket, kind: Kind, channel: int, credits: int, seq: int,
-                 parts: Sequence[bytes | memoryview], deadline: float | None = None) -> None:
-    """Send one message whole. With a ``deadline`` (monotonic) a message still going out
-    after it fails (TimeoutError), however the receiver paces its reads (each send is
-    bounded by the socket's own timeout)."""
+def frame(kind: Kind, channel: int, credits: int, seq: int, parts: Sequence[bytes | memoryview]) -> list[memoryview]:
+    """One message as the buffers to send: its header, then the non-empty payload parts."""
     head = encode_header(kind, channel, credits, seq, parts)
-    bufs = [memoryview(head)] + [memoryview(p).cast("B") for p in parts if len(p)]
+    return [memoryview(head)] + [memoryview(p).cast("B") for p in parts if len(p)]
+
+
+def send_buffers(sock: socket.socket, bufs: list[memoryview], deadline: float | None = None, *,
+                 nowait: bool = False) -> list[memoryview]:
+    """Send ``bufs`` in order. With a ``deadline`` (monotonic) bytes still going out after
+    it fail the send (TimeoutError), however the receiver paces its reads (each send is
+    bounded by the socket's own timeout). ``nowait``: send only what the socket takes
+    now and return the rest (empty when everything went)."""
+    flags = socket.MSG_DONTWAIT if nowait else 0
     while bufs:
-        n = sock.sendmsg(bufs[:64])
+        try:
+            n = sock.sendmsg(bufs[:64], [], flags)
+        except BlockingIOError:
+            if nowait:
+                return bufs
+            raise
         while n:
             if n >= len(bufs[0]):
                 n -= len(bufs[0])
@@ -34,8 +45,14 @@ def send_message(sock: socket.socket, kind: Kind, channel: int, credits: int, se
                 bufs[0] = bufs[0][n:]
                 n = 0
         if bufs and deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"a {kind.name} message was not taken in time "
-                               f"({sum(len(b) for b in bufs)} bytes left)")
+            raise TimeoutError(f"a message was not taken in time ({sum(len(b) for b in bufs)} bytes left)")
+    return bufs
+
+
+def send_message(sock: socket.socket, kind: Kind, channel: int, credits: int, seq: int,
+                 parts: Sequence[bytes | memoryview], deadline: float | None = None) -> None:
+    """Send one message whole (``deadline`` as for :func:`send_buffers`)."""
+    send_buffers(sock, frame(kind, channel, credits, seq, parts), deadline)
 
 
 def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = None) -> None:

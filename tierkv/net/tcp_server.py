@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tierkv.net.credits import ReceiveLedger
-from tierkv.net.framing import recv_message, send_message
+from tierkv.net.framing import frame, recv_message, send_buffers
 from tierkv.net.server import SlotStore
 from tierkv.net.transport import NetConfig
 from tierkv.net.wire import Body, Call, Header, Kind, Pages, ProtocolError, ReadPages, Welcome, pages_per_message
@@ -39,23 +39,49 @@ class ServerStats:
     protocol_errors: int
 
 
+class _Wake:
+    """Queued to a connection's sender when a worker left part of a reply for it."""
+
+
+_Item = tuple[Kind, int, int, list[bytes | memoryview]] | _Wake | None
+
+
 class _Conn:
-    """One client connection. Replies go out on the connection's own sender thread, in
-    the order they were queued, so the shared workers never wait on a client's socket:
-    a client that reads slowly delays only itself, and a reply it has not taken within
-    ``timeout_s`` cuts its connection."""
+    """One client connection. A worker sends its reply itself only when nothing is queued
+    or half-sent and the socket takes the whole reply at once; anything else goes to the
+    connection's own sender thread, so the shared workers never wait on a client's
+    socket: a client that reads slowly delays only itself, and a reply it has not taken
+    within ``timeout_s`` cuts its connection. ``_wire`` keeps messages whole on the
+    socket (replies themselves may go out in any order: each names its request)."""
 
     def __init__(self, sock: socket.socket, depth: int, timeout_s: float) -> None:
         self.sock = sock
         self.ledger = ReceiveLedger(depth)
         self.timeout_s = timeout_s
         self.open = True
-        self._outbox: queue.SimpleQueue[tuple[Kind, int, int, list[bytes | memoryview]] | None] = queue.SimpleQueue()
+        self._wire = threading.Lock()
+        self._rest: list[memoryview] | None = None  # the unsent end of a message (under _wire)
+        self._outbox: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self.sender = threading.Thread(target=self._send_loop, name="tierkv-peer-send", daemon=True)
 
     def send(self, kind: Kind, channel: int, seq: int, parts: list[bytes | memoryview]) -> None:
-        if self.open:
-            self._outbox.put((kind, channel, seq, parts))
+        if not self.open:
+            return
+        if self._outbox.empty() and self._wire.acquire(blocking=False):
+            try:
+                if self._rest is None:
+                    rest = send_buffers(self.sock, frame(kind, channel, self.ledger.take_grants(), seq, parts),
+                                        nowait=True)
+                    if rest:
+                        self._rest = rest
+                        self._outbox.put(_Wake())
+                    return
+            except OSError:  # the client is gone
+                _shut(self)
+                return
+            finally:
+                self._wire.release()
+        self._outbox.put((kind, channel, seq, parts))
 
     def stop(self) -> None:
         self._outbox.put(None)
@@ -65,10 +91,15 @@ class _Conn:
             item = self._outbox.get()
             if item is None or not self.open:
                 return
-            kind, channel, seq, parts = item
             try:
-                send_message(self.sock, kind, channel, self.ledger.take_grants(), seq, parts,
-                             deadline=time.monotonic() + self.timeout_s)
+                with self._wire:
+                    if self._rest is not None:
+                        send_buffers(self.sock, self._rest, time.monotonic() + self.timeout_s)
+                        self._rest = None
+                    if not isinstance(item, _Wake):
+                        kind, channel, seq, parts = item
+                        send_buffers(self.sock, frame(kind, channel, self.ledger.take_grants(), seq, parts),
+                                     time.monotonic() + self.timeout_s)
             except OSError:  # the client is gone, stopped reading, or reads too slowly
                 _shut(self)
                 return
