@@ -251,3 +251,65 @@ def test_a_lookup_of_more_keys_than_a_message_carries_is_split(server: PeerServe
     with PeerDramTier(connect(*server.address, kind="tcp")) as tier:
         metas = tier.lookup([key(0), key(1), key(77), key(2), key(3)])
         assert [m is not None for m in metas] == [True, True, False, True, True]
+
+
+def test_a_split_batch_does_not_stall_its_link_behind_a_full_window(server: PeerServer,
+                                                                   small_messages: int) -> None:
+    # The next part of a split batch waits for room in the send window. Issued from the
+    # link's reader (the previous part's callback), that wait stopped the reader: nothing
+    # drained the window, every request expired and the link was dropped.
+    config = NetConfig(window=2, links=1, timeout_s=2.0)
+    with TcpTransport(*server.address, config) as tr:
+        assert tr.write(list(range(32)), [1] * 32, pages(32, 4096, seed=3)).result(T).all_stored
+        stop = threading.Event()
+
+        def hammer() -> None:
+            one = np.empty((1, 4096), np.uint8)
+            while not stop.is_set():
+                tr.read([5], one).result(T)
+        threads = [threading.Thread(target=hammer) for _ in range(12)]
+        for t in threads:
+            t.start()
+        try:
+            for _ in range(3):
+                res = tr.read(list(range(32)), np.empty((32, 4096), np.uint8)).result(T)
+                assert res.all_ok, res.error
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(T)
+        assert sum(s.expired for s in tr.stats()) == 0 and sum(s.reconnects for s in tr.stats()) == 0
+
+
+def test_a_peer_tier_waits_for_every_part_and_nothing_lands_after_it_gives_up(
+        server: PeerServer, small_messages: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import tierkv.net.server as srv
+    import tierkv.tiers.peer as peer
+    monkeypatch.setattr(peer, "pages_per_message", lambda page_bytes: 3)
+    monkeypatch.setattr(peer, "_GRACE_S", 0.5)
+    config = NetConfig(links=1, timeout_s=1.0)
+    with PeerDramTier(connect(*server.address, kind="tcp", config=config), num_slots=16) as tier:
+        tier.write(list(range(12)), np.full((12, 65536), 7, np.uint8))
+        read = srv.SlotStore.read
+
+        def slow(self: srv.SlotStore, slots: list[int]) -> object:
+            time.sleep(0.6)                             # each part well inside its 1 s deadline
+            return read(self, slots)
+        monkeypatch.setattr(srv.SlotStore, "read", slow)
+        # Four parts of 0.6 s: past one deadline and its grace together (2.4 s against
+        # 1.5 s), yet each part is in time. The tier waits one deadline per part.
+        dst = np.zeros((12, 65536), np.uint8)
+        assert tier.fetch(list(range(12)), dst).all_ok
+        assert (dst == 7).all()
+        # A tier that gives up (its own deadline cut short here) does so only once no part
+        # is in flight: nothing is written into the caller's buffer after it raised.
+        tier._timeout_s = 0.1
+        monkeypatch.setattr(peer, "_GRACE_S", 1.0)      # gives up at 1.4 s, in the third part
+        dst = np.zeros((12, 65536), np.uint8)
+        with pytest.raises(TierUnavailableError):
+            tier.fetch(list(range(12)), dst)
+        filled = int((dst[:, 0] == 7).sum())
+        time.sleep(1.5)
+        assert int((dst[:, 0] == 7).sum()) == filled < 12   # the part in flight landed, no later one went

@@ -1,7 +1,8 @@
 """Whole messages over a stream socket: send a header and payload parts, receive one
 message into a caller-chosen buffer. Used by :mod:`tierkv.net.tcp` (both sides) and by
-the RDMA transport's out-of-band handshake. Not thread-safe per socket: callers hold a
-send lock; one reader per socket.
+the RDMA transport's out-of-band handshake. Not thread-safe per socket: one sender at
+a time (the server's connections serialize theirs with a lock, the client's with its
+sender thread) and one reader per socket.
 """
 
 from __future__ import annotations

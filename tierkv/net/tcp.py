@@ -27,9 +27,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from tierkv.net.credits import CreditGate
 from tierkv.net.framing import recv_message, send_message
 from tierkv.net.mux import Mux
 from tierkv.net.pool import Block, PagePool
+from tierkv.net.split import in_turn
 from tierkv.net.transport import (CallResult, LinkStats, NetConfig, PeerInfo, ReadResult, Transport,
                                   WriteResult)
 from tierkv.net.verify import copy_accepted, failed_read, read_args, write_args
@@ -46,7 +47,6 @@ from tierkv.net.wire import (Body, Call, Hello, Kind, PageMeta, Pages, ProtocolE
 from tierkv.net.window import Entry, SendWindow
 
 _client_ids = itertools.count(1)
-R = TypeVar("R")
 
 
 @dataclass
@@ -57,29 +57,6 @@ class _Req:
     future: Future[Any]
     on_reply: Callable[[Body], object]
     on_fail: Callable[[str], object]
-
-
-def _in_turn(parts: Sequence[Callable[[], Future[R]]], join: Callable[[list[R]], R]) -> Future[R]:
-    """Issue ``parts`` one after another (each once the one before has resolved, so each
-    has its own deadline: a batch a reply cannot carry takes the time its bytes need)
-    and resolve with ``join`` of their results, in order."""
-    out: Future[R] = Future()
-    results: list[R] = []
-
-    def step(prev: Future[R] | None) -> None:
-        try:
-            if prev is not None:
-                results.append(prev.result())
-            if len(results) == len(parts):
-                out.set_result(join(results))
-                return
-            parts[len(results)]().add_done_callback(step)
-        except BaseException as exc:  # noqa: BLE001 - the joined future carries it
-            if not out.done():
-                out.set_exception(exc)
-
-    step(None)
-    return out
 
 
 def _resolve(e: Entry[_Req], result: object) -> None:
@@ -293,6 +270,8 @@ class TcpTransport(Transport):
         self.address = (host, port)
         self.pool = pool or PagePool(self.config.pool_bytes)
         self._links: list[TcpLink] = []
+        # Issues the later parts of a batch too large for one message (tierkv.net.split).
+        self._parts = ThreadPoolExecutor(2, thread_name_prefix="tierkv-peer-parts")
         try:
             for _ in range(max(1, self.config.links)):
                 self._links.append(TcpLink(host, port, self.config, self.pool))
@@ -330,9 +309,10 @@ class TcpTransport(Transport):
         parts = [functools.partial(self._read, slots[i:i + per], dst[i:i + per],
                                    None if expect is None else expect[i:i + per], channel)
                  for i in range(0, len(slots), per)]
-        return _in_turn(parts, lambda rs: ReadResult(tuple(o for r in rs for o in r.ok),
+        return in_turn(parts, lambda rs: ReadResult(tuple(o for r in rs for o in r.ok),
                                                     tuple(m for r in rs for m in r.metas),
-                                                    next((r.error for r in rs if r.error), None)))
+                                                    next((r.error for r in rs if r.error), None)),
+                       self._parts)
 
     def _read(self, slots: list[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None,
               channel: int) -> Future[ReadResult]:
@@ -360,9 +340,10 @@ class TcpTransport(Transport):
             return self._write(slots, generations, src, channel)
         parts = [functools.partial(self._write, slots[i:i + per], generations[i:i + per], src[i:i + per], channel)
                  for i in range(0, len(slots), per)]
-        return _in_turn(parts, lambda rs: WriteResult(tuple(st for r in rs for st in r.statuses),
+        return in_turn(parts, lambda rs: WriteResult(tuple(st for r in rs for st in r.statuses),
                                                      tuple(m for r in rs for m in r.metas),
-                                                     next((r.error for r in rs if r.error), None)))
+                                                     next((r.error for r in rs if r.error), None)),
+                       self._parts)
 
     def _write(self, slots: list[int], generations: Sequence[int], src: np.ndarray,
                channel: int) -> Future[WriteResult]:
@@ -405,6 +386,7 @@ class TcpTransport(Transport):
         self._closed = True
         for link in self._links:
             link.close()
+        self._parts.shutdown(wait=False)  # queued parts run, find the links closed, and fail
 
     def _submit(self, channel: int, req: _Req) -> None:
         if self._closed:

@@ -34,7 +34,7 @@ import numpy as np
 from tierkv.errors import InputError, TierIOError, TierUnavailableError
 from tierkv.net import NetConfig, PeerServer, TransportKind, connect
 from tierkv.net.transport import ReadResult, Transport
-from tierkv.net.wire import MAX_LOOKUP_KEYS, PageMeta, WriteStatus, decode_metas, encode_keys
+from tierkv.net.wire import MAX_LOOKUP_KEYS, PageMeta, WriteStatus, decode_metas, encode_keys, pages_per_message
 from tierkv.tiers.base import Tier, TierKind
 
 _GRACE_S = 2.0  # beyond the transport's own deadline, which always resolves its futures
@@ -69,8 +69,10 @@ class PeerDramTier(Tier):
         self._lock = threading.Lock()
         self._last_gen = 0
         self._channels = itertools.cycle(range(max(1, channels)))
-        timeout = getattr(transport, "config", None)
-        self._wait_s = getattr(timeout, "timeout_s", 5.0) + _GRACE_S
+        config = getattr(transport, "config", None)
+        self._timeout_s: float = getattr(config, "timeout_s", 5.0)
+        # A batch one message cannot carry goes out as parts, each with its own deadline.
+        self._per_message = pages_per_message(info.slot_bytes)
 
     @property
     def available(self) -> bool:
@@ -102,7 +104,8 @@ class PeerDramTier(Tier):
         """Read pages the peer published (found by :meth:`lookup`) by their remote slots;
         a page whose generation or checksum changed since the lookup is a miss."""
         self._check_open()
-        return self._wait(self.transport.read([m.slot for m in metas], dst, list(metas), next(self._channels)))
+        return self._wait(self.transport.read([m.slot for m in metas], dst, list(metas), next(self._channels)),
+                          len(metas))
 
     # -- the Tier interface -------------------------------------------------------------
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
@@ -110,7 +113,8 @@ class PeerDramTier(Tier):
         with self._lock:  # a failed write leaves no expectation: the slot reads as a miss
             for s in slots:
                 self._expect.pop(s, None)
-        res = self._wait(self.transport.write([self.base_slot + s for s in slots], gens, src, next(self._channels)))
+        res = self._wait(self.transport.write([self.base_slot + s for s in slots], gens, src, next(self._channels)),
+                         len(slots))
         failed = 0
         with self._lock:
             for s, st, m in zip(slots, res.statuses, res.metas or [None] * len(slots)):
@@ -135,7 +139,7 @@ class PeerDramTier(Tier):
             expect = [self._expect.get(s) for s in slots]
         remote = [self.base_slot + s for s in slots]
         # A slot this tier never wrote has nothing to expect: its read is a miss by design.
-        res = self._wait(self.transport.read(remote, dst, expect, next(self._channels)))
+        res = self._wait(self.transport.read(remote, dst, expect, next(self._channels)), len(slots))
         if any(e is None for e in expect):
             ok = tuple(o and e is not None for o, e in zip(res.ok, expect))
             res = ReadResult(ok, res.metas, res.error or "slot never written through this tier")
@@ -147,11 +151,21 @@ class PeerDramTier(Tier):
             self._last_gen = first + n - 1
         return list(range(first, first + n))
 
-    def _wait(self, fut: Future[T]) -> T:
+    def _wait(self, fut: Future[T], pages: int = 1) -> T:
+        """The result of a transfer of ``pages`` pages. The transport resolves each part of
+        it within its own deadline; past all of them and a grace, give up, but only once no
+        part is in flight, so nothing lands in the caller's buffer after this returns."""
+        parts = max(1, -(-pages // self._per_message))
+        limit = parts * self._timeout_s + _GRACE_S
         try:
-            return fut.result(timeout=self._wait_s)
+            return fut.result(timeout=limit)
         except TimeoutError:
-            raise TierUnavailableError(f"peer transfer unresolved after {self._wait_s} s") from None
+            fut.cancel()
+            settled = getattr(fut, "settled", None)  # a split batch (tierkv.net.split)
+            if settled is not None and not settled.wait(self._timeout_s + _GRACE_S):
+                raise TierUnavailableError(f"peer transfer of {pages} pages unresolved after {limit:.1f} s "
+                                           "and a part still in flight") from None
+            raise TierUnavailableError(f"peer transfer of {pages} pages unresolved after {limit:.1f} s") from None
 
     def _close(self) -> None:
         if self._owns:
