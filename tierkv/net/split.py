@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from tierkv.errors import StoreClosedError
 
+P = TypeVar("P")
 R = TypeVar("R")
 
 
@@ -34,12 +35,12 @@ class Split(Future[R]):
         self.settled = threading.Event()
 
 
-def in_turn(parts: Sequence[Callable[[], Future[R]]], join: Callable[[list[R]], R],
+def in_turn(parts: Sequence[Callable[[], Future[P]]], join: Callable[[list[P]], R],
             executor: Executor) -> Split[R]:
     """Issue ``parts`` one after another on ``executor`` and resolve with ``join`` of
     their results, in order; the first part that raises fails the whole batch."""
     out: Split[R] = Split()
-    results: list[R] = []
+    results: list[P] = []
 
     def finish(result: R | None = None, exc: BaseException | None = None) -> None:
         try:
@@ -62,7 +63,7 @@ def in_turn(parts: Sequence[Callable[[], Future[R]]], join: Callable[[list[R]], 
             return
         part.add_done_callback(resolved)
 
-    def resolved(part: Future[R]) -> None:  # on the thread that resolved the part: never blocks
+    def resolved(part: Future[P]) -> None:  # on the thread that resolved the part: never blocks
         try:
             results.append(part.result())
         except BaseException as exc:  # noqa: BLE001
