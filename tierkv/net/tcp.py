@@ -310,8 +310,8 @@ class TcpTransport(Transport):
                                    None if expect is None else expect[i:i + per], channel)
                  for i in range(0, len(slots), per)]
         return in_turn(parts, lambda rs: ReadResult(tuple(o for r in rs for o in r.ok),
-                                                    tuple(m for r in rs for m in r.metas),
-                                                    next((r.error for r in rs if r.error), None)),
+                                                   tuple(m for r in rs for m in r.metas),
+                                                   next((r.error for r in rs if r.error), None)),
                        self._parts)
 
     def _read(self, slots: list[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None,
@@ -341,8 +341,8 @@ class TcpTransport(Transport):
         parts = [functools.partial(self._write, slots[i:i + per], generations[i:i + per], src[i:i + per], channel)
                  for i in range(0, len(slots), per)]
         return in_turn(parts, lambda rs: WriteResult(tuple(st for r in rs for st in r.statuses),
-                                                     tuple(m for r in rs for m in r.metas),
-                                                     next((r.error for r in rs if r.error), None)),
+                                                    tuple(m for r in rs for m in r.metas),
+                                                    next((r.error for r in rs if r.error), None)),
                        self._parts)
 
     def _write(self, slots: list[int], generations: Sequence[int], src: np.ndarray,
