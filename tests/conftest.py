@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.layout import KVLayout
 

@@ -351,7 +351,7 @@ def test_new_keyset_prefers_native(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("tenant", ["\udc80", bytearray(b"t"), ["t"], 7])
 def test_bad_tenants_are_input_errors_in_the_store_too(tmp_path: Path, tenant: object) -> None:
     from tests.conftest import make_config
-    from tierkv.api import Store
+    from tierkv.store.api import Store
 
     with Store.open(make_config(tmp_path / "s", 4, 0)) as s:
         with pytest.raises(InputError, match="tenant salt"):

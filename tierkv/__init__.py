@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "GetResult": "tierkv.api", "LookupResult": "tierkv.api", "PutResult": "tierkv.api", "Store": "tierkv.api",
+    "GetResult": "tierkv.store.api", "LookupResult": "tierkv.store.api", "PutResult": "tierkv.store.api", "Store": "tierkv.store.api",
     "DramConfig": "tierkv.config", "HbmConfig": "tierkv.config", "NvmeConfig": "tierkv.config", "StoreConfig": "tierkv.config",
     "load_config": "tierkv.config", "TierKVError": "tierkv.errors", "DType": "tierkv.layout",
     "KVLayout": "tierkv.layout", "LayoutKind": "tierkv.layout",
@@ -21,7 +21,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from tierkv.api import GetResult, LookupResult, PutResult, Store
+    from tierkv.store.api import GetResult, LookupResult, PutResult, Store
     from tierkv.config import DramConfig, HbmConfig, NvmeConfig, StoreConfig, load_config
     from tierkv.errors import TierKVError
     from tierkv.layout import DType, KVLayout, LayoutKind

@@ -2,6 +2,6 @@
 
 import sys
 
-from tierkv.cli import main
+from tierkv.cli.main import main
 
 sys.exit(main())

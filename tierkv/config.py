@@ -169,7 +169,7 @@ def _endpoint(text: object, what: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class PeersConfig:
-    """Handing pages between nodes (``tierkv.peering``, docs/rdma.md).
+    """Handing pages between nodes (``tierkv.store.peering``, docs/rdma.md).
 
     ``serve = "host:port"`` exposes this store's DRAM tier to other nodes (read-only to
     them; port 0 picks a free one, see ``Store.peer_address``). ``fetch`` lists peers a

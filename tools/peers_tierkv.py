@@ -33,7 +33,7 @@ sys.path.insert(0, str(PEERS))
 sys.path.insert(0, str(HERE.parent))
 import common  # type: ignore[import-not-found]  # noqa: E402
 
-from tierkv.api import Store  # noqa: E402
+from tierkv.store.api import Store  # noqa: E402
 from tierkv.bench.store import _layout_for  # noqa: E402
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig  # noqa: E402
 

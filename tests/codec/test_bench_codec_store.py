@@ -9,7 +9,7 @@ import pytest
 
 from tests.codec.conftest import requires_kv
 from tierkv.bench.codec_store import run_codec_store_bench
-from tierkv.cli import main
+from tierkv.cli.main import main
 
 
 @requires_kv

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tierkv.engine.cuda import cupy_present
-from tierkv.engine.layout import EngineLayout, EngineLayoutKind
+from tierkv.engine.geometry import EngineLayout, EngineLayoutKind
 from tierkv.engine.rows import CopyPath
 
 HAS_CUDA = torch.cuda.is_available()

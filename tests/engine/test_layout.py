@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.engine.layout import EngineLayout, EngineLayoutKind
+from tierkv.engine.geometry import EngineLayout, EngineLayoutKind
 from tierkv.errors import LayoutError
 from tierkv.layout import DType, KVLayout, LayoutKind
 

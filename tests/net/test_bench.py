@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tierkv.bench import net
-from tierkv.cli import main
+from tierkv.cli.main import main
 from tierkv.net import NetConfig, connect
 
 from tests.net.peers import free_port, pages, server_process

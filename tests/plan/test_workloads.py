@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tierkv.errors import InputError
-from tierkv.plan.workloads import ParamWorkload, param_workload
+from tierkv.workload.params import ParamWorkload, param_workload
 
 
 @pytest.mark.parametrize("kwargs, message", [

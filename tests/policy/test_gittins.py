@@ -10,7 +10,7 @@ from tierkv.keys import PageKey
 from tierkv.policy import DEFAULT_POLICY, make_policy
 from tierkv.policy.gittins import ABANDONED, GittinsPolicy
 from tierkv.policy.hazard import age_bin
-from tierkv.sim.engine import SimManager
+from tierkv.sim.mirror import SimManager
 from tierkv.sim.run import Workload, simulate
 from tierkv.workload import parse_mix, synthetic
 from tests.policy.helpers import everything, k, next_request, store

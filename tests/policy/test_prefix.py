@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import tierkv.policy.gittins as gittins
 from tierkv.keys import PageKey
 from tierkv.policy import make_policy
-from tierkv.sim.engine import SimManager
+from tierkv.sim.mirror import SimManager
 from tests.policy.helpers import prefix_workloads
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tests.conftest import LAYOUT, PB, make_config
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.config import config_from_dict
 from tierkv.errors import TierKVError
 from tierkv.workload import read_mooncake

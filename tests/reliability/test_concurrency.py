@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.conftest import PB, make_config, page_data
-from tierkv.api import Store
+from tierkv.store.api import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = 2
@@ -33,7 +33,7 @@ import json, sys, time
 import numpy as np
 from tests.conftest import PB, make_config, page_data
 from tests.reliability.test_concurrency import prompt, PAGES, N_PROMPTS
-from tierkv.api import Store
+from tierkv.store.api import Store
 served = wrong = 0
 deadline = time.monotonic() + float(sys.argv[2])
 with Store.open(make_config(sys.argv[1], 4, 64), read_only=True) as store:

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import PB, make_config, page_data
-from tierkv.api import Store
-from tierkv.opening import LABEL_BYTES
+from tierkv.store.api import Store
+from tierkv.store.opening import LABEL_BYTES
 from tierkv.config import StoreConfig
 
 N = 12  # prompts of 2 pages, all on the NVMe tier (no DRAM)

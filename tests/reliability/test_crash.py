@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.conftest import PB, make_config, page_data
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.tiers.base import TierKind
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ import sys
 import numpy as np
 from tests.conftest import PB, make_config, page_data
 from tests.reliability.test_crash import prompt, PAGES, N_PROMPTS
-from tierkv.api import Store
+from tierkv.store.api import Store
 rng = np.random.default_rng(int(sys.argv[2]))
 store = Store.open(make_config(sys.argv[1], 4, 48))
 print("ready", flush=True)

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import PB, make_config
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.errors import StoreClosedError, TierIOError
-from tierkv.index import IndexRecord, PersistentIndex
+from tierkv.store.index import IndexRecord, PersistentIndex
 from tierkv.keys import PageKey, split_keys
 from tierkv.tiers.base import TierKind
-from tierkv.transfer import Transfers
+from tierkv.store.transfer import Transfers
 
 
 def toks(i: int, pages: int = 1) -> np.ndarray:

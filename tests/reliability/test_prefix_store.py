@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import LAYOUT, PB, make_config
-from tierkv.api import Store
+from tierkv.store.api import Store
 
 TPP = LAYOUT.tokens_per_page
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.conftest import PB, make_config, page_data
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.keys import namespace_digest, page_keys
 from tierkv.tiers.base import TierKind
 

@@ -8,7 +8,7 @@ under ``tests/rig`` is marked ``rig`` and skipped unless that variable is set, s
 run collects these tests and skips them.
 
 The guest runs pytest with ``--confcutdir=tests/rig``: ``tests/conftest.py`` (which
-imports ``tierkv.api`` and so torch, about 100 s under TCG) is not loaded here. A rig test
+imports ``tierkv.store.api`` and so torch, about 100 s under TCG) is not loaded here. A rig test
 that needs the store imports it itself and pays for it once.
 
 Fixtures:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.rig.conftest import RIG_ADDR, RIG_HOSTNQN, RIG_NQN
 from tests.polling import wait_for
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.config import DramConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.layout import KVLayout

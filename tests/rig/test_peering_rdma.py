@@ -17,7 +17,7 @@ from tests.rig.conftest import RIG_ADDR
 
 pytest.importorskip("pyverbs")
 
-from tierkv.api import Store  # noqa: E402
+from tierkv.store.api import Store  # noqa: E402
 from tierkv.config import DramConfig, PeersConfig, StoreConfig  # noqa: E402
 from tierkv.layout import KVLayout  # noqa: E402
 from tierkv.net import rdma_available  # noqa: E402

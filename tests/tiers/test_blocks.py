@@ -14,10 +14,10 @@ import pytest
 
 from tierkv.codec import Codec, CodecMode
 from tierkv.errors import CapacityError, InputError
-from tierkv.index import IndexRecord
+from tierkv.store.index import IndexRecord
 from tierkv.keys import PageKey
 from tierkv.layout import DType, KVLayout
-from tierkv.store_codec import CodecChoice
+from tierkv.store.coding import CodecChoice
 from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.base import SlotAllocator
 from tierkv.tiers.blocks import BlockPageTier, UndecodablePageError, block_list, to_extents

@@ -12,9 +12,9 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from tierkv.checksum import checksum64
+from tierkv.store.checksum import checksum64
 from tierkv.errors import CapacityError, InputError, StoreClosedError
-from tierkv.pages import PageList
+from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier
 

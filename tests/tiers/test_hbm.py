@@ -13,14 +13,14 @@ import torch
 
 from tests.conftest import LAYOUT, PB, page_data
 from tests.engine.targets import DEVICES, random_bytes
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.config import DramConfig, HbmConfig, NvmeConfig, StoreConfig, config_from_dict
 from tierkv.errors import CapacityError, ConfigError, InputError, StoreClosedError
 from tierkv.keys import as_token_array
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.hbm import HbmTier, dram_rows, dram_to_hbm, hbm_to_dram
-from tierkv.transfer import COPY_TABLE
+from tierkv.store.transfer import COPY_TABLE
 
 TIMEOUT_S = 30
 WIDTH = 4096

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.bench import check_dir
 from tierkv.bench.codec import kv_pages, load_kv
 from tierkv.config import NvmeConfig, StoreConfig

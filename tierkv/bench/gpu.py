@@ -23,7 +23,7 @@ is best, and names it.
 
 Every measured result is checked after its timed runs, outside them, against a
 reference built with plain torch indexing from the source tensors (page format:
-:class:`~tierkv.engine.layout.PageGeometry`): gathers against the pages, scatters and
+:class:`~tierkv.engine.geometry.PageGeometry`): gathers against the pages, scatters and
 tier copies against the whole destination, so untargeted blocks and slots must be
 untouched. Source rows are bit-flipped before each copy, so a copy that does nothing
 cannot pass. Each case reports ``verified`` (and ``error`` when false); the result's

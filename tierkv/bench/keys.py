@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from tierkv.api import LookupResult, Store
+from tierkv.store.api import LookupResult, Store
 from tierkv.config import DramConfig, StoreConfig
 from tierkv.errors import InputError, TierKVError
 from tierkv.keys import as_token_array, chain_keys, namespace_digest, native_available, new_keyset

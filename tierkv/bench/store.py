@@ -1,7 +1,7 @@
 """Store-level DRAM benchmark: ``Store.put``/``Store.get`` against a numpy copy of the same bytes.
 
 Measures what an engine sees through the API (keys, lookup, placement and the copy),
-not just the tier's copy loop. Called by :mod:`tierkv.bench.main`.
+not just the tier's copy loop. Called by :mod:`tierkv.bench.headline`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.config import DramConfig, StoreConfig
 from tierkv.layout import DType, KVLayout
 

@@ -1,6 +1,6 @@
 """Engine-facing copies: a serving engine's paged KV <-> store pages, and DRAM <-> HBM.
 
-- :mod:`tierkv.engine.layout`: the engine's declared layout (``FLASH``, ``BLOCKS_FIRST``,
+- :mod:`tierkv.engine.geometry`: the engine's declared layout (``FLASH``, ``BLOCKS_FIRST``,
   ``MLA``) and its mapping onto store pages;
 - :mod:`tierkv.engine.kv`: :class:`EngineKV`, batched ``gather`` / ``scatter``;
 - :mod:`tierkv.engine.layerwise`: ``load_layers``, one completion per layer;
@@ -18,7 +18,7 @@ emulation, for tests). docs/engine.md has the details and the measured figures.
 
 from tierkv.engine.kv import EngineKV, gather, scatter
 from tierkv.engine.layerwise import LayerwiseLoad, load_layers
-from tierkv.engine.layout import EngineLayout, EngineLayoutKind, PageGeometry
+from tierkv.engine.geometry import EngineLayout, EngineLayoutKind, PageGeometry
 from tierkv.engine.rows import CopyPath, default_path
 from tierkv.engine.streams import Completion, CopyStream
 

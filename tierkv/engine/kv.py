@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from tierkv.engine import cuda
-from tierkv.engine.layout import EngineLayout, EngineLayoutKind, PageGeometry
+from tierkv.engine.geometry import EngineLayout, EngineLayoutKind, PageGeometry
 from tierkv.engine.rows import CopyPath, Indices, as_indices, check_rows, check_rows_tensor, copy_runs, parse_path
 from tierkv.errors import InputError
 from tierkv.layout import KVLayout

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from tierkv.api import LookupResult, Store
+from tierkv.store.api import LookupResult, Store
 from tierkv.errors import InputError
 from tierkv.keys import PageKey, Tokens, as_token_array, namespace_digest, page_keys
 
@@ -133,7 +133,7 @@ class _Tracked:
 
 
 class OffloadScheduler:
-    """The scheduler half of the adapter over one open :class:`~tierkv.api.Store`.
+    """The scheduler half of the adapter over one open :class:`~tierkv.store.api.Store`.
 
     The store must stay open while the scheduler is used; closing it is the caller's.
     """

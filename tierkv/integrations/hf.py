@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.errors import CapacityError, ConfigError, InputError, TierIOError
 from tierkv.integrations import MissingDependencyError
 from tierkv.integrations.adapter import OffloadScheduler

@@ -26,7 +26,7 @@ from typing import Protocol, Self
 
 import torch
 
-from tierkv.api import Store
+from tierkv.store.api import Store
 from tierkv.errors import InputError, StoreClosedError, TierKVError
 from tierkv.integrations.adapter import LoadSpec, StoreSpec
 

@@ -7,7 +7,7 @@ crossovers, NIC load with and without DualPath, and the cheapest configuration m
 target. Modules, in the order the planner uses them: ``models``, ``hardware``,
 ``workloads``, ``hitrate`` (the seam to ``tierkv.sim``), ``costs``, ``sizing``,
 ``evaluate``, ``network``, ``recommend``, ``planner``, ``report``, ``plot``, ``cli``.
-The CLI registers :func:`tierkv.plan.cli.add_parser`; the model of every output is in
+The CLI registers :func:`tierkv.cli.plan.add_parser`; the model of every output is in
 ``docs/plan.md``. Nothing is imported here, so registering the subcommand stays cheap:
 import the modules (``tierkv.plan.planner.make_plan``, ``tierkv.plan.hitrate.hit_rate_curve``).
 """

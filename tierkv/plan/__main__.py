@@ -2,6 +2,6 @@
 
 import sys
 
-from tierkv.plan.cli import main
+from tierkv.cli.main import main
 
-sys.exit(main())
+sys.exit(main(["plan", *sys.argv[1:]]))

@@ -7,7 +7,7 @@ bandwidths accept ``"64GiB"``, ``"50GB"`` (decimal, so ``"50GB"`` of bandwidth i
 50e9 bytes/s) or plain numbers; capacities are whole bytes up to 1 EiB, bandwidths at
 least 1 byte/s. A missing, unknown or out-of-range field raises
 :class:`tierkv.errors.ConfigError` naming the file, the table and the field.
-Called by :mod:`tierkv.plan.cli` and :mod:`tierkv.plan.planner`.
+Called by :mod:`tierkv.cli.plan` and :mod:`tierkv.plan.planner`.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import numpy as np
 
 from tierkv.errors import InputError
 from tierkv.progress import task_progress
-from tierkv.workload import MOONCAKE_BLOCK_TOKENS, Request
+from tierkv.workload.trace import MOONCAKE_BLOCK_TOKENS, Request
 
 #: Stack depth of a block never seen before.
 COLD = np.iinfo(np.int64).max

@@ -6,7 +6,7 @@ quadratic part of prefill FLOPs), the parameters active per token (for the linea
 part) and the weight bytes (for the HBM left to the KV cache). Built-in models are the
 relevant fields of each model's public ``config.json``, parsed by the same
 :func:`from_hf_config` as a user's file, so one code path serves both. Called by
-:mod:`tierkv.plan.planner` and :mod:`tierkv.plan.cli`.
+:mod:`tierkv.plan.planner` and :mod:`tierkv.cli.plan`.
 """
 
 from __future__ import annotations

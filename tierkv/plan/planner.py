@@ -25,7 +25,7 @@ from tierkv.plan.models import ModelSpec
 from tierkv.plan.network import Scenario, scenarios
 from tierkv.plan.recommend import Recommendation, Target, recommend
 from tierkv.plan.sizing import Deployment, ResolvedTier, deployment, resolve_tiers
-from tierkv.workload import MOONCAKE_BLOCK_TOKENS, Request
+from tierkv.workload.trace import MOONCAKE_BLOCK_TOKENS, Request
 
 #: Tokens per block of the workloads (Mooncake convention); the hit-rate unit.
 BLOCK_TOKENS = MOONCAKE_BLOCK_TOKENS

@@ -4,7 +4,7 @@ Left: prefix hit rate against cache capacity (bytes, log scale), each tier's spa
 cumulative capacity shaded. Right: time to load a prefix from each tier and time to
 recompute it, against prompt length, with the crossovers marked. Needs matplotlib (the
 ``plot`` extra); without it, :class:`tierkv.errors.InputError` says how to get it.
-Called by :mod:`tierkv.plan.cli`.
+Called by :mod:`tierkv.cli.plan`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Rendering a :class:`tierkv.plan.planner.Plan`: one JSON object, or rich tables on the terminal.
 
 The JSON keys are the interface (documented in ``docs/plan.md``); the tables show the
-same numbers rounded. Called by :mod:`tierkv.plan.cli`.
+same numbers rounded. Called by :mod:`tierkv.cli.plan`.
 """
 
 from __future__ import annotations

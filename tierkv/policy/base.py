@@ -1,7 +1,7 @@
 """The policy interface: the manager tells a policy what happened, it answers with victims.
 
 A policy governs one tier. It does no I/O, no logging and no metrics; it only keeps
-the order in which its pages should leave. Called by :mod:`tierkv.manager` under the
+the order in which its pages should leave. Called by :mod:`tierkv.store.manager` under the
 store lock, so implementations need not be thread-safe.
 """
 

@@ -1,6 +1,6 @@
 """Runs the rig: setup, one boot of the guest, reading its results back, teardown.
 
-Called by :mod:`tierkv.rig.cli`. Blocks the calling thread; one rig per work folder at
+Called by :mod:`tierkv.cli.rig`. Blocks the calling thread; one rig per work folder at
 a time (the VM's output folder is shared). A boot past its timeout has its whole process
 group (vng and QEMU) killed and is reported, never left running.
 """
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierkv.rig.plan import Command, GuestMode, RigEnv, RigError, RigOptions
+from tierkv.rig.recipe import Command, GuestMode, RigEnv, RigError, RigOptions
 
 _KILL_GRACE_S = 5.0
 

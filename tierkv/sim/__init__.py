@@ -1,10 +1,9 @@
 """The trace simulator behind ``tierkv sim``: policies over a workload, hit rates, no bytes.
 
-:mod:`tierkv.sim.engine` mirrors the block manager's policy calls; :mod:`tierkv.sim.run`
+:mod:`tierkv.sim.mirror` mirrors the block manager's policy calls; :mod:`tierkv.sim.run`
 runs one policy at one tier configuration; :mod:`tierkv.sim.stack` gives plain LRU at
-every capacity from one pass; :mod:`tierkv.sim.cli` is the command (``add_parser`` for
-``tierkv``'s parser, ``main_sim`` standalone); :mod:`tierkv.sim.plot` draws the curves.
-Importing the package is cheap; the rest loads on first use.
+every capacity from one pass; :mod:`tierkv.sim.plot` draws the curves. The command is
+:mod:`tierkv.cli.sim`. Importing the package is cheap; the rest loads on first use.
 """
 
 from __future__ import annotations
@@ -12,14 +11,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from tierkv.sim.cli import add_parser, main_sim, run_sim
-
 if TYPE_CHECKING:
-    from tierkv.sim.engine import SimManager
+    from tierkv.sim.mirror import SimManager
     from tierkv.sim.run import SimResult, Workload, parse_capacities, simulate
     from tierkv.sim.stack import lru_curve
 
-_LAZY = {"SimManager": "engine", "SimResult": "run", "Workload": "run", "parse_capacities": "run",
+_LAZY = {"SimManager": "mirror", "SimResult": "run", "Workload": "run", "parse_capacities": "run",
          "simulate": "run", "lru_curve": "stack"}
 
 
@@ -29,5 +26,4 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'tierkv.sim' has no attribute {name!r}")
 
 
-__all__ = ["SimManager", "SimResult", "Workload", "add_parser", "lru_curve", "main_sim", "parse_capacities",
-           "run_sim", "simulate"]
+__all__ = ["SimManager", "SimResult", "Workload", "lru_curve", "parse_capacities", "simulate"]

@@ -1,7 +1,7 @@
-"""``python -m tierkv.sim ...`` runs ``tierkv sim`` on its own."""
+"""``python -m tierkv.sim [args]``: ``tierkv sim`` on its own."""
 
 import sys
 
-from tierkv.sim.cli import main_sim
+from tierkv.cli.main import main
 
-sys.exit(main_sim())
+sys.exit(main(["sim", *sys.argv[1:]]))

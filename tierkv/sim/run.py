@@ -4,10 +4,10 @@ A :class:`Workload` turns requests into the page keys the store would see (one k
 per full block; block ids are prefix-chained, so equal ids are equal pages), and
 remembers how many blocks each request asked for in all, partial last block
 included: the hit rate's denominator. :func:`simulate` runs one policy over one
-tier configuration through :class:`~tierkv.sim.engine.SimManager`; ``"opt"`` is
+tier configuration through :class:`~tierkv.sim.mirror.SimManager`; ``"opt"`` is
 Belady's OPT (:mod:`tierkv.policy.belady`) fed the workload's future.
 
-Called by :mod:`tierkv.sim.cli` and the tests; single-threaded.
+Called by :mod:`tierkv.cli.sim` and the tests; single-threaded.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from tierkv.keys import PageKey
 from tierkv.policy import POLICY_NAMES, make_policy
 from tierkv.policy.base import Policy
 from tierkv.policy.belady import BeladyPolicy, Future
-from tierkv.sim.engine import SimManager
-from tierkv.workload import MOONCAKE_BLOCK_TOKENS, Request
+from tierkv.sim.mirror import SimManager
+from tierkv.workload.trace import MOONCAKE_BLOCK_TOKENS, Request
 
 #: Policy names the simulator knows beyond the store's: Belady's OPT and the one-pass LRU curve.
 OPT = "opt"

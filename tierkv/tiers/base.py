@@ -3,11 +3,11 @@
 A tier is a fixed array of equal-size *slots* on one medium (HBM, DRAM, a file or
 block device, an NVMe-oF namespace). It moves bytes between caller buffers and
 slots and owns the free list; it never decides which page goes where (that is the
-manager's job) and it knows nothing of keys. Called by :mod:`tierkv.api` through the
+manager's job) and it knows nothing of keys. Called by :mod:`tierkv.store.api` through the
 transfer table, and by the conformance suite in ``tests/tiers``.
 
 Buffers are numpy ``uint8`` arrays of shape ``(n, page_bytes)`` (C-contiguous rows), or
-for writes a :class:`~tierkv.pages.PageList` of separate pages; ``page_bytes <= slot_bytes``.
+for writes a :class:`~tierkv.store.pages.PageList` of separate pages; ``page_bytes <= slot_bytes``.
 ``read`` and ``write`` can also return each row's checksum (``checksums=True``), which
 the persistent tiers compute on their I/O threads. Thread-safety: ``allocate``/``free``/``claim`` are safe
 from any thread; ``read``/``write`` on disjoint slots may run concurrently.
@@ -24,9 +24,9 @@ from typing import Literal, Self, overload
 
 import numpy as np
 
-from tierkv.checksum import checksum64, checksum_rows
+from tierkv.store.checksum import checksum64, checksum_rows
 from tierkv.errors import CapacityError, InputError, StoreClosedError
-from tierkv.pages import PageList
+from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
 
 
@@ -53,7 +53,7 @@ class TierKind(enum.Enum):
     DRAM = ("dram", 1)
     NVME = ("nvme", 2)
     NVMEOF = ("nvmeof", 3)
-    # Not a tier of this store: pages a get loaded from another node's DRAM (tierkv.peering).
+    # Not a tier of this store: pages a get loaded from another node's DRAM (tierkv.store.peering).
     PEER = ("peer", 4)
 
 
@@ -207,7 +207,7 @@ class Tier(abc.ABC):
     def write(self, slots: Sequence[int], src: np.ndarray | PageList, *, checksums: bool = False) -> list[int] | None:
         """Copy row ``i`` of ``src`` into slot ``slots[i]``.
 
-        ``src`` is a batch, or a :class:`~tierkv.pages.PageList` of separate pages (DRAM and
+        ``src`` is a batch, or a :class:`~tierkv.store.pages.PageList` of separate pages (DRAM and
         NVMe tiers take each page from where it is; the others stack them once).
         ``checksums``: also return the xxh3-64 of each row written; tiers that move chunks on
         several threads hash each chunk on the thread that moved it, overlapping the rest's I/O.

@@ -6,7 +6,7 @@ slots (its *blocks*). A page's slot is an opaque handle; the page occupies a sho
 list of block runs (*extents*), which the index records so a restart can claim them
 back. The manager reserves worst-case room (a raw page's ``ceil(page_bytes / 4096)``
 blocks) when it plans; when the pages are written, the tier codes them with the
-lossless KV codec (where its :class:`~tierkv.store_codec.CodecChoice` says so) and
+lossless KV codec (where its :class:`~tierkv.store.coding.CodecChoice` says so) and
 re-places each page in exactly the blocks its blob needs, lowest run first, so
 compressed pages pack together and the tier holds more pages than its raw capacity.
 
@@ -20,7 +20,7 @@ each page against its recorded checksum as for every persistent tier).
 A freed handle stays readable until the next write into the tier, as a freed slot's
 bytes do on a slot tier: a plan reads the pages it moves out of a tier before it
 writes into that tier (deepest tier first). Thread-safety as for every tier. Built by
-:mod:`tierkv.opening` for ``codec = "lossless"`` or ``"auto"``.
+:mod:`tierkv.store.opening` for ``codec = "lossless"`` or ``"auto"``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 
 from tierkv.codec import Direction, max_encoded_bytes
 from tierkv.errors import CapacityError, InputError, TierIOError
-from tierkv.store_codec import CodecChoice
+from tierkv.store.coding import CodecChoice
 from tierkv.tiers.aligned import ALIGN, aligned_empty, round_up
 from tierkv.tiers.base import Extents, Tier
 from tierkv.tiers.nvme import NvmeTier

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tierkv.errors import CapacityError
-from tierkv.pages import PageList
+from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.units import format_size

@@ -5,7 +5,7 @@ subsystem at that address, for that host NQN, is already there), finds the names
 block device through that controller in sysfs, reports whether the controller is live,
 and reconnects once the kernel has given up on it (after ``ctrl_loss_tmo``).
 :func:`open_nvmeof_tier` builds the tier from ``[tiers.nvmeof]``.
-Called by :mod:`tierkv.opening`; the tier polls the link from its monitor thread.
+Called by :mod:`tierkv.store.opening`; the tier polls the link from its monitor thread.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ like every tier (pageable rows are staged through pinned memory); ``read_into`` 
 a CUDA event completes, for engines. Every copy runs on the tier's own CUDA stream.
 
 :func:`hbm_to_dram` and :func:`dram_to_hbm` are the copy-table entries (see
-:mod:`tierkv.transfer`): one batched copy between the pinned DRAM buffer and the pool,
+:mod:`tierkv.store.transfer`): one batched copy between the pinned DRAM buffer and the pool,
 no staging. Volatile. Thread-safe as every tier (disjoint slots may be copied
 concurrently). Called by the API's tier set-up and by engine connectors.
 """

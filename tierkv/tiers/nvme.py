@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierkv.checksum import checksum64
+from tierkv.store.checksum import checksum64
 from tierkv.errors import InputError, StoreClosedError, TierIOError
-from tierkv.pages import PageList
+from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, is_aligned, round_up
 from tierkv.tiers.backing import open_backing, oserr
 from tierkv.tiers.base import Tier, TierKind

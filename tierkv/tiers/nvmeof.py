@@ -21,7 +21,7 @@ memory); the slots of a write that timed out are held back from reuse until the
 stuck syscall returns, so a late write cannot clobber a page stored after recovery;
 and every page read is checked against its checksum by the store anyway.
 
-Built by :mod:`tierkv.opening` from ``[tiers.nvmeof]``; the link comes from
+Built by :mod:`tierkv.store.opening` from ``[tiers.nvmeof]``; the link comes from
 :mod:`tierkv.tiers.fabric` (``nvmeof`` host code) or is a fixed device path.
 """
 
@@ -40,7 +40,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from tierkv.errors import InputError, TierIOError, TierUnavailableError
-from tierkv.pages import PageList
+from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.backing import open_backing

@@ -11,7 +11,7 @@
 # Usage: guest.sh check|test OUT [PYTEST ARGS...]
 # Environment: TIERKV_RIG_PY, the guest venv's python (required); other TIERKV_RIG_* knobs
 # come from the host (`tierkv rig` forwards them): TIERKV_RIG_BACKEND (see tests/rig/conftest.py),
-# TIERKV_RIG_TIME_IMPORT=1 (check mode also times `import tierkv.api`).
+# TIERKV_RIG_TIME_IMPORT=1 (check mode also times `import tierkv.store.api`).
 # Exit status: pytest's in test mode; in check mode 0 when every step worked. A failed
 # bring-up step exits 3 before pytest runs.
 set -u
@@ -64,7 +64,7 @@ if [ "$MODE" = check ]; then
     rdma link show; ibv_devices
     ls /sys/kernel/config/nvmet
     # Opt-in (about 100 s under TCG, nearly all of it torch): TIERKV_RIG_TIME_IMPORT=1.
-    [ "${TIERKV_RIG_TIME_IMPORT:-0}" = 1 ] && step import_tierkv_api "$PY" -c 'import tierkv.api'
+    [ "${TIERKV_RIG_TIME_IMPORT:-0}" = 1 ] && step import_tierkv_api "$PY" -c 'import tierkv.store.api'
     if [ -f "$REPO/tierkv/doctor.py" ]; then
         "$PY" -m tierkv doctor --json > "$OUT/doctor.json" || echo "!!! tierkv doctor exited $?"
         phase doctor

@@ -60,7 +60,7 @@ if ! "$VNG_VENV/bin/vng" --version >/dev/null 2>&1; then
 fi
 
 # ---- the guest's Python: Debian's 3.11 (pyverbs and libnvme are built for it) ----
-# torch: tierkv.api and the tiers import it, and so does tests/conftest.py; the CPU wheel
+# torch: tierkv.store.api and the tiers import it, and so does tests/conftest.py; the CPU wheel
 # pin keeps pip from pulling a multi-GB CUDA build. The project itself is not installed:
 # guest.sh puts the checkout on PYTHONPATH, so nothing is written into the repo.
 GUEST_VENV=$WORK/guest-venv

@@ -1,0 +1,417 @@
+"""The Python API serving engines use: open a store, then lookup, get, put, prefetch, pin.
+
+``Store.open(config)`` builds the tiers (HBM, DRAM, NVMe), the LMDB index and the
+block manager (:mod:`tierkv.store.opening`) from a :class:`~tierkv.config.StoreConfig` or a
+TOML file. All public methods
+are thread-safe (one store lock); I/O runs on the tiers' thread pools. A second
+process can open the same store with ``read_only=True`` and read what the writer has
+committed; only one writer at a time holds the store.
+
+Pages are keyed by their tokens (see :mod:`tierkv.keys`), so callers pass token ids
+and page tensors, never keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from tierkv.config import StoreConfig, load_config
+from tierkv.errors import InputError, StoreClosedError, TierIOError
+from tierkv.store.index_check import mark_clean
+from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest, split_keys,
+                         tenant_salt)
+from tierkv.layout import KVLayout
+from tierkv.store.manager import Entry
+from tierkv.store.opening import open_store_parts, release_dir
+from tierkv.store.pages import PageBatch, PageSource, Rows, page_list, page_rows
+from tierkv.store.peering import Peering
+from tierkv.store.pins import PinLedger
+from tierkv.store.moves import MovePlan
+from tierkv.store.results import GetResult as GetResult
+from tierkv.store.results import LookupResult as LookupResult
+from tierkv.store.results import PutResult as PutResult
+from tierkv.store.stats import Counters, StoreStats
+from tierkv.tiers.base import TierKind
+from tierkv.tiers.blocks import BlockPageTier
+from tierkv.store.transfer import Transfers
+
+log = logging.getLogger(__name__)
+
+#: Name prefix of the prefetch worker thread (close() called on it must not join it).
+_PREFETCH_THREAD = "tierkv-prefetch"
+
+
+class Store:
+    """A tiered KV page store. Use ``Store.open(...)`` and close it (or use ``with``)."""
+
+    def __init__(self, config: StoreConfig, *, read_only: bool = False) -> None:
+        self.config = config
+        self.layout: KVLayout = config.layout
+        self.read_only = read_only
+        self._lock = threading.RLock()
+        self._closed = False
+        self._released = threading.Event()  # set once close() has released everything
+        self._namespaces: dict[bytes, bytes] = {}
+        # Per calling thread, the key blob of its last get until its put: engines that serve
+        # requests on several threads interleave their gets and puts.
+        self._announced = threading.local()
+        self._counters = Counters()
+        self._dir = Path(config.path)
+        parts = open_store_parts(config, read_only)
+        self._lockfile, self._index, self._manager = parts.lock_fd, parts.index, parts.manager
+        self._pins = PinLedger(self._manager)  # what each pin call took
+        self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes)
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_PREFETCH_THREAD)
+        self._peering: Peering | None = None
+        if config.peers is not None and not read_only:
+            try:
+                self._peering = Peering(config.peers, self._manager, self.layout.page_bytes)
+            except BaseException:
+                self.close()
+                raise
+
+    @classmethod
+    def open(cls, config: StoreConfig | str | os.PathLike[str], *, read_only: bool = False) -> Store:
+        """Open (creating if needed) the store that ``config`` (or a TOML path) describes."""
+        cfg = config if isinstance(config, StoreConfig) else load_config(config)
+        return cls(cfg, read_only=read_only)
+
+    # -- keys ----------------------------------------------------------------------------
+    def _keys(self, tokens: Tokens, tenant: str | bytes) -> bytes:
+        salt = tenant_salt(tenant)
+        ns = self._namespaces.get(salt)
+        if ns is None:
+            ns = self._namespaces[salt] = namespace_digest(self.config.model_id, self.layout, salt)
+        return chain_keys(as_token_array(tokens), self.layout.tokens_per_page, ns)
+
+    @property
+    def peer_address(self) -> tuple[str, int] | None:
+        """Where this store serves its DRAM pages to other nodes (``[peers] serve``), or None."""
+        return self._peering.address if self._peering is not None else None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"the store at {self._dir} is closed")
+
+    def _leading(self, blob: bytes, limit: int) -> list[Entry]:
+        """Entries of the leading cached pages of a key blob, at most ``limit``."""
+        if self.read_only:
+            return self._leading_from_index(blob, limit)
+        n = min(self._manager.resident.prefix_len(blob), limit)
+        keys = split_keys(blob[:n * KEY_BYTES])
+        entries = [self._manager.entry(k) for k in keys]
+        return [e for e in entries if e is not None]
+
+    def _leading_from_index(self, blob: bytes, limit: int) -> list[Entry]:
+        """Read-only stores ask LMDB directly, so they see what the writer committed since."""
+        assert self._index is not None
+        tier = next(t for t in self._manager.tiers if t.persistent)
+        out: list[Entry] = []
+        for rec in self._index.get_many(tier.kind.value, split_keys(blob[:limit * KEY_BYTES])):
+            if rec is None:
+                break
+            slot = rec.slot
+            if isinstance(tier, BlockPageTier):  # a coded tier: read at the record's blocks
+                bpp = tier.blocks_per_page
+                try:
+                    slot = tier.view(rec.extents or ((rec.slot * bpp, bpp),))
+                except InputError:
+                    break  # a record that cannot be a page of this tier: a miss
+            out.append(Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {tier.kind: slot}))
+        return out
+
+    # -- the API ---------------------------------------------------------------------------
+    def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True) -> LookupResult:
+        """How many leading full pages of ``tokens`` are cached, and on which tiers. Does no I/O.
+
+        ``count=False`` leaves it out of ``stats().lookups`` (bookkeeping, not an engine's query).
+        """
+        with self._lock:
+            self._check_open()
+            blob = self._keys(tokens, tenant)
+            total = len(blob) // KEY_BYTES
+            if count:
+                self._counters.events["lookups"] += 1
+            if self.read_only:
+                ranks = bytes(e.fastest.rank for e in self._leading(blob, total))
+            else:
+                ranks = self._manager.resident.prefix_values(blob)
+                down = self._manager.unavailable_ranks()
+                if down:  # pages whose fastest copy is on a degraded tier are misses for now
+                    ranks = ranks[:next((i for i, r in enumerate(ranks) if r in down), len(ranks))]
+            n = len(ranks)
+            return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
+
+    def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
+            requested: int | None = None) -> GetResult:
+        """Load the leading cached pages of ``tokens`` into ``out`` (up to its length).
+
+        Stops at the first page that is not cached or fails verification. Only the
+        first ``pages`` rows of the result hold pages; rows past them may have been
+        written (pages are read, then checked). Hits on slower tiers are promoted when
+        the config says so. ``requested`` is how many pages the request needed, for
+        ``stats()`` (default: the rows of ``out``); an adapter that loads only what a
+        lookup found passes the prompt's pages, so that its misses are counted.
+        """
+        with self._lock:
+            self._check_open()
+            blob = self._keys(tokens, tenant)
+            total = len(blob) // KEY_BYTES
+            if isinstance(out, (list, tuple)):
+                raise InputError("get(out=...): takes one batch buffer ([n, *page_shape] in the layout's dtype, or "
+                                 "uint8 [n, page_bytes]), whose rows become the pages; a list of separate pages is "
+                                 "for put only")
+            rows = page_rows(out, self.layout, "get(out=...)", max(total, 0))
+            if not rows.flags.writeable:
+                raise InputError("get(out=...): the output buffer is read-only")
+            want = rows.shape[0]
+            if requested is None:
+                requested = want
+            elif isinstance(requested, bool) or not isinstance(requested, int) or requested < want:
+                raise InputError(f"get: requested must be an integer >= the {want} rows of out, got {requested!r}")
+            self._announce(blob, from_get=True)
+            entries = self._leading(blob, want)
+            loaded = self._transfers.read(entries, rows)
+            tiers = tuple(k or e.fastest for k, e in zip(self._manager.sources(entries[:loaded]), entries))
+            if loaded and not self.read_only and self.config.promote_on_hit:
+                self._promote(entries[:loaded], rows)
+            if self._peering is not None and loaded == len(entries) and loaded < want:
+                # The pages that follow the local ones, from another node's DRAM: checked
+                # against the peer's checksum, then kept here.
+                keys = split_keys(blob)
+                got = self._peering.fetch(keys[loaded:want], rows[loaded:want])
+                if got:
+                    self._counters.tier_hits[TierKind.PEER.value] += got
+                    # Kept here as far as this store holds them with their prefix; the
+                    # caller has every fetched page either way.
+                    room = sum(t.num_slots for t in self._manager.tiers) - loaded
+                    if room > 0:
+                        self._store(keys, rows[loaded:loaded + min(got, room)], loaded)
+                    tiers += (TierKind.PEER,) * got
+                    loaded += got
+            self._counters.events["pages_requested"] += requested
+            self._counters.events["pages_hit"] += loaded
+            return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
+
+    def _announce(self, blob: bytes, *, from_get: bool) -> None:
+        """Show the policies every page a request needs (cached or not), once per request:
+        an engine's get then put of the same prompt (on one thread) is one request; a put
+        whose request a get has shown already in any other way passes ``announce=False``.
+        Lookups are not announced: engines repeat them while a request waits."""
+        if self.read_only:
+            return
+        if not from_get and blob == getattr(self._announced, "blob", None):
+            self._announced.blob = None
+            return
+        self._manager.note_request(split_keys(blob))
+        self._announced.blob = blob if from_get else None
+
+    def _promote(self, entries: list[Entry], rows: np.ndarray) -> int:
+        top = self._manager.tiers[0].kind
+        protect = {e.key for e in entries}
+        promoted = 0
+        source = self._manager.sources(entries)
+        for kind in {k for k in source if k is not None and k is not top}:
+            picked = [(i, e) for i, e in enumerate(entries) if source[i] is kind]
+            plan = self._manager.plan_promote([e.key for _, e in picked], top, protect)
+            promoted += self._transfers.run(plan, rows, {e.key: i for i, e in picked}, source=kind.value)
+            self._count_plan(plan)
+        self._counters.events["promotions"] += promoted
+        return promoted
+
+    def put(self, tokens: Tokens, pages: PageSource, tenant: str | bytes = "", *,
+            announce: bool = True, unfilled: int = 0) -> PutResult:
+        """Store ``pages[i]`` as the KV of the ``i``-th full page of ``tokens``.
+
+        ``pages`` is one batch, or a list (or tuple) of separate pages, each a tensor
+        ``[*layout.page_shape]`` in the layout's dtype or raw bytes ``uint8 [page_bytes]``:
+        the DRAM and uncoded NVMe tiers copy those from where they are, without a stacked
+        batch in between.
+
+        Pages already cached are skipped. Room is made by the policy: victims are
+        demoted to the next tier down or dropped. Raises CapacityError when the batch
+        is larger than all tiers together. ``announce=False``: this put belongs to a
+        request a ``get`` already showed the eviction policy (an engine adapter that
+        knows its requests), possibly grown by what it generated, so it is not shown as
+        another request. ``unfilled``: the first rows hold no data, because the caller
+        pinned those pages as stored; if one of them has gone since (it failed its
+        checksum under another request), nothing is stored, since its row is no page.
+        """
+        with self._lock:
+            self._check_open()
+            if self.read_only:
+                raise InputError(f"the store at {self._dir} was opened read-only; put needs the writer")
+            blob = self._keys(tokens, tenant)
+            keys = split_keys(blob)
+            rows: Rows = (page_list(pages, self.layout, "put(pages=...)", len(keys))
+                          if isinstance(pages, (list, tuple)) else
+                          page_rows(pages, self.layout, "put(pages=...)", len(keys), lists=True))  # type: ignore[arg-type]
+            if isinstance(unfilled, bool) or not isinstance(unfilled, int) or not 0 <= unfilled <= rows.shape[0]:
+                raise InputError(f"put: unfilled must be an integer from 0 to the {rows.shape[0]} rows, got {unfilled!r}")
+            if announce:
+                self._announce(blob, from_get=False)
+            gone = next((j for j in range(unfilled) if self._manager.entry(keys[j]) is None), None)
+            if gone is not None:
+                log.warning("put: page %d was pinned as stored but has gone; its row holds no data, nothing is "
+                            "stored", gone)
+                return PutResult(0, gone, 0)
+            stored, new = self._store(keys, rows, 0)
+            return PutResult(stored, rows.shape[0] - new, new - stored)
+
+    def _store(self, keys: list[PageKey], rows: Rows, first: int) -> tuple[int, int]:
+        """Store ``rows[i]`` as page ``first + i`` of ``keys`` unless cached; (stored, new)."""
+        new: list[tuple[PageKey, PageKey | None]] = []
+        row_of: dict[PageKey, int] = {}
+        for i in range(rows.shape[0]):
+            j = first + i
+            if self._manager.entry(keys[j]) is None:
+                new.append((keys[j], keys[j - 1] if j else None))
+                row_of[keys[j]] = i
+        plan = self._manager.plan_store(new, self.layout.page_bytes,
+                                        prefix=[k for k in keys[:first + rows.shape[0]] if k not in row_of])
+        stored = self._transfers.run(plan, rows, row_of)
+        self._counters.events["pages_stored"] += stored
+        self._count_plan(plan)
+        return stored, len(new)
+
+    def _count_plan(self, plan: MovePlan) -> None:
+        """Count the pages a plan evicted, and those it dropped from the store."""
+        self._counters.events["pages_dropped"] += plan.dropped
+        self._counters.events["evictions"] += plan.evicted
+
+    def prefetch(self, tokens: Tokens, tenant: str | bytes = "") -> Future[int]:
+        """Promote the leading cached pages of ``tokens`` to the fastest tier, in the background.
+
+        The future's result is how many of those pages reside in the fastest tier afterwards.
+        """
+        with self._lock:
+            self._check_open()
+            blob = self._keys(tokens, tenant)
+        try:
+            return self._prefetcher.submit(self._prefetch, blob)
+        except RuntimeError:  # closed between the check and the submit
+            self._check_open()
+            raise
+
+    def _prefetch(self, blob: bytes) -> int:
+        with self._lock:
+            self._check_open()
+            entries = self._leading(blob, len(blob) // KEY_BYTES)
+            if self.read_only or not entries:
+                return 0
+            top = self._manager.tiers[0].kind
+            slow = [e for e in entries if e.fastest is not top]
+            if slow:
+                staging = np.empty((len(slow), self.layout.page_bytes), dtype=np.uint8)
+                loaded = self._transfers.read(slow, staging, serve=False)
+                self._promote(slow[:loaded], staging)
+            return sum(1 for e in entries if top in e.slots)
+
+    def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
+        """Pin the leading cached pages so no policy evicts them; returns how many were pinned.
+
+        Each call is remembered until an ``unpin`` of the same tokens (or tokens that
+        extend the pages it pinned) releases it.
+        """
+        with self._lock:
+            self._check_writable_open()
+            return self._pins.pin(self._leading(self._keys(tokens, tenant), 1 << 62))
+
+    def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
+        """Release one earlier ``pin`` of these tokens; returns how many pages it unpinned.
+
+        Exactly the pages that pin took are released: not pages cached since, nor pins
+        other holders took on longer prompts. Of the pins outstanding whose pages are a
+        prefix of ``tokens``' pages, the longest is released (see :mod:`tierkv.store.pins`). A
+        page that has left the store since (one that failed its checksum, say) took
+        its pins with it and is not counted, even if it was stored again. Returns 0
+        when no such pin is outstanding.
+        """
+        with self._lock:
+            self._check_writable_open()
+            return self._pins.unpin(self._keys(tokens, tenant))
+
+    def _check_writable_open(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise InputError("pin/unpin need the writer; this store was opened read-only")
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the per-tier and store-wide counters."""
+        with self._lock:
+            return self._counters.snapshot(self._manager.tiers)
+
+    def close(self) -> None:
+        """Finish background work, flush and release every tier, the index and the lock.
+
+        Everything is released even when the write-back of volatile pages fails (that
+        error is raised afterwards, and the store is not marked cleanly closed, so the
+        next open checks its records). Safe to call from a prefetch future's callback.
+        A close that finds another one running waits for it to release everything
+        (except on the prefetch worker, which that close may be waiting for).
+        """
+        on_prefetcher = threading.current_thread().name.startswith(_PREFETCH_THREAD)
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+        if not first:
+            if not on_prefetcher:
+                self._released.wait()
+            return
+        try:
+            self._close()
+        finally:
+            self._released.set()
+
+    def _close(self) -> None:
+        # From a prefetch callback this runs on the prefetch worker, which cannot join itself.
+        self._prefetcher.shutdown(wait=not threading.current_thread().name.startswith(_PREFETCH_THREAD))
+        if self._peering is not None:  # stop serving before the DRAM tier goes away
+            self._peering.close()
+        with self._lock:
+            failed: BaseException | None = None
+            try:
+                if self.config.persist_on_close and not self.read_only:
+                    self._transfers.run(self._manager.plan_writeback())
+            except BaseException as exc:  # noqa: BLE001 - raised below, once everything is released
+                failed = exc
+            try:
+                self._release(clean=failed is None)
+            finally:
+                if failed is not None:
+                    raise failed
+
+    def _release(self, clean: bool) -> None:
+        for t in self._manager.tiers:
+            try:
+                t.flush()
+            except TierIOError as exc:  # a degraded fabric tier: its committed pages stay indexed
+                log.warning("flush of the %s tier at close failed: %s", t.kind.value, exc)
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001 - the other tiers, the index and the lock still go
+                log.exception("closing the %s tier failed", t.kind.value)
+        try:
+            if self._index is not None:
+                self._index.close()
+                if not self.read_only and clean:
+                    mark_clean(self._dir, True)
+        finally:
+            release_dir(self._lockfile)
+            self._lockfile = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        tiers = ", ".join(f"{t.kind.value}:{t.num_slots}" for t in self._manager.tiers)
+        return f"Store({str(self._dir)!r}, {tiers}, {'closed' if self._closed else 'open'})"

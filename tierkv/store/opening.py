@@ -1,0 +1,328 @@
+"""How a store opens: the writer lock, the tiers a config asks for, the index with its
+geometry record, the data-file label, and the adoption of persistent pages.
+
+:func:`open_store_parts` returns everything :class:`tierkv.store.api.Store` runs on; on any
+failure it closes what it opened. Called once per ``Store.open``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from tierkv.codec import Codec, CodecMode
+from tierkv.config import NvmeConfig, NvmeofConfig, StoreConfig
+from tierkv.errors import ConfigError, StoreBusyError
+from tierkv.store.index import PersistentIndex, is_damage, open_index, quarantine_index
+from tierkv.store.index_check import mark_clean
+from tierkv.store.manager import BlockManager
+from tierkv.policy import make_policy
+from tierkv.store.coding import CodecChoice
+from tierkv.tiers.aligned import ALIGN, round_up
+from tierkv.tiers.base import Tier
+from tierkv.tiers.blocks import BlockPageTier
+from tierkv.tiers.dram import DramTier
+from tierkv.tiers.fabric import open_nvmeof_tier
+from tierkv.tiers.nvme import NvmeTier
+from tierkv.tiers.nvmeof import NvmeofTier
+
+# 3: records of block-addressed tiers carry extents (format 2 stores open unchanged:
+# their records are slot records, byte for byte).
+FORMAT_VERSION = 3
+UPGRADABLE_FORMATS = (2,)
+# The NVMe data file starts with a 4 KiB label: magic + the store's 16-byte identity,
+# then a JSON owner record ({"host", "path", "data_bytes"}) ended by a NUL. Labels
+# written before the owner record have zeros there; a writer adds it at its next open.
+LABEL_BYTES = 4096
+_LABEL_MAGIC = b"tierkv-data-v2\n\0"
+_ID_BYTES = 16
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StoreParts:
+    """What an open store holds: the writer lock's fd (None for readers), the index, the manager."""
+
+    lock_fd: int | None
+    index: PersistentIndex | None
+    manager: BlockManager
+
+
+def open_store_parts(cfg: StoreConfig, read_only: bool) -> StoreParts:
+    """Lock the directory, build the tiers, open and check the index, adopt persistent pages.
+
+    An index found damaged while adopting is set aside (logged) and the store opens
+    empty instead; any other failure releases everything and propagates.
+    """
+    store_dir = Path(cfg.path)
+    lock_fd = acquire_dir(store_dir, read_only)
+    try:
+        try:
+            index, manager = _open_tiers(cfg, read_only)
+        except BaseException as exc:
+            if read_only or not is_damage(exc):
+                raise
+            quarantine_index(store_dir, str(exc))
+            index, manager = _open_tiers(cfg, read_only)
+    except BaseException:
+        release_dir(lock_fd)
+        raise
+    return StoreParts(lock_fd, index, manager)
+
+
+def acquire_dir(store_dir: Path, read_only: bool) -> int | None:
+    """Create the store directory (0700) and take its writer lock; readers take none."""
+    if read_only:
+        if not store_dir.is_dir():
+            raise ConfigError(f"no store at {store_dir}; a read-only open needs an existing store")
+        return None
+    try:
+        store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the store directory {store_dir}: {exc}") from None
+    fd = os.open(store_dir / "writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreBusyError(f"the store at {store_dir} is open for writing by pid {holder}; "
+                             "open it with read_only=True to share it") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def release_dir(lock_fd: int | None) -> None:
+    if lock_fd is not None:
+        os.close(lock_fd)  # closing drops the flock
+
+
+def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | None, BlockManager]:
+    tiers = build_tiers(cfg, read_only)
+    index: PersistentIndex | None = None
+    created: Path | None = None         # an index this open made: removed again if the open fails
+    try:
+        persistent = [t.kind.value for t in tiers if t.persistent]
+        if persistent:
+            store_dir = Path(cfg.path)
+            if not read_only and not (store_dir / "index.lmdb").exists():
+                created = store_dir / "index.lmdb"
+            try:
+                index = open_index(store_dir, persistent, _meta(cfg, tiers), read_only=read_only,
+                                   verify=cfg.verify_index, upgrade_from=UPGRADABLE_FORMATS)
+            except ConfigError as exc:
+                raise _with_resize_hint(cfg, exc) from None
+            if not read_only:
+                mark_clean(store_dir, False)
+            for t in tiers:
+                medium = t.blocks if isinstance(t, BlockPageTier) else t
+                if isinstance(medium, NvmeTier):
+                    medium.grow_back()  # the index accepted this geometry: now a truncated file may grow
+                    _check_label(medium, index, read_only, store_dir)
+        manager = BlockManager(tiers, {t.kind: make_policy(cfg.policy) for t in tiers}, index)
+        if not read_only:
+            for t in tiers:
+                if t.persistent:
+                    manager.adopt_persistent(t.kind)
+        return index, manager
+    except BaseException:
+        for t in tiers:
+            t.close()
+        if index is not None:
+            index.close()
+        if created is not None:         # a refused open leaves no geometry behind for the next one
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def build_tiers(cfg: StoreConfig, read_only: bool) -> list[Tier]:
+    """The tiers ``cfg`` asks for, fastest first; readers get the persistent ones only
+    (a reader of an NVMe-oF tier uses the namespace where it is connected, never connects)."""
+    tiers: list[Tier] = []
+    try:
+        _add_tiers(cfg, read_only, tiers)
+    except BaseException:
+        for t in tiers:  # a later tier failed: release the memory and files of earlier ones
+            t.close()
+        raise
+    return tiers
+
+
+def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
+    pb = cfg.layout.page_bytes
+    if cfg.hbm is not None and cfg.hbm.capacity_bytes and not read_only:
+        slots = cfg.hbm.capacity_bytes // pb
+        if slots == 0:
+            raise ConfigError(f"hbm capacity of {cfg.hbm.capacity_bytes} bytes holds no page of {pb} bytes")
+        from tierkv.tiers.hbm import HbmTier  # torch loads only for stores with an HBM tier
+
+        tiers.append(HbmTier(slots, pb, device=cfg.hbm.device))
+    if cfg.dram is not None and not read_only:
+        slots = cfg.dram.capacity_bytes // pb
+        if slots == 0 and cfg.dram.capacity_bytes:
+            raise ConfigError(f"dram capacity of {cfg.dram.capacity_bytes} bytes holds no page of {pb} bytes")
+        if slots:
+            tiers.append(DramTier(slots, pb))
+    if cfg.nvme is not None:
+        slot_bytes = round_up(pb)
+        slots = cfg.nvme.capacity_bytes // slot_bytes
+        if slots == 0:
+            raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
+        # A coded tier is the same file addressed in 4 KiB blocks, for readers too: they
+        # read each page at the extents its index record names (BlockPageTier.view).
+        if cfg.nvme.codec == CodecMode.NONE.value:
+            tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
+                                  io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES,
+                                  defer_grow=True))
+        else:  # the same file, addressed in 4 KiB blocks
+            blocks = NvmeTier(cfg.nvme_path(), slots * (slot_bytes // ALIGN), ALIGN, o_direct=cfg.nvme.o_direct,
+                              io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES,
+                              defer_grow=True)
+            tiers.append(_block_tier(blocks, slots, cfg, cfg.nvme))
+    if cfg.nvmeof is not None:
+        if cfg.nvmeof.codec == CodecMode.NONE.value:
+            tiers.append(open_nvmeof_tier(cfg.nvmeof, pb, header_bytes=LABEL_BYTES, connect=not read_only,
+                                          labelled_bytes=label_data_bytes))
+        else:
+            fabric = open_nvmeof_tier(cfg.nvmeof, ALIGN, header_bytes=LABEL_BYTES, connect=not read_only,
+                                      labelled_bytes=label_data_bytes)
+            tiers.append(_block_tier(fabric, fabric.num_slots // (round_up(pb) // ALIGN), cfg, cfg.nvmeof))
+    if not tiers:
+        raise ConfigError("a read-only open needs the store's NVMe tier configured" if read_only
+                          else "every tier of this store has zero capacity")
+
+
+def _block_tier(blocks: NvmeTier, pages: int, cfg: StoreConfig, tier_cfg: NvmeConfig | NvmeofConfig) -> BlockPageTier:
+    """Pages over a tier opened with 4 KiB slots, coded as ``tier_cfg.codec`` says."""
+    try:
+        if pages == 0:
+            raise ConfigError(f"{blocks.kind.value} capacity holds no page of {cfg.layout.page_bytes} bytes")
+        codec = Codec(cfg.layout, threads=max(1, min(tier_cfg.io_threads, os.cpu_count() or 1)))
+        choice = CodecChoice(CodecMode.parse(tier_cfg.codec), codec, tier_cfg.bandwidth_gbps)
+        return BlockPageTier(blocks, pages, cfg.layout.page_bytes, choice)
+    except BaseException:
+        blocks.close()
+        raise
+
+
+def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_dir: Path) -> None:
+    """Make sure the data file belongs to this index, and label it when it may be taken.
+
+    This store's label: kept (rewritten by a writer when its owner record is missing or
+    out of date). A local data file without it (foreign, replaced, blank) loses this
+    store's records and is labelled. A namespace, or a local tier on a raw block device,
+    is shared media: a blank or non-tierkv one is labelled; one labelled by another store
+    is refused with ConfigError and nothing is changed, index included. The one tierkv
+    label that is taken is an earlier store's in this same directory on this host whose
+    index was lost (or one from before labels had owner records): only by an index that
+    has never labelled this tier's medium. An index that has (its identity on its own
+    namespace) meeting another identity here is another store under the same host name
+    and path (another container), or an index restored from before its namespace was
+    relabelled: refused too.
+    """
+    ident = _LABEL_MAGIC + index.store_id()
+    kind = tier.kind.value
+    owner = _owner_of(store_dir, tier.num_slots * tier.slot_bytes, LABEL_BYTES - len(ident))
+    label = ident + json.dumps(owner, sort_keys=True).encode() + b"\0"
+    if isinstance(tier, NvmeofTier):
+        tier.expect_header(ident)  # recovery after a fabric loss requires this identity back
+    header = tier.read_header()
+    if header.startswith(ident):
+        if not read_only:
+            if not header.startswith(label):
+                tier.write_header(label)
+            index.mark_labelled(kind)
+        return
+    if read_only:
+        raise ConfigError(f"{tier.path} does not belong to the store index beside it")
+    if (isinstance(tier, NvmeofTier) or _is_block_device(tier.path)) and header.startswith(_LABEL_MAGIC):
+        theirs = _owner_record(header)    # {}: a label from before owner records
+        here = (theirs.get("host"), theirs.get("path")) == (owner["host"], owner["path"])
+        if (theirs and not here) or index.has_labelled(kind):
+            who = (f"the store at {theirs.get('path')} on host {theirs.get('host')}" if theirs
+                   else "a store labelled before labels named their owner")
+            if index.has_labelled(kind) and (here or not theirs):
+                who += (", with another identity than this store's index, which has labelled a namespace of its "
+                        "own: another container with the same host name and path, or an index restored from "
+                        "before this namespace was relabelled")
+            raise ConfigError(
+                f"{tier.path} belongs to another tierkv store ({who}); refusing to relabel it for the store at "
+                f"{owner['path']}: point [tiers.{kind}] at this store's own namespace, or zero its first "
+                f"{LABEL_BYTES} bytes to hand it over")
+        log.warning("%s carries the label of an earlier store in %s (its index was lost); labelling it for "
+                    "this one", tier.path, owner["path"])
+    stale = index.count(kind)
+    if stale:
+        log.warning("%s carries no label of this store (a foreign or replaced file); its %d index "
+                    "records are dropped and those pages become misses", tier.path, stale)
+        index.clear(kind)
+    tier.write_header(label)
+    index.mark_labelled(kind)
+
+
+def _is_block_device(path: str | os.PathLike[str]) -> bool:
+    """Whether a local NVMe tier sits on a raw device: shared media whose name can change
+    across reboots (``/dev/nvme1n1`` may be another drive), treated as a namespace is."""
+    try:
+        return stat.S_ISBLK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _owner_of(store_dir: Path, data_bytes: int, room: int) -> dict[str, object]:
+    """This store's owner record as the label holds it: host, store directory and data
+    bytes, within ``room`` bytes of JSON and a NUL (a path too long for that, as escaped
+    JSON, is named by its digest, and so compared)."""
+    path = os.fsdecode(os.path.realpath(store_dir))
+    owner: dict[str, object] = {"host": socket.gethostname()[:255], "path": path, "data_bytes": data_bytes}
+    if len(json.dumps(owner, sort_keys=True).encode()) + 1 > room:
+        owner["path"] = "xxh3:" + xxhash.xxh3_128_hexdigest(path.encode(errors="surrogateescape"))
+    return owner
+
+
+def _owner_record(header: bytes) -> dict[str, object]:
+    """The owner record of a tierkv label; {} where there is none (an older label)."""
+    body = header[len(_LABEL_MAGIC) + _ID_BYTES:].split(b"\0", 1)[0]
+    try:
+        rec = json.loads(body) if body else {}
+    except ValueError:  # UnicodeDecodeError included
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def label_data_bytes(header: bytes) -> int | None:
+    """The data bytes the store that labelled this header uses (None: no tierkv label, or
+    one written before labels recorded it). Sizes an NVMe-oF tier whose namespace grew."""
+    if not header.startswith(_LABEL_MAGIC):
+        return None
+    size = _owner_record(header).get("data_bytes")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def _with_resize_hint(cfg: StoreConfig, exc: ConfigError) -> ConfigError:
+    """A geometry refusal caused by a namespace that changed size under ``capacity_bytes = 0``
+    (a store labelled before labels recorded their size) says what to do about it."""
+    if cfg.nvmeof is None or cfg.nvmeof.capacity_bytes or "nvmeof_slots" not in str(exc):
+        return exc
+    return ConfigError(f"{exc}. [tiers.nvmeof] capacity_bytes = 0 sizes the tier by its namespace, which has "
+                       "changed size since: set capacity_bytes to the size the store was created with")
+
+
+def _meta(cfg: StoreConfig, tiers: list[Tier]) -> dict[str, object]:
+    """The geometry a store is created with; reopening with another is refused."""
+    meta: dict[str, object] = {"format": FORMAT_VERSION, "layout": cfg.layout.fingerprint().decode()}
+    for t in tiers:
+        if t.persistent:
+            meta[f"{t.kind.value}_slots"] = t.num_slots
+            meta[f"{t.kind.value}_slot_bytes"] = t.slot_bytes
+    return meta

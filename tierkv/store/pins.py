@@ -1,0 +1,63 @@
+"""Pins as the store hands them out: what each ``pin`` call took, so ``unpin`` releases
+exactly that.
+
+Pins on a page are counts in the block manager (policies only see unpinned pages).
+A count alone cannot say which pages one holder's ``unpin`` should release: a shorter
+prompt's holder would release a longer one's pin, and a page that left the store and
+came back unpinned would hide the pages after it. The ledger keeps, per ``pin`` call,
+the page keys and the manager entries it pinned; ``unpin`` releases the longest
+outstanding pin whose keys are a prefix of the tokens' keys (pins on one prefix are
+interchangeable, so every holder that unpins what it pinned releases one), and skips
+entries that have left the store since. Used by :class:`tierkv.store.api.Store` under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierkv.keys import KEY_BYTES
+from tierkv.store.manager import BlockManager, Entry
+
+
+@dataclass(frozen=True)
+class _Pin:
+    """One ``pin`` call: the keys of the pages it pinned, concatenated, and their entries."""
+
+    keys: bytes
+    entries: list[Entry]
+
+
+class PinLedger:
+    """The outstanding pins of one store, by the key of their first page."""
+
+    def __init__(self, manager: BlockManager) -> None:
+        self._manager = manager
+        self._held: dict[bytes, list[_Pin]] = {}
+
+    def pin(self, entries: list[Entry]) -> int:
+        """Pin ``entries`` (a prompt's leading cached pages) as one call; returns how many."""
+        if entries:
+            for e in entries:
+                self._manager.pin(e.key, +1)
+            self._held.setdefault(entries[0].key, []).append(_Pin(b"".join(e.key for e in entries), entries))
+        return len(entries)
+
+    def unpin(self, blob: bytes) -> int:
+        """Release the longest outstanding pin whose keys start ``blob`` (a prompt's key
+        blob); returns how many pages it unpinned (0 when none is outstanding)."""
+        held = self._held.get(blob[:KEY_BYTES])
+        fits = [i for i, p in enumerate(held or ()) if blob.startswith(p.keys)]
+        if not held or not fits:
+            return 0
+        taken = held.pop(max(fits, key=lambda i: len(held[i].keys)))
+        if not held:
+            del self._held[blob[:KEY_BYTES]]
+        released = 0
+        for e in taken.entries:
+            if self._manager.entry(e.key) is e:  # not removed (and maybe stored again) since
+                self._manager.pin(e.key, -1)
+                released += 1
+        return released
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._held.values())

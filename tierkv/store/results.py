@@ -1,0 +1,49 @@
+"""What the Store API's calls return (:mod:`tierkv.store.api` re-exports them). Immutable data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierkv.tiers.base import TierKind
+
+_KIND_BY_RANK = {kind.rank: kind for kind in TierKind}
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """How much of a prompt is cached: leading full pages, and the fastest tier of each.
+
+    ``tier_ranks`` holds one byte per cached page (its fastest tier's rank); ``tiers``
+    and ``pages_per_tier`` decode it on demand, so a lookup costs no per-page Python work.
+    """
+
+    cached_pages: int
+    cached_tokens: int
+    total_pages: int
+    tier_ranks: bytes = field(repr=False)
+
+    @property
+    def tiers(self) -> tuple[TierKind, ...]:
+        return tuple(_KIND_BY_RANK[r] for r in self.tier_ranks)
+
+    @property
+    def pages_per_tier(self) -> dict[TierKind, int]:
+        return {kind: self.tier_ranks.count(kind.rank) for kind in TierKind if kind.rank in self.tier_ranks}
+
+
+@dataclass(frozen=True)
+class GetResult:
+    """Leading pages loaded into the caller's buffer and the tier each came from."""
+
+    pages: int
+    tokens: int
+    tiers: tuple[TierKind, ...]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """``stored`` new pages, ``already_present`` skipped, ``dropped`` that found no room."""
+
+    stored: int
+    already_present: int
+    dropped: int

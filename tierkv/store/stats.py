@@ -1,0 +1,110 @@
+"""Per-tier counters and the immutable snapshot the API returns from ``stats()``.
+
+Counters are updated by :mod:`tierkv.store.api` and :mod:`tierkv.store.transfer` under the store
+lock. ``bytes_moved`` and ``seconds_moved`` are keyed ``"src->dst"`` where ``caller``
+stands for the engine's buffers, e.g. ``"caller->dram"``, ``"dram->nvme"``,
+``"nvme->caller"``. A promotion on a hit counts once as ``"nvme->caller"`` (the read)
+and once as ``"nvme->dram"`` (the copy written up into DRAM from that same read).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierkv.tiers.base import Tier
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters of one tier. ``hits`` counts pages served from it by ``get`` (a prefetch
+    is not a hit); ``bytes_read`` and ``bytes_written`` count bytes that crossed the tier's
+    own I/O, once each (a promoted hit is read once)."""
+
+    kind: str
+    hits: int
+    capacity_slots: int
+    used_slots: int
+    slot_bytes: int
+    bytes_read: int
+    bytes_written: int
+    io_seconds: float
+    state: str = "available"  # "degraded" while a fabric tier's namespace is unreachable
+
+    @property
+    def occupancy(self) -> float:
+        return self.used_slots / self.capacity_slots if self.capacity_slots else 0.0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of a store's counters."""
+
+    tiers: dict[str, TierStats]
+    bytes_moved: dict[str, int]
+    seconds_moved: dict[str, float]
+    lookups: int
+    pages_requested: int
+    pages_hit: int
+    pages_stored: int
+    pages_dropped: int
+    evictions: int
+    promotions: int
+    corrupt_pages: int
+    peer_pages: int = 0  # pages get loaded from other nodes ([peers] fetch)
+
+    @property
+    def misses(self) -> int:
+        """Pages asked for by ``get`` that no tier could serve."""
+        return self.pages_requested - self.pages_hit
+
+    @property
+    def hit_rate(self) -> float:
+        return self.pages_hit / self.pages_requested if self.pages_requested else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {k: v for k, v in self.__dict__.items() if k != "tiers"}
+        out["hit_rate"] = self.hit_rate
+        out["misses"] = self.misses
+        out["tiers"] = {name: {**t.__dict__, "occupancy": t.occupancy} for name, t in self.tiers.items()}
+        return out
+
+
+class Counters:
+    """Mutable counters behind :class:`StoreStats`."""
+
+    def __init__(self) -> None:
+        self.events: Counter[str] = Counter()
+        self.moved: Counter[str] = Counter()
+        self.moved_s: defaultdict[str, float] = defaultdict(float)
+        self.tier_hits: Counter[str] = Counter()
+        self.tier_read: Counter[str] = Counter()
+        self.tier_written: Counter[str] = Counter()
+        self.tier_io_s: defaultdict[str, float] = defaultdict(float)
+
+    def snapshot(self, tiers: Sequence[Tier]) -> StoreStats:
+        """The counters as a :class:`StoreStats`, with each tier's occupancy and state now."""
+        stats = {
+            t.kind.value: TierStats(t.kind.value, self.tier_hits[t.kind.value], t.num_slots,
+                                    t.num_slots - t.num_free, t.slot_bytes, self.tier_read[t.kind.value],
+                                    self.tier_written[t.kind.value], self.tier_io_s[t.kind.value],
+                                    "available" if t.available else "degraded")
+            for t in tiers
+        }
+        ev = self.events
+        return StoreStats(stats, dict(self.moved), dict(self.moved_s), ev["lookups"], ev["pages_requested"],
+                          ev["pages_hit"], ev["pages_stored"], ev["pages_dropped"], ev["evictions"],
+                          ev["promotions"], ev["corrupt_pages"], self.tier_hits["peer"])
+
+    def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float, src_read: bool = True) -> None:
+        """Count a transfer between a tier pair and the wall time it took. ``src_read=False``:
+        the bytes came from a buffer already read (a promotion), not from ``src`` again."""
+        self.moved[f"{src}->{dst}"] += nbytes
+        self.moved_s[f"{src}->{dst}"] += seconds
+        if src != "caller" and src_read:
+            self.tier_read[src] += nbytes
+        if dst != "caller":
+            self.tier_written[dst] += nbytes
