@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tierkv.config import config_from_dict, load_config
+from tierkv.config import DramConfig, HbmConfig, NvmeConfig, config_from_dict, load_config
 from tierkv.errors import ConfigError, LayoutError
 from tierkv.layout import DType, KVLayout, LayoutKind
 from tierkv.units import parse_size
@@ -27,15 +32,15 @@ def test_default_config_values() -> None:
     assert cfg.nvme is not None and cfg.nvme.capacity_bytes == 8 << 30
 
 
-BASE = {"store": {"path": "/tmp/x", "model_id": "m"},
+BASE: dict[str, dict[str, Any]] = {"store": {"path": "/tmp/x", "model_id": "m"},
         "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8},
         "tiers": {"dram": {"capacity_bytes": "1MiB"}}}
 
 
-def with_(section: str, **kw: object) -> dict[str, object]:
-    data = {k: dict(v) for k, v in BASE.items()}
+def with_(section: str, **kw: object) -> dict[str, dict[str, object]]:
+    data: dict[str, dict[str, object]] = {k: dict(v) for k, v in BASE.items()}
     if section == "tiers.dram":
-        data["tiers"] = {"dram": {**BASE["tiers"]["dram"], **kw}}  # type: ignore[dict-item]
+        data["tiers"] = {"dram": {**BASE["tiers"]["dram"], **kw}}
     else:
         data[section].update(kw)
     return data  # type: ignore[return-value]
@@ -131,3 +136,18 @@ def test_default_toml_names_every_key() -> None:
             if f.init and f.name not in nested and not re.search(rf"^#? ?{f.name} =", body, re.M):
                 missing.append(f"[{table}] {f.name}")
     assert not missing, f"default.toml does not name: {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("cls", [HbmConfig, DramConfig, NvmeConfig, KVLayout])
+def test_the_typed_init_stub_matches_the_generated_init(cls: type) -> None:
+    """The ``if TYPE_CHECKING: def __init__`` stub that lets mypy accept "64GiB" and "bf16"
+    must name the same parameters, in the same order, with the same defaults, as the
+    dataclass's generated ``__init__`` that runs."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    stub = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    names = [a.arg for a in stub.args.args[1:]]
+    defaults = [ast.unparse(d) for d in stub.args.defaults]
+    runtime = list(inspect.signature(cls).parameters.values())
+    assert names == [p.name for p in runtime]
+    want = [p.default for p in runtime if p.default is not inspect.Parameter.empty]
+    assert [eval(d, vars(sys.modules[cls.__module__])) for d in defaults] == want  # noqa: S307

@@ -13,6 +13,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierkv.codec.auto import CodecMode
 from tierkv.errors import ConfigError, TierKVError
@@ -43,6 +44,9 @@ class HbmConfig:
     capacity_bytes: int
     device: str = "cuda"
 
+    if TYPE_CHECKING:  # sizes may be given as "64GiB": the generated __init__ parses them
+        def __init__(self, capacity_bytes: int | str, device: str = "cuda") -> None: ...
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "hbm.capacity_bytes"))
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -54,6 +58,9 @@ class DramConfig:
     """The host-DRAM tier. ``capacity_bytes`` is rounded down to whole pages."""
 
     capacity_bytes: int
+
+    if TYPE_CHECKING:  # sizes may be given as "64GiB": the generated __init__ parses them
+        def __init__(self, capacity_bytes: int | str) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "dram.capacity_bytes"))
@@ -78,6 +85,10 @@ class NvmeConfig:
     io_threads: int = 4
     codec: str = "none"
     bandwidth_gbps: float = 0.0
+
+    if TYPE_CHECKING:  # sizes may be given as "64GiB": the generated __init__ parses them
+        def __init__(self, capacity_bytes: int | str, path: str | None = None, o_direct: bool = True,
+                     io_threads: int = 4, codec: str = "none", bandwidth_gbps: float = 0.0) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvme.capacity_bytes"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from tierkv.errors import LayoutError
 
@@ -83,6 +84,10 @@ class KVLayout:
     dtype: DType = DType.BF16
     tokens_per_page: int = 16
     kind: LayoutKind = LayoutKind.KV
+
+    if TYPE_CHECKING:  # dtype and kind may be given by name ("bf16", "latent"): __post_init__ parses them
+        def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: DType | str = DType.BF16,
+                     tokens_per_page: int = 16, kind: LayoutKind | str = LayoutKind.KV) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType.parse(self.dtype))

@@ -3,6 +3,7 @@ main module back, ``--version`` prints the package version, and ``--help`` stays
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import subprocess
@@ -23,8 +24,8 @@ def test_version_is_the_package_version(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_every_command_of_the_table_is_a_subcommand() -> None:
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == sorted(COMMANDS)  # type: ignore[attr-defined]
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == sorted(COMMANDS)
 
 
 @pytest.mark.parametrize("name", COMMANDS)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -17,7 +20,8 @@ def test_submit_each_completes_in_order(device: str) -> None:
     src = torch.arange(1 << 16, dtype=torch.float32, device=device)
     dst = [torch.zeros_like(src) for _ in range(3)]
     with CopyStream(device) as copier:
-        done = copier.submit_each([lambda i=i: dst[i].copy_(src * i) for i in range(3)], keep=(src, *dst))
+        jobs: list[Callable[[], object]] = [functools.partial(lambda i: dst[i].copy_(src * i), i) for i in range(3)]
+        done = copier.submit_each(jobs, keep=(src, *dst))
         for i, c in enumerate(done):
             c.future.result(timeout=TIMEOUT_S)
             c.wait_on()

@@ -6,7 +6,7 @@ layer (:class:`PagedKV`), on CPU, and on CUDA too where a GPU is present.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.errors import InputError
 from tierkv.integrations.adapter import EventKind, OffloadScheduler, external_key_tokens
 from tierkv.integrations.worker import OffloadWorker, PagedKV
+from tierkv.keys import PageKey
 from tierkv.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="fp32", tokens_per_page=4)
@@ -268,7 +269,12 @@ def _spy_requests(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The page counts of the requests the store shows its eviction policy."""
     announced: list[int] = []
     note = store._manager.note_request
-    monkeypatch.setattr(store._manager, "note_request", lambda keys: (announced.append(len(keys)), note(keys))[1])
+
+    def spy(keys: Sequence[PageKey]) -> None:
+        announced.append(len(keys))
+        note(keys)
+
+    monkeypatch.setattr(store._manager, "note_request", spy)
     return announced
 
 

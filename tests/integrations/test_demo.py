@@ -44,6 +44,7 @@ def test_run_reports_turns_reuse_and_identical_outputs(smol: smollm2.LoadedModel
     json.dumps(out, allow_nan=False)
     turns = out["turns"]
     assert isinstance(turns, list) and len(turns) == 2
+    assert isinstance(out["prompt_tokens"], int) and isinstance(out["tokens_reused"], int)
     assert out["outputs_identical"] is True and out["matches_plain_cache"] is True
     assert out["tokens_reused"] == turns[1]["reused_tokens"] > 0
     assert turns[1]["tokens_per_tier"].get("nvme", 0) > 0

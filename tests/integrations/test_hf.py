@@ -84,9 +84,12 @@ def test_round_trip_through_the_store_is_bit_exact(smol: smollm2.LoadedModel, st
     loaded = cache.load(prompt + [0])
     assert loaded.tokens == n
     for layer, (mine, ref) in enumerate(zip(loaded.cache.layers, plain.layers)):
-        assert mine.keys.dtype == ref.keys.dtype == torch.float32
-        assert torch.equal(mine.keys, ref.keys[:, :, :n]), f"layer {layer} K differs"
-        assert torch.equal(mine.values, ref.values[:, :, :n]), f"layer {layer} V differs"
+        mk, mv, rk, rv = (getattr(c, name) for c in (mine, ref) for name in ("keys", "values"))
+        assert isinstance(mk, torch.Tensor) and isinstance(rk, torch.Tensor)
+        assert isinstance(mv, torch.Tensor) and isinstance(rv, torch.Tensor)
+        assert mk.dtype == rk.dtype == torch.float32
+        assert torch.equal(mk, rk[:, :, :n]), f"layer {layer} K differs"
+        assert torch.equal(mv, rv[:, :, :n]), f"layer {layer} V differs"
 
 
 def test_a_store_of_another_layout_is_refused(smol: smollm2.LoadedModel, tmp_path: Path) -> None:

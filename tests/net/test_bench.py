@@ -41,7 +41,12 @@ def test_module_main_json_and_default_lines(monkeypatch: pytest.MonkeyPatch,
     assert out["tcp_incast_naks_with_credits"] == 0 and {r["case"] for r in out["results"]} >= {"fetch-1"}
     seen: list[dict[str, int]] = []
     row = net.NetBenchResult("tcp", "fetch-1", 1.0, 2.0, 3.0, 4.0, 0, 0)
-    monkeypatch.setattr(net, "bench_local", lambda **kw: seen.append(kw) or [row])
+
+    def bench_local(**kw: int) -> list[net.NetBenchResult]:
+        seen.append(kw)
+        return [row]
+
+    monkeypatch.setattr(net, "bench_local", bench_local)
     assert net.main([]) == 0
     assert capsys.readouterr().out == f"{row}\n" and seen == [{"pages": 64, "fetches": 500}]  # as before: full sizes
 

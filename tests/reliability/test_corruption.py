@@ -19,6 +19,7 @@ from tests.conftest import PB, make_config, page_data
 from tierkv.store.api import Store
 from tierkv.store.opening import LABEL_BYTES
 from tierkv.config import StoreConfig
+from tierkv.keys import PageKey
 
 N = 12  # prompts of 2 pages, all on the NVMe tier (no DRAM)
 
@@ -104,9 +105,9 @@ def test_flipped_record_bytes_are_caught_by_the_seal(cfg: StoreConfig, caplog: p
     assert "fails its seal" in caplog.text or "fail validation" in caplog.text
 
 
-def _first_key(store: Store) -> bytes:
+def _first_key(store: Store) -> PageKey:
     blob = store._keys(prompt(0), "")
-    return blob[:16]
+    return PageKey(blob[:16])
 
 
 def test_truncated_data_file_serves_the_head(cfg: StoreConfig, caplog: pytest.LogCaptureFixture) -> None:

@@ -24,6 +24,7 @@ from tierkv.config import DramConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.layout import KVLayout
 from tierkv.tiers.base import TierKind
+from tierkv.tiers.nvmeof import NvmeofTier
 
 pytestmark = pytest.mark.rig
 
@@ -48,7 +49,7 @@ def tier_state(store: Store) -> str:
 @pytest.fixture(params=["rdma", "tcp"])
 def store_config(request: pytest.FixtureRequest, rig_target: object, tmp_path: Path) -> Iterator[StoreConfig]:
     trsvcid, _ = PORTS[request.param]
-    fabric = NvmeofConfig(capacity_bytes="64MiB", transport=request.param, traddr=RIG_ADDR, trsvcid=trsvcid,
+    fabric = NvmeofConfig(capacity_bytes=64 << 20, transport=request.param, traddr=RIG_ADDR, trsvcid=trsvcid,
                           subnqn=RIG_NQN, hostnqn=RIG_HOSTNQN, io_timeout_s=DEADLINE_S, monitor_interval_s=0.5,
                           ctrl_loss_tmo_s=-1, reconnect_delay_s=1, fast_io_fail_tmo_s=1, disconnect_on_close=True)
     yield StoreConfig(path=str(tmp_path / "store"), model_id="rig", layout=LAYOUT,
@@ -134,6 +135,7 @@ def test_a_namespace_of_another_store_is_refused_until_handed_over(store_config:
     with Store.open(store_config) as s:      # nothing was changed by the refusal
         assert check(s, prompts) == sum(len(p) for _, p in prompts) > 0
         fabric = next(t for t in s._manager.tiers if t.kind is TierKind.NVMEOF)
+        assert isinstance(fabric, NvmeofTier)
         fabric.write_header(b"")             # handed over: the label zeroed (the device goes at close)
     with Store.open(other) as s:             # the other store labels it as its own
         assert check(s, prompts) == 0

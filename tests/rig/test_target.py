@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from nvmeof.spec import TargetSpec
+
 from tests.rig.conftest import (RIG_ADDR, RIG_HOSTNQN, RIG_NQN, RIG_PORTS, RigConnect, release,
                                 reset_backing_files)
 
@@ -72,17 +74,17 @@ def until(cond: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-def test_apply_from_nvmetcli_json_reads_back(rig_spec: object, tmp_path: Path) -> None:
+def test_apply_from_nvmetcli_json_reads_back(rig_spec: TargetSpec, tmp_path: Path) -> None:
     from nvmeof.configfs import apply, read_tree
     from nvmeof.model import NvmetConfig
     from nvmeof.spec import generate
 
-    generated = generate(rig_spec)  # type: ignore[arg-type]
+    generated = generate(rig_spec)
     generated.dump(tmp_path / "nvmet.json")
     cfg = NvmetConfig.load(tmp_path / "nvmet.json")
     assert cfg == generated
     release(cfg)
-    reset_backing_files(rig_spec)  # type: ignore[arg-type]
+    reset_backing_files(rig_spec)
     apply(cfg)
     try:
         got = read_tree(CFS_ROOT)
@@ -107,7 +109,7 @@ def test_apply_from_nvmetcli_json_reads_back(rig_spec: object, tmp_path: Path) -
 
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
 def test_connect_and_odirect_round_trip(transport: str, rig_target: object, rig_connect: RigConnect,
-                                        rig_spec: object) -> None:
+                                        rig_spec: TargetSpec) -> None:
     from nvmeof.sysfs import ControllerState
 
     ctrl = rig_connect(transport)
@@ -118,7 +120,7 @@ def test_connect_and_odirect_round_trip(transport: str, rig_target: object, rig_
     offset, data = 256 * BLOCK, os.urandom(4 << 20)
     assert direct_write_read(dev, offset, data) == data
     assert direct_read(dev, 0, offset) == bytes(offset), "blocks before the write changed"
-    backing = rig_spec.namespaces[0].path  # type: ignore[attr-defined]
+    backing = rig_spec.namespaces[0].path
     with open(backing, "rb") as f:  # the bytes went through nvmet into its file
         f.seek(offset)
         assert f.read(len(data)) == data
@@ -136,14 +138,14 @@ def _auth_supported(nqn: str) -> bool:
     return os.path.exists(os.path.join(CFS_ROOT, "hosts", nqn, "dhchap_key"))
 
 
-def test_dhchap_right_secret_connects_wrong_is_refused(rig_spec: object, rig_connect: RigConnect) -> None:
+def test_dhchap_right_secret_connects_wrong_is_refused(rig_spec: TargetSpec, rig_connect: RigConnect) -> None:
     from nvmeof.auth import generate_secret
     from nvmeof.configfs import apply
     from nvmeof.host import ConnectError, ConnectFailure
     from nvmeof.spec import HostSpec, generate
 
     secret = generate_secret().encode()
-    spec = replace(rig_spec, hosts=(HostSpec(RIG_HOSTNQN, dhchap_key=secret),))  # type: ignore[type-var]
+    spec = replace(rig_spec, hosts=(HostSpec(RIG_HOSTNQN, dhchap_key=secret),))
     cfg = generate(spec)
     release(cfg)
     reset_backing_files(spec)

@@ -16,6 +16,10 @@ from tierkv.keys import PageKey
 class Policy(Protocol):
     """What the manager asks of a per-tier eviction and admission policy."""
 
+    def __len__(self) -> int:
+        """How many pages the policy tracks."""
+        ...
+
     def on_request(self, keys: Sequence[PageKey], now: float) -> None:
         """A request for the prompt whose full pages are ``keys`` arrived at ``now``.
 
