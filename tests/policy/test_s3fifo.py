@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tierkv.keys import PageKey
 from tierkv.policy.s3fifo import S3FIFOPolicy
 from tests.policy.helpers import everything, k, store
 
