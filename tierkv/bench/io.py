@@ -1,15 +1,15 @@
-"""Bulk-transfer benchmarks of the DRAM and NVMe tiers against same-run baselines.
+"""Bulk-transfer benchmark of the NVMe tier against fio, measured in the same run.
 
-``bench_dram`` times :class:`~tierkv.tiers.dram.DramTier` against ``np.copyto`` of
-the same bytes; ``bench_nvme`` times :class:`~tierkv.tiers.nvme.NvmeTier` against
-fio (io_uring, O_DIRECT) on the same file, block size and queue depth, after letting
-a short sweep pick the tier's ``io_threads``. The work is the one of the peer
-harness (``/work/shared/peers``): a batch of ``pages`` pages written, then read back.
+``bench_nvme`` times :class:`~tierkv.tiers.nvme.NvmeTier` against fio (io_uring,
+O_DIRECT) on the same file, block size and queue depth, after letting a short sweep
+pick the tier's ``io_threads``; the DRAM tier is measured through the store API, in
+:mod:`tierkv.bench.store`. The work is the one of the peer harness
+(``/work/shared/peers``): a batch of ``pages`` pages written, then read back.
 
 Figures are decimal GB/s (1e9 B/s) of page payload, the median of ``runs`` timed
 repetitions after one untimed warm-up; the baseline's repetitions are interleaved
-with the tier's so that both see the same machine. The functions return plain dicts
-and print nothing, e.g.::
+with the tier's so that both see the same machine. It returns a plain dict and prints
+nothing. Called by :mod:`tierkv.bench.headline` (``tierkv bench store``), or by hand::
 
     python -c "from tierkv.bench.io import bench_nvme; print(bench_nvme('/tmp', 2 << 20, 64, 5, (1, 16)))"
 """
@@ -29,38 +29,11 @@ import numpy as np
 
 from tierkv.errors import TierKVError
 from tierkv.tiers.aligned import aligned_empty
-from tierkv.tiers.dram import DramTier
 from tierkv.tiers.nvme import DEFAULT_MAX_IO_BYTES, NvmeTier
 
-DEFAULT_SHAPES = ((2 << 20, 64), (256 << 10, 512))  # (page_bytes, pages): 128 MiB either way
 FIO_TIMEOUT_S = 300
 
 Timed = Callable[[], float]  # runs one repetition, returns its wall seconds
-
-
-def bench_dram(page_bytes: int = 2 << 20, pages: int = 64, runs: int = 5) -> dict[str, object]:
-    """DramTier write/read GB/s against ``np.copyto`` of the same (pages, page_bytes) bytes."""
-    src = _random_pages(pages, page_bytes)
-    back = np.empty_like(src)
-    mirror = np.empty_like(src)
-    with DramTier(pages, page_bytes) as tier:
-        slots = tier.allocate(pages)
-        secs = _interleaved({
-            "dram_put": lambda: _clock(tier.write, slots, src),
-            "dram_get": lambda: _clock(tier.read, slots, back),
-            "memcpy_put": lambda: _clock(np.copyto, mirror, src),
-            "memcpy_get": lambda: _clock(np.copyto, back, mirror),
-        }, runs)
-        tier.read(slots, back)
-        verified = bool(np.array_equal(back, src))
-    gbps = _rates(secs, pages * page_bytes)
-    return {
-        "page_bytes": page_bytes, "pages": pages, "runs": runs, "verified": verified,
-        **{f"{k}_gbps": v for k, v in gbps.items()},
-        "dram_put_vs_memcpy": _ratio(gbps["dram_put"], gbps["memcpy_put"]),
-        "dram_get_vs_memcpy": _ratio(gbps["dram_get"], gbps["memcpy_get"]),
-        "spread_gbps": _spreads(secs, pages * page_bytes),
-    }
 
 
 def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: int = 64, runs: int = 5,
