@@ -90,18 +90,6 @@ def is_configfs(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
     return fstype == "configfs"
 
 
-def kind_of(root: str, path: str) -> Kind:
-    """The object kind of ``path`` from its position under ``root``."""
-    parts = os.path.relpath(path, root).split(os.sep)
-    table = {("hosts",): Kind.HOST, ("subsystems",): Kind.SUBSYSTEM, ("ports",): Kind.PORT,
-             ("subsystems", "namespaces"): Kind.NAMESPACE, ("ports", "referrals"): Kind.REFERRAL,
-             ("ports", "ana_groups"): Kind.ANA_GROUP}
-    key = tuple(parts[0::2]) if len(parts) % 2 == 0 else ()
-    if key not in table:
-        raise ValueError("%s is not an nvmet object path under %s" % (path, root))
-    return table[key]
-
-
 class Tree:
     """Filesystem operations on an nvmet configfs root (real or a plain-directory
     stand-in). Every method raises ``OSError`` like the kernel would; not thread-safe."""

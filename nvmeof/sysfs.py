@@ -35,7 +35,6 @@ __all__ = [
     "get_controller", "list_controllers", "parse_address",
 ]
 
-DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
 _BLOCK = re.compile(r"^nvme(\d+)n(\d+)$")            # nvme0n1: a block device
 _PATH = re.compile(r"^nvme(\d+)c(\d+)n(\d+)$")       # nvme0c1n1: a hidden multipath path
 _CTRL = re.compile(r"^nvme\d+$")
@@ -99,11 +98,6 @@ class Controller:
     serial: str | None
     subsystem: str | None
     namespaces: tuple[str, ...] = field(default=())
-
-    @property
-    def is_discovery(self) -> bool:
-        """Whether this is a (persistent) discovery controller rather than an I/O one."""
-        return self.subsysnqn == DISCOVERY_NQN
 
     def reaches(self, transport: str, traddr: str | None, trsvcid: str | None, subsysnqn: str,
                 hostnqn: str | None = None) -> bool:

@@ -114,7 +114,6 @@ def test_list_controllers_multipath(tree: tuple[Path, Path]) -> None:
     assert (c0.model, c0.subsystem, c0.namespaces) == ("Linux", "nvme-subsys0", ("nvme0n1",))
     assert ctrls[1].namespaces == ("nvme1n1", "nvme1n2") and ctrls[1].address.src_addr == "10.77.0.1"
     assert ctrls[2].namespaces == ("nvme0n1",) and ctrls[2].subsystem == "nvme-subsys0"
-    assert not c0.is_discovery
 
 
 def test_list_controllers_without_multipath(tree: tuple[Path, Path]) -> None:
