@@ -107,11 +107,6 @@ class PageHeader:
         """Length of the whole blob (header and payload)."""
         return HEADER_BYTES + self.payload_bytes
 
-    def matches(self, layout: KVLayout) -> bool:
-        return (self.dtype is layout.dtype and self.kind is layout.kind
-                and (self.num_layers, self.tokens_per_page, self.num_kv_heads, self.head_dim)
-                == (layout.num_layers, layout.tokens_per_page, layout.num_kv_heads, layout.head_dim))
-
 
 def max_encoded_bytes(page_bytes: int) -> int:
     """Upper bound of a blob's length for a page of ``page_bytes``: incompressible
