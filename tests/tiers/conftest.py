@@ -1,4 +1,4 @@
-"""Fixtures for the tier conformance suite: one ``tier_factory`` per tier kind.
+"""Fixtures for the tier conformance suite: one ``tier_factory`` per tier.
 
 Every test that takes ``tier_factory`` runs once per entry of ``_BUILDERS``. To put a
 new tier through the suite, add one line there (a builder taking the scratch
@@ -17,10 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierkv.codec import Codec, CodecMode
+from tierkv.layout import DType, KVLayout, LayoutKind
+from tierkv.store.coding import CodecChoice
+from tierkv.tiers.aligned import ALIGN, round_up
 from tierkv.tiers.base import Tier
+from tierkv.tiers.blocks import BlockPageTier
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.hbm import HbmTier
-from tierkv.tiers.aligned import round_up
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvmeof import NvmeofTier, StaticLink
 from tierkv.tiers.peer import loopback_peer_tier
@@ -39,14 +43,20 @@ class Scratch:
 
 Builder = Callable[[Scratch, int, int], Tier]
 
-_BUILDERS: dict[str, Builder] = {
-    "dram": lambda s, n, p: DramTier(n, p),
-    "nvme-odirect": lambda s, n, p: NvmeTier(s.disk / s.name, n, p),
-    "nvme-buffered": lambda s, n, p: NvmeTier(s.shm() / s.name, n, p, o_direct=False),
-    "hbm-cpu": lambda s, n, p: HbmTier(n, p, device="cpu"),
-    "hbm-cuda": lambda s, n, p: HbmTier(n, p, device="cuda") if torch.cuda.is_available() else pytest.skip("no CUDA"),
-}
-def _nvmeof_on_file(s: Scratch, n: int, p: int) -> Tier:
+
+def lossless(page_bytes: int) -> CodecChoice:
+    """The lossless codec over pages of exactly ``page_bytes`` bytes (one FP8 latent row
+    per page), so the suite's compressible rows are stored coded and the rest raw."""
+    layout = KVLayout(1, 1, page_bytes, DType.FP8_E4M3, 1, LayoutKind.LATENT)
+    return CodecChoice(CodecMode.LOSSLESS, Codec(layout))
+
+
+def blocks(page_bytes: int) -> int:
+    """4 KiB blocks per raw page: what a block tier reserves for each."""
+    return round_up(page_bytes) // ALIGN
+
+
+def _nvmeof_on_file(s: Scratch, n: int, p: int) -> NvmeofTier:
     """The NVMe-oF tier's own code (deadlines, monitor) over a file standing in for the namespace."""
     path = s.disk / s.name
     with open(path, "wb") as f:
@@ -54,8 +64,18 @@ def _nvmeof_on_file(s: Scratch, n: int, p: int) -> Tier:
     return NvmeofTier(StaticLink(path), n, p, io_timeout_s=10.0, monitor_interval_s=0.2)
 
 
-_BUILDERS["nvmeof-file"] = _nvmeof_on_file
-_BUILDERS["peer-tcp"] = lambda s, n, p: loopback_peer_tier(n, p)  # a PeerServer on 127.0.0.1 in this process
+_BUILDERS: dict[str, Builder] = {
+    "dram": lambda s, n, p: DramTier(n, p),
+    "nvme-odirect": lambda s, n, p: NvmeTier(s.disk / s.name, n, p),
+    "nvme-buffered": lambda s, n, p: NvmeTier(s.shm() / s.name, n, p, o_direct=False),
+    "hbm-cpu": lambda s, n, p: HbmTier(n, p, device="cpu"),
+    "hbm-cuda": lambda s, n, p: HbmTier(n, p, device="cuda") if torch.cuda.is_available() else pytest.skip("no CUDA"),
+    "nvmeof-file": _nvmeof_on_file,
+    # The coded tiers ([tiers.nvme] or [tiers.nvmeof] codec = "lossless"): pages in runs of 4 KiB blocks.
+    "nvme-coded": lambda s, n, p: BlockPageTier(NvmeTier(s.disk / s.name, n * blocks(p), ALIGN), n, p, lossless(p)),
+    "nvmeof-coded": lambda s, n, p: BlockPageTier(_nvmeof_on_file(s, n * blocks(p), ALIGN), n, p, lossless(p)),
+    "peer-tcp": lambda s, n, p: loopback_peer_tier(n, p),  # a PeerServer on 127.0.0.1 in this process
+}
 _MARKS: dict[str, pytest.MarkDecorator] = {"hbm-cuda": pytest.mark.gpu}
 
 TierFactory = Callable[[int, int], Tier]

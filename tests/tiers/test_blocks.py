@@ -1,7 +1,8 @@
-"""Block-addressed tiers: the contiguous allocator, and BlockPageTier over a real O_DIRECT file.
+"""Block-addressed tiers beyond the conformance suite: the contiguous allocator, extents,
+and what coding does to a BlockPageTier's blocks, over a real O_DIRECT file.
 
-BlockPageTier hands out page handles rather than fixed slots, so it has its own tests
-here instead of a line in the conformance suite (which addresses slots by number).
+The coded tiers run the whole conformance suite too (``nvme-coded`` and ``nvmeof-coded``
+in conftest.py); these tests look at what only a block-addressed tier has.
 """
 
 from __future__ import annotations

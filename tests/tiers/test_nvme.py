@@ -21,7 +21,7 @@ from tierkv.tiers.nvme import NvmeTier
 
 
 
-from tests.tiers.test_conformance import ODD_PAGE, PAGE, TIMEOUT_S, pages, read_back
+from tests.tiers.test_conformance import ODD_PAGE, PAGE, pages, read_back
 
 
 # ==== NVMe tier only ====================================================================
@@ -168,7 +168,7 @@ def test_nvme_thread_and_syscall_sizes(nvme_path: Path, io_threads: int, max_io_
     with NvmeTier(nvme_path, 64, PAGE, io_threads=io_threads, max_io_bytes=max_io_bytes) as tier:
         slots = list(range(40)) + [63, 50, 51, 52, 41]
         src = pages(len(slots), PAGE, seed=15)
-        tier.write_async(slots, src).result(timeout=TIMEOUT_S)
+        tier.write(slots, src)
         np.testing.assert_array_equal(read_back(tier, slots[::-1], PAGE), src[::-1])
 
 
@@ -186,7 +186,7 @@ def test_nvme_short_read_raises_tier_io_error(nvme_path: Path) -> None:
         with pytest.raises(TierIOError, match=rf"short read at slot 5 \(offset {5 * PAGE}\)"):
             tier.read([4, 5], np.zeros((2, PAGE), dtype=np.uint8))
         with pytest.raises(TierIOError, match="short read"):
-            tier.read_async([6], np.zeros((1, PAGE), dtype=np.uint8)).result(timeout=TIMEOUT_S)
+            tier.read([6], np.zeros((1, PAGE), dtype=np.uint8))
 
 
 def test_nvme_os_error_becomes_tier_io_error(nvme_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

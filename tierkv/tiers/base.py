@@ -1,16 +1,26 @@
 """The tier interface every storage tier implements, and its shared helpers.
 
-A tier is a fixed array of equal-size *slots* on one medium (HBM, DRAM, a file or
-block device, an NVMe-oF namespace). It moves bytes between caller buffers and
-slots and owns the free list; it never decides which page goes where (that is the
-manager's job) and it knows nothing of keys. Called by :mod:`tierkv.store.api` through the
-transfer table, and by the conformance suite in ``tests/tiers``.
+A tier stores pages of up to ``slot_bytes`` bytes on one medium (HBM, DRAM, a file or
+block device, an NVMe-oF namespace). ``allocate`` hands out *handles*, one per page
+to store; ``write``/``read`` move bytes between caller buffers and the pages of those
+handles; ``free`` gives them back. On a slot-addressed tier a handle is a slot index
+``0 .. num_slots-1``; on a block-addressed tier (:mod:`tierkv.tiers.blocks`) it is an
+opaque number. Callers address pages only by handles the tier handed out (``allocate``,
+or ``claim``/``claim_extents`` when reopening a persistent tier). A tier never decides
+which page goes where (that is the manager's job) and knows nothing of keys. Called by
+:mod:`tierkv.store.transfer` through the copy table, and by the conformance suite in
+``tests/tiers``, which every tier passes.
+
+A tier has a ``kind`` (its medium: what the copy table dispatches on) and a ``name``
+(its identity in a store: the manager, the index and the stats tell tiers apart by it;
+two tiers of one kind, two NVMe drives say, have different names).
 
 Buffers are numpy ``uint8`` arrays of shape ``(n, page_bytes)`` (C-contiguous rows), or
 for writes a :class:`~tierkv.store.pages.PageList` of separate pages; ``page_bytes <= slot_bytes``.
 ``read`` and ``write`` can also return each row's checksum (``checksums=True``), which
 the persistent tiers compute on their I/O threads. Thread-safety: ``allocate``/``free``/``claim`` are safe
-from any thread; ``read``/``write`` on disjoint slots may run concurrently.
+from any thread; ``read``/``write`` of disjoint handles may run concurrently from any threads.
+I/O is synchronous: a caller that wants it in the background runs it on its own pool.
 """
 
 from __future__ import annotations
@@ -19,7 +29,6 @@ import abc
 import enum
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal, Self, overload
 
 import numpy as np
@@ -136,11 +145,11 @@ class SlotAllocator:
 
 
 class Tier(abc.ABC):
-    """One storage tier: fixed-size slots, synchronous and asynchronous I/O.
+    """One storage tier: pages of up to ``slot_bytes`` bytes, addressed by handles.
 
     Subclasses implement ``_read`` and ``_write`` (and may override ``flush`` and
-    ``_close``). Failures raise :class:`~tierkv.errors.TierIOError`; the async
-    variants return futures whose ``result(timeout)`` re-raises it.
+    ``_close``). Failures raise :class:`~tierkv.errors.TierIOError`; bad input raises
+    :class:`~tierkv.errors.InputError`, any use after ``close`` StoreClosedError.
     """
 
     kind: TierKind
@@ -148,13 +157,12 @@ class Tier(abc.ABC):
     # Slots are handles of pages stored in runs of 4 KiB blocks (tierkv.tiers.blocks).
     block_addressed: bool = False
 
-    def __init__(self, num_slots: int, slot_bytes: int, io_threads: int = 1) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
         if num_slots < 0 or slot_bytes <= 0:
             raise InputError(f"tier needs num_slots >= 0 and slot_bytes > 0, got {num_slots}, {slot_bytes}")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self._slots = SlotAllocator(num_slots)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"tierkv-{self.kind.value}")
         self._closed = False
 
     # -- slot bookkeeping -------------------------------------------------------
@@ -246,15 +254,6 @@ class Tier(abc.ABC):
         self._read(slots, dst)
         return None
 
-    def write_async(self, slots: Sequence[int], src: np.ndarray) -> Future[None]:
-        self._check_io(slots, src)
-        return self._pool.submit(self._write, list(slots), src)
-
-    def read_async(self, slots: Sequence[int], dst: np.ndarray) -> Future[None]:
-        self._check_io(slots, dst)
-        self._check_writable(dst)
-        return self._pool.submit(self._read, list(slots), dst)
-
     def flush(self) -> None:
         """Make every completed write durable (no-op for volatile tiers)."""
         self._check_open()
@@ -263,7 +262,6 @@ class Tier(abc.ABC):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
         self._close()
 
     def __enter__(self) -> Self:

@@ -141,6 +141,7 @@ class BlockPageTier(Tier):
                 self.blocks.free(block_list(ext))
 
     def claim(self, slots: Sequence[int]) -> None:
+        self._check_open()
         raise InputError(f"the {self.kind.value} tier is block-addressed; claim pages with claim_extents")
 
     def extents(self, slot: int) -> Extents | None:
@@ -196,6 +197,8 @@ class BlockPageTier(Tier):
 
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         n, width = src.shape
+        if n == 0:
+            return
         bpp = self.blocks_per_page
         self._retired.clear()  # the blocks of freed pages may be overwritten from here on
         sizes: np.ndarray | None = None
@@ -254,6 +257,8 @@ class BlockPageTier(Tier):
 
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         n, width = dst.shape
+        if n == 0:
+            return
         bpp = self.blocks_per_page
         with self._lock:
             exts = [self._pages.get(h) or self._retired[h] for h in slots]

@@ -55,12 +55,11 @@ class DramTier(Tier):
     persistent = False
 
     def __init__(self, num_slots: int, slot_bytes: int) -> None:
-        super().__init__(num_slots, slot_bytes, io_threads=2)
+        super().__init__(num_slots, slot_bytes)
         try:
             self._buf = _host_buffer(num_slots * slot_bytes).reshape(num_slots, slot_bytes)
         except (MemoryError, OSError, RuntimeError) as exc:  # mmap ENOMEM; torch's pinning fails as RuntimeError
             self._closed = True
-            self._pool.shutdown(wait=False)
             raise CapacityError(f"dram tier: cannot allocate {format_size(num_slots * slot_bytes)} "
                                 f"({num_slots} slots of {slot_bytes} bytes): {exc}; lower [tiers.dram] "
                                 "capacity_bytes") from None

@@ -41,12 +41,11 @@ class HbmTier(Tier):
             raise ConfigError(f"an HBM tier on {dev} needs a CUDA device, and none is available here")
         if dev.type not in ("cuda", "cpu"):
             raise ConfigError(f"an HBM tier lives on a 'cuda' device (or 'cpu' for tests), got {dev}")
-        super().__init__(num_slots, slot_bytes, io_threads=2)
+        super().__init__(num_slots, slot_bytes)
         try:
             self._buf = torch.zeros((num_slots, slot_bytes), dtype=torch.uint8, device=dev)
         except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, RuntimeError on CPU
             self._closed = True
-            self._pool.shutdown(wait=False)
             asked = f"asked for {num_slots * slot_bytes / 2**30:.1f} GiB of HBM tier on {dev}"
             if dev.type != "cuda":
                 raise CapacityError(f"{asked}: {exc}") from None

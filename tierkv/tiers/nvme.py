@@ -98,7 +98,7 @@ class NvmeTier(Tier):
             raise InputError(f"nvme tier needs max_io_bytes >= {ALIGN}, got {max_io_bytes}")
         if header_bytes < 0 or header_bytes % ALIGN:
             raise InputError(f"nvme tier header_bytes must be a non-negative multiple of {ALIGN}, got {header_bytes}")
-        super().__init__(num_slots, round_up(page_bytes), io_threads=io_threads)
+        super().__init__(num_slots, round_up(page_bytes))
         self.path = os.fspath(path)
         self.page_bytes = page_bytes
         self.io_threads = io_threads
@@ -115,8 +115,8 @@ class NvmeTier(Tier):
         # sink for reads (its contents are never looked at, so sharing it is safe).
         self._zeros = aligned_empty(self.slot_bytes)
         self._sink = aligned_empty(self.slot_bytes)
-        # Chunks fan out to their own executor, never to the base pool that runs the
-        # *_async calls, so a pool task waiting on its chunks cannot starve itself.
+        # Chunks fan out to their own executor, never to a pool the caller runs the transfer
+        # on (the NVMe-oF tier's guard, say), so a task waiting on its chunks cannot starve itself.
         self._fanout = (ThreadPoolExecutor(max_workers=io_threads - 1, thread_name_prefix="tierkv-nvme-io")
                         if io_threads > 1 else None)
         self._cond = threading.Condition()

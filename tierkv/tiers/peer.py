@@ -60,7 +60,7 @@ class PeerDramTier(Tier):
         n = info.num_slots - base_slot if num_slots is None else num_slots
         if base_slot < 0 or n < 0 or base_slot + n > info.num_slots:
             raise InputError(f"peer slots [{base_slot}, {base_slot + n}) do not fit the peer's {info.num_slots}")
-        super().__init__(n, info.slot_bytes, io_threads=4)
+        super().__init__(n, info.slot_bytes)
         self.transport = transport
         self.base_slot = base_slot
         self._owns = owns_transport
