@@ -1,105 +1,28 @@
-"""Time to recompute a prefix against time to load it from a tier, and where they cross.
+"""The planner's side of load versus recompute: GPUs per instance and the instance's prefill rate.
 
-Recompute (prefill) of ``n`` tokens after ``h`` cached ones, on one model instance::
-
-    recompute_s(n, h) = (n - h) / tokens_s  +  c_attn * (n**2 - h**2) / flops_s
-
-The first term is the weights' work at the instance's prefill rate; the second is causal
-attention, ``c_attn = layers x query heads x (d_qk + d_v)`` FLOPs per token pair
-(:attr:`tierkv.plan.models.ModelSpec.attention_flops_coeff`), at the FLOP rate that
-the first term implies (``flops_s = tokens_s x 2 x active parameters``). Loading saves
-exactly ``recompute_s(h, 0)``: the suffix attends to the prefix either way.
-
-Load of ``n`` tokens from a tier: ``latency_s + n x bytes_per_token / bandwidth`` (zero for
-``n = 0``), with ``bytes_per_token`` after the codec. The crossover is the smallest ``n``
-with load < recompute. Called by :mod:`tierkv.plan.planner`.
+The model itself (:class:`PrefillModel`, :class:`LoadModel`, :func:`crossover_tokens`)
+is :mod:`tierkv.recompute`, shared with the eviction policies; this module fills it in
+for a model on a hardware profile. Attention costs ``c_attn = layers x query heads x
+(d_qk + d_v)`` FLOPs per token pair (:attr:`tierkv.plan.models.ModelSpec.attention_flops_coeff`),
+at the FLOP rate that the prefill rate implies (``flops_s = tokens_s x 2 x active
+parameters``). Each tier's :class:`LoadModel` comes from :mod:`tierkv.plan.sizing`.
+Called by :mod:`tierkv.plan.planner`; the other planner modules import the model's
+names from here.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
-import numpy as np
-
 from tierkv.errors import ConfigError, InputError
 from tierkv.plan.hardware import HardwareProfile
 from tierkv.plan.models import ModelSpec
+from tierkv.recompute import LoadModel, PrefillModel, crossover_tokens
+
+__all__ = ["PREFILL_TOKENS_S_RANGE", "LoadModel", "PrefillModel", "crossover_tokens", "instance_gpus",
+           "prefill_model"]
 
 #: Prefill tokens/s of one instance the planner accepts, from any source (flag, profile, derived):
 #: outside it recompute times overflow or mean nothing.
 PREFILL_TOKENS_S_RANGE = (1.0, 1e9)
-
-
-@dataclass(frozen=True)
-class PrefillModel:
-    """Prefill speed of one model instance. ``attention_flops_coeff`` 0 drops the quadratic term."""
-
-    tokens_s: float
-    flops_s: float
-    attention_flops_coeff: float
-    source: str
-
-    def __post_init__(self) -> None:
-        if not self.tokens_s > 0 or not self.flops_s > 0:
-            raise InputError(f"prefill rates must be > 0, got {self.tokens_s} tokens/s and {self.flops_s} FLOP/s")
-
-    def recompute_s(self, n_tokens: float | np.ndarray, cached_tokens: float | np.ndarray = 0) -> np.ndarray:
-        """Seconds to prefill tokens ``cached_tokens..n_tokens`` (elementwise on arrays)."""
-        n = np.asarray(n_tokens, dtype=np.float64)
-        h = np.asarray(cached_tokens, dtype=np.float64)
-        return (n - h) / self.tokens_s + self.attention_flops_coeff * (n * n - h * h) / self.flops_s
-
-
-@dataclass(frozen=True)
-class LoadModel:
-    """Loading from one tier into HBM for one request."""
-
-    latency_s: float
-    bytes_per_token: float
-    bandwidth_bytes_s: float
-
-    def load_s(self, n_tokens: float | np.ndarray) -> np.ndarray:
-        n = np.asarray(n_tokens, dtype=np.float64)
-        return np.where(n > 0, self.latency_s + n * self.bytes_per_token / self.bandwidth_bytes_s, 0.0)
-
-    @property
-    def s_per_token(self) -> float:
-        return self.bytes_per_token / self.bandwidth_bytes_s
-
-
-def crossover_tokens(load: LoadModel, prefill: PrefillModel, max_tokens: int) -> int | None:
-    """Smallest prompt length ``n >= 1`` with load(n) < recompute(n); None if none is <= ``max_tokens``.
-
-    Solves ``d n**2 + (c - b) n - a > 0`` with ``a`` the latency, ``b`` load s/token,
-    ``c`` recompute s/token and ``d`` the attention term's s/token**2.
-    """
-    a, b = load.latency_s, load.s_per_token
-    c, d = 1.0 / prefill.tokens_s, prefill.attention_flops_coeff / prefill.flops_s
-    if not math.isfinite(a + b):
-        return None  # a load that never ends never wins
-    if d == 0:
-        if c <= b:
-            return None
-        root = a / (c - b)
-    else:
-        # hypot and the two forms of the root avoid overflow and cancellation at extreme rates.
-        disc = math.hypot(c - b, 2 * math.sqrt(d * a))
-        root = 2 * a / ((c - b) + disc) if c > b else (disc - (c - b)) / (2 * d)
-    if math.isnan(root):
-        return None
-    # Past max_tokens the answer is None; clipping keeps huge roots from overflowing or stepping forever.
-    n = max(1, math.floor(min(root, max_tokens)) + 1)
-    # Float rounding near the root: step to the exact smallest integer.
-    while n > 1 and _wins(load, prefill, n - 1):
-        n -= 1
-    while not _wins(load, prefill, n) and n <= max_tokens:
-        n += 1
-    return n if n <= max_tokens else None
-
-
-def _wins(load: LoadModel, prefill: PrefillModel, n: int) -> bool:
-    return bool(load.load_s(n) < prefill.recompute_s(n))
 
 
 def instance_gpus(model: ModelSpec, profile: HardwareProfile, tp: int | None = None) -> int:

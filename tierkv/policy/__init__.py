@@ -13,7 +13,6 @@ from collections.abc import Callable
 from tierkv.errors import ConfigError
 from tierkv.policy.base import Policy
 from tierkv.policy.belady import BeladyPolicy, Future
-from tierkv.policy.cost import CostAwarePolicy, CostModel
 from tierkv.policy.gittins import GittinsPolicy
 from tierkv.policy.lru import LeafLRUPolicy, LRUPolicy
 from tierkv.policy.s3fifo import S3FIFOPolicy
@@ -31,20 +30,12 @@ POLICY_NAMES = tuple(_POLICIES)
 DEFAULT_POLICY = "gittins"
 
 
-def make_policy(name: str, cost: CostModel | None = None) -> Policy:
-    """A fresh policy instance for one tier.
-
-    With a ``cost`` model of that tier, pages not worth loading from it are not admitted
-    (and ``"gittins"`` also weighs each page by the prefill time a hit on it saves).
-    """
+def make_policy(name: str) -> Policy:
+    """A fresh policy instance for one tier."""
     if name not in _POLICIES:
         raise ConfigError(f"unknown policy {name!r}; expected one of {', '.join(_POLICIES)}")
-    if cost is None:
-        return _POLICIES[name]()
-    if name == "gittins":
-        return GittinsPolicy(cost=cost)
-    return CostAwarePolicy(_POLICIES[name](), cost)
+    return _POLICIES[name]()
 
 
-__all__ = ["DEFAULT_POLICY", "POLICY_NAMES", "BeladyPolicy", "CostAwarePolicy", "CostModel", "Future",
-           "GittinsPolicy", "LRUPolicy", "LeafLRUPolicy", "Policy", "S3FIFOPolicy", "make_policy"]
+__all__ = ["DEFAULT_POLICY", "POLICY_NAMES", "BeladyPolicy", "Future", "GittinsPolicy", "LRUPolicy", "LeafLRUPolicy",
+           "Policy", "S3FIFOPolicy", "make_policy"]

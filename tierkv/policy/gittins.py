@@ -1,6 +1,6 @@
 """The default policy: evict the leaf page with the lowest learned hit density (``"gittins"``).
 
-Three ideas, each measured in ``docs/policies.md``:
+Five ideas, each measured in ``docs/policies.md``:
 
 * **Learn reuse from the whole request stream.** ``on_request`` shows every page a
   request needs, cached or not, so the policy keeps a bounded *ghost* of recently seen
@@ -36,8 +36,10 @@ Three ideas, each measured in ``docs/policies.md``:
 The clock counts requests, so the policy behaves the same whether a trace is replayed
 at full speed or in real time. Without ``on_request`` it is leaf-first LRU on a clock
 of page accesses (pages adopted at a store's start, say), which requests then continue.
-With a :class:`~tierkv.policy.cost.CostModel`, indices are weighted by the seconds a
-hit saves and pages not worth loading from the tier are not admitted.
+With a :class:`~tierkv.recompute.CostModel` of its tier (``GittinsPolicy(cost=...)``;
+no store config builds one, the figures in ``docs/policies.md`` are without), indices
+are weighted by the seconds a hit saves and pages not worth loading from the tier are
+not admitted.
 
 Cost per access: O(log n) heap work plus O(classes) candidates per victim and once per
 request for admission; marking an abandoned branch costs O(log n) per page of it (each
@@ -52,9 +54,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from tierkv.keys import PageKey
-from tierkv.policy.cost import CostModel
 from tierkv.policy.hazard import MAX_AGE, ReuseModel, age_bin
 from tierkv.policy.leaves import Candidate, LeafHeaps
+from tierkv.recompute import CostModel
 
 #: Access-count classes 0-4 (0, 1, 2-3, 4-7, 8 or more earlier accesses); class 5: a new
 #: page whose request continues a prompt seen before (not a hot shared prefix); class 6:
