@@ -1,5 +1,5 @@
 """Fixtures for the codec tests: real KV pages (skipped where the data file is absent),
-small layouts, and both implementations (C where built, numpy always)."""
+small layouts, and both implementations (C where built, the portable one always)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ KV_FILES = sorted(DEFAULT_KV_DIR.glob("*.safetensors")) if DEFAULT_KV_DIR.is_dir
 requires_kv = pytest.mark.skipif(not KV_FILES, reason=f"no real KV data in {DEFAULT_KV_DIR}")
 requires_native = pytest.mark.skipif(not native_available(), reason="tierkv.codec._codec is not built")
 
-# Both implementations where the extension is built; the numpy one alone otherwise.
-IMPLS = [pytest.param(True, id="c", marks=requires_native), pytest.param(False, id="numpy")]
+# Both implementations where the extension is built; the portable one (tierkv.codec.portable) alone otherwise.
+IMPLS = [pytest.param(True, id="c", marks=requires_native), pytest.param(False, id="portable")]
 
 
 @pytest.fixture(scope="session")

@@ -119,12 +119,12 @@ def test_measure_throughput(native: bool) -> None:
     assert 0 < t.ratio < 1 and t.compress_gbps > 0 and t.decompress_gbps > 0 and t.threads == 1
 
 
-def test_numpy_codec_runs_where_the_extension_is_missing(monkeypatch: pytest.MonkeyPatch,
+def test_portable_codec_runs_where_the_extension_is_missing(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     import tierkv.codec.codec as codec_module
 
     monkeypatch.setattr(codec_module, "_native", None)
-    monkeypatch.setattr(codec_module, "_warned_numpy", False)
+    monkeypatch.setattr(codec_module, "_warned_portable", False)
     with caplog.at_level("WARNING"):
         codec = Codec(KVLayout(1, 1, 16, DType.FP16, 4))
     assert not codec.native and "not built" in caplog.text

@@ -130,7 +130,7 @@ def adversarial_pages(draw: st.DrawFn, native: bool) -> tuple[KVLayout, np.ndarr
         layout = KVLayout(draw(st.integers(1, 3)), 1 if latent else draw(st.integers(1, 3)),
                           head_dim, dtype, draw(st.integers(1, 40)),
                           LayoutKind.LATENT if latent else LayoutKind.KV)
-    else:   # the numpy codec is slow: small pages
+    else:   # the portable codec is slow: small pages
         layout = KVLayout(1, 1 if latent else draw(st.integers(1, 2)), draw(st.integers(1, 20)), dtype,
                           draw(st.integers(1, 6)), LayoutKind.LATENT if latent else LayoutKind.KV)
     n = layout.page_bytes // dtype.itemsize

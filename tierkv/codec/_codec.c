@@ -9,7 +9,8 @@
  * they touch only the caller's buffers and their own scratch.
  *
  * Built by setup.py against xxhash.h (0.8.x, header-only through XXH_INLINE_ALL);
- * optional: without it tierkv.codec falls back to its numpy implementation.
+ * optional: without it tierkv.codec falls back to its portable implementation
+ * (tierkv/codec/portable, numpy and Python).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -9,9 +9,9 @@ never decoded into wrong data. ``tierkv/codec/FORMAT.md`` describes the format.
 
 Called by the store's tier transfers (pages crossing into NVMe and NVMe-oF tiers)
 and by ``tierkv bench codec``. The work runs in the C extension
-``tierkv.codec._codec`` without the GIL; where it is not built, the numpy
-implementation in :mod:`tierkv.codec.reference` reads and writes the same format,
-much slower.
+``tierkv.codec._codec`` without the GIL; where it is not built, the portable
+implementation (:mod:`tierkv.codec.portable`, numpy and Python) reads and writes the
+same format, much slower.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-import tierkv.codec.reference as reference
+import tierkv.codec.portable as portable
 from tierkv.codec.format import ERROR_TEXT, HEADER_BYTES, DecodeStatus, geometry, max_encoded_bytes
 from tierkv.errors import CorruptPageError, InputError, StoreClosedError
 from tierkv.layout import KVLayout
@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - where the extension is not built
 
 # Below this many pages per worker a batch is not worth splitting across threads.
 _MIN_PAGES_PER_THREAD = 2
-_warned_numpy = False
+_warned_portable = False
 
 
 class _Backend(Protocol):
@@ -51,7 +51,7 @@ class _Backend(Protocol):
 
 
 def native_available() -> bool:
-    """Whether the C extension is built (otherwise the numpy implementation runs)."""
+    """Whether the C extension is built (otherwise the portable implementation runs)."""
     return _native is not None
 
 
@@ -77,7 +77,7 @@ class Codec:
     Pages are rows of a C-contiguous ``uint8`` array ``[n, layout.page_bytes]`` (the
     store's raw page format). ``threads`` workers split batches of pages; a single
     page always runs on the calling thread. Thread-safe: any number of threads may
-    call one codec at once. ``native=False`` forces the numpy implementation (tests).
+    call one codec at once. ``native=False`` forces the portable implementation (tests).
     Owns a thread pool when ``threads > 1``: close it, or use it as a context manager.
     """
 
@@ -92,11 +92,11 @@ class Codec:
         self.layout = layout
         self.threads = threads
         self.native = _native is not None if native is None else native
-        global _warned_numpy
-        if not self.native and native is None and not _warned_numpy:
-            _warned_numpy = True
-            log.warning("tierkv.codec._codec is not built: the numpy codec runs, about 1000x slower")
-        self._backend: _Backend = _native if self.native else reference  # type: ignore[assignment]
+        global _warned_portable
+        if not self.native and native is None and not _warned_portable:
+            _warned_portable = True
+            log.warning("tierkv.codec._codec is not built: the portable codec (numpy) runs, about 1000x slower")
+        self._backend: _Backend = _native if self.native else portable  # type: ignore[assignment]
         self._geo = geometry(layout)
         self._pool: ThreadPoolExecutor | None = (
             ThreadPoolExecutor(threads, thread_name_prefix="tierkv-codec") if threads > 1 else None)

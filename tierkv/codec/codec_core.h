@@ -2,8 +2,8 @@
  * Declarations shared by the C codec's files: format constants, the page geometry,
  * per-page parameters, the probability model, and the inline bit and rANS primitives.
  * Included by _codec.c (bindings), codec_common.c, codec_enc.c and codec_dec.c.
- * tierkv/codec/FORMAT.md is the format these implement; tierkv/codec/reference.py
- * mirrors every constant here.
+ * tierkv/codec/FORMAT.md is the format these implement; tierkv/codec/portable/common.py
+ * and tierkv/codec/format.py mirror every constant here.
  */
 #ifndef TIERKV_CODEC_CORE_H
 #define TIERKV_CODEC_CORE_H

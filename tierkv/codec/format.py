@@ -1,7 +1,7 @@
 """Constants and the page header of the lossless KV codec's format (v1).
 
 The format itself is described in ``tierkv/codec/FORMAT.md``; the C extension
-(``_codec.c`` and friends) and the numpy implementation (:mod:`tierkv.codec.reference`)
+(``_codec.c`` and friends) and the portable one (:mod:`tierkv.codec.portable`)
 both follow it, and both take their constants from here or mirror them. Callers use
 :func:`peek_header` to read a blob's header (for its length, say, when a tier hands
 back whole 4 KiB blocks) without decoding it. Pure functions, thread-safe.
@@ -124,7 +124,7 @@ def geometry(layout: KVLayout) -> tuple[int, int, int, int, int, int]:
 
 def pack_header(dtype: DType, kind: LayoutKind, dims: tuple[int, int, int, int], mode: Mode,
                 payload: bytes | memoryview) -> bytes:
-    """The 40-byte header for ``payload`` (the numpy encoder's; the C one writes its own);
+    """The 40-byte header for ``payload`` (the portable encoder's; the C one writes its own);
     ``dims`` is (layers, tokens per page, kv heads, head_dim)."""
     head = _HEADER.pack(MAGIC, CODEC_ID, FORMAT_VERSION, DTYPE_CODE[dtype], mode.value, KIND_CODE[kind], 0,
                         *dims, len(payload), 0)

@@ -1,9 +1,9 @@
-"""The numpy codec's decoder: reads what ``codec_enc.c`` (or :mod:`ref_encode`) writes.
+"""The portable codec's decoder: reads what ``codec_enc.c`` (or :mod:`.encode`) writes.
 
 Runs the same checks as ``codec_dec.c`` (header against the layout, lengths,
 checksum, every stream consumed exactly, every rANS state back at its start) and
 returns the same status codes. rANS decoding is a Python loop; the row assembly is
-numpy. Used by :mod:`tierkv.codec.reference`.
+numpy. Used by :mod:`tierkv.codec.portable`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tierkv.codec.format import (CODEC_ID, FORMAT_VERSION, HEADER_BYTES, LANES, 
                                  PAYLOAD_FIXED,
                                  RANS_L, SIDE_ALPHA, SIDE_CENTER, STATE_TOP, TAIL_BITS_PER_LANE, DecodeStatus, Mode,
                                  payload_checksum, peek_header, tail_bits)
-from tierkv.codec.ref_model import (BitReader, Geometry, Params, bits_for, contexts, ctx_flip, ctx_main,
+from tierkv.codec.portable.common import (BitReader, Geometry, Params, bits_for, contexts, ctx_flip, ctx_main,
                                     ctx_side, levels_to_freqs, to_bits, unpack_fixed)
 from tierkv.errors import CorruptPageError
 

@@ -1,11 +1,11 @@
-"""Shared pieces of the numpy codec: page geometry, per-page parameters, the quantised
+"""Shared pieces of the portable codec: page geometry, per-page parameters, the quantised
 frequency tables, and LSB-first bit packing.
 
 Mirrors ``codec_core.h`` and ``codec_common.c`` exactly where the format depends on
 it (geometry, contexts, levels to frequencies, bit order); the encoder-side choices
 (levels from counts) may differ from C in the last rounding without harm, since the
 decoder reconstructs frequencies from the levels the page carries. Used by
-:mod:`tierkv.codec.ref_encode` and :mod:`tierkv.codec.ref_decode`.
+:mod:`tierkv.codec.portable.encode` and :mod:`tierkv.codec.portable.decode`.
 """
 
 from __future__ import annotations

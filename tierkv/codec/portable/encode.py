@@ -1,9 +1,9 @@
-"""The numpy codec's encoder: the same format as ``codec_enc.c``, in numpy and Python.
+"""The portable codec's encoder: the same format as ``codec_enc.c``, in numpy and Python.
 
 The analysis and the raw streams are numpy; the rANS coding is a Python loop over the
 symbols, in the exact reverse of the decoder's order (so a page costs tens of
-milliseconds). Used by :mod:`tierkv.codec.reference` where the C extension is not
-built, and by the tests to check that the two implementations read each other.
+milliseconds). Used by :mod:`tierkv.codec.portable` (the fallback where the C extension
+is not built, and the tests' check that the two implementations read each other).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 
 from tierkv.codec.format import (LANES, LEVEL_BITS, MAX_LO, RANS_L, SIDE_ALPHA, SIDE_CENTER, STATE_TOP,
                                  TAIL_BITS_PER_LANE, Mode, pack_header, tail_bits)
-from tierkv.codec.ref_model import (NCTX, BitWriter, Geometry, Params, bits_for, contexts,
+from tierkv.codec.portable.common import (NCTX, BitWriter, Geometry, Params, bits_for, contexts,
                                     counts_to_levels, ctx_flip, ctx_main, ctx_side, fixed_bits, levels_to_freqs,
                                     pack_bits)
 

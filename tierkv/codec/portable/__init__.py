@@ -1,9 +1,14 @@
-"""The numpy implementation of the codec, with the C extension's two entry points.
+"""The portable codec: the format in numpy and Python, with the C extension's two entry points.
 
-``encode_rows`` and ``decode_rows`` take the same arguments as their C namesakes in
-``tierkv.codec._codec``, so :class:`tierkv.codec.codec.Codec` runs either. Used where
-the extension is not built, and by the tests, which check that each implementation
-decodes what the other encodes. Thread-safe; holds the GIL (it is mostly Python).
+Two roles. It is the shipped fallback: where ``tierkv.codec._codec`` is not built (no
+compiler at install, an unsupported platform), :class:`tierkv.codec.codec.Codec` runs
+this instead, reading and writing the same blobs about 1000x slower. And it is the
+tests' oracle: they check that each implementation decodes what the other encodes.
+
+``encode_rows`` and ``decode_rows`` take the same arguments as their C namesakes, so
+``Codec`` calls either. The modules mirror the C files: :mod:`.common` (``codec_core.h``,
+``codec_common.c``), :mod:`.encode` (``codec_enc.c``), :mod:`.decode` (``codec_dec.c``,
+``codec_rows.c``). Thread-safe; holds the GIL (it is mostly Python).
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from tierkv.codec.format import HEADER_BYTES
-from tierkv.codec.ref_decode import decode_page
-from tierkv.codec.ref_encode import encode_page
-from tierkv.codec.ref_model import geometry_of
+from tierkv.codec.portable.common import geometry_of
+from tierkv.codec.portable.decode import decode_page
+from tierkv.codec.portable.encode import encode_page
 from tierkv.errors import InputError
 
 
