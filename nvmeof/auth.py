@@ -4,7 +4,7 @@ Holds the parser and generator for the ``DHHC-1:<hh>:<base64(key || crc32-le)>:`
 representation (NVMe base spec 8.13.5.8, as ``nvme gen-dhchap-key`` writes it and the
 kernel's ``nvme_auth_extract_key`` reads it), plus the ``dhchap_hash`` and
 ``dhchap_dhgroup`` names the kernel's ``hosts/<nqn>/`` configfs files accept. Used by
-``nvmeof.model`` (validation), ``nvmeof.spec`` (key generation) and host-side code.
+``nvmeof.validate`` (the model's checks) and ``nvmeof.spec`` (key generation).
 
 Errors never contain the secret: they name what was being parsed (``what``) and
 which part of the format is wrong.

@@ -3,7 +3,8 @@
 The host NQN and ID default to ``/etc/nvme/hostnqn`` and ``/etc/nvme/hostid``; an explicit
 NQN gets an ID of its own. A failed connect is classified from the tool's stderr and the
 kernel's log (``/dev/kmsg``), since the kernel itself returns little more than EIO.
-Used by :mod:`nvmeof.host` (which re-exports these names) and ``tierkv doctor``.
+Used by :mod:`nvmeof.host` (which re-exports these names) and by tierkv's NVMe-oF tier
+(``host_identity``).
 """
 
 from __future__ import annotations

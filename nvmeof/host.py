@@ -1,7 +1,7 @@
 """The NVMe-oF host: discover, connect, disconnect, and wait on controller state.
 
-Called by tierkv's NVMe-oF tier (to get its block device), by ``tierkv doctor`` and by the
-QEMU rig. The kernel does the work; this module asks it to, through one of two backends,
+Called by tierkv's NVMe-oF tier (to get its block device and let it go) and by the QEMU
+rig's tests. The kernel does the work; this module asks it to, through one of two backends,
 then watches sysfs (``nvmeof.sysfs``) until the result is visible:
 
 - ``Backend.LIBNVME``: Debian's ``python3-nvme`` (libnvme 1.3 SWIG bindings), run in a

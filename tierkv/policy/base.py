@@ -2,7 +2,8 @@
 
 A policy governs one tier. It does no I/O, no logging and no metrics; it only keeps
 the order in which its pages should leave. Called by :mod:`tierkv.store.manager` under the
-store lock, so implementations need not be thread-safe.
+store lock, so implementations need not be thread-safe, and by the simulator
+(:mod:`tierkv.sim.mirror`) through the same calls.
 """
 
 from __future__ import annotations
