@@ -24,6 +24,14 @@ def test_shipped_profiles() -> None:
     assert not dev.cluster.disaggregated and dev.tier(TierKind.NVMEOF) is None
 
 
+def test_profiles_ship_inside_the_package() -> None:
+    """Package data, so an installed wheel finds them (tests/cli/test_wheel.py installs one)."""
+    import tierkv.plan
+
+    assert PROFILE_DIR == Path(tierkv.plan.__file__).resolve().parent / "profiles"
+    assert profile_names() == ["dev-box", "h200-node"]
+
+
 def _h200() -> dict[str, object]:
     return tomllib.loads((PROFILE_DIR / "h200-node.toml").read_text())
 

@@ -8,7 +8,9 @@ single-threaded, per dtype: tierkv's ratio (compressed / original) and compress 
 decompress GB/s of original bytes; zipnn's (PyPI) on the same pages one call per page
 (its per-page unit, as the store would call it) and on all pages as one buffer
 (``zipnn_bulk_*``, its best case); plain zstd (level 3) per page. Every codec's
-output is checked to decode to the input. Called by the CLI; ``run_codec_bench``
+output is checked to decode to the input. The pages come from ``--kv``, else
+``$TIERKV_KV_DIR`` (read by the CLI), else :data:`DEFAULT_KV_DIR`; never from the current
+directory. Called by the CLI; ``run_codec_bench``
 returns one JSON-ready dict whose top-level figures are the BF16 pages' and whose
 ``dtypes`` holds every dtype's. Timings are process CPU time (see ``CPU``).
 """
@@ -33,7 +35,13 @@ from tierkv.codec.codec import Codec, native_available
 from tierkv.errors import InputError
 from tierkv.layout import DType, KVLayout
 
-DEFAULT_KV_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "kv"
+#: The environment variable naming the KV file or folder of ``bench codec`` and ``codec-store``
+#: when ``--kv`` is not given (read by :mod:`tierkv.cli.bench`).
+KV_ENV = "TIERKV_KV_DIR"
+_CHECKOUT = Path(__file__).resolve().parents[2]
+#: The last default: ``../shared/data/kv`` beside the source checkout this module runs from,
+#: wherever the command runs (never the current directory). An installed wheel has no checkout.
+DEFAULT_KV_DIR = _CHECKOUT.parent / "shared" / "data" / "kv"
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _ZIPNN_DTYPE = {DType.BF16: "bfloat16", DType.FP16: "float16", DType.FP32: "float32"}
 _NAME = re.compile(r"^layer(\d+)\.([kv])$")
@@ -42,8 +50,9 @@ BENCH_DTYPES = (DType.BF16, DType.FP16, DType.FP8_E4M3, DType.FP8_E5M2)
 
 def load_kv(path: str | Path | None) -> tuple[Path, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """The K and V tensors of every layer in a safetensors file (or the first such
-    file in a directory; default ``../shared/data/kv/``), keyed by layer number."""
-    p = Path(path) if path is not None else DEFAULT_KV_DIR
+    file in a directory; None: :data:`DEFAULT_KV_DIR`), keyed by layer number.
+    InputError naming what to pass when there is nothing to read."""
+    p = Path(path) if path is not None else _default_kv_dir()
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))
         if not files:
@@ -74,6 +83,15 @@ def load_kv(path: str | Path | None) -> tuple[Path, dict[int, tuple[torch.Tensor
     if len(shapes) != 1:
         raise InputError(f"{p}: every layerNN.k/.v must have one shape, got {sorted(shapes)}")
     return p, {n: (kv["k"], kv["v"]) for n, kv in sorted(layers.items())}
+
+
+def _default_kv_dir() -> Path:
+    if DEFAULT_KV_DIR.is_dir():
+        return DEFAULT_KV_DIR
+    where = (f"the default, {DEFAULT_KV_DIR} (../shared/data/kv beside the source checkout), does not exist"
+             if (_CHECKOUT / "pyproject.toml").is_file() else "an installed tierkv has no default")
+    raise InputError(f"no KV pages to read: pass --kv FILE.safetensors (or a folder of them) or set {KV_ENV}; "
+                     f"{where}")
 
 
 def _not_safetensors(p: Path, why: str) -> InputError:

@@ -1,10 +1,11 @@
 """``tierkv bench codec-store``: the codec inside a store, ``codec = "none"`` against ``"lossless"``.
 
-Real KV pages (``../shared/data/kv/`` or ``--kv``, cut as the store forms them) go
-through an NVMe-only store (O_DIRECT file, 4 I/O threads) twice in one run, once per
-codec: put and get GB/s of raw page bytes (median of ``runs``; a put includes the
-fdatasync and the index commit, a get the checksum of every page), every page read
-back checked byte for byte; and capacity: how many raw-page equivalents of the tier the
+Real KV pages (``--kv``, else ``$TIERKV_KV_DIR``, else ``../shared/data/kv`` beside the
+checkout: :func:`tierkv.bench.codec.load_kv`), cut as the store forms them, go through an
+NVMe-only store (O_DIRECT file, 4 I/O threads) twice in one run, once per codec: put
+and get GB/s of raw page bytes (median of ``runs``; a put includes the fdatasync and the
+index commit, a get the checksum of every page), every page read back checked byte for
+byte; and capacity: how many raw-page equivalents of the tier the
 pages take, and how many pages a tier sized for ``capacity_pages`` raw pages holds
 before its first eviction. Called by the CLI; returns one JSON-ready dict.
 """

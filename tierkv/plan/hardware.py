@@ -1,8 +1,9 @@
 """Hardware profiles for ``tierkv plan``: GPUs, KV tiers, NICs and cluster shape, from TOML.
 
-Profiles live in ``configs/hardware/*.toml`` (``load_profile("h200-node")`` finds them
-by name; a path works too). Every tier's numbers are per node, except a ``shared``
-tier (NVMe-oF by default) whose capacity and bandwidth are the pool's. Sizes and
+Named profiles ship inside the package as data, in ``tierkv/plan/profiles/*.toml``, so an
+installed wheel finds them wherever it runs: ``load_profile("h200-node")`` finds one by
+name; a path to any TOML file works too. Every tier's numbers are per node, except a
+``shared`` tier (NVMe-oF by default) whose capacity and bandwidth are the pool's. Sizes and
 bandwidths accept ``"64GiB"``, ``"50GB"`` (decimal, so ``"50GB"`` of bandwidth is
 50e9 bytes/s) or plain numbers; capacities are whole bytes up to 1 EiB, bandwidths at
 least 1 byte/s. A missing, unknown or out-of-range field raises
@@ -23,8 +24,8 @@ from pathlib import Path
 from tierkv.errors import ConfigError
 from tierkv.units import parse_size
 
-#: Where named profiles live: ``<repo>/configs/hardware``.
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+#: Where named profiles live: beside this module, installed with it (``[tool.setuptools.package-data]``).
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 #: The largest capacity a tier may have per node (or pool): 1 EiB, far past any KV cache, and small
 #: enough that block counts stay within int64.
 MAX_CAPACITY_BYTES = 2**60
@@ -137,7 +138,7 @@ def profile_names() -> list[str]:
 
 
 def load_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
-    """A profile by name (``configs/hardware/NAME.toml``) or by path."""
+    """A profile by name (``tierkv/plan/profiles/NAME.toml``) or by path."""
     p = Path(name_or_path)
     if not p.is_file():
         named = PROFILE_DIR / f"{name_or_path}.toml"
@@ -153,7 +154,7 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> HardwareProfile:
 
 
 def parse_profile(data: Mapping[str, object], where: str = "hardware profile") -> HardwareProfile:
-    """Validate a profile's TOML tables; see ``configs/hardware/h200-node.toml`` for every key."""
+    """Validate a profile's TOML tables; see ``tierkv/plan/profiles/h200-node.toml`` for every key."""
     _keys(data, where, "", {"profile", "cluster", "gpu", "tiers", "nics", "prefill_tokens_s"})
     meta = _Table(data.get("profile", {}), where, "profile", {"name", "description"})
     tiers_t = _table(data.get("tiers"), where, "tiers")
