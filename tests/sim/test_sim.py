@@ -95,7 +95,7 @@ def ref_opt(requests: Requests, capacity: int) -> int:
         if len(new) > capacity:
             continue
         farthest = max(cached.values(), default=never)
-        admitted = []
+        admitted: list[tuple[PageKey, float]] = []
         for key, nu in new:
             if nu == never or (len(cached) + len(admitted) >= capacity and nu > farthest):
                 continue
@@ -172,10 +172,16 @@ def _trace(tmp_path: Path) -> Path:
     return path
 
 
-def test_json_prints_only_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sim", "--trace", str(_trace(tmp_path)), "--capacity", "20%,10", "--policy", "lru,gittins,opt,lru-stack",
+def test_json_prints_one_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One object, as every command prints: the workload once, then one result per run."""
+    trace = _trace(tmp_path)
+    assert main(["sim", "--trace", str(trace), "--capacity", "20%,10", "--policy", "lru,gittins,opt,lru-stack",
                      "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"workload", "results"}
+    assert doc["workload"] == {"source": "mooncake", "trace": str(trace), "requests": 40, "blocks": 160,
+                               "distinct_blocks": 49}
+    out = doc["results"]
     assert [(r["policy"], r["capacity_blocks"]) for r in out] == [
         (p, c) for p in ("lru", "gittins", "opt", "lru-stack") for c in (9, 10)]  # 49 distinct blocks
     for r in out:
@@ -186,20 +192,22 @@ def test_json_prints_only_json(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_tiers_and_synthetic(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--synthetic-requests", "300", "--tiers", "1%,5%", "--tiers", "20,200", "--policy", "gittins",
                      "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)["results"]
     assert [r["tiers"][1] for r in out][1] == 200 and set(out[0]["tier_hit_rate"]) == {"dram", "nvme"}
 
 
 def test_mix_changes_the_synthetic_workload(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--synthetic-requests", "400", "--capacity", "5%", "--policy", "lru", "--json"]
     assert main(["sim", *argv]) == 0
-    default = json.loads(capsys.readouterr().out)[0]
+    default = json.loads(capsys.readouterr().out)
     assert main(["sim", *argv, "--mix", "conversation_share=0,agent_share=0,documents=5"]) == 0
-    only_rag = json.loads(capsys.readouterr().out)[0]
+    only_rag = json.loads(capsys.readouterr().out)
     # Five shared documents and one-request sessions: far fewer distinct blocks, more hits.
-    assert only_rag["capacity_blocks"] < default["capacity_blocks"] / 3
-    assert only_rag["prefix_hit_rate"] > default["prefix_hit_rate"]
-    assert default["workload"] == {"source": "synthetic", "seed": 0}
+    assert only_rag["results"][0]["capacity_blocks"] < default["results"][0]["capacity_blocks"] / 3
+    assert only_rag["results"][0]["prefix_hit_rate"] > default["results"][0]["prefix_hit_rate"]
+    assert {k: default["workload"][k] for k in ("source", "seed", "requests")} == {"source": "synthetic", "seed": 0,
+                                                                                   "requests": 400}
+    assert "mix" not in default["workload"]
     assert only_rag["workload"]["mix"] == {"conversation_share": 0.0, "agent_share": 0.0, "documents": 5}
 
 
@@ -230,6 +238,32 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], tmp_path: Path,
     assert main(["sim", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", ["no matplotlib", "no folder", "a folder"])
+def test_plot_is_checked_before_any_work(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A plot that cannot be written is bad input found at once, not after the simulation."""
+    import importlib.util
+
+    import tierkv.cli.sim
+
+    def no_work(*args: object) -> None:
+        raise AssertionError("the workload was loaded before --plot was checked")
+
+    monkeypatch.setattr(tierkv.cli.sim, "_load", no_work)
+    png = tmp_path / "curve.png"
+    if case == "no matplotlib":
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name))
+    elif case == "no folder":
+        png = tmp_path / "missing" / "curve.png"
+    else:
+        png.mkdir()
+    assert main(["sim", "--plot", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tierkv: error: --plot")
+    assert ("needs matplotlib" in err) == (case == "no matplotlib")
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:

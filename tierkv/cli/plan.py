@@ -10,13 +10,12 @@ before the workload is read.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tierkv.cli.checks import check_plot
 from tierkv.cli.exits import EXIT_OK
 from tierkv.errors import InputError
 from tierkv.layout import DType
@@ -52,7 +51,8 @@ def add_parser(subparsers: "argparse._SubParsersAction[Any]") -> argparse.Argume
     m.add_argument("--tokens-per-page", type=int, default=16, metavar="N", help="tokens per store page (default 16)")
     h = p.add_argument_group("hardware")
     h.add_argument("--hardware", default="h200-node", metavar="NAME|PATH",
-                   help="profile in configs/hardware (h200-node, dev-box) or a TOML path (default h200-node)")
+                   help="a profile shipped with tierkv (h200-node, dev-box) or a TOML file's path "
+                        "(default h200-node)")
     for tier in ("hbm", "dram", "nvme", "nvmeof"):
         h.add_argument(f"--{tier}", metavar="SIZE", help=f"{tier} tier capacity per node (nvmeof: the pool); "
                        "0 removes the tier; default: the profile's")
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check_numbers(args)
     if args.plot is not None:
-        _check_plot(args.plot)
+        check_plot(args.plot)
     dtype = DType.parse(args.kv_dtype)
     model = _model(args)
     model.layout(dtype, args.tokens_per_page)  # a bad page size fails here, before the workload is read
@@ -120,10 +120,10 @@ def run(args: argparse.Namespace) -> int:
         from tierkv.plan.plot import write_plot
 
         write_plot(plan, args.plot)
-    from tierkv.plan.report import print_plan, to_json
+    from tierkv.plan.report import print_plan, to_dict
 
     if args.json:
-        print(json.dumps(to_json(plan), allow_nan=False))
+        print(json.dumps(to_dict(plan), allow_nan=False))
     else:
         from rich.console import Console
 
@@ -150,17 +150,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
     stray = [f"--{f.replace('_', '-')}" for f in _PARAM_FLAGS if getattr(args, f) is not None]
     if stray and not args.params:
         raise InputError(f"{', '.join(stray)} describe a --params workload; add --params")
-
-
-def _check_plot(path: str) -> None:
-    """The plot's name and folder, before any work: a bad path should not cost a whole plan."""
-    if not path.lower().endswith(".png"):
-        raise InputError(f"--plot: expected a .png file name, got {path!r}")
-    folder = Path(path).parent
-    if Path(path).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise InputError(f"--plot: cannot write {path!r}: expected a file name in an existing, writable folder")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise InputError("--plot needs matplotlib: pip install matplotlib (or tierkv[plot])")
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:

@@ -3,9 +3,10 @@
 ``add_parser(subparsers)`` adds the subcommand to ``tierkv``'s parser (its handler is
 :func:`run`). Importing this module is cheap (no numpy, no store): the simulator is
 imported by the handler. Bad input raises :class:`~tierkv.errors.InputError` inside the
-handler (the CLI turns it into one line and exit status 2). ``--json`` prints
-only a JSON list, one object per policy and tier configuration, each naming its
-workload (trace path, or synthetic seed and the mix fields changed by ``--mix``).
+handler (the CLI turns it into one line and exit status 2); ``--plot`` is checked
+(path, matplotlib) before any work. ``--json`` prints one JSON object: ``workload`` (trace
+path, or synthetic seed and the mix fields changed by ``--mix``; requests, blocks and
+distinct blocks) and ``results``, one object per policy and tier configuration.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 
 from typing import TYPE_CHECKING
 
+from tierkv.cli.checks import check_plot
 from tierkv.cli.exits import EXIT_OK
 from tierkv.errors import InputError
 from tierkv.progress import task_progress
@@ -62,7 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--cache-partial", action="store_true",
                     help="also cache each request's partial last block (the store never does; some "
                          "simulators do)")
-    sp.add_argument("--json", action="store_true", help="print a JSON list only")
+    sp.add_argument("--json", action="store_true", help="print one JSON object only: the workload and the results")
     sp.add_argument("--plot", metavar="PNG", help="draw hit rate against capacity per policy (matplotlib)")
     sp.set_defaults(handler=run)
     return sp
@@ -77,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--limit", args.limit), ("--synthetic-requests", args.synthetic_requests)):
         if value is not None and value < 0:
             raise InputError(f"{flag} must be >= 0, got {value}")
-    if args.plot is not None and not args.plot.lower().endswith(".png"):
-        raise InputError(f"--plot: expected a .png file name, got {args.plot!r}")
+    if args.plot is not None:
+        check_plot(args.plot)
     workload = _load(args)
     configs = _configs(args, workload)
     if LRU_STACK in policies and any(len(c) > 1 for c in configs):
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
         plot_curves(results, workload, args.plot)
     if args.json:
-        print(json.dumps([{**r.to_json(), "workload": workload.source} for r in results]))
+        print(json.dumps({"workload": _summary(workload), "results": [r.to_dict() for r in results]}))
     else:
         _print_table(results, workload)
     return EXIT_OK
@@ -105,6 +107,11 @@ def _load(args: argparse.Namespace) -> Workload:
     if not reqs:
         raise InputError("the workload has no requests")
     return Workload.from_requests(reqs, cache_partial=args.cache_partial, source=source)
+
+
+def _summary(workload: Workload) -> dict[str, object]:
+    return {**workload.source, "requests": len(workload.keys), "blocks": workload.total_blocks,
+            "distinct_blocks": workload.distinct_blocks}
 
 
 def _configs(args: argparse.Namespace, workload: Workload) -> list[list[int]]:

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 JSONValue = object
 
 
-def to_json(plan: Plan) -> dict[str, JSONValue]:
+def to_dict(plan: Plan) -> dict[str, JSONValue]:
+    """The plan as one JSON-ready dict (``tierkv plan --json``); its keys are the interface."""
     req, layout, dep, prof = plan.request, plan.layout, plan.deployment, plan.profile
     model, cluster = req.model, req.profile.cluster
     ev = plan.evaluation

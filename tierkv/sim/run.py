@@ -91,7 +91,8 @@ class SimResult:
     puts_rejected: int
     wall_s: float
 
-    def to_json(self) -> dict[str, object]:
+    def to_dict(self) -> dict[str, object]:
+        """The result as a JSON-ready dict (``tierkv sim --json``'s ``results``)."""
         return {"policy": self.policy, "capacity_blocks": self.capacity_blocks,
                 "capacity_frac": self.capacity_frac, "tiers": list(self.tiers),
                 "prefix_hit_rate": self.prefix_hit_rate, "blocks_requested": self.blocks_requested,
