@@ -29,10 +29,10 @@ def small_synthetic() -> list[Request]:
 
 def _check_consistent(r: ReplayResult, n_requests: int) -> None:
     assert r.requests == n_requests
-    for rate in (r.prefix_hit_rate, r.ideal_hit_rate, r.prefill_tokens_from_cache_frac, *r.tier_hit_rate.values()):
+    for rate in (r.prefix_hit_rate, r.unbounded_hit_rate, r.prefill_tokens_from_cache_frac, *r.tier_hit_rate.values()):
         assert 0.0 <= rate <= 1.0
     assert math.isclose(sum(r.tier_hit_rate.values()), r.prefix_hit_rate, abs_tol=1e-12)
-    assert r.prefix_hit_rate <= r.ideal_hit_rate + 1e-12
+    assert r.prefix_hit_rate <= r.unbounded_hit_rate + 1e-12
     assert r.blocks_hit == round(r.prefix_hit_rate * r.blocks_requested)
     assert r.tokens_from_cache == r.blocks_hit * 512
     assert r.pages_verified == r.blocks_hit
@@ -43,7 +43,7 @@ def _check_consistent(r: ReplayResult, n_requests: int) -> None:
     loaded = sum(n for pair, n in r.bytes_moved.items() if pair.endswith("->caller"))
     assert stored == r.pages_stored * PAGE
     assert loaded == r.blocks_hit * PAGE
-    doc = json.loads(json.dumps(r.to_json()))
+    doc = json.loads(json.dumps(r.to_dict()))
     for key in ("requests", "prefix_hit_rate", "tier_hit_rate", "bytes_moved", "bandwidth_gbps",
                 "prefill_tokens_from_cache_frac", "pages_verified", "wall_s", "config"):
         assert key in doc
@@ -76,7 +76,7 @@ def test_tenants_sharing_block_ids_share_nothing(tmp_path: Path) -> None:
     tpp = replay_config(tmp_path / "x", PAGE, 64 * PAGE, None).layout.tokens_per_page
     reqs = [Request(0.0, (1, 2, 3), 3 * tpp, 1, tenant="alice"), Request(1.0, (1, 2, 3), 3 * tpp, 1, tenant="bob")]
     r = run_replay(reqs, replay_config(tmp_path / "s", PAGE, 64 * PAGE, None), progress=False)
-    assert r.prefix_hit_rate == 0.0 and r.ideal_hit_rate == 0.0
+    assert r.prefix_hit_rate == 0.0 and r.unbounded_hit_rate == 0.0
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="Mooncake trace not present")

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
         elif temporary:
             print(f"tierkv: store kept in {workdir}", file=sys.stderr)
-    out = {"workload": source, **result.to_json()}
+    out = {"workload": source, **result.to_dict()}
     if args.json:
         print(json.dumps(out))
     else:
@@ -173,7 +173,7 @@ def _print_replay(out: Mapping[str, object]) -> None:
     wl = _as_map(out["workload"])
     console.print(
         f"{out['requests']} requests ({wl.get('source')}), {out['blocks_requested']} full blocks: "
-        f"prefix hit rate {_num(out['prefix_hit_rate']):.1%} (unbounded cache {_num(out['ideal_hit_rate']):.1%}); "
+        f"prefix hit rate {_num(out['prefix_hit_rate']):.1%} (unbounded cache {_num(out['unbounded_hit_rate']):.1%}); "
         f"prefill tokens from cache {_num(out['prefill_tokens_from_cache_frac']):.1%}; "
         f"{out['pages_verified']} pages verified; {_num(out['wall_s']):.1f} s")
 

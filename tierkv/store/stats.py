@@ -65,7 +65,9 @@ class StoreStats:
     def hit_rate(self) -> float:
         return self.pages_hit / self.pages_requested if self.pages_requested else 0.0
 
-    def to_json(self) -> dict[str, object]:
+    def to_dict(self) -> dict[str, object]:
+        """The snapshot as a JSON-ready dict (``json.dumps`` takes it): every counter, the
+        derived ``hit_rate`` and ``misses``, and per tier its counters and ``occupancy``."""
         out: dict[str, object] = {k: v for k, v in self.__dict__.items() if k != "tiers"}
         out["hit_rate"] = self.hit_rate
         out["misses"] = self.misses

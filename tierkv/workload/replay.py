@@ -112,8 +112,9 @@ class ReplayResult:
     needs every earlier block of the request cached too; ``tier_hit_rate[t]`` splits it
     by the tier that served the block, so the tier rates sum to it. ``pages_refused``
     are new pages a ``put`` found no room for; ``puts_rejected`` counts whole ``put``
-    calls refused with CapacityError (a prefix larger than all tiers together). ``ideal_hit_rate``
-    is what an unbounded cache would reach on the same requests. ``bandwidth_gbps[pair]``
+    calls refused with CapacityError (a prefix larger than all tiers together).
+    ``unbounded_hit_rate`` is what an unbounded cache would reach on the same requests
+    (the name ``tierkv plan`` uses too). ``bandwidth_gbps[pair]``
     divides the bytes moved between a pair by the time the store spent in those
     transfers (``io_s``); ``store["tiers"][t]["io_gbps"]`` is a tier's bytes over the
     time spent in its own I/O.
@@ -123,7 +124,7 @@ class ReplayResult:
     blocks_requested: int
     blocks_hit: int
     prefix_hit_rate: float
-    ideal_hit_rate: float
+    unbounded_hit_rate: float
     tier_hit_rate: Mapping[str, float]
     prompt_tokens: int
     tokens_from_cache: int
@@ -141,7 +142,7 @@ class ReplayResult:
     wall_s: float
     config: Mapping[str, object]
 
-    def to_json(self) -> dict[str, object]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict of every field (mappings become plain dicts)."""
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
@@ -204,7 +205,7 @@ class _Tally:
     """Mutable counters of one replay (internal)."""
 
     def __init__(self, tier_names: Iterable[str]) -> None:
-        self.requests = self.blocks_requested = self.blocks_hit = self.ideal_hits = 0
+        self.requests = self.blocks_requested = self.blocks_hit = self.unbounded_hits = 0
         self.prompt_tokens = self.tokens_from_cache = 0
         self.stored = self.already_present = self.dropped = self.rejected = self.verified = 0
         self.tier_blocks: dict[str, int] = {name: 0 for name in tier_names}
@@ -231,12 +232,12 @@ class _Replayer:
             self.buf = np.empty((max(n, 2 * self.buf.shape[0]), self.layout.page_bytes), dtype=np.uint8)
         return self.buf[:n]
 
-    def _ideal(self, tenant: str, blocks: Sequence[int]) -> None:
+    def _unbounded(self, tenant: str, blocks: Sequence[int]) -> None:
         t = self.tally
         lead = 0
         while lead < len(blocks) and (tenant, blocks[lead]) in t.seen:
             lead += 1
-        t.ideal_hits += lead
+        t.unbounded_hits += lead
         t.seen.update((tenant, b) for b in blocks)
 
     def run(self, index: int, req: Request) -> None:
@@ -245,7 +246,7 @@ class _Replayer:
         t.requests += 1
         t.prompt_tokens += req.input_tokens
         t.blocks_requested += n
-        self._ideal(req.tenant, req.blocks[:n])
+        self._unbounded(req.tenant, req.blocks[:n])
         if n == 0:
             return
         tokens = request_tokens(req, self.block)
@@ -345,7 +346,7 @@ def _result(rp: _Replayer, end: StoreStats, cfg: StoreConfig, wall_s: float) -> 
     return ReplayResult(
         requests=t.requests, blocks_requested=t.blocks_requested, blocks_hit=t.blocks_hit,
         prefix_hit_rate=_rate(t.blocks_hit, t.blocks_requested),
-        ideal_hit_rate=_rate(t.ideal_hits, t.blocks_requested),
+        unbounded_hit_rate=_rate(t.unbounded_hits, t.blocks_requested),
         tier_hit_rate=_frozen({k: _rate(v, t.blocks_requested) for k, v in t.tier_blocks.items()}),
         prompt_tokens=t.prompt_tokens, tokens_from_cache=t.tokens_from_cache,
         prefill_tokens_from_cache_frac=_rate(t.tokens_from_cache, t.prompt_tokens),
