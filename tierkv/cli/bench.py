@@ -2,34 +2,48 @@
 against a baseline measured in the same run.
 
 :func:`add_parser` registers the subcommand, :func:`run` is its handler: one JSON
-object with ``--json``, else tables. Exit status 1 when a suite's copies came back
-wrong (it measured nothing).
+object with ``--json``, else the suite's tables (:data:`TABLES`: one function per suite
+from its JSON object to rich tables, every cell one number or word). Exit status 1 when
+a suite's copies came back wrong (it measured nothing). The KV pages of ``codec`` and
+``codec-store`` come from ``--kv``, else ``$TIERKV_KV_DIR``, else ``../shared/data/kv``
+beside the source checkout (:func:`tierkv.bench.codec.load_kv`), never from the current
+directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
-from typing import Any
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tierkv.cli.exits import EXIT_FAILED, EXIT_OK
 from tierkv.errors import InputError
+from tierkv.units import format_size
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+#: Where the codec suites read KV pages when ``--kv`` is not given (``tierkv.bench.codec.KV_ENV``,
+#: spelled out to keep imports light).
+KV_ENV = "TIERKV_KV_DIR"
 
 
 def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParser:
     """Add ``bench`` to ``tierkv``'s subparsers; its handler is :func:`run`."""
     bp = sub.add_parser("bench", help="run the tier and store benchmarks",
-                        description="Run the benchmarks of tierkv.bench and print a table or JSON: "
+                        description="Run the benchmarks of tierkv.bench and print tables or JSON: "
                                     "'store' (default) measures the DRAM and NVMe tiers and the keys, "
                                     "'codec' the lossless KV codec against zipnn and zstd on real KV pages.")
     bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net"), default="store",
                     help="what to measure ('codec-store': an NVMe tier with codec none vs lossless; "
                          "'net': peer page fetches and incast over TCP, and RDMA where a device exists)")
-    bp.add_argument("--kv", metavar="FILE.safetensors", help="codec: KV tensors layerNN.k/.v "
-                    "[kv_heads, tokens, head_dim] (default: ../shared/data/kv/)")
+    bp.add_argument("--kv", metavar="FILE.safetensors", help="codec, codec-store: KV tensors layerNN.k/.v "
+                    f"[kv_heads, tokens, head_dim], or a folder of such files (default: ${KV_ENV}, else "
+                    "../shared/data/kv beside the tierkv checkout)")
     bp.add_argument("--page-tokens", type=int, default=16, metavar="N", help="codec: tokens per page (default 16)")
-    bp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    bp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     bp.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     bp.add_argument("--dir", metavar="DIR", help="directory for the files of the store and codec-store suites "
                     "(default: a temporary one; codec and net write none)")
@@ -46,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.suite == "codec":
         from tierkv.bench.codec import run_codec_bench
 
-        result = run_codec_bench(args.kv, args.page_tokens, args.runs or (2 if args.quick else 3))
+        result = run_codec_bench(kv_source(args.kv), args.page_tokens, args.runs or (2 if args.quick else 3))
     elif args.suite == "net":
         from tierkv.bench.net import net_report
 
@@ -54,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.suite == "codec-store":
         from tierkv.bench.codec_store import run_codec_store_bench
 
-        result = run_codec_store_bench(args.kv, args.page_tokens, args.runs or (1 if args.quick else 3),
+        result = run_codec_store_bench(kv_source(args.kv), args.page_tokens, args.runs or (1 if args.quick else 3),
                                        where=args.dir, copies=2 if args.quick else 8)
     else:
         from tierkv.bench.headline import run
@@ -66,21 +80,148 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return status
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="tierkv bench")
-    table.add_column("measurement")
-    table.add_column("value", justify="right")
-    for key, value in _flatten(result):
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-    Console().print(table)
+    console = Console()
+    for table in TABLES[args.suite](result):
+        console.print(table)
     return status
 
 
-def _flatten(value: object, prefix: str = "") -> list[tuple[str, object]]:
-    if isinstance(value, Mapping):
-        rows: list[tuple[str, object]] = []
-        for k, v in value.items():
-            rows.extend(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return rows
-    return [(prefix, value)]
+def kv_source(kv: str | None) -> str | None:
+    """``--kv``, else ``$TIERKV_KV_DIR`` (which must then exist), else None: the library's default."""
+    if kv is not None:
+        return kv
+    env = os.environ.get(KV_ENV)
+    if not env:
+        return None
+    if not os.path.exists(env):
+        raise InputError(f"{KV_ENV}={env} does not exist; expected a .safetensors file of KV tensors or a "
+                         "folder of them (or pass --kv)")
+    return env
+
+
+# --------------------------------------------------------------------------------------
+# Tables: one function per suite, from its JSON object to rich tables.
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:#.3g}"
+    return str(value)
+
+
+def _table(title: str, columns: Sequence[str], rows: Iterable[Sequence[object]], caption: str | None = None,
+           labels: int = 1) -> Table:
+    """A table whose first ``labels`` columns are names (left-aligned), the rest figures."""
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i < labels else "right")
+    for row in rows:
+        table.add_row(*(_cell(v) for v in row))
+    return table
+
+
+def _map(value: object) -> Mapping[str, object]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _maps(value: object) -> list[Mapping[str, object]]:
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
+def _size(value: object) -> str:
+    return format_size(value) if isinstance(value, (int, float)) else "-"
+
+
+#: The store suite's headline ratios: label, key, what it is measured against.
+_HEADLINE = (("DRAM tier put", "dram_put_vs_memcpy", "memcpy of the same bytes"),
+             ("DRAM tier get", "dram_get_vs_memcpy", "memcpy of the same bytes"),
+             ("NVMe tier write", "nvme_write_vs_fio", "fio: same file, block size, queue depth"),
+             ("NVMe tier read", "nvme_read_vs_fio", "fio: same file, block size, queue depth"),
+             ("keys + lookup of a prompt", "keys_vs_sha256", "chained sha256 + dict"))
+
+
+def store_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    shapes = _maps(r.get("shapes"))
+    first = shapes[0] if shapes else {}
+    yield _table(f"headline ratios, higher is better (pages of {_size(first.get('page_bytes'))}; "
+                 f"{r.get('runs')} runs)", ("measurement", "ratio", "against, in the same run"),
+                 [(label, r.get(key), base) for label, key, base in _HEADLINE])
+    dram = [(_size(s.get("page_bytes")), s.get("pages"), *(_map(s.get("dram")).get(k) for k in
+             ("dram_put_gbps", "dram_get_gbps", "memcpy_gbps"))) for s in shapes]
+    yield _table("DRAM tier vs memcpy (GB/s)", ("page", "pages", "put", "get", "memcpy"), dram)
+    for s in shapes:
+        n = _map(s.get("nvme"))
+        depth = _map(n.get("fio_queue_depth"))
+        yield _table(f"NVMe tier vs fio: {_size(s.get('page_bytes'))} pages x {_cell(s.get('pages'))} (GB/s)",
+                     ("", "tier", "fio", "tier / fio"),
+                     [(label, n.get(f"nvme_{k}_gbps"), n.get(f"fio_{k.split('_')[0]}_gbps"), n.get(f"nvme_{k}_vs_fio"))
+                      for label, k in (("write", "write"), ("read", "read"), ("write, unaligned buffers",
+                                       "write_unaligned"), ("read, unaligned buffers", "read_unaligned"))],
+                     caption=f"{_cell(n.get('io_threads'))} I/O threads; fio queue depth {_cell(depth.get('write'))} "
+                             f"(write), {_cell(depth.get('read'))} (read); verified: {_cell(n.get('verified'))}")
+    k = _map(r.get("keys"))
+    yield _table(f"keys and lookup of a {_cell(k.get('prompt_tokens'))}-token prompt (ms)",
+                 ("", "keys", "lookup", "total"),
+                 [("Store.lookup", None, None, k.get("store_lookup_ms")),
+                  ("tierkv key chain + key set", k.get("tierkv_keys_ms"), k.get("tierkv_lookup_ms"), k.get("tierkv_ms")),
+                  ("chained sha256 + dict", k.get("sha256_keys_ms"), k.get("sha256_lookup_ms"), k.get("sha256_ms"))],
+                 caption=f"native key chain: {_cell(k.get('native'))}")
+
+
+#: The codec suite's codecs: column name, key prefix.
+_CODECS = (("tierkv", ""), ("zipnn", "zipnn_"), ("zipnn bulk", "zipnn_bulk_"), ("zstd", "zstd_"))
+
+
+def codec_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    dtypes = {name: _map(d) for name, d in _map(r.get("dtypes")).items()}
+    versions = ", ".join(f"{k} {_cell(v)}" for k, v in _map(r.get("versions")).items())
+    caption = (f"{r.get('kv')}: {r.get('layers')} layers, {r.get('page_tokens')}-token pages; "
+               f"best of {r.get('runs')} runs, {r.get('clock')}; native codec: {_cell(r.get('native'))}; {versions}")
+    yield _table("compressed / original, lower is better", ("dtype", "pages", "page", *(c for c, _ in _CODECS)),
+                 [(n, d.get("pages"), _size(d.get("page_bytes")), *(d.get(f"{p}ratio") for _, p in _CODECS))
+                  for n, d in dtypes.items()])
+    threads = next((d.get("threads") for d in dtypes.values() if d.get("threads")), None)
+    parallel = (f"tierkv, {threads} threads",) if threads else ()
+    for what in ("compress", "decompress"):
+        rows = [(n, *(d.get(f"{p}{what}_gbps") for _, p in _CODECS),
+                 *((d.get(f"{what}_gbps_threads"),) if threads else ())) for n, d in dtypes.items()]
+        yield _table(f"{what} GB/s of original bytes, one thread", ("dtype", *(c for c, _ in _CODECS), *parallel),
+                     rows, caption=caption if what == "decompress" else None)
+
+
+def codec_store_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    cap = r.get("capacity_pages")
+    rows: list[Sequence[object]] = [(m, *(_map(r.get(m)).get(k) for k in ("put_gbps", "get_gbps",
+                                    "raw_page_equivalents_used", "pages_before_first_eviction")))
+                                    for m in ("none", "lossless")]
+    rows.append(("lossless / none", r.get("put_ratio"), r.get("get_ratio"), r.get("space_ratio"),
+                 r.get("capacity_gain")))
+    yield _table(f"an NVMe tier with codec none vs lossless: {r.get('pages')} pages of {_size(r.get('page_bytes'))}",
+                 ("codec", "put GB/s", "get GB/s", "space used", f"pages in {cap} slots"), rows,
+                 caption=f"space used: slots per page (1 = uncoded); pages in {cap} slots: held by a tier sized "
+                         f"for {cap} raw pages before its first eviction; every page read back checked; "
+                         f"{r.get('kv_file')}")
+
+
+def net_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    columns = (("p50 µs", "p50_us"), ("p99 µs", "p99_us"), ("pages/s", "pages_per_s"), ("GB/s", "gb_per_s"),
+               ("misses", "misses"), ("NAKs", "naks"), ("mismatches", "mismatches"))
+    incast = ", ".join(f"{k.replace('_', ' ')} {_cell(v)}" for k, v in _map(r.get("incast")).items())
+    yield _table("peer page fetches", ("link", "case", *(c for c, _ in columns)),
+                 [(x.get("kind"), x.get("case"), *(x.get(k) for _, k in columns)) for x in _maps(r.get("results"))],
+                 caption=f"incast: {incast}", labels=2)
+    ratios = [(k.replace("_", " "), v) for k, v in r.items() if k not in ("results", "incast") and not
+              isinstance(v, (Mapping, list))]
+    yield _table("in the same run", ("measurement", "value"), ratios)
+
+
+#: Each suite's tables, by suite name.
+TABLES: dict[str, Callable[[Mapping[str, object]], Iterable[Table]]] = {
+    "store": store_tables, "codec": codec_tables, "codec-store": codec_store_tables, "net": net_tables}
