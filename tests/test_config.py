@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
+import json
+import math
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -11,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tierkv.config import DramConfig, HbmConfig, NvmeConfig, config_from_dict, load_config
+from tierkv.config import (DramConfig, HbmConfig, NvmeConfig, NvmeofConfig, PeersConfig, StoreConfig, config_from_dict,
+                           load_config)
 from tierkv.errors import ConfigError, LayoutError
 from tierkv.layout import DType, KVLayout, LayoutKind
 from tierkv.units import parse_size
@@ -151,3 +156,142 @@ def test_the_typed_init_stub_matches_the_generated_init(cls: type) -> None:
     assert names == [p.name for p in runtime]
     want = [p.default for p in runtime if p.default is not inspect.Parameter.empty]
     assert [eval(d, vars(sys.modules[cls.__module__])) for d in defaults] == want  # noqa: S307
+
+
+
+# -- every field has its declared type and a sane size (issue 28, items 7 and 8) -----------
+
+# The smallest valid table of each config dataclass, by where it goes in a config.
+_TABLES: dict[str, tuple[type, dict[str, object]]] = {
+    "store": (StoreConfig, {"path": "/tmp/x", "model_id": "m"}),
+    "layout": (KVLayout, {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8}),
+    "tiers.hbm": (HbmConfig, {"capacity_bytes": "1MiB", "device": "cpu"}),
+    "tiers.dram": (DramConfig, {"capacity_bytes": "1MiB"}),
+    "tiers.nvme": (NvmeConfig, {"capacity_bytes": "1MiB"}),
+    "tiers.nvmeof": (NvmeofConfig, {"device": "/dev/nvme1n1"}),
+    "peers": (PeersConfig, {}),
+}
+
+
+def _config_with(table: str, **values: object) -> dict[str, object]:
+    """A config dict of the minimal store, layout and DRAM tier, plus ``[table]`` with ``values``."""
+    data: dict[str, Any] = {"store": dict(_TABLES["store"][1]), "layout": dict(_TABLES["layout"][1]),
+                            "tiers": {"dram": dict(_TABLES["tiers.dram"][1])}}
+    parent, _, name = table.rpartition(".")
+    holder = data["tiers"] if parent else data
+    holder[name] = {**holder.get(name, {}), **_TABLES[table][1], **values}
+    return data
+
+
+def _fields(kind: str) -> list[tuple[str, str]]:
+    """(table, key) of every field annotated ``kind``."""
+    return [(table, f.name) for table, (cls, _) in _TABLES.items() for f in dataclasses.fields(cls)
+            if str(f.type) == kind]
+
+
+@pytest.mark.parametrize("table", _TABLES)
+def test_the_minimal_tables_are_valid(table: str) -> None:
+    config_from_dict(_config_with(table))
+
+
+BOOL_FIELDS = _fields("bool")
+
+
+def test_the_bool_fields_are_all_here() -> None:
+    assert sorted(f"{t}.{k}" for t, k in BOOL_FIELDS) == [
+        "store.persist_on_close", "store.promote_on_hit", "tiers.nvme.o_direct", "tiers.nvmeof.disconnect_on_close",
+        "tiers.nvmeof.o_direct"]
+
+
+@pytest.mark.parametrize("table,key", BOOL_FIELDS)
+@pytest.mark.parametrize("value", ["false", "true", "yes", "no", "", 0, 1, 0.0, None])
+def test_booleans_must_be_booleans(table: str, key: str, value: object) -> None:
+    """``persist_on_close = "false"`` is a non-empty string, so truthy: it was accepted and pages persisted."""
+    with pytest.raises(ConfigError, match=rf"{key} must be true or false, got {re.escape(repr(value))}"):
+        config_from_dict(_config_with(table, **{key: value}))
+    for ok in (True, False):
+        cfg = config_from_dict(_config_with(table, **{key: ok}))
+        assert getattr(cfg if table == "store" else getattr(cfg, table.split(".")[-1]), key) is ok
+
+
+@pytest.mark.parametrize("table,key", _fields("int"))
+@pytest.mark.parametrize("value", [True, False, 1.0, "4", 1 << 70])
+def test_integers_must_be_integers_of_sane_size(table: str, key: str, value: object) -> None:
+    if key == "capacity_bytes" and value == "4":
+        return  # a size string: 4 bytes
+    with pytest.raises((ConfigError, LayoutError), match=key):
+        config_from_dict(_config_with(table, **{key: value}))
+
+
+@pytest.mark.parametrize("table,key", _fields("float"))
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, True, "5", 1e300])
+def test_numbers_must_be_finite_numbers(table: str, key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"{key} must be a finite number"):
+        config_from_dict(_config_with(table, **{key: value}))
+
+
+@pytest.mark.parametrize("table,key", [tk for tk in _fields("str") + _fields("str | None") if tk[1] != "trsvcid"])
+def test_strings_must_be_strings(table: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        config_from_dict(_config_with(table, **{key: 42}))
+
+
+def _toml(tmp_path: Path, table: str, line: str) -> Path:
+    """A config file of the minimal tables, with ``line`` ("key = value") set in ``[table]``."""
+    tables = {t: {k: json.dumps(v) for k, v in _TABLES[t][1].items()} for t in ("store", "layout", "tiers.dram")}
+    key, _, value = line.partition(" = ")
+    tables.setdefault(table, {k: json.dumps(v) for k, v in _TABLES[table][1].items()})[key] = value
+    p = tmp_path / "c.toml"
+    p.write_text("".join(f"[{t}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items()) for t, kv in tables.items()))
+    return p
+
+
+@pytest.mark.parametrize("table,line,match", [
+    ("tiers.dram", "capacity_bytes = 9223372036854775807",
+     r"dram.capacity_bytes: 9223372036854775807 bytes, more than the largest size tierkv takes, 1152921504606846976"),
+    ("tiers.nvme", "capacity_bytes = 9223372036854775807", r"nvme.capacity_bytes: 9223372036854775807 bytes"),
+    ("tiers.dram", f'capacity_bytes = "{"9" * 400}"', r"dram.capacity_bytes: .* too long a number \(400 digits\)"),
+    ("tiers.nvme", f'capacity_bytes = "{"9" * 400}GiB"', r"too long a number \(400 digits\)"),
+    ("tiers.dram", 'capacity_bytes = "99999999999999999999999"', r"is 99999999999999999999999 bytes, more than"),
+    ("store", "path = 42", r"store.path must be a string, got 42"),
+    ("store", r'path = "/tmp/a\u0000b"', r"store.path must be a non-empty path without NUL bytes"),
+    ("tiers.nvme", "path = 42", r"nvme.path must be a string or absent, got 42"),
+    ("tiers.nvme", 'path = ""', r"nvme.path must be a non-empty path"),
+    ("store", 'persist_on_close = "false"', r"store.persist_on_close must be true or false, got 'false'"),
+    ("store", 'promote_on_hit = "false"', r"store.promote_on_hit must be true or false, got 'false'"),
+    ("tiers.nvme", 'o_direct = "yes"', r"nvme.o_direct must be true or false, got 'yes'"),
+    ("tiers.nvme", "bandwidth_gbps = nan", r"nvme.bandwidth_gbps must be a finite number"),
+    ("tiers.nvme", "bandwidth_gbps = inf", r"nvme.bandwidth_gbps must be a finite number"),
+    ("peers", "timeout_s = inf", r"peers.timeout_s must be a finite number of seconds"),
+    ("tiers.nvmeof", "io_timeout_s = inf", r"nvmeof.io_timeout_s must be a finite number of seconds"),
+    ("tiers.nvmeof", "ctrl_loss_tmo_s = 9223372036854775807", r"nvmeof.ctrl_loss_tmo_s must be an integer in"),
+])
+def test_toml_values_of_the_wrong_type_or_size_are_config_errors(tmp_path: Path, table: str, line: str,
+                                                                 match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(_toml(tmp_path, table, line))
+
+
+@pytest.mark.parametrize("text,value", [(str(1 << 60), 1 << 60), ("1048576TiB", 1 << 60), ("0", 0),
+                                        (" 0064 GiB ", 64 << 30), ("0.5KiB", 512)])
+def test_sizes_up_to_one_exbibyte_parse_exactly(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("value,match", [
+    pytest.param("9" * 400, "too long a number", id="400-digits"),
+    pytest.param(10 ** 5000, "a 16610-bit byte count", id="5000-digit-int"), ((1 << 60) + 1, "more than"),
+    ("1048577TiB", "more than"), ("1.0000000001KiB", "not a whole number"), ("\u0661\u0662", "cannot parse"),
+    ("9007199254740993", None),  # past float's 2**53: exact, not rounded
+])
+def test_parse_size_refuses_huge_and_inexact_sizes(value: int | str, match: str | None) -> None:
+    if match is None:
+        assert parse_size(value) == int(value)
+        return
+    with pytest.raises(ConfigError, match=match):
+        parse_size(value, "--dram")
+
+
+def test_a_path_like_store_path_is_kept_as_text(tmp_path: Path) -> None:
+    cfg = StoreConfig(path=tmp_path, model_id="m", layout=KVLayout(1, 1, 8), dram=DramConfig("1MiB"))  # type: ignore[arg-type]
+    assert cfg.path == str(tmp_path)

@@ -7,6 +7,7 @@ API (``Store.open``) and the CLI.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -24,14 +25,53 @@ from tierkv.units import parse_size
 
 STORE_POLICIES = POLICY_NAMES
 
+#: The longest timeout or interval any setting takes (about 11.6 days): past it a number
+#: is a typo, and ``inf`` would overflow the waits it ends up in.
+MAX_SECONDS = 1e6
+#: The largest bandwidth a tier may declare, in GB/s.
+MAX_GBPS = 1e6
+_C_INT_MAX = (1 << 31) - 1  # the kernel's connect options are C ints
+
+
+# Each field is checked for its type as well as its range: TOML ``"false"`` is a string,
+# and a string (or any object) is truthy, so an unchecked boolean does the opposite.
+
+def _check_bool(value: object, what: str) -> None:
+    if not isinstance(value, bool):
+        kind = f" (a {type(value).__name__}, not a boolean)" if value is not None else ""
+        raise ConfigError(f"{what} must be true or false, got {value!r}{kind}")
+
+
+def _check_int(value: object, what: str, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _check_number(value: object, what: str, unit: str, low: float, high: float, *, low_open: bool = False) -> None:
+    """A finite int or float (never a bool) in ``[low, high]``, or ``(low, high]`` if ``low_open``."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
+        and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        raise ConfigError(f"{what} must be a finite number of {unit} in {'(' if low_open else '['}{low:g}, "
+                          f"{high:g}], got {value!r}")
+
+
+def _check_str(value: object, what: str, *, optional: bool = True, path: bool = False) -> None:
+    """A string (or None if ``optional``); a ``path`` is non-empty and has no NUL byte."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a string{' or absent' if optional else ''}, got {value!r}")
+    if path and (not value or "\0" in value):
+        raise ConfigError(f"{what} must be a non-empty path without NUL bytes, got {value!r}")
 
 
 def _check_codec(cfg: NvmeConfig | NvmeofConfig, tier: str) -> None:
-    """Validate and normalise a tier's ``codec`` and ``bandwidth_gbps``."""
+    """Validate and normalise a tier's ``codec``, ``bandwidth_gbps``, ``o_direct`` and ``io_threads``."""
     object.__setattr__(cfg, "codec", CodecMode.parse(cfg.codec).value)
-    v = cfg.bandwidth_gbps
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-        raise ConfigError(f"{tier}.bandwidth_gbps must be a number of GB/s >= 0 (0: measure), got {v!r}")
+    _check_number(cfg.bandwidth_gbps, f"{tier}.bandwidth_gbps", "GB/s (0: measure)", 0, MAX_GBPS)
+    _check_bool(cfg.o_direct, f"{tier}.o_direct")
+    _check_int(cfg.io_threads, f"{tier}.io_threads", 1, 256)
 
 
 @dataclass(frozen=True)
@@ -93,8 +133,7 @@ class NvmeConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvme.capacity_bytes"))
         _check_codec(self, "nvme")
-        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 256:
-            raise ConfigError(f"nvme.io_threads must be an integer in [1, 256], got {self.io_threads!r}")
+        _check_str(self.path, "nvme.path", path=True)
 
 
 _TRANSPORTS = ("rdma", "tcp", "loop")
@@ -143,6 +182,11 @@ class NvmeofConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvmeof.capacity_bytes"))
         _check_codec(self, "nvmeof")
+        for name in ("device", "dhchap_secret_file", "dhchap_ctrl_secret_file"):
+            _check_str(getattr(self, name), f"nvmeof.{name}", path=True)
+        for name in ("transport", "traddr", "subnqn", "hostnqn", "hostid"):
+            _check_str(getattr(self, name), f"nvmeof.{name}")
+        _check_bool(self.disconnect_on_close, "nvmeof.disconnect_on_close")
         port = self.trsvcid
         if isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535:
             object.__setattr__(self, "trsvcid", str(port))   # TOML's 4420: sysfs and nvme-cli speak text
@@ -155,18 +199,11 @@ class NvmeofConfig:
                 raise ConfigError(f"nvmeof.transport must be one of {', '.join(_TRANSPORTS)}, got {self.transport!r}")
             if self.transport != "loop" and not self.traddr:
                 raise ConfigError(f"nvmeof.traddr is required for transport {self.transport!r}")
-        for name in ("io_threads", "nsid"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 16:
-                raise ConfigError(f"nvmeof.{name} must be a positive integer, got {v!r}")
+        _check_int(self.nsid, "nvmeof.nsid", 1, 1 << 16)
         for name in ("io_timeout_s", "monitor_interval_s", "connect_timeout_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"nvmeof.{name} must be a number of seconds > 0, got {v!r}")
+            _check_number(getattr(self, name), f"nvmeof.{name}", "seconds", 0, MAX_SECONDS, low_open=True)
         for name in ("ctrl_loss_tmo_s", "reconnect_delay_s", "fast_io_fail_tmo_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < -1:
-                raise ConfigError(f"nvmeof.{name} must be an integer >= -1, got {v!r}")
+            _check_int(getattr(self, name), f"nvmeof.{name}", -1, _C_INT_MAX)
 
 
 def _endpoint(text: object, what: str) -> tuple[str, int]:
@@ -203,10 +240,9 @@ class PeersConfig:
         object.__setattr__(self, "fetch", tuple(self.fetch))
         for i, addr in enumerate(self.fetch):
             _endpoint(addr, f"peers.fetch[{i}]")
-        if self.transport not in ("auto", "tcp", "rdma"):
+        if not isinstance(self.transport, str) or self.transport not in ("auto", "tcp", "rdma"):
             raise ConfigError(f"peers.transport must be auto, tcp or rdma, got {self.transport!r}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ConfigError(f"peers.timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+        _check_number(self.timeout_s, "peers.timeout_s", "seconds", 0, MAX_SECONDS, low_open=True)
 
     def serve_endpoint(self) -> tuple[str, int] | None:
         return _endpoint(self.serve, "peers.serve") if self.serve is not None else None
@@ -241,13 +277,22 @@ class StoreConfig:
     peers: PeersConfig | None = None
 
     def __post_init__(self) -> None:
-        if not self.path:
-            raise ConfigError("store.path must name a directory")
+        if isinstance(self.path, os.PathLike):  # a pathlib.Path from the API: the field holds text
+            object.__setattr__(self, "path", os.fspath(self.path))
+        _check_str(self.path, "store.path", optional=False, path=True)
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ConfigError(f"store.model_id must be a non-empty string, got {self.model_id!r}")
-        if self.verify_index not in ("always", "unclean", "never"):
+        _check_bool(self.promote_on_hit, "store.promote_on_hit")
+        _check_bool(self.persist_on_close, "store.persist_on_close")
+        if not isinstance(self.layout, KVLayout):
+            raise ConfigError(f"store.layout must be a KVLayout, got {self.layout!r}")
+        for name, cls in (("dram", DramConfig), ("nvme", NvmeConfig), ("hbm", HbmConfig), ("nvmeof", NvmeofConfig),
+                          ("peers", PeersConfig)):
+            if not isinstance(getattr(self, name), (cls, type(None))):
+                raise ConfigError(f"store.{name} must be a {cls.__name__} or None, got {getattr(self, name)!r}")
+        if not isinstance(self.verify_index, str) or self.verify_index not in ("always", "unclean", "never"):
             raise ConfigError(f"store.verify_index must be 'always', 'unclean' or 'never', got {self.verify_index!r}")
-        if self.policy not in STORE_POLICIES:
+        if not isinstance(self.policy, str) or self.policy not in STORE_POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; expected one of {', '.join(STORE_POLICIES)}")
         if self.dram is None and self.nvme is None and self.nvmeof is None:
             raise ConfigError("a store needs at least one tier: set [tiers.dram], [tiers.nvme] or [tiers.nvmeof]")

@@ -6,8 +6,13 @@ Used by the config loader and the CLI.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from tierkv.errors import ConfigError
+
+#: The largest size any setting takes: 1 EiB. Past it a number is a typo, not a capacity,
+#: and would overflow the 64-bit offsets and counts it ends up in.
+MAX_SIZE_BYTES = 1 << 60
 
 _UNITS = {
     "": 1,
@@ -25,31 +30,53 @@ _UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_MAX_DIGITS = 40  # a longer number is either far past MAX_SIZE_BYTES or an absurd fraction
 
 
 def parse_size(value: int | str, what: str = "size") -> int:
     """Return ``value`` in bytes; ``what`` names the setting in error messages.
 
     Integers are bytes. Strings take decimal (kB, MB, GB, TB) or binary (KiB, MiB,
-    GiB, TiB) suffixes, case-insensitive. Negative or fractional byte counts raise
-    :class:`ConfigError`.
+    GiB, TiB) suffixes, case-insensitive, and are converted exactly (no float rounding).
+    Negative, fractional or non-numeric byte counts, and sizes above
+    :data:`MAX_SIZE_BYTES` (1 EiB), raise :class:`ConfigError`.
     """
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a byte count or a string like '64GiB', got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{what}: expected a non-negative byte count, got {value}")
-        return value
+        return _at_most_max(value, value, what)
     if not isinstance(value, str):
         raise ConfigError(f"{what}: expected a byte count or a string like '64GiB', got {value!r}")
     match = _SIZE_RE.match(value)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"{what}: cannot parse {value!r}; expected e.g. 4096, '512MiB', '64GiB', '2TB'")
-    number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if number != int(number):
+    digits = match.group(1).lstrip("0")
+    if len(digits) > _MAX_DIGITS:
+        raise ConfigError(f"{what}: {_short(value)} is too long a number ({len(digits)} digits); sizes are at most "
+                          f"{MAX_SIZE_BYTES} bytes (1 EiB = 1048576TiB)")
+    number = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
+    if number.denominator != 1:
         raise ConfigError(f"{what}: {value!r} is not a whole number of bytes")
-    return int(number)
+    return _at_most_max(int(number), value, what)
+
+
+def _at_most_max(nbytes: int, given: int | str, what: str) -> int:
+    if nbytes > MAX_SIZE_BYTES:
+        if isinstance(given, str):
+            asked = f"{_short(given)} is {nbytes} bytes"
+        else:  # str() of a huge int is slow, or refused past 4300 digits
+            asked = f"{nbytes} bytes" if nbytes.bit_length() <= 256 else f"a {nbytes.bit_length()}-bit byte count"
+        raise ConfigError(f"{what}: {asked}, more than the largest size tierkv takes, "
+                          f"{MAX_SIZE_BYTES} bytes (1 EiB = 1048576TiB)")
+    return nbytes
+
+
+def _short(text: str) -> str:
+    """``text`` quoted for a message, cut in the middle when very long."""
+    return repr(text) if len(text) <= 48 else f"'{text[:20]}...{text[-20:]}' ({len(text)} characters)"
 
 
 def format_size(nbytes: float) -> str:
