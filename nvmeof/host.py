@@ -35,7 +35,7 @@ from nvmeof.diagnose import (ConnectFailure, classify, default_hostid, default_h
                              kernel_log_tail)
 from nvmeof.errors import NvmeofError
 from nvmeof.nvmecli import ConnectOptions
-from nvmeof.sysfs import Controller, ControllerState, list_controllers
+from nvmeof.sysfs import Controller, ControllerState, get_controller, list_controllers
 
 __all__ = [
     "Backend", "ConnectError", "ConnectFailure", "DiscoveryRecord", "HostError",
@@ -366,12 +366,13 @@ def wait_for_state(name: str, state: ControllerState, *, timeout_s: float,
                    sysfs_root: str = "/sys") -> Controller:
     """Block until controller ``name`` is in ``state``; return it as then read.
 
-    Raises HostTimeoutError naming the last state seen (or that the controller vanished).
+    Raises HostTimeoutError naming the last state seen (or that the controller vanished),
+    ValueError at once if ``name`` is not a controller's name (``"nvme0"``).
     """
     deadline = time.monotonic() + timeout_s
     last: Controller | None = None
     while True:
-        last = next((c for c in list_controllers(sysfs_root) if c.name == name), None)
+        last = get_controller(name, sysfs_root)
         if last is not None and last.state is state:
             return last
         if time.monotonic() >= deadline:
