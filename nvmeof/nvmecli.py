@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "CliResult", "ConnectOptions", "connect_args", "connected_device", "discover_args", "parse_discovery", "parse_list_subsys", "run", "supported_options",
-    "unsupported_options",
+    "CliResult", "ConnectOptions", "connect_args", "connected_device", "discover_args", "parse_discovery", "run",
+    "supported_options", "unsupported_options",
 ]
 
 NVME = "nvme"
@@ -136,39 +136,6 @@ def parse_discovery(stdout: str) -> list[Mapping[str, object]]:
     if not isinstance(records, list):
         raise ValueError(f"expected a 'records' list in nvme discover's JSON, got {str(doc)[:200]}")
     return [r for r in records if isinstance(r, dict)]
-
-
-def parse_list_subsys(stdout: str) -> list[dict[str, str]]:
-    """Controller paths of ``nvme list-subsys -o json``, flattened.
-
-    nvme-cli 2.x prints ``[{"HostNQN", "Subsystems": [{"Name", "NQN", "Paths": [...]}]}]``;
-    1.x printed ``{"Subsystems": [{"Name", "NQN"}, {"Paths": [...]}]}`` (paths in the
-    element after their subsystem). Each result has ``name``, ``transport``, ``address``,
-    ``state``, ``nqn``, ``subsystem`` and ``hostnqn`` (empty strings where absent).
-    """
-    doc = _load(stdout)
-    hosts = doc if isinstance(doc, list) else [doc]
-    out: list[dict[str, str]] = []
-    for host in hosts:
-        if not isinstance(host, dict):
-            continue
-        hostnqn = str(host.get("HostNQN", ""))
-        current: dict[str, object] = {}
-        for sub in host.get("Subsystems", []) or []:
-            if not isinstance(sub, dict):
-                continue
-            if "NQN" in sub or "Name" in sub:
-                current = sub
-            for path in sub.get("Paths", []) or []:
-                if isinstance(path, dict):
-                    out.append({"name": str(path.get("Name", "")),
-                                "transport": str(path.get("Transport", "")),
-                                "address": str(path.get("Address", "")),
-                                "state": str(path.get("State", "")),
-                                "nqn": str(current.get("NQN", "")),
-                                "subsystem": str(current.get("Name", "")),
-                                "hostnqn": hostnqn})
-    return out
 
 
 def connected_device(stdout: str) -> str | None:

@@ -79,31 +79,6 @@ DISCOVER_1X = """Discovery Log Number of Records 1, Generation counter 2
   ]
 }
 """
-LIST_SUBSYS_2X = """[
-  {
-    "HostNQN":"nqn.2014-08.org.nvmexpress:uuid:f7536c1e-bc57-4dbb-8ea6-f1ad3af84371",
-    "HostID":"61d17809-4995-4615-b776-c194e0be3b30",
-    "Subsystems":[
-      {
-        "Name":"nvme-subsys0",
-        "NQN":"nqn.2024-01.io.example:vmrig-subsys",
-        "Paths":[
-          {"Name":"nvme0","Transport":"rdma","Address":"traddr=10.77.0.1,trsvcid=4420","State":"live"}
-        ]
-      }
-    ]
-  }
-]
-"""
-LIST_SUBSYS_1X = """{
-  "Subsystems" : [
-    {"Name" : "nvme-subsys0", "NQN" : "nqn.2024-01.io.example:vmrig-subsys"},
-    {"Paths" : [
-      {"Name" : "nvme0", "Transport" : "rdma", "Address" : "traddr=10.77.0.1 trsvcid=4420", "State" : "live"}
-    ]}
-  ]
-}
-"""
 
 
 def test_connect_args_full() -> None:
@@ -164,14 +139,6 @@ def test_libnvme_record_shape() -> None:
     assert rec.subtype is SubsystemType.NVME and rec.portid == 1
     assert SubsystemType.parse(1) is SubsystemType.DISCOVERY_REFERRAL
     assert SubsystemType.parse("odd") is SubsystemType.UNKNOWN
-
-
-def test_parse_list_subsys_versions() -> None:
-    for text in (LIST_SUBSYS_2X, LIST_SUBSYS_1X):
-        (path,) = nvmecli.parse_list_subsys(text)
-        assert (path["name"], path["transport"], path["state"], path["nqn"], path["subsystem"]) == \
-            ("nvme0", "rdma", "live", NQN, "nvme-subsys0")
-    assert nvmecli.parse_list_subsys("[]") == []
 
 
 def test_connected_device() -> None:
