@@ -12,7 +12,7 @@ Loading saves exactly ``recompute_s(h, 0)``: the suffix attends to the prefix ei
 Load of ``n`` tokens from a tier: ``latency_s + n x bytes_per_token / bandwidth`` (zero
 for ``n = 0``), with ``bytes_per_token`` as the tier stores them (after any codec).
 
-Three views of the same two models:
+Two views of the same two models:
 
 * :func:`crossover_tokens`: the shortest prompt whose load beats its recompute
   (``tierkv plan``'s crossover per tier);
@@ -117,10 +117,6 @@ def _wins(load: LoadModel, prefill: PrefillModel, n: int) -> bool:
     return bool(load.load_s(n) < prefill.recompute_s(n))
 
 
-#: :meth:`CostModel.first_worth_loading` of a tier from which no page is worth loading.
-NEVER = 1 << 62
-
-
 @dataclass(frozen=True)
 class CostModel:
     """Recompute and load times of one page of ``tokens_per_page`` tokens in one tier, in seconds.
@@ -148,15 +144,3 @@ class CostModel:
     def saved_s(self, depth: int) -> float:
         """What a hit on page ``depth`` saves; <= 0 means recomputing it is no slower."""
         return self.recompute_s(depth) - self.load_s()
-
-    def first_worth_loading(self) -> int:
-        """The shallowest depth whose load beats its recompute (pages are dearer deeper);
-        :data:`NEVER` if none does."""
-        p = self.tokens_per_page
-        slope = 2 * self.prefill.attention_flops_coeff / self.prefill.flops_s * p * p  # saved_s(d + 1) - saved_s(d)
-        gap = -self.saved_s(0)
-        if gap < 0:
-            return 0
-        if slope <= 0:
-            return NEVER
-        return int(gap // slope) + 1
