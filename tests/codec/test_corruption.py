@@ -79,7 +79,7 @@ def test_real_page_bit_flips_are_detected(kv_layers: dict) -> None:
     rng = np.random.default_rng(5)
     with Codec(layout) as codec:
         blob = bytes(codec.encode(rows[:1])[0])
-        assert peek_header(blob).encoded_bytes == len(blob)
+        assert HEADER_BYTES + peek_header(blob).payload_bytes == len(blob)
         blobs, expect_failed = [], []
         for i in range(200):
             bad = bytearray(blob)

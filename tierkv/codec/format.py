@@ -1,10 +1,10 @@
 """Constants and the page header of the lossless KV codec's format (v1).
 
 The format itself is described in ``tierkv/codec/FORMAT.md``; the C extension
-(``_codec.c`` and friends) and the portable one (:mod:`tierkv.codec.portable`)
-both follow it, and both take their constants from here or mirror them. Callers use
-:func:`peek_header` to read a blob's header (for its length, say, when a tier hands
-back whole 4 KiB blocks) without decoding it. Pure functions, thread-safe.
+(``_codec.c`` and friends) and the portable one (:mod:`tierkv.codec.portable`) both
+follow it, and both take their constants from here or mirror them. :func:`peek_header`
+reads a blob's header (dtype, layout, mode, payload length, checksum) without decoding
+it; the blob is ``HEADER_BYTES + payload_bytes`` long. Pure functions, thread-safe.
 """
 
 from __future__ import annotations
@@ -101,11 +101,6 @@ class PageHeader:
     mode: Mode
     payload_bytes: int
     checksum: int
-
-    @property
-    def encoded_bytes(self) -> int:
-        """Length of the whole blob (header and payload)."""
-        return HEADER_BYTES + self.payload_bytes
 
 
 def max_encoded_bytes(page_bytes: int) -> int:
