@@ -61,9 +61,9 @@ def roundtrip(codec: Codec, rows: np.ndarray) -> np.ndarray:
     return sizes
 
 
-@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+@pytest.fixture(params=[True, False], ids=["simd", "scalar"])
 def simd(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """Runs a test with the SIMD paths allowed, then with the portable ones only."""
+    """Runs a test with the SIMD paths allowed, then with the scalar ones only."""
     if not native_available():
         pytest.skip("tierkv.codec._codec is not built")
     from tierkv.codec import _codec  # type: ignore[attr-defined]

@@ -53,7 +53,7 @@ def test_a_first_sign_flip_on_a_64_row_boundary_round_trips(dtype: DType, tokens
 
 
 @requires_native
-def test_simd_and_portable_paths_agree(kv_layers: dict) -> None:
+def test_simd_and_scalar_paths_agree(kv_layers: dict) -> None:
     from tierkv.codec import _codec  # type: ignore[attr-defined]
 
     layout, rows = real_pages(kv_layers, DType.BF16)

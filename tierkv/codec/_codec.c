@@ -177,7 +177,7 @@ done:
 PyDoc_STRVAR(set_simd_doc,
 "set_simd(level) -> None\n\n"
 "Which SIMD paths may run where the CPU has them: 2 (or True) all, 1 AVX2 and BMI2 but\n"
-"not AVX-512, 0 (or False) the portable ones; all read and write the same bytes. For\n"
+"not AVX-512, 0 (or False) the scalar ones; all read and write the same bytes. For\n"
 "tests and comparisons: not meant to change while other threads code pages.");
 
 static PyObject *

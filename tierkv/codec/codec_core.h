@@ -104,7 +104,7 @@ void scratch_trim(void);
  * the BMI2 unpacking of mid mantissa bits, and whether each may run here. */
 int have_avx2(void);
 int have_avx512(void);
-void set_simd(int allowed);   /* 2: all SIMD paths, 1: no AVX-512, 0: portable only */
+void set_simd(int allowed);   /* 2: all SIMD paths, 1: no AVX-512, 0: scalar only */
 size_t decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
                           const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t rows, size_t chans);
 size_t unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t k, int w, size_t C);

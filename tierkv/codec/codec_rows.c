@@ -129,7 +129,7 @@ row_mids(Dec *D, void *out, int isz)
 
 /* out = sign | exponent | hi | mid for one row (lo bits zero), the sign being bit kbit of the
  * channel's sign mask; returns bit 0 when a residual exceeds its channel maximum, bit 1
- * when the row holds escapes (patched afterwards). The portable loop; 16-bit rows have
+ * when the row holds escapes (patched afterwards). The scalar loop; 16-bit rows have
  * an AVX2 version in codec_simd.c. */
 #define COMBINE_FN(NAME, T)                                                                 \
     static uint32_t                                                                         \

@@ -1,5 +1,5 @@
 /*
- * SIMD paths, chosen at run time (have_avx512, have_avx2); the portable code in
+ * SIMD paths, chosen at run time (have_avx512, have_avx2); the scalar code in
  * codec_dec.c, codec_rows.c and codec_scan.c does the same everywhere else, byte for byte:
  * - AVX-512F: rANS symbols, sixteen lanes a vector and four vectors in flight (the 64
  *   lanes of a chunk), so that their dependency chains overlap. The slot -> symbol
@@ -21,7 +21,7 @@
 static int avx2_state = -1, avx512_state = -1;
 static int simd_allowed = 2;
 
-/* 2: every path the CPU has; 1: AVX2 and BMI2 but not AVX-512; 0: portable only. */
+/* 2: every path the CPU has; 1: AVX2 and BMI2 but not AVX-512; 0: scalar only. */
 void
 set_simd(int allowed)
 {
