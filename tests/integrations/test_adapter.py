@@ -335,7 +335,7 @@ def test_a_page_gone_under_a_load_leaves_no_pins(tmp_path: Path, stored_again: b
         store_via_adapter(sched, worker, prompt, [0, 1, 2, 3])
         keys = sched.page_keys(prompt)
         nvme = s._manager.tiers[0]
-        slot = s._manager.entry(keys[0]).slots[nvme.kind]          # type: ignore[union-attr]
+        slot = s._manager.entry(keys[0]).slots[nvme.name]          # type: ignore[union-attr]
         with open(nvme.path, "r+b") as f:                          # type: ignore[attr-defined]
             f.seek(nvme.header_bytes + slot * nvme.slot_bytes)     # type: ignore[attr-defined]
             f.write(b"\xff" * 64)
@@ -366,7 +366,7 @@ def test_a_pinned_page_gone_before_its_store_is_never_stored_from_an_unfilled_ro
         spec = sched.prepare_store(prompt, [0, 1, 2, 3, 4, 5])
         assert spec is not None and spec.first_page == 4
         nvme = s._manager.tiers[0]
-        slot = s._manager.entry(sched.page_keys(prompt)[2]).slots[nvme.kind]   # type: ignore[union-attr]
+        slot = s._manager.entry(sched.page_keys(prompt)[2]).slots[nvme.name]   # type: ignore[union-attr]
         with open(nvme.path, "r+b") as f:                                       # type: ignore[attr-defined]
             f.seek(nvme.header_bytes + slot * nvme.slot_bytes)                  # type: ignore[attr-defined]
             f.write(b"\xff" * 64)                                               # page 2 rots on disk

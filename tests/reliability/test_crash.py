@@ -23,7 +23,7 @@ import numpy as np
 
 from tests.conftest import PB, make_config, page_data
 from tierkv.store.api import Store
-from tierkv.tiers.base import TierKind
+from tierkv.tiers.base import TierId
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = 3
@@ -71,7 +71,7 @@ def _check_store(path: Path) -> int:
     with Store.open(make_config(path, 4, 48)) as s:
         m = s._manager
         nvme = s.stats().tiers["nvme"]
-        slots = [m.entry(k).slots[TierKind.NVME] for k in list(m._entries)]  # type: ignore[union-attr]
+        slots = [m.entry(k).slots[TierId("nvme")] for k in list(m._entries)]  # type: ignore[union-attr]
         assert len(slots) == len(set(slots)), "two pages share an NVMe slot"
         assert nvme.used_slots == len(slots), "used NVMe slots not owned by an index record"
         for i in range(N_PROMPTS):

@@ -55,5 +55,5 @@ def test_no_cached_page_outlives_its_parent(tmp_path: Path, policy: str, seed: i
             orphans = [k for k, e in m._entries.items() if e.parent is not None and e.parent not in m._entries]
             assert not orphans, f"step {step}: {len(orphans)} cached pages without their parent"
             for t in m.tiers:
-                mine = sum(1 for e in m._entries.values() if t.kind in e.slots)
-                assert t.num_slots - t.num_free == mine == len(m._policies[t.kind])
+                mine = sum(1 for e in m._entries.values() if t.name in e.slots)
+                assert t.num_slots - t.num_free == mine == len(m._policies[t.name])

@@ -466,7 +466,7 @@ def test_a_page_gone_and_stored_again_does_not_strand_the_pins_after_it(tmp_path
         s.put(tokens, data)
         assert s.pin(tokens) == 3
         nvme = s._manager.tiers[0]
-        slot = s._manager.entry(split_keys(s._keys(tokens, ""))[1]).slots[nvme.kind]
+        slot = s._manager.entry(split_keys(s._keys(tokens, ""))[1]).slots[nvme.name]
         fd = os.open(cfg.nvme_path(), os.O_WRONLY)
         try:                                        # bit rot in page 1: it fails its checksum
             os.pwrite(fd, b"\xff" * 64, nvme.header_bytes + slot * nvme.slot_bytes)

@@ -17,12 +17,13 @@ from tierkv.keys import PageKey
 from tierkv.store.manager import BlockManager
 from tierkv.policy import make_policy
 from tierkv.tiers.aligned import round_up
-from tierkv.tiers.base import TierKind
+from tierkv.tiers.base import TierId
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvmeof import NvmeofTier, StaticLink
 
 PAGE = 8192
 K = PageKey(bytes(range(16)))
+NVME, NVMEOF = TierId("nvme"), TierId("nvmeof")  # the tiers' names: their kinds' unless given others
 
 
 @pytest.fixture
@@ -40,9 +41,9 @@ def parts(tmp_path: Path) -> Iterator[tuple[PersistentIndex, NvmeTier, NvmeofTie
 
 
 def manager(index: PersistentIndex, nvme: NvmeTier, fabric: NvmeofTier) -> BlockManager:
-    m = BlockManager([nvme, fabric], {t.kind: make_policy("lru") for t in (nvme, fabric)}, index)
-    m.adopt_persistent(TierKind.NVME)
-    m.adopt_persistent(TierKind.NVMEOF)
+    m = BlockManager([nvme, fabric], {t.name: make_policy("lru") for t in (nvme, fabric)}, index)
+    m.adopt_persistent(nvme.name)
+    m.adopt_persistent(fabric.name)
     return m
 
 
@@ -52,14 +53,14 @@ def test_a_page_recorded_in_two_tiers_keeps_both_copies(parts: tuple[PersistentI
     index.commit("nvmeof", put=[IndexRecord(K, 5, PAGE, 77, None)])
     m = manager(index, nvme, fabric)
     loc = m.locate(K)
-    assert loc is not None and dict(loc.slots) == {TierKind.NVME: 2, TierKind.NVMEOF: 5}
-    assert m.used_slots(TierKind.NVME) == 1 and m.used_slots(TierKind.NVMEOF) == 1
+    assert loc is not None and dict(loc.slots) == {NVME: 2, NVMEOF: 5}
+    assert m.used_slots(NVME) == 1 and m.used_slots(NVMEOF) == 1
     # Filling NVMe evicts K from it: no KeyError, no leaked slot, the NVMe-oF copy stays.
     new = [(PageKey(bytes([i]) * 16), None) for i in range(1, 5)]
     m.plan_store(new, PAGE)
     loc = m.locate(K)
-    assert loc is not None and dict(loc.slots) == {TierKind.NVMEOF: 5}
-    assert m.used_slots(TierKind.NVME) == 4
+    assert loc is not None and dict(loc.slots) == {NVMEOF: 5}
+    assert m.used_slots(NVME) == 4
 
 
 def test_a_key_recorded_with_other_bytes_in_another_tier_is_trusted_nowhere(
@@ -69,5 +70,5 @@ def test_a_key_recorded_with_other_bytes_in_another_tier_is_trusted_nowhere(
     index.commit("nvmeof", put=[IndexRecord(K, 5, PAGE, 78, None)])
     m = manager(index, nvme, fabric)
     assert m.locate(K) is None
-    assert m.used_slots(TierKind.NVME) == 0 and m.used_slots(TierKind.NVMEOF) == 0
+    assert m.used_slots(NVME) == 0 and m.used_slots(NVMEOF) == 0
     assert index.get_many("nvme", [K]) == [None] and index.get_many("nvmeof", [K]) == [None]

@@ -113,7 +113,7 @@ class Store:
         assert self._index is not None
         tier = next(t for t in self._manager.tiers if t.persistent)
         out: list[Entry] = []
-        for rec in self._index.get_many(tier.kind.value, split_keys(blob[:limit * KEY_BYTES])):
+        for rec in self._index.get_many(tier.name, split_keys(blob[:limit * KEY_BYTES])):
             if rec is None:
                 break
             slot = rec.slot
@@ -123,7 +123,7 @@ class Store:
                     slot = tier.view(rec.extents or ((rec.slot * bpp, bpp),))
                 except InputError:
                     break  # a record that cannot be a page of this tier: a miss
-            out.append(Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {tier.kind: slot}))
+            out.append(Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {tier.name: slot}))
         return out
 
     # -- the API ---------------------------------------------------------------------------
@@ -138,15 +138,16 @@ class Store:
             total = len(blob) // KEY_BYTES
             if count:
                 self._counters.events["lookups"] += 1
+            m = self._manager
             if self.read_only:
-                ranks = bytes(e.fastest.rank for e in self._leading(blob, total))
+                levels = bytes(m.levels[m.fastest(e)] for e in self._leading(blob, total))
             else:
-                ranks = self._manager.resident.prefix_values(blob)
-                down = self._manager.unavailable_ranks()
+                levels = m.resident.prefix_values(blob)
+                down = m.unavailable_levels()
                 if down:  # pages whose fastest copy is on a degraded tier are misses for now
-                    ranks = ranks[:next((i for i, r in enumerate(ranks) if r in down), len(ranks))]
-            n = len(ranks)
-            return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
+                    levels = levels[:next((i for i, v in enumerate(levels) if v in down), len(levels))]
+            n = len(levels)
+            return LookupResult(n, n * self.layout.tokens_per_page, total, levels.translate(m.kind_ranks))
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
             requested: int | None = None) -> GetResult:
@@ -178,7 +179,8 @@ class Store:
             self._announce(blob, from_get=True)
             entries = self._leading(blob, want)
             loaded = self._transfers.read(entries, rows)
-            tiers = tuple(k or e.fastest for k, e in zip(self._manager.sources(entries[:loaded]), entries))
+            m = self._manager
+            tiers = tuple(m.tier(k or m.fastest(e)).kind for k, e in zip(m.sources(entries[:loaded]), entries))
             if loaded and not self.read_only and self.config.promote_on_hit:
                 self._promote(entries[:loaded], rows)
             if self._peering is not None and loaded == len(entries) and loaded < want:
@@ -213,14 +215,14 @@ class Store:
         self._announced.blob = blob if from_get else None
 
     def _promote(self, entries: list[Entry], rows: np.ndarray) -> int:
-        top = self._manager.tiers[0].kind
+        top = self._manager.tiers[0].name
         protect = {e.key for e in entries}
         promoted = 0
         source = self._manager.sources(entries)
-        for kind in {k for k in source if k is not None and k is not top}:
-            picked = [(i, e) for i, e in enumerate(entries) if source[i] is kind]
+        for name in {k for k in source if k is not None and k != top}:
+            picked = [(i, e) for i, e in enumerate(entries) if source[i] == name]
             plan = self._manager.plan_promote([e.key for _, e in picked], top, protect)
-            promoted += self._transfers.run(plan, rows, {e.key: i for i, e in picked}, source=kind.value)
+            promoted += self._transfers.run(plan, rows, {e.key: i for i, e in picked}, source=name)
             self._count_plan(plan)
         self._counters.events["promotions"] += promoted
         return promoted
@@ -305,8 +307,8 @@ class Store:
             entries = self._leading(blob, len(blob) // KEY_BYTES)
             if self.read_only or not entries:
                 return 0
-            top = self._manager.tiers[0].kind
-            slow = [e for e in entries if e.fastest is not top]
+            top = self._manager.tiers[0].name
+            slow = [e for e in entries if self._manager.fastest(e) != top]
             if slow:
                 staging = np.empty((len(slow), self.layout.page_bytes), dtype=np.uint8)
                 loaded = self._transfers.read(slow, staging, serve=False)
@@ -392,11 +394,11 @@ class Store:
             try:
                 t.flush()
             except TierIOError as exc:  # a degraded fabric tier: its committed pages stay indexed
-                log.warning("flush of the %s tier at close failed: %s", t.kind.value, exc)
+                log.warning("flush of the %s tier at close failed: %s", t.name, exc)
             try:
                 t.close()
             except Exception:  # noqa: BLE001 - the other tiers, the index and the lock still go
-                log.exception("closing the %s tier failed", t.kind.value)
+                log.exception("closing the %s tier failed", t.name)
         try:
             if self._index is not None:
                 self._index.close()
@@ -413,5 +415,5 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        tiers = ", ".join(f"{t.kind.value}:{t.num_slots}" for t in self._manager.tiers)
+        tiers = ", ".join(f"{t.name}:{t.num_slots}" for t in self._manager.tiers)
         return f"Store({str(self._dir)!r}, {tiers}, {'closed' if self._closed else 'open'})"

@@ -4,14 +4,18 @@ Plain data: :class:`Entry` is the manager's mutable bookkeeping of one page,
 :class:`PageLocation` the frozen view callers get, :class:`Move` and :class:`MovePlan` what
 a store, promotion or eviction needs done, executed by :mod:`tierkv.store.transfer` and
 completed by :class:`tierkv.store.manager.BlockManager` (which re-exports these names).
+Tiers are named by their identity (:data:`~tierkv.tiers.base.TierId`), never by kind:
+a store may hold two tiers of one kind. Which tier is faster is the manager's to say
+(its ``levels``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tierkv.keys import PageKey
-from tierkv.tiers.base import TierKind
+from tierkv.tiers.base import TierId
 
 
 @dataclass(eq=False)
@@ -22,21 +26,18 @@ class Entry:
     parent: PageKey | None
     nbytes: int
     checksum: int | None = None
-    slots: dict[TierKind, int] = field(default_factory=dict)
+    slots: dict[TierId, int] = field(default_factory=dict)
     pins: int = 0
-
-    @property
-    def fastest(self) -> TierKind:
-        return min(self.slots, key=lambda k: k.rank)
 
 
 @dataclass(frozen=True)
 class PageLocation:
-    """Where a page lives: its fastest tier, every (tier, slot) it occupies, and its metadata."""
+    """Where a page lives: its fastest tier, every (tier, slot) it occupies (fastest first),
+    and its metadata."""
 
     key: PageKey
-    tier: TierKind
-    slots: tuple[tuple[TierKind, int], ...]
+    tier: TierId
+    slots: tuple[tuple[TierId, int], ...]
     nbytes: int
     checksum: int | None
     parent: PageKey | None
@@ -48,9 +49,9 @@ class Move:
     """Copy ``key`` from ``src``/``src_slot`` to ``dst``/``dst_slot``; the source slot is then free."""
 
     key: PageKey
-    src: TierKind
+    src: TierId
     src_slot: int
-    dst: TierKind
+    dst: TierId
     dst_slot: int
 
 
@@ -64,17 +65,18 @@ class MovePlan:
     """
 
     moves: list[Move] = field(default_factory=list)
-    placements: list[tuple[PageKey, TierKind, int]] = field(default_factory=list)
-    deletes: dict[TierKind, list[PageKey]] = field(default_factory=dict)
+    placements: list[tuple[PageKey, TierId, int]] = field(default_factory=list)
+    deletes: dict[TierId, list[PageKey]] = field(default_factory=dict)
     dropped: int = 0
     evicted: int = 0
     # Parents of pages this plan moves down into each tier: a tier's policy learns of a
     # moved page only at publish, so until then its parent looks like a leaf there and
     # must not be evicted from that tier (the page would outlive its prefix).
-    parents_below: dict[TierKind, set[PageKey]] = field(default_factory=dict)
+    parents_below: dict[TierId, set[PageKey]] = field(default_factory=dict)
     # Pages a victims call offered whose last copy could neither move down nor be dropped
     # (cached descendants depend on them): they stay, and are not offered again.
     kept: set[PageKey] = field(default_factory=set)
 
-    def ordered_moves(self) -> list[Move]:
-        return sorted(self.moves, key=lambda m: -m.src.rank)
+    def ordered_moves(self, levels: Mapping[TierId, int]) -> list[Move]:
+        """The moves, those out of the slowest tiers first (``levels``: 0 is the fastest)."""
+        return sorted(self.moves, key=lambda m: -levels[m.src])

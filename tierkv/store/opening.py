@@ -112,7 +112,7 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
     index: PersistentIndex | None = None
     created: Path | None = None         # an index this open made: removed again if the open fails
     try:
-        persistent = [t.kind.value for t in tiers if t.persistent]
+        persistent: list[str] = [t.name for t in tiers if t.persistent]
         if persistent:
             store_dir = Path(cfg.path)
             if not read_only and not (store_dir / "index.lmdb").exists():
@@ -129,11 +129,11 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
                 if isinstance(medium, NvmeTier):
                     medium.grow_back()  # the index accepted this geometry: now a truncated file may grow
                     _check_label(medium, index, read_only, store_dir)
-        manager = BlockManager(tiers, {t.kind: make_policy(cfg.policy) for t in tiers}, index)
+        manager = BlockManager(tiers, {t.name: make_policy(cfg.policy) for t in tiers}, index)
         if not read_only:
             for t in tiers:
                 if t.persistent:
-                    manager.adopt_persistent(t.kind)
+                    manager.adopt_persistent(t.name)
         return index, manager
     except BaseException:
         for t in tiers:
@@ -231,7 +231,7 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
     relabelled: refused too.
     """
     ident = _LABEL_MAGIC + index.store_id()
-    kind = tier.kind.value
+    kind, name = tier.kind.value, tier.name
     owner = _owner_of(store_dir, tier.num_slots * tier.slot_bytes, LABEL_BYTES - len(ident))
     label = ident + json.dumps(owner, sort_keys=True).encode() + b"\0"
     if isinstance(tier, NvmeofTier):
@@ -241,17 +241,17 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
         if not read_only:
             if not header.startswith(label):
                 tier.write_header(label)
-            index.mark_labelled(kind)
+            index.mark_labelled(name)
         return
     if read_only:
         raise ConfigError(f"{tier.path} does not belong to the store index beside it")
     if (isinstance(tier, NvmeofTier) or _is_block_device(tier.path)) and header.startswith(_LABEL_MAGIC):
         theirs = _owner_record(header)    # {}: a label from before owner records
         here = (theirs.get("host"), theirs.get("path")) == (owner["host"], owner["path"])
-        if (theirs and not here) or index.has_labelled(kind):
+        if (theirs and not here) or index.has_labelled(name):
             who = (f"the store at {theirs.get('path')} on host {theirs.get('host')}" if theirs
                    else "a store labelled before labels named their owner")
-            if index.has_labelled(kind) and (here or not theirs):
+            if index.has_labelled(name) and (here or not theirs):
                 who += (", with another identity than this store's index, which has labelled a namespace of its "
                         "own: another container with the same host name and path, or an index restored from "
                         "before this namespace was relabelled")
@@ -261,13 +261,13 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
                 f"{LABEL_BYTES} bytes to hand it over")
         log.warning("%s carries the label of an earlier store in %s (its index was lost); labelling it for "
                     "this one", tier.path, owner["path"])
-    stale = index.count(kind)
+    stale = index.count(name)
     if stale:
         log.warning("%s carries no label of this store (a foreign or replaced file); its %d index "
                     "records are dropped and those pages become misses", tier.path, stale)
-        index.clear(kind)
+        index.clear(name)
     tier.write_header(label)
-    index.mark_labelled(kind)
+    index.mark_labelled(name)
 
 
 def _is_block_device(path: str | os.PathLike[str]) -> bool:
@@ -323,6 +323,6 @@ def _meta(cfg: StoreConfig, tiers: list[Tier]) -> dict[str, object]:
     meta: dict[str, object] = {"format": FORMAT_VERSION, "layout": cfg.layout.fingerprint().decode()}
     for t in tiers:
         if t.persistent:
-            meta[f"{t.kind.value}_slots"] = t.num_slots
-            meta[f"{t.kind.value}_slot_bytes"] = t.slot_bytes
+            meta[f"{t.name}_slots"] = t.num_slots   # named after the tier: a kind's name by default, as
+            meta[f"{t.name}_slot_bytes"] = t.slot_bytes  # every store written before tiers had names
     return meta

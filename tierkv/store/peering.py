@@ -26,7 +26,7 @@ from tierkv.errors import TierKVError
 from tierkv.keys import PageKey
 from tierkv.store.manager import BlockManager
 from tierkv.net import NetConfig, PeerServer, connect
-from tierkv.tiers.base import TierKind
+from tierkv.tiers.base import TierId
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.peer import PeerDramTier
 
@@ -43,6 +43,7 @@ class Peering:
         self._page_bytes = page_bytes
         self._generation = time.time_ns()
         self.server: PeerServer | None = None
+        self._served: TierId | None = None  # the DRAM tier the server serves
         endpoint = cfg.serve_endpoint()
         if endpoint is not None:
             dram = next((t for t in manager.tiers if isinstance(t, DramTier)), None)
@@ -50,6 +51,7 @@ class Peering:
                 raise TierKVError("[peers] serve needs a DRAM tier to serve; this store has none")
             self.server = PeerServer(dram, endpoint[0], endpoint[1], self._net, rdma=cfg.transport == "rdma",
                                      accept_writes=False)
+            self._served = dram.name
             manager.listeners.append(self._on_event)
         self._peers: dict[tuple[str, int], PeerDramTier | None] = {ep: None for ep in cfg.fetch_endpoints()}
         self._next_try: dict[tuple[str, int], float] = {}
@@ -59,8 +61,8 @@ class Peering:
         return self.server.address if self.server is not None else None
 
     # -- serving -----------------------------------------------------------------------
-    def _on_event(self, event: str, kind: TierKind, keys: list[PageKey], slots: list[int]) -> None:
-        if kind is not TierKind.DRAM or self.server is None:
+    def _on_event(self, event: str, tier: TierId, keys: list[PageKey], slots: list[int]) -> None:
+        if self.server is None or tier != self._served:
             return
         if event == "placed":
             self._generation += 1

@@ -1,10 +1,12 @@
 """Per-tier counters and the immutable snapshot the API returns from ``stats()``.
 
 Counters are updated by :mod:`tierkv.store.api` and :mod:`tierkv.store.transfer` under the store
-lock. ``bytes_moved`` and ``seconds_moved`` are keyed ``"src->dst"`` where ``caller``
-stands for the engine's buffers, e.g. ``"caller->dram"``, ``"dram->nvme"``,
-``"nvme->caller"``. A promotion on a hit counts once as ``"nvme->caller"`` (the read)
-and once as ``"nvme->dram"`` (the copy written up into DRAM from that same read).
+lock, per tier *name* (a tier's identity; the kind's name unless the tier was given
+another, so two tiers of one kind are counted apart). ``bytes_moved`` and
+``seconds_moved`` are keyed ``"src->dst"`` where ``caller`` stands for the engine's
+buffers, e.g. ``"caller->dram"``, ``"dram->nvme"``, ``"nvme->caller"``. A promotion on a
+hit counts once as ``"nvme->caller"`` (the read) and once as ``"nvme->dram"`` (the copy
+written up into DRAM from that same read).
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TierStats:
-    """Counters of one tier. ``hits`` counts pages served from it by ``get`` (a prefetch
-    is not a hit); ``bytes_read`` and ``bytes_written`` count bytes that crossed the tier's
-    own I/O, once each (a promoted hit is read once)."""
+    """Counters of one tier: ``name`` (its identity, the key of ``StoreStats.tiers``) and
+    ``kind`` (its medium: ``hbm``, ``dram``, ``nvme``, ``nvmeof``). ``hits`` counts pages
+    served from it by ``get`` (a prefetch is not a hit); ``bytes_read`` and
+    ``bytes_written`` count bytes that crossed the tier's own I/O, once each (a promoted
+    hit is read once)."""
 
+    name: str
     kind: str
     hits: int
     capacity_slots: int
@@ -89,11 +94,10 @@ class Counters:
 
     def snapshot(self, tiers: Sequence[Tier]) -> StoreStats:
         """The counters as a :class:`StoreStats`, with each tier's occupancy and state now."""
-        stats = {
-            t.kind.value: TierStats(t.kind.value, self.tier_hits[t.kind.value], t.num_slots,
-                                    t.num_slots - t.num_free, t.slot_bytes, self.tier_read[t.kind.value],
-                                    self.tier_written[t.kind.value], self.tier_io_s[t.kind.value],
-                                    "available" if t.available else "degraded")
+        stats: dict[str, TierStats] = {
+            t.name: TierStats(t.name, t.kind.value, self.tier_hits[t.name], t.num_slots, t.num_slots - t.num_free,
+                              t.slot_bytes, self.tier_read[t.name], self.tier_written[t.name], self.tier_io_s[t.name],
+                              "available" if t.available else "degraded")
             for t in tiers
         }
         ev = self.events

@@ -1,9 +1,10 @@
 """Executes the manager's plans: moves between tiers, writes of new pages, verified reads.
 
-Bytes move here and nowhere else; the manager only decides. Moves between tiers go
-through a table keyed by ``(src, dst)`` tier kinds, so tiers with a faster path for
-a particular pair (e.g. CUDA copies between HBM and pinned DRAM) register it instead
-of adding branches. Every read from a persistent tier is checked against the page's
+Bytes move here and nowhere else; the manager only decides. Plans name tiers by
+identity (two tiers may share a kind); moves between tiers go through a table keyed
+by the ``(src, dst)`` tiers' *kinds*, so tiers with a faster path for a particular pair
+(e.g. CUDA copies between HBM and pinned DRAM) register it instead of adding branches.
+Byte counters are kept per tier name. Every read from a persistent tier is checked against the page's
 recorded checksum. Called by :mod:`tierkv.store.api` with the store lock held.
 """
 
@@ -23,7 +24,7 @@ from tierkv.store.manager import BlockManager, Entry, Move, MovePlan
 from tierkv.store.pages import PageList, Rows
 from tierkv.store.stats import Counters
 from tierkv.tiers.aligned import aligned_empty
-from tierkv.tiers.base import Tier, TierKind
+from tierkv.tiers.base import Tier, TierId, TierKind
 from tierkv.tiers.blocks import UndecodablePageError
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class Transfers:
 
     def __init__(self, manager: BlockManager, counters: Counters, page_bytes: int) -> None:
         self._m = manager
-        self._tiers = {t.kind: t for t in manager.tiers}
+        self._tiers = {t.name: t for t in manager.tiers}
         self._c = counters
         self._nbytes = page_bytes
 
@@ -90,8 +91,9 @@ class Transfers:
         still runs. If anything else escapes, every group not yet published is abandoned
         before it propagates, so no entry is left naming a slot its bytes never reached.
         """
-        moves = [list(g) for _, g in groupby(plan.ordered_moves(), key=lambda m: (m.src, m.dst))]
-        placements = [list(g) for _, g in groupby(sorted(plan.placements, key=lambda p: p[1].rank),
+        levels = self._m.levels
+        moves = [list(g) for _, g in groupby(plan.ordered_moves(levels), key=lambda m: (m.src, m.dst))]
+        placements = [list(g) for _, g in groupby(sorted(plan.placements, key=lambda p: levels[p[1]]),
                                                    key=lambda p: p[1])]
         published = done = 0
         try:
@@ -114,13 +116,13 @@ class Transfers:
         self._m.commit_deletes(plan)  # evictions whose tier received nothing in this plan
         return published
 
-    def _timed(self, kind: TierKind, start: float) -> float:
+    def _timed(self, name: TierId, start: float) -> float:
         elapsed = time.perf_counter() - start
-        self._c.tier_io_s[kind.value] += elapsed
+        self._c.tier_io_s[name] += elapsed
         return elapsed
 
-    def _move(self, src: TierKind, dst: TierKind, moves: list[Move], plan: MovePlan) -> None:
-        copy = COPY_TABLE.get((src, dst))
+    def _move(self, src: TierId, dst: TierId, moves: list[Move], plan: MovePlan) -> None:
+        copy = COPY_TABLE.get((self._tiers[src].kind, self._tiers[dst].kind))
         args = (self._tiers[src], [m.src_slot for m in moves], self._tiers[dst], [m.dst_slot for m in moves],
                 self._nbytes)
         start = time.perf_counter()
@@ -129,19 +131,19 @@ class Transfers:
             sums = self._checksums(dst, [m.key for m in moves], staged, hashed)
             self._tiers[dst].flush()
         except TierIOError as exc:
-            log.warning("demotion %s->%s of %d pages failed, dropping them: %s", src.value, dst.value, len(moves), exc)
+            log.warning("demotion %s->%s of %d pages failed, dropping them: %s", src, dst, len(moves), exc)
             self._m.abandon([(m.key, dst, m.dst_slot) for m in moves])
             return
         finally:
             elapsed = self._timed(dst, start)
-        self._c.moved_bytes(src.value, dst.value, len(moves) * self._nbytes, elapsed)
+        self._c.moved_bytes(src, dst, len(moves) * self._nbytes, elapsed)
         placed = [(m.key, dst, m.dst_slot) for m in moves]
-        if self._publish(placed, sums, plan, f"demotion {src.value}->{dst.value}"):
+        if self._publish(placed, sums, plan, f"demotion {src}->{dst}"):
             self._c.events["demotions"] += len(moves)
 
-    def _place(self, kind: TierKind, placed: list[tuple[PageKey, TierKind, int]],
+    def _place(self, name: TierId, placed: list[tuple[PageKey, TierId, int]],
                buf: Rows, source: str, plan: MovePlan) -> int:
-        tier = self._tiers[kind]
+        tier = self._tiers[name]
         start = time.perf_counter()
         try:
             slots = [s for _, _, s in placed]
@@ -150,19 +152,19 @@ class Transfers:
                 hashed = tier.write(slots, buf, checksums=True)
             else:
                 tier.write(slots, buf)
-            sums = self._checksums(kind, [k for k, _, _ in placed], buf, hashed)
+            sums = self._checksums(name, [k for k, _, _ in placed], buf, hashed)
             tier.flush()
         except TierIOError as exc:
-            log.warning("write of %d pages to %s failed, they stay misses: %s", len(placed), kind.value, exc)
+            log.warning("write of %d pages to %s failed, they stay misses: %s", len(placed), name, exc)
             self._m.abandon(placed)
             return 0
         finally:
-            elapsed = self._timed(kind, start)
+            elapsed = self._timed(name, start)
         # The bytes come from a buffer: a source tier's read was counted when it happened.
-        self._c.moved_bytes(source, kind.value, len(placed) * self._nbytes, elapsed, src_read=False)
-        return len(placed) if self._publish(placed, sums, plan, f"write to {kind.value}") else 0
+        self._c.moved_bytes(source, name, len(placed) * self._nbytes, elapsed, src_read=False)
+        return len(placed) if self._publish(placed, sums, plan, f"write to {name}") else 0
 
-    def _publish(self, placed: list[tuple[PageKey, TierKind, int]], sums: dict[PageKey, int], plan: MovePlan,
+    def _publish(self, placed: list[tuple[PageKey, TierId, int]], sums: dict[PageKey, int], plan: MovePlan,
                  what: str) -> bool:
         """Publish written pages; if the index commit fails they are abandoned (misses), not served."""
         try:
@@ -174,11 +176,11 @@ class Transfers:
             return False
         return True
 
-    def _checksums(self, kind: TierKind, keys: Sequence[PageKey], staged: Rows,
+    def _checksums(self, name: TierId, keys: Sequence[PageKey], staged: Rows,
                    hashed: list[int] | None = None) -> dict[PageKey, int]:
         """Checksums for pages entering a persistent tier that do not have one yet
         (``hashed``: the rows' checksums where the write computed them)."""
-        if not self._tiers[kind].persistent:
+        if not self._tiers[name].persistent:
             return {}
         out: dict[PageKey, int] = {}
         for i, key in enumerate(keys):
@@ -200,55 +202,55 @@ class Transfers:
         sources = self._m.sources(entries)
         if None in sources:  # the rest of the prefix lives only on a degraded tier: misses, kept
             sources = sources[:sources.index(None)]
-        for kind, group in groupby(enumerate(entries[:len(sources)]), key=lambda ie: sources[ie[0]]):
-            assert kind is not None
+        for name, group in groupby(enumerate(entries[:len(sources)]), key=lambda ie: sources[ie[0]]):
+            assert name is not None
             items = list(group)
             first = items[0][0]
             rows = out[first:first + len(items)]
-            tier = self._tiers[kind]
+            tier = self._tiers[name]
             start = time.perf_counter()
             sums: list[int] | None = None
             try:
                 # Persistent tiers are verified: hashed on the I/O threads, as each chunk lands.
-                sums = tier.read([e.slots[kind] for _, e in items], rows, checksums=tier.persistent)
+                sums = tier.read([e.slots[name] for _, e in items], rows, checksums=tier.persistent)
             except UndecodablePageError as exc:
                 # Damaged blobs on a block tier: the pages before the first are intact.
                 bad = min(exc.rows)
                 good = self._verify(tier, items[:bad], rows[:bad]) if bad else 0
                 if good == bad:
                     _, e = items[bad]
-                    log.warning("page %s in %s does not decode (%s); quarantined", e.key.hex(), kind.value, exc)
+                    log.warning("page %s in %s does not decode (%s); quarantined", e.key.hex(), name, exc)
                     self._c.events["corrupt_pages"] += 1
                     self._m.forget(e.key)
-                self._count(kind, items[:good], time.perf_counter() - start, serve)
+                self._count(name, items[:good], time.perf_counter() - start, serve)
                 return loaded + good
             except TierUnavailableError as exc:
                 # The tier went down under this read: the pages are still there, only unreachable.
-                log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), kind.value, exc)
+                log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), name, exc)
                 return loaded
             except TierIOError as exc:
-                log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), kind.value, exc)
+                log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), name, exc)
                 for _, e in items:
                     self._m.forget(e.key)
                 return loaded
             finally:
-                elapsed = self._timed(kind, start)
+                elapsed = self._timed(name, start)
             good = self._verify(tier, items, rows, sums)
-            self._count(kind, items[:good], elapsed, serve)
+            self._count(name, items[:good], elapsed, serve)
             loaded += good
             if good < len(items):
                 return loaded
         return loaded
 
-    def _count(self, kind: TierKind, items: list[tuple[int, Entry]], seconds: float, serve: bool) -> None:
+    def _count(self, name: TierId, items: list[tuple[int, Entry]], seconds: float, serve: bool) -> None:
         """Count the intact pages of a read: hits and bytes to the caller, or bytes read only."""
         if not serve:
-            self._c.tier_read[kind.value] += len(items) * self._nbytes
+            self._c.tier_read[name] += len(items) * self._nbytes
             return
-        self._c.moved_bytes(kind.value, "caller", len(items) * self._nbytes, seconds)
-        self._c.tier_hits[kind.value] += len(items)
+        self._c.moved_bytes(name, "caller", len(items) * self._nbytes, seconds)
+        self._c.tier_hits[name] += len(items)
         for _, e in items:
-            self._m.touch(e.key, kind)
+            self._m.touch(e.key, name)
 
     def _verify(self, tier: Tier, items: list[tuple[int, Entry]], rows: np.ndarray,
                 sums: list[int] | None = None) -> int:
@@ -261,7 +263,7 @@ class Transfers:
         for i, (_, e) in enumerate(items):
             if sums[i] != e.checksum:
                 log.warning("page %s in %s slot %d failed its checksum (stored %s, read %x); quarantined",
-                            e.key.hex(), tier.kind.value, e.slots[tier.kind], e.checksum, sums[i])
+                            e.key.hex(), tier.name, e.slots[tier.name], e.checksum, sums[i])
                 self._c.events["corrupt_pages"] += 1
                 self._m.forget(e.key)
                 return i

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import abc
 import enum
+import re
 import threading
 from collections.abc import Sequence
-from typing import Literal, Self, overload
+from typing import Literal, NewType, Self, overload
 
 import numpy as np
 
@@ -62,8 +63,28 @@ class TierKind(enum.Enum):
     DRAM = ("dram", 1)
     NVME = ("nvme", 2)
     NVMEOF = ("nvmeof", 3)
-    # Not a tier of this store: pages a get loaded from another node's DRAM (tierkv.store.peering).
+    # Another node's DRAM tier, one network hop away (tierkv.tiers.peer.PeerDramTier). Never
+    # a tier of this store: the pages a get loaded from peers are counted under it.
     PEER = ("peer", 4)
+
+
+# A tier's identity in a store: its name. The manager, the index (one LMDB database,
+# geometry and label record per name) and the stats tell tiers apart by it; the copy
+# table dispatches on the kind. A tier built without a name is named after its kind,
+# which is what every store written before tiers had names used, so those reopen unchanged.
+TierId = NewType("TierId", str)
+_TIER_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+# Not a tier's name: the end of a "src->dst" pair that stands for a caller's buffers.
+_RESERVED_NAMES = frozenset({"caller"})
+
+
+def tier_id(name: str) -> TierId:
+    """``name`` as a TierId: 1-32 of ``a-z 0-9 _ -``, starting with a letter, not ``caller``
+    (it names index databases, metric labels and ``src->dst`` pairs); InputError otherwise."""
+    if not isinstance(name, str) or not _TIER_NAME.fullmatch(name) or name in _RESERVED_NAMES:
+        raise InputError(f"a tier name is 1-32 characters of a-z, 0-9, '_' or '-', starting with a letter, "
+                         f"and not {', '.join(sorted(_RESERVED_NAMES))}; got {name!r}")
+    return TierId(name)
 
 
 class SlotAllocator:
@@ -153,13 +174,16 @@ class Tier(abc.ABC):
     """
 
     kind: TierKind
+    name: TierId
     persistent: bool = False
     # Slots are handles of pages stored in runs of 4 KiB blocks (tierkv.tiers.blocks).
     block_addressed: bool = False
 
-    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, *, name: str | None = None) -> None:
+        """``name``: the tier's identity in a store (default: its kind's name, see TierId)."""
         if num_slots < 0 or slot_bytes <= 0:
             raise InputError(f"tier needs num_slots >= 0 and slot_bytes > 0, got {num_slots}, {slot_bytes}")
+        self.name = tier_id(name) if name is not None else TierId(self.kind.value)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self._slots = SlotAllocator(num_slots)
@@ -199,7 +223,7 @@ class Tier(abc.ABC):
     def claim_extents(self, extents: Extents) -> int:
         """Claim the blocks of a page recorded at an earlier open; returns its slot handle.
         Only block-addressed tiers (:mod:`tierkv.tiers.blocks`) support it."""
-        raise InputError(f"the {self.kind.value} tier is slot-addressed; it cannot claim block extents")
+        raise InputError(f"the {self.name} tier is slot-addressed; it cannot claim block extents")
 
     # -- data movement ------------------------------------------------------------
     @overload
@@ -301,7 +325,7 @@ class Tier(abc.ABC):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StoreClosedError(f"{self.kind.value} tier is closed")
+            raise StoreClosedError(f"{self.name} tier is closed")
 
     @staticmethod
     def _check_writable(dst: np.ndarray) -> None:

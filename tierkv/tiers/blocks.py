@@ -75,7 +75,8 @@ class BlockPageTier(Tier):
     ``num_pages`` is the raw capacity (what the slot layout of the same file holds); its
     ``num_pages * ceil(page_bytes / 4096)`` blocks are used, any further blocks of
     ``blocks`` are left alone. ``num_free`` counts worst-case (raw) pages that still fit.
-    Closing this tier closes ``blocks`` and the codec.
+    It is ``blocks`` addressed in pages, so it takes that tier's kind and name. Closing
+    this tier closes ``blocks`` and the codec.
     """
 
     persistent = True
@@ -84,13 +85,13 @@ class BlockPageTier(Tier):
     def __init__(self, blocks: NvmeTier, num_pages: int, page_bytes: int, choice: CodecChoice) -> None:
         if blocks.slot_bytes != ALIGN:
             raise InputError(f"a block tier needs {ALIGN}-byte blocks below it, got {blocks.slot_bytes}-byte slots")
-        self.kind = blocks.kind  # before Tier.__init__, which names its threads after it
+        self.kind = blocks.kind  # the medium's kind (the copy table's key), and its name below
         slot_bytes = round_up(page_bytes)
         self.blocks_per_page = slot_bytes // ALIGN
         used = num_pages * self.blocks_per_page
         if used > blocks.num_slots:
             raise InputError(f"{num_pages} pages of {slot_bytes} bytes need {used} blocks, the tier has {blocks.num_slots}")
-        super().__init__(num_pages, slot_bytes)
+        super().__init__(num_pages, slot_bytes, name=blocks.name)
         self.blocks = blocks
         self.page_bytes = page_bytes
         self.choice = choice
@@ -142,7 +143,7 @@ class BlockPageTier(Tier):
 
     def claim(self, slots: Sequence[int]) -> None:
         self._check_open()
-        raise InputError(f"the {self.kind.value} tier is block-addressed; claim pages with claim_extents")
+        raise InputError(f"the {self.name} tier is block-addressed; claim pages with claim_extents")
 
     def extents(self, slot: int) -> Extents | None:
         with self._lock:
@@ -193,7 +194,7 @@ class BlockPageTier(Tier):
     def _check_slots(self, slots: Sequence[int]) -> None:
         for h in slots:
             if h not in self._pages and h not in self._retired:
-                raise InputError(f"page handle {h} is not allocated in the {self.kind.value} tier")
+                raise InputError(f"page handle {h} is not allocated in the {self.name} tier")
 
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         n, width = src.shape
@@ -291,7 +292,7 @@ class BlockPageTier(Tier):
     def _decode(self, coded: list[int], blobs: list[np.ndarray], dst: np.ndarray) -> None:
         codec = self.choice.codec
         if codec is None:
-            raise UndecodablePageError(f"{self.kind.value} tier holds coded pages but has no codec", tuple(coded))
+            raise UndecodablePageError(f"{self.name} tier holds coded pages but has no codec", tuple(coded))
         whole = dst.shape[1] == self.page_bytes and len(coded) == dst.shape[0]
         out = dst if whole else np.empty((len(coded), self.page_bytes), dtype=np.uint8)
         report = codec.decode_into(blobs, out)
@@ -303,7 +304,7 @@ class BlockPageTier(Tier):
                     dst[i, width:] = 0  # a slot-wide read: a page's padding is zeros, as raw pages store it
         if not report.ok:
             rows = tuple(coded[j] for j in report.failed)
-            raise UndecodablePageError(f"{self.kind.value} tier: {len(rows)} stored pages do not decode "
+            raise UndecodablePageError(f"{self.name} tier: {len(rows)} stored pages do not decode "
                                        f"({report.reasons[0]})", rows)
 
     def _close(self) -> None:

@@ -54,8 +54,8 @@ class DramTier(Tier):
     kind = TierKind.DRAM
     persistent = False
 
-    def __init__(self, num_slots: int, slot_bytes: int) -> None:
-        super().__init__(num_slots, slot_bytes)
+    def __init__(self, num_slots: int, slot_bytes: int, *, name: str | None = None) -> None:
+        super().__init__(num_slots, slot_bytes, name=name)
         try:
             self._buf = _host_buffer(num_slots * slot_bytes).reshape(num_slots, slot_bytes)
         except (MemoryError, OSError, RuntimeError) as exc:  # mmap ENOMEM; torch's pinning fails as RuntimeError

@@ -35,13 +35,13 @@ class HbmTier(Tier):
     persistent = False
 
     def __init__(self, num_slots: int, slot_bytes: int, device: str | torch.device = "cuda",
-                 path: CopyPath | str | None = None) -> None:
+                 path: CopyPath | str | None = None, *, name: str | None = None) -> None:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"an HBM tier on {dev} needs a CUDA device, and none is available here")
         if dev.type not in ("cuda", "cpu"):
             raise ConfigError(f"an HBM tier lives on a 'cuda' device (or 'cpu' for tests), got {dev}")
-        super().__init__(num_slots, slot_bytes)
+        super().__init__(num_slots, slot_bytes, name=name)
         try:
             self._buf = torch.zeros((num_slots, slot_bytes), dtype=torch.uint8, device=dev)
         except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, RuntimeError on CPU

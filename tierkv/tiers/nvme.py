@@ -89,7 +89,8 @@ class NvmeTier(Tier):
 
     def __init__(self, path: str | os.PathLike[str], num_slots: int, page_bytes: int, *,
                  o_direct: bool = True, io_threads: int = 4, create: bool = True,
-                 max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0, defer_grow: bool = False) -> None:
+                 max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0, defer_grow: bool = False,
+                 name: str | None = None) -> None:
         if page_bytes <= 0 or num_slots < 0:
             raise InputError(f"nvme tier needs page_bytes > 0 and num_slots >= 0, got {page_bytes}, {num_slots}")
         if io_threads < 1:
@@ -98,7 +99,7 @@ class NvmeTier(Tier):
             raise InputError(f"nvme tier needs max_io_bytes >= {ALIGN}, got {max_io_bytes}")
         if header_bytes < 0 or header_bytes % ALIGN:
             raise InputError(f"nvme tier header_bytes must be a non-negative multiple of {ALIGN}, got {header_bytes}")
-        super().__init__(num_slots, round_up(page_bytes))
+        super().__init__(num_slots, round_up(page_bytes), name=name)
         self.path = os.fspath(path)
         self.page_bytes = page_bytes
         self.io_threads = io_threads
@@ -117,7 +118,7 @@ class NvmeTier(Tier):
         self._sink = aligned_empty(self.slot_bytes)
         # Chunks fan out to their own executor, never to a pool the caller runs the transfer
         # on (the NVMe-oF tier's guard, say), so a task waiting on its chunks cannot starve itself.
-        self._fanout = (ThreadPoolExecutor(max_workers=io_threads - 1, thread_name_prefix="tierkv-nvme-io")
+        self._fanout = (ThreadPoolExecutor(max_workers=io_threads - 1, thread_name_prefix=f"tierkv-{self.name}-io")
                         if io_threads > 1 else None)
         self._cond = threading.Condition()
         self._inflight = 0

@@ -114,7 +114,8 @@ class NvmeofTier(NvmeTier):
 
     def __init__(self, link: NamespaceLink, num_slots: int, page_bytes: int, *,
                  io_timeout_s: float = 5.0, monitor_interval_s: float = 1.0, o_direct: bool = True,
-                 io_threads: int = 4, max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0) -> None:
+                 io_threads: int = 4, max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0,
+                 name: str | None = None) -> None:
         if not io_timeout_s > 0 or not monitor_interval_s > 0:
             raise InputError(f"nvmeof tier needs io_timeout_s > 0 and monitor_interval_s > 0, "
                              f"got {io_timeout_s}, {monitor_interval_s}")
@@ -122,7 +123,7 @@ class NvmeofTier(NvmeTier):
         path = link.attach()
         try:
             super().__init__(path, num_slots, page_bytes, o_direct=o_direct, io_threads=io_threads,
-                             create=False, max_io_bytes=max_io_bytes, header_bytes=header_bytes)
+                             create=False, max_io_bytes=max_io_bytes, header_bytes=header_bytes, name=name)
         except BaseException:
             link.close()
             raise

@@ -17,7 +17,10 @@ instead. Nothing here blocks past the transport's deadline.
 
 Besides the Tier interface, :meth:`lookup` asks the peer which of a list of page keys it
 holds (its own published pages), and :meth:`fetch_remote` reads those by their remote
-slots. Used by the conformance suite (``tests/tiers``); not yet wired into the store.
+slots. Its kind is :attr:`TierKind.PEER`, not DRAM: it is another node's memory, and the
+store never places pages in it. Used by :mod:`tierkv.store.peering` (a store's ``[peers]
+fetch``: ``lookup`` then ``fetch_remote``) and by the conformance suite (``tests/tiers``),
+which puts its whole Tier interface through the same tests as every other tier.
 """
 
 from __future__ import annotations
@@ -51,16 +54,17 @@ class PeerDramTier(Tier):
     ``also_close`` (a loopback server, say). Thread-safe as the Tier contract requires;
     operations spread over ``channels`` of the transport's mux."""
 
-    kind = TierKind.DRAM  # a DRAM tier, one hop away; the store has no PEER_DRAM kind yet
+    kind = TierKind.PEER
     persistent = False
 
     def __init__(self, transport: Transport, num_slots: int | None = None, base_slot: int = 0,
-                 owns_transport: bool = True, channels: int = 8, also_close: Sequence[Closeable] = ()) -> None:
+                 owns_transport: bool = True, channels: int = 8, also_close: Sequence[Closeable] = (),
+                 name: str | None = None) -> None:
         info = transport.info
         n = info.num_slots - base_slot if num_slots is None else num_slots
         if base_slot < 0 or n < 0 or base_slot + n > info.num_slots:
             raise InputError(f"peer slots [{base_slot}, {base_slot + n}) do not fit the peer's {info.num_slots}")
-        super().__init__(n, info.slot_bytes)
+        super().__init__(n, info.slot_bytes, name=name)
         self.transport = transport
         self.base_slot = base_slot
         self._owns = owns_transport
