@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from tierkv.store.manager import BlockManager
 from tierkv.policy import make_policy
 from tierkv.store.coding import CodecChoice
 from tierkv.tiers.aligned import ALIGN, round_up
-from tierkv.tiers.base import Tier
+from tierkv.tiers.base import Tier, TierKind
 from tierkv.tiers.blocks import BlockPageTier
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.fabric import open_nvmeof_tier
@@ -146,60 +147,88 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
 
 
 def build_tiers(cfg: StoreConfig, read_only: bool) -> list[Tier]:
-    """The tiers ``cfg`` asks for, fastest first; readers get the persistent ones only
-    (a reader of an NVMe-oF tier uses the namespace where it is connected, never connects)."""
+    """The tiers ``cfg`` asks for, fastest first (one per entry of :data:`TIER_BUILDERS`);
+    readers get the persistent ones only (a reader of an NVMe-oF tier uses the namespace
+    where it is connected, never connects). On failure the tiers built so far are closed."""
     tiers: list[Tier] = []
     try:
-        _add_tiers(cfg, read_only, tiers)
+        for build in TIER_BUILDERS.values():
+            tier = build(cfg, read_only)
+            if tier is not None:
+                tiers.append(tier)
     except BaseException:
         for t in tiers:  # a later tier failed: release the memory and files of earlier ones
             t.close()
         raise
-    return tiers
-
-
-def _add_tiers(cfg: StoreConfig, read_only: bool, tiers: list[Tier]) -> None:
-    pb = cfg.layout.page_bytes
-    if cfg.hbm is not None and cfg.hbm.capacity_bytes and not read_only:
-        slots = cfg.hbm.capacity_bytes // pb
-        if slots == 0:
-            raise ConfigError(f"hbm capacity of {cfg.hbm.capacity_bytes} bytes holds no page of {pb} bytes")
-        from tierkv.tiers.hbm import HbmTier  # torch loads only for stores with an HBM tier
-
-        tiers.append(HbmTier(slots, pb, device=cfg.hbm.device))
-    if cfg.dram is not None and not read_only:
-        slots = cfg.dram.capacity_bytes // pb
-        if slots == 0 and cfg.dram.capacity_bytes:
-            raise ConfigError(f"dram capacity of {cfg.dram.capacity_bytes} bytes holds no page of {pb} bytes")
-        if slots:
-            tiers.append(DramTier(slots, pb))
-    if cfg.nvme is not None:
-        slot_bytes = round_up(pb)
-        slots = cfg.nvme.capacity_bytes // slot_bytes
-        if slots == 0:
-            raise ConfigError(f"nvme capacity of {cfg.nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
-        # A coded tier is the same file addressed in 4 KiB blocks, for readers too: they
-        # read each page at the extents its index record names (BlockPageTier.view).
-        if cfg.nvme.codec == CodecMode.NONE.value:
-            tiers.append(NvmeTier(cfg.nvme_path(), slots, pb, o_direct=cfg.nvme.o_direct,
-                                  io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES,
-                                  defer_grow=True))
-        else:  # the same file, addressed in 4 KiB blocks
-            blocks = NvmeTier(cfg.nvme_path(), slots * (slot_bytes // ALIGN), ALIGN, o_direct=cfg.nvme.o_direct,
-                              io_threads=cfg.nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES,
-                              defer_grow=True)
-            tiers.append(_block_tier(blocks, slots, cfg, cfg.nvme))
-    if cfg.nvmeof is not None:
-        if cfg.nvmeof.codec == CodecMode.NONE.value:
-            tiers.append(open_nvmeof_tier(cfg.nvmeof, pb, header_bytes=LABEL_BYTES, connect=not read_only,
-                                          labelled_bytes=label_data_bytes))
-        else:
-            fabric = open_nvmeof_tier(cfg.nvmeof, ALIGN, header_bytes=LABEL_BYTES, connect=not read_only,
-                                      labelled_bytes=label_data_bytes)
-            tiers.append(_block_tier(fabric, fabric.num_slots // (round_up(pb) // ALIGN), cfg, cfg.nvmeof))
     if not tiers:
         raise ConfigError("a read-only open needs the store's NVMe tier configured" if read_only
                           else "every tier of this store has zero capacity")
+    return tiers
+
+
+def _hbm(cfg: StoreConfig, read_only: bool) -> Tier | None:
+    if cfg.hbm is None or not cfg.hbm.capacity_bytes or read_only:
+        return None
+    pb = cfg.layout.page_bytes
+    slots = cfg.hbm.capacity_bytes // pb
+    if slots == 0:
+        raise ConfigError(f"hbm capacity of {cfg.hbm.capacity_bytes} bytes holds no page of {pb} bytes")
+    from tierkv.tiers.hbm import HbmTier  # torch loads only for stores with an HBM tier
+
+    return HbmTier(slots, pb, device=cfg.hbm.device)
+
+
+def _dram(cfg: StoreConfig, read_only: bool) -> Tier | None:
+    if cfg.dram is None or read_only:
+        return None
+    pb = cfg.layout.page_bytes
+    slots = cfg.dram.capacity_bytes // pb
+    if slots == 0 and cfg.dram.capacity_bytes:
+        raise ConfigError(f"dram capacity of {cfg.dram.capacity_bytes} bytes holds no page of {pb} bytes")
+    return DramTier(slots, pb) if slots else None
+
+
+def _nvme(cfg: StoreConfig, read_only: bool) -> Tier | None:
+    if cfg.nvme is None:
+        return None
+    nvme = cfg.nvme
+    slot_bytes = round_up(cfg.layout.page_bytes)
+    slots = nvme.capacity_bytes // slot_bytes
+    if slots == 0:
+        raise ConfigError(f"nvme capacity of {nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
+    return _paged(cfg, nvme, lambda unit: NvmeTier(
+        cfg.nvme_path(), slots * (slot_bytes // round_up(unit)), unit, o_direct=nvme.o_direct,
+        io_threads=nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES, defer_grow=True))
+
+
+def _nvmeof(cfg: StoreConfig, read_only: bool) -> Tier | None:
+    if cfg.nvmeof is None:
+        return None
+    nvmeof = cfg.nvmeof
+    return _paged(cfg, nvmeof, lambda unit: open_nvmeof_tier(
+        nvmeof, unit, header_bytes=LABEL_BYTES, connect=not read_only, labelled_bytes=label_data_bytes))
+
+
+# One builder per tier kind, fastest first: each builds its tier from the config, or
+# returns None where the config has none (or a reader does not open that kind).
+TIER_BUILDERS: dict[TierKind, Callable[[StoreConfig, bool], Tier | None]] = {
+    TierKind.HBM: _hbm,
+    TierKind.DRAM: _dram,
+    TierKind.NVME: _nvme,
+    TierKind.NVMEOF: _nvmeof,
+}
+
+
+def _paged(cfg: StoreConfig, tier_cfg: NvmeConfig | NvmeofConfig, medium: Callable[[int], NvmeTier]) -> Tier:
+    """A file or namespace tier: ``medium(unit)`` opens it in slots of ``unit`` bytes. With
+    ``codec = "none"`` its slots are pages; otherwise the same medium in 4 KiB blocks under
+    a :class:`BlockPageTier` that codes as ``tier_cfg.codec`` says (for readers too: they
+    read each page at the extents its index record names, BlockPageTier.view)."""
+    pb = cfg.layout.page_bytes
+    if tier_cfg.codec == CodecMode.NONE.value:
+        return medium(pb)
+    blocks = medium(ALIGN)
+    return _block_tier(blocks, blocks.num_slots // (round_up(pb) // ALIGN), cfg, tier_cfg)
 
 
 def _block_tier(blocks: NvmeTier, pages: int, cfg: StoreConfig, tier_cfg: NvmeConfig | NvmeofConfig) -> BlockPageTier:
