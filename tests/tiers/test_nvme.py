@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tierkv.errors import ConfigError, InputError, StoreClosedError, TierIOError
+import tierkv.tiers.nvme as nvme_mod
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.nvme import NvmeTier
 
@@ -115,13 +116,60 @@ def test_nvme_on_shm_follows_the_filesystem(shm_dir: Callable[[], Path], caplog:
         np.testing.assert_array_equal(read_back(tier, [0, 1, 2, 3], PAGE), src)
 
 
-def test_nvme_file_is_0600_and_preallocated(nvme_path: Path) -> None:
+def test_nvme_file_is_0600_full_size_and_sparse_until_written(nvme_path: Path) -> None:
     with NvmeTier(nvme_path, 5, ODD_PAGE) as tier:
         assert tier.slot_bytes == 372736
         st = os.stat(nvme_path)
         assert st.st_mode & 0o777 == 0o600
         assert st.st_size == 5 * 372736
-        assert st.st_blocks * 512 >= 5 * 372736  # fallocated, not sparse
+        assert st.st_blocks == 0
+        tier.write([3], pages(1, ODD_PAGE, seed=30))
+        assert os.stat(nvme_path).st_blocks * 512 >= 4 * 372736  # room up to the slot written, and ahead
+
+
+def test_nvme_allocates_a_step_ahead_of_the_highest_slot_written(nvme_path: Path) -> None:
+    step = nvme_mod.RESERVE_STEP_BYTES
+    with NvmeTier(nvme_path, 4 * step // PAGE, PAGE) as tier:   # four steps of slots
+        tier.write([0], pages(1, PAGE, seed=31))
+        used = os.stat(nvme_path).st_blocks * 512
+        assert step <= used < 2 * step
+        last = step // PAGE - 1                                  # still inside the first step: no call
+        tier.write([last], pages(1, PAGE, seed=32))
+        assert os.stat(nvme_path).st_blocks * 512 == used
+        tier.write([last + 1], pages(1, PAGE, seed=33))          # past it: one more step
+        assert 2 * step <= os.stat(nvme_path).st_blocks * 512 < 3 * step
+        np.testing.assert_array_equal(read_back(tier, [0, last, last + 1], PAGE),
+                                      np.concatenate([pages(1, PAGE, seed=s) for s in (31, 32, 33)]))
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_a_full_disk_fails_the_write_before_it_moves_a_byte(nvme_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            o_direct: bool) -> None:
+    """No room to allocate a never-written slot: the write raises TierIOError naming it
+    (a failed transfer), no page is half written, the slots written before are intact."""
+    with NvmeTier(nvme_path, 8, PAGE, o_direct=o_direct) as tier:
+        first = pages(2, PAGE, seed=34)
+        tier.write([0, 1], first)
+        tier.flush()
+        real = os.posix_fallocate
+        calls: list[tuple[int, int]] = []
+
+        def full(fd: int, offset: int, length: int) -> None:
+            calls.append((offset, length))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        tier._reserved = 2 * PAGE           # as if the disk had filled right after those two slots
+        writes: list[int] = []
+        real_pwritev = os.pwritev
+        monkeypatch.setattr(os, "pwritev", lambda fd, iov, off: writes.append(off) or real_pwritev(fd, iov, off))
+        with pytest.raises(TierIOError, match=r"cannot allocate bytes 16384 to 49152 .* bytes free .*No space left"):
+            tier.write([5, 2], pages(2, PAGE, seed=35))
+        assert writes == [] and calls[-1] == (2 * PAGE, 4 * PAGE)   # tried the step, then just the write's room
+        np.testing.assert_array_equal(read_back(tier, [0, 1], PAGE), first)
+        monkeypatch.setattr(os, "posix_fallocate", real)
+        tier.write([5, 2], pages(2, PAGE, seed=35))         # room again: the same write lands
+        np.testing.assert_array_equal(read_back(tier, [5, 2], PAGE), pages(2, PAGE, seed=35))
 
 
 @pytest.mark.parametrize("size", [12345, 4 * PAGE + PAGE])

@@ -1,8 +1,9 @@
-"""Opening the backing medium of a file-backed tier: a preallocated 0600 file or a block device.
+"""Opening the backing medium of a file-backed tier: a 0600 file or a block device.
 
-``open_backing`` creates the file (or checks an existing one, or a block device, against
-the tier's size) and opens it with O_DIRECT where the filesystem allows it. Used by
-:mod:`tierkv.tiers.nvme` and :mod:`tierkv.tiers.nvmeof`.
+``open_backing`` creates the file sparse at the tier's size (or checks an existing one,
+or a block device, against it) and opens it with O_DIRECT where the filesystem allows
+it; the tier allocates a file's disk space as it fills (:mod:`tierkv.tiers.nvme`). Used
+by :mod:`tierkv.tiers.nvme` and :mod:`tierkv.tiers.nvmeof`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import shutil
 import stat
 
-from tierkv.errors import CapacityError, ConfigError, TierIOError
+from tierkv.errors import ConfigError, TierIOError
 
 logger = logging.getLogger("tierkv.tiers.nvme")
 
@@ -47,23 +48,25 @@ def open_backing(path: str, size: int, *, o_direct: bool, create: bool) -> tuple
 
 
 def _create_file(path: str, size: int) -> None:
-    """Create ``path`` with mode 0600 and allocate ``size`` bytes; no file on failure."""
+    """Create ``path`` with mode 0600, ``size`` bytes long and sparse; no file on failure.
+    Its disk space is allocated as the tier writes it; a size past the free space is
+    allowed (the cache may never fill), with a warning."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise TierIOError(f"nvme tier {path}: cannot create: {oserr(e)}") from e
     try:
         os.fchmod(fd, 0o600)  # the umask could have taken the owner's write bit
-        if size:
-            os.posix_fallocate(fd, 0, size)
+        os.ftruncate(fd, size)
     except OSError as e:
         os.close(fd)
         os.unlink(path)
-        if e.errno == errno.ENOSPC:
-            free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-            raise CapacityError(f"nvme tier {path}: asked for {size} bytes, {free} free") from e
-        raise TierIOError(f"nvme tier {path}: cannot preallocate {size} bytes: {oserr(e)}") from e
+        raise TierIOError(f"nvme tier {path}: cannot make it {size} bytes long: {oserr(e)}") from e
     os.close(fd)
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    if size > free:
+        logger.warning("nvme tier %s: %d bytes, more than the %d free on its filesystem; once the disk is "
+                       "full, writes of new pages fail (those pages are not stored)", path, size, free)
 
 
 def _check_existing(path: str, st: os.stat_result, size: int, *, grow: bool) -> bool:

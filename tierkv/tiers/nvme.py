@@ -1,4 +1,4 @@
-"""The NVMe tier: page slots in one preallocated file or a raw block device.
+"""The NVMe tier: page slots in one file, allocated as it fills, or a raw block device.
 
 Slot ``i`` lives at byte offset ``header_bytes + i * slot_bytes``, where
 ``slot_bytes`` is ``page_bytes`` rounded up to 4096 so that every slot can be moved
@@ -12,14 +12,26 @@ Callers whose rows are 4096-aligned are served straight from their buffer; other
 go through reusable aligned bounce buffers. Persistent: the slot contents survive
 a close, the free list does not (the index re-``claim``s its slots). Built by the
 store's tier table; driven through the :class:`~tierkv.tiers.base.Tier` interface.
+
+A file is created sparse at its full size (so its geometry checks stay what they were)
+and its disk space is allocated as slots are first written: before a write reaches past
+what is allocated, ``posix_fallocate`` reserves the room up to the highest slot it
+writes and a step beyond (``RESERVE_STEP_BYTES``, or an eighth of what is allocated
+already). A store with an 8 GiB tier and a few pages so uses a few MiB of disk. A full
+filesystem fails that write with :class:`~tierkv.errors.TierIOError` before any byte of
+it moves (a failed transfer: its pages are not stored, never stored wrong), rather
+than a page cache write-back failing later. Block devices are all there from the start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import logging
 import os
+import shutil
+import stat
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -48,6 +60,13 @@ BOUNCE_CHUNK_BYTES = 1 << 20
 # Linux refuses a preadv/pwritev with more than IOV_MAX (1024) buffers; a padded
 # chunk takes two per slot.
 _MAX_IOVECS = 1024
+# A file tier allocates its disk space at least this far ahead of the highest slot
+# written (or an eighth of what it has allocated, whichever is more): few fallocate
+# calls as it fills, little disk for a tier that holds few pages.
+RESERVE_STEP_BYTES = 16 << 20
+# What fallocate answers where the filesystem cannot reserve space ahead (writes then
+# allocate as they land, and a full disk fails them with ENOSPC just the same).
+_NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 class _Op(enum.Enum):
@@ -65,10 +84,10 @@ class _Chunk:
 
 
 class NvmeTier(Tier):
-    """Slots in a file (created 0600 and preallocated) or a block device.
+    """Slots in a file (created 0600, allocated as slots are first written) or a block device.
 
     ``path`` names a regular file, which must be exactly ``header_bytes + num_slots * slot_bytes``
-    long if it exists (it is created and preallocated otherwise, unless ``create`` is
+    long if it exists (it is created sparse at that size otherwise, unless ``create`` is
     false), or a block device of at least that size. ``o_direct`` asks for O_DIRECT;
     where the filesystem refuses it the tier logs a warning and uses buffered I/O,
     and ``direct`` tells which one is in use. ``io_threads`` is the number of
@@ -78,6 +97,8 @@ class NvmeTier(Tier):
     :class:`~tierkv.errors.TierIOError` (naming the slot, the byte offset and the
     errno text) if any syscall fails or comes up short, after the other chunks of
     the call have finished, so no I/O into the caller's buffer outlives the call.
+    A write into a file first allocates its room (see the module notes); a filesystem
+    without room fails it with TierIOError before any of its bytes move.
     A write zero-fills the part of each slot past the row width. ``flush`` makes
     completed writes durable (``fdatasync``). Thread-safe as the Tier contract says:
     transfers on disjoint slots may run at once from any threads; ``close`` waits for
@@ -106,6 +127,11 @@ class NvmeTier(Tier):
         self.header_bytes = header_bytes
         size = header_bytes + num_slots * self.slot_bytes
         self._fd, self.direct, short = open_backing(self.path, size, o_direct=o_direct, create=create)
+        # Bytes from the start of the file known to have their disk space allocated; a block
+        # device (and a file whose filesystem cannot reserve ahead) needs no reservations.
+        self._size = size
+        self._reserved = 0 if stat.S_ISREG(os.fstat(self._fd).st_mode) else size
+        self._reserve_lock = threading.Lock()
         # A truncated file is grown back, but a store grows it only once its index has
         # accepted this geometry (``defer_grow``): a refused open must leave the file alone.
         self._grow: tuple[int, int] | None = (short, size) if short is not None else None
@@ -140,10 +166,38 @@ class NvmeTier(Tier):
         logger.warning("nvme tier file %s is %d bytes, shorter than the tier's %d (truncated?); "
                        "growing it back: pages past byte %d become misses", self.path, have, size, have)
         try:
-            os.posix_fallocate(self._fd, 0, size)
+            os.ftruncate(self._fd, size)  # sparse: the space is allocated as slots are written
         except OSError as e:
             raise TierIOError(f"nvme tier {self.path}: cannot grow it back to {size} bytes: {oserr(e)}") from e
         self._grow = None
+
+    def _reserve(self, fd: int, end: int) -> None:
+        """Make sure the file's first ``end`` bytes have disk space, reserving a step beyond
+        them; TierIOError (naming the bytes and the space free) when the filesystem has no room."""
+        if end <= self._reserved:
+            return
+        with self._reserve_lock:
+            have = self._reserved
+            if end <= have:
+                return
+            ahead = min(self._size, round_up(max(end, have + max(RESERVE_STEP_BYTES, have // 8))))
+            for target in dict.fromkeys((ahead, end)):  # short of room for the step: just this write's
+                try:
+                    os.posix_fallocate(fd, have, target - have)
+                except OSError as e:
+                    if e.errno in _NO_FALLOCATE:
+                        logger.warning("nvme tier %s: the filesystem cannot reserve space ahead (%s); writes "
+                                       "allocate it as they land", self.path, oserr(e))
+                        self._reserved = self._size
+                        return
+                    if e.errno == errno.ENOSPC and target > end:
+                        continue
+                    free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
+                    raise TierIOError(f"nvme tier {self.path}: cannot allocate bytes {have} to {end} of the file "
+                                      f"for this write ({free} bytes free on its filesystem): {oserr(e)}; the "
+                                      "write fails and its pages are not stored") from e
+                self._reserved = target
+                return
 
     def read_header(self) -> bytes:
         """The ``header_bytes`` reserved before slot 0 (an owner's label for the medium)."""
@@ -166,6 +220,7 @@ class NvmeTier(Tier):
         buf = aligned_empty(self.header_bytes)
         buf[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         with self._busy() as fd:
+            self._reserve(fd, self.header_bytes)
             try:
                 done = os.pwritev(fd, [buf.data], 0)
                 os.fdatasync(fd)
@@ -267,6 +322,8 @@ class NvmeTier(Tier):
         chunks = deque(self._plan(slots, self._chunk_slots if in_place else self._bounce_slots))
         errors: list[BaseException] = []
         with self._busy() as fd:
+            if op is _Op.WRITE:
+                self._reserve(fd, self.header_bytes + (max(slots) + 1) * self.slot_bytes)
 
             def drain() -> None:
                 # Workers pull chunks until none are left, or stop early once one failed.
