@@ -91,9 +91,8 @@ def test_two_nvme_tiers_in_one_store(two_nvme: StoreConfig, monkeypatch: pytest.
 
 
 def test_two_tiers_of_one_name_are_refused(tmp_path: Path) -> None:
-    with NvmeTier(tmp_path / "a", 2, PB) as a, NvmeTier(tmp_path / "b", 2, PB) as b:
-        with pytest.raises(InputError, match="share a name"):
-            BlockManager([a, b], {a.name: make_policy("lru")}, None)
-    with DramTier(2, PB, name="peer") as d:
-        with pytest.raises(InputError, match="cannot be named 'peer'"):
-            BlockManager([d], {TierId("peer"): make_policy("lru")}, None)
+    with NvmeTier(tmp_path / "a", 2, PB) as a, NvmeTier(tmp_path / "b", 2, PB) as b, \
+            pytest.raises(InputError, match="share a name"):
+        BlockManager([a, b], {a.name: make_policy("lru")}, None)
+    with DramTier(2, PB, name="peer") as d, pytest.raises(InputError, match="cannot be named 'peer'"):
+        BlockManager([d], {TierId("peer"): make_policy("lru")}, None)
