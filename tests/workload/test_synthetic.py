@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import resource
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +21,7 @@ from tierkv.keys import namespace_digest, page_keys
 from tierkv.layout import KVLayout
 from tierkv.workload import (Request, SyntheticMix, block_tokens, load_requests, parse_mix, read_mooncake,
                              request_tokens, synthetic)
+from tierkv.workload.synthetic import MAX_EMPTY_SESSIONS, MAX_REQUESTS, MIX_LIMITS
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 B = 512
@@ -58,6 +65,10 @@ def test_limit_stops_early(tmp_path: Path) -> None:
     (_line(ts=-5), "timestamp must be a finite number"),
     (_line(ids=[0, "x"]), "hash_ids must be a list of integers"),  # type: ignore[list-item]
     (_line(ids=[0, -1]), "hash_ids must be a list of integers"),
+    (_line(ts=10 ** 400), "timestamp must be a finite number >= 0 (ms), got a 1329-bit integer"),
+    (_line(ids=[1]).replace('"timestamp": 0', '"timestamp": 1e999'), "finite number >= 0 (ms), got inf"),
+    (_line(ids=[1]).replace('"timestamp": 0', '"timestamp": NaN'), "finite number >= 0 (ms), got nan"),
+    (_line(out=10 ** 30), "output_length must be an integer >= 0 and <= 2147483647"),
     (_line(inp=1000, ids=[0]), "needs 2 blocks of 512 tokens, hash_ids has 1"),
     (_line(inp=1024, ids=[0, 1, 2]), "needs 2 blocks of 512 tokens, hash_ids has 3"),
 ])
@@ -234,3 +245,112 @@ def test_load_requests_refuses_a_seed_or_mix_with_a_trace(tmp_path: Path) -> Non
     with pytest.raises(InputError, match="--mix"):
         load_requests(trace, None, 30, None, SyntheticMix())
     assert load_requests(None, None, 5, None)[1] == {"source": "synthetic", "seed": 0}
+
+
+# -- every mix field is bounded (issue 28, items 6, 7 and 9) -----------------------------
+
+
+@contextmanager
+def _bounded(seconds: int = 120, more_bytes: int = 2 << 30) -> Iterator[None]:
+    """Fail instead of hanging or exhausting the machine: past ``seconds`` (a loop that never
+    ends) or ``more_bytes`` of new data (a workload that grows without bound), the block
+    raises. Not a timing claim: both bounds are far above any correct run."""
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+    used = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmData:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = used + more_bytes if hard == resource.RLIM_INFINITY else min(hard, used + more_bytes)
+    old = signal.signal(signal.SIGALRM, expire)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("session_rate_per_s=inf", r"session_rate_per_s=inf is not a finite number; session_rate_per_s must be in "
+                               r"\[1e-06, 1000000\]"),
+    ("system_prompt_blocks=1-1000000000", r"system_prompt_blocks must be a range .* 1 <= low <= high <= 4096, "
+                                          r"got \(1, 1000000000\)"),
+    ("conversation_share=nan", r"conversation_share=nan is not a finite number; conversation_share must be in "
+                               r"\[0, 1\]"),
+    ("document_zipf_s=nan", r"document_zipf_s=nan is not a finite number; document_zipf_s must be in \[0, 10\]"),
+    ("documents=1000000000000", r"documents must be an integer in \[1, 100000\], got 1000000000000"),
+    ("think_time_s_mean=1e400", r"think_time_s_mean=1e400 is not a finite number; .* \[0, 1000000\]"),
+    ("agent_step_s_mean=-inf", r"agent_step_s_mean=-inf is not a finite number"),
+    ("session_rate_per_s=0", r"session_rate_per_s must be a finite number in \[1e-06, 1000000\], got 0.0"),
+    ("conversation_share=1.5", r"conversation_share must be a finite number in \[0, 1\], got 1.5"),
+    ("conversation_turns_mean=1e9", r"conversation_turns_mean must be .* \[1, 1000\]"),
+    ("agent_turns=1-1000000", r"agent_turns must be a range .* <= 1000"),
+    ("tool_output_tokens=1-9999999999", r"tool_output_tokens must be a range .* <= 1048576"),
+    ("max_context_tokens=100000000", r"max_context_tokens must be an integer in \[1, 1048576\]"),
+    ("max_context_tokens=600", r"shortest rag prompt .* is 1556 tokens, more than max_context_tokens=600"),
+])
+def test_mix_values_out_of_range_name_the_field_the_value_and_the_range(spec: str, match: str) -> None:
+    """Before: inf looped forever, 1e9-block prompts and 1e12 documents ran out of memory,
+    nan failed inside numpy and 1e400 reached the --json report as Infinity."""
+    with pytest.raises(InputError, match=f"^--mix: .*{match}"):
+        parse_mix(spec)
+
+
+def _outside(name: str) -> list[object]:
+    lo, hi = MIX_LIMITS[name]
+    kind = str(next(f.type for f in dataclasses.fields(SyntheticMix) if f.name == name))
+    if "IntRange" in kind:
+        return [(int(lo) - 1, int(lo)), (int(lo), int(hi) + 1), (2, 1), (True, 2), (1.5, 2), (1, 2, 3), 5]
+    if "float" in kind:
+        return [math.nan, math.inf, -math.inf, lo - 1, hi * 2 + 1, True, "1"]
+    return [int(lo) - 1, int(hi) + 1, True, 2.0, "3", None]
+
+
+@pytest.mark.parametrize("name", sorted(MIX_LIMITS))
+def test_every_mix_field_is_bounded_and_typed(name: str) -> None:
+    assert {f.name for f in dataclasses.fields(SyntheticMix)} == set(MIX_LIMITS)
+    for value in _outside(name):
+        with pytest.raises(InputError, match=f"SyntheticMix.{name} must be"):
+            SyntheticMix(**{name: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", [
+    "session_rate_per_s=1000000", "session_rate_per_s=0.000001", "think_time_s_mean=1000000,agent_step_s_mean=0",
+    "documents=100000,document_zipf_s=0", "system_prompts=100000,system_prompt_blocks=1-100",
+    "conversation_share=1,rag_share=0,agent_share=0,conversation_turns_mean=1000",
+    "conversation_share=0,rag_share=0,agent_share=1,agent_turns=1000-1000",
+])
+def test_mixes_at_the_limits_generate_finite_workloads(spec: str) -> None:
+    with _bounded():
+        reqs = synthetic(0, 60, parse_mix(spec))
+    assert len(reqs) == 60
+    _assert_prefix_chained(reqs)
+    json.dumps([r.arrival_s for r in reqs], allow_nan=False)  # the report is JSON: no Infinity, no NaN
+
+
+def test_a_mix_that_almost_never_fits_its_context_is_refused_not_run_forever() -> None:
+    # Messages of 65,000 tokens or more, log-uniform up to 1M, in a 64K context: about one
+    # session in 7,000 has a request. Before: sessions drawn until 60 requests, without end in sight.
+    mix = parse_mix("conversation_share=1,rag_share=0,agent_share=0,system_prompt_blocks=1-1,"
+                    "user_message_tokens=65000-1048576")
+    with _bounded(), pytest.raises(InputError, match=f"{MAX_EMPTY_SESSIONS} sessions in a row without a request"):
+        synthetic(0, 60, mix)
+
+
+def test_synthetic_bounds_its_request_count_and_seed() -> None:
+    with _bounded(), pytest.raises(InputError, match=f"0 to {MAX_REQUESTS} requests, asked for 1000000000000"):
+        synthetic(0, 10 ** 12)
+    for seed in (-1, 1.5, True):
+        with pytest.raises(InputError, match="seed"):
+            synthetic(seed, 5)  # type: ignore[arg-type]
+    assert synthetic(np.int64(3), 5) == synthetic(3, 5)  # type: ignore[arg-type]
+
+
+def test_mix_fields_are_normalised() -> None:
+    mix = SyntheticMix(conversation_share=1, rag_share=0, agent_share=0,
+                       answer_tokens=[np.int64(5), 9])  # type: ignore[arg-type]
+    assert mix.answer_tokens == (5, 9) and type(mix.answer_tokens[0]) is int
+    assert type(mix.conversation_share) is float and mix == SyntheticMix(conversation_share=1.0, rag_share=0.0,
+                                                                         agent_share=0.0, answer_tokens=(5, 9))

@@ -8,7 +8,9 @@ growing contexts, as :class:`tierkv.workload.trace.Request` in arrival order.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -22,6 +24,46 @@ from tierkv.workload.trace import MOONCAKE_BLOCK_TOKENS, Request, read_mooncake
 # Synthetic mix
 
 IntRange = tuple[int, int]
+
+_COUNT = (1, 100_000)           # prompts, documents, agent kinds: one weight each, per draw
+_TOKENS = (1, 1 << 20)          # one message or answer: at most a 1M-token context
+_BLOCKS = (1, 4096)             # one shared prefix, allocated whole when first used
+_SECONDS = (0.0, 1e6)           # a mean gap between turns: 11.6 days is no session
+
+#: The inclusive range of every field of :class:`SyntheticMix`. The bounds keep every
+#: value finite (a report is JSON, which has no NaN or Infinity), every session's
+#: requests and block ids in memory, and every draw cheap; past them a number is a typo,
+#: not a workload.
+MIX_LIMITS: dict[str, tuple[float, float]] = {
+    "block_tokens": (2, 65536),
+    "session_rate_per_s": (1e-6, 1e6),
+    "conversation_share": (0.0, 1.0),
+    "rag_share": (0.0, 1.0),
+    "agent_share": (0.0, 1.0),
+    "system_prompts": _COUNT,
+    "system_prompt_blocks": _BLOCKS,
+    "conversation_turns_mean": (1.0, 1000.0),
+    "user_message_tokens": _TOKENS,
+    "answer_tokens": _TOKENS,
+    "think_time_s_mean": _SECONDS,
+    "documents": _COUNT,
+    "document_zipf_s": (0.0, 10.0),
+    "document_blocks": _BLOCKS,
+    "question_tokens": _TOKENS,
+    "agent_kinds": _COUNT,
+    "agent_prompt_blocks": _BLOCKS,
+    "agent_turns": (1, 1000),
+    "tool_output_tokens": _TOKENS,
+    "agent_step_s_mean": _SECONDS,
+    "max_context_tokens": _TOKENS,
+}
+#: At most this many blocks in one prompt (``max_context_tokens / block_tokens``).
+MAX_PROMPT_BLOCKS = 4096
+#: At most this many requests from :func:`synthetic`.
+MAX_REQUESTS = 1_000_000
+#: :func:`synthetic` gives up after this many sessions in a row without a request (every
+#: prompt they drew was longer than ``max_context_tokens``).
+MAX_EMPTY_SESSIONS = 1000
 
 
 @dataclass(frozen=True)
@@ -45,6 +87,12 @@ class SyntheticMix:
     Shares are of *requests*, approximately: a kind's session probability is its share
     divided by its mean requests per session. Message lengths are log-uniform over their
     ranges. A session stops early before a prompt would exceed ``max_context_tokens``.
+
+    Every field must lie in its range in :data:`MIX_LIMITS` (finite numbers only; ints
+    for counts, ranges and ``max_context_tokens``), ``max_context_tokens`` must hold at
+    most :data:`MAX_PROMPT_BLOCKS` blocks, and the shortest prompt of every kind with a
+    positive share must fit in it; otherwise :class:`InputError` names the field, the
+    value and the range.
     """
 
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
@@ -70,21 +118,60 @@ class SyntheticMix:
     max_context_tokens: int = 65536
 
     def __post_init__(self) -> None:
-        for name in ("block_tokens", "system_prompts", "documents", "agent_kinds", "max_context_tokens"):
-            if getattr(self, name) < 1:
-                raise InputError(f"SyntheticMix.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("system_prompt_blocks", "user_message_tokens", "answer_tokens", "document_blocks",
-                     "question_tokens", "agent_prompt_blocks", "agent_turns", "tool_output_tokens"):
-            lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi:
-                raise InputError(f"SyntheticMix.{name} must satisfy 1 <= low <= high, got ({lo}, {hi})")
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _checked(f.name, str(f.type), getattr(self, f.name)))
         shares = (self.conversation_share, self.rag_share, self.agent_share)
-        if min(shares) < 0 or sum(shares) <= 0:
-            raise InputError(f"SyntheticMix shares must be >= 0 with a positive sum, got {shares}")
-        if self.session_rate_per_s <= 0 or self.conversation_turns_mean < 1 or self.document_zipf_s < 0:
-            raise InputError("SyntheticMix needs session_rate_per_s > 0, conversation_turns_mean >= 1 and "
-                             f"document_zipf_s >= 0, got {self.session_rate_per_s}, "
-                             f"{self.conversation_turns_mean}, {self.document_zipf_s}")
+        if sum(shares) <= 0:
+            raise InputError(f"SyntheticMix shares must have a positive sum, got {shares}")
+        if self.max_context_tokens > MAX_PROMPT_BLOCKS * self.block_tokens:
+            raise InputError(f"SyntheticMix.max_context_tokens must be at most {MAX_PROMPT_BLOCKS} blocks of "
+                             f"{self.block_tokens} tokens ({MAX_PROMPT_BLOCKS * self.block_tokens}), "
+                             f"got {self.max_context_tokens}")
+        bt = self.block_tokens
+        shortest = {  # the fewest tokens a kind's first prompt can have
+            "conversation": ("system_prompt_blocks", "user_message_tokens",
+                             self.system_prompt_blocks[0] * bt + self.user_message_tokens[0]),
+            "rag": ("system_prompt_blocks, document_blocks", "question_tokens",
+                    (self.system_prompt_blocks[0] + self.document_blocks[0]) * bt + self.question_tokens[0]),
+            "agent": ("agent_prompt_blocks", "user_message_tokens",
+                      self.agent_prompt_blocks[0] * bt + self.user_message_tokens[0]),
+        }
+        for (kind, (blocks, tokens, least)), share in zip(shortest.items(), shares):
+            if share > 0 and least > self.max_context_tokens:
+                raise InputError(f"SyntheticMix: the shortest {kind} prompt ({blocks} and {tokens} at their "
+                                 f"lows) is {least} tokens, more than max_context_tokens={self.max_context_tokens}; "
+                                 f"raise it or set {kind}_share=0")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _checked(name: str, kind: str, value: object) -> object:
+    """``value`` of field ``name`` (annotated ``kind``) normalised, or InputError naming its range."""
+    lo, hi = MIX_LIMITS[name]
+    where = f"SyntheticMix.{name}"
+    if "IntRange" in kind:
+        low, high = (_integer(v) for v in value) if isinstance(value, (tuple, list)) and len(value) == 2 \
+            else (None, None)
+        if low is None or high is None or not lo <= low <= high <= hi:
+            raise InputError(f"{where} must be a range (low, high) of integers with {_num(lo)} <= low <= high <= "
+                             f"{_num(hi)}, got {value!r}")
+        return (low, high)
+    if "float" in kind:
+        x = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+        if not (math.isfinite(x) and lo <= x <= hi):
+            raise InputError(f"{where} must be a finite number in [{_num(lo)}, {_num(hi)}], got {value!r}")
+        return x
+    n = _integer(value)
+    if n is None or not lo <= n <= hi:
+        raise InputError(f"{where} must be an integer in [{_num(lo)}, {_num(hi)}], got {value!r}")
+    return n
+
+
+def _integer(value: object) -> int | None:
+    """``value`` as an int if it is an integer (numpy's included), never a bool; else None."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
 
 
 class _Builder:
@@ -98,6 +185,8 @@ class _Builder:
         ranks = np.arange(1, mix.documents + 1, dtype=np.float64)
         weights = ranks ** -mix.document_zipf_s
         self._doc_p = weights / weights.sum()
+        prompt_weights = 1.0 / np.arange(1, mix.system_prompts + 1)  # once, not once per conversation
+        self.system_prompt_p = prompt_weights / prompt_weights.sum()
 
     def new_ids(self, n: int) -> list[int]:
         first = self._next_id
@@ -149,8 +238,7 @@ class _Context:
 
 def _conversation(b: _Builder, start_s: float) -> list[Request]:
     m = b.mix
-    weights = 1.0 / np.arange(1, m.system_prompts + 1)
-    ctx = _Context(b, b.system_prompt(int(b.rng.choice(m.system_prompts, p=weights / weights.sum()))))
+    ctx = _Context(b, b.system_prompt(int(b.rng.choice(m.system_prompts, p=b.system_prompt_p))))
     turns = int(b.rng.geometric(1.0 / m.conversation_turns_mean))
     out: list[Request] = []
     t = start_s
@@ -196,9 +284,14 @@ def synthetic(seed: int, n_requests: int, mix: SyntheticMix = SyntheticMix()) ->
     block gets a fresh id, shared prefixes (system prompts, documents, agent prompts,
     earlier turns of a session) reuse theirs. The result is the first ``n_requests``
     arrivals of a run long enough that no session starting later could arrive earlier.
+    ``n_requests`` is at most :data:`MAX_REQUESTS`; a mix whose sessions almost never fit
+    a prompt in ``max_context_tokens`` raises :class:`InputError` after
+    :data:`MAX_EMPTY_SESSIONS` empty sessions in a row instead of running forever.
     """
-    if isinstance(n_requests, bool) or not isinstance(n_requests, int) or n_requests < 0:
-        raise InputError(f"n_requests must be a non-negative integer, got {n_requests!r}")
+    if isinstance(n_requests, bool) or not isinstance(n_requests, int) or not 0 <= n_requests <= MAX_REQUESTS:
+        raise InputError(f"the synthetic mix makes 0 to {MAX_REQUESTS} requests, asked for {n_requests!r}")
+    if _integer(seed) is None or seed < 0:
+        raise InputError(f"the seed of the synthetic mix must be an integer >= 0, got {seed!r}")
     rng = np.random.default_rng(seed)
     b = _Builder(mix, rng)
     kinds = (_conversation, _rag, _agent)
@@ -206,19 +299,30 @@ def synthetic(seed: int, n_requests: int, mix: SyntheticMix = SyntheticMix()) ->
     p = np.array([s / n for s, n in zip((mix.conversation_share, mix.rag_share, mix.agent_share), per_session)])
     p /= p.sum()
     rows: list[tuple[float, int, int, Request]] = []
-    cutoff = math.inf
+    # The n_requests earliest arrivals so far, negated (a max-heap): once it is full, a
+    # session starting after its top can add nothing to the result. Kept current as
+    # requests come, not computed once: a stale cutoff kept a fast mix (1e6 sessions/s)
+    # drawing sessions for as long as its first ones' later turns took to arrive.
+    earliest: list[float] = []
     t = 0.0
-    session = 0
+    session = empty = 0
     while n_requests:
         t += float(rng.exponential(1.0 / mix.session_rate_per_s))
-        if len(rows) >= n_requests:
-            if cutoff == math.inf:  # adding requests only lowers it, so computing it once is safe
-                cutoff = float(np.partition([r[0] for r in rows], n_requests - 1)[n_requests - 1])
-            if t > cutoff:
-                break
+        if len(earliest) == n_requests and t > -earliest[0]:
+            break
         reqs = kinds[int(rng.choice(3, p=p))](b, t)
         rows.extend((r.arrival_s, session, i, r) for i, r in enumerate(reqs))
+        for r in reqs:
+            if len(earliest) < n_requests:
+                heapq.heappush(earliest, -r.arrival_s)
+            elif r.arrival_s < -earliest[0]:
+                heapq.heapreplace(earliest, -r.arrival_s)
         session += 1
+        empty = 0 if reqs else empty + 1
+        if empty >= MAX_EMPTY_SESSIONS:
+            raise InputError(f"the synthetic mix made {empty} sessions in a row without a request: almost every "
+                             f"prompt it draws is longer than max_context_tokens={mix.max_context_tokens}; lower "
+                             "its block and token ranges or raise max_context_tokens")
     rows.sort(key=lambda row: row[:3])
     return [row[3] for row in rows[:n_requests]]
 
@@ -227,7 +331,9 @@ def parse_mix(spec: str) -> SyntheticMix:
     """A :class:`SyntheticMix` from ``"field=value,field=value"``; ranges as ``low-high``.
 
     For example ``"conversation_share=1,rag_share=0,agent_share=0,think_time_s_mean=300"``
-    or ``"system_prompt_blocks=4-16"``. Fields not named keep their defaults.
+    or ``"system_prompt_blocks=4-16"``. Fields not named keep their defaults. A value
+    outside its range (:data:`MIX_LIMITS`) raises :class:`InputError` naming the field,
+    the value and the range.
     """
     # The block size is the trace convention every consumer assumes, not a workload knob.
     fields = {f.name: f for f in dataclasses.fields(SyntheticMix) if f.name != "block_tokens"}
@@ -248,14 +354,21 @@ def parse_mix(spec: str) -> SyntheticMix:
                     raise ValueError
                 values[name] = (int(lo), int(hi))
             elif "float" in kind:
-                values[name] = float(raw)
+                values[name] = number = float(raw)
+                if not math.isfinite(number):  # "1e400" is inf: say what was typed, not what it became
+                    low, high = MIX_LIMITS[name]
+                    raise InputError(f"--mix: {name}={raw} is not a finite number; {name} must be in "
+                                     f"[{_num(low)}, {_num(high)}]")
             else:
                 values[name] = int(raw)
         except ValueError:
             want = "a range low-high of integers" if "IntRange" in kind else \
                 "a number" if "float" in kind else "an integer"
             raise InputError(f"--mix: {name} takes {want}, got {raw!r}") from None
-    return SyntheticMix(**values)  # type: ignore[arg-type]
+    try:
+        return SyntheticMix(**values)  # type: ignore[arg-type]
+    except InputError as exc:
+        raise InputError(f"--mix: {exc}") from None
 
 
 def load_requests(trace: str | os.PathLike[str] | None, limit: int | None, synthetic_requests: int,

@@ -28,6 +28,9 @@ MOONCAKE_BLOCK_TOKENS = 512
 
 _U64 = np.uint64
 _MAX_BLOCK_ID = (1 << 64) - 1
+#: The largest ``input_length`` or ``output_length`` a trace may give: no model has a
+#: context of 2**31 tokens, and the planner keeps token counts in 64-bit arrays.
+MAX_TRACE_TOKENS = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,8 @@ def read_mooncake(path: str | os.PathLike[str], limit: int | None = None, *,
                   block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Iterator[Request]:
     """Requests of a Mooncake JSONL trace, in file order, at most ``limit`` of them.
 
-    Each non-blank line is an object with ``timestamp`` (ms, int or float >= 0),
-    ``input_length`` and ``output_length`` (ints >= 0) and ``hash_ids`` (list of
+    Each non-blank line is an object with ``timestamp`` (ms, a finite int or float >= 0),
+    ``input_length`` and ``output_length`` (ints in ``[0, MAX_TRACE_TOKENS]``) and ``hash_ids`` (list of
     ints >= 0) holding exactly ``ceil(input_length / block_tokens)`` ids; other keys
     are ignored. Timestamps must be non-decreasing (the replay runs in file order and
     that must be arrival order). Any violation raises :class:`InputError` naming the
@@ -105,13 +108,16 @@ def _parse_line(raw: bytes, lineno: int, path: Path, block_tokens: int) -> Reque
     if missing:
         raise InputError(f"{where}: missing field(s) {', '.join(missing)}")
     ts = obj["timestamp"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not ts >= 0 or math.isinf(ts):
-        raise InputError(f"{where}: timestamp must be a finite number >= 0 (ms), got {ts!r}")
+    # An integer past float's range (JSON allows any) is as infinite as 1e999.
+    ms = float(ts) if isinstance(ts, float) or (isinstance(ts, int) and not isinstance(ts, bool)
+                                                 and ts.bit_length() <= 1000) else math.nan
+    if not (ms >= 0 and math.isfinite(ms)):
+        raise InputError(f"{where}: timestamp must be a finite number >= 0 (ms), got {_short(ts)}")
     lengths = []
     for key in ("input_length", "output_length"):
         value = obj[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InputError(f"{where}: {key} must be an integer >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TRACE_TOKENS:
+            raise InputError(f"{where}: {key} must be an integer >= 0 and <= {MAX_TRACE_TOKENS}, got {_short(value)}")
         lengths.append(value)
     ids = obj["hash_ids"]
     if not isinstance(ids, list) or not all(
@@ -121,7 +127,15 @@ def _parse_line(raw: bytes, lineno: int, path: Path, block_tokens: int) -> Reque
     if len(ids) != want:
         raise InputError(f"{where}: input_length {lengths[0]} needs {want} blocks of {block_tokens} tokens, "
                          f"hash_ids has {len(ids)}")
-    return Request(arrival_s=ts / 1000.0, blocks=tuple(ids), input_tokens=lengths[0], output_tokens=lengths[1])
+    return Request(arrival_s=ms / 1000.0, blocks=tuple(ids), input_tokens=lengths[0], output_tokens=lengths[1])
+
+
+def _short(value: object) -> str:
+    """``value`` for a message: a huge integer by its size (its digits may be refused or slow)."""
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"a {value.bit_length()}-bit integer"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 # --------------------------------------------------------------------------------------
