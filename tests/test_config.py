@@ -293,5 +293,6 @@ def test_parse_size_refuses_huge_and_inexact_sizes(value: int | str, match: str 
 
 
 def test_a_path_like_store_path_is_kept_as_text(tmp_path: Path) -> None:
-    cfg = StoreConfig(path=tmp_path, model_id="m", layout=KVLayout(1, 1, 8), dram=DramConfig("1MiB"))  # type: ignore[arg-type]
+    layout = KVLayout(1, 1, 8)
+    cfg = StoreConfig(path=tmp_path, model_id="m", layout=layout, dram=DramConfig("1MiB"))  # type: ignore[arg-type]
     assert cfg.path == str(tmp_path)
