@@ -34,8 +34,8 @@ def test_geometry_offsets_cover_the_page_once() -> None:
     for kind in ("flash", "blocks_first"):
         for block_size in (16, 8, 4):
             g = EngineLayout.for_store(STORE, kind, block_size).geometry(STORE)
-            starts = sorted(l * g.layer_page_bytes + p * g.plane_page_bytes + b * g.chunk_bytes
-                            for l in range(g.num_layers) for p in range(g.planes) for b in range(g.blocks_per_page))
+            starts = sorted(layer * g.layer_page_bytes + p * g.plane_page_bytes + b * g.chunk_bytes
+                            for layer in range(g.num_layers) for p in range(g.planes) for b in range(g.blocks_per_page))
             assert starts == list(range(0, STORE.page_bytes, g.chunk_bytes))
             assert g.page_bytes == STORE.page_bytes
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tierkv.errors import InputError, TierKVError
+from tierkv.errors import TierKVError
 from tierkv.net.wire import (EMPTY_GENERATION, Call, PageMeta, Pages, Reply, WriteAck, WriteStatus,
                              decode_keys, encode_metas, page_checksum)
 from tierkv.tiers.dram import DramTier

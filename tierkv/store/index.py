@@ -6,8 +6,9 @@ mapping a 16-byte page key to its slot, stored length, xxh3-64 checksum and pare
 key. A tier's database, its geometry (``<name>_slots``) and its label record
 (``labelled:<name>``) are named after the tier's name, which is its kind's name
 (``nvme``, ``nvmeof``) unless it was given another: exactly what every store wrote
-before tiers had names apart from their kinds, so those reopen unchanged. The manager writes a record only *after* the page's data is written and
-flushed, in one transaction with the deletes of the pages it evicted. A crash before
+before tiers had names apart from their kinds, so those reopen unchanged. The manager
+writes a record only *after* the page's data is written and flushed, in one
+transaction with the deletes of the pages it evicted. A crash before
 that commit can leave an evicted page's record pointing at a slot that already holds
 newer bytes; the record's checksum then fails on the first read and the page is a
 miss. So every record either points at the durable bytes of its key or is caught.
