@@ -168,7 +168,7 @@ class GittinsPolicy:
             model.start(ABANDONED, t0)
             e[2] = ABANDONED
             if key in leaves:
-                leaves.touch(key, ABANDONED, leaves.last[key])
+                leaves.touch(key, ABANDONED, leaves.last_of(key))
             key = self._next.get(key)
 
     def _forget(self, t: float) -> None:

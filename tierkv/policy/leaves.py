@@ -3,18 +3,27 @@
 A page is useless without every page before it, so prefix-aware policies only ever
 evict *leaves*: pages none of whose children are resident in the tier. Descendants
 therefore always leave before their ancestors, and a prefix is never left with holes.
-:class:`LeafHeaps` keeps, per class, the leaves ordered by last access and hands out
+:class:`PyLeafHeaps` keeps, per class, the leaves ordered by last access and hands out
 the oldest and the youngest of each class as eviction candidates; taking a leaf may
 turn its parent into a leaf, which then becomes a candidate in the same call.
 
 Victims handed out are *pending* until the manager removes them (``discard``); if
 it does not, the next call puts them back (``undo``). O(log n) per operation.
 Used by :mod:`tierkv.policy.gittins` and :mod:`tierkv.policy.lru`; not thread-safe.
+
+:data:`LeafHeaps` is what the policies build: the compiled twin
+(``tierkv.policy._leaves``, about 60-70 bytes per page instead of several hundred, no
+Python object per page) where the extension is built, this class otherwise, or when
+``TIERKV_PURE_POLICY=1`` is set when the module is first imported. Both give the same
+candidates in the same order (tests/policy/test_leaves_native.py); the compiled one
+takes only page keys of 1 to 16 bytes (:class:`~tierkv.errors.InputError` otherwise)
+and holds last accesses as floats.
 """
 
 from __future__ import annotations
 
 import heapq
+import os
 from collections.abc import Callable
 
 from tierkv.keys import PageKey
@@ -23,7 +32,7 @@ from tierkv.keys import PageKey
 Candidate = tuple[PageKey, int, float, bool]
 
 
-class LeafHeaps:
+class PyLeafHeaps:
     """Parent links, resident-child counts and per-class leaf heaps of one tier's pages."""
 
     def __init__(self, classes: int, young: bool = True) -> None:
@@ -48,6 +57,18 @@ class LeafHeaps:
 
     def __contains__(self, key: object) -> bool:
         return key in self.last
+
+    def last_of(self, key: PageKey) -> float:
+        """The last access of the resident ``key`` (KeyError if it is not)."""
+        return self.last[key]
+
+    def class_of(self, key: PageKey) -> int:
+        """The class of the resident ``key`` (KeyError if it is not)."""
+        return self.cls[key]
+
+    def parent_of(self, key: PageKey) -> PageKey | None:
+        """The parent of the resident ``key`` (KeyError if it is not)."""
+        return self.parent[key]
 
     # -- changes -----------------------------------------------------------------------
     def add(self, key: PageKey, parent: PageKey | None, cls: int, t: float) -> None:
@@ -196,3 +217,19 @@ class LeafHeaps:
             else:
                 self._stash.append((heap, heapq.heappop(heap)))
         return None
+
+
+try:  # the compiled twin; optional so that a machine without a compiler still works
+    from tierkv.policy._leaves import LeafHeaps as NativeLeafHeaps  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - exercised where the extension is absent
+    NativeLeafHeaps = None
+
+#: The leaf heaps the policies build (see the module doc).
+LeafHeaps: type[PyLeafHeaps] = (
+    PyLeafHeaps if NativeLeafHeaps is None or os.environ.get("TIERKV_PURE_POLICY") == "1" else NativeLeafHeaps
+)
+
+
+def native_available() -> bool:
+    """Whether :data:`LeafHeaps` is the compiled class."""
+    return LeafHeaps is not PyLeafHeaps

@@ -1,0 +1,199 @@
+"""The compiled leaf heaps against the Python ones: same answers, every step; page keys; memory.
+
+Skipped where the extension ``tierkv.policy._leaves`` is not built.
+"""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tierkv.errors import InputError
+from tierkv.keys import PageKey
+from tierkv.policy import leaves
+from tierkv.policy.gittins import GittinsPolicy
+from tierkv.policy.leaves import NativeLeafHeaps, PyLeafHeaps
+from tierkv.policy.lru import LeafLRUPolicy
+from tests.policy.helpers import everything, k
+
+pytestmark = pytest.mark.skipif(NativeLeafHeaps is None, reason="tierkv.policy._leaves is not built")
+
+CLASSES = 3
+
+
+class Twin:
+    """Both implementations, driven with the same calls; every answer must be the same."""
+
+    def __init__(self, classes: int, young: bool) -> None:
+        self.py = PyLeafHeaps(classes, young)
+        self.c = NativeLeafHeaps(classes, young)
+        self.calls = 0
+
+    def same(self, name: str, *args: Any) -> Any:
+        self.calls += 1
+        got = []
+        for impl in (self.py, self.c):
+            try:
+                got.append(("ok", getattr(impl, name)(*args)))
+            except KeyError as e:
+                got.append(("KeyError", e.args))
+        assert got[0] == got[1], f"{name}{args}: python {got[0]!r}, native {got[1]!r}"
+        assert len(self.py) == len(self.c)
+        return got[0][1]
+
+    def state(self, keys: list[PageKey]) -> None:
+        for key in keys:
+            assert (key in self.py) == (key in self.c)
+            if key in self.py:
+                for name in ("last_of", "class_of", "parent_of"):
+                    self.same(name, key)
+
+
+def _forest(rng: random.Random, n: int) -> tuple[list[PageKey], dict[PageKey, PageKey | None]]:
+    """Keys of 1 to 16 bytes (zero bytes and shared prefixes included), each with a parent."""
+    keys: list[PageKey] = []
+    seen: set[bytes] = set()
+    while len(keys) < n:
+        key = bytes(rng.choice((0, 1, 2, rng.randrange(256))) for _ in range(rng.randint(1, 16)))
+        if key not in seen:
+            seen.add(key)
+            keys.append(PageKey(key))
+    # A parent among the earlier keys (resident or not when the child arrives), or none.
+    parent = {key: (keys[rng.randrange(i)] if i and rng.random() < 0.8 else None) for i, key in enumerate(keys)}
+    return keys, parent
+
+
+def _predicate(rng: random.Random, keys: list[PageKey]) -> Callable[[PageKey], bool]:
+    blocked = frozenset(rng.sample(keys, rng.randint(0, len(keys) // 3)))
+    return lambda key: key not in blocked
+
+
+def _victims(tw: Twin, rng: random.Random, keys: list[PageKey], settle: bool) -> list[PageKey]:
+    """One victims call as the policies make it, with random choices among the candidates."""
+    tw.same("undo")
+    evictable = _predicate(rng, keys)
+    out: list[PageKey] = []
+    for _ in range(rng.randint(1, 6)):
+        if rng.random() < 0.1:        # a predicate that changes mid-call: cached heads must agree too
+            evictable = _predicate(rng, keys)
+        cands = tw.same("candidates", evictable)
+        if not cands:
+            break
+        key = cands[rng.randrange(len(cands))][0]
+        tw.same("take", key)
+        out.append(key)
+    if settle:
+        tw.same("settle")
+    return out
+
+
+def _drive(seed: int, steps: int, young: bool) -> int:
+    rng = random.Random(seed)
+    keys, parent = _forest(rng, rng.choice((12, 40, 150)))
+    tw = Twin(CLASSES, young)
+    clock = 0.0
+    pending: list[PageKey] = []
+    for step in range(steps):
+        clock += rng.choice((0.0, 0.0, 1.0, 2.5))        # ties in last access: order falls to seq
+        key = rng.choice(keys)
+        op = rng.random()
+        if op < 0.35:
+            tw.same("add", key, parent[key], rng.randrange(CLASSES), clock)
+        elif op < 0.5:
+            tw.same("touch", key, rng.randrange(CLASSES), clock)
+        elif op < 0.62:
+            tw.same("discard", key)
+        elif op < 0.8:
+            pending = _victims(tw, rng, keys, settle=rng.random() < 0.95)
+            rng.shuffle(pending)
+        elif op < 0.9 and pending:                       # the manager removes some victims
+            tw.same("discard", pending.pop())
+        elif op < 0.95:
+            tw.same("undo")
+        else:
+            tw.same("candidates", everything)
+            tw.same("settle")
+        if step % 50 == 0:
+            tw.state(keys)
+    tw.state(keys)
+    return tw.calls
+
+
+@pytest.mark.parametrize("young", [True, False])
+@pytest.mark.parametrize("seed", range(12))
+def test_native_and_python_answer_the_same_to_random_operations(seed: int, young: bool) -> None:
+    calls = _drive(seed, 2500, young)
+    assert calls > 2500
+
+
+def test_policies_choose_the_same_victims_with_either_heaps(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(7)
+    runs = []
+    for impl in (PyLeafHeaps, NativeLeafHeaps):
+        monkeypatch.setattr("tierkv.policy.gittins.LeafHeaps", impl)
+        monkeypatch.setattr("tierkv.policy.lru.LeafHeaps", impl)
+        rng.seed(7)
+        out: list[list[PageKey]] = []
+        for policy in (GittinsPolicy(), LeafLRUPolicy()):
+            for r in range(400):
+                base = rng.randrange(30)
+                req = [PageKey(b"%d/%d" % (base, i)) for i in range(rng.randint(1, 8))]
+                policy.on_request(req, float(r))
+                for i, key in enumerate(req):
+                    if len(policy) >= 60:
+                        victims = policy.victims(1 + rng.randrange(3), everything)
+                        out.append(victims)
+                        for v in victims[:-1]:      # the last one stays: undone next call
+                            policy.remove(v)
+                    if policy.admit(key, req[i - 1] if i else None):
+                        policy.insert(key, req[i - 1] if i else None)
+                    else:
+                        break
+        runs.append(out)
+    assert runs[0] == runs[1] and sum(map(len, runs[0])) > 100
+
+
+@pytest.mark.parametrize("bad", [b"", b"x" * 17, "text", 7])
+def test_page_keys_must_be_bytes_of_1_to_16_bytes(bad: Any) -> None:
+    h = NativeLeafHeaps(1)
+    with pytest.raises(InputError, match="1 to 16 bytes"):
+        h.add(bad, None, 0, 1.0)
+    with pytest.raises(InputError, match="parent key must be"):
+        h.add(k("a"), bad, 0, 1.0)
+    assert len(h) == 0 and bad not in h
+    h.touch(bad, 0, 2.0)          # a key that cannot be stored is simply not resident
+    h.discard(bad)
+    with pytest.raises(KeyError):
+        h.take(bad)
+
+
+def test_classes_out_of_range_name_the_range() -> None:
+    h = NativeLeafHeaps(7)
+    with pytest.raises(InputError, match="0 to 6"):
+        h.add(k("a"), None, 7, 1.0)
+
+
+def test_the_policies_build_the_native_heaps_unless_told_otherwise() -> None:
+    assert leaves.native_available() == (leaves.LeafHeaps is NativeLeafHeaps)
+    assert isinstance(GittinsPolicy()._leaves, leaves.LeafHeaps)
+
+
+def test_memory_per_resident_page_stays_under_120_bytes() -> None:
+    n = 200_000
+    keys = [PageKey(i.to_bytes(16, "big")) for i in range(n)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        h = NativeLeafHeaps(7)
+        for i, key in enumerate(keys):           # chains of 8 pages: a forest, one leaf per chain
+            h.add(key, keys[i - 1] if i % 8 else None, i % 7, float(i))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(h) == n
+    assert used / n < 120, f"{used / n:.1f} bytes per page"
+    assert h.nbytes() <= used

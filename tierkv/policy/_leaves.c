@@ -1,0 +1,1007 @@
+/*
+ * tierkv.policy._leaves: the compiled LeafHeaps (see tierkv/policy/leaves.py).
+ *
+ * The resident pages of one tier as a prefix forest, with the leaves of each class in
+ * two indexed binary heaps (oldest first, youngest first). Same contract, same
+ * candidates in the same order and the same tie-breaking as the pure-Python class,
+ * which stays as the fallback; tests/policy/test_leaves_native.py drives both with
+ * the same random operations and compares every answer.
+ *
+ * Layout: one 56-byte Node per key (the key inline, zero-padded to 16 bytes), in one
+ * array; an open-addressing (linear probing, backward-shift deletion) table of int32
+ * node indices; per class and end an int32 heap whose entries record their position in
+ * the node, so a leaf that stops being one leaves its heaps at once (no stale entries).
+ * Nodes also exist for absent parents that still have resident children, as the
+ * Python class's _kids does. Nothing here creates a Python object per page except what
+ * candidates returns and the key it passes to evictable.
+ *
+ * Node lifetime: a node whose key is absent and has no resident children is freed, but
+ * only once no victim is pending: a pending victim's parent link must stay valid until
+ * undo() re-adopts it. Such nodes wait on the zombie list until then.
+ *
+ * Not thread-safe (callers hold the GIL and serialize, as for the Python class). A
+ * failed allocation while the structure is half-updated marks it broken: every later
+ * call raises instead of answering from an inconsistent state.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define KEY_MAX 16
+#define MAP_MIN 16
+#define OLD 0
+#define YOUNG 1
+
+enum { PRESENT = 1, ZOMBIE = 2, INMAP = 4 };
+
+typedef struct {
+    double last;          /* last access */
+    uint64_t seq;         /* insertion sequence number while a leaf, else 0 */
+    uint8_t key[KEY_MAX]; /* zero-padded */
+    int32_t parent;       /* node of the parent key, -1 for none; the free-list link when free */
+    int32_t kids;         /* resident (not taken) children */
+    int32_t pos[2];       /* position in the OLD / YOUNG heap of its class, -1 if not in it */
+    int32_t pend;         /* index in the pending array, -1 if not a pending victim */
+    uint8_t klen;         /* 0 when the node is free */
+    uint8_t flags;
+    uint16_t cls;
+} Node;
+
+typedef struct {
+    int32_t *a;
+    int32_t n, cap;
+} Heap;
+
+typedef struct {
+    uint64_t seq;
+    int32_t node;
+    int32_t which;
+} Stashed;
+
+typedef struct {
+    PyObject_HEAD
+    Node *nodes;
+    int32_t ncap, nused, free_head;
+    int32_t *slots;       /* node index or -1 */
+    size_t smask;
+    Py_ssize_t scount;    /* nodes in the table */
+    Py_ssize_t present;   /* resident keys (pending victims included) */
+    int classes, young, broken;
+    Heap *heaps;          /* heaps[2 * cls + which] */
+    uint8_t *dirty;
+    PyObject **heads;     /* heads[2 * cls + which]: cached candidate tuple or NULL */
+    int32_t *pend;        /* pending victims in take order; -1 marks one discarded since */
+    int32_t npend, pcap, plive;
+    Stashed *stash;
+    int32_t nstash, scap;
+    int32_t *zombies;
+    int32_t nzomb, zcap;
+    uint64_t next_seq;
+} LeafHeapsObject;
+
+static PyObject *InputError; /* tierkv.errors.InputError */
+
+#define NODE(s, i) (&(s)->nodes[(i)])
+
+/* ------------------------------------------------------------------ small helpers */
+
+/* Grows *arr (of elem-byte items, capacity *cap) to hold at least need items. */
+static int
+grow(void **arr, int32_t *cap, int32_t need, size_t elem)
+{
+    if (need <= *cap)
+        return 0;
+    int64_t c = *cap < 16 ? 16 : *cap;
+    while (c < need)
+        c += c / 2;
+    if (c > INT32_MAX)
+        c = INT32_MAX;
+    if (c < need) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    void *p = PyMem_Realloc(*arr, (size_t)c * elem);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *arr = p;
+    *cap = (int32_t)c;
+    return 0;
+}
+
+static inline uint64_t
+key_hash(const uint8_t *k, int len)
+{
+    uint64_t a, b;
+    memcpy(&a, k, 8);
+    memcpy(&b, k + 8, 8);
+    uint64_t h = a * UINT64_C(0x9E3779B97F4A7C15) ^ (b + (uint64_t)len) * UINT64_C(0xC2B2AE3D27D4EB4F);
+    h ^= h >> 29;
+    h *= UINT64_C(0xBF58476D1CE4E5B9);
+    h ^= h >> 32;
+    return h;
+}
+
+/* A page key as 16 zero-padded bytes and its length: 1 if ok, 0 if obj cannot be a key
+ * (not bytes, or not 1 to 16 bytes long), with InputError set when strict. */
+static int
+parse_key(PyObject *obj, uint8_t out[KEY_MAX], int *len, int strict, const char *what)
+{
+    if (!PyBytes_Check(obj)) {
+        if (strict)
+            PyErr_Format(InputError, "%s must be bytes of 1 to %d bytes, got %.100s", what, KEY_MAX,
+                         Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(obj);
+    if (n < 1 || n > KEY_MAX) {
+        if (strict)
+            PyErr_Format(InputError, "%s must be 1 to %d bytes long, got %zd bytes", what, KEY_MAX, n);
+        return 0;
+    }
+    memset(out, 0, KEY_MAX);
+    memcpy(out, PyBytes_AS_STRING(obj), (size_t)n);
+    *len = (int)n;
+    return 1;
+}
+
+static PyObject *
+key_bytes(const Node *nd)
+{
+    return PyBytes_FromStringAndSize((const char *)nd->key, nd->klen);
+}
+
+/* Positional and keyword arguments of a METH_FASTCALL | METH_KEYWORDS method, all required. */
+static int
+parse_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const char *const *names, int n,
+           PyObject **out, const char *fname)
+{
+    if (nargs > n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %d arguments (%zd given)", fname, n, nargs);
+        return -1;
+    }
+    for (int i = 0; i < n; i++)
+        out[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, j);
+        int i = 0;
+        while (i < n && PyUnicode_CompareWithASCIIString(name, names[i]) != 0)
+            i++;
+        if (i == n) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fname, name);
+            return -1;
+        }
+        if (out[i] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname, names[i]);
+            return -1;
+        }
+        out[i] = args[nargs + j];
+    }
+    for (int i = 0; i < n; i++) {
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fname, names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int
+check_ok(LeafHeapsObject *s)
+{
+    if (s->broken) {
+        PyErr_SetString(PyExc_RuntimeError, "LeafHeaps is unusable after a failed allocation");
+        return -1;
+    }
+    return 0;
+}
+
+static int
+fail(LeafHeapsObject *s)
+{
+    s->broken = 1;
+    return -1;
+}
+
+static int
+parse_class(LeafHeapsObject *s, PyObject *obj, int *cls)
+{
+    long c = PyLong_AsLong(obj);
+    if (c == -1 && PyErr_Occurred())
+        return -1;
+    if (c < 0 || c >= s->classes) {
+        PyErr_Format(InputError, "class must be 0 to %d (this LeafHeaps has %d classes), got %ld",
+                     s->classes - 1, s->classes, c);
+        return -1;
+    }
+    *cls = (int)c;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ key -> node table */
+
+static inline size_t
+home_of(const LeafHeapsObject *s, const Node *nd)
+{
+    return (size_t)key_hash(nd->key, nd->klen) & s->smask;
+}
+
+static int32_t
+map_find(const LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
+{
+    size_t i = (size_t)key_hash(key, len) & s->smask;
+    for (;;) {
+        int32_t idx = s->slots[i];
+        if (idx < 0)
+            return -1;
+        const Node *nd = NODE(s, idx);
+        if (nd->klen == len && memcmp(nd->key, key, KEY_MAX) == 0)
+            return idx;
+        i = (i + 1) & s->smask;
+    }
+}
+
+static void
+map_place(LeafHeapsObject *s, int32_t idx)
+{
+    size_t i = home_of(s, NODE(s, idx));
+    while (s->slots[i] >= 0)
+        i = (i + 1) & s->smask;
+    s->slots[i] = idx;
+}
+
+static int
+map_reserve(LeafHeapsObject *s, Py_ssize_t extra)
+{
+    size_t cap = s->smask + 1;
+    if ((size_t)(s->scount + extra) * 10 <= cap * 7)
+        return 0;
+    size_t ncap = cap;
+    while ((size_t)(s->scount + extra) * 10 > ncap * 7)
+        ncap *= 2;
+    int32_t *slots = PyMem_Malloc(ncap * sizeof(int32_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(slots, 0xff, ncap * sizeof(int32_t));
+    int32_t *old = s->slots;
+    s->slots = slots;
+    s->smask = ncap - 1;
+    for (size_t i = 0; i < cap; i++)
+        if (old[i] >= 0)
+            map_place(s, old[i]);
+    PyMem_Free(old);
+    return 0;
+}
+
+static void
+map_remove(LeafHeapsObject *s, int32_t idx)
+{
+    size_t i = home_of(s, NODE(s, idx));
+    while (s->slots[i] != idx)
+        i = (i + 1) & s->smask;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & s->smask;
+        int32_t o = s->slots[j];
+        if (o < 0)
+            break;
+        size_t h = home_of(s, NODE(s, o));
+        /* o may move back to i unless its home lies cyclically in (i, j]. */
+        int stays = i <= j ? (h > i && h <= j) : (h > i || h <= j);
+        if (!stays) {
+            s->slots[i] = o;
+            i = j;
+        }
+    }
+    s->slots[i] = -1;
+    s->scount--;
+}
+
+/* The node of key, created (absent, no children) if there is none. -1 on failure. */
+static int32_t
+node_get(LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
+{
+    int32_t idx = map_find(s, key, len);
+    if (idx >= 0)
+        return idx;
+    if (map_reserve(s, 1) < 0)
+        return -1;
+    if (s->free_head >= 0) {
+        idx = s->free_head;
+        s->free_head = NODE(s, idx)->parent;
+    } else {
+        if (grow((void **)&s->nodes, &s->ncap, s->nused + 1, sizeof(Node)) < 0)
+            return -1;
+        idx = s->nused++;
+    }
+    Node *nd = NODE(s, idx);
+    memset(nd, 0, sizeof(Node));
+    memcpy(nd->key, key, KEY_MAX);
+    nd->klen = (uint8_t)len;
+    nd->parent = -1;
+    nd->pos[OLD] = nd->pos[YOUNG] = -1;
+    nd->pend = -1;
+    nd->flags = INMAP;
+    map_place(s, idx);
+    s->scount++;
+    return idx;
+}
+
+/* ------------------------------------------------------------------ indexed heaps */
+
+/* Whether node a leaves before node b at this end: the Python heaps' (t, seq) and (-t, -seq). */
+static inline int
+before(const LeafHeapsObject *s, int which, int32_t a, int32_t b)
+{
+    const Node *x = NODE(s, a), *y = NODE(s, b);
+    if (which == OLD)
+        return x->last < y->last || (x->last == y->last && x->seq < y->seq);
+    return x->last > y->last || (x->last == y->last && x->seq > y->seq);
+}
+
+static void
+sift_up(LeafHeapsObject *s, Heap *h, int which, int32_t i)
+{
+    int32_t idx = h->a[i];
+    while (i > 0) {
+        int32_t p = (i - 1) / 2;
+        if (!before(s, which, idx, h->a[p]))
+            break;
+        h->a[i] = h->a[p];
+        NODE(s, h->a[i])->pos[which] = i;
+        i = p;
+    }
+    h->a[i] = idx;
+    NODE(s, idx)->pos[which] = i;
+}
+
+static void
+sift_down(LeafHeapsObject *s, Heap *h, int which, int32_t i)
+{
+    int32_t idx = h->a[i];
+    for (;;) {
+        int32_t c = 2 * i + 1;
+        if (c >= h->n)
+            break;
+        if (c + 1 < h->n && before(s, which, h->a[c + 1], h->a[c]))
+            c++;
+        if (!before(s, which, h->a[c], idx))
+            break;
+        h->a[i] = h->a[c];
+        NODE(s, h->a[i])->pos[which] = i;
+        i = c;
+    }
+    h->a[i] = idx;
+    NODE(s, idx)->pos[which] = i;
+}
+
+static int
+heap_push(LeafHeapsObject *s, int which, int32_t idx)
+{
+    Heap *h = &s->heaps[2 * NODE(s, idx)->cls + which];
+    if (grow((void **)&h->a, &h->cap, h->n + 1, sizeof(int32_t)) < 0)
+        return -1;
+    h->a[h->n++] = idx;
+    sift_up(s, h, which, h->n - 1);
+    return 0;
+}
+
+static void
+heap_remove(LeafHeapsObject *s, int which, int32_t idx)
+{
+    Node *nd = NODE(s, idx);
+    Heap *h = &s->heaps[2 * nd->cls + which];
+    int32_t i = nd->pos[which];
+    nd->pos[which] = -1;
+    int32_t last = h->a[--h->n];
+    if (i < h->n) {
+        h->a[i] = last;
+        NODE(s, last)->pos[which] = i;
+        sift_down(s, h, which, i);
+        sift_up(s, h, which, NODE(s, last)->pos[which]);
+    }
+}
+
+/* ------------------------------------------------------------------ the forest */
+
+static int
+leaf(LeafHeapsObject *s, int32_t idx)
+{
+    Node *nd = NODE(s, idx);
+    nd->seq = ++s->next_seq;
+    s->dirty[nd->cls] = 1;
+    for (int w = OLD; w <= (s->young ? YOUNG : OLD); w++) {
+        if (NODE(s, idx)->pos[w] >= 0) {  /* already in (a re-leaf): move it */
+            Heap *h = &s->heaps[2 * NODE(s, idx)->cls + w];
+            sift_down(s, h, w, NODE(s, idx)->pos[w]);
+            sift_up(s, h, w, NODE(s, idx)->pos[w]);
+        } else if (heap_push(s, w, idx) < 0) {
+            return fail(s);
+        }
+    }
+    return 0;
+}
+
+static void
+unleaf(LeafHeapsObject *s, int32_t idx)
+{
+    Node *nd = NODE(s, idx);
+    if (nd->seq == 0)
+        return;
+    nd->seq = 0;
+    s->dirty[nd->cls] = 1;
+    for (int w = OLD; w <= YOUNG; w++)
+        if (NODE(s, idx)->pos[w] >= 0)
+            heap_remove(s, w, idx);
+}
+
+/* Class and last access change only off the heaps, so a heap entry never moves class. */
+static void
+set_state(LeafHeapsObject *s, int32_t idx, int cls, double t)
+{
+    if (NODE(s, idx)->seq != 0)
+        unleaf(s, idx);
+    NODE(s, idx)->cls = (uint16_t)cls;
+    NODE(s, idx)->last = t;
+}
+
+static int
+zombie(LeafHeapsObject *s, int32_t idx)
+{
+    if (NODE(s, idx)->flags & ZOMBIE)
+        return 0;
+    if (grow((void **)&s->zombies, &s->zcap, s->nzomb + 1, sizeof(int32_t)) < 0)
+        return fail(s);
+    NODE(s, idx)->flags |= ZOMBIE;
+    s->zombies[s->nzomb++] = idx;
+    return 0;
+}
+
+/* Frees the zombies still absent and childless; only while no victim is pending. */
+static void
+sweep(LeafHeapsObject *s)
+{
+    if (s->plive != 0)
+        return;
+    for (int32_t i = 0; i < s->nzomb; i++) {
+        int32_t idx = s->zombies[i];
+        Node *nd = NODE(s, idx);
+        nd->flags &= (uint8_t)~ZOMBIE;
+        if ((nd->flags & (PRESENT | INMAP)) != INMAP || nd->kids != 0 || nd->pend >= 0)
+            continue;
+        unleaf(s, idx);
+        map_remove(s, idx);
+        nd = NODE(s, idx);
+        nd->flags = 0;
+        nd->klen = 0;
+        nd->parent = s->free_head;
+        s->free_head = idx;
+    }
+    s->nzomb = 0;
+}
+
+/* One more resident child of node p (resident or not: it may arrive later). */
+static void
+adopt(LeafHeapsObject *s, int32_t p)
+{
+    Node *nd = NODE(s, p);
+    if (nd->kids == 0 && (nd->flags & PRESENT))
+        unleaf(s, p);
+    NODE(s, p)->kids++;
+}
+
+static int
+orphan(LeafHeapsObject *s, int32_t idx)
+{
+    int32_t p = NODE(s, idx)->parent;
+    if (p < 0)
+        return 0;
+    Node *nd = NODE(s, p);
+    if (--nd->kids != 0)
+        return 0;
+    if (nd->flags & PRESENT)
+        return leaf(s, p);
+    return zombie(s, p);
+}
+
+static int
+undo_all(LeafHeapsObject *s)
+{
+    int32_t n = s->npend;
+    s->npend = 0;
+    s->plive = 0;
+    for (int32_t i = n - 1; i >= 0; i--) {
+        int32_t idx = s->pend[i];
+        if (idx < 0)
+            continue;
+        NODE(s, idx)->pend = -1;
+        int32_t p = NODE(s, idx)->parent;
+        if (p >= 0)
+            adopt(s, p);
+        if (leaf(s, idx) < 0)
+            return -1;
+    }
+    sweep(s);
+    return 0;
+}
+
+/* discard() of a key that is not a pending victim (after undo). */
+static int
+remove_resident(LeafHeapsObject *s, int32_t idx)
+{
+    if (NODE(s, idx)->kids == 0)
+        unleaf(s, idx);
+    if (orphan(s, idx) < 0)
+        return -1;
+    return 0;
+}
+
+static int
+forget(LeafHeapsObject *s, int32_t idx)
+{
+    Node *nd = NODE(s, idx);
+    if (nd->seq != 0)
+        unleaf(s, idx);
+    nd = NODE(s, idx);
+    nd->flags &= (uint8_t)~PRESENT;
+    nd->parent = -1;
+    s->present--;
+    if (nd->kids == 0)
+        return zombie(s, idx);
+    return 0;
+}
+
+static int32_t
+find_present(LeafHeapsObject *s, PyObject *key)
+{
+    uint8_t k[KEY_MAX];
+    int len;
+    if (!parse_key(key, k, &len, 0, "key"))
+        return -1;
+    int32_t idx = map_find(s, k, len);
+    return idx >= 0 && (NODE(s, idx)->flags & PRESENT) ? idx : -1;
+}
+
+/* ------------------------------------------------------------------ the type */
+
+static void
+lh_dealloc(LeafHeapsObject *s)
+{
+    if (s->heads != NULL)
+        for (int i = 0; i < 2 * s->classes; i++)
+            Py_XDECREF(s->heads[i]);
+    if (s->heaps != NULL)
+        for (int i = 0; i < 2 * s->classes; i++)
+            PyMem_Free(s->heaps[i].a);
+    PyMem_Free(s->heaps);
+    PyMem_Free(s->heads);
+    PyMem_Free(s->dirty);
+    PyMem_Free(s->nodes);
+    PyMem_Free(s->slots);
+    PyMem_Free(s->pend);
+    PyMem_Free(s->stash);
+    PyMem_Free(s->zombies);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *
+lh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"classes", "young", NULL};
+    Py_ssize_t classes;
+    int young = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|p:LeafHeaps", kwlist, &classes, &young))
+        return NULL;
+    if (classes < 0 || classes > 65535) {
+        PyErr_Format(InputError, "classes must be 0 to 65535, got %zd", classes);
+        return NULL;
+    }
+    LeafHeapsObject *s = (LeafHeapsObject *)type->tp_alloc(type, 0);
+    if (s == NULL)
+        return NULL;
+    s->classes = (int)classes;
+    s->young = young;
+    s->free_head = -1;
+    size_t nh = 2 * (size_t)classes + 1;
+    s->heaps = PyMem_Calloc(nh, sizeof(Heap));
+    s->heads = PyMem_Calloc(nh, sizeof(PyObject *));
+    s->dirty = PyMem_Malloc(nh);
+    s->slots = PyMem_Malloc(MAP_MIN * sizeof(int32_t));
+    if (s->heaps == NULL || s->heads == NULL || s->dirty == NULL || s->slots == NULL) {
+        Py_DECREF(s);
+        return PyErr_NoMemory();
+    }
+    memset(s->dirty, 1, nh);
+    memset(s->slots, 0xff, MAP_MIN * sizeof(int32_t));
+    s->smask = MAP_MIN - 1;
+    return (PyObject *)s;
+}
+
+static Py_ssize_t
+lh_len(LeafHeapsObject *s)
+{
+    return s->present;
+}
+
+static int
+lh_contains(LeafHeapsObject *s, PyObject *key)
+{
+    return find_present(s, key) >= 0;
+}
+
+PyDoc_STRVAR(add_doc, "add(key, parent, cls, t)\n\n"
+"key became resident (a leaf, since its children cannot be resident yet).\n"
+"key and parent (or None) are bytes of 1 to 16 bytes; t is converted to float.");
+
+static PyObject *
+lh_add(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"key", "parent", "cls", "t"};
+    PyObject *a[4];
+    uint8_t k[KEY_MAX], pk[KEY_MAX];
+    int klen, plen = 0, cls;
+    if (check_ok(s) < 0 || parse_args(args, nargs, kwnames, names, 4, a, "add") < 0)
+        return NULL;
+    if (!parse_key(a[0], k, &klen, 1, "page key"))
+        return NULL;
+    int has_parent = a[1] != Py_None;
+    if (has_parent && !parse_key(a[1], pk, &plen, 1, "parent key"))
+        return NULL;
+    if (parse_class(s, a[2], &cls) < 0)
+        return NULL;
+    double t = PyFloat_AsDouble(a[3]);
+    if (t == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (undo_all(s) < 0)
+        return NULL;
+    int32_t idx = map_find(s, k, klen);
+    if (idx >= 0 && (NODE(s, idx)->flags & PRESENT)) {
+        if (remove_resident(s, idx) < 0 || forget(s, idx) < 0)
+            return NULL;
+    }
+    /* Room for the key and its parent first, so that nothing below fails half-way. */
+    if (map_reserve(s, 2) < 0 || grow((void **)&s->nodes, &s->ncap, s->nused + 2, sizeof(Node)) < 0)
+        return NULL;
+    idx = node_get(s, k, klen);
+    if (idx < 0)
+        return NULL;
+    set_state(s, idx, cls, t);
+    NODE(s, idx)->flags |= PRESENT;
+    s->present++;
+    if (has_parent) {
+        int32_t p = node_get(s, pk, plen);
+        if (p < 0)
+            return fail(s), NULL;
+        NODE(s, idx)->parent = p;
+        adopt(s, p);
+    }
+    if (NODE(s, idx)->kids == 0 && leaf(s, idx) < 0)
+        return NULL;
+    sweep(s);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(touch_doc, "touch(key, cls, t)\n\nkey was accessed at t and now belongs to class cls.");
+
+static PyObject *
+lh_touch(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"key", "cls", "t"};
+    PyObject *a[3];
+    int cls;
+    if (check_ok(s) < 0 || parse_args(args, nargs, kwnames, names, 3, a, "touch") < 0)
+        return NULL;
+    if (undo_all(s) < 0)
+        return NULL;
+    int32_t idx = find_present(s, a[0]);
+    if (idx < 0)
+        Py_RETURN_NONE;
+    if (parse_class(s, a[1], &cls) < 0)
+        return NULL;
+    double t = PyFloat_AsDouble(a[2]);
+    if (t == -1.0 && PyErr_Occurred())
+        return NULL;
+    set_state(s, idx, cls, t);
+    if (NODE(s, idx)->kids == 0 && leaf(s, idx) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(discard_doc, "discard(key)\n\nkey left the tier. Removing a pending victim settles it.");
+
+static PyObject *
+lh_discard(LeafHeapsObject *s, PyObject *key)
+{
+    if (check_ok(s) < 0)
+        return NULL;
+    int32_t idx = find_present(s, key);
+    if (idx < 0)
+        Py_RETURN_NONE;
+    Node *nd = NODE(s, idx);
+    if (nd->pend >= 0) {
+        s->pend[nd->pend] = -1;
+        nd->pend = -1;
+        if (--s->plive == 0)
+            s->npend = 0;
+    } else if (undo_all(s) < 0 || remove_resident(s, idx) < 0) {
+        return NULL;
+    }
+    if (forget(s, idx) < 0)
+        return NULL;
+    sweep(s);
+    Py_RETURN_NONE;
+}
+
+/* The first evictable leaf at one end of class c, as a new candidate tuple; Py_None if
+ * there is none (borrowed), NULL on error. Unevictable heads are popped to the stash. */
+static PyObject *
+head(LeafHeapsObject *s, PyObject *evictable, int c, int which)
+{
+    Heap *h = &s->heaps[2 * c + which];
+    while (h->n > 0) {
+        int32_t idx = h->a[0];
+        PyObject *key = key_bytes(NODE(s, idx));
+        if (key == NULL)
+            return NULL;
+        PyObject *r = PyObject_CallOneArg(evictable, key);
+        int ok = r == NULL ? -1 : PyObject_IsTrue(r);
+        Py_XDECREF(r);
+        if (ok < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        h = &s->heaps[2 * c + which];  /* evictable may have called back into us */
+        if (ok) {
+            PyObject *last = PyFloat_FromDouble(NODE(s, idx)->last);
+            PyObject *cls = PyLong_FromLong(c);
+            if (last == NULL || cls == NULL) {
+                Py_DECREF(key);
+                Py_XDECREF(last);
+                Py_XDECREF(cls);
+                return NULL;
+            }
+            PyObject *cand = PyTuple_New(4);
+            if (cand == NULL) {
+                Py_DECREF(key);
+                Py_DECREF(last);
+                Py_DECREF(cls);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(cand, 0, key);
+            PyTuple_SET_ITEM(cand, 1, cls);
+            PyTuple_SET_ITEM(cand, 2, last);
+            PyTuple_SET_ITEM(cand, 3, Py_NewRef(which == YOUNG ? Py_True : Py_False));
+            return cand;
+        }
+        Py_DECREF(key);
+        if (h->n > 0 && h->a[0] == idx) {
+            if (grow((void **)&s->stash, &s->scap, s->nstash + 1, sizeof(Stashed)) < 0)
+                return NULL;
+            s->stash[s->nstash++] = (Stashed){NODE(s, idx)->seq, idx, which};
+            heap_remove(s, which, idx);
+        }
+    }
+    return Py_None;
+}
+
+PyDoc_STRVAR(candidates_doc, "candidates(evictable) -> list of (key, class, last access, young end)\n\n"
+"The oldest (and, if enabled, the youngest) evictable leaf of every class, by class.\n"
+"Within one victims call (until settle) evictable must not change: the heads of\n"
+"classes untouched since the last call are reused.");
+
+static PyObject *
+lh_candidates(LeafHeapsObject *s, PyObject *evictable)
+{
+    if (check_ok(s) < 0)
+        return NULL;
+    for (int c = 0; c < s->classes; c++) {
+        if (!s->dirty[c])
+            continue;
+        for (int w = OLD; w <= YOUNG; w++)
+            Py_CLEAR(s->heads[2 * c + w]);
+        for (int w = OLD; w <= (s->young ? YOUNG : OLD); w++) {
+            PyObject *cand = head(s, evictable, c, w);
+            if (cand == NULL)
+                return NULL;
+            if (cand != Py_None)
+                s->heads[2 * c + w] = cand;
+        }
+    }
+    memset(s->dirty, 0, (size_t)s->classes);
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (int i = 0; i < 2 * s->classes; i++) {
+        if (s->heads[i] != NULL && PyList_Append(out, s->heads[i]) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+PyDoc_STRVAR(take_doc, "take(key)\n\nMark the leaf key as a victim; its parent may become a leaf.\n"
+"KeyError if key is not resident.");
+
+static PyObject *
+lh_take(LeafHeapsObject *s, PyObject *key)
+{
+    if (check_ok(s) < 0)
+        return NULL;
+    int32_t idx = find_present(s, key);
+    if (idx < 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    if (NODE(s, idx)->pend < 0 &&
+        grow((void **)&s->pend, &s->pcap, s->npend + 1, sizeof(int32_t)) < 0)
+        return NULL;
+    unleaf(s, idx);
+    if (orphan(s, idx) < 0)
+        return NULL;
+    Node *nd = NODE(s, idx);
+    if (nd->pend < 0) {
+        nd->pend = s->npend;
+        s->pend[s->npend++] = idx;
+        s->plive++;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(settle_doc, "settle()\n\nEnd of a victims call: leaves skipped as unevictable go back.");
+
+static PyObject *
+lh_settle(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
+{
+    if (check_ok(s) < 0)
+        return NULL;
+    for (int32_t i = 0; i < s->nstash; i++) {
+        Stashed e = s->stash[i];
+        Node *nd = NODE(s, e.node);
+        /* Still the same leaf (same sequence number) and not back in already. */
+        if (nd->seq == e.seq && nd->pos[e.which] < 0 && heap_push(s, e.which, e.node) < 0)
+            return fail(s), NULL;
+    }
+    s->nstash = 0;
+    memset(s->dirty, 1, (size_t)s->classes);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(undo_doc, "undo()\n\nVictims handed out but never removed stay resident after all.");
+
+static PyObject *
+lh_undo(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
+{
+    if (check_ok(s) < 0 || undo_all(s) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static int32_t
+present_or_keyerror(LeafHeapsObject *s, PyObject *key)
+{
+    if (check_ok(s) < 0)
+        return -1;
+    int32_t idx = find_present(s, key);
+    if (idx < 0)
+        PyErr_SetObject(PyExc_KeyError, key);
+    return idx;
+}
+
+PyDoc_STRVAR(last_of_doc, "last_of(key) -> float\n\nThe last access of the resident key; KeyError if absent.");
+
+static PyObject *
+lh_last_of(LeafHeapsObject *s, PyObject *key)
+{
+    int32_t idx = present_or_keyerror(s, key);
+    return idx < 0 ? NULL : PyFloat_FromDouble(NODE(s, idx)->last);
+}
+
+PyDoc_STRVAR(class_of_doc, "class_of(key) -> int\n\nThe class of the resident key; KeyError if absent.");
+
+static PyObject *
+lh_class_of(LeafHeapsObject *s, PyObject *key)
+{
+    int32_t idx = present_or_keyerror(s, key);
+    return idx < 0 ? NULL : PyLong_FromLong(NODE(s, idx)->cls);
+}
+
+PyDoc_STRVAR(parent_of_doc, "parent_of(key) -> bytes or None\n\nThe parent of the resident key; KeyError if absent.");
+
+static PyObject *
+lh_parent_of(LeafHeapsObject *s, PyObject *key)
+{
+    int32_t idx = present_or_keyerror(s, key);
+    if (idx < 0)
+        return NULL;
+    int32_t p = NODE(s, idx)->parent;
+    if (p < 0)
+        Py_RETURN_NONE;
+    return key_bytes(NODE(s, p));
+}
+
+PyDoc_STRVAR(nbytes_doc, "nbytes() -> int\n\nBytes of memory held for the pages (arrays, table, heaps).");
+
+static PyObject *
+lh_nbytes(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
+{
+    size_t n = (size_t)s->ncap * sizeof(Node) + (s->smask + 1) * sizeof(int32_t) +
+               (size_t)s->pcap * sizeof(int32_t) + (size_t)s->scap * sizeof(Stashed) +
+               (size_t)s->zcap * sizeof(int32_t);
+    for (int i = 0; i < 2 * s->classes; i++)
+        n += (size_t)s->heaps[i].cap * sizeof(int32_t);
+    return PyLong_FromSize_t(n);
+}
+
+static PyMethodDef lh_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))lh_add, METH_FASTCALL | METH_KEYWORDS, add_doc},
+    {"touch", (PyCFunction)(void (*)(void))lh_touch, METH_FASTCALL | METH_KEYWORDS, touch_doc},
+    {"discard", (PyCFunction)lh_discard, METH_O, discard_doc},
+    {"candidates", (PyCFunction)lh_candidates, METH_O, candidates_doc},
+    {"take", (PyCFunction)lh_take, METH_O, take_doc},
+    {"settle", (PyCFunction)lh_settle, METH_NOARGS, settle_doc},
+    {"undo", (PyCFunction)lh_undo, METH_NOARGS, undo_doc},
+    {"last_of", (PyCFunction)lh_last_of, METH_O, last_of_doc},
+    {"class_of", (PyCFunction)lh_class_of, METH_O, class_of_doc},
+    {"parent_of", (PyCFunction)lh_parent_of, METH_O, parent_of_doc},
+    {"nbytes", (PyCFunction)lh_nbytes, METH_NOARGS, nbytes_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods lh_as_sequence = {
+    .sq_length = (lenfunc)lh_len,
+    .sq_contains = (objobjproc)lh_contains,
+};
+
+PyDoc_STRVAR(lh_doc, "LeafHeaps(classes, young=True)\n\n"
+"Parent links, resident-child counts and per-class leaf heaps of one tier's pages,\n"
+"compiled: the contract of tierkv.policy.leaves.PyLeafHeaps, keys of 1 to 16 bytes.\n"
+"Not thread-safe.");
+
+static PyTypeObject LeafHeapsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tierkv.policy._leaves.LeafHeaps",
+    .tp_basicsize = sizeof(LeafHeapsObject),
+    .tp_dealloc = (destructor)lh_dealloc,
+    .tp_as_sequence = &lh_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = lh_doc,
+    .tp_methods = lh_methods,
+    .tp_new = lh_new,
+};
+
+static struct PyModuleDef leaves_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tierkv.policy._leaves",
+    .m_doc = "The compiled LeafHeaps of tierkv.policy.leaves.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__leaves(void)
+{
+    PyObject *errors = PyImport_ImportModule("tierkv.errors");
+    if (errors == NULL)
+        return NULL;
+    InputError = PyObject_GetAttrString(errors, "InputError");
+    Py_DECREF(errors);
+    if (InputError == NULL)
+        return NULL;
+    if (PyType_Ready(&LeafHeapsType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&leaves_module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "LeafHeaps", (PyObject *)&LeafHeapsType) < 0 ||
+        PyModule_AddIntConstant(m, "KEY_MAX_BYTES", KEY_MAX) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
