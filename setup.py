@@ -27,5 +27,8 @@ if os.path.exists(os.path.join(_CODEC, "_codec.c")):
             optional=True,
         )
     )
+_LEAVES = os.path.join("tierkv", "policy", "_leaves.c")
+if os.path.exists(_LEAVES):  # the compiled LeafHeaps; tierkv.policy.leaves falls back to Python
+    ext_modules.append(Extension("tierkv.policy._leaves", [_LEAVES], extra_compile_args=["-O3"], optional=True))
 
 setup(ext_modules=ext_modules)
