@@ -31,6 +31,16 @@ MAX_SECONDS = 1e6
 #: The largest bandwidth a tier may declare, in GB/s.
 MAX_GBPS = 1e6
 _C_INT_MAX = (1 << 31) - 1  # the kernel's connect options are C ints
+#: When a page on a persistent tier is durable: when its group commit's window has run
+#: ("window", what the configs in ``configs/`` set for serving), or before ``put`` returns
+#: ("put"). StoreConfig's own default stays "put" for now: code that builds a config by hand
+#: (tests, tools) reads the store from other processes right after a put (docs/design.md).
+DURABILITY_MODES = ("window", "put")
+DEFAULT_DURABILITY = "put"
+#: Group commit: a window closes this long after its first page ... (docs/design.md)
+DEFAULT_COMMIT_WINDOW_S = 0.05
+#: ... or as soon as this many pages (index records or deletes) wait in it.
+DEFAULT_COMMIT_WINDOW_PAGES = 4096
 
 
 # Each field is checked for its type as well as its range: TOML ``"false"`` is a string,
@@ -261,6 +271,15 @@ class StoreConfig:
     clean close, so a restart finds them. ``verify_index`` says when a child process
     walks the LMDB index before it is trusted: "always" (default, about 60 ms plus the
     walk), "unclean" (only after a shutdown that left no clean marker) or "never".
+
+    ``durability`` says when a page written to a persistent tier is durable: "window"
+    (what ``configs/`` set) when the group commit that covers it has run: one
+    ``fdatasync`` of the data and one synced index commit for every page written within
+    ``commit_window_s`` (or as soon as ``commit_window_pages`` are waiting), in the
+    background, so ``put`` does not wait for the device; ``Store.flush()`` is the
+    barrier. "put" (this class's default): each batch is synced and committed before
+    ``put`` returns. A crash loses at most the open
+    window's pages (misses after a restart), never bytes of the wrong key.
     """
 
     path: str
@@ -275,6 +294,9 @@ class StoreConfig:
     hbm: HbmConfig | None = None
     nvmeof: NvmeofConfig | None = None
     peers: PeersConfig | None = None
+    durability: str = DEFAULT_DURABILITY
+    commit_window_s: float = DEFAULT_COMMIT_WINDOW_S
+    commit_window_pages: int = DEFAULT_COMMIT_WINDOW_PAGES
 
     def __post_init__(self) -> None:
         if isinstance(self.path, os.PathLike):  # a pathlib.Path from the API: the field holds text
@@ -292,6 +314,11 @@ class StoreConfig:
                 raise ConfigError(f"store.{name} must be a {cls.__name__} or None, got {getattr(self, name)!r}")
         if not isinstance(self.verify_index, str) or self.verify_index not in ("always", "unclean", "never"):
             raise ConfigError(f"store.verify_index must be 'always', 'unclean' or 'never', got {self.verify_index!r}")
+        if not isinstance(self.durability, str) or self.durability not in DURABILITY_MODES:
+            raise ConfigError(f"store.durability must be one of {', '.join(DURABILITY_MODES)}, "
+                              f"got {self.durability!r}")
+        _check_number(self.commit_window_s, "store.commit_window_s", "seconds", 0, 60, low_open=True)
+        _check_int(self.commit_window_pages, "store.commit_window_pages", 1, 1 << 24)
         if not isinstance(self.policy, str) or self.policy not in STORE_POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; expected one of {', '.join(STORE_POLICIES)}")
         if self.dram is None and self.nvme is None and self.nvmeof is None:

@@ -66,7 +66,8 @@ class Store:
         parts = open_store_parts(config, read_only)
         self._lockfile, self._index, self._manager = parts.lock_fd, parts.index, parts.manager
         self._pins = PinLedger(self._manager)  # what each pin call took
-        self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes)
+        self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes,
+                                    deferred_sync=self._index is not None and self._index.deferred)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_PREFETCH_THREAD)
         self._peering: Peering | None = None
         if config.peers is not None and not read_only:
@@ -349,12 +350,29 @@ class Store:
         with self._lock:
             return self._counters.snapshot(self._manager.tiers)
 
+    def flush(self) -> None:
+        """A durability barrier: every page that a ``put`` (or an eviction) had written to a
+        persistent tier before this call is durable when it returns.
+
+        With ``durability = "window"`` this runs the group commit now (the tiers'
+        ``fdatasync``, then one index commit) instead of waiting for the window; with
+        "put" everything is durable already. Pages held only in DRAM stay there (they
+        reach NVMe when evicted, or at close). Raises TierIOError if that commit, or a
+        window since the last ``flush``, failed: some of those pages are then not
+        durable (misses after a restart, never wrong bytes). Read-only stores: no-op.
+        """
+        with self._lock:
+            self._check_open()
+            if self._index is not None and not self.read_only:
+                self._index.sync()
+
     def close(self) -> None:
         """Finish background work, flush and release every tier, the index and the lock.
 
-        Everything is released even when the write-back of volatile pages fails (that
-        error is raised afterwards, and the store is not marked cleanly closed, so the
-        next open checks its records). Safe to call from a prefetch future's callback.
+        Everything is released even when the write-back of volatile pages or the last
+        group commit (:meth:`flush`) fails (that error is raised afterwards, and the
+        store is not marked cleanly closed, so the next open checks its records). Safe
+        to call from a prefetch future's callback.
         A close that finds another one running waits for it to release everything
         (except on the prefetch worker, which that close may be waiting for).
         """
@@ -390,6 +408,13 @@ class Store:
                     raise failed
 
     def _release(self, clean: bool) -> None:
+        synced: TierIOError | None = None
+        if self._index is not None and not self.read_only:
+            try:
+                self._index.sync()  # the last group commit, while the tiers are open
+            except TierIOError as exc:
+                log.warning("the last index commit at close failed: %s", exc)
+                synced, clean = exc, False
         for t in self._manager.tiers:
             try:
                 t.flush()
@@ -407,6 +432,8 @@ class Store:
         finally:
             release_dir(self._lockfile)
             self._lockfile = None
+        if synced is not None:
+            raise synced
 
     def __enter__(self) -> Store:
         return self

@@ -14,7 +14,14 @@ newer bytes; the record's checksum then fails on the first read and the page is 
 miss. So every record either points at the durable bytes of its key or is caught.
 Readers in other processes open the same environment read-only.
 
-Thread-safety: LMDB transactions are serialized by the caller (the store lock);
+With group commit (``[store] durability = "window"``, :meth:`PersistentIndex.group_commit`)
+the manager's commits are buffered and applied once per window by
+:mod:`tierkv.store.commits`: the data of every tier with new records is synced
+first, then one synced transaction writes them, so the same holds; a crash loses the
+records of the open window (misses), never more. Readers see only committed windows.
+
+Thread-safety: LMDB transactions are serialized by the caller (the store lock), except
+group commits, which run on their own thread (LMDB serializes write transactions);
 read-only handles may be used from any thread.
 """
 
@@ -26,14 +33,15 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
 import xxhash
 
-from tierkv.errors import ConfigError, CorruptPageError, TierIOError
+from tierkv.errors import ConfigError, CorruptPageError, TierIOError, TierKVError
+from tierkv.store.commits import GroupCommit, Ops
 from tierkv.store.index_check import probe_index, was_clean
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.tiers.aligned import MAX_PAGE_BLOCKS
@@ -173,6 +181,7 @@ class PersistentIndex:
         self._path = store_dir
         if read_only and not path.exists():
             raise ConfigError(f"no store index at {path}; a read-only open needs an existing store")
+        self._group: GroupCommit | None = None
         self._env = _open_env(path, read_only)
         try:
             self._meta = self._env.open_db(b"meta", create=not read_only)
@@ -267,11 +276,22 @@ class PersistentIndex:
 
     def clear(self, tier: str) -> None:
         """Forget every record of a tier (its data file was found foreign or corrupt)."""
+        if self._group is not None:
+            self._group.drop(tier)
         with self._env.begin(write=True) as txn:
             txn.drop(self._dbs[tier], delete=False)
 
     def commit(self, tier: str, put: Iterable[IndexRecord] = (), delete: Iterable[PageKey] = ()) -> None:
-        """Apply deletions then insertions in one durable transaction; TierIOError on failure."""
+        """Apply deletions then insertions; TierIOError on failure.
+
+        Without group commit this is one durable transaction, done when it returns. With
+        it (:meth:`group_commit`) the operations are buffered and become durable with the
+        window they fall in (the tier's data is synced first): :meth:`sync` is the
+        barrier, and an earlier window's failure is raised there, not here.
+        """
+        if self._group is not None:
+            self._group.add(tier, ((rec.key, rec) for rec in put), delete)
+            return
         db = self._dbs[tier]
         try:
             with self._env.begin(db=db, write=True) as txn:
@@ -281,6 +301,44 @@ class PersistentIndex:
                     txn.put(rec.key, rec.pack())
         except lmdb.Error as exc:
             raise TierIOError(f"store index commit for the {tier} tier failed: {exc}") from None
+
+    def group_commit(self, syncs: Mapping[str, Callable[[], None]], *, window_s: float, max_pages: int) -> None:
+        """Buffer every :meth:`commit` from now on: one data sync (``syncs[tier]``, each tier's
+        ``flush``) and one LMDB transaction per window (see :mod:`tierkv.store.commits`)."""
+        if self._read_only:
+            raise ConfigError("a read-only index commits nothing")
+        if self._group is None:
+            self._group = GroupCommit(self._apply, syncs, window_s=window_s, max_pages=max_pages)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether commits are grouped (the transfers then leave the data sync to the window)."""
+        return self._group is not None
+
+    @property
+    def group(self) -> GroupCommit | None:
+        return self._group
+
+    def sync(self) -> None:
+        """Make every commit made before this call durable (a no-op without group commit);
+        TierIOError if that, or a window since the last ``sync``, failed."""
+        if self._group is not None:
+            self._group.sync()
+
+    def _apply(self, ops: Ops) -> None:
+        """One synced transaction over every tier's buffered deletes (None) and records."""
+        try:
+            with self._env.begin(write=True) as txn:
+                for tier, by_key in ops.items():
+                    db = self._dbs[tier]
+                    for key, rec in by_key.items():
+                        if rec is None:
+                            txn.delete(key, db=db)
+                        else:
+                            assert isinstance(rec, IndexRecord)
+                            txn.put(key, rec.pack(), db=db)
+        except lmdb.Error as exc:
+            raise TierIOError(f"store index group commit ({', '.join(ops)}) failed: {exc}") from None
 
     def adopt(self, tier: str, valid: Callable[[IndexRecord], bool]) -> tuple[list[IndexRecord], int]:
         """Every record of a tier that decodes and passes ``valid``; the rest are deleted
@@ -307,7 +365,17 @@ class PersistentIndex:
         return kept, dropped
 
     def close(self) -> None:
-        _close_env(self._env)
+        """Apply buffered commits (logged if that fails: those pages are misses after a
+        restart) and release the environment. Call :meth:`sync` first to see failures."""
+        try:
+            if self._group is not None:
+                group, self._group = self._group, None
+                try:
+                    group.close()
+                except TierKVError as exc:
+                    log.warning("index: the last group commit failed at close: %s", exc)
+        finally:
+            _close_env(self._env)
 
 
 def open_index(store_dir: Path, tier_names: list[str], meta: dict[str, object], *,

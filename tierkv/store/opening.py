@@ -135,6 +135,9 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
             for t in tiers:
                 if t.persistent:
                     manager.adopt_persistent(t.name)
+            if index is not None and cfg.durability == "window":  # adoption's deletes are committed already
+                index.group_commit({t.name: _syncer(t) for t in tiers if t.persistent},
+                                   window_s=cfg.commit_window_s, max_pages=cfg.commit_window_pages)
         return index, manager
     except BaseException:
         for t in tiers:
@@ -144,6 +147,11 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
         if created is not None:         # a refused open leaves no geometry behind for the next one
             shutil.rmtree(created, ignore_errors=True)
         raise
+
+
+def _syncer(tier: Tier) -> Callable[[], None]:
+    """The group commit's data sync for ``tier``: its ``flush``, looked up at each call."""
+    return lambda: tier.flush()
 
 
 def build_tiers(cfg: StoreConfig, read_only: bool) -> list[Tier]:

@@ -76,8 +76,12 @@ def _gather(src: Rows, rows: list[int]) -> Rows:
 class Transfers:
     """Runs plans against the manager's tiers and keeps the byte counters."""
 
-    def __init__(self, manager: BlockManager, counters: Counters, page_bytes: int) -> None:
+    def __init__(self, manager: BlockManager, counters: Counters, page_bytes: int, *,
+                 deferred_sync: bool = False) -> None:
         self._m = manager
+        # Group commit: the index syncs a persistent tier's data before it commits the
+        # window's records, so a write here need not wait for the device.
+        self._deferred = deferred_sync
         self._tiers = {t.name: t for t in manager.tiers}
         self._c = counters
         self._nbytes = page_bytes
@@ -116,6 +120,11 @@ class Transfers:
         self._m.commit_deletes(plan)  # evictions whose tier received nothing in this plan
         return published
 
+    def _sync(self, tier: Tier) -> None:
+        """Make a write durable before its publish, unless its group commit will."""
+        if not (self._deferred and tier.persistent):
+            tier.flush()
+
     def _timed(self, name: TierId, start: float) -> float:
         elapsed = time.perf_counter() - start
         self._c.tier_io_s[name] += elapsed
@@ -129,7 +138,7 @@ class Transfers:
         try:
             staged, hashed = staged_copy(*args) if copy is None else (copy(*args), None)
             sums = self._checksums(dst, [m.key for m in moves], staged, hashed)
-            self._tiers[dst].flush()
+            self._sync(self._tiers[dst])
         except TierIOError as exc:
             log.warning("demotion %s->%s of %d pages failed, dropping them: %s", src, dst, len(moves), exc)
             self._m.abandon([(m.key, dst, m.dst_slot) for m in moves])
@@ -153,7 +162,7 @@ class Transfers:
             else:
                 tier.write(slots, buf)
             sums = self._checksums(name, [k for k, _, _ in placed], buf, hashed)
-            tier.flush()
+            self._sync(tier)
         except TierIOError as exc:
             log.warning("write of %d pages to %s failed, they stay misses: %s", len(placed), name, exc)
             self._m.abandon(placed)
