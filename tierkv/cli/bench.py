@@ -4,7 +4,8 @@ against a baseline measured in the same run.
 :func:`add_parser` registers the subcommand, :func:`run` is its handler: one JSON
 object with ``--json``, else the suite's tables (:data:`TABLES`: one function per suite
 from its JSON object to rich tables, every cell one number or word). Exit status 1 when
-a suite's copies came back wrong (it measured nothing). The KV pages of ``codec`` and
+a suite's copies came back wrong (it measured nothing). ``scale`` (:mod:`tierkv.bench.scale`)
+measures the page table's cost per page at ``--pages`` pages. The KV pages of ``codec`` and
 ``codec-store`` come from ``--kv``, else ``$TIERKV_KV_DIR``, else ``../shared/data/kv``
 beside the source checkout (:func:`tierkv.bench.codec.load_kv`), never from the current
 directory.
@@ -35,18 +36,22 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
     bp = sub.add_parser("bench", help="run the tier and store benchmarks",
                         description="Run the benchmarks of tierkv.bench and print tables or JSON: "
                                     "'store' (default) measures the DRAM and NVMe tiers and the keys, "
-                                    "'codec' the lossless KV codec against zipnn and zstd on real KV pages.")
-    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net"), default="store",
+                                    "'codec' the lossless KV codec against zipnn and zstd on real KV pages, "
+                                    "'scale' the page table's memory and time per page at node scale against a dict.")
+    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale"), default="store",
                     help="what to measure ('codec-store': an NVMe tier with codec none vs lossless; "
-                         "'net': peer page fetches and incast over TCP, and RDMA where a device exists)")
+                         "'net': peer page fetches and incast over TCP, and RDMA where a device exists; "
+                         "'scale': bytes, reopen, put, get and lookup per page of a store of --pages 4 KiB pages)")
     bp.add_argument("--kv", metavar="FILE.safetensors", help="codec, codec-store: KV tensors layerNN.k/.v "
                     f"[kv_heads, tokens, head_dim], or a folder of such files (default: ${KV_ENV}, else "
                     "../shared/data/kv beside the tierkv checkout)")
     bp.add_argument("--page-tokens", type=int, default=16, metavar="N", help="codec: tokens per page (default 16)")
     bp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     bp.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    bp.add_argument("--dir", metavar="DIR", help="directory for the files of the store and codec-store suites "
-                    "(default: a temporary one; codec and net write none)")
+    bp.add_argument("--pages", metavar="N", help="scale: pages of 4 KiB in the store, an integer >= 1 "
+                    "(default 1,000,000; 4,096 with --quick); the DRAM tier holds 1%% of them")
+    bp.add_argument("--dir", metavar="DIR", help="directory for the files of the store, codec-store and scale "
+                    "suites (default: a temporary one; codec and net write none)")
     bp.add_argument("--runs", type=int, default=None, metavar="N", help="repetitions per measurement")
     bp.set_defaults(handler=run)
     return bp
@@ -57,7 +62,17 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--runs must be >= 1, got {args.runs}")
     if args.page_tokens < 1:
         raise InputError(f"--page-tokens must be >= 1, got {args.page_tokens}")
-    if args.suite == "codec":
+    if args.pages is not None and args.suite != "scale":
+        raise InputError(f"--pages is for the scale suite, not {args.suite}")
+    if args.suite == "scale":
+        from tierkv.bench.scale import DEFAULT_PAGES, QUICK_PAGES, check_pages, run_scale
+
+        if args.runs is not None:
+            raise InputError("--runs is not for the scale suite: it times each page once "
+                             "(gets repeat to about 65,536 pages)")
+        default = QUICK_PAGES if args.quick else DEFAULT_PAGES
+        result = run_scale(check_pages(args.pages) if args.pages is not None else default, where=args.dir)
+    elif args.suite == "codec":
         from tierkv.bench.codec import run_codec_bench
 
         result = run_codec_bench(kv_source(args.kv), args.page_tokens, args.runs or (2 if args.quick else 3))
@@ -222,6 +237,33 @@ def net_tables(r: Mapping[str, object]) -> Iterator[Table]:
     yield _table("in the same run", ("measurement", "value"), ratios)
 
 
+#: The scale suite's figures: label, key, issue 20's target for the store.
+_SCALE = (("bytes per page entry", "bytes_per_page_entry", "<= 100"),
+          ("reopen s per million pages", "reopen_s_per_million_pages", "<= 2"),
+          ("put µs per page (into DRAM)", "put_us_per_page", "<= 2"),
+          ("get µs per page (DRAM hits)", "get_us_per_page", "<= 2"),
+          ("lookup µs per page", "lookup_us_per_page", "-"))
+
+
+def scale_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    ref, ratio, timed = _map(r.get("dict")), _map(r.get("store_vs_dict")), _map(r.get("timed"))
+    yield _table(f"the page table at {_cell(r.get('pages'))} pages of {_size(r.get('page_bytes'))}: store vs dict, "
+                 "lower is better", ("figure", "tierkv store", "dict", "store / dict", "target"),
+                 [(label, r.get(key), ref.get(key), ratio.get(key), target) for label, key, target in _SCALE])
+    yield _table("in the same run", ("figure", "value"), [
+        ("policy", r.get("policy")), ("DRAM tier pages", r.get("dram_pages")), ("pages per call", r.get("batch_pages")),
+        ("reopen s", r.get("reopen_s")), ("reopen bytes per page entry", r.get("reopen_bytes_per_page_entry")),
+        ("anonymous bytes per page entry (no file-backed pages)", r.get("anon_bytes_per_page_entry")),
+        ("bulk put µs per page (with demotions to NVMe)", r.get("load_us_per_page")), ("close s", r.get("close_s")),
+        ("copy µs per page (np.copyto of a get's bytes)", r.get("copy_us_per_page")),
+        ("key chain µs per page", ref.get("key_chain_us_per_page")),
+        ("pages put, DRAM puts / gets timed", f"{_cell(r.get('pages_stored'))}, {_cell(r.get('put_pages_timed'))} / "
+                                              f"{_cell(r.get('get_pages_timed'))}"),
+        ("verified (every page stored and found, timed puts and gets in DRAM, bytes equal)", r.get("verified"))])
+    yield _table("what is measured", ("figure", "what"), timed.items(), labels=2)
+
+
 #: Each suite's tables, by suite name.
 TABLES: dict[str, Callable[[Mapping[str, object]], Iterable[Table]]] = {
-    "store": store_tables, "codec": codec_tables, "codec-store": codec_store_tables, "net": net_tables}
+    "store": store_tables, "codec": codec_tables, "codec-store": codec_store_tables, "net": net_tables,
+    "scale": scale_tables}
