@@ -36,7 +36,9 @@ def _lead(keys: Sequence[PageKey], cached: object) -> int:
 
 
 def ref_store_lru(requests: Requests, capacity: int) -> int:
-    """LRU as the store runs it: leading hits touched, missing pages stored, the oldest make room."""
+    """LRU as the store runs it: leading hits touched, missing pages stored, the oldest make
+    room; the request's cached pages are not evicted for its new ones (they would be left
+    without their prefix), so new pages that find no room are not stored."""
     order: OrderedDict[PageKey, None] = OrderedDict()
     hits = 0
     for keys in requests:
@@ -47,9 +49,11 @@ def ref_store_lru(requests: Requests, capacity: int) -> int:
         new = [key for key in keys[lead:] if key not in order]
         if len(new) > capacity:
             continue
-        while len(order) + len(new) > capacity:
-            order.popitem(last=False)
-        for key in new:
+        mine = set(keys)
+        need = len(order) + len(new) - capacity
+        for key in [key for key in order if key not in mine][:max(need, 0)]:
+            del order[key]
+        for key in new[:capacity - len(order)]:
             order[key] = None
     return hits
 
@@ -73,7 +77,8 @@ def ref_plain_lru(requests: Requests, capacity: int) -> int:
 def ref_opt(requests: Requests, capacity: int) -> int:
     """Belady: the cached page needed farthest ahead is evicted; a request's missing pages are
     inserted on arrival, except pages never needed again or needed after every cached page of
-    a full cache."""
+    a full cache. The request's cached pages are not evicted for its new ones (as in
+    :func:`ref_store_lru`)."""
     never = float("inf")
     pos = sum(len(keys) for keys in requests)
     nexts: list[list[float]] = [[] for _ in requests]
@@ -102,9 +107,10 @@ def ref_opt(requests: Requests, capacity: int) -> int:
             admitted.append((key, nu))
         need = len(cached) + len(admitted) - capacity
         if need > 0:
-            for _, key in heapq.nsmallest(need, ((-nu, key) for key, nu in cached.items())):
+            mine = set(keys)
+            for _, key in heapq.nsmallest(need, ((-nu, key) for key, nu in cached.items() if key not in mine)):
                 del cached[key]
-        cached.update(admitted)
+        cached.update(admitted[:capacity - len(cached)])
     return hits
 
 

@@ -1,189 +1,186 @@
-"""The simulator's block manager: the store's policy calls, without bytes, slots or an index.
+"""The simulator's store: the real block manager over byte-less tiers, called as a store calls it.
 
-:class:`SimManager` mirrors what :class:`tierkv.store.manager.BlockManager`, :mod:`tierkv.store.api`
-and :mod:`tierkv.store.transfer` ask of the per-tier policies for one request, in the same
-order, so a policy class behaves here exactly as it does in the store:
+:class:`SimManager` runs :class:`tierkv.store.manager.BlockManager` itself, with
+:class:`~tierkv.sim.tiers.SimTier` tiers and no index, and makes for one request the
+manager calls that :mod:`tierkv.store.api` and :mod:`tierkv.store.transfer` make when
+``tierkv replay`` drives a store (lookup, get, put), in the same order; only the byte
+copies are left out. So a policy, the manager's eviction, demotion, promotion and
+prefix rules behave here exactly as in the store, and nothing is mirrored by hand:
 
-1. ``on_request(keys, now)`` on every tier's policy (the request-level hint);
-2. ``get``: the leading cached pages are touched in order, each in its fastest tier;
-   pages found only below the top tier are promoted (inclusive copy-up, victims asked
-   of the top tier with the leading pages protected), unless promotion is off;
-3. ``put``: the request's full pages with no copy anywhere are offered to each tier,
-   fastest first: ``admit`` per page, then ``victims`` for the room still missing
-   (the request's new pages protected); a victim whose last copy leaves is demoted to
-   the next tier down if that tier's policy admits it, else dropped. Demoted pages are
-   inserted below before the new pages are inserted, as the transfers publish them.
-   A full tier that has a tier below evicts at least ``DEMOTION_BATCH`` pages (at most
-   1/16 of it) at a time, as the manager does; every tier but the last is taken to be
-   volatile, the last one persistent. As in the manager, a page's parent is not evicted
-   from the tier the page is being demoted into, and a page whose last copy can neither
-   move down nor be dropped (cached descendants depend on it) stays for that plan.
+1. ``lookup``: the leading resident pages and the level of each one's fastest tier
+   (``manager.resident.prefix_values``);
+2. ``note_request(keys)``, once per request (the store's ``get`` shows the request, or
+   its ``put`` when nothing was cached);
+3. ``get``: each leading page is counted and ``touch``-ed in its fastest tier; pages
+   found only below the top tier are promoted unless promotion is off: one
+   ``plan_promote`` per source tier, the request's leading pages protected (the store
+   takes the source tiers in set order, here in level order: the same with two tiers);
+4. ``put``: the request's pages with no copy anywhere go to ``plan_store`` (the cached
+   ones as its ``prefix``); a put larger than every tier together is refused
+   (CapacityError, counted in ``rejected``).
 
-Called by :mod:`tierkv.sim.run`; single-threaded. Keys are whatever the caller
-supplies (the simulator uses 8-byte block ids).
+Each plan runs as ``Transfers.run`` runs it: moves grouped by (source, destination),
+out of the slowest tiers first, each group ``publish``-ed, then placements grouped by
+tier, fastest first, each ``publish``-ed, then ``commit_deletes`` (a no-op without an
+index). Pages bound for a persistent tier are published with a checksum of 0.
+
+Called by :mod:`tierkv.sim.run` and the tests; single-threaded. Keys of 16 bytes (what
+:class:`~tierkv.sim.run.Workload` makes) are the manager's keys as they are; any other
+key is replaced by a 16-byte digest of it (:func:`as_page_keys`), and reported back as given.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
+from itertools import groupby
 
-from tierkv.errors import InputError
-from tierkv.keys import PageKey
-from tierkv.store.manager import DEMOTION_BATCH
+from tierkv.errors import CapacityError
+from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.policy.base import Policy
+from tierkv.sim.tiers import SIM_PAGE_BYTES, sim_tiers
+from tierkv.store.manager import BlockManager
+from tierkv.store.moves import MovePlan
+from tierkv.tiers.base import TierId
+
+_NO_CHECKSUMS: dict[PageKey, int] = {}
+
+
+def page_key(key: bytes) -> PageKey:
+    """``key`` as a 16-byte page key: itself if it has 16 bytes, else its 16-byte BLAKE2b digest."""
+    if len(key) == KEY_BYTES:
+        return PageKey(key)
+    return PageKey(hashlib.blake2b(key, digest_size=KEY_BYTES, person=b"tierkv-sim").digest())
+
+
+def as_page_keys(keys: Sequence[PageKey]) -> tuple[PageKey, ...]:
+    """One request's keys as the manager's 16-byte keys (:func:`page_key`); unchanged if they are."""
+    if all(len(k) == KEY_BYTES for k in keys):
+        return tuple(keys)
+    return tuple(page_key(k) for k in keys)
 
 
 class SimManager:
-    """Tiers of ``capacities`` slots (fastest first), one policy each, pages as bit masks of tiers."""
+    """A :class:`BlockManager` over tiers of ``capacities`` pages (fastest first), one policy
+    each from ``make`` (called fastest tier first); ``promote``: promote hits from slower tiers.
+
+    ``tier_hits[i]`` counts pages served from tier ``i``; ``rejected`` the puts refused for
+    being larger than every tier together. InputError for no tiers, more than four, or a
+    tier of no slots.
+    """
 
     def __init__(self, capacities: Sequence[int], make: Callable[[], Policy], promote: bool = True) -> None:
-        if not capacities or min(capacities) < 1:
-            raise InputError(f"every simulated tier needs at least one slot, got {list(capacities)}")
         self.capacities = list(capacities)
-        self.policies = [make() for _ in capacities]
-        self.used = [0] * len(capacities)
+        self.tiers = sim_tiers(self.capacities)
+        self.policies = [make() for _ in self.tiers]
+        self.manager = BlockManager(self.tiers, {t.name: p for t, p in zip(self.tiers, self.policies)}, None)
         self.promote = promote
-        self.where: dict[PageKey, int] = {}       # key -> bit i set when tier i holds it
-        self.parent: dict[PageKey, PageKey | None] = {}
-        self.kids: dict[PageKey, set[PageKey]] = {}  # cached children of each page
-        self.tier_hits = [0] * len(capacities)
-        self.rejected = 0                         # puts larger than every tier together
-        self._parents_below: dict[int, set[PageKey]] = {}   # per plan, as MovePlan.parents_below
-        self._kept: set[PageKey] = set()                     # per plan, as MovePlan.kept
+        self.tier_hits = [0] * len(self.tiers)
+        self.rejected = 0
+        self._names: list[TierId] = [t.name for t in self.tiers]   # by level
+        self._persistent = {t.name for t in self.tiers if t.persistent}
+        self._given: dict[PageKey, PageKey] = {}   # digest -> the key a caller gave, where they differ
+        self._seen: list[tuple[PageKey, ...]] = []  # every request's keys (for ``where``)
 
     # -- one request ---------------------------------------------------------------------
-    def request(self, keys: Sequence[PageKey], now: float) -> int:
+    def request(self, keys: Sequence[PageKey], now: float = 0.0) -> int:
         """Run one request whose full pages are ``keys``; returns how many leading pages hit.
 
-        A request without a full page never reaches the store (nothing to look up or keep).
+        A request without a full page never reaches the store. ``now`` (the request's
+        arrival) is not passed on: the manager's ``note_request`` stamps the request with
+        its own clock, as in the store (no policy reads it).
         """
         if not keys:
             return 0
-        for p in self.policies:
-            p.on_request(keys, now)
-        where = self.where
-        lead = 0
-        for k in keys:
-            if k not in where:
-                break
-            lead += 1
-        if lead:
-            self._get(keys[:lead])
-        self._put(keys, lead)
-        return lead
+        if all(len(k) == KEY_BYTES for k in keys):
+            ks = tuple(keys)
+        else:
+            ks = tuple(page_key(k) for k in keys)
+            self._given.update(zip(ks, keys))
+        self._seen.append(ks)
+        m = self.manager
+        levels = m.resident.prefix_values(b"".join(ks))    # Store.lookup
+        m.note_request(ks)                                   # once per request, before its touches
+        if levels:
+            self._get(ks[:len(levels)], levels)
+        self._put(ks)
+        return len(levels)
 
-    def _get(self, hits: Sequence[PageKey]) -> None:
-        where, policies, tier_hits = self.where, self.policies, self.tier_hits
-        below_top: list[PageKey] = []
-        for k in hits:
-            t = _fastest(where[k])
-            policies[t].touch(k)
-            tier_hits[t] += 1
-            if t:
-                below_top.append(k)
-        if below_top and self.promote:
-            self._promote(below_top, set(hits))
+    def _get(self, hits: Sequence[PageKey], levels: bytes) -> None:
+        """Store.get: each page read from its fastest tier (Transfers.read), then promoted."""
+        touch, names, tier_hits = self.manager.touch, self._names, self.tier_hits
+        for k, level in zip(hits, levels):
+            touch(k, names[level])
+            tier_hits[level] += 1
+        if self.promote and any(levels):
+            protect = set(hits)
+            for level in sorted(set(levels) - {0}):    # Store._promote: one plan per source tier
+                picked = [k for k, lv in zip(hits, levels) if lv == level]
+                self._run(self.manager.plan_promote(picked, names[0], protect))
 
-    def _promote(self, keys: list[PageKey], protect: set[PageKey]) -> None:
-        self._parents_below, self._kept = {}, set()
-        moves: list[tuple[PageKey, int]] = []
-        got = self._reserve(0, len(keys), protect | set(keys), moves)
-        self._publish(moves, [(k, 0) for k in keys[:got]])
-
-    def _put(self, keys: Sequence[PageKey], lead: int) -> None:
-        where = self.where
-        new = [(k, keys[i - 1] if i else None) for i, k in enumerate(keys) if i >= lead and k not in where]
+    def _put(self, keys: Sequence[PageKey]) -> None:
+        """Store.put: the pages no tier holds are stored, the cached ones are the plan's prefix."""
+        resident = self.manager.resident
+        new: list[tuple[PageKey, PageKey | None]] = []
+        prefix: list[PageKey] = []
+        for j, k in enumerate(keys):
+            if k in resident:
+                prefix.append(k)
+            else:
+                new.append((k, keys[j - 1] if j else None))
         if not new:
             return
-        if len(new) > sum(self.capacities):
+        try:
+            plan = self.manager.plan_store(new, SIM_PAGE_BYTES, prefix=prefix)
+        except CapacityError:   # more new pages than all tiers hold: the engine goes on uncached
             self.rejected += 1
             return
-        protect = {k for k, _ in new}
-        self._parents_below, self._kept = {}, set()
-        moves: list[tuple[PageKey, int]] = []
-        placed: list[tuple[PageKey, int]] = []
-        todo = new
-        for t, policy in enumerate(self.policies):
-            if not todo:
-                break
-            admitted = [(k, p) for k, p in todo if policy.admit(k, p)]
-            got = self._reserve(t, len(admitted), protect, moves)
-            for k, p in admitted[:got]:
-                placed.append((k, t))
-                where[k] = 1 << t
-                self.parent[k] = p
-                if p is not None:
-                    self.kids.setdefault(p, set()).add(k)
-            done = {k for k, _ in admitted[:got]}
-            todo = [(k, p) for k, p in todo if k not in done]
-        self._publish(moves, placed)
+        self._run(plan)
 
-    # -- room ------------------------------------------------------------------------------
-    def _reserve(self, t: int, n: int, protect: set[PageKey], moves: list[tuple[PageKey, int]]) -> int:
-        """Make room for up to ``n`` pages in tier ``t``; returns how many slots it took."""
-        need = n - (self.capacities[t] - self.used[t])
-        if need > 0 and t + 1 < len(self.capacities):
-            need = max(need, min(DEMOTION_BATCH, self.capacities[t] // 16))
-        if need > 0:
-            last, bit, kids, where = t + 1 == len(self.capacities), 1 << t, self.kids, self.where
-            faster = bit - 1
-            parents, kept = self._parents_below.get(t, ()), self._kept
+    def _run(self, plan: MovePlan) -> None:
+        """Transfers.run without the copies: publish each group of moves, then of placements."""
+        m = self.manager
+        levels = m.levels
+        for (_src, dst), moves in groupby(plan.ordered_moves(levels), key=lambda mv: (mv.src, mv.dst)):
+            placed = [(mv.key, dst, mv.dst_slot) for mv in moves]
+            m.publish(placed, self._checksums(dst, placed), plan)
+        for name, group in groupby(sorted(plan.placements, key=lambda p: levels[p[1]]), key=lambda p: p[1]):
+            placed = list(group)
+            m.publish(placed, self._checksums(name, placed), plan)
+        m.commit_deletes(plan)
 
-            def evictable(k: PageKey) -> bool:
-                # As the manager: the last tier keeps the last copy of a page while a
-                # child of it lives in a faster tier (dropping it would orphan the child).
-                if k in protect or k in parents or k in kept:
-                    return False
-                if last and where[k] == bit:
-                    return not any(where[c] & faster for c in kids.get(k, ()))
-                return True
+    def _checksums(self, name: TierId, placed: list[tuple[PageKey, TierId, int]]) -> dict[PageKey, int]:
+        return {k: 0 for k, _, _ in placed} if name in self._persistent else _NO_CHECKSUMS
 
-            for victim in self.policies[t].victims(need, evictable):
-                self._evict(victim, t, protect, moves)
-        got = min(n, self.capacities[t] - self.used[t])
-        self.used[t] += got
-        return got
+    # -- inspection (tests) ------------------------------------------------------------------
+    @property
+    def used(self) -> list[int]:
+        """Slots in use per tier, fastest first."""
+        return [t.num_slots - t.num_free for t in self.tiers]
 
-    def _evict(self, key: PageKey, t: int, protect: set[PageKey], moves: list[tuple[PageKey, int]]) -> None:
-        mask = self.where[key] & ~(1 << t)
-        lower = t + 1
-        got = 0
-        if not mask and lower < len(self.policies):  # its last copy: demoted, or dropped
-            parent = self.parent[key]
-            if self.policies[lower].admit(key, parent):
-                if parent is not None:  # as the manager's MovePlan.parents_below
-                    self._parents_below.setdefault(lower, set()).add(parent)
-                got = self._reserve(lower, 1, protect | {key}, moves)
-            if not got and self.kids.get(key):  # as MovePlan.kept: cached descendants depend on it
-                self._kept.add(key)
-                return
-        self.policies[t].remove(key)
-        self.used[t] -= 1
-        if not mask:
-            if not got:
-                self._drop(key)
-                return
-            moves.append((key, lower))
-            mask = 1 << lower
-        self.where[key] = mask
+    def _keys_seen(self) -> dict[PageKey, None]:
+        return dict.fromkeys(k for keys in self._seen for k in keys)
 
-    def _drop(self, key: PageKey) -> None:
-        del self.where[key]
-        parent = self.parent.pop(key)
-        if parent is not None:
-            sib = self.kids[parent]
-            sib.discard(key)
-            if not sib:
-                del self.kids[parent]
+    @property
+    def where(self) -> dict[PageKey, int]:
+        """Every cached page (as the caller gave its key) -> bit ``i`` set when tier ``i`` holds it.
 
-    def _publish(self, moves: list[tuple[PageKey, int]], placed: list[tuple[PageKey, int]]) -> None:
-        """Insert demoted pages (deepest tier first), then placed pages (fastest tier first)."""
-        where, policies = self.where, self.policies
-        for k, t in sorted(moves, key=lambda m: -m[1]) + sorted(placed, key=lambda p: p[1]):
-            if k in where:  # a page demoted and then evicted again within one plan is gone
-                where[k] |= 1 << t
-                policies[t].insert(k, self.parent[k])
+        A snapshot built from ``manager.locate``: O(pages requested so far).
+        """
+        out: dict[PageKey, int] = {}
+        levels = self.manager.levels
+        for k in self._keys_seen():
+            loc = self.manager.locate(k)
+            if loc is not None:
+                out[self._given.get(k, k)] = sum(1 << levels[name] for name, _ in loc.slots)
+        return out
 
-
-def _fastest(mask: int) -> int:
-    return (mask & -mask).bit_length() - 1
+    @property
+    def parent(self) -> dict[PageKey, PageKey | None]:
+        """Every cached page -> its parent (keys as the caller gave them); a snapshot, as ``where``."""
+        out: dict[PageKey, PageKey | None] = {}
+        for k in self._keys_seen():
+            loc = self.manager.locate(k)
+            if loc is not None:
+                out[self._given.get(k, k)] = None if loc.parent is None else self._given.get(loc.parent, loc.parent)
+        return out

@@ -4,8 +4,9 @@ A :class:`Workload` turns requests into the page keys the store would see (one k
 per full block; block ids are prefix-chained, so equal ids are equal pages), and
 remembers how many blocks each request asked for in all, partial last block
 included: the hit rate's denominator. :func:`simulate` runs one policy over one
-tier configuration through :class:`~tierkv.sim.mirror.SimManager`; ``"opt"`` is
-Belady's OPT (:mod:`tierkv.policy.belady`) fed the workload's future.
+tier configuration through :class:`~tierkv.sim.mirror.SimManager` (the store's own
+block manager over byte-less tiers); ``"opt"`` is Belady's OPT
+(:mod:`tierkv.policy.belady`) fed the workload's future.
 
 Called by :mod:`tierkv.cli.sim` and the tests; single-threaded.
 """
@@ -21,15 +22,14 @@ from tierkv.keys import PageKey
 from tierkv.policy import POLICY_NAMES, make_policy
 from tierkv.policy.base import Policy
 from tierkv.policy.belady import BeladyPolicy, Future
-from tierkv.sim.mirror import SimManager
+from tierkv.sim.mirror import SimManager, as_page_keys
+from tierkv.sim.tiers import TIER_NAMES
 from tierkv.workload.trace import MOONCAKE_BLOCK_TOKENS, Request
 
 #: Policy names the simulator knows beyond the store's: Belady's OPT and the one-pass LRU curve.
 OPT = "opt"
 LRU_STACK = "lru-stack"
 SIM_POLICIES = (*POLICY_NAMES, OPT, LRU_STACK)
-#: Names of simulated tiers, fastest first.
-TIER_NAMES = ("dram", "nvme", "tier2", "tier3")
 
 
 @dataclass
@@ -37,7 +37,9 @@ class Workload:
     """Page keys per request, the blocks each request asked for, and the distinct block count.
 
     ``cache_partial`` also gives a key to the partial last block of a request (the store
-    never caches it; some simulators do, which is how to compare with them).
+    never caches it; some simulators do, which is how to compare with them). A key is 16
+    bytes, as the store's: the tenant's number (in order of first appearance) and the
+    block id, 8 bytes each, little-endian; equal keys are equal pages, tenants never share one.
     """
 
     keys: list[tuple[PageKey, ...]]
@@ -52,9 +54,12 @@ class Workload:
                       block_tokens: int = MOONCAKE_BLOCK_TOKENS, source: dict[str, object] | None = None) -> Workload:
         keys: list[tuple[PageKey, ...]] = []
         distinct: set[tuple[str, int]] = set()
+        tenants: dict[str, bytes] = {}
         for r in requests:
             n = len(r.blocks) if cache_partial else r.full_blocks(block_tokens)
-            salt = r.tenant.encode()
+            salt = tenants.get(r.tenant)
+            if salt is None:
+                salt = tenants[r.tenant] = len(tenants).to_bytes(8, "little")
             keys.append(tuple(PageKey(salt + b.to_bytes(8, "little")) for b in r.blocks[:n]))
             distinct.update((r.tenant, b) for b in r.blocks)
         return cls(keys, [len(r.blocks) for r in requests], [r.arrival_s for r in requests], len(distinct),
@@ -65,8 +70,9 @@ class Workload:
         return sum(self.blocks)
 
     def future(self) -> Future:
+        """Every request's next uses, over the keys the simulator's manager sees (:func:`as_page_keys`)."""
         if self._future is None:
-            self._future = Future(self.keys)
+            self._future = Future([as_page_keys(keys) for keys in self.keys])
         return self._future
 
 

@@ -19,7 +19,8 @@ import time
 from collections.abc import Sequence
 
 from tierkv.keys import PageKey
-from tierkv.sim.run import LRU_STACK, TIER_NAMES, SimResult, Workload
+from tierkv.sim.run import LRU_STACK, SimResult, Workload
+from tierkv.sim.tiers import TIER_NAMES
 
 _NEVER = 1 << 62
 
