@@ -41,6 +41,8 @@ class Twin:
                 got.append(("ok", getattr(impl, name)(*args)))
             except KeyError as e:
                 got.append(("KeyError", e.args))
+            except InputError:
+                got.append(("InputError", ()))
         assert got[0] == got[1], f"{name}{args}: python {got[0]!r}, native {got[1]!r}"
         assert len(self.py) == len(self.c)
         return got[0][1]
@@ -102,7 +104,9 @@ def _drive(seed: int, steps: int, young: bool) -> int:
         key = rng.choice(keys)
         op = rng.random()
         if op < 0.35:
-            tw.same("add", key, parent[key], rng.randrange(CLASSES), clock)
+            # Now and then another parent (a page re-added elsewhere), a cycle or itself (refused).
+            up = parent[key] if rng.random() < 0.9 else rng.choice(keys)
+            tw.same("add", key, up, rng.randrange(CLASSES), clock)
         elif op < 0.5:
             tw.same("touch", key, rng.randrange(CLASSES), clock)
         elif op < 0.62:
@@ -169,6 +173,14 @@ def test_page_keys_must_be_bytes_of_1_to_16_bytes(bad: Any) -> None:
     h.discard(bad)
     with pytest.raises(KeyError):
         h.take(bad)
+
+
+@pytest.mark.parametrize("impl", [PyLeafHeaps, NativeLeafHeaps])
+def test_a_page_cannot_be_its_own_parent(impl: type[PyLeafHeaps]) -> None:
+    h = impl(1)
+    with pytest.raises(InputError, match="its own parent"):
+        h.add(k("a"), k("a"), 0, 1.0)
+    assert len(h) == 0
 
 
 def test_classes_out_of_range_name_the_range() -> None:

@@ -655,7 +655,8 @@ lh_contains(LeafHeapsObject *s, PyObject *key)
 
 PyDoc_STRVAR(add_doc, "add(key, parent, cls, t)\n\n"
 "key became resident (a leaf, since its children cannot be resident yet).\n"
-"key and parent (or None) are bytes of 1 to 16 bytes; t is converted to float.");
+"key and parent (or None) are bytes of 1 to 16 bytes; t is converted to float.\n"
+"Parent links must form a forest; a page that is its own parent is refused.");
 
 static PyObject *
 lh_add(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
@@ -676,6 +677,10 @@ lh_add(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
     double t = PyFloat_AsDouble(a[3]);
     if (t == -1.0 && PyErr_Occurred())
         return NULL;
+    if (has_parent && plen == klen && memcmp(pk, k, KEY_MAX) == 0) {
+        PyErr_Format(InputError, "page key %R cannot be its own parent", a[0]);
+        return NULL;
+    }
     if (s->nused > MAX_NODES - 2) {
         PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
         return NULL;

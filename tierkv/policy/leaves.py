@@ -26,6 +26,7 @@ import heapq
 import os
 from collections.abc import Callable
 
+from tierkv.errors import InputError
 from tierkv.keys import PageKey
 
 #: An eviction candidate: ``(key, class, last access, from the young end)``.
@@ -72,7 +73,12 @@ class PyLeafHeaps:
 
     # -- changes -----------------------------------------------------------------------
     def add(self, key: PageKey, parent: PageKey | None, cls: int, t: float) -> None:
-        """``key`` became resident (a leaf, since its children cannot be resident yet)."""
+        """``key`` became resident (a leaf, since its children cannot be resident yet).
+
+        Parent links must form a forest; a page that is its own parent is refused.
+        """
+        if parent == key:
+            raise InputError(f"page key {key!r} cannot be its own parent")
         self.undo()
         if key in self.last:
             self.discard(key)
