@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import PB, make_config, page_data
 from tests.polling import wait_for
 from tierkv.config import StoreConfig, config_from_dict
-from tierkv.errors import ConfigError, TierIOError
+from tierkv.errors import ConfigError, TierIOError, TierUnavailableError
 from tierkv.store.api import Store
 from tierkv.store.commits import GroupCommit
 from tierkv.tiers.base import Tier
@@ -151,10 +151,32 @@ def test_failed_background_sync_is_raised_by_close(tmp_path: Path, monkeypatch: 
     s = Store.open(cfg)
     count_flushes(monkeypatch, s._manager.tiers[0], fail=1)
     s.put(prompt(0, 2), page_data(0, 2))
-    assert wait_for(lambda: group(s).pending == 0 and group(s)._error is not None)
+    assert wait_for(lambda: group(s).pending == 0 and group(s)._lost is not None)
     with pytest.raises(TierIOError, match="injected"):
         s.close()
     assert served(cfg, 0, 2) == 0
+
+
+def test_a_degraded_tier_keeps_its_records_waiting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = window(tmp_path / "s")
+    with Store.open(cfg) as s:
+        nvme = s._manager.tiers[0]
+        real = nvme.flush
+        down = [True]
+
+        def flush() -> None:
+            if down[0]:
+                raise TierUnavailableError("nvmeof tier is degraded (injected); flush refused")
+            real()
+        monkeypatch.setattr(nvme, "flush", flush)
+        s.put(prompt(0, 2), page_data(0, 2))
+        for _ in range(2):                                   # raised while the records wait
+            with pytest.raises(TierUnavailableError, match="injected"):
+                s.flush()
+        assert group(s).pending == 2
+        down[0] = False                                      # the tier is back: the window commits
+        s.flush()
+    assert served(cfg, 0, 2) == 2
 
 
 def test_failed_index_commit_is_retried_and_surfaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

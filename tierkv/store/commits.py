@@ -21,11 +21,14 @@ window still fails its checksum, exactly as with per-batch commits.
 
 Failures: if a tier's ``fdatasync`` fails, the window's records for that tier are turned
 into deletes (after a failed fsync the kernel may have dropped the bytes and reports the
-error only once, so a retry could claim durability for bytes that are gone); if the
+error only once, so a retry could claim durability for bytes that are gone). A degraded
+tier (TierUnavailableError: an NVMe-oF tier refuses the sync without attempting it)
+keeps its records waiting for a window after it recovers, as put mode keeps what it
+had committed; its deletes are applied. If the
 LMDB transaction fails, every operation of the window goes back into the buffer (behind
 newer operations on the same keys) for the next one: its data was synced, so the records
-are still true. Either way the error is kept and raised by the next :meth:`sync`, so a
-barrier never claims pages whose window failed.
+are still true. :meth:`sync` raises a dropped window's error once, and a retried one's
+while its operations still wait, so a barrier never claims pages that are not durable.
 
 Thread-safety: every method may be called from any thread. ``add`` holds a short lock;
 windows are applied one at a time (``sync`` waits for the one in progress).
@@ -38,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from tierkv.errors import TierIOError, TierKVError
+from tierkv.errors import TierIOError, TierKVError, TierUnavailableError
 from tierkv.keys import PageKey
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,8 @@ class GroupCommit:
         self._count = 0
         self._opened = 0.0                           # monotonic time of the open window's first op
         self._stopping = False
-        self._error: TierIOError | None = None       # a failed window, until a sync raises it
+        self._lost: TierIOError | None = None        # a window whose records were dropped, until raised
+        self._retrying: TierIOError | None = None    # the last window's error, while its operations wait
         self._hold_until = 0.0                       # after a failed window the thread waits a window
         self._apply_lock = threading.Lock()          # one window applied at a time
         self.windows = 0                             # windows applied (for tests and benchmarks)
@@ -101,12 +105,13 @@ class GroupCommit:
                 self._cond.notify_all()
 
     def sync(self) -> None:
-        """Make every operation added before this call durable; raises TierIOError if that
-        (or any window since the last ``sync``) failed."""
+        """Make every operation added before this call durable. Raises TierIOError if it could
+        not: a window since the last ``sync`` dropped records (raised once), or operations
+        still wait for a degraded tier or a failing index (raised until they are applied)."""
         with self._apply_lock:
             self._flush_window()
         with self._cond:
-            error, self._error = self._error, None
+            error, self._lost = self._lost or self._retrying, None
         if error is not None:
             raise error
 
@@ -147,34 +152,51 @@ class GroupCommit:
             ops, self._ops, self._count = self._ops, {}, 0
         if not ops:
             return
-        failed: list[TierIOError] = []
-        for tier, by_key in ops.items():
+        lost: list[TierIOError] = []
+        retry: list[TierIOError] = []
+        waiting: Ops = {}  # records of degraded tiers: their sync was refused, not attempted
+        for tier, by_key in list(ops.items()):
             if tier not in self._syncs or all(rec is None for rec in by_key.values()):
                 continue  # deletes only: no new bytes to make durable
             try:
                 self._syncs[tier]()
+            except TierUnavailableError as exc:
+                log.warning("group commit: the %s tier is degraded; its records wait for the next window: %s",
+                            tier, exc)
+                retry.append(exc)
+                waiting[tier] = {k: r for k, r in by_key.items() if r is not None}
+                ops[tier] = {k: r for k, r in by_key.items() if r is None}
             except TierKVError as exc:  # a closed tier (StoreClosedError) is as good as a failed sync
                 log.warning("group commit: syncing the %s tier failed; its %d records of this window are "
                             "not committed (those pages are misses after a restart): %s", tier,
                             sum(rec is not None for rec in by_key.values()), exc)
-                failed.append(exc if isinstance(exc, TierIOError) else TierIOError(str(exc)))
+                lost.append(exc if isinstance(exc, TierIOError) else TierIOError(str(exc)))
                 ops[tier] = dict.fromkeys(by_key)  # delete instead: no record may name unsynced bytes
         try:
             self._apply(ops)
         except TierIOError as exc:
             log.warning("group commit: the index transaction failed; its %d operations wait for the "
                         "next window: %s", sum(map(len, ops.values())), exc)
-            failed.append(exc)
-            with self._cond:
-                if not self._count:
-                    self._opened = time.monotonic()
-                for tier, by_key in ops.items():  # newer operations on the same keys win
-                    newer = self._ops.get(tier, {})
-                    self._ops[tier] = {**by_key, **newer}
-                    self._count += len(self._ops[tier]) - len(newer)
+            retry.append(exc)
+            self._requeue(ops)
         else:
             self.windows += 1
-        if failed:
-            with self._cond:
-                self._error = self._error or failed[0]
+        self._requeue(waiting)
+        with self._cond:
+            # A window that leaves nothing waiting made every earlier retried operation durable.
+            self._retrying = retry[0] if retry else None
+            self._lost = self._lost or (lost[0] if lost else None)
+            if lost or retry:
                 self._hold_until = time.monotonic() + self.window_s  # no tight loop on a full disk
+
+    def _requeue(self, ops: Ops) -> None:
+        """Put a window's operations back, behind newer operations on the same keys."""
+        with self._cond:
+            for tier, by_key in ops.items():
+                if not by_key:
+                    continue
+                if not self._count:
+                    self._opened = time.monotonic()
+                newer = self._ops.get(tier, {})
+                self._ops[tier] = {**by_key, **newer}
+                self._count += len(self._ops[tier]) - len(newer)
