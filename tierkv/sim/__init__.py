@@ -1,6 +1,7 @@
 """The trace simulator behind ``tierkv sim``: policies over a workload, hit rates, no bytes.
 
-:mod:`tierkv.sim.mirror` mirrors the block manager's policy calls; :mod:`tierkv.sim.run`
+:mod:`tierkv.sim.mirror` runs the store's own block manager over the byte-less tiers of
+:mod:`tierkv.sim.tiers`, making the calls a store makes per request; :mod:`tierkv.sim.run`
 runs one policy at one tier configuration; :mod:`tierkv.sim.stack` gives plain LRU at
 every capacity from one pass; :mod:`tierkv.sim.plot` draws the curves. The command is
 :mod:`tierkv.cli.sim`. Importing the package is cheap; the rest loads on first use.
