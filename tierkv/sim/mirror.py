@@ -119,7 +119,11 @@ class SimManager:
                 self._run(self.manager.plan_promote(picked, names[0], protect))
 
     def _put(self, keys: Sequence[PageKey]) -> None:
-        """Store.put: the pages no tier holds are stored, the cached ones are the plan's prefix."""
+        """Store.put: the pages no tier holds are stored, the cached ones are the plan's prefix.
+
+        The store asks ``manager.entry(key) is None``; here every plan is published before
+        the next call, so a page the manager holds is exactly a resident one.
+        """
         resident = self.manager.resident
         new: list[tuple[PageKey, PageKey | None]] = []
         prefix: list[PageKey] = []
