@@ -1,9 +1,11 @@
 """Builds the optional C extensions ``tierkv._native`` (key chain and key set) and
-``tierkv.codec._codec`` (the lossless KV page codec).
+``tierkv.codec._codec`` (the lossless KV page codec), and ``tierkv.tiers._uring`` (an
+io_uring ring for the NVMe tier's reads, on raw syscalls: no liburing needed).
 
-Both are optional: where no compiler or no ``xxhash.h`` is present, the package
+All are optional: where no compiler (or no ``xxhash.h``) is present, the package
 installs without them; ``tierkv.keys`` falls back to the pure-Python chain (same
-keys, slower) and ``tierkv.codec`` to its numpy implementation (same format, slower).
+keys, slower), ``tierkv.codec`` to its numpy implementation (same format, slower) and
+the NVMe tier to its thread pool for reads.
 """
 
 import os
@@ -26,6 +28,10 @@ if os.path.exists(os.path.join(_CODEC, "_codec.c")):
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
         )
+    )
+if os.path.exists(os.path.join("tierkv", "tiers", "_uring.c")):
+    ext_modules.append(
+        Extension("tierkv.tiers._uring", ["tierkv/tiers/_uring.c"], extra_compile_args=["-O2"], optional=True)
     )
 _LEAVES = os.path.join("tierkv", "policy", "_leaves.c")
 if os.path.exists(_LEAVES):  # the compiled LeafHeaps; tierkv.policy.leaves falls back to Python

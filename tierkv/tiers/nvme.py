@@ -46,6 +46,7 @@ from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, is_aligned, round_up
 from tierkv.tiers.backing import open_backing, oserr
 from tierkv.tiers.base import Tier, TierKind
+from tierkv.tiers.uring import Ring, RingPool, available as uring_available, requested as uring_requested
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ BOUNCE_CHUNK_BYTES = 1 << 20
 # Linux refuses a preadv/pwritev with more than IOV_MAX (1024) buffers; a padded
 # chunk takes two per slot.
 _MAX_IOVECS = 1024
+# Reads in flight through one io_uring ring (per transfer) when the tier reads through
+# io_uring. Off by default: on the dev VM's virtio disk the ring and the pool read as fast
+# as each other (and as fio), the ring on up to half the CPU; docs/benchmarks.md, "NVMe
+# read path: io_uring vs thread pool (issue 20)".
+URING_READ_DEPTH = 32
 # A file tier allocates its disk space at least this far ahead of the highest slot
 # written (or an eighth of what it has allocated, whichever is more): few fallocate
 # calls as it fills, little disk for a tier that holds few pages.
@@ -91,7 +97,10 @@ class NvmeTier(Tier):
     false), or a block device of at least that size. ``o_direct`` asks for O_DIRECT;
     where the filesystem refuses it the tier logs a warning and uses buffered I/O,
     and ``direct`` tells which one is in use. ``io_threads`` is the number of
-    syscalls in flight for one transfer; ``max_io_bytes`` caps one syscall.
+    syscalls in flight for one transfer; ``max_io_bytes`` caps one syscall. ``io_uring=True``
+    (or ``TIERKV_IO_URING=1`` with the default ``None``) reads through io_uring instead, with
+    ``read_depth`` reads in flight from the calling thread, where the kernel allows it;
+    ``io_engine`` tells which path reads.
 
     ``read``/``write`` block until every byte has moved; they raise
     :class:`~tierkv.errors.TierIOError` (naming the slot, the byte offset and the
@@ -111,11 +120,11 @@ class NvmeTier(Tier):
     def __init__(self, path: str | os.PathLike[str], num_slots: int, page_bytes: int, *,
                  o_direct: bool = True, io_threads: int = 4, create: bool = True,
                  max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0, defer_grow: bool = False,
-                 name: str | None = None) -> None:
+                 name: str | None = None, io_uring: bool | None = None, read_depth: int = URING_READ_DEPTH) -> None:
         if page_bytes <= 0 or num_slots < 0:
             raise InputError(f"nvme tier needs page_bytes > 0 and num_slots >= 0, got {page_bytes}, {num_slots}")
-        if io_threads < 1:
-            raise InputError(f"nvme tier needs io_threads >= 1, got {io_threads}")
+        if io_threads < 1 or read_depth < 1:
+            raise InputError(f"nvme tier needs io_threads >= 1 and read_depth >= 1, got {io_threads}, {read_depth}")
         if max_io_bytes < ALIGN:
             raise InputError(f"nvme tier needs max_io_bytes >= {ALIGN}, got {max_io_bytes}")
         if header_bytes < 0 or header_bytes % ALIGN:
@@ -154,6 +163,7 @@ class NvmeTier(Tier):
         # How long close() waits for transfers in flight (None: forever). A fabric tier
         # bounds it, since a syscall on a lost namespace can outlive any caller.
         self._close_wait_s: float | None = None
+        self._init_reads(io_uring, read_depth)
         if not defer_grow:
             self.grow_back()
 
@@ -249,7 +259,7 @@ class NvmeTier(Tier):
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         if not dst.flags.writeable:
             raise InputError("nvme tier read needs a writeable destination buffer, got a read-only one")
-        self._transfer(_Op.READ, slots, dst)
+        self._read_rows(slots, dst, None)
 
     def _close(self) -> None:
         with self._cond:
@@ -262,6 +272,8 @@ class NvmeTier(Tier):
         if self._fanout is not None:
             self._fanout.shutdown(wait=idle, cancel_futures=not idle)
         self._bounce.clear()
+        if self._rings is not None:
+            self._rings.close()
 
     def _retire_fd(self, fd: int) -> None:
         """Close ``fd`` now if no transfer is in flight, else when the last one leaves.
@@ -305,8 +317,93 @@ class NvmeTier(Tier):
         if not dst.flags.writeable:
             raise InputError("nvme tier read needs a writeable destination buffer, got a read-only one")
         sums = [0] * len(slots)
-        self._transfer(_Op.READ, slots, dst, sums)
+        self._read_rows(slots, dst, sums)
         return sums
+
+    # -- reads through io_uring ----------------------------------------------------------
+    def _init_reads(self, io_uring: bool | None, read_depth: int) -> None:
+        """Set up the read path: io_uring rings where asked for and working here, else the pool.
+
+        ``io_uring=None`` follows ``TIERKV_IO_URING=1`` on a local NVMe tier (a fabric tier's
+        deadlines and fault tests are built on the pool's syscalls, so it needs ``True``)."""
+        self.read_depth = read_depth
+        wanted = uring_requested() and self.kind is TierKind.NVME if io_uring is None else io_uring
+        self._rings = RingPool(read_depth) if wanted and uring_available() else None
+        if self._rings is not None:  # a bounce buffer kept per read in flight on a ring
+            self._bounce = BouncePool(self._bounce_slots * self.slot_bytes, keep=max(self.io_threads, read_depth))
+
+    @property
+    def io_engine(self) -> str:
+        """How this tier reads: ``"io_uring"`` or ``"threads"`` (writes always use the pool)."""
+        return "threads" if self._rings is None else "io_uring"
+
+    def _read_rows(self, slots: Sequence[int], dst: np.ndarray, sums: list[int] | None) -> None:
+        """Read ``slots`` into ``dst`` through an io_uring ring, or the thread pool without one."""
+        if self._rings is None or len(slots) == 0 or dst.shape[1] == 0:
+            self._transfer(_Op.READ, slots, dst, sums)
+            return
+        in_place = self._serves_in_place(dst)
+        chunks = self._plan(slots, self._chunk_slots if in_place else self._bounce_slots)
+        # Nested so that on an exception the ring is drained (closed) before the bounce
+        # buffers its reads may still be filling go back to the pool, and before the fd.
+        with self._busy() as fd, contextlib.ExitStack() as stack, self._rings.borrow() as ring:
+            self._ring_read(ring, fd, chunks, dst, in_place, sums, stack)
+
+    def _ring_read(self, ring: Ring, fd: int, chunks: list[_Chunk], dst: np.ndarray, in_place: bool,
+                   sums: list[int] | None, stack: contextlib.ExitStack) -> None:
+        """Keep up to ``ring.entries`` chunks in flight; hash (and copy out of the bounce buffer)
+        the chunks that landed while the next ones are in flight. Once no read of the call is
+        in flight any more, raises the failure of the first row that failed (completions come
+        in any order)."""
+        todo = deque(enumerate(chunks))
+        staged: dict[int, np.ndarray] = {}   # chunk -> its bounce buffer, while in flight
+        spare: list[np.ndarray] = []         # this call's bounce buffers not in use
+        landed: list[_Chunk] = []
+        errors: list[tuple[TierIOError, int]] = []  # with the failed chunk's first row
+        width = dst.shape[1]
+        while True:
+            while todo and not errors and ring.inflight < ring.entries:
+                tag, chunk = todo.popleft()
+                offset = self.header_bytes + chunk.slot * self.slot_bytes
+                if in_place:
+                    iov = self._iovecs(_Op.READ, dst[chunk.row:chunk.row + chunk.count])
+                else:
+                    staged[tag] = spare.pop() if spare else stack.enter_context(self._bounce.borrow())
+                    iov = [staged[tag][:chunk.count * self.slot_bytes].data]
+                ring.readv(fd, offset, iov, tag)
+            ring.submit()
+            if sums is not None:  # the device is busy with the next chunks meanwhile
+                for chunk in landed:
+                    rows = dst[chunk.row:chunk.row + chunk.count]
+                    sums[chunk.row:chunk.row + chunk.count] = [checksum64(row) for row in rows]
+            landed.clear()
+            if ring.inflight == 0:
+                break
+            for tag, result in ring.wait(1):
+                chunk = chunks[tag]
+                bounce = staged.pop(tag, None)
+                if result != chunk.count * self.slot_bytes:
+                    errors.append((self._read_failed(chunk, result), chunk.row))
+                elif bounce is not None:
+                    rows = bounce[:chunk.count * self.slot_bytes].reshape(chunk.count, self.slot_bytes)
+                    dst[chunk.row:chunk.row + chunk.count] = rows[:, :width]
+                if bounce is not None:
+                    spare.append(bounce)
+                if not errors:
+                    landed.append(chunk)
+        if errors:
+            raise min(errors, key=lambda failed: failed[1])[0]
+
+    def _read_failed(self, chunk: _Chunk, result: int) -> TierIOError:
+        """The error for a ring read of ``chunk`` that returned ``result`` (bytes, or -errno)."""
+        offset = self.header_bytes + chunk.slot * self.slot_bytes
+        length = chunk.count * self.slot_bytes
+        if result < 0:
+            return TierIOError(f"nvme tier {self.path}: read of slot {chunk.slot} ({chunk.count} slots, {length} "
+                               f"bytes at offset {offset}) failed: [Errno {-result}] {os.strerror(-result)}")
+        bad = chunk.slot + result // self.slot_bytes
+        return TierIOError(f"nvme tier {self.path}: short read at slot {bad} (offset {offset + result}): {result}"
+                           f" of {length} bytes from offset {offset} (file or device shorter than the tier?)")
 
     def _transfer(self, op: _Op, slots: Sequence[int], buf: np.ndarray | PageList,
                   sums: list[int] | None = None) -> None:
