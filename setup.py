@@ -1,11 +1,13 @@
-"""Builds the optional C extensions ``tierkv._native`` (key chain and key set) and
-``tierkv.codec._codec`` (the lossless KV page codec), and ``tierkv.tiers._uring`` (an
-io_uring ring for the NVMe tier's reads, on raw syscalls: no liburing needed).
+"""Builds the optional C extensions: ``tierkv._native`` (key chain and key set),
+``tierkv._table`` (the block manager's page table), ``tierkv.policy._leaves`` (the
+prefix-aware policies' leaf heaps), ``tierkv.codec._codec`` (the lossless KV page codec)
+and ``tierkv.tiers._uring`` (an io_uring ring for the NVMe tier's reads, on raw
+syscalls: no liburing needed).
 
 All are optional: where no compiler (or no ``xxhash.h``) is present, the package
-installs without them; ``tierkv.keys`` falls back to the pure-Python chain (same
-keys, slower), ``tierkv.codec`` to its numpy implementation (same format, slower) and
-the NVMe tier to its thread pool for reads.
+installs without them and each falls back to Python (same results, slower): the key
+chain, the page table (``tierkv.store.table.PyCore``), the leaf heaps, the codec's numpy
+implementation, and the NVMe tier's thread pool for reads.
 """
 
 import os
@@ -16,6 +18,10 @@ ext_modules = []
 if os.path.exists(os.path.join("tierkv", "_native.c")):
     ext_modules.append(
         Extension("tierkv._native", ["tierkv/_native.c"], extra_compile_args=["-O3"], optional=True)
+    )
+if os.path.exists(os.path.join("tierkv", "_table.c")):
+    ext_modules.append(
+        Extension("tierkv._table", ["tierkv/_table.c"], extra_compile_args=["-O3"], optional=True)
     )
 _CODEC = os.path.join("tierkv", "codec")
 if os.path.exists(os.path.join(_CODEC, "_codec.c")):

@@ -69,7 +69,7 @@ def consistent(store: Store) -> None:
     """Every used slot belongs to exactly one entry, and every entry is known to its tiers' policies."""
     m = store._manager
     for tier in m.tiers:
-        owners = [e.slots[tier.name] for e in m._entries.values() if tier.name in e.slots]
+        owners = [e.slots[tier.name] for e in m.snapshots() if tier.name in e.slots]
         assert len(owners) == len(set(owners)) == m.used_slots(tier.name), tier.name
         assert len(m._policies[tier.name]) == len(owners), tier.name
 

@@ -52,8 +52,10 @@ def test_no_cached_page_outlives_its_parent(tmp_path: Path, policy: str, seed: i
                 pinned.append(toks)
             elif y < 0.2 and pinned:
                 s.unpin(pinned.pop(rng.randrange(len(pinned))))
-            orphans = [k for k, e in m._entries.items() if e.parent is not None and e.parent not in m._entries]
+            held = {e.key: e for e in m.snapshots()}
+            orphans = [k for k, e in held.items() if e.parent is not None and e.parent not in held]
             assert not orphans, f"step {step}: {len(orphans)} cached pages without their parent"
+            m.check()
             for t in m.tiers:
-                mine = sum(1 for e in m._entries.values() if t.name in e.slots)
+                mine = sum(1 for e in held.values() if t.name in e.slots)
                 assert t.num_slots - t.num_free == mine == len(m._policies[t.name])

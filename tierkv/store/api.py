@@ -104,10 +104,7 @@ class Store:
         """Entries of the leading cached pages of a key blob, at most ``limit``."""
         if self.read_only:
             return self._leading_from_index(blob, limit)
-        n = min(self._manager.resident.prefix_len(blob), limit)
-        keys = split_keys(blob[:n * KEY_BYTES])
-        entries = [self._manager.entry(k) for k in keys]
-        return [e for e in entries if e is not None]
+        return self._manager.leading(blob, limit)
 
     def _leading_from_index(self, blob: bytes, limit: int) -> list[Entry]:
         """Read-only stores ask LMDB directly, so they see what the writer committed since."""
@@ -314,7 +311,7 @@ class Store:
                 staging = np.empty((len(slow), self.layout.page_bytes), dtype=np.uint8)
                 loaded = self._transfers.read(slow, staging, serve=False)
                 self._promote(slow[:loaded], staging)
-            return sum(1 for e in entries if top in e.slots)
+            return sum(1 for e in self._leading(blob, len(entries)) if top in e.slots)
 
     def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
         """Pin the leading cached pages so no policy evicts them; returns how many were pinned.

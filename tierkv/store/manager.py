@@ -7,6 +7,11 @@ drops, but it never touches page bytes. Plans it hands out are executed by
 committed. Called by :mod:`tierkv.store.api` with the store lock held; not thread-safe on
 its own.
 
+What it knows of the pages lives in a :class:`~tierkv.store.table.PageTable`: rows of
+numpy columns behind a C hash map, no Python object per page. The table is also the
+resident-key index a lookup scans (:attr:`BlockManager.resident`). Callers get
+:class:`~tierkv.store.moves.Entry` snapshots of the pages they asked for.
+
 Caching is inclusive downwards: a page promoted to a faster tier keeps its copy
 below, so evicting it from the faster tier later costs no write, and the persistent
 copy survives a restart.
@@ -22,19 +27,23 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from tierkv.errors import CapacityError, InputError, TierIOError
-from tierkv.store.index import IndexRecord, PersistentIndex
-from tierkv.keys import PageKey, new_keyset
-from tierkv.store.moves import Entry, Move, PageLocation, MovePlan
+from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.policy import Policy
+from tierkv.store.index import IndexRecord, PersistentIndex
+from tierkv.store.moves import Entry, Move, MovePlan, PageLocation
+from tierkv.store.table import LOWEST_LEVEL, MAX_TIERS, NO_LEVEL, PageTable, rows_of
 from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.base import Tier, TierId, TierKind
-
 
 log = logging.getLogger(__name__)
 
 # Pages a full volatile tier demotes at once (capped at 1/16 of the tier).
 DEMOTION_BATCH = 64
+#: The largest page length a row records.
+MAX_NBYTES = (1 << 32) - 1
 
 
 def _as_slot(rec: IndexRecord, blocks_per_slot: int) -> int | None:
@@ -48,8 +57,12 @@ def _as_slot(rec: IndexRecord, blocks_per_slot: int) -> int | None:
     return None
 
 
+def _lowest(mask: int) -> int:
+    return (mask & -mask).bit_length() - 1
+
+
 class BlockManager:
-    """Page directory plus per-tier policies over tiers ordered fastest first.
+    """Page table plus per-tier policies over tiers ordered fastest first.
 
     ``policies`` has one policy per tier name; names must be unique (InputError).
     """
@@ -64,20 +77,22 @@ class BlockManager:
             raise InputError(f"a store's tier cannot be named {TierKind.PEER.value!r}: {names}")
         if set(policies) != set(names):
             raise InputError(f"policies are for tiers {sorted(policies)}, the tiers are {names}")
+        if len(names) > MAX_TIERS:
+            raise InputError(f"a store holds at most {MAX_TIERS} tiers, got {len(names)}: {names}")
         self._by_id = {t.name: t for t in self.tiers}
         #: Each tier's level: its place in ``tiers`` (0 is the fastest).
         self.levels: dict[TierId, int] = {name: i for i, name in enumerate(names)}
+        self._names = names
         # bytes.translate table from levels (what ``resident`` holds) to kind ranks (what
         # lookups report): one C pass over a lookup's bytes.
         self.kind_ranks = bytes(t.kind.rank for t in self.tiers) + bytes(range(len(names), 256))
         self._policies = policies
         self._index = index
-        self._entries: dict[PageKey, Entry] = {}
-        # Cached children of each page: the last tier keeps a parent whose child lives in
-        # a faster tier (dropping it would orphan the child: lookups stop at the gap).
-        self._children: dict[PageKey, set[PageKey]] = {}
-        # Published pages -> level of their fastest tier, so a lookup is one C scan.
-        self.resident = new_keyset()
+        self.table = PageTable(len(names))
+        #: Published pages -> level of their fastest tier (the table's lookup half), so a
+        #: lookup is one C scan.
+        self.resident = self.table.core
+        self._pages = 0
         self.demotion_batch = DEMOTION_BATCH
         # Observers told when pages become readable in a tier ("placed", after publish) and
         # when they stop being so ("removed", before their slots are reused): f(event, tier,
@@ -87,15 +102,108 @@ class BlockManager:
         # disk, say): they ride in that tier's next commit, ahead of its puts.
         self._unsynced: dict[TierId, list[PageKey]] = {}
 
+    # -- rows ------------------------------------------------------------------------
+    def _row(self, key: PageKey) -> int:
+        return self.table.core.row(key)  # type: ignore[no-any-return]
+
+    def _parent_key(self, r: int) -> PageKey | None:
+        p = int(self.table.parent[r]) - 1
+        return PageKey(self.table.key(p)) if p >= 0 else None
+
+    def _add_copy(self, r: int, lvl: int, slot: int) -> None:
+        t = self.table
+        w = int(t.where[r])
+        t.slot[lvl, r] = slot + 1
+        t.where[r] = w | (1 << lvl)
+        p = int(t.parent[r]) - 1
+        if p >= 0:
+            t.kids[lvl, p] += 1
+            if not w:
+                t.nkids[p] += 1
+        if not w:
+            self._pages += 1
+            t.gen[r] += 1
+
+    def _drop_copy(self, r: int, lvl: int) -> tuple[int, bool]:
+        """Clear row ``r``'s copy at ``lvl``; returns its slot and whether it was the last copy.
+
+        A page left with no copy is unpublished; its row is freed, or kept as a
+        placeholder while cached children name it as their parent.
+        """
+        t = self.table
+        w = int(t.where[r]) & ~(1 << lvl)
+        slot = int(t.slot[lvl, r]) - 1
+        t.slot[lvl, r] = 0
+        t.where[r] = w
+        p = int(t.parent[r]) - 1
+        if p >= 0:
+            t.kids[lvl, p] -= 1
+            if not w:
+                t.nkids[p] -= 1
+        if w:
+            return slot, False
+        self._pages -= 1
+        self.table.core.set_levels(np.array([r], dtype=np.int32).tobytes(), NO_LEVEL)
+        t.parent[r] = 0
+        t.pins[r] = 0
+        t.has_sum[r] = False
+        if not t.nkids[r]:
+            t.release(np.array([r], dtype=np.int32))
+        if p >= 0 and not t.where[p] and not t.nkids[p]:
+            t.release(np.array([p], dtype=np.int32))
+        return slot, True
+
+    def _republish(self, r: int) -> None:
+        """A published page's level follows its fastest copy."""
+        core = self.table.core
+        rb = np.array([r], dtype=np.int32).tobytes()
+        if core.levels(rb)[0] != NO_LEVEL:
+            core.set_levels(rb, _lowest(int(self.table.where[r])))
+
+    def _view(self, r: int) -> Entry:
+        t = self.table
+        w = int(t.where[r])
+        slots = {self._names[lvl]: int(t.slot[lvl, r]) - 1 for lvl in range(len(self._names)) if w >> lvl & 1}
+        return Entry(PageKey(t.key(r)), self._parent_key(r), int(t.nbytes[r]),
+                     int(t.checksum[r]) if t.has_sum[r] else None, slots, int(t.pins[r]), int(t.gen[r]))
+
     # -- queries -------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._pages
 
     def entry(self, key: PageKey) -> Entry | None:
-        return self._entries.get(key)
+        """A snapshot of the page's bookkeeping, or None when no tier holds it."""
+        r = self._row(key)
+        if r < 0 or not self.table.where[r]:
+            return None
+        return self._view(r)
+
+    def leading(self, blob: bytes, limit: int) -> list[Entry]:
+        """Snapshots of the leading published pages of a key blob, at most ``limit``."""
+        rows = rows_of(self.table.core.prefix_rows(blob[:max(limit, 0) * KEY_BYTES]))
+        return [self._view(r) for r in rows.tolist()]
+
+    def snapshots(self) -> list[Entry]:
+        """Snapshots of every page the manager holds (for checks and tests: a Python object per page)."""
+        live = rows_of(self.table.core.live_rows())
+        return [self._view(r) for r in live[self.table.where[live] != 0].tolist()]
+
+    def current(self, e: Entry) -> bool:
+        """Whether the snapshot ``e`` is still of the page the manager holds (not removed since)."""
+        r = self._row(e.key)
+        return r >= 0 and bool(self.table.where[r]) and int(self.table.gen[r]) == e.gen
+
+    def unsummed(self, keys: Sequence[PageKey]) -> list[bool]:
+        """For each key: whether the manager holds the page without a checksum yet."""
+        if not keys:
+            return []
+        t = self.table
+        rows = rows_of(t.core.find(b"".join(keys)))
+        safe = np.where(rows >= 0, rows, 0)
+        return ((rows >= 0) & (t.where[safe] != 0) & ~t.has_sum[safe]).tolist()  # type: ignore[no-any-return]
 
     def locate(self, key: PageKey) -> PageLocation | None:
-        e = self._entries.get(key)
+        e = self.entry(key)
         if e is None:
             return None
         slots = tuple(sorted(e.slots.items(), key=lambda kv: self.levels[kv[0]]))
@@ -163,22 +271,62 @@ class BlockManager:
                         "dropped, those pages are misses", name, dropped)
         if not tier.block_addressed:
             tier.claim([slot_of[r.key] for r in good])
+        t, lvl = self.table, self.levels[name]
+        adopted: list[IndexRecord] = []
         for rec in good:
-            have = self._entries.get(rec.key)
-            if have is not None and have.checksum == rec.checksum and have.nbytes == rec.nbytes:
-                # Recorded in an earlier persistent tier too: a crash between a demotion's
-                # commit and its source's delete. Copies are inclusive: keep both.
-                have.slots[name] = slot_of[rec.key]
-            else:
-                if have is not None:  # the same key with other bytes: trust neither copy
+            r = self._row(rec.key)
+            if r >= 0 and t.where[r]:
+                if t.has_sum[r] and int(t.checksum[r]) == rec.checksum and int(t.nbytes[r]) == rec.nbytes:
+                    # Recorded in an earlier persistent tier too: a crash between a demotion's
+                    # commit and its source's delete. Copies are inclusive: keep both.
+                    self._add_copy(r, lvl, slot_of[rec.key])
+                    adopted.append(rec)
+                else:  # the same key with other bytes: trust neither copy
                     self.forget(rec.key)
                     tier.free([slot_of[rec.key]])
                     self._index.commit(name, delete=[rec.key])
-                    continue
-                self._add(Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {name: slot_of[rec.key]}))
-            self.resident.add(rec.key, self.levels[self.fastest(self._entries[rec.key])])
-            self._policies[name].insert(rec.key, rec.parent)
-        return len(good)
+                continue
+            adopted.append(rec)
+        fresh = [rec for rec in adopted if not (self._row(rec.key) >= 0 and t.where[self._row(rec.key)])]
+        self._add_pages([rec.key for rec in fresh], [rec.parent for rec in fresh],
+                        np.array([rec.nbytes for rec in fresh], dtype=np.int64), lvl,
+                        [slot_of[rec.key] for rec in fresh],
+                        np.array([rec.checksum for rec in fresh], dtype=np.uint64))
+        if adopted:
+            rows = rows_of(t.core.find(b"".join(rec.key for rec in adopted)))
+            t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
+            policy = self._policies[name]
+            for rec in adopted:
+                policy.insert(rec.key, rec.parent)
+        return len(adopted)
+
+    def _add_pages(self, keys: Sequence[PageKey], parents: Sequence[PageKey | None], nbytes: np.ndarray,
+                   lvl: int, slots: Sequence[int], checksums: np.ndarray | None = None) -> np.ndarray:
+        """Rows for pages no tier holds yet, each with one copy at ``lvl``; unpublished."""
+        t = self.table
+        if not keys:
+            return np.zeros(0, dtype=np.int32)
+        rows, _ = t.ensure(b"".join(keys))
+        prow = np.zeros(len(keys), dtype=np.int32)
+        has = [i for i, p in enumerate(parents) if p is not None]
+        if has:
+            got, _ = t.ensure(b"".join(parents[i] for i in has))  # type: ignore[misc]
+            prow[has] = got + 1
+        if t.where[rows].any():
+            raise AssertionError("a page added to the table already has a copy")
+        t.parent[rows] = prow
+        t.nbytes[rows] = nbytes
+        if checksums is not None:
+            t.checksum[rows] = checksums
+            t.has_sum[rows] = True
+        t.slot[lvl, rows] = np.asarray(slots, dtype=np.int64) + 1
+        t.where[rows] = 1 << lvl
+        t.gen[rows] += 1                          # a new incarnation: snapshots of the old are stale
+        linked = prow[prow > 0] - 1
+        np.add.at(t.kids[lvl], linked, 1)
+        np.add.at(t.nkids, linked, 1)
+        self._pages += len(keys)
+        return rows
 
     # -- planning --------------------------------------------------------------------
     def plan_store(self, pages: Sequence[tuple[PageKey, PageKey | None]], nbytes: int,
@@ -191,6 +339,8 @@ class BlockManager:
         total = sum(t.num_slots for t in self.tiers)
         if len(pages) > total:
             raise CapacityError(f"asked to store {len(pages)} pages; all tiers together hold {total}")
+        if not 0 <= nbytes <= MAX_NBYTES:
+            raise InputError(f"a page is 0 to {MAX_NBYTES} bytes long, got {nbytes}")
         plan = MovePlan()
         protect = {k for k, _ in pages} | set(prefix)
         todo = list(pages)
@@ -199,13 +349,15 @@ class BlockManager:
                 break
             if not tier.available:
                 continue
-            admitted = [(k, p) for k, p in todo if self._policies[tier.name].admit(k, p)]
+            policy = self._policies[tier.name]
+            admitted = [(k, p) for k, p in todo if policy.admit(k, p)]
             slots = self._reserve(tier, len(admitted), protect, plan)
-            for (key, parent), slot in zip(admitted, slots):
-                plan.placements.append((key, tier.name, slot))
-                self._add(Entry(key, parent, nbytes, None, {tier.name: slot}))
-            placed = {k for k, _ in admitted[:len(slots)]}
-            todo = [(k, p) for k, p in todo if k not in placed]
+            placed = admitted[:len(slots)]
+            self._add_pages([k for k, _ in placed], [p for _, p in placed],
+                            np.full(len(placed), nbytes, dtype=np.int64), self.levels[tier.name], slots)
+            plan.placements.extend((key, tier.name, slot) for (key, _), slot in zip(placed, slots))
+            done = {k for k, _ in placed}
+            todo = [(k, p) for k, p in todo if k not in done]
         plan.dropped += len(todo)
         return plan
 
@@ -214,12 +366,16 @@ class BlockManager:
         plan = MovePlan()
         tier = self._by_id[to]
         level = self.levels[to]
-        want = [k for k in keys if k in self._entries and to not in self._entries[k].slots
-                and self.levels[self.fastest(self._entries[k])] > level]
+        t = self.table
+        rows = rows_of(t.core.find(b"".join(keys))) if keys else np.zeros(0, dtype=np.int32)
+        ok = (rows >= 0)
+        where = t.where[np.where(ok, rows, 0)]
+        ok &= (where != 0) & (LOWEST_LEVEL[where] > level)   # also: no copy at ``to`` yet
+        want = [k for k, good in zip(keys, ok.tolist()) if good]
         slots = self._reserve(tier, len(want), protect | set(want), plan)
         for key, slot in zip(want, slots):
             plan.placements.append((key, to, slot))
-            self._entries[key].slots[to] = slot
+            self._add_copy(self._row(key), level, slot)
         return plan
 
     def plan_writeback(self) -> MovePlan:
@@ -233,12 +389,19 @@ class BlockManager:
         target = next((t for t in self.tiers if t.persistent and t.available), None)
         if target is None:
             return plan
-        volatile = [e for e in self._entries.values() if not any(self._by_id[k].persistent for k in e.slots)]
-        slots = self._reserve(target, len(volatile), {e.key for e in volatile}, plan)
-        for e, slot in zip(volatile, slots):
-            src = self.fastest(e)
-            plan.moves.append(Move(e.key, src, e.slots[src], target.name, slot))
-            e.slots[target.name] = slot
+        t = self.table
+        durable = sum(1 << i for i, tier in enumerate(self.tiers) if tier.persistent)
+        live = rows_of(t.core.live_rows())
+        where = t.where[live]
+        rows = live[(where != 0) & (where & durable == 0)]
+        rows = rows[np.argsort(t.depths()[rows], kind="stable")]   # parents first
+        keys = t.keys(rows)
+        slots = self._reserve(target, len(rows), set(keys), plan)
+        lvl = self.levels[target.name]
+        for r, key, slot in zip(rows.tolist(), keys, slots):
+            src = _lowest(int(t.where[r]))
+            plan.moves.append(Move(PageKey(key), self._names[src], int(t.slot[src, r]) - 1, target.name, slot))
+            self._add_copy(r, lvl, slot)
         return plan
 
     def _reserve(self, tier: Tier, n: int, protect: set[PageKey], plan: MovePlan) -> list[int]:
@@ -251,16 +414,20 @@ class BlockManager:
         # The last tier keeps a parent whose child sits in a faster tier; a store whose last
         # tier is also its first (DRAM only) has no faster tier, so skips the check.
         last = self.below(tier.name) is None and tier is not self.tiers[0]
-        entries, children, levels = self._entries, self._children, self.levels
-        faster = levels[tier.name]
+        t = self.table
+        faster = self.levels[tier.name]
+        row = t.core.row
         parents, kept = plan.parents_below.get(tier.name, ()), plan.kept
 
         def evictable(k: PageKey) -> bool:
-            e = entries[k]
-            if k in protect or e.pins or k in parents or k in kept:
+            if k in protect or k in parents or k in kept:
                 return False
-            if last and len(e.slots) == 1:  # its last copy: dropped, not demoted
-                return not any(any(levels[t] < faster for t in entries[c].slots) for c in children.get(k, ()))
+            r = row(k)
+            if t.pins[r]:
+                return False
+            w = int(t.where[r])
+            if last and not w & (w - 1):  # its last copy: dropped, not demoted
+                return not (faster and t.kids[:faster, r].any())
             return True
 
         # A compressed page frees less than the raw page reserved in its place, so a
@@ -279,54 +446,42 @@ class BlockManager:
             listener(event, name, keys, slots)
 
     def _evict(self, key: PageKey, tier: Tier, protect: set[PageKey], plan: MovePlan) -> None:
-        e = self._entries[key]
+        t = self.table
+        r = self._row(key)
+        lvl = self.levels[tier.name]
         lower: Tier | None = None
         dst: list[int] = []
-        if len(e.slots) == 1:  # its last copy: demoted to the next tier down, or dropped
+        if int(t.where[r]) == 1 << lvl:  # its last copy: demoted to the next tier down, or dropped
             lower = self.below(tier.name)
-            if lower is not None and self._policies[lower.name].admit(key, e.parent):
-                if e.parent is not None:  # see MovePlan.parents_below
-                    plan.parents_below.setdefault(lower.name, set()).add(e.parent)
+            parent = self._parent_key(r)
+            if lower is not None and self._policies[lower.name].admit(key, parent):
+                if parent is not None:  # see MovePlan.parents_below
+                    plan.parents_below.setdefault(lower.name, set()).add(parent)
                 dst = self._reserve(lower, 1, protect | {key}, plan)
-            if not dst and lower is not None and self._children.get(key):
+            if not dst and lower is not None and t.nkids[r]:
                 # Dropping it would strand its cached descendants (they went down before
                 # it, leaves first, or live below): it stays where it is for this plan.
                 plan.kept.add(key)
                 return
-        slot = e.slots.pop(tier.name)
+        if dst:  # the copy below first, so the row never looks empty
+            assert lower is not None
+            self._add_copy(r, self.levels[lower.name], dst[0])
+        slot, gone = self._drop_copy(r, lvl)
         if self.listeners:
             self._emit("removed", tier.name, [key], [slot])
         self._policies[tier.name].remove(key)
         plan.evicted += 1
         if tier.persistent:
             plan.deletes.setdefault(tier.name, []).append(key)
-        if not e.slots:
-            if dst:
-                assert lower is not None
-                plan.moves.append(Move(key, tier.name, slot, lower.name, dst[0]))
-                e.slots[lower.name] = dst[0]
-            else:
-                self._remove(key)
-                self.resident.discard(key)
-                plan.dropped += 1
-        if e.slots and key in self.resident:
-            self.resident.add(key, self.levels[self.fastest(e)])
+        if dst:
+            assert lower is not None
+            plan.moves.append(Move(key, tier.name, slot, lower.name, dst[0]))
+            self._republish(r)
+        elif gone:
+            plan.dropped += 1
+        else:
+            self._republish(r)
         tier.free([slot])
-
-    def _add(self, e: Entry) -> None:
-        self._entries[e.key] = e
-        if e.parent is not None:
-            self._children.setdefault(e.parent, set()).add(e.key)
-
-    def _remove(self, key: PageKey) -> Entry | None:
-        e = self._entries.pop(key, None)
-        if e is not None and e.parent is not None:
-            sib = self._children.get(e.parent)
-            if sib is not None:
-                sib.discard(key)
-                if not sib:
-                    del self._children[e.parent]
-        return e
 
     # -- completion --------------------------------------------------------------------
     def _commit(self, name: TierId, put: Sequence[IndexRecord] = (), delete: Sequence[PageKey] = ()) -> None:
@@ -372,48 +527,66 @@ class BlockManager:
         misses, never wrong data. A failed commit raises TierIOError with nothing made
         visible; the caller then abandons ``placed``.
         """
+        if not placed:
+            return
+        t = self.table
+        keys = [k for k, _, _ in placed]
+        rows = rows_of(t.core.find(b"".join(keys)))
+        if checksums:
+            sums = [(i, checksums[k]) for i, k in enumerate(keys) if k in checksums]
+            idx = [i for i, _ in sums]
+            t.checksum[rows[idx]] = np.array([v for _, v in sums], dtype=np.uint64)
+            t.has_sum[rows[idx]] = True
+        prow = t.parent[rows].astype(np.int64) - 1
+        has_parent = prow >= 0
+        pkeys: list[PageKey | None] = [None] * len(keys)
+        if has_parent.any():
+            for i, k in zip(np.flatnonzero(has_parent).tolist(), t.keys(prow[has_parent])):
+                pkeys[i] = PageKey(k)
         by_tier: dict[TierId, list[IndexRecord]] = {}
-        for key, name, slot in placed:
-            e = self._entries[key]
-            if key in checksums:
-                e.checksum = checksums[key]
-            tier = self._by_id[name]
-            if tier.persistent:
-                if e.checksum is None:
+        persistent = {name for _, name, _ in placed if self._by_id[name].persistent}
+        if persistent:
+            nbytes = t.nbytes[rows].tolist()
+            sums_col = t.checksum[rows].tolist()
+            has_sum = t.has_sum[rows].tolist()
+            for i, (key, name, slot) in enumerate(placed):
+                if name not in persistent:
+                    continue
+                if not has_sum[i]:
                     raise InputError(f"page bound for the {name} tier has no checksum")
+                tier = self._by_id[name]
                 extents = tier.extents(slot) or ()
                 # Block records name the slot of their first block: a reader that addresses
                 # the file in slots finds a raw page there, or bytes that fail the checksum.
                 first = extents[0][0] * ALIGN // tier.slot_bytes if extents else slot
                 by_tier.setdefault(name, []).append(
-                    IndexRecord(key, first, e.nbytes, e.checksum, e.parent, extents))
+                    IndexRecord(key, first, nbytes[i], sums_col[i], pkeys[i], extents))
         if self._index is not None:
             for name, recs in by_tier.items():
                 deletes = plan.deletes.pop(name, []) if plan is not None else []
                 self._commit(name, put=recs, delete=deletes)
-        for key, name, _slot in placed:
-            e = self._entries[key]
-            self._policies[name].insert(key, e.parent)
-            self.resident.add(key, self.levels[self.fastest(e)])
+        for i, (key, name, _slot) in enumerate(placed):
+            self._policies[name].insert(key, pkeys[i])
+        t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
         if self.listeners:
-            for name in {n for _, n, _ in placed}:
+            for name in dict.fromkeys(n for _, n, _ in placed):
                 mine = [(key, slot) for key, n, slot in placed if n == name]
                 self._emit("placed", name, [k for k, _ in mine], [s for _, s in mine])
 
     def abandon(self, placed: Sequence[tuple[PageKey, TierId, int]]) -> None:
         """Roll back reservations whose writes failed: the slots are freed, the pages become misses."""
+        t = self.table
         for key, name, slot in placed:
             if self.listeners:
                 self._emit("removed", name, [key], [slot])
             self._by_id[name].free([slot])
-            e = self._entries.get(key)
-            if e is None:
+            r = self._row(key)
+            lvl = self.levels[name]
+            if r < 0 or int(t.slot[lvl, r]) - 1 != slot:
                 continue
-            e.slots.pop(name, None)
-            if not e.slots:
-                self.forget(key)
-            elif key in self.resident:
-                self.resident.add(key, self.levels[self.fastest(e)])
+            _, gone = self._drop_copy(r, lvl)
+            if not gone:
+                self._republish(r)
 
     def forget(self, key: PageKey) -> None:
         """Drop a page from every tier (quarantine or failed write); frees its slots.
@@ -422,11 +595,16 @@ class BlockManager:
         delete rides in the tier's next commit, and the record fails its checksum after a
         restart if its slot was reused).
         """
-        e = self._remove(key)
-        self.resident.discard(key)
-        if e is None:
+        r = self._row(key)
+        if r < 0 or not self.table.where[r]:
             return
-        for name, slot in e.slots.items():
+        w = int(self.table.where[r])
+        copies = []
+        for lvl in range(len(self._names)):
+            if w >> lvl & 1:
+                slot, _ = self._drop_copy(r, lvl)
+                copies.append((self._names[lvl], slot))
+        for name, slot in copies:
             if self.listeners:
                 self._emit("removed", name, [key], [slot])
             self._policies[name].remove(key)
@@ -448,7 +626,41 @@ class BlockManager:
         self._policies[name].touch(key)
 
     def pin(self, key: PageKey, delta: int) -> None:
-        e = self._entries[key]
-        if e.pins + delta < 0:
+        r = self._row(key)
+        if r < 0 or not self.table.where[r]:
+            raise InputError(f"pin of page {key.hex()}, which no tier holds")
+        pins = int(self.table.pins[r])
+        if pins + delta < 0:
             raise InputError("unpin of a page that is not pinned")
-        e.pins += delta
+        self.table.pins[r] = pins + delta
+
+    def check(self) -> None:
+        """Recount the table's derived columns from scratch; AssertionError on any mismatch.
+
+        For tests and ``tierkv doctor``-style checks: O(rows) numpy work.
+        """
+        t = self.table
+        live = rows_of(t.core.live_rows())
+        where = t.where[live]
+        assert int((where != 0).sum()) == self._pages, "page count"
+        kids = np.zeros_like(t.kids)
+        nkids = np.zeros_like(t.nkids)
+        pr = t.parent[live].astype(np.int64) - 1
+        linked = pr >= 0
+        np.add.at(nkids, pr[linked], 1)
+        for lvl in range(len(self._names)):
+            has = linked & (where >> lvl & 1 == 1)
+            np.add.at(kids[lvl], pr[has], 1)
+            held = t.slot[lvl, live] != 0
+            assert np.array_equal(held, where >> lvl & 1 == 1), f"slots vs tier mask at level {lvl}"
+        assert np.array_equal(kids, t.kids) and np.array_equal(nkids, t.nkids), "cached-children counts"
+        assert bool(((where != 0) | (t.nkids[live] > 0)).all()), "a row with no copy and no child is not freed"
+        assert not (linked & (where == 0)).any(), "a placeholder row names a parent"
+        levels = np.frombuffer(t.core.levels(live.tobytes()), dtype=np.uint8)
+        published = levels != NO_LEVEL
+        assert np.array_equal(levels[published], t.fastest(live)[published]), "published level vs fastest copy"
+        assert len(t.core) == int(published.sum())
+
+    def table_bytes(self) -> int:
+        """Bytes the page table holds (its columns' capacity and the C core)."""
+        return self.table.nbytes_held()

@@ -1,6 +1,6 @@
 """What the block manager hands out: page entries, locations, moves and plans.
 
-Plain data: :class:`Entry` is the manager's mutable bookkeeping of one page,
+Plain data: :class:`Entry` is a snapshot of the manager's bookkeeping of one page,
 :class:`PageLocation` the frozen view callers get, :class:`Move` and :class:`MovePlan` what
 a store, promotion or eviction needs done, executed by :mod:`tierkv.store.transfer` and
 completed by :class:`tierkv.store.manager.BlockManager` (which re-exports these names).
@@ -20,7 +20,7 @@ from tierkv.tiers.base import TierId
 
 @dataclass(eq=False)
 class Entry:
-    """Mutable bookkeeping of one page (internal: callers see :class:`PageLocation`)."""
+    """A snapshot of the manager's bookkeeping of one page (changing it changes nothing there)."""
 
     key: PageKey
     parent: PageKey | None
@@ -28,6 +28,8 @@ class Entry:
     checksum: int | None = None
     slots: dict[TierId, int] = field(default_factory=dict)
     pins: int = 0
+    #: Which incarnation of the page's row this is a snapshot of (see ``BlockManager.current``).
+    gen: int = 0
 
 
 @dataclass(frozen=True)

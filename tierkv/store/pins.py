@@ -54,7 +54,7 @@ class PinLedger:
             del self._held[blob[:KEY_BYTES]]
         released = 0
         for e in taken.entries:
-            if self._manager.entry(e.key) is e:  # not removed (and maybe stored again) since
+            if self._manager.current(e):  # not removed (and maybe stored again) since
                 self._manager.pin(e.key, -1)
                 released += 1
         return released

@@ -192,10 +192,9 @@ class Transfers:
         if not self._tiers[name].persistent:
             return {}
         out: dict[PageKey, int] = {}
-        for i, key in enumerate(keys):
-            e = self._m.entry(key)
-            if e is not None and e.checksum is None:
-                out[key] = hashed[i] if hashed is not None else checksum64(staged[i])
+        for i, need in enumerate(self._m.unsummed(keys)):
+            if need:
+                out[keys[i]] = hashed[i] if hashed is not None else checksum64(staged[i])
         return out
 
     def read(self, entries: Sequence[Entry], out: np.ndarray, serve: bool = True) -> int:

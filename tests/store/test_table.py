@@ -1,0 +1,122 @@
+"""The page table: the C core against the pure-Python one, and the manager's columns."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierkv.store.table import NO_LEVEL, PageTable, PyCore, new_core, rows_of
+
+native = pytest.mark.skipif(type(new_core()) is PyCore, reason="tierkv._table is not built")
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "big") if i % 3 else random.Random(i).randbytes(16)
+
+
+@native
+def test_the_c_core_answers_as_the_python_core_does_through_random_operations() -> None:
+    rng = random.Random(7)
+    cores = [new_core(), PyCore()]
+    known: list[bytes] = []
+    for step in range(4000):
+        op = rng.random()
+        if op < 0.4 or not known:
+            blob = b"".join(_key(rng.randrange(3000)) for _ in range(rng.randrange(1, 20)))
+            got = [c.ensure(blob) for c in cores]
+            # Row numbers may differ; which keys were new may not.
+            assert got[0][1] == got[1][1]
+            known.extend(blob[i:i + 16] for i in range(0, len(blob), 16))
+        elif op < 0.55:
+            key = rng.choice(known)
+            rows = [c.row(key) for c in cores]
+            assert (rows[0] < 0) == (rows[1] < 0)
+            if rows[0] >= 0:
+                for c, r in zip(cores, rows):
+                    c.release(np.array([r], dtype=np.int32).tobytes())
+        elif op < 0.75:
+            key = rng.choice(known)
+            rows = [c.row(key) for c in cores]
+            if rows[0] >= 0:
+                level = rng.choice([0, 1, 2, NO_LEVEL])
+                for c, r in zip(cores, rows):
+                    c.set_levels(np.array([r], dtype=np.int32).tobytes(), level)
+        else:
+            blob = b"".join(rng.choice(known) for _ in range(rng.randrange(0, 12)))
+            assert cores[0].prefix_values(blob) == cores[1].prefix_values(blob)
+            assert cores[0].prefix_len(blob) == cores[1].prefix_len(blob)
+            a, b = (rows_of(c.prefix_rows(blob)) for c in cores)
+            assert [c.keys(r.tobytes()) for c, r in zip(cores, (a, b))] == [blob[:16 * len(a)]] * 2
+            assert (rows_of(cores[0].find(blob)) >= 0).tolist() == (rows_of(cores[1].find(blob)) >= 0).tolist()
+        assert len(cores[0]) == len(cores[1]) and cores[0].rows == cores[1].rows, step
+    live = [c.keys(c.live_rows()) for c in cores]
+    assert sorted(live[0][i:i + 16] for i in range(0, len(live[0]), 16)) == \
+        sorted(live[1][i:i + 16] for i in range(0, len(live[1]), 16))
+
+
+@pytest.mark.parametrize("core", [pytest.param("c", marks=native), "py"])
+def test_bad_input_is_refused_with_a_clear_error(core: str) -> None:
+    c = new_core() if core == "c" else PyCore()
+    with pytest.raises(ValueError, match="16-byte keys"):
+        c.ensure(b"x" * 17)
+    with pytest.raises(ValueError, match="16 bytes"):
+        c.row(b"short")
+    with pytest.raises(KeyError, match="row 5"):
+        c.release(np.array([5], dtype=np.int32).tobytes())
+    rows, _ = c.ensure(b"k" * 16)
+    with pytest.raises(ValueError, match="1 rows but 2 levels"):
+        c.set_levels(rows, b"\0\0")
+
+
+@native
+def test_rows_are_reused_and_the_table_grows_past_its_first_capacity() -> None:
+    t = PageTable(2)
+    blob = b"".join(i.to_bytes(16, "little") for i in range(1, 5001))
+    rows, fresh = t.ensure(blob)
+    assert fresh.all() and len(set(rows.tolist())) == 5000 and t.core.rows == 5000
+    assert len(t.parent) >= t.core.capacity >= 5000
+    t.release(rows[:100])
+    again, fresh = t.ensure(blob[:1600])
+    assert fresh.all() and set(again.tolist()) == set(rows[:100].tolist())   # freed rows come back first
+    assert (rows_of(t.core.find(blob)) >= 0).all()
+
+
+def test_depths_count_ancestors() -> None:
+    t = PageTable(1)
+    rows, _ = t.ensure(b"".join(i.to_bytes(16, "little") for i in range(1, 301)))
+    for i in range(1, 300):          # one chain of 300 pages: parent of page i is page i - 1
+        t.parent[rows[i]] = rows[i - 1] + 1
+    assert t.depths()[rows].tolist() == list(range(300))
+
+
+@pytest.mark.parametrize("policy", ["gittins", "lru", "s3fifo"])
+def test_the_managers_columns_stay_consistent_through_random_store_traffic(tmp_path: Path, policy: str) -> None:
+    from tests.conftest import LAYOUT, make_config, page_data
+    from tierkv.store.api import Store
+
+    tpp = LAYOUT.tokens_per_page
+    rng = np.random.default_rng(3)
+    bases = [rng.integers(0, 50000, 12 * tpp) for _ in range(6)]
+    cfg = make_config(tmp_path / "s", 6, 20, policy=policy)
+    with Store.open(cfg) as s:
+        for step in range(300):
+            base = bases[int(rng.integers(len(bases)))]
+            n = int(rng.integers(1, 13))
+            tokens = base[:n * tpp].copy()
+            if rng.random() < 0.3:                  # a branch: same prefix, different tail
+                tokens[-tpp:] = rng.integers(0, 50000, tpp)
+            if rng.random() < 0.5:
+                s.put(tokens, page_data(step, n))
+            else:
+                s.get(tokens, np.zeros((n, LAYOUT.page_bytes), dtype=np.uint8))
+            if rng.random() < 0.1:
+                s.pin(tokens)
+            elif rng.random() < 0.1:
+                s.unpin(tokens)
+            s._manager.check()
+    with Store.open(cfg) as s:                      # reopened from the index
+        s._manager.check()
+        assert len(s._manager) > 0
