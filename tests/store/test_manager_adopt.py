@@ -72,3 +72,34 @@ def test_a_key_recorded_with_other_bytes_in_another_tier_is_trusted_nowhere(
     assert m.locate(K) is None
     assert m.used_slots(NVME) == 0 and m.used_slots(NVMEOF) == 0
     assert index.get_many("nvme", [K]) == [None] and index.get_many("nvmeof", [K]) == [None]
+
+
+def _key(i: int) -> PageKey:
+    return PageKey(bytes([i]) * 16)
+
+
+def test_bulk_adopt_keeps_whole_records_and_deletes_the_rest(parts: tuple[PersistentIndex, NvmeTier, NvmeofTier],
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    index, nvme, fabric = parts
+    index.commit("nvme", put=[
+        IndexRecord(_key(1), 0, PAGE, 11, None),
+        IndexRecord(_key(2), 1, PAGE, 12, _key(1)),
+        IndexRecord(_key(3), 1, PAGE, 13, _key(2)),          # shares slot 1 with key 2, later in key order
+        IndexRecord(_key(4), 9, PAGE, 14, None),             # slot out of range (4 slots)
+        IndexRecord(_key(5), 2, PAGE + 1, 15, None),         # longer than a slot
+        IndexRecord(_key(6), 3, PAGE, 16, _key(9)),          # parent never recorded: a placeholder row
+        IndexRecord(_key(7), 0, PAGE, 17, None, ((6, PAGE // 4096),)),   # block runs: slot 3 is taken
+    ])
+    sealed = IndexRecord(_key(8), 2, PAGE, 18, None).pack()
+    with index._env.begin(db=index._dbs["nvme"], write=True) as txn:   # one flipped bit: fails its seal
+        txn.put(_key(8), sealed[:-1] + bytes([sealed[-1] ^ 1]))
+    m = BlockManager([nvme, fabric], {t.name: make_policy("lru") for t in (nvme, fabric)}, index)
+    assert m.adopt_persistent(nvme.name) == 3
+    assert sorted(e.key for e in m.snapshots()) == [_key(1), _key(2), _key(6)]
+    e = m.entry(_key(2))
+    assert e is not None and e.parent == _key(1) and e.checksum == 12 and e.slots == {NVME: 1}
+    assert m.used_slots(NVME) == 3 and nvme.num_free == 1
+    assert m.resident.prefix_len(_key(1) + _key(2) + _key(3)) == 2
+    m.check()
+    assert index.count("nvme") == 3                                    # the others were deleted
+    assert "fail validation" in caplog.text and "seal" in caplog.text

@@ -33,6 +33,7 @@ from tierkv.errors import CapacityError, InputError, TierIOError
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.policy import Policy
 from tierkv.store.index import IndexRecord, PersistentIndex
+from tierkv.store.index_scan import RecordArrays, scan_records
 from tierkv.store.moves import Entry, Move, MovePlan, PageLocation
 from tierkv.store.table import LOWEST_LEVEL, MAX_TIERS, NO_LEVEL, PageTable, rows_of
 from tierkv.tiers.aligned import ALIGN
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 # Pages a full volatile tier demotes at once (capped at 1/16 of the tier).
 DEMOTION_BATCH = 64
+_NO_KEY = bytes(KEY_BYTES)
 #: The largest page length a row records.
 MAX_NBYTES = (1 << 32) - 1
 
@@ -55,6 +57,15 @@ def _as_slot(rec: IndexRecord, blocks_per_slot: int) -> int | None:
         if count == blocks_per_slot and first % blocks_per_slot == 0:
             return first // blocks_per_slot
     return None
+
+
+def _arrays_of(recs: Sequence[IndexRecord], slots: Sequence[int]) -> RecordArrays:
+    """Records as arrays, with ``slots`` in the slot column."""
+    return RecordArrays(b"".join(r.key for r in recs), np.array(slots, dtype=np.uint64),
+                        np.array([r.nbytes for r in recs], dtype=np.uint32),
+                        np.array([r.checksum for r in recs], dtype=np.uint64),
+                        b"".join(r.parent or _NO_KEY for r in recs),
+                        np.array([r.parent is not None for r in recs], dtype=bool))
 
 
 def _lowest(mask: int) -> int:
@@ -240,78 +251,128 @@ class BlockManager:
 
     # -- reopening -------------------------------------------------------------------
     def adopt_persistent(self, name: TierId) -> int:
-        """Load the index records of a persistent tier; their slots become used. Returns the count."""
+        """Load the index records of a persistent tier; their slots become used. Returns the count.
+
+        A slot tier's records are read in one cursor pass into arrays
+        (:func:`~tierkv.store.index_scan.scan_records`) and enter the table in bulk; a block
+        tier's claim their block runs one by one.
+        """
         assert self._index is not None
         tier = self._by_id[name]
+        if tier.block_addressed:
+            recs, slots, dropped = self._scan_blocks(tier)
+            got = _arrays_of(recs, slots)
+        else:
+            got, dropped = self._scan_slots(tier)
+        if dropped:
+            log.warning("%s index: %d records fail validation (undecodable, out of range or sharing a slot); "
+                        "dropped, those pages are misses", name, dropped)
+        return self._install(tier, got)
+
+    def _scan_blocks(self, tier: Tier) -> tuple[list[IndexRecord], list[int], int]:
+        """A block tier's valid records and the slot handles their claimed block runs got."""
+        assert self._index is not None
         blocks_per_slot = tier.slot_bytes // ALIGN
-        slot_of: dict[PageKey, int] = {}
+        handles: dict[PageKey, int] = {}
 
         def valid(rec: IndexRecord) -> bool:
             if rec.nbytes > tier.slot_bytes:
                 return False
-            if not tier.block_addressed:  # slot tier: a block record is usable only as a whole raw slot
-                slot = _as_slot(rec, blocks_per_slot)
-                if slot is None or slot >= tier.num_slots or slot in taken:
-                    return False
-                taken.add(slot)
-                slot_of[rec.key] = slot
-                return True
-            # Block tier: a record from a slot-addressed open is its slot's blocks, raw.
+            # A record from a slot-addressed open is its slot's blocks, raw.
             extents = rec.extents or ((rec.slot * blocks_per_slot, blocks_per_slot),)
             try:
-                slot_of[rec.key] = tier.claim_extents(extents)
+                handles[rec.key] = tier.claim_extents(extents)
             except InputError:
                 return False
             return True
 
-        taken: set[int] = set()
-        good, dropped = self._index.adopt(name, valid)
-        if dropped:
-            log.warning("%s index: %d records fail validation (undecodable, out of range or sharing a slot); "
-                        "dropped, those pages are misses", name, dropped)
-        if not tier.block_addressed:
-            tier.claim([slot_of[r.key] for r in good])
-        t, lvl = self.table, self.levels[name]
-        adopted: list[IndexRecord] = []
-        for rec in good:
-            r = self._row(rec.key)
-            if r >= 0 and t.where[r]:
-                if t.has_sum[r] and int(t.checksum[r]) == rec.checksum and int(t.nbytes[r]) == rec.nbytes:
-                    # Recorded in an earlier persistent tier too: a crash between a demotion's
-                    # commit and its source's delete. Copies are inclusive: keep both.
-                    self._add_copy(r, lvl, slot_of[rec.key])
-                    adopted.append(rec)
-                else:  # the same key with other bytes: trust neither copy
-                    self.forget(rec.key)
-                    tier.free([slot_of[rec.key]])
-                    self._index.commit(name, delete=[rec.key])
-                continue
-            adopted.append(rec)
-        fresh = [rec for rec in adopted if not (self._row(rec.key) >= 0 and t.where[self._row(rec.key)])]
-        self._add_pages([rec.key for rec in fresh], [rec.parent for rec in fresh],
-                        np.array([rec.nbytes for rec in fresh], dtype=np.int64), lvl,
-                        [slot_of[rec.key] for rec in fresh],
-                        np.array([rec.checksum for rec in fresh], dtype=np.uint64))
-        if adopted:
-            rows = rows_of(t.core.find(b"".join(rec.key for rec in adopted)))
-            t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
-            policy = self._policies[name]
-            for rec in adopted:
-                policy.insert(rec.key, rec.parent)
-        return len(adopted)
+        good, dropped = self._index.adopt(tier.name, valid)
+        return good, [handles[r.key] for r in good], dropped
 
-    def _add_pages(self, keys: Sequence[PageKey], parents: Sequence[PageKey | None], nbytes: np.ndarray,
-                   lvl: int, slots: Sequence[int], checksums: np.ndarray | None = None) -> np.ndarray:
-        """Rows for pages no tier holds yet, each with one copy at ``lvl``; unpublished."""
+    def _scan_slots(self, tier: Tier) -> tuple[RecordArrays, int]:
+        """A slot tier's valid records as arrays (slot column: the slot), claimed in the tier.
+
+        Valid: the length fits a slot, the slot is in range and no record before it (in
+        key order) names it. A record with block runs is usable only as one whole raw slot.
+        """
+        assert self._index is not None
+        blocks_per_slot = tier.slot_bytes // ALIGN
+        taken: set[int] = set()
+
+        def valid(a: RecordArrays) -> np.ndarray:
+            ok = np.flatnonzero((a.nbytes <= tier.slot_bytes) & (a.slot < tier.num_slots))
+            _, first = np.unique(a.slot[ok], return_index=True)
+            keep = np.zeros(len(a), dtype=bool)
+            keep[ok[first]] = True
+            taken.update(a.slot[keep].tolist())
+            return keep
+
+        def valid_one(rec: IndexRecord) -> bool:
+            slot = _as_slot(rec, blocks_per_slot)
+            if rec.nbytes > tier.slot_bytes or slot is None or slot >= tier.num_slots or slot in taken:
+                return False
+            taken.add(slot)
+            return True
+
+        arrays, others, dropped = scan_records(self._index, tier.name, valid, valid_one)
+        if others:
+            more = _arrays_of(others, [_as_slot(r, blocks_per_slot) or 0 for r in others])
+            arrays = arrays.concat(more)
+        tier.claim(arrays.slot.tolist())
+        return arrays, dropped
+
+    def _install(self, tier: Tier, got: RecordArrays) -> int:
+        """Enter adopted records (``slot``: the tier's slot handle) into the table and the policy."""
+        name, lvl, t = tier.name, self.levels[tier.name], self.table
+        if not len(got):
+            return 0
+        rows = rows_of(t.core.find(got.keys))
+        safe = np.where(rows >= 0, rows, 0)
+        held = (rows >= 0) & (t.where[safe] != 0)
+        keep = np.ones(len(got), dtype=bool)
+        for i in np.flatnonzero(held).tolist():
+            # Recorded in an earlier persistent tier too: a crash between a demotion's commit
+            # and its source's delete. Copies are inclusive: keep both, if they are one page.
+            r, key, slot = int(rows[i]), PageKey(got.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]), int(got.slot[i])
+            if t.has_sum[r] and int(t.checksum[r]) == int(got.checksum[i]) and int(t.nbytes[r]) == int(got.nbytes[i]):
+                self._add_copy(r, lvl, slot)
+                continue
+            keep[i] = False  # the same key with other bytes: trust neither copy
+            self.forget(key)
+            tier.free([slot])
+            assert self._index is not None
+            self._index.commit(name, delete=[key])
+        fresh = got.take(keep & ~held)
+        self._add_pages(fresh.keys, fresh.parents, fresh.has_parent, fresh.nbytes, lvl, fresh.slot, fresh.checksum)
+        got = got.take(keep) if not keep.all() else got
+        rows = rows_of(t.core.find(got.keys))
+        t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
+        policy = self._policies[name]
+        keys, parents = got.keys, got.parents
+        for i, has in enumerate(got.has_parent.tolist()):
+            j = i * KEY_BYTES
+            policy.insert(PageKey(keys[j:j + KEY_BYTES]), PageKey(parents[j:j + KEY_BYTES]) if has else None)
+        return len(got)
+
+    def _add_pages(self, keys: bytes, parents: bytes, has_parent: np.ndarray, nbytes: np.ndarray,
+                   lvl: int, slots: Sequence[int] | np.ndarray, checksums: np.ndarray | None = None) -> np.ndarray:
+        """Rows for pages no tier holds yet, each with one copy at ``lvl``; unpublished.
+
+        ``keys`` and ``parents`` are blobs of 16-byte keys, ``parents`` meaningful where
+        ``has_parent``.
+        """
         t = self.table
         if not keys:
             return np.zeros(0, dtype=np.int32)
-        rows, _ = t.ensure(b"".join(keys))
-        prow = np.zeros(len(keys), dtype=np.int32)
-        has = [i for i, p in enumerate(parents) if p is not None]
-        if has:
-            got, _ = t.ensure(b"".join(parents[i] for i in has))  # type: ignore[misc]
-            prow[has] = got + 1
+        rows, _ = t.ensure(keys)
+        n = len(rows)
+        prow = np.zeros(n, dtype=np.int32)
+        if has_parent.any():
+            if has_parent.all():
+                got, _ = t.ensure(parents)
+            else:
+                got, _ = t.ensure(np.frombuffer(parents, dtype="V16")[has_parent].tobytes())
+            prow[has_parent] = got + 1
         if t.where[rows].any():
             raise AssertionError("a page added to the table already has a copy")
         t.parent[rows] = prow
@@ -325,7 +386,7 @@ class BlockManager:
         linked = prow[prow > 0] - 1
         np.add.at(t.kids[lvl], linked, 1)
         np.add.at(t.nkids, linked, 1)
-        self._pages += len(keys)
+        self._pages += n
         return rows
 
     # -- planning --------------------------------------------------------------------
@@ -353,7 +414,8 @@ class BlockManager:
             admitted = [(k, p) for k, p in todo if policy.admit(k, p)]
             slots = self._reserve(tier, len(admitted), protect, plan)
             placed = admitted[:len(slots)]
-            self._add_pages([k for k, _ in placed], [p for _, p in placed],
+            has = np.array([p is not None for _, p in placed], dtype=bool)
+            self._add_pages(b"".join(k for k, _ in placed), b"".join(p or _NO_KEY for _, p in placed), has,
                             np.full(len(placed), nbytes, dtype=np.int64), self.levels[tier.name], slots)
             plan.placements.extend((key, tier.name, slot) for (key, _), slot in zip(placed, slots))
             done = {k for k, _ in placed}

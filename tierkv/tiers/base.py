@@ -144,16 +144,19 @@ class SlotAllocator:
 
     def claim(self, slots: Sequence[int]) -> None:
         """Mark specific slots used (reopening a persistent tier)."""
-        with self._lock:
-            seen: set[int] = set()
-            for s in slots:  # all or nothing: a bad claim leaves the map as it was
-                self._check(s)
-                if self._used[s] or s in seen:
-                    raise InputError(f"slot {s} claimed twice")
-                seen.add(s)
-            for s in seen:
-                self._used[s] = 1
-            self._num_free -= len(seen)
+        want = np.asarray(slots, dtype=np.int64)
+        with self._lock:  # all or nothing: a bad claim leaves the map as it was
+            bad = want[(want < 0) | (want >= self._num_slots)]
+            if len(bad):
+                self._check(int(bad[0]))
+            used = np.frombuffer(self._used, dtype=np.uint8)
+            uniq, counts = np.unique(want, return_counts=True)
+            twice = uniq[(counts > 1) | (used[uniq] != 0)]
+            if len(twice):
+                raise InputError(f"slot {int(twice[0])} claimed twice")
+            used[uniq] = 1
+            del used  # the bytearray cannot resize while a view is exported
+            self._num_free -= len(uniq)
             self._low = self._advance(self._low)
 
     def _advance(self, at: int) -> int:

@@ -1,0 +1,108 @@
+"""Reopen in bulk: a persistent tier's index records read into arrays in one cursor pass.
+
+:meth:`PersistentIndex.adopt` decodes each record into an :class:`IndexRecord`, a Python
+object per page; at node scale (millions of pages) that is what reopening costs.
+:func:`scan_records` walks the same LMDB database once, checks every record's length
+and seal, and decodes the fixed-size records (every record a slot-addressed tier
+writes) with one numpy view of their joined bytes. Records that carry block runs
+(block-addressed tiers) are decoded one by one, as before. Records that fail are
+deleted in the same write transaction, as ``adopt`` does; so are the records
+``valid`` refuses, which the caller decides on the arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lmdb
+import numpy as np
+import xxhash
+
+from tierkv.errors import TierIOError
+from tierkv.keys import KEY_BYTES
+from tierkv.store.index import _OPERATIONAL, _RECORD, _SEAL, IndexDamaged, IndexRecord, PersistentIndex, _decode
+
+log = logging.getLogger(__name__)
+
+#: A fixed-size record (no block runs): slot, nbytes, checksum, parent, has_parent, seal.
+RECORD_DTYPE = np.dtype({"names": ["slot", "nbytes", "checksum", "parent", "has_parent", "seal"],
+                         "formats": ["<u8", "<u4", "<u8", "V16", "u1", "<u8"],
+                         "offsets": [0, 8, 12, 20, 36, 37], "itemsize": _RECORD.size + _SEAL.size})
+
+
+@dataclass
+class RecordArrays:
+    """Fixed-size records of one tier as columns (row i is one page)."""
+
+    keys: bytes               # n * 16 bytes
+    slot: np.ndarray          # uint64
+    nbytes: np.ndarray        # uint32
+    checksum: np.ndarray      # uint64
+    parents: bytes            # n * 16 bytes (zeros where has_parent is False)
+    has_parent: np.ndarray    # bool
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+    def concat(self, more: RecordArrays) -> RecordArrays:
+        return RecordArrays(self.keys + more.keys, np.concatenate([self.slot, more.slot]),
+                            np.concatenate([self.nbytes, more.nbytes]), np.concatenate([self.checksum, more.checksum]),
+                            self.parents + more.parents, np.concatenate([self.has_parent, more.has_parent]))
+
+    def take(self, keep: np.ndarray) -> RecordArrays:
+        """The records where ``keep`` (a bool mask) is set."""
+        k = np.frombuffer(self.keys, dtype="V16")[keep].tobytes()
+        p = np.frombuffer(self.parents, dtype="V16")[keep].tobytes()
+        return RecordArrays(k, self.slot[keep], self.nbytes[keep], self.checksum[keep], p, self.has_parent[keep])
+
+
+def scan_records(index: PersistentIndex, tier: str, valid: Callable[[RecordArrays], np.ndarray],
+                 valid_one: Callable[[IndexRecord], bool]) -> tuple[RecordArrays, list[IndexRecord], int]:
+    """Every record of ``tier`` that is whole and valid, and how many were dropped (deleted
+    in the same transaction).
+
+    Fixed-size records come back as arrays, judged by ``valid`` (a bool mask over them,
+    asked only of the whole ones); the others (with block runs) as records, each judged by
+    ``valid_one`` after the arrays.
+    """
+    size = RECORD_DTYPE.itemsize
+    body = size - _SEAL.size
+    try:
+        with index._env.begin(db=index._dbs[tier], write=True) as txn:
+            pairs = list(txn.cursor().iternext(keys=True, values=True))
+            fixed = [(k, v) for k, v in pairs if len(k) == KEY_BYTES and len(v) == size]
+            other = [(k, v) for k, v in pairs if not (len(k) == KEY_BYTES and len(v) == size)]
+            del pairs
+            rec = np.frombuffer(b"".join(v for _, v in fixed), dtype=RECORD_DTYPE)
+            seals = np.fromiter((xxhash.xxh3_64_intdigest(k + v[:body]) for k, v in fixed),
+                                dtype=np.uint64, count=len(fixed))
+            whole = (seals == rec["seal"]) & (rec["has_parent"] <= 1)
+            if not whole.all():
+                log.warning("index: %d %s records fail their seal; those pages are misses",
+                            int((~whole).sum()), tier)
+            arrays = RecordArrays(b"".join(k for k, _ in fixed), rec["slot"].copy(), rec["nbytes"].copy(),
+                                  rec["checksum"].copy(), rec["parent"].tobytes(), rec["has_parent"] == 1)
+            keep = np.zeros(len(fixed), dtype=bool)
+            if whole.all():
+                keep = np.asarray(valid(arrays), dtype=bool)
+            elif whole.any():
+                keep[whole] = valid(arrays.take(whole))
+            bad = np.flatnonzero(~keep).tolist()
+            for i in bad:
+                txn.delete(fixed[i][0])
+            kept: list[IndexRecord] = []
+            dropped = len(bad)
+            for k, v in other:
+                one = _decode(k, v)
+                if one is not None and valid_one(one):
+                    kept.append(one)
+                else:
+                    dropped += 1
+                    txn.delete(k)
+    except (lmdb.Error, SystemError) as exc:
+        if isinstance(exc, _OPERATIONAL):  # resources, locks, a read-only env: not the file
+            raise TierIOError(f"walking the {tier} records failed: {exc}") from None
+        raise IndexDamaged(f"walking the {tier} records failed: {exc}") from None
+    return (arrays.take(keep) if bad else arrays), kept, dropped
