@@ -256,7 +256,8 @@ class Store:
                 raise InputError(f"put: unfilled must be an integer from 0 to the {rows.shape[0]} rows, got {unfilled!r}")
             if announce:
                 self._announce(blob, from_get=False)
-            gone = next((j for j in range(unfilled) if self._manager.entry(keys[j]) is None), None)
+            held = self._manager.held(blob[:unfilled * KEY_BYTES]) if unfilled else []
+            gone = next((j for j, h in enumerate(held) if not h), None)
             if gone is not None:
                 log.warning("put: page %d was pinned as stored but has gone; its row holds no data, nothing is "
                             "stored", gone)
@@ -268,9 +269,10 @@ class Store:
         """Store ``rows[i]`` as page ``first + i`` of ``keys`` unless cached; (stored, new)."""
         new: list[tuple[PageKey, PageKey | None]] = []
         row_of: dict[PageKey, int] = {}
-        for i in range(rows.shape[0]):
-            j = first + i
-            if self._manager.entry(keys[j]) is None:
+        held = self._manager.held(b"".join(keys[first:first + rows.shape[0]]))
+        for i, h in enumerate(held):
+            if not h:
+                j = first + i
                 new.append((keys[j], keys[j - 1] if j else None))
                 row_of[keys[j]] = i
         plan = self._manager.plan_store(new, self.layout.page_bytes,

@@ -189,10 +189,34 @@ class BlockManager:
             return None
         return self._view(r)
 
+    def held(self, blob: bytes) -> list[bool]:
+        """For each key of a blob: whether some tier holds the page (published or reserved)."""
+        t = self.table
+        rows = rows_of(t.core.find(blob))
+        return ((rows >= 0) & (t.where[np.where(rows >= 0, rows, 0)] != 0)).tolist()  # type: ignore[no-any-return]
+
     def leading(self, blob: bytes, limit: int) -> list[Entry]:
         """Snapshots of the leading published pages of a key blob, at most ``limit``."""
-        rows = rows_of(self.table.core.prefix_rows(blob[:max(limit, 0) * KEY_BYTES]))
-        return [self._view(r) for r in rows.tolist()]
+        t = self.table
+        rows = rows_of(t.core.prefix_rows(blob[:max(limit, 0) * KEY_BYTES]))
+        if not len(rows):
+            return []
+        keys = t.keys(rows)
+        prow = t.parent[rows].astype(np.int64) - 1
+        pkeys: list[PageKey | None] = [None] * len(rows)
+        linked = np.flatnonzero(prow >= 0)
+        if len(linked):
+            for i, k in zip(linked.tolist(), t.keys(prow[linked])):
+                pkeys[i] = k
+        where = t.where[rows].tolist()
+        slots = (t.slot[:, rows] - 1).T.tolist()
+        sums = np.where(t.has_sum[rows], t.checksum[rows], 0).tolist()
+        has_sum = t.has_sum[rows].tolist()
+        names = list(enumerate(self._names))
+        return [Entry(keys[i], pkeys[i], nb, sums[i] if has_sum[i] else None,
+                      {name: slots[i][lvl] for lvl, name in names if where[i] >> lvl & 1}, pins, gen)
+                for i, (nb, pins, gen) in enumerate(zip(t.nbytes[rows].tolist(), t.pins[rows].tolist(),
+                                                        t.gen[rows].tolist()))]
 
     def snapshots(self) -> list[Entry]:
         """Snapshots of every page the manager holds (for checks and tests: a Python object per page)."""
@@ -225,6 +249,8 @@ class BlockManager:
 
     def fastest(self, e: Entry) -> TierId:
         """The fastest tier holding ``e``."""
+        if len(e.slots) == 1:
+            return next(iter(e.slots))
         return min(e.slots, key=self.levels.__getitem__)
 
     def used_slots(self, name: TierId) -> int:

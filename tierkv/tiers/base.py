@@ -118,14 +118,18 @@ class SlotAllocator:
             if start >= 0:
                 slots = list(range(start, start + n))
                 self._used[start:start + n] = b"\x01" * n
-            else:
-                slots = []
-                at = self._low
-                while len(slots) < n:
-                    at = self._used.find(0, at)
-                    slots.append(at)
-                    self._used[at] = 1
-                    at += 1
+            else:  # the lowest free slots: scan a window from the low mark, wider until it holds n
+                used = np.frombuffer(self._used, dtype=np.uint8)
+                width = max(4 * n, 4096)
+                while True:
+                    free = np.flatnonzero(used[self._low:self._low + width] == 0)
+                    if len(free) >= n or self._low + width >= self._num_slots:
+                        break
+                    width *= 4
+                picked = free[:n] + self._low
+                used[picked] = 1
+                del used  # the bytearray cannot resize while a view is exported
+                slots = picked.tolist()
             self._num_free -= n
             if slots[0] == self._low:
                 self._low = self._advance(self._low)
