@@ -13,6 +13,7 @@ deleted in the same write transaction, as ``adopt`` does; so are the records
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,27 +72,36 @@ def scan_records(index: PersistentIndex, tier: str, valid: Callable[[RecordArray
     body = size - _SEAL.size
     try:
         with index._env.begin(db=index._dbs[tier], write=True) as txn:
-            pairs = list(txn.cursor().iternext(keys=True, values=True))
-            fixed = [(k, v) for k, v in pairs if len(k) == KEY_BYTES and len(v) == size]
-            other = [(k, v) for k, v in pairs if not (len(k) == KEY_BYTES and len(v) == size)]
-            del pairs
-            rec = np.frombuffer(b"".join(v for _, v in fixed), dtype=RECORD_DTYPE)
-            seals = np.fromiter((xxhash.xxh3_64_intdigest(k + v[:body]) for k, v in fixed),
-                                dtype=np.uint64, count=len(fixed))
+            # Streamed into flat buffers: no Python object per record outlives its step.
+            keys_buf, vals_buf, sealed = bytearray(), bytearray(), array("Q")
+            other: list[tuple[bytes, bytes]] = []
+            seal = xxhash.xxh3_64_intdigest
+            for k, v in txn.cursor().iternext(keys=True, values=True):
+                if len(k) == KEY_BYTES and len(v) == size:
+                    keys_buf += k
+                    vals_buf += v
+                    sealed.append(seal(k + v[:body]))
+                else:
+                    other.append((k, v))
+            keys = bytes(keys_buf)
+            del keys_buf
+            rec = np.frombuffer(vals_buf, dtype=RECORD_DTYPE)
+            seals = np.frombuffer(sealed, dtype=np.uint64)
             whole = (seals == rec["seal"]) & (rec["has_parent"] <= 1)
             if not whole.all():
                 log.warning("index: %d %s records fail their seal; those pages are misses",
                             int((~whole).sum()), tier)
-            arrays = RecordArrays(b"".join(k for k, _ in fixed), rec["slot"].copy(), rec["nbytes"].copy(),
+            arrays = RecordArrays(keys, rec["slot"].copy(), rec["nbytes"].copy(),
                                   rec["checksum"].copy(), rec["parent"].tobytes(), rec["has_parent"] == 1)
-            keep = np.zeros(len(fixed), dtype=bool)
+            del rec
+            keep = np.zeros(len(seals), dtype=bool)
             if whole.all():
                 keep = np.asarray(valid(arrays), dtype=bool)
             elif whole.any():
                 keep[whole] = valid(arrays.take(whole))
             bad = np.flatnonzero(~keep).tolist()
             for i in bad:
-                txn.delete(fixed[i][0])
+                txn.delete(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES])
             kept: list[IndexRecord] = []
             dropped = len(bad)
             for k, v in other:
