@@ -1,12 +1,13 @@
 """Builds the optional C extensions: ``tierkv._native`` (key chain and key set),
 ``tierkv._table`` (the block manager's page table), ``tierkv.policy._leaves`` (the
-prefix-aware policies' leaf heaps), ``tierkv.codec._codec`` (the lossless KV page codec)
+prefix-aware policies' leaf heaps), ``tierkv.policy._ghost`` (GittinsPolicy's ghost),
+``tierkv.codec._codec`` (the lossless KV page codec)
 and ``tierkv.tiers._uring`` (an io_uring ring for the NVMe tier's reads, on raw
 syscalls: no liburing needed).
 
 All are optional: where no compiler (or no ``xxhash.h``) is present, the package
 installs without them and each falls back to Python (same results, slower): the key
-chain, the page table (``tierkv.store.table.PyCore``), the leaf heaps, the codec's numpy
+chain, the page table (``tierkv.store.table.PyCore``), the leaf heaps, the ghost, the codec's numpy
 implementation, and the NVMe tier's thread pool for reads.
 """
 
@@ -42,5 +43,8 @@ if os.path.exists(os.path.join("tierkv", "tiers", "_uring.c")):
 _LEAVES = os.path.join("tierkv", "policy", "_leaves.c")
 if os.path.exists(_LEAVES):  # the compiled LeafHeaps; tierkv.policy.leaves falls back to Python
     ext_modules.append(Extension("tierkv.policy._leaves", [_LEAVES], extra_compile_args=["-O3"], optional=True))
+_GHOST = os.path.join("tierkv", "policy", "_ghost.c")
+if os.path.exists(_GHOST):  # the compiled ghost of GittinsPolicy; tierkv.policy.gittins falls back to Python
+    ext_modules.append(Extension("tierkv.policy._ghost", [_GHOST], extra_compile_args=["-O3"], optional=True))
 
 setup(ext_modules=ext_modules)

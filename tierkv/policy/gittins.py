@@ -50,13 +50,22 @@ O(classes * bins^2) numpy work.
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from tierkv.keys import PageKey
+from tierkv.policy import hazard
 from tierkv.policy.hazard import MAX_AGE, ReuseModel, age_bin
 from tierkv.policy.leaves import Candidate, LeafHeaps
 from tierkv.recompute import CostModel
+
+try:  # the compiled ghost; optional so that a machine without a compiler still works
+    from tierkv.policy import _ghost  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - exercised where the extension is absent
+    _ghost = None
 
 #: Access-count classes 0-4 (0, 1, 2-3, 4-7, 8 or more earlier accesses); class 5: a new
 #: page whose request continues a prompt seen before (not a hot shared prefix); class 6:
@@ -79,16 +88,33 @@ def access_class(count: int) -> int:
     return min(count.bit_length(), HOT_CLASS)
 
 
+#: Whether policies keep their ghost compiled by default (see :class:`GittinsPolicy`).
+NATIVE_GHOST = (
+    _ghost is not None and os.environ.get("TIERKV_PURE_POLICY") != "1"
+    and (_ghost.HOT_CLASS, _ghost.CONTINUING, _ghost.ABANDONED) == (HOT_CLASS, CONTINUING, ABANDONED)
+    and (_ghost.START, _ghost.REUSE, _ghost.CENSOR) == (hazard.START, hazard.REUSE, hazard.CENSOR)
+)
+
+
 class GittinsPolicy:
     """Leaf-first eviction by learned hit density, guarded by recency. See the module doc.
 
-    ``ghost_pages`` bounds the pages remembered beyond the resident ones (about 270 bytes
-    each in CPython, so about 18 MB per tier by default); the oldest are forgotten first.
+    ``ghost_pages`` bounds the pages remembered beyond the resident ones; the oldest are
+    forgotten first. The ghost (per page: last access, count, class, the next page of its
+    last request) is compiled (``tierkv.policy._ghost``, about 45 bytes per page, and the
+    whole per-request pass in C) where the extension is built, unless ``native=False``
+    or ``TIERKV_PURE_POLICY=1`` was set when this module was first imported; otherwise it
+    is an ``OrderedDict`` of lists (about 270 bytes per page). Both decide the same, to
+    the bit (tests/policy/test_gittins_native.py); the compiled one takes only page keys
+    of 1 to 16 bytes (:class:`~tierkv.errors.InputError` otherwise).
     """
 
-    def __init__(self, cost: CostModel | None = None, ghost_pages: int = 1 << 16) -> None:
+    def __init__(self, cost: CostModel | None = None, ghost_pages: int = 1 << 16,
+                 native: bool | None = None) -> None:
         self._leaves = LeafHeaps(CLASSES)
         self._model = ReuseModel(CLASSES)
+        use_native = NATIVE_GHOST if native is None else native and _ghost is not None
+        self._native = _ghost.Ghost(MAX_AGE) if use_native else None
         self._ghost: OrderedDict[PageKey, list[float]] = OrderedDict()   # key -> [last, count, class]
         self._ghost_pages = ghost_pages
         self._now = 0.0
@@ -112,6 +138,25 @@ class GittinsPolicy:
         self._now = t = self._now + 1.0
         if self._requests % REFRESH_REQUESTS == 0:
             self._model.refresh(t)
+        if self._native is not None:
+            self._request_native(keys, t)
+        else:
+            self._request_python(keys, t)
+        self._request = {k: d for d, k in enumerate(keys)}
+        self._admitted, self._bar, self._refused = 0, None, False
+
+    def _request_native(self, keys: Sequence[PageKey], t: float) -> None:
+        """The pass of :meth:`_request_python` in one compiled call, the model fed in bulk."""
+        assert self._native is not None
+        leaves = self._leaves
+        kinds, classes, times, moved = self._native.on_request(keys, t, self._ghost_pages + len(leaves))
+        for k in moved:                 # residents of an abandoned branch keep their age
+            if k in leaves:
+                leaves.touch(k, ABANDONED, leaves.last_of(k))
+        self._model.record_many(np.frombuffer(kinds, np.uint8), np.frombuffer(classes, np.uint8),
+                                np.frombuffer(times, np.float64), t)
+
+    def _request_python(self, keys: Sequence[PageKey], t: float) -> None:
         ghost, model, after = self._ghost, self._model, self._next
         new = CONTINUING if self._continues(keys) else 0
         for i, k in enumerate(keys):
@@ -130,8 +175,6 @@ class GittinsPolicy:
                 after[k] = keys[i + 1]
             else:
                 after.pop(k, None)
-        self._request = {k: d for d, k in enumerate(keys)}
-        self._admitted, self._bar, self._refused = 0, None, False
         self._forget(t)
 
     def _continues(self, keys: Sequence[PageKey]) -> bool:
@@ -188,6 +231,8 @@ class GittinsPolicy:
         return self._now
 
     def _class(self, key: PageKey) -> int:
+        if self._native is not None:
+            return int(self._native.class_of(key))
         e = self._ghost.get(key)
         return int(e[2]) if e is not None else 0
 

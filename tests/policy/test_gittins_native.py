@@ -1,0 +1,169 @@
+"""GittinsPolicy with the compiled ghost against the pure-Python one: same decisions, every step.
+
+Both are driven with the same random request streams, as a block manager with a small
+tier would drive them (``on_request``, then per page touch, or admit, victims, remove
+and insert), and every answer is compared: admissions, victims, the class of every
+page, the ghost (order, last access, count, class, next page) and the reuse model's
+histograms bit for bit. Skipped where ``tierkv.policy._ghost`` is not built.
+"""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from tierkv.errors import InputError
+from tierkv.keys import PageKey
+from tierkv.policy import gittins
+from tierkv.policy.gittins import GittinsPolicy
+from tierkv.policy.hazard import CENSOR, REUSE, START, ReuseModel
+
+pytestmark = pytest.mark.skipif(gittins._ghost is None, reason="tierkv.policy._ghost is not built")
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[PageKey]]:
+    """Requests as conversations: shared system prompts, turns that extend, edits that branch."""
+    serial = iter(range(1, 1 << 30))
+
+    def fresh(m: int) -> list[PageKey]:
+        return [PageKey(next(serial).to_bytes(rng.choice((4, 16)), "big")) for _ in range(m)]
+
+    systems = [fresh(rng.randint(1, 4)) for _ in range(3)]
+    convs: list[list[PageKey]] = []
+    out: list[list[PageKey]] = []
+    for _ in range(n):
+        r = rng.random()
+        if convs and r < 0.45:                       # the next turn of a conversation
+            conv = rng.choice(convs)
+            conv.extend(fresh(rng.randint(0, 4)))
+            keys = list(conv)
+        elif convs and r < 0.6:                      # an edited turn: a branch
+            conv = rng.choice(convs)
+            cut = rng.randint(0, len(conv))
+            keys = conv[:cut] + fresh(rng.randint(0, 3))
+            convs.append(list(keys))
+        elif convs and r < 0.7:                      # a prefix of an earlier prompt, repeats too
+            keys = list(rng.choice(convs)[: rng.randint(0, 8)])
+            if keys and rng.random() < 0.3:
+                keys.append(rng.choice(keys))
+        else:                                        # a new conversation
+            keys = list(rng.choice(systems)) + fresh(rng.randint(0, 6))
+            convs.append(list(keys))
+        if len(convs) > 40:
+            convs.pop(rng.randrange(len(convs)))
+        out.append(keys)
+    return out
+
+
+def _same_ghost(py: GittinsPolicy, c: GittinsPolicy) -> None:
+    native = c._native
+    assert native is not None and py._native is None
+    assert native.keys() == list(py._ghost)
+    for key, (last, count, cls) in py._ghost.items():
+        assert native.entry(key) == (last, min(int(count), 255), int(cls), py._next.get(key)), key
+    for name in ("_open", "_resolved", "_reuses"):
+        a, b = getattr(py._model, name), getattr(c._model, name)
+        assert a.tobytes() == b.tobytes(), name
+
+
+def _drive(seed: int, requests: int, capacity: int, ghost_pages: int) -> int:
+    """Run both policies over one stream; the number of decisions compared."""
+    rng = random.Random(seed)
+    py = GittinsPolicy(ghost_pages=ghost_pages, native=False)
+    c = GittinsPolicy(ghost_pages=ghost_pages, native=True)
+    resident: set[PageKey] = set()
+    compared = 0
+    for step, keys in enumerate(_prompts(rng, requests)):
+        for pol in (py, c):
+            pol.on_request(keys, float(step))
+        prev: PageKey | None = None
+        for key in keys:
+            assert py._class(key) == c._class(key)
+            if key in resident:
+                py.touch(key)
+                c.touch(key)
+            else:
+                admit = py.admit(key, prev)
+                assert c.admit(key, prev) == admit, (step, key)
+                compared += 1
+                if admit:
+                    if len(resident) >= capacity:
+                        pinned = {prev} if rng.random() < 0.5 else set()
+                        gone = py.victims(rng.randint(1, 2), lambda k: k not in pinned)
+                        assert c.victims(len(gone) or 1, lambda k: k not in pinned) == gone, step
+                        compared += 1
+                        for v in gone:
+                            py.remove(v)
+                            c.remove(v)
+                            resident.discard(v)
+                    py.insert(key, prev)
+                    c.insert(key, prev)
+                    resident.add(key)
+            prev = key
+        assert len(py) == len(c)
+        if step % 25 == 0:
+            _same_ghost(py, c)
+    _same_ghost(py, c)
+    return compared
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_same_decisions(seed: int) -> None:
+    assert _drive(seed, requests=1500, capacity=12 + 8 * seed, ghost_pages=16 << (seed % 3)) > 1000
+
+
+def test_same_decisions_when_pages_age_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gittins, "MAX_AGE", 40.0)    # both read it when built
+    assert _drive(11, requests=800, capacity=20, ghost_pages=1 << 12) > 500
+
+
+def test_record_many_is_the_calls_one_by_one() -> None:
+    rng = random.Random(3)
+    one, many = ReuseModel(4), ReuseModel(4)
+    for now in range(1, 400):
+        log: list[tuple[int, int, float]] = []
+        for _ in range(rng.randint(0, 30)):
+            kind = rng.choice((START, REUSE, CENSOR))
+            t0 = float(now if kind == START else rng.randint(max(0, now - 300), now))
+            log.append((kind, rng.randrange(4), t0))
+        for kind, cls, t0 in log:
+            if kind == START:
+                one.start(cls, t0)
+            elif kind == REUSE:
+                one.reuse(cls, t0, float(now))
+            else:
+                one.censor(cls, t0, float(now))
+        kinds, classes, times = (np.array(col) for col in zip(*log)) if log else (np.zeros(0),) * 3
+        many.record_many(kinds.astype(np.uint8), classes.astype(np.uint8), times.astype(np.float64), float(now))
+        if now % 64 == 0:
+            one.refresh(float(now))
+            many.refresh(float(now))
+    for name in ("_open", "_resolved", "_reuses"):
+        assert getattr(one, name).tobytes() == getattr(many, name).tobytes(), name
+    assert one.index == many.index
+
+
+def test_keys_must_be_short_bytes() -> None:
+    pol = GittinsPolicy(native=True)
+    with pytest.raises(InputError):
+        pol.on_request([PageKey(b"x" * 17)], 0.0)
+    assert pol._class(PageKey(b"x" * 17)) == 0
+
+
+def test_memory_per_remembered_page() -> None:
+    n = 1 << 16
+    keys = [PageKey(i.to_bytes(16, "big")) for i in range(n)]
+    tracemalloc.start()
+    try:
+        ghost = gittins._ghost.Ghost(gittins.MAX_AGE)
+        for i in range(0, n, 32):
+            ghost.on_request(keys[i:i + 32], float(i), n)
+        traced = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(ghost) == n
+    assert ghost.nbytes() / n < 64
+    assert traced / n < 64

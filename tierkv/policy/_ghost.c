@@ -1,0 +1,670 @@
+/*
+ * tierkv.policy._ghost: the compiled ghost of GittinsPolicy (see tierkv/policy/gittins.py).
+ *
+ * The pages one tier's policy remembers, resident or not: per key its last access, how
+ * often it has been accessed (saturating at 255: only min(bit_length, 4) is ever read),
+ * its class and the page after it in the last request that used it. Keys are kept in
+ * the order of their last access (an intrusive doubly linked list: move to the end on
+ * access, forget the oldest first), exactly as the pure-Python path's OrderedDict.
+ *
+ * on_request() runs GittinsPolicy's whole per-request pass over the keys in one call:
+ * the prefix walk that decides whether the request continues a prompt (and marks an
+ * abandoned branch), the per-key ghost update and class, the next-page links, and the
+ * forgetting of the oldest. It returns the reuse model's observations in the order the
+ * Python path makes them (ReuseModel.record_many applies them in that order) and the
+ * keys moved to the abandoned class, which the caller re-classes in its leaf heaps.
+ *
+ * Layout: one 40-byte node per key (key inline, zero-padded to 16 bytes) in one array,
+ * and an open-addressing table (linear probing, backward-shift deletion) of node
+ * indices tagged with 4 hash bits. Not thread-safe (callers hold the GIL). A failed
+ * allocation while half-updated marks the object broken: later calls raise.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define KEY_MAX 16
+#define MAP_MIN 16
+#define SLOT_EMPTY UINT32_MAX
+#define IDX_BITS 28
+#define IDX_MASK ((UINT32_C(1) << IDX_BITS) - 1)
+#define MAX_NODES ((int32_t)IDX_MASK - 1)
+#define TAG(h) ((uint32_t)((h) >> 60))
+#define COUNT_MAX 255
+
+/* Classes, as in tierkv.policy.gittins. */
+#define HOT_CLASS 4
+#define CONTINUING 5
+#define ABANDONED 6
+/* Observation kinds, as in tierkv.policy.hazard. */
+#define OBS_START 0
+#define OBS_REUSE 1
+#define OBS_CENSOR 2
+
+typedef struct {
+    uint8_t key[KEY_MAX]; /* zero-padded */
+    double last;          /* last access */
+    int32_t older, newer; /* the access-order list; newer is the free-list link when free */
+    int32_t after;        /* the page after this one in its last request, -1 for none */
+    uint8_t count;        /* accesses, saturating at COUNT_MAX */
+    uint8_t cls;
+    uint8_t klen;         /* 0 when the node is free */
+    uint8_t pad;
+} Node;
+
+typedef struct {
+    PyObject_HEAD
+    Node *nodes;
+    int32_t ncap, nused, free_head;
+    int32_t oldest, newest;
+    uint32_t *slots;
+    size_t smask;
+    Py_ssize_t count;
+    double max_age;
+    int broken;
+    /* The observation log of one on_request call, reused between calls. */
+    uint8_t *kinds, *classes;
+    double *times;
+    int32_t nlog, lcap;
+} GhostObject;
+
+static PyObject *InputError; /* tierkv.errors.InputError */
+
+#define NODE(s, i) (&(s)->nodes[(i)])
+
+static int
+grow(void **arr, int32_t *cap, int32_t need, size_t elem)
+{
+    if (need <= *cap)
+        return 0;
+    int64_t c = *cap < 16 ? 16 : *cap;
+    while (c < need)
+        c += c / 2;
+    if (c > INT32_MAX)
+        c = INT32_MAX;
+    if (c < need) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    void *p = PyMem_Realloc(*arr, (size_t)c * elem);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *arr = p;
+    *cap = (int32_t)c;
+    return 0;
+}
+
+static inline uint64_t
+key_hash(const uint8_t *k, int len)
+{
+    uint64_t a, b;
+    memcpy(&a, k, 8);
+    memcpy(&b, k + 8, 8);
+    uint64_t h = a * UINT64_C(0x9E3779B97F4A7C15) ^ (b + (uint64_t)len) * UINT64_C(0xC2B2AE3D27D4EB4F);
+    h ^= h >> 29;
+    h *= UINT64_C(0xBF58476D1CE4E5B9);
+    h ^= h >> 32;
+    return h;
+}
+
+/* A page key as 16 zero-padded bytes: 1 if ok, 0 if not a key (InputError set when strict). */
+static int
+parse_key(PyObject *obj, uint8_t out[KEY_MAX], int *len, int strict)
+{
+    if (!PyBytes_Check(obj)) {
+        if (strict)
+            PyErr_Format(InputError, "page key must be bytes of 1 to %d bytes, got %.100s", KEY_MAX,
+                         Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(obj);
+    if (n < 1 || n > KEY_MAX) {
+        if (strict)
+            PyErr_Format(InputError, "page key must be 1 to %d bytes long, got %zd bytes", KEY_MAX, n);
+        return 0;
+    }
+    memset(out, 0, KEY_MAX);
+    memcpy(out, PyBytes_AS_STRING(obj), (size_t)n);
+    *len = (int)n;
+    return 1;
+}
+
+static int
+check_ok(GhostObject *s)
+{
+    if (s->broken) {
+        PyErr_SetString(PyExc_RuntimeError, "ghost is inconsistent after a failed allocation");
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ key -> node table */
+
+static inline size_t
+home_of(const GhostObject *s, const Node *nd)
+{
+    return (size_t)key_hash(nd->key, nd->klen) & s->smask;
+}
+
+static int32_t
+map_find(const GhostObject *s, const uint8_t key[KEY_MAX], int len)
+{
+    uint64_t h = key_hash(key, len);
+    uint32_t tag = TAG(h);
+    size_t i = (size_t)h & s->smask;
+    for (;;) {
+        uint32_t e = s->slots[i];
+        if (e == SLOT_EMPTY)
+            return -1;
+        if (e >> IDX_BITS == tag) {
+            const Node *nd = NODE(s, e & IDX_MASK);
+            if (nd->klen == len && memcmp(nd->key, key, KEY_MAX) == 0)
+                return (int32_t)(e & IDX_MASK);
+        }
+        i = (i + 1) & s->smask;
+    }
+}
+
+static void
+map_place(GhostObject *s, int32_t idx)
+{
+    const Node *nd = NODE(s, idx);
+    uint64_t h = key_hash(nd->key, nd->klen);
+    size_t i = (size_t)h & s->smask;
+    while (s->slots[i] != SLOT_EMPTY)
+        i = (i + 1) & s->smask;
+    s->slots[i] = TAG(h) << IDX_BITS | (uint32_t)idx;
+}
+
+/* Room in the table for extra more keys (load up to 0.8: the tags keep probes cheap). */
+static int
+map_reserve(GhostObject *s, Py_ssize_t extra)
+{
+    size_t cap = s->smask + 1;
+    if ((size_t)(s->count + extra) * 5 <= cap * 4)
+        return 0;
+    size_t ncap = cap;
+    while ((size_t)(s->count + extra) * 5 > ncap * 4)
+        ncap *= 2;
+    uint32_t *slots = PyMem_Malloc(ncap * sizeof(uint32_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(slots, 0xff, ncap * sizeof(uint32_t));
+    uint32_t *old = s->slots;
+    s->slots = slots;
+    s->smask = ncap - 1;
+    for (size_t i = 0; i < cap; i++)
+        if (old[i] != SLOT_EMPTY)
+            map_place(s, (int32_t)(old[i] & IDX_MASK));
+    PyMem_Free(old);
+    return 0;
+}
+
+static void
+map_remove(GhostObject *s, int32_t idx)
+{
+    size_t i = home_of(s, NODE(s, idx));
+    while (s->slots[i] == SLOT_EMPTY || (s->slots[i] & IDX_MASK) != (uint32_t)idx)
+        i = (i + 1) & s->smask;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & s->smask;
+        uint32_t o = s->slots[j];
+        if (o == SLOT_EMPTY)
+            break;
+        size_t h = home_of(s, NODE(s, o & IDX_MASK));
+        /* o may move back to i unless its home lies cyclically in (i, j]. */
+        int stays = i <= j ? (h > i && h <= j) : (h > i || h <= j);
+        if (!stays) {
+            s->slots[i] = o;
+            i = j;
+        }
+    }
+    s->slots[i] = SLOT_EMPTY;
+}
+
+/* ------------------------------------------------------------------ access order */
+
+static void
+list_unlink(GhostObject *s, int32_t idx)
+{
+    Node *nd = NODE(s, idx);
+    if (nd->older >= 0)
+        NODE(s, nd->older)->newer = nd->newer;
+    else
+        s->oldest = nd->newer;
+    if (nd->newer >= 0)
+        NODE(s, nd->newer)->older = nd->older;
+    else
+        s->newest = nd->older;
+}
+
+static void
+list_append(GhostObject *s, int32_t idx)
+{
+    Node *nd = NODE(s, idx);
+    nd->older = s->newest;
+    nd->newer = -1;
+    if (s->newest >= 0)
+        NODE(s, s->newest)->newer = idx;
+    else
+        s->oldest = idx;
+    s->newest = idx;
+}
+
+/* A new node for key, newest in the order, with last access t. -1 on failure (nothing changed). */
+static int32_t
+node_new(GhostObject *s, const uint8_t key[KEY_MAX], int len, double t)
+{
+    if (map_reserve(s, 1) < 0)
+        return -1;
+    int32_t idx;
+    if (s->free_head >= 0) {
+        idx = s->free_head;
+        s->free_head = NODE(s, idx)->newer;
+    } else {
+        if (s->nused >= MAX_NODES) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (grow((void **)&s->nodes, &s->ncap, s->nused + 1, sizeof(Node)) < 0)
+            return -1;
+        idx = s->nused++;
+    }
+    Node *nd = NODE(s, idx);
+    memcpy(nd->key, key, KEY_MAX);
+    nd->klen = (uint8_t)len;
+    nd->last = t;
+    nd->after = -1;
+    nd->count = 0;
+    nd->cls = 0;
+    nd->pad = 0;
+    map_place(s, idx);
+    s->count++;
+    list_append(s, idx);
+    return idx;
+}
+
+static void
+node_free(GhostObject *s, int32_t idx)
+{
+    map_remove(s, idx);
+    list_unlink(s, idx);
+    Node *nd = NODE(s, idx);
+    nd->klen = 0;
+    nd->newer = s->free_head;
+    s->free_head = idx;
+    s->count--;
+}
+
+static int
+log_obs(GhostObject *s, int kind, int cls, double t)
+{
+    if (s->nlog >= s->lcap) {
+        int32_t cap = s->lcap;
+        if (grow((void **)&s->kinds, &cap, s->nlog + 1, 1) < 0)
+            return -1;
+        cap = s->lcap;
+        if (grow((void **)&s->classes, &cap, s->nlog + 1, 1) < 0)
+            return -1;
+        cap = s->lcap;
+        if (grow((void **)&s->times, &cap, s->nlog + 1, sizeof(double)) < 0)
+            return -1;
+        s->lcap = cap;
+    }
+    s->kinds[s->nlog] = (uint8_t)kind;
+    s->classes[s->nlog] = (uint8_t)cls;
+    s->times[s->nlog] = t;
+    s->nlog++;
+    return 0;
+}
+
+static inline int
+access_class(int count)
+{
+    int b = 0;
+    while (count) {
+        b++;
+        count >>= 1;
+    }
+    return b < HOT_CLASS ? b : HOT_CLASS;
+}
+
+/* ------------------------------------------------------------------ the request pass */
+
+/* The branch from node idx on, last seen together at t0, moves to ABANDONED (gittins'
+ * _abandon); each key moved is appended to moved. */
+static int
+abandon(GhostObject *s, int32_t idx, double t0, PyObject *moved)
+{
+    while (idx >= 0) {
+        Node *nd = NODE(s, idx);
+        if (nd->last != t0 || nd->cls == ABANDONED)
+            return 0;
+        if (log_obs(s, OBS_CENSOR, nd->cls, t0) < 0 || log_obs(s, OBS_START, ABANDONED, t0) < 0)
+            return -1;
+        nd->cls = ABANDONED;
+        PyObject *k = PyBytes_FromStringAndSize((const char *)nd->key, nd->klen);
+        if (k == NULL || PyList_Append(moved, k) < 0) {
+            Py_XDECREF(k);
+            return -1;
+        }
+        Py_DECREF(k);
+        idx = nd->after;
+    }
+    return 0;
+}
+
+/* The class of a new page of this request (gittins' _continues), abandoning as it says. */
+static int
+new_class(GhostObject *s, const uint8_t (*keys)[KEY_MAX], const int *lens, Py_ssize_t n, PyObject *moved)
+{
+    int32_t deepest = -1;
+    Py_ssize_t depth = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t idx = map_find(s, keys[i], lens[i]);
+        if (idx < 0)
+            break;
+        deepest = idx;
+        depth++;
+    }
+    if (deepest < 0 || access_class(NODE(s, deepest)->count) >= HOT_CLASS)
+        return 0;
+    int32_t left = NODE(s, deepest)->after;
+    if (left >= 0 && (depth == n || map_find(s, keys[depth], lens[depth]) != left)) {
+        if (abandon(s, left, NODE(s, deepest)->last, moved) < 0)
+            return -1;
+    }
+    return CONTINUING;
+}
+
+PyDoc_STRVAR(on_request_doc,
+"on_request(keys, t, limit) -> (kinds, classes, times, abandoned)\n\n"
+"A request for keys (a sequence of bytes of 1 to 16 bytes) at clock t; then the oldest\n"
+"keys are forgotten while more than limit are remembered or they are max_age old.\n"
+"Returns the reuse model's observations in order (kinds: bytes of 0 start, 1 reuse,\n"
+"2 censor; classes: bytes; times: float64 bytes, the access or the last access) and\n"
+"the keys moved to the abandoned class, in order.");
+
+static PyObject *
+gh_on_request(GhostObject *s, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "on_request() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (check_ok(s) < 0)
+        return NULL;
+    double t = PyFloat_AsDouble(args[1]);
+    if (t == -1.0 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence of page keys");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint8_t (*keys)[KEY_MAX] = PyMem_Malloc((size_t)(n ? n : 1) * KEY_MAX);
+    int *lens = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int));
+    PyObject *moved = PyList_New(0);
+    PyObject *out = NULL;
+    if (keys == NULL || lens == NULL || moved == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!parse_key(items[i], keys[i], &lens[i], 1))
+            goto done;
+    /* Room for every key up front, so that the pass below fails only in the log. */
+    if (map_reserve(s, n) < 0 || grow((void **)&s->nodes, &s->ncap, s->nused + (int32_t)n, sizeof(Node)) < 0)
+        goto done;
+    s->nlog = 0;
+    s->broken = 1;
+    int fresh = new_class(s, (const uint8_t (*)[KEY_MAX])keys, lens, n, moved);
+    if (fresh < 0)
+        goto done;
+    int32_t prev = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t idx = map_find(s, keys[i], lens[i]);
+        Node *nd;
+        if (idx < 0) {
+            idx = node_new(s, keys[i], lens[i], t);
+            if (idx < 0)
+                goto done;
+            nd = NODE(s, idx);
+        } else {
+            nd = NODE(s, idx);
+            if (log_obs(s, OBS_REUSE, nd->cls, nd->last) < 0)
+                goto done;
+            list_unlink(s, idx);
+            list_append(s, idx);
+            nd->last = t;
+        }
+        int c = nd->count ? access_class(nd->count) : fresh;
+        if (nd->count < COUNT_MAX)
+            nd->count++;
+        nd->cls = (uint8_t)c;
+        if (log_obs(s, OBS_START, c, t) < 0)
+            goto done;
+        if (prev >= 0)
+            NODE(s, prev)->after = idx;
+        prev = idx;
+    }
+    if (prev >= 0)
+        NODE(s, prev)->after = -1;
+    /* Forget the oldest. */
+    while (s->oldest >= 0) {
+        Node *nd = NODE(s, s->oldest);
+        if (s->count <= limit && t - nd->last < s->max_age)
+            break;
+        if (log_obs(s, OBS_CENSOR, nd->cls, nd->last) < 0)
+            goto done;
+        node_free(s, s->oldest);
+    }
+    s->broken = 0;
+    out = Py_BuildValue("(y#y#y#O)", (const char *)s->kinds, (Py_ssize_t)s->nlog, (const char *)s->classes,
+                        (Py_ssize_t)s->nlog, (const char *)s->times, (Py_ssize_t)s->nlog * (Py_ssize_t)sizeof(double),
+                        moved);
+done:
+    PyMem_Free(keys);
+    PyMem_Free(lens);
+    Py_XDECREF(moved);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* ------------------------------------------------------------------ lookups */
+
+static int32_t
+find(GhostObject *s, PyObject *key)
+{
+    uint8_t k[KEY_MAX];
+    int len;
+    if (!parse_key(key, k, &len, 0))
+        return -1;
+    return map_find(s, k, len);
+}
+
+PyDoc_STRVAR(class_of_doc, "class_of(key) -> int\n\nThe class of a remembered key, 0 for any other.");
+
+static PyObject *
+gh_class_of(GhostObject *s, PyObject *key)
+{
+    if (check_ok(s) < 0)
+        return NULL;
+    int32_t idx = find(s, key);
+    return PyLong_FromLong(idx < 0 ? 0 : NODE(s, idx)->cls);
+}
+
+PyDoc_STRVAR(entry_doc,
+"entry(key) -> (last, count, class, next key or None) or None\n\n"
+"What is remembered of key (count saturates at 255).");
+
+static PyObject *
+gh_entry(GhostObject *s, PyObject *key)
+{
+    if (check_ok(s) < 0)
+        return NULL;
+    int32_t idx = find(s, key);
+    if (idx < 0)
+        Py_RETURN_NONE;
+    Node *nd = NODE(s, idx);
+    if (nd->after < 0)
+        return Py_BuildValue("(diiO)", nd->last, (int)nd->count, (int)nd->cls, Py_None);
+    Node *a = NODE(s, nd->after);
+    return Py_BuildValue("(diiy#)", nd->last, (int)nd->count, (int)nd->cls, (const char *)a->key,
+                         (Py_ssize_t)a->klen);
+}
+
+PyDoc_STRVAR(keys_doc, "keys() -> list of bytes\n\nThe remembered keys, oldest access first.");
+
+static PyObject *
+gh_keys(GhostObject *s, PyObject *Py_UNUSED(ignored))
+{
+    if (check_ok(s) < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (int32_t i = s->oldest; i >= 0; i = NODE(s, i)->newer) {
+        PyObject *k = PyBytes_FromStringAndSize((const char *)NODE(s, i)->key, NODE(s, i)->klen);
+        if (k == NULL || PyList_Append(out, k) < 0) {
+            Py_XDECREF(k);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(k);
+    }
+    return out;
+}
+
+PyDoc_STRVAR(nbytes_doc, "nbytes() -> int\n\nBytes of memory held for the remembered keys (nodes, table, log).");
+
+static PyObject *
+gh_nbytes(GhostObject *s, PyObject *Py_UNUSED(ignored))
+{
+    size_t n = (size_t)s->ncap * sizeof(Node) + (s->smask + 1) * sizeof(uint32_t) +
+               (size_t)s->lcap * (2 + sizeof(double));
+    return PyLong_FromSize_t(n);
+}
+
+static Py_ssize_t
+gh_len(GhostObject *s)
+{
+    return s->count;
+}
+
+static int
+gh_contains(GhostObject *s, PyObject *key)
+{
+    if (check_ok(s) < 0)
+        return -1;
+    return find(s, key) >= 0;
+}
+
+static void
+gh_dealloc(GhostObject *s)
+{
+    PyMem_Free(s->nodes);
+    PyMem_Free(s->slots);
+    PyMem_Free(s->kinds);
+    PyMem_Free(s->classes);
+    PyMem_Free(s->times);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *
+gh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"max_age", NULL};
+    double max_age;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "d:Ghost", kwlist, &max_age))
+        return NULL;
+    GhostObject *s = (GhostObject *)type->tp_alloc(type, 0);
+    if (s == NULL)
+        return NULL;
+    s->free_head = s->oldest = s->newest = -1;
+    s->max_age = max_age;
+    s->slots = PyMem_Malloc(MAP_MIN * sizeof(uint32_t));
+    if (s->slots == NULL) {
+        Py_DECREF(s);
+        return PyErr_NoMemory();
+    }
+    memset(s->slots, 0xff, MAP_MIN * sizeof(uint32_t));
+    s->smask = MAP_MIN - 1;
+    return (PyObject *)s;
+}
+
+static PyMethodDef gh_methods[] = {
+    {"on_request", (PyCFunction)(void (*)(void))gh_on_request, METH_FASTCALL, on_request_doc},
+    {"class_of", (PyCFunction)gh_class_of, METH_O, class_of_doc},
+    {"entry", (PyCFunction)gh_entry, METH_O, entry_doc},
+    {"keys", (PyCFunction)gh_keys, METH_NOARGS, keys_doc},
+    {"nbytes", (PyCFunction)gh_nbytes, METH_NOARGS, nbytes_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods gh_as_sequence = {
+    .sq_length = (lenfunc)gh_len,
+    .sq_contains = (objobjproc)gh_contains,
+};
+
+PyDoc_STRVAR(gh_doc, "Ghost(max_age)\n\n"
+"The pages a GittinsPolicy remembers, compiled: last access, count, class and next page\n"
+"per key, in access order; keys of 1 to 16 bytes. Not thread-safe.");
+
+static PyTypeObject GhostType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tierkv.policy._ghost.Ghost",
+    .tp_basicsize = sizeof(GhostObject),
+    .tp_dealloc = (destructor)gh_dealloc,
+    .tp_as_sequence = &gh_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = gh_doc,
+    .tp_methods = gh_methods,
+    .tp_new = gh_new,
+};
+
+static struct PyModuleDef ghost_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tierkv.policy._ghost",
+    .m_doc = "The compiled ghost of tierkv.policy.gittins.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__ghost(void)
+{
+    PyObject *errors = PyImport_ImportModule("tierkv.errors");
+    if (errors == NULL)
+        return NULL;
+    InputError = PyObject_GetAttrString(errors, "InputError");
+    Py_DECREF(errors);
+    if (InputError == NULL)
+        return NULL;
+    if (PyType_Ready(&GhostType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&ghost_module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Ghost", (PyObject *)&GhostType) < 0 ||
+        PyModule_AddIntConstant(m, "HOT_CLASS", HOT_CLASS) < 0 ||
+        PyModule_AddIntConstant(m, "CONTINUING", CONTINUING) < 0 ||
+        PyModule_AddIntConstant(m, "ABANDONED", ABANDONED) < 0 ||
+        PyModule_AddIntConstant(m, "START", OBS_START) < 0 ||
+        PyModule_AddIntConstant(m, "REUSE", OBS_REUSE) < 0 ||
+        PyModule_AddIntConstant(m, "CENSOR", OBS_CENSOR) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
