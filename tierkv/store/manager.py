@@ -24,6 +24,7 @@ kind in the order given; a tier's *level* is its place in that order (0 is the f
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 # Pages a full volatile tier demotes at once (capped at 1/16 of the tier).
 DEMOTION_BATCH = 64
 _NO_KEY = bytes(KEY_BYTES)
+_ROW = struct.Struct("<i")  # one int32 row, as the table's core takes rows
 #: The largest page length a row records.
 MAX_NBYTES = (1 << 32) - 1
 
@@ -154,20 +156,20 @@ class BlockManager:
         if w:
             return slot, False
         self._pages -= 1
-        self.table.core.set_levels(np.array([r], dtype=np.int32).tobytes(), NO_LEVEL)
+        t.core.set_levels(_ROW.pack(r), NO_LEVEL)
         t.parent[r] = 0
         t.pins[r] = 0
         t.has_sum[r] = False
         if not t.nkids[r]:
-            t.release(np.array([r], dtype=np.int32))
+            t.core.release(_ROW.pack(r))  # its columns are zero but length and checksum, set on reuse
         if p >= 0 and not t.where[p] and not t.nkids[p]:
-            t.release(np.array([p], dtype=np.int32))
+            t.core.release(_ROW.pack(p))  # a placeholder: its columns are zero
         return slot, True
 
     def _republish(self, r: int) -> None:
         """A published page's level follows its fastest copy."""
         core = self.table.core
-        rb = np.array([r], dtype=np.int32).tobytes()
+        rb = _ROW.pack(r)
         if core.levels(rb)[0] != NO_LEVEL:
             core.set_levels(rb, _lowest(int(self.table.where[r])))
 
@@ -522,8 +524,7 @@ class BlockManager:
         # block tier may need more victims than pages asked for: evict until they fit.
         while need > 0:
             victims = policy.victims(need, evictable)
-            for victim in victims:
-                self._evict(victim, tier, protect, plan)
+            self._evict_all(victims, tier, protect, plan)
             need = n - tier.num_free
             if not victims:
                 break
@@ -532,6 +533,73 @@ class BlockManager:
     def _emit(self, event: str, name: TierId, keys: list[PageKey], slots: list[int]) -> None:
         for listener in self.listeners:
             listener(event, name, keys, slots)
+
+    def _evict_all(self, victims: list[PageKey], tier: Tier, protect: set[PageKey], plan: MovePlan) -> None:
+        """Evict ``victims`` from ``tier`` in order: runs of victims that need no demotion (a
+        copy stays elsewhere, or there is no tier below) in one vectorized pass each, the
+        rest one by one (a demotion reserves room below, which may evict there first)."""
+        if not victims:
+            return
+        t, lvl = self.table, self.levels[tier.name]
+        rows = rows_of(t.core.find(b"".join(victims)))
+        if (rows < 0).any():
+            raise AssertionError(f"the {tier.name} policy offered a page the manager does not hold")
+        if self.below(tier.name) is None:
+            self._evict_run(victims, rows, tier, plan)
+            return
+        # A last copy is demoted one by one; its demotion may evict a later victim's copy
+        # below, so whether a victim is a last copy is asked when its turn comes.
+        start, alone, where = 0, 1 << lvl, t.where
+        for i, r in enumerate(rows.tolist()):
+            if where[r] != alone:
+                continue
+            if i > start:
+                self._evict_run(victims[start:i], rows[start:i], tier, plan)
+            self._evict(victims[i], tier, protect, plan)
+            start = i + 1
+        if start < len(victims):
+            self._evict_run(victims[start:], rows[start:], tier, plan)
+
+    def _evict_run(self, keys: list[PageKey], rows: np.ndarray, tier: Tier, plan: MovePlan) -> None:
+        """Evict pages from ``tier`` that either keep a copy elsewhere or are dropped."""
+        t, lvl, name = self.table, self.levels[tier.name], tier.name
+        bit = np.uint8(1 << lvl)
+        slots = (t.slot[lvl, rows] - 1).tolist()
+        if self.listeners:
+            self._emit("removed", name, list(keys), slots)
+        t.slot[lvl, rows] = 0
+        where = t.where[rows] & ~bit
+        t.where[rows] = where
+        prow = t.parent[rows].astype(np.int64) - 1
+        linked = prow >= 0
+        np.subtract.at(t.kids[lvl], prow[linked], 1)
+        gone = where == 0
+        np.subtract.at(t.nkids, prow[linked & gone], 1)
+        policy = self._policies[name]
+        for key in keys:
+            policy.remove(key)
+        plan.evicted += len(keys)
+        if tier.persistent:
+            plan.deletes.setdefault(name, []).extend(keys)
+        if gone.any():
+            dead = rows[gone]
+            self._pages -= len(dead)
+            t.core.set_levels(dead.tobytes(), NO_LEVEL)
+            t.parent[dead] = 0
+            t.pins[dead] = 0
+            t.has_sum[dead] = False
+            plan.dropped += len(dead)
+            parents = prow[linked & gone]
+            free = np.concatenate([dead[t.nkids[dead] == 0], parents[(t.where[parents] == 0) & (t.nkids[parents] == 0)]])
+            if len(free):
+                t.core.release(np.unique(free).astype(np.int32).tobytes())
+        kept = rows[~gone]
+        if len(kept):
+            levels = np.frombuffer(t.core.levels(kept.tobytes()), dtype=np.uint8)
+            live = kept[levels != NO_LEVEL]
+            if len(live):
+                t.core.set_levels(live.tobytes(), t.fastest(live).tobytes())
+        tier.free(slots)
 
     def _evict(self, key: PageKey, tier: Tier, protect: set[PageKey], plan: MovePlan) -> None:
         t = self.table
