@@ -2,7 +2,7 @@
  * tierkv.policy._ghost: the compiled ghost of GittinsPolicy (see tierkv/policy/gittins.py).
  *
  * The pages one tier's policy remembers, resident or not: per key its last access, how
- * often it has been accessed (saturating at 255: only min(bit_length, 4) is ever read),
+ * often it has been accessed (saturating at 15: only min(bit_length, 4) is ever read),
  * its class and the page after it in the last request that used it. Keys are kept in
  * the order of their last access (an intrusive doubly linked list: move to the end on
  * access, forget the oldest first), exactly as the pure-Python path's OrderedDict.
@@ -14,7 +14,7 @@
  * Python path makes them (ReuseModel.record_many applies them in that order) and the
  * keys moved to the abandoned class, which the caller re-classes in its leaf heaps.
  *
- * Layout: one 40-byte node per key (key inline, zero-padded to 16 bytes) in one array,
+ * Layout: one 36-byte node per key (key inline, zero-padded to 16 bytes) in chunks of 4096,
  * and an open-addressing table (linear probing, backward-shift deletion) of node
  * indices tagged with 4 hash bits. Not thread-safe (callers hold the GIL). A failed
  * allocation while half-updated marks the object broken: later calls raise.
@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -32,7 +33,9 @@
 #define IDX_MASK ((UINT32_C(1) << IDX_BITS) - 1)
 #define MAX_NODES ((int32_t)IDX_MASK - 1)
 #define TAG(h) ((uint32_t)((h) >> 60))
-#define COUNT_MAX 255
+#define COUNT_MAX 15
+#define CHUNK_BITS 12
+#define CHUNK ((int32_t)1 << CHUNK_BITS)
 
 /* Classes, as in tierkv.policy.gittins. */
 #define HOT_CLASS 4
@@ -43,21 +46,51 @@
 #define OBS_REUSE 1
 #define OBS_CENSOR 2
 
+/* 36 bytes: three links of 28 bits (IDX_MASK for none), whose high 4 bits hold the key's
+ * length - 1, the access count (saturating at COUNT_MAX) and the class. */
+#pragma pack(push, 4)
 typedef struct {
     uint8_t key[KEY_MAX]; /* zero-padded */
     double last;          /* last access */
-    int32_t older, newer; /* the access-order list; newer is the free-list link when free */
-    int32_t after;        /* the page after this one in its last request, -1 for none */
-    uint8_t count;        /* accesses, saturating at COUNT_MAX */
-    uint8_t cls;
-    uint8_t klen;         /* 0 when the node is free */
-    uint8_t pad;
+    uint32_t w[3];        /* W_OLDER, W_NEWER (the access order; the free-list link when free), W_AFTER */
 } Node;
+#pragma pack(pop)
+
+enum { W_OLDER = 0, W_NEWER = 1, W_AFTER = 2 };
+
+static inline int32_t
+link_of(const Node *nd, int f)
+{
+    uint32_t i = nd->w[f] & IDX_MASK;
+    return i == IDX_MASK ? -1 : (int32_t)i;
+}
+
+static inline void
+set_link(Node *nd, int f, int32_t i)
+{
+    nd->w[f] = (nd->w[f] & ~IDX_MASK) | (i < 0 ? IDX_MASK : (uint32_t)i);
+}
+
+static inline int
+high_of(const Node *nd, int f)
+{
+    return (int)(nd->w[f] >> IDX_BITS);
+}
+
+static inline void
+set_high(Node *nd, int f, int v)
+{
+    nd->w[f] = (nd->w[f] & IDX_MASK) | ((uint32_t)v << IDX_BITS);
+}
+
+#define KLEN(nd) (high_of((nd), W_OLDER) + 1)
+#define COUNT(nd) high_of((nd), W_NEWER)
+#define CLS(nd) high_of((nd), W_AFTER)
 
 typedef struct {
     PyObject_HEAD
-    Node *nodes;
-    int32_t ncap, nused, free_head;
+    Node **chunks;        /* nodes in chunks of CHUNK: no slack beyond one chunk, no copying */
+    int32_t nchunks, chunkcap, nused, free_head;
     int32_t oldest, newest;
     uint32_t *slots;
     size_t smask;
@@ -72,7 +105,7 @@ typedef struct {
 
 static PyObject *InputError; /* tierkv.errors.InputError */
 
-#define NODE(s, i) (&(s)->nodes[(i)])
+#define NODE(s, i) (&(s)->chunks[(i) >> CHUNK_BITS][(i) & (CHUNK - 1)])
 
 static int
 grow(void **arr, int32_t *cap, int32_t need, size_t elem)
@@ -95,6 +128,27 @@ grow(void **arr, int32_t *cap, int32_t need, size_t elem)
     }
     *arr = p;
     *cap = (int32_t)c;
+    return 0;
+}
+
+/* Chunks for at least need nodes. */
+static int
+reserve_nodes(GhostObject *s, int64_t need)
+{
+    if (need > MAX_NODES) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    while ((int64_t)s->nchunks * CHUNK < need) {
+        if (grow((void **)&s->chunks, &s->chunkcap, s->nchunks + 1, sizeof(Node *)) < 0)
+            return -1;
+        Node *c = PyMem_Malloc((size_t)CHUNK * sizeof(Node));
+        if (c == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->chunks[s->nchunks++] = c;
+    }
     return 0;
 }
 
@@ -148,7 +202,7 @@ check_ok(GhostObject *s)
 static inline size_t
 home_of(const GhostObject *s, const Node *nd)
 {
-    return (size_t)key_hash(nd->key, nd->klen) & s->smask;
+    return (size_t)key_hash(nd->key, KLEN(nd)) & s->smask;
 }
 
 static int32_t
@@ -163,7 +217,7 @@ map_find(const GhostObject *s, const uint8_t key[KEY_MAX], int len)
             return -1;
         if (e >> IDX_BITS == tag) {
             const Node *nd = NODE(s, e & IDX_MASK);
-            if (nd->klen == len && memcmp(nd->key, key, KEY_MAX) == 0)
+            if (KLEN(nd) == len && memcmp(nd->key, key, KEY_MAX) == 0)
                 return (int32_t)(e & IDX_MASK);
         }
         i = (i + 1) & s->smask;
@@ -174,7 +228,7 @@ static void
 map_place(GhostObject *s, int32_t idx)
 {
     const Node *nd = NODE(s, idx);
-    uint64_t h = key_hash(nd->key, nd->klen);
+    uint64_t h = key_hash(nd->key, KLEN(nd));
     size_t i = (size_t)h & s->smask;
     while (s->slots[i] != SLOT_EMPTY)
         i = (i + 1) & s->smask;
@@ -236,24 +290,25 @@ static void
 list_unlink(GhostObject *s, int32_t idx)
 {
     Node *nd = NODE(s, idx);
-    if (nd->older >= 0)
-        NODE(s, nd->older)->newer = nd->newer;
+    int32_t older = link_of(nd, W_OLDER), newer = link_of(nd, W_NEWER);
+    if (older >= 0)
+        set_link(NODE(s, older), W_NEWER, newer);
     else
-        s->oldest = nd->newer;
-    if (nd->newer >= 0)
-        NODE(s, nd->newer)->older = nd->older;
+        s->oldest = newer;
+    if (newer >= 0)
+        set_link(NODE(s, newer), W_OLDER, older);
     else
-        s->newest = nd->older;
+        s->newest = older;
 }
 
 static void
 list_append(GhostObject *s, int32_t idx)
 {
     Node *nd = NODE(s, idx);
-    nd->older = s->newest;
-    nd->newer = -1;
+    set_link(nd, W_OLDER, s->newest);
+    set_link(nd, W_NEWER, -1);
     if (s->newest >= 0)
-        NODE(s, s->newest)->newer = idx;
+        set_link(NODE(s, s->newest), W_NEWER, idx);
     else
         s->oldest = idx;
     s->newest = idx;
@@ -268,24 +323,18 @@ node_new(GhostObject *s, const uint8_t key[KEY_MAX], int len, double t)
     int32_t idx;
     if (s->free_head >= 0) {
         idx = s->free_head;
-        s->free_head = NODE(s, idx)->newer;
+        s->free_head = link_of(NODE(s, idx), W_NEWER);
     } else {
-        if (s->nused >= MAX_NODES) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        if (grow((void **)&s->nodes, &s->ncap, s->nused + 1, sizeof(Node)) < 0)
+        if (reserve_nodes(s, s->nused + 1) < 0)
             return -1;
         idx = s->nused++;
     }
     Node *nd = NODE(s, idx);
     memcpy(nd->key, key, KEY_MAX);
-    nd->klen = (uint8_t)len;
     nd->last = t;
-    nd->after = -1;
-    nd->count = 0;
-    nd->cls = 0;
-    nd->pad = 0;
+    nd->w[W_OLDER] = (uint32_t)(len - 1) << IDX_BITS | IDX_MASK;
+    nd->w[W_NEWER] = IDX_MASK;                 /* count 0 */
+    nd->w[W_AFTER] = IDX_MASK;                 /* class 0, no next page */
     map_place(s, idx);
     s->count++;
     list_append(s, idx);
@@ -297,9 +346,7 @@ node_free(GhostObject *s, int32_t idx)
 {
     map_remove(s, idx);
     list_unlink(s, idx);
-    Node *nd = NODE(s, idx);
-    nd->klen = 0;
-    nd->newer = s->free_head;
+    set_link(NODE(s, idx), W_NEWER, s->free_head);
     s->free_head = idx;
     s->count--;
 }
@@ -346,18 +393,18 @@ abandon(GhostObject *s, int32_t idx, double t0, PyObject *moved)
 {
     while (idx >= 0) {
         Node *nd = NODE(s, idx);
-        if (nd->last != t0 || nd->cls == ABANDONED)
+        if (nd->last != t0 || CLS(nd) == ABANDONED)
             return 0;
-        if (log_obs(s, OBS_CENSOR, nd->cls, t0) < 0 || log_obs(s, OBS_START, ABANDONED, t0) < 0)
+        if (log_obs(s, OBS_CENSOR, CLS(nd), t0) < 0 || log_obs(s, OBS_START, ABANDONED, t0) < 0)
             return -1;
-        nd->cls = ABANDONED;
-        PyObject *k = PyBytes_FromStringAndSize((const char *)nd->key, nd->klen);
+        set_high(nd, W_AFTER, ABANDONED);
+        PyObject *k = PyBytes_FromStringAndSize((const char *)nd->key, KLEN(nd));
         if (k == NULL || PyList_Append(moved, k) < 0) {
             Py_XDECREF(k);
             return -1;
         }
         Py_DECREF(k);
-        idx = nd->after;
+        idx = link_of(nd, W_AFTER);
     }
     return 0;
 }
@@ -375,9 +422,9 @@ new_class(GhostObject *s, const uint8_t (*keys)[KEY_MAX], const int *lens, Py_ss
         deepest = idx;
         depth++;
     }
-    if (deepest < 0 || access_class(NODE(s, deepest)->count) >= HOT_CLASS)
+    if (deepest < 0 || access_class(COUNT(NODE(s, deepest))) >= HOT_CLASS)
         return 0;
-    int32_t left = NODE(s, deepest)->after;
+    int32_t left = link_of(NODE(s, deepest), W_AFTER);
     if (left >= 0 && (depth == n || map_find(s, keys[depth], lens[depth]) != left)) {
         if (abandon(s, left, NODE(s, deepest)->last, moved) < 0)
             return -1;
@@ -425,7 +472,7 @@ gh_on_request(GhostObject *s, PyObject *const *args, Py_ssize_t nargs)
         if (!parse_key(items[i], keys[i], &lens[i], 1))
             goto done;
     /* Room for every key up front, so that the pass below fails only in the log. */
-    if (map_reserve(s, n) < 0 || grow((void **)&s->nodes, &s->ncap, s->nused + (int32_t)n, sizeof(Node)) < 0)
+    if (map_reserve(s, n) < 0 || reserve_nodes(s, (int64_t)s->nused + n) < 0)
         goto done;
     s->nlog = 0;
     s->broken = 1;
@@ -443,30 +490,31 @@ gh_on_request(GhostObject *s, PyObject *const *args, Py_ssize_t nargs)
             nd = NODE(s, idx);
         } else {
             nd = NODE(s, idx);
-            if (log_obs(s, OBS_REUSE, nd->cls, nd->last) < 0)
+            if (log_obs(s, OBS_REUSE, CLS(nd), nd->last) < 0)
                 goto done;
             list_unlink(s, idx);
             list_append(s, idx);
             nd->last = t;
         }
-        int c = nd->count ? access_class(nd->count) : fresh;
-        if (nd->count < COUNT_MAX)
-            nd->count++;
-        nd->cls = (uint8_t)c;
+        int count = COUNT(nd);
+        int c = count ? access_class(count) : fresh;
+        if (count < COUNT_MAX)
+            set_high(nd, W_NEWER, count + 1);
+        set_high(nd, W_AFTER, c);
         if (log_obs(s, OBS_START, c, t) < 0)
             goto done;
         if (prev >= 0)
-            NODE(s, prev)->after = idx;
+            set_link(NODE(s, prev), W_AFTER, idx);
         prev = idx;
     }
     if (prev >= 0)
-        NODE(s, prev)->after = -1;
+        set_link(NODE(s, prev), W_AFTER, -1);
     /* Forget the oldest. */
     while (s->oldest >= 0) {
         Node *nd = NODE(s, s->oldest);
         if (s->count <= limit && t - nd->last < s->max_age)
             break;
-        if (log_obs(s, OBS_CENSOR, nd->cls, nd->last) < 0)
+        if (log_obs(s, OBS_CENSOR, CLS(nd), nd->last) < 0)
             goto done;
         node_free(s, s->oldest);
     }
@@ -502,12 +550,12 @@ gh_class_of(GhostObject *s, PyObject *key)
     if (check_ok(s) < 0)
         return NULL;
     int32_t idx = find(s, key);
-    return PyLong_FromLong(idx < 0 ? 0 : NODE(s, idx)->cls);
+    return PyLong_FromLong(idx < 0 ? 0 : CLS(NODE(s, idx)));
 }
 
 PyDoc_STRVAR(entry_doc,
 "entry(key) -> (last, count, class, next key or None) or None\n\n"
-"What is remembered of key (count saturates at 255).");
+"What is remembered of key (count saturates at 15).");
 
 static PyObject *
 gh_entry(GhostObject *s, PyObject *key)
@@ -518,11 +566,11 @@ gh_entry(GhostObject *s, PyObject *key)
     if (idx < 0)
         Py_RETURN_NONE;
     Node *nd = NODE(s, idx);
-    if (nd->after < 0)
-        return Py_BuildValue("(diiO)", nd->last, (int)nd->count, (int)nd->cls, Py_None);
-    Node *a = NODE(s, nd->after);
-    return Py_BuildValue("(diiy#)", nd->last, (int)nd->count, (int)nd->cls, (const char *)a->key,
-                         (Py_ssize_t)a->klen);
+    int32_t after = link_of(nd, W_AFTER);
+    if (after < 0)
+        return Py_BuildValue("(diiO)", nd->last, COUNT(nd), CLS(nd), Py_None);
+    Node *a = NODE(s, after);
+    return Py_BuildValue("(diiy#)", nd->last, COUNT(nd), CLS(nd), (const char *)a->key, (Py_ssize_t)KLEN(a));
 }
 
 PyDoc_STRVAR(keys_doc, "keys() -> list of bytes\n\nThe remembered keys, oldest access first.");
@@ -535,8 +583,8 @@ gh_keys(GhostObject *s, PyObject *Py_UNUSED(ignored))
     PyObject *out = PyList_New(0);
     if (out == NULL)
         return NULL;
-    for (int32_t i = s->oldest; i >= 0; i = NODE(s, i)->newer) {
-        PyObject *k = PyBytes_FromStringAndSize((const char *)NODE(s, i)->key, NODE(s, i)->klen);
+    for (int32_t i = s->oldest; i >= 0; i = link_of(NODE(s, i), W_NEWER)) {
+        PyObject *k = PyBytes_FromStringAndSize((const char *)NODE(s, i)->key, KLEN(NODE(s, i)));
         if (k == NULL || PyList_Append(out, k) < 0) {
             Py_XDECREF(k);
             Py_DECREF(out);
@@ -552,7 +600,7 @@ PyDoc_STRVAR(nbytes_doc, "nbytes() -> int\n\nBytes of memory held for the rememb
 static PyObject *
 gh_nbytes(GhostObject *s, PyObject *Py_UNUSED(ignored))
 {
-    size_t n = (size_t)s->ncap * sizeof(Node) + (s->smask + 1) * sizeof(uint32_t) +
+    size_t n = (size_t)s->nchunks * CHUNK * sizeof(Node) + (size_t)s->chunkcap * sizeof(Node *) + (s->smask + 1) * sizeof(uint32_t) +
                (size_t)s->lcap * (2 + sizeof(double));
     return PyLong_FromSize_t(n);
 }
@@ -574,7 +622,9 @@ gh_contains(GhostObject *s, PyObject *key)
 static void
 gh_dealloc(GhostObject *s)
 {
-    PyMem_Free(s->nodes);
+    for (int32_t i = 0; i < s->nchunks; i++)
+        PyMem_Free(s->chunks[i]);
+    PyMem_Free(s->chunks);
     PyMem_Free(s->slots);
     PyMem_Free(s->kinds);
     PyMem_Free(s->classes);
@@ -602,6 +652,121 @@ gh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     memset(s->slots, 0xff, MAP_MIN * sizeof(uint32_t));
     s->smask = MAP_MIN - 1;
     return (PyObject *)s;
+}
+
+/* ------------------------------------------------------------------ the reuse model's histograms */
+
+static int
+get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len % itemsize != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items", what, view->len,
+                     itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Python's int(t) // d % m for a float t (floor division, non-negative remainder). */
+static inline int64_t
+bucket_of(double t, int64_t d, int64_t m)
+{
+    int64_t i = (int64_t)t;
+    int64_t q = i / d - ((i % d != 0) && (i < 0));
+    int64_t r = q % m;
+    return r < 0 ? r + m : r;
+}
+
+PyDoc_STRVAR(record_doc,
+"record(open, resolved, reuses, kinds, classes, times, now, t_ref, memory, log_growth, bucket, ring)\n\n"
+"ReuseModel.record_many's updates of its float64 histograms open (classes x ring),\n"
+"resolved (classes x (bins + 1)) and reuses (classes x bins), in place, observation by\n"
+"observation in order, with the arithmetic of ReuseModel.start / reuse / censor: the\n"
+"weight exp((t - t_ref) / memory) and the age bin int(log1p(age) / log_growth) come from\n"
+"the C library's exp and log1p, which Python's math module calls too.");
+
+static PyObject *
+gh_record(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "record() takes 12 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    double d[4];
+    for (int i = 0; i < 4; i++) {
+        d[i] = PyFloat_AsDouble(args[6 + i]);
+        if (d[i] == -1.0 && PyErr_Occurred())
+            return NULL;
+    }
+    double now = d[0], t_ref = d[1], memory = d[2], log_growth = d[3];
+    int64_t bucket = PyLong_AsLongLong(args[10]), ring = PyLong_AsLongLong(args[11]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (bucket < 1 || ring < 1) {
+        PyErr_Format(PyExc_ValueError, "record() needs bucket >= 1 and ring >= 1, got %lld, %lld",
+                     (long long)bucket, (long long)ring);
+        return NULL;
+    }
+    Py_buffer v[6];
+    static const char *what[6] = {"open", "resolved", "reuses", "kinds", "classes", "times"};
+    static const int wr[6] = {1, 1, 1, 0, 0, 0};
+    static const Py_ssize_t size[6] = {8, 8, 8, 1, 1, 8};
+    int got = 0;
+    PyObject *out = NULL;
+    for (; got < 6; got++)
+        if (get_buffer(args[got], &v[got], wr[got], size[got], what[got]) < 0)
+            goto done;
+    Py_ssize_t n = v[3].len;
+    Py_ssize_t nopen = v[0].len / 8;
+    if (nopen % ring != 0 || v[4].len != n || v[5].len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "record(): histogram or observation sizes do not match");
+        goto done;
+    }
+    Py_ssize_t classes = nopen / ring;
+    if (classes < 1 || v[1].len / 8 % classes != 0 || v[2].len / 8 != v[1].len / 8 - classes) {
+        PyErr_SetString(PyExc_ValueError, "record(): histogram shapes do not match");
+        goto done;
+    }
+    Py_ssize_t bins = v[2].len / 8 / classes;
+    double *open = v[0].buf, *resolved = v[1].buf, *reuses = v[2].buf;
+    const uint8_t *kinds = v[3].buf, *cls = v[4].buf;
+    const double *times = v[5].buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (cls[i] >= classes || kinds[i] > OBS_CENSOR) {
+            PyErr_Format(PyExc_ValueError, "record(): observation %zd has class %d of %zd, kind %d", i,
+                         (int)cls[i], classes, (int)kinds[i]);
+            goto done;
+        }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t c = cls[i];
+        double t = times[i];
+        double w = exp((t - t_ref) / memory);
+        double *slot = &open[c * ring + bucket_of(t, bucket, ring)];
+        if (kinds[i] == OBS_START) {
+            *slot += w;
+            continue;
+        }
+        double age = now - t;
+        Py_ssize_t b = 0;
+        if (age > 0.0) {
+            b = (Py_ssize_t)(log1p(age) / log_growth);
+            if (b >= bins)
+                b = bins - 1;
+        }
+        *slot -= w;
+        resolved[c * (bins + 1)] += w;
+        resolved[c * (bins + 1) + b + 1] -= w;
+        if (kinds[i] == OBS_REUSE)
+            reuses[c * bins + b] += w;
+    }
+    out = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&v[i]);
+    return out;
 }
 
 static PyMethodDef gh_methods[] = {
@@ -634,11 +799,17 @@ static PyTypeObject GhostType = {
     .tp_new = gh_new,
 };
 
+static PyMethodDef module_methods[] = {
+    {"record", (PyCFunction)(void (*)(void))gh_record, METH_FASTCALL, record_doc},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef ghost_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "tierkv.policy._ghost",
-    .m_doc = "The compiled ghost of tierkv.policy.gittins.",
+    .m_doc = "The compiled ghost of tierkv.policy.gittins and the updates of its reuse model.",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC

@@ -54,7 +54,6 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-import numpy as np
 
 from tierkv.keys import PageKey
 from tierkv.policy import hazard
@@ -153,8 +152,7 @@ class GittinsPolicy:
         for k in moved:                 # residents of an abandoned branch keep their age
             if k in leaves:
                 leaves.touch(k, ABANDONED, leaves.last_of(k))
-        self._model.record_many(np.frombuffer(kinds, np.uint8), np.frombuffer(classes, np.uint8),
-                                np.frombuffer(times, np.float64), t)
+        self._model.record_many(kinds, classes, times, t)
 
     def _request_python(self, keys: Sequence[PageKey], t: float) -> None:
         ghost, model, after = self._ghost, self._model, self._next

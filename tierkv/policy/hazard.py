@@ -22,8 +22,19 @@ Used by :mod:`tierkv.policy.gittins`. Pure computation, no I/O; not thread-safe.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
+
+try:  # the compiled histogram updates; optional so that a machine without a compiler still works
+    from tierkv.policy._ghost import record as _record  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - exercised where the extension is absent
+    _record = None
+if os.environ.get("TIERKV_PURE_POLICY") == "1":
+    _record = None
+
+#: What :meth:`ReuseModel.record_many` takes: bytes or a numpy array.
+Buffer = bytes | np.ndarray
 
 #: Geometric growth of the age bins: bin b covers ages [GROWTH**b - 1, GROWTH**(b+1) - 1).
 GROWTH = 1.1
@@ -100,33 +111,41 @@ class ReuseModel:
         if hit:
             self._reuses[cls, b] += w
 
-    def record_many(self, kinds: np.ndarray, classes: np.ndarray, times: np.ndarray, now: float) -> None:
+    def record_many(self, kinds: Buffer, classes: Buffer, times: Buffer, now: float) -> None:
         """Observations ``i`` in order: ``kinds[i]`` (:data:`START`, :data:`REUSE` or
         :data:`CENSOR`) of class ``classes[i]`` at ``times[i]`` (the access for a start, the
-        last access ``t0`` otherwise), all resolved ones at ``now``.
+        last access ``t0`` otherwise), all resolved ones at ``now``. ``kinds`` and
+        ``classes`` hold uint8, ``times`` float64 (bytes or arrays).
 
         The same as the calls one by one, to the bit: every histogram cell gets its
-        additions in the same order (``np.add.at`` applies them in index order), and the
-        weights and age bins come from the same ``math`` functions, once per distinct
-        time and age.
+        additions in the same order, and the weights and age bins come from the same
+        C library functions. Compiled (``tierkv.policy._ghost.record``) where built;
+        otherwise numpy (``np.add.at`` applies additions in index order; ``math`` computes
+        each distinct weight and age bin).
         """
-        if len(kinds) == 0:
+        if _record is not None:
+            _record(self._open, self._resolved, self._reuses, kinds, classes, times, now, self._t_ref,
+                    self._memory, _LOG_GROWTH, _BUCKET, _RING)
             return
+        kind = np.frombuffer(kinds, np.uint8)
+        if len(kind) == 0:
+            return
+        cls = np.frombuffer(classes, np.uint8).astype(np.intp)
+        t = np.frombuffer(times, np.float64)
         ref, memory = self._t_ref, self._memory
-        uniq, inv = np.unique(times, return_inverse=True)
+        uniq, inv = np.unique(t, return_inverse=True)
         w = np.array([math.exp((u - ref) / memory) for u in uniq.tolist()])[inv]
-        cls = classes.astype(np.intp)
-        bucket = times.astype(np.int64) // _BUCKET % _RING
-        closed = kinds != START
+        bucket = t.astype(np.int64) // _BUCKET % _RING
+        closed = kind != START
         np.add.at(self._open, (cls, bucket), np.where(closed, -w, w))
         if not closed.any():
             return
         c_cls, c_w = cls[closed], w[closed]
-        ages, a_inv = np.unique(now - times[closed], return_inverse=True)
+        ages, a_inv = np.unique(now - t[closed], return_inverse=True)
         bins = np.array([age_bin(a) for a in ages.tolist()], dtype=np.intp)[a_inv]
         np.add.at(self._resolved, (c_cls, 0), c_w)
         np.add.at(self._resolved, (c_cls, bins + 1), -c_w)
-        hit = kinds[closed] == REUSE
+        hit = kind[closed] == REUSE
         np.add.at(self._reuses, (c_cls[hit], bins[hit]), c_w[hit])
 
     def refresh(self, now: float) -> None:
