@@ -33,10 +33,10 @@ MAX_GBPS = 1e6
 _C_INT_MAX = (1 << 31) - 1  # the kernel's connect options are C ints
 #: When a page on a persistent tier is durable: when its group commit's window has run
 #: ("window", what the configs in ``configs/`` set for serving), or before ``put`` returns
-#: ("put"). StoreConfig's own default stays "put" for now: code that builds a config by hand
-#: (tests, tools) reads the store from other processes right after a put (docs/design.md).
+#: ("put"). "window" is the default: a serving engine's puts should not wait for the device
+#: (docs/design.md); a caller that needs a barrier calls ``Store.flush()``.
 DURABILITY_MODES = ("window", "put")
-DEFAULT_DURABILITY = "put"
+DEFAULT_DURABILITY = "window"
 #: Group commit: a window closes this long after its first page ... (docs/design.md)
 DEFAULT_COMMIT_WINDOW_S = 0.05
 #: ... or as soon as this many pages (index records or deletes) wait in it.
@@ -273,11 +273,11 @@ class StoreConfig:
     walk), "unclean" (only after a shutdown that left no clean marker) or "never".
 
     ``durability`` says when a page written to a persistent tier is durable: "window"
-    (what ``configs/`` set) when the group commit that covers it has run: one
+    when the group commit that covers it has run: one
     ``fdatasync`` of the data and one synced index commit for every page written within
     ``commit_window_s`` (or as soon as ``commit_window_pages`` are waiting), in the
     background, so ``put`` does not wait for the device; ``Store.flush()`` is the
-    barrier. "put" (this class's default): each batch is synced and committed before
+    barrier; the default. "put": each batch is synced and committed before
     ``put`` returns. A crash loses at most the open
     window's pages (misses after a restart), never bytes of the wrong key.
     """

@@ -143,6 +143,7 @@ def test_threads_and_a_reader_process_keep_every_invariant(tmp_path: Path, soak:
     with Store.open(cfg) as store:
         for i in range(N_PROMPTS):
             store.put(prompt(i), page_data(i, PAGES))
+        store.flush()                               # the reader sees what the group commit published
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         reader = subprocess.Popen([sys.executable, "-c", READER, cfg.path, str(seconds)], cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

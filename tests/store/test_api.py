@@ -214,6 +214,7 @@ def test_read_only_second_open_sees_committed_pages(tmp_path: Path) -> None:
     tokens, data = prompt(6, 3), page_data(6, 3)
     with Store.open(cfg) as writer:
         writer.put(tokens, data)
+        writer.flush()                              # readers see what the group commit published
         with pytest.raises(StoreBusyError):
             Store.open(cfg)
         with Store.open(cfg, read_only=True) as reader:

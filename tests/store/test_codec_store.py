@@ -291,6 +291,7 @@ def test_reader_of_a_coded_store_decodes_its_pages(tmp_path: Path, real: tuple[K
     with Store.open(cfg) as s:
         s.put(prompt(0, 4), noise)
         s.put(prompt(1, 4), rows[:4])
+        s.flush()                                   # readers see what the group commit published
         with Store.open(cfg, read_only=True) as reader:
             n, out = get_all(reader, prompt(0, 4), 4, layout.page_bytes)
             assert n == 4
@@ -300,6 +301,7 @@ def test_reader_of_a_coded_store_decodes_its_pages(tmp_path: Path, real: tuple[K
             np.testing.assert_array_equal(out, rows[:4])
             # Pages the writer stores after the reader opened are seen too.
             s.put(prompt(2, 4), rows[4:8])
+            s.flush()
             n, out = get_all(reader, prompt(2, 4), 4, layout.page_bytes)
             assert n == 4
             np.testing.assert_array_equal(out, rows[4:8])
@@ -319,6 +321,7 @@ def test_reader_serves_a_coded_prefix_longer_than_the_raw_capacity(tmp_path: Pat
             writer.put(tokens[:k * TPP], rows[:k])
         held, _ = get_all(writer, tokens, n, layout.page_bytes)
         assert held > 4  # more pages than the tier's raw slots
+        writer.flush()
         with Store.open(cfg, read_only=True) as reader:
             got, out = get_all(reader, tokens, n, layout.page_bytes)
     assert got == held

@@ -72,7 +72,7 @@ def test_config_checks_durability_and_window() -> None:
         "num_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 16},
         "tiers": {"nvme": {"capacity_bytes": "1MiB"}}}
     cfg = config_from_dict(base)
-    assert cfg.durability == "put"
+    assert cfg.durability == "window"
     for bad in ({"durability": "never"}, {"durability": True}, {"commit_window_s": 0},
                 {"commit_window_s": float("inf")}, {"commit_window_pages": 0}, {"commit_window_pages": 1.5}):
         with pytest.raises(ConfigError, match="store"):

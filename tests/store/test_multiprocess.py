@@ -66,6 +66,7 @@ def test_reader_process_sees_pages_committed_after_it_opened(tmp_path: Path) -> 
         assert child.stdout is not None and child.stdout.readline().strip() == "open"
         for i in range(1, 4):
             writer.put(prompt(i), page_data(i, 2))
+        writer.flush()                              # readers see what the group commit published
         assert child.stdin is not None
         child.stdin.write("go\n")
         child.stdin.flush()
@@ -77,6 +78,7 @@ def test_reader_never_gets_wrong_bytes_while_the_writer_reuses_slots(tmp_path: P
     with Store.open(cfg) as writer:
         for i in range(12):
             writer.put(prompt(i), page_data(i, 2))
+        writer.flush()
         child = _reader(tmp_path / "s", 0, 40, 20)
         assert child.stdout is not None and child.stdout.readline().strip() == "open"
         assert child.stdin is not None

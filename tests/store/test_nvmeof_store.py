@@ -101,6 +101,7 @@ def test_close_while_degraded_keeps_the_index(tmp_path: Path) -> None:
     s = Store.open(cfg)
     for tokens, data in prompts:
         s.put(tokens, data)
+    s.flush()                                       # what was committed before the loss must survive it
     away = dev.with_suffix(".away")
     os.rename(dev, away)
     assert wait_for(lambda: state(s) == "degraded")
