@@ -170,3 +170,28 @@ def test_memory_per_remembered_page() -> None:
     assert len(ghost) == n
     assert ghost.nbytes() / n < 48                  # 36-byte nodes and the table
     assert traced / n < 48
+
+
+def test_at_risk_sums_as_add_at_did() -> None:
+    """``_at_risk`` sums the open pages per age bin with ``np.bincount``; ``np.add.at``, which
+    it replaced, gives the same bits (both add in slot order, starting from zero)."""
+    rng = random.Random(5)
+    model = ReuseModel(3)
+    for now in range(1, 3000, 7):
+        for _ in range(rng.randint(0, 20)):
+            c, t0 = rng.randrange(3), float(rng.randint(max(0, now - 50000), now))
+            model.start(c, float(now))
+            (model.reuse if rng.random() < 0.5 else model.censor)(c, t0, float(now))
+        if now % 5 == 0:
+            got = model._at_risk(float(now))
+            latest = now // hazard._BUCKET
+            slots = np.arange(hazard._RING)
+            bucket = latest - ((latest - slots) % hazard._RING)
+            ages = np.maximum(now - (bucket * hazard._BUCKET + hazard._BUCKET / 2), 0.0)
+            bins = np.minimum((np.log1p(ages) / hazard._LOG_GROWTH).astype(np.int64), hazard.BINS - 1)
+            diff = np.zeros((3, hazard.BINS + 1))
+            for c in range(3):
+                np.add.at(diff[c], bins + 1, -model._open[c])
+                diff[c, 0] += model._open[c].sum()
+            want = np.cumsum(model._resolved, axis=1)[:, :hazard.BINS] + np.cumsum(diff, axis=1)[:, :hazard.BINS]
+            assert got.tobytes() == want.tobytes()
