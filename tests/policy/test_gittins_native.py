@@ -195,3 +195,13 @@ def test_at_risk_sums_as_add_at_did() -> None:
                 diff[c, 0] += model._open[c].sum()
             want = np.cumsum(model._resolved, axis=1)[:, :hazard.BINS] + np.cumsum(diff, axis=1)[:, :hazard.BINS]
             assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_empty_request_is_a_request_of_no_pages(native: bool) -> None:
+    p = GittinsPolicy(native=native)
+    p.on_request([], 0.0)               # before any page was seen: no log allocated yet
+    p.on_request([PageKey(b"a" * 16)], 1.0)
+    p.on_request([], 2.0)
+    p.insert(PageKey(b"a" * 16), None)
+    assert len(p) == 1

@@ -519,8 +519,10 @@ gh_on_request(GhostObject *s, PyObject *const *args, Py_ssize_t nargs)
         node_free(s, s->oldest);
     }
     s->broken = 0;
-    out = Py_BuildValue("(y#y#y#O)", (const char *)s->kinds, (Py_ssize_t)s->nlog, (const char *)s->classes,
-                        (Py_ssize_t)s->nlog, (const char *)s->times, (Py_ssize_t)s->nlog * (Py_ssize_t)sizeof(double),
+    /* y# makes None of a NULL buffer: an empty request before any log was allocated gives "" */
+    out = Py_BuildValue("(y#y#y#O)", s->kinds ? (const char *)s->kinds : "", (Py_ssize_t)s->nlog,
+                        s->classes ? (const char *)s->classes : "", (Py_ssize_t)s->nlog,
+                        s->times ? (const char *)s->times : "", (Py_ssize_t)s->nlog * (Py_ssize_t)sizeof(double),
                         moved);
 done:
     PyMem_Free(keys);
