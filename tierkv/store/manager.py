@@ -250,10 +250,8 @@ class BlockManager:
         return self._by_id[name]
 
     def fastest(self, e: Entry) -> TierId:
-        """The fastest tier holding ``e``."""
-        if len(e.slots) == 1:
-            return next(iter(e.slots))
-        return min(e.slots, key=self.levels.__getitem__)
+        """The fastest tier holding ``e`` (a snapshot lists its slots fastest first)."""
+        return next(iter(e.slots))
 
     def used_slots(self, name: TierId) -> int:
         tier = self._by_id[name]
@@ -270,7 +268,7 @@ class BlockManager:
     def sources(self, entries: Sequence[Entry]) -> list[TierId | None]:
         """:meth:`source` of each entry; just their fastest tiers while every tier is up."""
         if all(t.available for t in self.tiers):
-            return [self.fastest(e) for e in entries]
+            return [next(iter(e.slots)) for e in entries]
         return [self.source(e) for e in entries]
 
     def unavailable_levels(self) -> frozenset[int]:

@@ -26,7 +26,7 @@ class Entry:
     parent: PageKey | None
     nbytes: int
     checksum: int | None = None
-    slots: dict[TierId, int] = field(default_factory=dict)
+    slots: dict[TierId, int] = field(default_factory=dict)   # fastest tier first
     pins: int = 0
     #: Which incarnation of the page's row this is a snapshot of (see ``BlockManager.current``).
     gen: int = 0
