@@ -205,3 +205,21 @@ def test_an_empty_request_is_a_request_of_no_pages(native: bool) -> None:
     p.on_request([], 2.0)
     p.insert(PageKey(b"a" * 16), None)
     assert len(p) == 1
+
+
+@pytest.mark.parametrize("requests", [0, 3])
+def test_insert_many_is_insert_one_by_one(requests: int) -> None:
+    rng = random.Random(requests)
+    keys = [PageKey(rng.randbytes(16)) for _ in range(300)]
+    parents = [None if i % 7 == 0 else keys[i - 1] for i in range(300)]
+    one, many = GittinsPolicy(native=True), GittinsPolicy(native=True)
+    for p in (one, many):
+        for r in range(requests):                   # some pages remembered, a request clock
+            p.on_request(keys[r * 50:(r + 1) * 50], float(r))
+    for k, parent in zip(keys, parents):
+        one.insert(k, parent)
+    many.insert_many(b"".join(keys), b"".join(p or bytes(16) for p in parents),
+                     bytes(p is not None for p in parents))
+    assert len(one) == len(many) == 300 and one._now == many._now
+    assert [one._class(k) for k in keys] == [many._class(k) for k in keys]
+    assert one.victims(300, lambda k: True) == many.victims(300, lambda k: True)

@@ -653,6 +653,93 @@ lh_contains(LeafHeapsObject *s, PyObject *key)
     return find_present(s, key) >= 0;
 }
 
+/* The body of add() for one parsed page (pk NULL: no parent); -1 with an exception set. */
+static int
+add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int plen, int cls, double t)
+{
+    if (s->nused > MAX_NODES - 2) {
+        PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
+        return -1;
+    }
+    if (undo_all(s) < 0)
+        return -1;
+    int32_t idx = map_find(s, k, klen);
+    if (idx >= 0 && (NODE(s, idx)->flags & PRESENT)) {
+        if (remove_resident(s, idx) < 0 || forget(s, idx) < 0)
+            return -1;
+    }
+    /* Room for the key and its parent first, so that nothing below fails half-way. */
+    if (map_reserve(s, 2) < 0 || grow((void **)&s->nodes, &s->ncap, s->nused + 2, sizeof(Node)) < 0)
+        return -1;
+    idx = node_get(s, k, klen);
+    if (idx < 0)
+        return -1;
+    set_state(s, idx, cls, t);
+    NODE(s, idx)->flags |= PRESENT;
+    s->present++;
+    if (pk != NULL) {
+        int32_t p = node_get(s, pk, plen);
+        if (p < 0)
+            return fail(s), -1;
+        NODE(s, idx)->parent = p;
+        adopt(s, p);
+    }
+    if (NODE(s, idx)->kids == 0 && leaf(s, idx) < 0)
+        return -1;
+    sweep(s);
+    return 0;
+}
+
+PyDoc_STRVAR(add_many_doc, "add_many(keys, parents, has_parent, classes, t0, step)\n\n"
+"add() of n pages in order, one call: keys and parents are bytes of n 16-byte keys\n"
+"(parents[i] used where has_parent[i] is nonzero), has_parent and classes one byte per\n"
+"page; page i is added at time t0 + i * step.");
+
+static PyObject *
+lh_add_many(LeafHeapsObject *s, PyObject *args)
+{
+    Py_buffer keys, parents, has, classes;
+    double t0, step;
+    if (check_ok(s) < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*dd:add_many", &keys, &parents, &has, &classes, &t0, &step))
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = keys.len / 16;
+    if (keys.len % 16 || parents.len != keys.len || has.len != n || classes.len != n) {
+        PyErr_Format(InputError, "add_many: %zd bytes of 16-byte keys, %zd of parents, %zd has_parent and %zd "
+                     "classes do not describe one batch", keys.len, parents.len, has.len, classes.len);
+        goto done;
+    }
+    const uint8_t *kp = keys.buf, *pp = parents.buf, *hp = has.buf, *cp = classes.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (cp[i] >= s->classes) {
+            PyErr_Format(InputError, "add_many: class %d of page %zd is out of range [0, %d)", cp[i], i, s->classes);
+            goto done;
+        }
+        if (hp[i] && memcmp(kp + 16 * i, pp + 16 * i, 16) == 0) {
+            PyErr_Format(InputError, "add_many: page %zd cannot be its own parent", i);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint8_t k[KEY_MAX] = {0}, pk[KEY_MAX] = {0};
+        memcpy(k, kp + 16 * i, 16);
+        if (hp[i])
+            memcpy(pk, pp + 16 * i, 16);
+        if (add_one(s, k, 16, hp[i] ? pk : NULL, 16, cp[i], t0 + (double)i * step) < 0)
+            goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&parents);
+    PyBuffer_Release(&has);
+    PyBuffer_Release(&classes);
+    return res;
+}
+
 PyDoc_STRVAR(add_doc, "add(key, parent, cls, t)\n\n"
 "key became resident (a leaf, since its children cannot be resident yet).\n"
 "key and parent (or None) are bytes of 1 to 16 bytes; t is converted to float.\n"
@@ -681,36 +768,8 @@ lh_add(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
         PyErr_Format(InputError, "page key %R cannot be its own parent", a[0]);
         return NULL;
     }
-    if (s->nused > MAX_NODES - 2) {
-        PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
+    if (add_one(s, k, klen, has_parent ? pk : NULL, plen, cls, t) < 0)
         return NULL;
-    }
-    if (undo_all(s) < 0)
-        return NULL;
-    int32_t idx = map_find(s, k, klen);
-    if (idx >= 0 && (NODE(s, idx)->flags & PRESENT)) {
-        if (remove_resident(s, idx) < 0 || forget(s, idx) < 0)
-            return NULL;
-    }
-    /* Room for the key and its parent first, so that nothing below fails half-way. */
-    if (map_reserve(s, 2) < 0 || grow((void **)&s->nodes, &s->ncap, s->nused + 2, sizeof(Node)) < 0)
-        return NULL;
-    idx = node_get(s, k, klen);
-    if (idx < 0)
-        return NULL;
-    set_state(s, idx, cls, t);
-    NODE(s, idx)->flags |= PRESENT;
-    s->present++;
-    if (has_parent) {
-        int32_t p = node_get(s, pk, plen);
-        if (p < 0)
-            return fail(s), NULL;
-        NODE(s, idx)->parent = p;
-        adopt(s, p);
-    }
-    if (NODE(s, idx)->kids == 0 && leaf(s, idx) < 0)
-        return NULL;
-    sweep(s);
     Py_RETURN_NONE;
 }
 
@@ -968,6 +1027,7 @@ lh_nbytes(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
 
 static PyMethodDef lh_methods[] = {
     {"add", (PyCFunction)(void (*)(void))lh_add, METH_FASTCALL | METH_KEYWORDS, add_doc},
+    {"add_many", (PyCFunction)lh_add_many, METH_VARARGS, add_many_doc},
     {"touch", (PyCFunction)(void (*)(void))lh_touch, METH_FASTCALL | METH_KEYWORDS, touch_doc},
     {"discard", (PyCFunction)lh_discard, METH_O, discard_doc},
     {"candidates", (PyCFunction)lh_candidates, METH_O, candidates_doc},

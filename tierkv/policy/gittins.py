@@ -55,7 +55,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 
-from tierkv.keys import PageKey
+from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.policy import hazard
 from tierkv.policy.hazard import MAX_AGE, ReuseModel, age_bin
 from tierkv.policy.leaves import Candidate, LeafHeaps
@@ -238,6 +238,28 @@ class GittinsPolicy:
         self._leaves.add(key, parent, self._class(key), self._tick())
         if self._cost is not None:
             self._depth[key] = self._depth_of(key, parent)
+
+    def insert_many(self, keys: bytes, parents: bytes, has_parent: bytes) -> None:
+        """:meth:`insert` of each 16-byte key of ``keys`` in order, in one call (the pages a
+        reopen adopts): ``parents`` likewise, used where ``has_parent`` (a byte per page) is
+        nonzero. The same state as the calls one by one."""
+        n = len(keys) // KEY_BYTES
+        add_many = getattr(self._leaves, "add_many", None)
+        if add_many is None or self._cost is not None or len(keys) % KEY_BYTES:
+            for i in range(n):
+                j = i * KEY_BYTES
+                self.insert(PageKey(keys[j:j + KEY_BYTES]),
+                            PageKey(parents[j:j + KEY_BYTES]) if has_parent[i] else None)
+            return
+        ghost = self._native if self._native is not None else self._ghost
+        if len(ghost):
+            classes = bytes(self._class(PageKey(keys[j:j + KEY_BYTES])) for j in range(0, len(keys), KEY_BYTES))
+        else:
+            classes = bytes(n)              # nothing remembered: every page is class 0
+        step = 0.0 if self._requests else 1.0
+        t0 = self._now + step
+        add_many(keys, parents, has_parent, classes, t0, step)
+        self._now = t0 + (n - 1) * step if n else self._now
 
     def touch(self, key: PageKey) -> None:
         self._leaves.touch(key, self._class(key), self._tick())

@@ -375,6 +375,10 @@ class BlockManager:
         t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
         policy = self._policies[name]
         keys, parents = got.keys, got.parents
+        insert_many = getattr(policy, "insert_many", None)   # optional: one call for the batch
+        if insert_many is not None:
+            insert_many(keys, parents, got.has_parent.astype(np.uint8).tobytes())
+            return len(got)
         for i, has in enumerate(got.has_parent.tolist()):
             j = i * KEY_BYTES
             policy.insert(PageKey(keys[j:j + KEY_BYTES]), PageKey(parents[j:j + KEY_BYTES]) if has else None)
