@@ -524,3 +524,29 @@ def test_pages_a_promotion_pushes_out_are_counted(tmp_path: Path) -> None:
         assert gone == 1 and after.promotions - before.promotions == 2
         assert after.pages_dropped - before.pages_dropped == 2
         assert after.evictions - before.evictions == 4     # 2 demoted to NVMe, 2 dropped from it
+
+
+def test_a_pin_of_a_quarantined_page_is_not_matched_to_its_next_incarnation(tmp_path: Path) -> None:
+    import os
+
+    cfg = make_config(tmp_path / "s", 0, 8, promote_on_hit=False)
+    a, b = prompt(20, 1), prompt(21, 1)
+    with Store.open(cfg) as s:
+        s.put(a, page_data(20, 1))
+        assert s.pin(a) == 1
+        nvme = s._manager.tiers[0]
+        slot = s._manager.leading(s._keys(a, ""), 1)[0].slots[nvme.name]
+        s.flush()
+        fd = os.open(cfg.nvme_path(), os.O_WRONLY)
+        try:                                        # bit rot: a's page fails its checksum and goes
+            os.pwrite(fd, b"\xff" * 64, nvme.header_bytes + slot * nvme.slot_bytes)
+        finally:
+            os.close(fd)
+        assert load(s, a, 1)[0] == 0
+        s.put(b, page_data(21, 1))                  # b takes the freed row
+        s.put(a, page_data(20, 1))                  # a comes back on another row
+        assert s.pin(a) == 1
+        assert s.unpin(a) == 0                      # the first pin: its page left, nothing to release
+        assert pins_of(s, a) == [1]                 # the second holder's pin stands
+        assert s.unpin(a) == 1
+        assert pins_of(s, a) == [0]

@@ -106,6 +106,7 @@ class BlockManager:
         #: lookup is one C scan.
         self.resident = self.table.core
         self._pages = 0
+        self._incarnations = 0    # pages that got a first copy so far: each snapshot's generation
         self.demotion_batch = DEMOTION_BATCH
         # Observers told when pages become readable in a tier ("placed", after publish) and
         # when they stop being so ("removed", before their slots are reused): f(event, tier,
@@ -135,7 +136,8 @@ class BlockManager:
                 t.nkids[p] += 1
         if not w:
             self._pages += 1
-            t.gen[r] += 1
+            self._incarnations += 1
+            t.gen[r] = self._incarnations & 0xFFFFFFFF
 
     def _drop_copy(self, r: int, lvl: int) -> tuple[int, bool]:
         """Clear row ``r``'s copy at ``lvl``; returns its slot and whether it was the last copy.
@@ -412,7 +414,10 @@ class BlockManager:
             t.has_sum[rows] = True
         t.slot[lvl, rows] = np.asarray(slots, dtype=np.int64) + 1
         t.where[rows] = 1 << lvl
-        t.gen[rows] += 1                          # a new incarnation: snapshots of the old are stale
+        # A new incarnation of each page: a number no other row has had since (mod 2**32),
+        # so a snapshot of the old one is stale even if the key comes back on another row.
+        t.gen[rows] = (self._incarnations + 1 + np.arange(n, dtype=np.int64)) & 0xFFFFFFFF
+        self._incarnations += n
         linked = prow[prow > 0] - 1
         np.add.at(t.kids[lvl], linked, 1)
         np.add.at(t.nkids, linked, 1)

@@ -185,7 +185,7 @@ class PageTable:
         self.checksum = np.zeros(0, dtype=np.uint64)
         self.has_sum = np.zeros(0, dtype=np.bool_)
         self.pins = np.zeros(0, dtype=np.int32)
-        self.gen = np.zeros(0, dtype=np.uint32)       # bumped each time a row's page gets its first copy
+        self.gen = np.zeros(0, dtype=np.uint32)       # the incarnation of the row's page (set by the manager)
         self.where = np.zeros(0, dtype=np.uint8)      # bit i: level i holds a copy
         self.nkids = np.zeros(0, dtype=np.int32)      # children with a copy anywhere
         self.slot = np.zeros((tiers, 0), dtype=np.int64)   # slot + 1 per level; 0: none
