@@ -550,3 +550,17 @@ def test_a_pin_of_a_quarantined_page_is_not_matched_to_its_next_incarnation(tmp_
         assert pins_of(s, a) == [1]                 # the second holder's pin stands
         assert s.unpin(a) == 1
         assert pins_of(s, a) == [0]
+
+
+@pytest.mark.parametrize("policy", ["gittins", "lru-leaf"])
+def test_a_clean_close_writes_the_prefix_back_over_the_tail_of_a_full_nvme_tier(tmp_path: Path, policy: str) -> None:
+    # DRAM holds a prompt's first 2 pages, a full NVMe tier the other 4: the write-back at
+    # close makes room by evicting the tail, so a restart serves the longest prefix that fits.
+    cfg = make_config(tmp_path / "s", 2, 4, policy=policy)
+    tokens, data = prompt(30, 6), page_data(30, 6)
+    with Store.open(cfg) as s:
+        assert s.put(tokens, data).stored == 6
+    with Store.open(cfg) as s:
+        assert s.lookup(tokens).cached_pages == 4
+        n, out = load(s, tokens, 4)
+        assert n == 4 and np.array_equal(out, data[:4])

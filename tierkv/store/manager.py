@@ -486,6 +486,9 @@ class BlockManager:
         target = next((t for t in self.tiers if t.persistent and t.available), None)
         if target is None:
             return plan
+        # No request is being served: the last one's pages, which prefix-aware policies
+        # never evict, must not keep older persistent pages from making room.
+        self.note_request(())
         t = self.table
         durable = sum(1 << i for i, tier in enumerate(self.tiers) if tier.persistent)
         live = rows_of(t.core.live_rows())
