@@ -57,7 +57,10 @@ typedef struct {
 static inline size_t
 home_of(const TableObject *t, const Key *k)
 {
-    return (size_t)(((k->w[0] ^ k->w[1]) * UINT64_C(0x9E3779B97F4A7C15)) >> t->shift);
+    /* Both halves mixed in by multiplication: keys whose halves XOR to one value (made on
+     * purpose; real keys are xxh3 digests) must not share one probe chain. */
+    uint64_t x = (k->w[0] ^ (k->w[1] * UINT64_C(0xC2B2AE3D27D4EB4F))) * UINT64_C(0x9E3779B97F4A7C15);
+    return (size_t)((x ^ (x >> 29)) >> t->shift);
 }
 
 static inline int

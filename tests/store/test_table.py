@@ -120,3 +120,14 @@ def test_the_managers_columns_stay_consistent_through_random_store_traffic(tmp_p
     with Store.open(cfg) as s:                      # reopened from the index
         s._manager.check()
         assert len(s._manager) > 0
+
+
+@pytest.mark.parametrize("core", [pytest.param("c", marks=native), "py"])
+def test_levels_outside_a_byte_are_refused(core: str) -> None:
+    c = new_core() if core == "c" else PyCore()
+    rows, _ = c.ensure(b"k" * 16)
+    for bad in (-1, 256):
+        with pytest.raises((ValueError, OverflowError)):
+            c.set_levels(rows, bad)
+    assert c.get(b"k" * 16) is None and c.row(b"k" * 16) >= 0
+

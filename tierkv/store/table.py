@@ -53,7 +53,8 @@ class PyCore:
 
     @property
     def capacity(self) -> int:
-        return max(1024, len(self._keys))
+        # Ahead of use, doubling (as the C core grows), so the columns are not copied per row.
+        return max(1024, 1 << max(len(self._keys) - 1, 0).bit_length())
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +115,8 @@ class PyCore:
 
     def set_levels(self, rows: bytes, levels: bytes | int) -> None:
         rs = self._rows_of(rows)
+        if isinstance(levels, int) and not 0 <= levels <= NO_LEVEL:
+            raise ValueError(f"a level is in [0, 255], got {levels}")
         lv = [levels] * len(rs) if isinstance(levels, int) else list(levels)
         if len(lv) != len(rs):
             raise ValueError(f"set_levels: {len(rs)} rows but {len(lv)} levels")
