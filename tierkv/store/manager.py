@@ -698,6 +698,8 @@ class BlockManager:
         t = self.table
         keys = [k for k, _, _ in placed]
         rows = rows_of(t.core.find(b"".join(keys)))
+        if (rows < 0).any():  # a negative row would index the columns from the end
+            raise AssertionError("publish of a page the manager does not hold")
         if checksums:
             sums = [(i, checksums[k]) for i, k in enumerate(keys) if k in checksums]
             idx = [i for i, _ in sums]
