@@ -646,13 +646,6 @@ t_get_capacity(TableObject *t, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(t->cap);
 }
 
-static PyObject *
-t_get_nbytes(TableObject *t, void *Py_UNUSED(closure))
-{
-    size_t per_row = sizeof(Key) + 2 + sizeof(int32_t);
-    return PyLong_FromSize_t((size_t)t->cap * per_row + (t->mask + 1) * sizeof(int32_t));
-}
-
 static PyMethodDef t_methods[] = {
     {"find", (PyCFunction)t_find, METH_O, "find(blob) -> bytes: the int32 row of each 16-byte key, -1 if absent."},
     {"row", (PyCFunction)t_row, METH_O, "row(key) -> int: the key's row, -1 if absent."},
@@ -678,7 +671,6 @@ static PyMethodDef t_methods[] = {
 static PyGetSetDef t_getset[] = {
     {"rows", (getter)t_get_rows, NULL, "allocated rows (published or not)", NULL},
     {"capacity", (getter)t_get_capacity, NULL, "length of the per-row arrays: every row is below it", NULL},
-    {"nbytes", (getter)t_get_nbytes, NULL, "bytes this table holds in C", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -325,6 +325,7 @@ class BlockManager:
         """
         assert self._index is not None
         blocks_per_slot = tier.slot_bytes // ALIGN
+        claimed: list[np.ndarray] = []      # the arrays' slots; a set only if a block record comes
         taken: set[int] = set()
 
         def valid(a: RecordArrays) -> np.ndarray:
@@ -332,10 +333,12 @@ class BlockManager:
             _, first = np.unique(a.slot[ok], return_index=True)
             keep = np.zeros(len(a), dtype=bool)
             keep[ok[first]] = True
-            taken.update(a.slot[keep].tolist())
+            claimed.append(a.slot[keep])
             return keep
 
         def valid_one(rec: IndexRecord) -> bool:
+            while claimed:
+                taken.update(claimed.pop().tolist())
             slot = _as_slot(rec, blocks_per_slot)
             if rec.nbytes > tier.slot_bytes or slot is None or slot >= tier.num_slots or slot in taken:
                 return False
@@ -828,7 +831,3 @@ class BlockManager:
         published = levels != NO_LEVEL
         assert np.array_equal(levels[published], t.fastest(live)[published]), "published level vs fastest copy"
         assert len(t.core) == int(published.sum())
-
-    def table_bytes(self) -> int:
-        """Bytes the page table holds (its columns' capacity and the C core)."""
-        return self.table.nbytes_held()

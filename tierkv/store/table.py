@@ -18,11 +18,10 @@ the table the store's resident-key index as well: ``core.prefix_len`` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import numpy as np
 
-from tierkv.keys import KEY_BYTES, PageKey
+from tierkv.keys import KEY_BYTES, PageKey, split_keys
 
 try:  # the compiled core; optional so that a machine without a compiler still works
     from tierkv import _table  # type: ignore[attr-defined]
@@ -56,10 +55,6 @@ class PyCore:
         # Ahead of use, doubling (as the C core grows), so the columns are not copied per row.
         return max(1024, 1 << max(len(self._keys) - 1, 0).bit_length())
 
-    @property
-    def nbytes(self) -> int:
-        return 0
-
     def _rows_of(self, rows: bytes) -> list[int]:
         out = np.frombuffer(rows, dtype=np.int32).tolist()
         for r in out:
@@ -68,10 +63,10 @@ class PyCore:
         return out
 
     @staticmethod
-    def _split(blob: bytes) -> list[bytes]:
+    def _split(blob: bytes) -> list[PageKey]:
         if len(blob) % KEY_BYTES:
             raise ValueError(f"blob must hold whole {KEY_BYTES}-byte keys, got {len(blob)} bytes")
-        return [bytes(blob[i:i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
+        return split_keys(bytes(blob))
 
     def find(self, blob: bytes) -> bytes:
         return np.array([self._row.get(k, -1) for k in self._split(blob)], dtype=np.int32).tobytes()
@@ -231,8 +226,7 @@ class PageTable:
         return self.core.key(row)  # type: ignore[no-any-return]
 
     def keys(self, rows: np.ndarray) -> list[PageKey]:
-        blob = self.core.keys(np.ascontiguousarray(rows, dtype=np.int32).tobytes())
-        return [PageKey(blob[i:i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
+        return split_keys(self.core.keys(np.ascontiguousarray(rows, dtype=np.int32).tobytes()))
 
     def depths(self) -> np.ndarray:
         """Each row's number of ancestors in the table (pointer doubling: O(rows log depth))."""
@@ -253,13 +247,4 @@ class PageTable:
         """The level of each row's fastest copy (0xFF: none)."""
         return LOWEST_LEVEL[self.where[rows]]
 
-    def nbytes_held(self) -> int:
-        """Bytes of the columns and the core (capacity, not only rows in use)."""
-        cols = sum(getattr(self, n).nbytes for n in ("parent", "nbytes", "checksum", "has_sum", "pins", "gen",
-                                                     "where", "nkids", "slot", "kids"))
-        return int(cols + self.core.nbytes)
 
-
-def split(blob: bytes) -> Sequence[bytes]:
-    """The 16-byte keys of a blob."""
-    return [blob[i:i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
