@@ -105,15 +105,23 @@ class HbmConfig:
 
 @dataclass(frozen=True)
 class DramConfig:
-    """The host-DRAM tier. ``capacity_bytes`` is rounded down to whole pages."""
+    """The host-DRAM tier. ``capacity_bytes`` is rounded down to whole pages.
+
+    ``prefault``: a background thread faults the buffer's memory in after open, so that
+    puts do not pay a page fault per 4 KiB on first touch (a page-locked buffer, used when
+    CUDA is present, is resident from the start anyway); false leaves the memory to be
+    faulted in as pages first land in it.
+    """
 
     capacity_bytes: int
+    prefault: bool = True
 
     if TYPE_CHECKING:  # sizes may be given as "64GiB": the generated __init__ parses them
-        def __init__(self, capacity_bytes: int | str) -> None: ...
+        def __init__(self, capacity_bytes: int | str, prefault: bool = True) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "dram.capacity_bytes"))
+        _check_bool(self.prefault, "dram.prefault")
 
 
 @dataclass(frozen=True)

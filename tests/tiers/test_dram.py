@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import os
 
+import numpy as np
 import pytest
 
+import tierkv.tiers.aligned as aligned
 import tierkv.tiers.dram as dram
-from tierkv.errors import CapacityError
+from tierkv.config import DramConfig, config_from_dict
+from tierkv.errors import CapacityError, ConfigError
 
 
 def test_a_tier_that_does_not_fit_in_memory_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -17,3 +22,68 @@ def test_a_tier_that_does_not_fit_in_memory_names_itself(monkeypatch: pytest.Mon
     monkeypatch.setattr(dram, "aligned_empty", no_memory)
     with pytest.raises(CapacityError, match=r"dram tier: cannot allocate 64\.0 GiB .*capacity_bytes"):
         dram.DramTier(1 << 20, 1 << 16)
+
+
+def _resident(buf: np.ndarray) -> float:
+    """The fraction of ``buf``'s memory pages that are resident (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    n = -(-buf.nbytes // page)
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(buf.nbytes), vec) == 0
+    return sum(v & 1 for v in vec) / n
+
+
+def _populate_write_supported() -> bool:
+    buf = aligned.aligned_empty(4096)
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(int(buf.ctypes.data), 4096, aligned.MADV_POPULATE_WRITE) == 0
+
+
+needs_populate = pytest.mark.skipif(not _populate_write_supported(), reason="MADV_POPULATE_WRITE needs Linux 5.14+")
+
+
+@needs_populate
+def test_prefault_makes_the_buffer_resident_at_open_and_lazy_leaves_it_alone() -> None:
+    with dram.DramTier(256, 4096) as lazy, dram.DramTier(256, 4096, prefault=True) as eager:
+        assert _resident(lazy.buffer) < 0.1
+        assert _resident(eager.buffer) == 1.0
+        assert not eager.buffer.any()   # faulted in, never written: still zeroes
+
+
+@needs_populate
+def test_a_large_buffer_is_prefaulted_in_the_background_beside_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aligned, "PREFAULT_SYNC_BYTES", 64 << 10)
+    monkeypatch.setattr(aligned, "PREFAULT_CHUNK", 64 << 10)
+    rng = np.random.default_rng(3)
+    pages = rng.integers(0, 256, (64, 4096), dtype=np.uint8)
+    with dram.DramTier(2048, 4096, prefault=True) as tier:
+        assert tier._prefault is not None and tier._prefault._thread is not None
+        slots = list(range(0, 2048, 32))
+        tier.write(slots, pages)            # while the thread works through the buffer
+        assert tier._prefault.done.wait(30)
+        assert _resident(tier.buffer) == 1.0
+        out = np.empty_like(pages)
+        tier.read(slots, out)
+        assert np.array_equal(out, pages)
+
+
+def test_close_stops_a_background_prefault(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aligned, "PREFAULT_SYNC_BYTES", 4096)
+    monkeypatch.setattr(aligned, "PREFAULT_CHUNK", 4096)
+    tier = dram.DramTier(16384, 4096, prefault=True)
+    prefault = tier._prefault
+    assert prefault is not None and prefault._thread is not None
+    tier.close()
+    assert not prefault._thread.is_alive() and prefault.done.is_set()
+
+
+def test_prefault_is_a_boolean_in_the_config() -> None:
+    with pytest.raises(ConfigError, match=r"dram\.prefault must be true or false"):
+        DramConfig(1 << 20, prefault="no")  # type: ignore[arg-type]
+    cfg = config_from_dict({"store": {"path": "/tmp/unused", "model_id": "m"},
+                            "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 64},
+                            "tiers": {"dram": {"capacity_bytes": "1MiB", "prefault": False}}})
+    assert cfg.dram is not None and cfg.dram.prefault is False
+    assert DramConfig(1 << 20).prefault is True

@@ -8,7 +8,11 @@ O_DIRECT I/O on a file or block device).
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import logging
 import mmap
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +20,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from tierkv.errors import InputError
+
+log = logging.getLogger(__name__)
 
 ALIGN = 4096
 #: The most 4 KiB blocks a page of a block-addressed (coded) tier may span: its index record
@@ -77,3 +83,56 @@ class BouncePool:
         """Drop the idle buffers (their memory goes back when the last view dies)."""
         with self._lock:
             self._idle.clear()
+
+
+#: madvise advice (Linux 5.14+): fault a range in as if written, without writing it.
+MADV_POPULATE_WRITE = 23
+#: Buffers up to this size are faulted in before :func:`prefault` returns; larger ones on a
+#: background thread, a chunk at a time (a node's 1 TiB tier takes minutes to fault in).
+PREFAULT_SYNC_BYTES = 256 << 20
+PREFAULT_CHUNK = 64 << 20
+
+
+class Prefault:
+    """Faults the memory of an anonymous buffer in with ``MADV_POPULATE_WRITE``: at once up
+    to :data:`PREFAULT_SYNC_BYTES`, beyond that on a daemon thread that :meth:`stop` ends
+    after its current chunk. Safe beside writes to the buffer (the advice never writes);
+    where the kernel lacks the advice nothing happens, and pages fault in on first touch.
+    """
+
+    def __init__(self, buf: np.ndarray, name: str) -> None:
+        self._buf: np.ndarray | None = buf     # keeps the mapping alive while a chunk is faulted in
+        self._stop = threading.Event()
+        self.done = threading.Event()
+        self._thread: threading.Thread | None = None
+        if buf.nbytes <= PREFAULT_SYNC_BYTES:
+            self._run()
+        else:
+            self._thread = threading.Thread(target=self._run, name=f"tierkv-prefault-{name}", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        buf = self._buf
+        assert buf is not None
+        try:
+            madvise = ctypes.CDLL(None, use_errno=True).madvise  # a foreign call: releases the GIL
+            madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            addr, size = int(buf.ctypes.data), buf.nbytes
+            for off in range(0, size, PREFAULT_CHUNK):
+                if self._stop.is_set():
+                    return
+                if madvise(addr + off, min(PREFAULT_CHUNK, size - off), MADV_POPULATE_WRITE) != 0:
+                    err = ctypes.get_errno()
+                    if err != errno.EINVAL:  # EINVAL: a kernel before 5.14; first touch faults instead
+                        log.warning("prefaulting a %d-byte buffer stopped at byte %d: %s; the rest faults in on "
+                                    "first touch", size, off, os.strerror(err))
+                    return
+        finally:
+            self._buf = None
+            self.done.set()
+
+    def stop(self) -> None:
+        """End the background thread after its current chunk, and wait for it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

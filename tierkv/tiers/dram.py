@@ -16,7 +16,7 @@ import numpy as np
 
 from tierkv.errors import CapacityError
 from tierkv.store.pages import PageList
-from tierkv.tiers.aligned import aligned_empty
+from tierkv.tiers.aligned import Prefault, aligned_empty
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.units import format_size
 
@@ -26,8 +26,9 @@ def _nvidia_driver() -> bool:
     return os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def _host_buffer(nbytes: int) -> np.ndarray:
-    """A zeroed host buffer, page-locked when a CUDA device is present.
+def _host_buffer(nbytes: int) -> tuple[np.ndarray, bool]:
+    """A zeroed host buffer, page-locked when a CUDA device is present; and whether it is
+    (page-locked memory is resident from the start).
 
     torch is imported only where it can matter (already imported by the caller, or an
     NVIDIA driver present): it takes seconds to import, and minutes in emulated guests.
@@ -39,8 +40,8 @@ def _host_buffer(nbytes: int) -> np.ndarray:
         except ImportError:  # pragma: no cover - torch is a dependency
             torch = None
     if torch is not None and torch.cuda.is_available():
-        return torch.zeros(nbytes, dtype=torch.uint8).pin_memory().numpy()
-    return aligned_empty(nbytes)  # mmap'd, so zeroed; 4 KiB-aligned rows go to O_DIRECT without a bounce
+        return torch.zeros(nbytes, dtype=torch.uint8).pin_memory().numpy(), True
+    return aligned_empty(nbytes), False  # mmap'd, so zeroed; 4 KiB-aligned rows go to O_DIRECT without a bounce
 
 
 # Below this row size numpy's gather/scatter beats a Python loop of slice copies; above
@@ -49,20 +50,26 @@ _SMALL_ROW = 16384
 
 
 class DramTier(Tier):
-    """Slots in one host buffer of ``num_slots * slot_bytes`` bytes."""
+    """Slots in one host buffer of ``num_slots * slot_bytes`` bytes. ``prefault``: fault the
+    buffer's memory in now (a large one on a background thread), not page by page as puts
+    first touch it."""
 
     kind = TierKind.DRAM
     persistent = False
 
-    def __init__(self, num_slots: int, slot_bytes: int, *, name: str | None = None) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, *, name: str | None = None, prefault: bool = False) -> None:
         super().__init__(num_slots, slot_bytes, name=name)
+        self._prefault: Prefault | None = None
         try:
-            self._buf = _host_buffer(num_slots * slot_bytes).reshape(num_slots, slot_bytes)
+            buf, pinned = _host_buffer(num_slots * slot_bytes)
+            self._buf = buf.reshape(num_slots, slot_bytes)
         except (MemoryError, OSError, RuntimeError) as exc:  # mmap ENOMEM; torch's pinning fails as RuntimeError
             self._closed = True
             raise CapacityError(f"dram tier: cannot allocate {format_size(num_slots * slot_bytes)} "
                                 f"({num_slots} slots of {slot_bytes} bytes): {exc}; lower [tiers.dram] "
                                 "capacity_bytes") from None
+        if prefault and not pinned:
+            self._prefault = Prefault(buf, self.name)
 
     @property
     def buffer(self) -> np.ndarray:
@@ -99,6 +106,8 @@ class DramTier(Tier):
             dst[run_start:run_start + run_len] = self._buf[run_slot:run_slot + run_len, :width]
 
     def _close(self) -> None:
+        if self._prefault is not None:
+            self._prefault.stop()
         del self._buf
 
 
