@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tierkv.errors import InputError
-from tierkv.keys import PageKey
+from tierkv.keys import PageKey, split_keys
 from tierkv.policy import gittins, hazard
 from tierkv.policy.gittins import GittinsPolicy
 from tierkv.policy.hazard import CENSOR, REUSE, START, ReuseModel
@@ -223,3 +223,58 @@ def test_insert_many_is_insert_one_by_one(requests: int) -> None:
     assert len(one) == len(many) == 300 and one._now == many._now
     assert [one._class(k) for k in keys] == [many._class(k) for k in keys]
     assert one.victims(300, lambda k: True) == many.victims(300, lambda k: True)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("requests", [0, 3])
+def test_touch_many_is_touch_one_by_one(native: bool, requests: int) -> None:
+    rng = random.Random(10 + requests)
+    keys = [PageKey(rng.randbytes(16)) for _ in range(200)]
+    one, many = GittinsPolicy(native=native), GittinsPolicy(native=native)
+    for p in (one, many):
+        for r in range(requests):                   # some pages remembered, a request clock
+            p.on_request(keys[r * 40:(r + 1) * 40], float(r))
+        for i, k in enumerate(keys):
+            p.insert(k, keys[i - 1] if i % 5 else None)
+    picked = [keys[i] for i in rng.sample(range(200), 120)] + [PageKey(rng.randbytes(16))]  # one not resident
+    for k in picked:
+        one.touch(k)
+    many.touch_many(b"".join(picked))
+    assert one._now == many._now
+    assert one.victims(200, lambda k: True) == many.victims(200, lambda k: True)
+    with pytest.raises(InputError, match="16-byte keys"):
+        many.touch_many(b"x" * 17)
+
+
+@pytest.mark.parametrize("room", [0, 1000, 150])
+def test_admit_many_is_admit_one_by_one(room: int) -> None:
+    rng = random.Random(room)
+    old = [PageKey(rng.randbytes(16)) for _ in range(100)]
+    new = [PageKey(rng.randbytes(16)) for _ in range(80)]
+    one, many = GittinsPolicy(native=True), GittinsPolicy(native=True)
+    for p in (one, many):
+        for r in range(4):
+            p.on_request(old[r * 25:(r + 1) * 25], float(r))
+        for k in old:
+            p.insert(k, None)
+        if room:                                    # a tier that asked for victims when this full
+            p.victims(0, lambda k: True)
+            p._room = room
+        p.on_request(old[:10] + new, 5.0)
+    pages = [(k, None) for k in new] + [(old[50], None)]    # the last: a demotion, not of the request
+    assert many.admit_many(pages) == [one.admit(k, parent) for k, parent in pages]
+    assert (one._admitted, one._refused, one._bar) == (many._admitted, many._refused, many._bar)
+
+
+def test_classes_of_is_class_of_for_each_key() -> None:
+    rng = random.Random(5)
+    keys = [PageKey(rng.randbytes(16)) for _ in range(60)]
+    p = GittinsPolicy(native=True)
+    assert p._native is not None and p._native.classes_of(b"".join(keys)) == bytes(60)
+    for r in range(6):
+        p.on_request(keys[: 10 * (r + 1)] + keys[:5], float(r))
+    blob = b"".join(keys + [PageKey(rng.randbytes(16))])
+    assert list(p._native.classes_of(blob)) == [p._native.class_of(k) for k in split_keys(blob)]
+    assert len(set(p._native.classes_of(blob))) > 1
+    with pytest.raises(InputError, match="16-byte keys"):
+        p._native.classes_of(b"x" * 15)

@@ -56,11 +56,13 @@ class Twin:
 
 
 def _forest(rng: random.Random, n: int) -> tuple[list[PageKey], dict[PageKey, PageKey | None]]:
-    """Keys of 1 to 16 bytes (zero bytes and shared prefixes included), each with a parent."""
+    """Keys of 1 to 16 bytes (zero bytes and shared prefixes included; a third of them 16,
+    the store's), each with a parent."""
     keys: list[PageKey] = []
     seen: set[bytes] = set()
     while len(keys) < n:
-        key = bytes(rng.choice((0, 1, 2, rng.randrange(256))) for _ in range(rng.randint(1, 16)))
+        size = 16 if rng.random() < 0.3 else rng.randint(1, 16)
+        key = bytes(rng.choice((0, 1, 2, rng.randrange(256))) for _ in range(size))
         if key not in seen:
             seen.add(key)
             keys.append(PageKey(key))
@@ -107,8 +109,13 @@ def _drive(seed: int, steps: int, young: bool) -> int:
             # Now and then another parent (a page re-added elsewhere), a cycle or itself (refused).
             up = parent[key] if rng.random() < 0.9 else rng.choice(keys)
             tw.same("add", key, up, rng.randrange(CLASSES), clock)
-        elif op < 0.5:
+        elif op < 0.45:
             tw.same("touch", key, rng.randrange(CLASSES), clock)
+        elif op < 0.5:                                   # a get's hits: 16-byte keys, absent ones skipped
+            batch = [k.rjust(16, b"\x07") if rng.random() < 0.2 else k for k in rng.sample(keys, 4) if len(k) == 16]
+            batch += [k for k in keys if len(k) == 16][:rng.randint(0, 3)]
+            tw.same("touch_many", b"".join(batch), bytes(rng.randrange(CLASSES) for _ in batch), clock,
+                    rng.choice((0.0, 1.0)))
         elif op < 0.62:
             tw.same("discard", key)
         elif op < 0.8:
@@ -181,6 +188,15 @@ def test_a_page_cannot_be_its_own_parent(impl: type[PyLeafHeaps]) -> None:
     with pytest.raises(InputError, match="its own parent"):
         h.add(k("a"), k("a"), 0, 1.0)
     assert len(h) == 0
+
+
+@pytest.mark.parametrize("impl", [PyLeafHeaps, NativeLeafHeaps])
+def test_touch_many_refuses_a_batch_that_does_not_add_up(impl: type[PyLeafHeaps]) -> None:
+    h = impl(CLASSES)
+    with pytest.raises(InputError, match="touch_many"):
+        h.touch_many(b"k" * 17, b"\0", 0.0, 1.0)
+    with pytest.raises(InputError, match="touch_many"):
+        h.touch_many(b"k" * 32, b"\0", 0.0, 1.0)
 
 
 def test_classes_out_of_range_name_the_range() -> None:

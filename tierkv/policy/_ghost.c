@@ -555,6 +555,37 @@ gh_class_of(GhostObject *s, PyObject *key)
     return PyLong_FromLong(idx < 0 ? 0 : CLS(NODE(s, idx)));
 }
 
+PyDoc_STRVAR(classes_of_doc, "classes_of(blob) -> bytes\n\n"
+"class_of of each 16-byte key of blob, one byte per key.");
+
+static PyObject *
+gh_classes_of(GhostObject *s, PyObject *arg)
+{
+    if (check_ok(s) < 0)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    if (view.len % KEY_MAX) {
+        PyErr_Format(InputError, "classes_of takes 16-byte keys back to back, got %zd bytes", view.len);
+        goto done;
+    }
+    Py_ssize_t n = view.len / KEY_MAX;
+    out = PyBytes_FromStringAndSize(NULL, n);
+    if (out == NULL)
+        goto done;
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+    const uint8_t *src = (const uint8_t *)view.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t idx = s->count ? map_find(s, src + i * KEY_MAX, KEY_MAX) : -1;
+        dst[i] = (uint8_t)(idx < 0 ? 0 : CLS(NODE(s, idx)));
+    }
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 PyDoc_STRVAR(entry_doc,
 "entry(key) -> (last, count, class, next key or None) or None\n\n"
 "What is remembered of key (count saturates at 15).");
@@ -774,6 +805,7 @@ done:
 static PyMethodDef gh_methods[] = {
     {"on_request", (PyCFunction)(void (*)(void))gh_on_request, METH_FASTCALL, on_request_doc},
     {"class_of", (PyCFunction)gh_class_of, METH_O, class_of_doc},
+    {"classes_of", (PyCFunction)gh_classes_of, METH_O, classes_of_doc},
     {"entry", (PyCFunction)gh_entry, METH_O, entry_doc},
     {"keys", (PyCFunction)gh_keys, METH_NOARGS, keys_doc},
     {"nbytes", (PyCFunction)gh_nbytes, METH_NOARGS, nbytes_doc},

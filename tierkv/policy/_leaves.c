@@ -799,6 +799,53 @@ lh_touch(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(touch_many_doc, "touch_many(keys, classes, t0, step)\n\n"
+"touch() of n pages in order, one call: keys is bytes of n 16-byte keys, classes one\n"
+"byte per page; page i is touched at time t0 + i * step. Absent keys are skipped.");
+
+static PyObject *
+lh_touch_many(LeafHeapsObject *s, PyObject *args)
+{
+    Py_buffer keys, classes;
+    double t0, step;
+    if (check_ok(s) < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*dd:touch_many", &keys, &classes, &t0, &step))
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = keys.len / 16;
+    if (keys.len % 16 || classes.len != n) {
+        PyErr_Format(InputError, "touch_many: %zd bytes of 16-byte keys and %zd classes do not describe one batch",
+                     keys.len, classes.len);
+        goto done;
+    }
+    const uint8_t *kp = keys.buf, *cp = classes.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (cp[i] >= s->classes) {
+            PyErr_Format(InputError, "touch_many: class %d of page %zd is out of range [0, %d)", cp[i], i, s->classes);
+            goto done;
+        }
+    }
+    if (undo_all(s) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint8_t k[KEY_MAX] = {0};
+        memcpy(k, kp + 16 * i, 16);
+        int32_t idx = map_find(s, k, 16);
+        if (idx < 0 || !(NODE(s, idx)->flags & PRESENT))
+            continue;
+        set_state(s, idx, cp[i], t0 + (double)i * step);
+        if (NODE(s, idx)->kids == 0 && leaf(s, idx) < 0)
+            goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&classes);
+    return res;
+}
+
 PyDoc_STRVAR(discard_doc, "discard(key)\n\nkey left the tier. Removing a pending victim settles it.");
 
 static PyObject *
@@ -1029,6 +1076,7 @@ static PyMethodDef lh_methods[] = {
     {"add", (PyCFunction)(void (*)(void))lh_add, METH_FASTCALL | METH_KEYWORDS, add_doc},
     {"add_many", (PyCFunction)lh_add_many, METH_VARARGS, add_many_doc},
     {"touch", (PyCFunction)(void (*)(void))lh_touch, METH_FASTCALL | METH_KEYWORDS, touch_doc},
+    {"touch_many", (PyCFunction)lh_touch_many, METH_VARARGS, touch_many_doc},
     {"discard", (PyCFunction)lh_discard, METH_O, discard_doc},
     {"candidates", (PyCFunction)lh_candidates, METH_O, candidates_doc},
     {"take", (PyCFunction)lh_take, METH_O, take_doc},

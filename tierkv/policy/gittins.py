@@ -55,6 +55,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 
+from tierkv.errors import InputError
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.policy import hazard
 from tierkv.policy.hazard import MAX_AGE, ReuseModel, age_bin
@@ -251,8 +252,9 @@ class GittinsPolicy:
                 self.insert(PageKey(keys[j:j + KEY_BYTES]),
                             PageKey(parents[j:j + KEY_BYTES]) if has_parent[i] else None)
             return
-        ghost = self._native if self._native is not None else self._ghost
-        if len(ghost):
+        if self._native is not None:
+            classes = self._native.classes_of(keys) if len(self._native) else bytes(n)
+        elif self._ghost:
             classes = bytes(self._class(PageKey(keys[j:j + KEY_BYTES])) for j in range(0, len(keys), KEY_BYTES))
         else:
             classes = bytes(n)              # nothing remembered: every page is class 0
@@ -263,6 +265,21 @@ class GittinsPolicy:
 
     def touch(self, key: PageKey) -> None:
         self._leaves.touch(key, self._class(key), self._tick())
+
+    def touch_many(self, keys: bytes) -> None:
+        """:meth:`touch` of each 16-byte key of ``keys`` in order, in one call (a get's hits):
+        the same state as the calls one by one."""
+        n = len(keys) // KEY_BYTES
+        if len(keys) % KEY_BYTES:
+            raise InputError(f"touch_many takes 16-byte keys back to back, got {len(keys)} bytes")
+        if self._native is not None:
+            classes = self._native.classes_of(keys) if len(self._native) else bytes(n)
+        else:
+            classes = bytes(self._class(PageKey(keys[j:j + KEY_BYTES])) for j in range(0, len(keys), KEY_BYTES))
+        step = 0.0 if self._requests else 1.0
+        t0 = self._now + step
+        self._leaves.touch_many(keys, classes, t0, step)
+        self._now = t0 + (n - 1) * step if n else self._now
 
     def remove(self, key: PageKey) -> None:
         self._leaves.discard(key)
@@ -354,6 +371,17 @@ class GittinsPolicy:
             return False
         self._admitted += 1
         return True
+
+    def admit_many(self, pages: Sequence[tuple[PageKey, PageKey | None]]) -> list[bool]:
+        """:meth:`admit` of each (key, parent) in order, in one call: the same answers and state.
+        While the tier has room for all of them no page is weighed against a victim."""
+        n = len(pages)
+        if self._cost is None and not self._refused and (not self._room
+                                                         or len(self._leaves) + self._admitted + n <= self._room):
+            request = self._request
+            self._admitted += sum(1 for k, _ in pages if k in request)
+            return [True] * n
+        return [self.admit(k, p) for k, p in pages]
 
     def _beats_victim(self, key: PageKey) -> bool:
         """Whether a new page is worth the page that would be evicted for it (see the module doc)."""

@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable
 
 from tierkv.errors import InputError
-from tierkv.keys import PageKey
+from tierkv.keys import KEY_BYTES, PageKey
 
 #: An eviction candidate: ``(key, class, last access, from the young end)``.
 Candidate = tuple[PageKey, int, float, bool]
@@ -102,6 +102,16 @@ class PyLeafHeaps:
         self.cls[key] = cls
         if self._kids[key] == 0:
             self._leaf(key)
+
+    def touch_many(self, keys: bytes, classes: bytes, t0: float, step: float) -> None:
+        """:meth:`touch` of each 16-byte key of ``keys`` in order, class ``classes[i]``, at
+        ``t0 + i * step`` (the native heaps' batch call)."""
+        if len(keys) % KEY_BYTES or len(classes) != len(keys) // KEY_BYTES:
+            raise InputError(f"touch_many: {len(keys)} bytes of 16-byte keys and {len(classes)} classes do not "
+                             "describe one batch")
+        self.undo()
+        for i, c in enumerate(classes):
+            self.touch(PageKey(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]), c, t0 + i * step)
 
     def discard(self, key: PageKey) -> None:
         """``key`` left the tier. Removing a pending victim settles it."""
