@@ -12,7 +12,7 @@ import pytest
 import tierkv.tiers.aligned as aligned
 import tierkv.tiers.dram as dram
 from tierkv.config import DramConfig, config_from_dict
-from tierkv.errors import CapacityError, ConfigError
+from tierkv.errors import CapacityError
 
 
 def test_a_tier_that_does_not_fit_in_memory_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,9 +79,7 @@ def test_close_stops_a_background_prefault(monkeypatch: pytest.MonkeyPatch) -> N
     assert not prefault._thread.is_alive() and prefault.done.is_set()
 
 
-def test_prefault_is_a_boolean_in_the_config() -> None:
-    with pytest.raises(ConfigError, match=r"dram\.prefault must be true or false"):
-        DramConfig(1 << 20, prefault="no")  # type: ignore[arg-type]
+def test_prefault_is_on_unless_the_config_turns_it_off() -> None:  # its type checks: tests/test_config.py
     cfg = config_from_dict({"store": {"path": "/tmp/unused", "model_id": "m"},
                             "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 64},
                             "tiers": {"dram": {"capacity_bytes": "1MiB", "prefault": False}}})

@@ -15,7 +15,15 @@ from tierkv.keys import PageKey
 
 
 class Policy(Protocol):
-    """What the manager asks of a per-tier eviction and admission policy."""
+    """What the manager asks of a per-tier eviction and admission policy.
+
+    A policy may also offer batch forms, which the manager calls instead where present,
+    with the same effect as the calls one by one in order: ``insert_many(keys, parents,
+    has_parent)`` (16-byte keys back to back; a parent used where its ``has_parent`` byte
+    is nonzero), ``touch_many(keys)`` (a get's hits) and ``admit_many(pages)`` (a list of
+    (key, parent); returns a list of answers). :class:`~tierkv.policy.gittins.GittinsPolicy`
+    has all three.
+    """
 
     def __len__(self) -> int:
         """How many pages the policy tracks."""

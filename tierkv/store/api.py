@@ -27,12 +27,11 @@ from tierkv.store.index_check import mark_clean
 from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest, split_keys,
                          tenant_salt)
 from tierkv.layout import KVLayout
-from tierkv.store.manager import Entry
 from tierkv.store.opening import open_store_parts, release_dir
 from tierkv.store.pages import PageBatch, PageSource, Rows, page_list, page_rows
 from tierkv.store.peering import Peering
 from tierkv.store.pins import PinLedger
-from tierkv.store.moves import MovePlan
+from tierkv.store.moves import Lead, MovePlan
 from tierkv.store.results import GetResult as GetResult
 from tierkv.store.results import LookupResult as LookupResult
 from tierkv.store.results import PutResult as PutResult
@@ -65,6 +64,7 @@ class Store:
         self._dir = Path(config.path)
         parts = open_store_parts(config, read_only)
         self._lockfile, self._index, self._manager = parts.lock_fd, parts.index, parts.manager
+        self._kinds = tuple(t.kind for t in self._manager.tiers)   # by level
         self._pins = PinLedger(self._manager)  # what each pin call took
         self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes,
                                     deferred_sync=self._index is not None and self._index.deferred)
@@ -100,29 +100,32 @@ class Store:
         if self._closed:
             raise StoreClosedError(f"the store at {self._dir} is closed")
 
-    def _leading(self, blob: bytes, limit: int) -> list[Entry]:
-        """Entries of the leading cached pages of a key blob, at most ``limit``."""
+    def _lead(self, blob: bytes, limit: int) -> Lead:
+        """The leading cached pages of a key blob, at most ``limit``, column by column."""
         if self.read_only:
-            return self._leading_from_index(blob, limit)
-        return self._manager.leading(blob, limit)
+            return self._lead_from_index(blob, limit)
+        return self._manager.lead(blob, limit)
 
-    def _leading_from_index(self, blob: bytes, limit: int) -> list[Entry]:
+    def _lead_from_index(self, blob: bytes, limit: int) -> Lead:
         """Read-only stores ask LMDB directly, so they see what the writer committed since."""
         assert self._index is not None
         tier = next(t for t in self._manager.tiers if t.persistent)
-        out: list[Entry] = []
+        slots: list[object] = []
+        sums: list[int] = []
         for rec in self._index.get_many(tier.name, split_keys(blob[:limit * KEY_BYTES])):
             if rec is None:
                 break
-            slot = rec.slot
+            slot: object = rec.slot
             if isinstance(tier, BlockPageTier):  # a coded tier: read at the record's blocks
                 bpp = tier.blocks_per_page
                 try:
                     slot = tier.view(rec.extents or ((rec.slot * bpp, bpp),))
                 except InputError:
                     break  # a record that cannot be a page of this tier: a miss
-            out.append(Entry(rec.key, rec.parent, rec.nbytes, rec.checksum, {tier.name: slot}))
-        return out
+            slots.append(slot)
+            sums.append(rec.checksum)
+        n = len(slots)
+        return Lead(blob[:n * KEY_BYTES], np.full(n, self._manager.levels[tier.name], dtype=np.uint8), slots, sums)
 
     # -- the API ---------------------------------------------------------------------------
     def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True) -> LookupResult:
@@ -138,7 +141,7 @@ class Store:
                 self._counters.events["lookups"] += 1
             m = self._manager
             if self.read_only:
-                levels = bytes(m.levels[m.fastest(e)] for e in self._leading(blob, total))
+                levels = self._lead(blob, total).levels.tobytes()
             else:
                 levels = m.resident.prefix_values(blob)
                 down = m.unavailable_levels()
@@ -175,13 +178,13 @@ class Store:
             elif isinstance(requested, bool) or not isinstance(requested, int) or requested < want:
                 raise InputError(f"get: requested must be an integer >= the {want} rows of out, got {requested!r}")
             self._announce(blob, from_get=True)
-            entries = self._leading(blob, want)
-            loaded = self._transfers.read(entries, rows)
-            m = self._manager
-            tiers = tuple(m.tier(k or m.fastest(e)).kind for k, e in zip(m.sources(entries[:loaded]), entries))
-            if loaded and not self.read_only and self.config.promote_on_hit:
-                self._promote(entries[:loaded], rows)
-            if self._peering is not None and loaded == len(entries) and loaded < want:
+            lead = self._lead(blob, want)
+            loaded = self._transfers.read(lead, rows)
+            levels = lead.levels[:loaded]
+            tiers = tuple(map(self._kinds.__getitem__, levels.tolist()))
+            if loaded and not self.read_only and self.config.promote_on_hit and levels.any():
+                self._promote(lead, levels, rows)
+            if self._peering is not None and loaded == len(lead) and loaded < want:
                 # The pages that follow the local ones, from another node's DRAM: checked
                 # against the peer's checksum, then kept here.
                 keys = split_keys(blob)
@@ -212,15 +215,19 @@ class Store:
         self._manager.note_request(split_keys(blob))
         self._announced.blob = blob if from_get else None
 
-    def _promote(self, entries: list[Entry], rows: np.ndarray) -> int:
-        top = self._manager.tiers[0].name
-        protect = {e.key for e in entries}
+    def _promote(self, lead: Lead, levels: np.ndarray, rows: np.ndarray) -> int:
+        """Copy the first ``len(levels)`` pages of ``lead``, read into ``rows`` from the tiers
+        ``levels`` name, up into the fastest tier, one plan per tier they came from."""
+        m = self._manager
+        top = m.tiers[0].name
+        keys = split_keys(lead.keys_of(0, len(levels)))
+        protect = set(keys)
         promoted = 0
-        source = self._manager.sources(entries)
-        for name in {k for k in source if k is not None and k != top}:
-            picked = [(i, e) for i, e in enumerate(entries) if source[i] == name]
-            plan = self._manager.plan_promote([e.key for _, e in picked], top, protect)
-            promoted += self._transfers.run(plan, rows, {e.key: i for i, e in picked}, source=name)
+        for lvl in sorted(set(levels.tolist()) - {0}):
+            idx = np.flatnonzero(levels == lvl).tolist()
+            picked = [keys[i] for i in idx]
+            plan = m.plan_promote(picked, top, protect)
+            promoted += self._transfers.run(plan, rows, dict(zip(picked, idx)), source=m.tiers[lvl].name)
             self._count_plan(plan)
         self._counters.events["promotions"] += promoted
         return promoted
@@ -267,16 +274,13 @@ class Store:
 
     def _store(self, keys: list[PageKey], rows: Rows, first: int) -> tuple[int, int]:
         """Store ``rows[i]`` as page ``first + i`` of ``keys`` unless cached; (stored, new)."""
-        new: list[tuple[PageKey, PageKey | None]] = []
-        row_of: dict[PageKey, int] = {}
-        held = self._manager.held(b"".join(keys[first:first + rows.shape[0]]))
-        for i, h in enumerate(held):
-            if not h:
-                j = first + i
-                new.append((keys[j], keys[j - 1] if j else None))
-                row_of[keys[j]] = i
-        plan = self._manager.plan_store(new, self.layout.page_bytes,
-                                        prefix=[k for k in keys[:first + rows.shape[0]] if k not in row_of])
+        n = rows.shape[0]
+        held = self._manager.held(b"".join(keys[first:first + n]))
+        fresh = [i for i, h in enumerate(held) if not h]
+        new = [(keys[first + i], keys[first + i - 1] if first + i else None) for i in fresh]
+        row_of = {k: i for (k, _), i in zip(new, fresh)}
+        prefix = keys[:first] + [k for k, h in zip(keys[first:first + n], held) if h]
+        plan = self._manager.plan_store(new, self.layout.page_bytes, prefix=prefix)
         stored = self._transfers.run(plan, rows, row_of)
         self._counters.events["pages_stored"] += stored
         self._count_plan(plan)
@@ -304,16 +308,15 @@ class Store:
     def _prefetch(self, blob: bytes) -> int:
         with self._lock:
             self._check_open()
-            entries = self._leading(blob, len(blob) // KEY_BYTES)
-            if self.read_only or not entries:
+            if self.read_only:
                 return 0
-            top = self._manager.tiers[0].name
-            slow = [e for e in entries if self._manager.fastest(e) != top]
-            if slow:
+            lead = self._lead(blob, len(blob) // KEY_BYTES)
+            slow = lead.take(lead.levels != 0)
+            if len(slow):
                 staging = np.empty((len(slow), self.layout.page_bytes), dtype=np.uint8)
                 loaded = self._transfers.read(slow, staging, serve=False)
-                self._promote(slow[:loaded], staging)
-            return sum(1 for e in self._leading(blob, len(entries)) if top in e.slots)
+                self._promote(slow, slow.levels[:loaded], staging)
+            return int((self._lead(blob, len(lead)).levels == 0).sum())
 
     def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
         """Pin the leading cached pages so no policy evicts them; returns how many were pinned.
@@ -323,7 +326,7 @@ class Store:
         """
         with self._lock:
             self._check_writable_open()
-            return self._pins.pin(self._leading(self._keys(tokens, tenant), 1 << 62))
+            return self._pins.pin(self._manager.leading(self._keys(tokens, tenant), 1 << 62))
 
     def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
         """Release one earlier ``pin`` of these tokens; returns how many pages it unpinned.

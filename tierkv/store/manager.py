@@ -27,6 +27,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.policy import Policy
 from tierkv.store.index import IndexRecord, PersistentIndex
 from tierkv.store.index_scan import RecordArrays, scan_records
-from tierkv.store.moves import Entry, Move, MovePlan, PageLocation
+from tierkv.store.moves import Entry, Lead, Move, MovePlan, PageLocation
 from tierkv.store.table import LOWEST_LEVEL, MAX_TIERS, NO_LEVEL, PageTable, rows_of
 from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.base import Tier, TierId, TierKind
@@ -68,6 +69,23 @@ def _arrays_of(recs: Sequence[IndexRecord], slots: Sequence[int]) -> RecordArray
                         np.array([r.checksum for r in recs], dtype=np.uint64),
                         b"".join(r.parent or _NO_KEY for r in recs),
                         np.array([r.parent is not None for r in recs], dtype=bool))
+
+
+def _take_keys(blob: bytes, mask: np.ndarray) -> bytes:
+    """The 16-byte keys of ``blob`` where ``mask``, back to back."""
+    return np.frombuffer(blob, dtype="V16")[mask].tobytes()
+
+
+def _insert_pages(policy: Policy, keys: bytes, parents: bytes, has_parent: np.ndarray) -> None:
+    """``policy.insert`` of each 16-byte key of ``keys`` in order, its parent from ``parents``
+    where ``has_parent``: one ``insert_many`` call where the policy has it (optional)."""
+    insert_many = getattr(policy, "insert_many", None)
+    if insert_many is not None:
+        insert_many(keys, parents, has_parent.astype(np.uint8).tobytes())
+        return
+    for i, has in enumerate(has_parent.tolist()):
+        j = i * KEY_BYTES
+        policy.insert(PageKey(keys[j:j + KEY_BYTES]), PageKey(parents[j:j + KEY_BYTES]) if has else None)
 
 
 def _lowest(mask: int) -> int:
@@ -222,6 +240,19 @@ class BlockManager:
                 for i, (nb, pins, gen) in enumerate(zip(t.nbytes[rows].tolist(), t.pins[rows].tolist(),
                                                         t.gen[rows].tolist()))]
 
+    def lead(self, blob: bytes, limit: int) -> Lead:
+        """The leading published pages of a key blob (at most ``limit``), column by column,
+        each with its fastest copy on a tier that serves I/O."""
+        t = self.table
+        rows = rows_of(t.core.prefix_rows(blob[:max(limit, 0) * KEY_BYTES]))
+        where = t.where[rows]
+        down = sum(1 << lvl for lvl, tier in enumerate(self.tiers) if not tier.available)
+        if down:
+            where = where & ~np.uint8(down)
+        levels = LOWEST_LEVEL[where]    # NO_LEVEL (NO_SOURCE) where no copy serves I/O
+        slots = t.slot[np.minimum(levels, len(self.tiers) - 1), rows] - 1
+        return Lead(blob[:len(rows) * KEY_BYTES], levels, slots.tolist(), t.checksum[rows].tolist())
+
     def snapshots(self) -> list[Entry]:
         """Snapshots of every page the manager holds (for checks and tests: a Python object per page)."""
         live = rows_of(self.table.core.live_rows())
@@ -251,10 +282,6 @@ class BlockManager:
     def tier(self, name: TierId) -> Tier:
         return self._by_id[name]
 
-    def fastest(self, e: Entry) -> TierId:
-        """The fastest tier holding ``e`` (a snapshot lists its slots fastest first)."""
-        return next(iter(e.slots))
-
     def used_slots(self, name: TierId) -> int:
         tier = self._by_id[name]
         return tier.num_slots - tier.num_free
@@ -262,16 +289,6 @@ class BlockManager:
     def below(self, name: TierId) -> Tier | None:
         """The next slower tier that is available (a degraded fabric tier is skipped), if any."""
         return next((t for t in self.tiers[self.levels[name] + 1:] if t.available), None)
-
-    def source(self, e: Entry) -> TierId | None:
-        """The fastest available tier holding ``e``; None when its only copies are on degraded tiers."""
-        return min((k for k in e.slots if self._by_id[k].available), key=self.levels.__getitem__, default=None)
-
-    def sources(self, entries: Sequence[Entry]) -> list[TierId | None]:
-        """:meth:`source` of each entry; just their fastest tiers while every tier is up."""
-        if all(t.available for t in self.tiers):
-            return [next(iter(e.slots)) for e in entries]
-        return [self.source(e) for e in entries]
 
     def unavailable_levels(self) -> frozenset[int]:
         """Levels of the tiers that serve no I/O now (degraded fabric tiers)."""
@@ -378,15 +395,7 @@ class BlockManager:
         got = got.take(keep) if not keep.all() else got
         rows = rows_of(t.core.find(got.keys))
         t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
-        policy = self._policies[name]
-        keys, parents = got.keys, got.parents
-        insert_many = getattr(policy, "insert_many", None)   # optional: one call for the batch
-        if insert_many is not None:
-            insert_many(keys, parents, got.has_parent.astype(np.uint8).tobytes())
-            return len(got)
-        for i, has in enumerate(got.has_parent.tolist()):
-            j = i * KEY_BYTES
-            policy.insert(PageKey(keys[j:j + KEY_BYTES]), PageKey(parents[j:j + KEY_BYTES]) if has else None)
+        _insert_pages(self._policies[name], got.keys, got.parents, got.has_parent)
         return len(got)
 
     def _add_pages(self, keys: bytes, parents: bytes, has_parent: np.ndarray, nbytes: np.ndarray,
@@ -449,15 +458,23 @@ class BlockManager:
             if not tier.available:
                 continue
             policy = self._policies[tier.name]
-            admitted = [(k, p) for k, p in todo if policy.admit(k, p)]
+            admit_many = getattr(policy, "admit_many", None)   # optional: one call for the batch
+            ok = admit_many(todo) if admit_many is not None else [policy.admit(k, p) for k, p in todo]
+            admitted = todo if all(ok) else [kp for kp, good in zip(todo, ok) if good]
             slots = self._reserve(tier, len(admitted), protect, plan)
             placed = admitted[:len(slots)]
-            has = np.array([p is not None for _, p in placed], dtype=bool)
-            self._add_pages(b"".join(k for k, _ in placed), b"".join(p or _NO_KEY for _, p in placed), has,
+            if not placed:
+                continue
+            keys, parents = zip(*placed)
+            has = np.fromiter((p is not None for p in parents), dtype=bool, count=len(placed))
+            self._add_pages(b"".join(keys), b"".join([p or _NO_KEY for p in parents]), has,
                             np.full(len(placed), nbytes, dtype=np.int64), self.levels[tier.name], slots)
-            plan.placements.extend((key, tier.name, slot) for (key, _), slot in zip(placed, slots))
-            done = {k for k, _ in placed}
-            todo = [(k, p) for k, p in todo if k not in done]
+            plan.placements.extend(zip(keys, repeat(tier.name), slots))
+            if len(placed) == len(todo):
+                todo = []
+            else:
+                done = set(keys)
+                todo = [(k, p) for k, p in todo if k not in done]
         plan.dropped += len(todo)
         return plan
 
@@ -700,7 +717,8 @@ class BlockManager:
             return
         t = self.table
         keys = [k for k, _, _ in placed]
-        rows = rows_of(t.core.find(b"".join(keys)))
+        blob = b"".join(keys)
+        rows = rows_of(t.core.find(blob))
         if (rows < 0).any():  # a negative row would index the columns from the end
             raise AssertionError("publish of a page the manager does not hold")
         if checksums:
@@ -710,13 +728,14 @@ class BlockManager:
             t.has_sum[rows[idx]] = True
         prow = t.parent[rows].astype(np.int64) - 1
         has_parent = prow >= 0
-        pkeys: list[PageKey | None] = [None] * len(keys)
-        if has_parent.any():
-            for i, k in zip(np.flatnonzero(has_parent).tolist(), t.keys(prow[has_parent])):
-                pkeys[i] = PageKey(k)
+        # The parents' keys, back to back (a page's own key stands in where it has none).
+        parents = t.core.keys(np.where(has_parent, prow, rows).astype(np.int32).tobytes())
+        names = [name for _, name, _ in placed]
         by_tier: dict[TierId, list[IndexRecord]] = {}
-        persistent = {name for _, name, _ in placed if self._by_id[name].persistent}
+        persistent = {name for name in set(names) if self._by_id[name].persistent}
         if persistent:
+            pkeys = [PageKey(parents[i * KEY_BYTES:(i + 1) * KEY_BYTES]) if has else None
+                     for i, has in enumerate(has_parent.tolist())]
             nbytes = t.nbytes[rows].tolist()
             sums_col = t.checksum[rows].tolist()
             has_sum = t.has_sum[rows].tolist()
@@ -736,8 +755,13 @@ class BlockManager:
             for name, recs in by_tier.items():
                 deletes = plan.deletes.pop(name, []) if plan is not None else []
                 self._commit(name, put=recs, delete=deletes)
-        for i, (key, name, _slot) in enumerate(placed):
-            self._policies[name].insert(key, pkeys[i])
+        if names.count(names[0]) == len(names):
+            _insert_pages(self._policies[names[0]], blob, parents, has_parent)
+        else:
+            for name in dict.fromkeys(names):
+                ours = np.array([n == name for n in names])
+                _insert_pages(self._policies[name], _take_keys(blob, ours), _take_keys(parents, ours),
+                              has_parent[ours])
         t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
         if self.listeners:
             for name in dict.fromkeys(n for _, n, _ in placed):
@@ -795,6 +819,17 @@ class BlockManager:
 
     def touch(self, key: PageKey, name: TierId) -> None:
         self._policies[name].touch(key)
+
+    def touch_many(self, keys: bytes, name: TierId) -> None:
+        """:meth:`touch` of each 16-byte key of ``keys`` in order: one ``touch_many`` call
+        where the tier's policy has it (optional)."""
+        policy = self._policies[name]
+        touch_many = getattr(policy, "touch_many", None)
+        if touch_many is not None:
+            touch_many(keys)
+            return
+        for j in range(0, len(keys), KEY_BYTES):
+            policy.touch(PageKey(keys[j:j + KEY_BYTES]))
 
     def pin(self, key: PageKey, delta: int) -> None:
         r = self._row(key)

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from tierkv.keys import PageKey
+import numpy as np
+
+from tierkv.keys import KEY_BYTES, PageKey
+from tierkv.store.table import NO_LEVEL
 from tierkv.tiers.base import TierId
+
+#: :attr:`Lead.levels` of a page whose every copy is on a degraded tier.
+NO_SOURCE = NO_LEVEL
 
 
 @dataclass(eq=False)
@@ -30,6 +37,40 @@ class Entry:
     pins: int = 0
     #: Which incarnation of the page's row this is a snapshot of (see ``BlockManager.current``).
     gen: int = 0
+
+
+@dataclass
+class Lead:
+    """The leading cached pages of a request, column by column: what a get or a prefetch
+    reads, with no object per page.
+
+    ``keys``: their 16-byte keys back to back; ``levels[i]`` (uint8): the level of the tier
+    to read page ``i`` from, its fastest copy on a tier that serves I/O (:data:`NO_SOURCE`
+    where there is none); ``slots[i]``: its slot there (a read-only store's coded tier
+    gives block views); ``sums[i]``: its checksum (0 where it has none: every page on a
+    persistent tier has one).
+    """
+
+    keys: bytes
+    levels: np.ndarray
+    slots: list[Any]
+    sums: list[int]
+
+    def __len__(self) -> int:
+        return len(self.levels)
+
+    def key(self, i: int) -> PageKey:
+        return PageKey(self.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES])
+
+    def keys_of(self, start: int, stop: int) -> bytes:
+        """The keys of pages ``start .. stop-1``, back to back."""
+        return self.keys[start * KEY_BYTES:stop * KEY_BYTES]
+
+    def take(self, which: np.ndarray) -> Lead:
+        """The pages where the boolean mask ``which`` is set, in order."""
+        idx = np.flatnonzero(which).tolist()
+        return Lead(b"".join(self.keys_of(i, i + 1) for i in idx), self.levels[which],
+                    [self.slots[i] for i in idx], [self.sums[i] for i in idx])
 
 
 @dataclass(frozen=True)

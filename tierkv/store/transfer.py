@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import groupby
+from operator import itemgetter
 
 import numpy as np
 
 from tierkv.store.checksum import checksum64, checksum_rows
 from tierkv.errors import TierIOError, TierUnavailableError
 from tierkv.keys import PageKey
-from tierkv.store.manager import BlockManager, Entry, Move, MovePlan
+from tierkv.store.manager import BlockManager, Move, MovePlan
+from tierkv.store.moves import NO_SOURCE, Lead
 from tierkv.store.pages import PageList, Rows
 from tierkv.store.stats import Counters
 from tierkv.tiers.aligned import aligned_empty
@@ -73,6 +75,15 @@ def _gather(src: Rows, rows: list[int]) -> Rows:
     return np.take(src, rows, axis=0)
 
 
+def _by_tier(placed: list[tuple[PageKey, TierId, int]], levels: Mapping[TierId, int]
+             ) -> list[list[tuple[PageKey, TierId, int]]]:
+    """Placements grouped by tier, fastest tier first, in plan order within a tier."""
+    names = set(map(itemgetter(1), placed))
+    if len(names) <= 1:
+        return [placed] if placed else []
+    return [list(g) for _, g in groupby(sorted(placed, key=lambda p: levels[p[1]]), key=itemgetter(1))]
+
+
 class Transfers:
     """Runs plans against the manager's tiers and keeps the byte counters."""
 
@@ -97,8 +108,7 @@ class Transfers:
         """
         levels = self._m.levels
         moves = [list(g) for _, g in groupby(plan.ordered_moves(levels), key=lambda m: (m.src, m.dst))]
-        placements = [list(g) for _, g in groupby(sorted(plan.placements, key=lambda p: levels[p[1]]),
-                                                   key=lambda p: p[1])]
+        placements = _by_tier(plan.placements, levels)
         published = done = 0
         try:
             for group in moves:
@@ -155,7 +165,7 @@ class Transfers:
         tier = self._tiers[name]
         start = time.perf_counter()
         try:
-            slots = [s for _, _, s in placed]
+            slots = list(map(itemgetter(2), placed))
             hashed: list[int] | None = None
             if tier.persistent:  # hashed on the I/O threads, as each chunk is written
                 hashed = tier.write(slots, buf, checksums=True)
@@ -197,82 +207,89 @@ class Transfers:
                 out[keys[i]] = hashed[i] if hashed is not None else checksum64(staged[i])
         return out
 
-    def read(self, entries: Sequence[Entry], out: np.ndarray, serve: bool = True) -> int:
-        """Load ``entries`` (leading pages, in order) into ``out`` rows, each from its fastest tier.
+    def read(self, lead: Lead, out: np.ndarray, serve: bool = True) -> int:
+        """Load the pages of ``lead`` (leading pages, in order) into ``out`` rows, each from
+        the tier its ``levels`` name.
 
         Returns how many leading pages were loaded intact. A page that fails its
-        checksum or whose read fails is forgotten (a miss from now on) and ends the run.
+        checksum or whose read fails is forgotten (a miss from now on) and ends the run;
+        so does a page with no copy on a tier that serves I/O (it is kept).
         ``serve``: the pages go to a caller's ``get`` (counted as hits and as
         ``tier->caller`` bytes, and touched in the policy); otherwise (a prefetch) only
         the tier's bytes read are counted.
         """
-        loaded = 0
-        sources = self._m.sources(entries)
-        if None in sources:  # the rest of the prefix lives only on a degraded tier: misses, kept
-            sources = sources[:sources.index(None)]
-        for name, group in groupby(enumerate(entries[:len(sources)]), key=lambda ie: sources[ie[0]]):
-            assert name is not None
-            items = list(group)
-            first = items[0][0]
-            rows = out[first:first + len(items)]
-            tier = self._tiers[name]
+        levels = lead.levels
+        gone = np.flatnonzero(levels == NO_SOURCE)
+        n = int(gone[0]) if len(gone) else len(lead)
+        starts = (np.flatnonzero(levels[1:n] != levels[:n - 1]) + 1).tolist() if n else []
+        for a, b in zip([0, *starts], [*starts, n]):
+            if a == b:
+                break
+            tier = self._m.tiers[int(levels[a])]
+            name = tier.name
+            rows = out[a:b]
             start = time.perf_counter()
             sums: list[int] | None = None
             try:
                 # Persistent tiers are verified: hashed on the I/O threads, as each chunk lands.
-                sums = tier.read([e.slots[name] for _, e in items], rows, checksums=tier.persistent)
+                sums = tier.read(lead.slots[a:b], rows, checksums=tier.persistent)
             except UndecodablePageError as exc:
                 # Damaged blobs on a block tier: the pages before the first are intact.
                 bad = min(exc.rows)
-                good = self._verify(tier, items[:bad], rows[:bad]) if bad else 0
+                good = self._verify(tier, lead, a, rows[:bad]) if bad else 0
                 if good == bad:
-                    _, e = items[bad]
-                    log.warning("page %s in %s does not decode (%s); quarantined", e.key.hex(), name, exc)
+                    key = lead.key(a + bad)
+                    log.warning("page %s in %s does not decode (%s); quarantined", key.hex(), name, exc)
                     self._c.events["corrupt_pages"] += 1
-                    self._m.forget(e.key)
-                self._count(name, items[:good], time.perf_counter() - start, serve)
-                return loaded + good
+                    self._m.forget(key)
+                self._count(name, lead, a, a + good, time.perf_counter() - start, serve)
+                return a + good
             except TierUnavailableError as exc:
                 # The tier went down under this read: the pages are still there, only unreachable.
-                log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), name, exc)
-                return loaded
+                log.warning("read of %d pages from %s failed, serving them as misses: %s", b - a, name, exc)
+                return a
             except TierIOError as exc:
-                log.warning("read of %d pages from %s failed, serving them as misses: %s", len(items), name, exc)
-                for _, e in items:
-                    self._m.forget(e.key)
-                return loaded
+                log.warning("read of %d pages from %s failed, serving them as misses: %s", b - a, name, exc)
+                for i in range(a, b):
+                    self._m.forget(lead.key(i))
+                return a
             finally:
                 elapsed = self._timed(name, start)
-            good = self._verify(tier, items, rows, sums)
-            self._count(name, items[:good], elapsed, serve)
-            loaded += good
-            if good < len(items):
-                return loaded
-        return loaded
+            good = self._verify(tier, lead, a, rows, sums)
+            self._count(name, lead, a, a + good, elapsed, serve)
+            if good < b - a:
+                return a + good
+        return n
 
-    def _count(self, name: TierId, items: list[tuple[int, Entry]], seconds: float, serve: bool) -> None:
-        """Count the intact pages of a read: hits and bytes to the caller, or bytes read only."""
+    def _count(self, name: TierId, lead: Lead, start: int, stop: int, seconds: float, serve: bool) -> None:
+        """Count the intact pages ``start .. stop-1`` of a read: hits and bytes to the caller,
+        or bytes read only."""
+        k = stop - start
         if not serve:
-            self._c.tier_read[name] += len(items) * self._nbytes
+            self._c.tier_read[name] += k * self._nbytes
             return
-        self._c.moved_bytes(name, "caller", len(items) * self._nbytes, seconds)
-        self._c.tier_hits[name] += len(items)
-        for _, e in items:
-            self._m.touch(e.key, name)
+        self._c.moved_bytes(name, "caller", k * self._nbytes, seconds)
+        self._c.tier_hits[name] += k
+        if k:
+            self._m.touch_many(lead.keys_of(start, stop), name)
 
-    def _verify(self, tier: Tier, items: list[tuple[int, Entry]], rows: np.ndarray,
-                sums: list[int] | None = None) -> int:
-        """How many leading ``items`` match their recorded checksums (``sums``: the rows'
-        checksums where the read computed them); quarantines the first that does not."""
+    def _verify(self, tier: Tier, lead: Lead, start: int, rows: np.ndarray, sums: list[int] | None = None) -> int:
+        """How many leading ``rows`` (pages ``start ..`` of ``lead``) match their recorded
+        checksums (``sums``: the rows' checksums where the read computed them);
+        quarantines the first that does not."""
+        n = len(rows)
         if not tier.persistent:
-            return len(items)
-        if sums is None:
-            sums = checksum_rows(rows)
-        for i, (_, e) in enumerate(items):
-            if sums[i] != e.checksum:
-                log.warning("page %s in %s slot %d failed its checksum (stored %s, read %x); quarantined",
-                            e.key.hex(), tier.name, e.slots[tier.name], e.checksum, sums[i])
+            return n
+        got = [int(v) for v in (checksum_rows(rows) if sums is None else sums)]
+        want = lead.sums[start:start + n]
+        if got == want:
+            return n
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                key = lead.key(start + i)
+                log.warning("page %s in %s slot %s failed its checksum (stored %x, read %x); quarantined",
+                            key.hex(), tier.name, lead.slots[start + i], w, g)
                 self._c.events["corrupt_pages"] += 1
-                self._m.forget(e.key)
+                self._m.forget(key)
                 return i
-        return len(items)
+        return n
