@@ -7,10 +7,12 @@ tiers (O_DIRECT files, the NVMe-oF tier over a file) and a real LMDB index.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from tierkv.store.index import IndexRecord, PersistentIndex
 from tierkv.keys import PageKey
@@ -103,3 +105,20 @@ def test_bulk_adopt_keeps_whole_records_and_deletes_the_rest(parts: tuple[Persis
     m.check()
     assert index.count("nvme") == 3                                    # the others were deleted
     assert "fail validation" in caplog.text and "seal" in caplog.text
+
+
+def test_record_seals_in_c_match_the_python_seals(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierkv.store import index_scan
+
+    if index_scan._native is None:
+        pytest.skip("tierkv._native is not built")
+    rng = random.Random(7)
+    size, body = index_scan.RECORD_DTYPE.itemsize, index_scan.RECORD_DTYPE.itemsize - 8
+    keys, values = rng.randbytes(16 * 500), rng.randbytes(size * 500)
+    native = index_scan._seals(keys, values, size, body)
+    monkeypatch.setattr(index_scan, "_native", None)
+    assert native.tolist() == index_scan._seals(keys, bytearray(values), size, body).tolist()
+    assert native[3] == xxhash.xxh3_64_intdigest(keys[48:64] + values[3 * size:3 * size + body])
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="not one batch of records"):
+        index_scan._native.seal_records(keys, values[:-1], 16, size, body)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tierkv.errors import InputError
 from tierkv.store.table import NO_LEVEL, PageTable, PyCore, new_core, rows_of
 
 native = pytest.mark.skipif(type(new_core()) is PyCore, reason="tierkv._table is not built")
@@ -131,3 +132,17 @@ def test_levels_outside_a_byte_are_refused(core: str) -> None:
             c.set_levels(rows, bad)
     assert c.get(b"k" * 16) is None and c.row(b"k" * 16) >= 0
 
+
+
+def test_a_tier_with_more_slots_than_the_slot_column_holds_is_refused() -> None:
+    from tierkv.policy import make_policy
+    from tierkv.sim.tiers import sim_tiers
+    from tierkv.store.manager import BlockManager
+    from tierkv.store.table import MAX_SLOTS
+
+    tiers = sim_tiers([4, 8])
+    tiers[1].num_slots = MAX_SLOTS + 1   # as a 16 TiB tier of 4 KiB pages would have; not allocated here
+    with pytest.raises(InputError, match=r"the \w+ tier has 4,294,967,296 slots; a tier holds at most 4,294,967,295"):
+        BlockManager(tiers, {t.name: make_policy("lru") for t in tiers}, None)
+    tiers[1].num_slots = MAX_SLOTS
+    BlockManager(tiers, {t.name: make_policy("lru") for t in tiers}, None)

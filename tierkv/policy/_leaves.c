@@ -722,6 +722,14 @@ lh_add_many(LeafHeapsObject *s, PyObject *args)
             goto done;
         }
     }
+    /* Room for every key at once (parents are mostly keys of the batch too): a bulk
+     * add grows the map and the nodes a few times, not once per 1.5x. */
+    if (n > 0 && (s->nused + n > MAX_NODES - 2 || map_reserve(s, n) < 0
+                  || grow((void **)&s->nodes, &s->ncap, s->nused + (int32_t)n, sizeof(Node)) < 0)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         uint8_t k[KEY_MAX] = {0}, pk[KEY_MAX] = {0};
         memcpy(k, kp + 16 * i, 16);

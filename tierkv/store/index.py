@@ -182,6 +182,8 @@ class PersistentIndex:
         if read_only and not path.exists():
             raise ConfigError(f"no store index at {path}; a read-only open needs an existing store")
         self._group: GroupCommit | None = None
+        #: Records the open's child walk found failing their seals; -1 where it did not count.
+        self.unsealed = -1
         self._env = _open_env(path, read_only)
         try:
             self._meta = self._env.open_db(b"meta", create=not read_only)
@@ -268,6 +270,15 @@ class PersistentIndex:
                 value = txn.get(key)
                 out.append(None if value is None else _decode(key, value))
         return out
+
+    def entries(self, tier: str) -> int:
+        """How many records a tier has, from LMDB's own count (no walk)."""
+        with self._env.begin(db=self._dbs[tier]) as txn:
+            return int(txn.stat(self._dbs[tier])["entries"])
+
+    def last_txnid(self) -> int:
+        """The id of LMDB's last committed write transaction: any commit changes it."""
+        return int(self._env.info()["last_txnid"])
 
     def count(self, tier: str) -> int:
         """How many records a tier has (also walks the tree, so structural damage shows here)."""
@@ -379,28 +390,36 @@ class PersistentIndex:
 
 
 def open_index(store_dir: Path, tier_names: list[str], meta: dict[str, object], *,
-               read_only: bool, verify: str = "always", upgrade_from: Iterable[int] = ()) -> PersistentIndex:
+               read_only: bool, verify: str = "always", upgrade_from: Iterable[int] = (),
+               seals: bool = False) -> PersistentIndex:
     """Open the store's index and check its geometry; a structurally corrupt index is
     moved aside (``index.lmdb.corrupt-<ns>``, logged) and replaced by an empty one, so
     the store serves misses instead of failing. ConfigError on a geometry mismatch.
 
     ``verify`` ("always", "unclean", "never") says when a child process walks the index
     first (see :mod:`tierkv.store.index_check`); "unclean" means after a shutdown that did not
-    leave the clean marker.
+    leave the clean marker. ``seals``: the walk also counts the records that fail their
+    seals (the index's ``unsealed``; -1 where nobody counted).
     """
     path = store_dir / "index.lmdb"
+    walked = False  # whether a child walked every record and rehearsed the writes without harm
+    unsealed = -1
     if not read_only and (path / "data.mdb").exists() and (
             verify == "always" or (verify == "unclean" and not was_clean(store_dir))):
-        problem = probe_index(path)
+        problem, unsealed = probe_index(path, seals=seals)
         if problem is not None:
             quarantine_index(store_dir, problem)
+        walked = problem is None
+        unsealed = unsealed if walked and seals else -1
     try:
         index = PersistentIndex(store_dir, tier_names, read_only=read_only)
         try:
             index.check_meta(meta, upgrade_from)
             index.store_id()
-            for name in tier_names:
-                index.count(name)
+            if not walked:  # walk the tree here, so that structural damage shows now
+                for name in tier_names:
+                    index.count(name)
+            index.unsealed = unsealed
         except BaseException:
             index.close()
             raise

@@ -6,7 +6,9 @@ rather than raise. So before the store opens an index (always by default; or onl
 after a shutdown that left no ``clean`` marker), a child process walks every database
 and record and rehearses the store's write paths in a transaction it aborts; if the
 child dies or fails, the store sets the index aside and starts empty instead of
-crashing the serving engine. The child imports only ``lmdb``. Called by :func:`tierkv.store.index.open_index`.
+crashing the serving engine. The child imports only ``lmdb`` (and ``xxhash`` when it
+also counts the records that fail their seals: the store asks that when it may load a
+clean close's index image instead of reading the records itself). Called by :func:`tierkv.store.index.open_index`.
 """
 
 from __future__ import annotations
@@ -23,10 +25,18 @@ env = lmdb.open(sys.argv[1], readonly=False, lock=True, subdir=True, max_dbs=16,
 with env.begin() as txn:
     names = [bytes(k) for k, _ in txn.cursor()]
 dbs = [env.open_db(name, create=False) for name in names]
+unsealed = 0
 with env.begin() as txn:
-    for db in dbs:
-        for _key, _value in txn.cursor(db=db):
-            pass
+    if sys.argv[2] == "seals":  # every record ends with xxh3-64 of its key and the rest
+        from xxhash import xxh3_64_intdigest as seal
+        for db in dbs:
+            for key, value in txn.cursor(db=db):
+                if len(value) < 8 or seal(key + value[:-8]) != int.from_bytes(value[-8:], "little"):
+                    unsealed += 1
+    else:
+        for db in dbs:
+            for _key, _value in txn.cursor(db=db):
+                pass
 # A damaged tree can also trip LMDB's assertions on the write paths the store takes
 # (deleting records, inserting new ones), so rehearse them and throw the rehearsal away.
 txn = env.begin(write=True)
@@ -40,25 +50,28 @@ try:
             txn.put(os.urandom(16), os.urandom(57), db=db)
 finally:
     txn.abort()
+print(unsealed)
 """
 
 
 CLEAN_MARKER = "clean"
 
 
-def probe_index(path: Path, timeout_s: float = 120.0) -> str | None:
-    """Walk the LMDB environment at ``path`` in a child; None if healthy, else why not."""
+def probe_index(path: Path, timeout_s: float = 120.0, seals: bool = False) -> tuple[str | None, int]:
+    """Walk the LMDB environment at ``path`` in a child: (None if healthy, else why not; how
+    many records fail their seal, counted only if ``seals``, else 0)."""
     try:
-        proc = subprocess.run([sys.executable, "-c", _WALK, str(path)], capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
+        proc = subprocess.run([sys.executable, "-c", _WALK, str(path), "seals" if seals else "walk"],
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        return f"walking the index took over {timeout_s:.0f} s"
+        return f"walking the index took over {timeout_s:.0f} s", 0
     if proc.returncode == 0:
-        return None
+        out = proc.stdout.strip().splitlines()[-1:] or ["0"]
+        return None, int(out[0]) if out[0].isdigit() else 0
     if proc.returncode < 0:
-        return f"walking the index killed the checker with signal {-proc.returncode}"
+        return f"walking the index killed the checker with signal {-proc.returncode}", 0
     last = proc.stderr.strip().splitlines()[-1:] or ["no message"]
-    return f"walking the index failed: {last[0]}"
+    return f"walking the index failed: {last[0]}", 0
 
 
 def was_clean(store_dir: Path) -> bool:

@@ -13,8 +13,8 @@ deleted in the same write transaction, as ``adopt`` does; so are the records
 from __future__ import annotations
 
 import logging
-from array import array
 from collections.abc import Callable
+from itertools import islice
 from dataclasses import dataclass
 
 import lmdb
@@ -22,11 +22,14 @@ import numpy as np
 import xxhash
 
 from tierkv.errors import TierIOError
-from tierkv.keys import KEY_BYTES
+from tierkv.keys import KEY_BYTES, _native
 from tierkv.store.index import _OPERATIONAL, _RECORD, _SEAL, IndexDamaged, IndexRecord, PersistentIndex, _decode
 
 log = logging.getLogger(__name__)
 
+#: Records read per step: whole steps of fixed-size records are joined without a Python
+#: call per record, and no more than this many objects live at once.
+SCAN_CHUNK = 65536
 #: A fixed-size record (no block runs): slot, nbytes, checksum, parent, has_parent, seal.
 RECORD_DTYPE = np.dtype({"names": ["slot", "nbytes", "checksum", "parent", "has_parent", "seal"],
                          "formats": ["<u8", "<u4", "<u8", "V16", "u1", "<u8"],
@@ -59,6 +62,17 @@ class RecordArrays:
         return RecordArrays(k, self.slot[keep], self.nbytes[keep], self.checksum[keep], p, self.has_parent[keep])
 
 
+def _seals(keys: bytes, values: bytes | bytearray, size: int, body: int) -> np.ndarray:
+    """The seal each fixed-size record should carry: xxh3-64 of its key and the first
+    ``body`` bytes of its value (in C where the extension is built)."""
+    if _native is not None:
+        return np.frombuffer(_native.seal_records(keys, values, KEY_BYTES, size, body), dtype="<u8")
+    seal = xxhash.xxh3_64_intdigest
+    mv = memoryview(values)
+    return np.array([seal(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES] + mv[i * size:i * size + body])
+                     for i in range(len(keys) // KEY_BYTES)], dtype=np.uint64)
+
+
 def scan_records(index: PersistentIndex, tier: str, valid: Callable[[RecordArrays], np.ndarray],
                  valid_one: Callable[[IndexRecord], bool]) -> tuple[RecordArrays, list[IndexRecord], int]:
     """Every record of ``tier`` that is whole and valid, and how many were dropped (deleted
@@ -73,20 +87,25 @@ def scan_records(index: PersistentIndex, tier: str, valid: Callable[[RecordArray
     try:
         with index._env.begin(db=index._dbs[tier], write=True) as txn:
             # Streamed into flat buffers: no Python object per record outlives its step.
-            keys_buf, vals_buf, sealed = bytearray(), bytearray(), array("Q")
+            keys_buf, vals_buf = bytearray(), bytearray()
             other: list[tuple[bytes, bytes]] = []
-            seal = xxhash.xxh3_64_intdigest
-            for k, v in txn.cursor().iternext(keys=True, values=True):
-                if len(k) == KEY_BYTES and len(v) == size:
-                    keys_buf += k
-                    vals_buf += v
-                    sealed.append(seal(k + v[:body]))
-                else:
-                    other.append((k, v))
+            records = txn.cursor().iternext(keys=True, values=True)
+            while chunk := list(islice(records, SCAN_CHUNK)):
+                ks, vs = zip(*chunk)
+                if set(map(len, ks)) == {KEY_BYTES} and set(map(len, vs)) == {size}:
+                    keys_buf += b"".join(ks)
+                    vals_buf += b"".join(vs)
+                    continue
+                for k, v in chunk:
+                    if len(k) == KEY_BYTES and len(v) == size:
+                        keys_buf += k
+                        vals_buf += v
+                    else:
+                        other.append((k, v))
             keys = bytes(keys_buf)
             del keys_buf
             rec = np.frombuffer(vals_buf, dtype=RECORD_DTYPE)
-            seals = np.frombuffer(sealed, dtype=np.uint64)
+            seals = _seals(keys, vals_buf, size, body)
             whole = (seals == rec["seal"]) & (rec["has_parent"] <= 1)
             if not whole.all():
                 log.warning("index: %d %s records fail their seal; those pages are misses",

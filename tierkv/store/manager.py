@@ -37,7 +37,7 @@ from tierkv.policy import Policy
 from tierkv.store.index import IndexRecord, PersistentIndex
 from tierkv.store.index_scan import RecordArrays, scan_records
 from tierkv.store.moves import Entry, Lead, Move, MovePlan, PageLocation
-from tierkv.store.table import LOWEST_LEVEL, MAX_TIERS, NO_LEVEL, PageTable, rows_of
+from tierkv.store.table import LOWEST_LEVEL, MAX_SLOTS, MAX_TIERS, NO_LEVEL, PageTable, rows_of
 from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.base import Tier, TierId, TierKind
 
@@ -69,6 +69,23 @@ def _arrays_of(recs: Sequence[IndexRecord], slots: Sequence[int]) -> RecordArray
                         np.array([r.checksum for r in recs], dtype=np.uint64),
                         b"".join(r.parent or _NO_KEY for r in recs),
                         np.array([r.parent is not None for r in recs], dtype=bool))
+
+
+def _slot_validator(tier: Tier) -> tuple[Callable[[RecordArrays], np.ndarray], list[np.ndarray]]:
+    """Judge a slot tier's fixed-size records: valid where the length fits a slot, the slot
+    is in range and no record before it names it. Also returns the list each call appends
+    its kept slots to."""
+    claimed: list[np.ndarray] = []
+
+    def valid(a: RecordArrays) -> np.ndarray:
+        ok = np.flatnonzero((a.nbytes <= tier.slot_bytes) & (a.slot < tier.num_slots))
+        _, first = np.unique(a.slot[ok], return_index=True)
+        keep = np.zeros(len(a), dtype=bool)
+        keep[ok[first]] = True
+        claimed.append(a.slot[keep])
+        return keep
+
+    return valid, claimed
 
 
 def _take_keys(blob: bytes, mask: np.ndarray) -> bytes:
@@ -110,6 +127,10 @@ class BlockManager:
             raise InputError(f"policies are for tiers {sorted(policies)}, the tiers are {names}")
         if len(names) > MAX_TIERS:
             raise InputError(f"a store holds at most {MAX_TIERS} tiers, got {len(names)}: {names}")
+        for tier in tiers:
+            if tier.num_slots > MAX_SLOTS:
+                raise InputError(f"the {tier.name} tier has {tier.num_slots:,} slots; a tier holds at most "
+                                 f"{MAX_SLOTS:,}: use larger pages or a smaller capacity")
         self._by_id = {t.name: t for t in self.tiers}
         #: Each tier's level: its place in ``tiers`` (0 is the fastest).
         self.levels: dict[TierId, int] = {name: i for i, name in enumerate(names)}
@@ -231,7 +252,7 @@ class BlockManager:
             for i, k in zip(linked.tolist(), t.keys(prow[linked])):
                 pkeys[i] = k
         where = t.where[rows].tolist()
-        slots = (t.slot[:, rows] - 1).T.tolist()
+        slots = (t.slot[:, rows].astype(np.int64) - 1).T.tolist()
         sums = np.where(t.has_sum[rows], t.checksum[rows], 0).tolist()
         has_sum = t.has_sum[rows].tolist()
         names = list(enumerate(self._names))
@@ -250,7 +271,7 @@ class BlockManager:
         if down:
             where = where & ~np.uint8(down)
         levels = LOWEST_LEVEL[where]    # NO_LEVEL (NO_SOURCE) where no copy serves I/O
-        slots = t.slot[np.minimum(levels, len(self.tiers) - 1), rows] - 1
+        slots = t.slot[np.minimum(levels, len(self.tiers) - 1), rows].astype(np.int64) - 1
         return Lead(blob[:len(rows) * KEY_BYTES], levels, slots.tolist(), t.checksum[rows].tolist())
 
     def snapshots(self) -> list[Entry]:
@@ -295,15 +316,24 @@ class BlockManager:
         return frozenset(i for i, t in enumerate(self.tiers) if not t.available)
 
     # -- reopening -------------------------------------------------------------------
-    def adopt_persistent(self, name: TierId) -> int:
+    def adopt_persistent(self, name: TierId, image: RecordArrays | None = None) -> int:
         """Load the index records of a persistent tier; their slots become used. Returns the count.
 
         A slot tier's records are read in one cursor pass into arrays
         (:func:`~tierkv.store.index_scan.scan_records`) and enter the table in bulk; a block
-        tier's claim their block runs one by one.
+        tier's claim their block runs one by one. ``image``: the tier's records from a
+        clean close's image (:mod:`~tierkv.store.index_image`), used instead of the walk
+        if they are as many as the database holds and all valid.
         """
         assert self._index is not None
         tier = self._by_id[name]
+        if image is not None and not tier.block_addressed and len(image) == self._index.entries(name):
+            ok = _slot_validator(tier)[0](image)
+            if ok.all():
+                tier.claim(image.slot.tolist())
+                return self._install(tier, image)
+            log.info("%s: the index image has %d invalid records; the index is walked instead", name,
+                     int((~ok).sum()))
         if tier.block_addressed:
             recs, slots, dropped = self._scan_blocks(tier)
             got = _arrays_of(recs, slots)
@@ -342,16 +372,8 @@ class BlockManager:
         """
         assert self._index is not None
         blocks_per_slot = tier.slot_bytes // ALIGN
-        claimed: list[np.ndarray] = []      # the arrays' slots; a set only if a block record comes
+        valid, claimed = _slot_validator(tier)
         taken: set[int] = set()
-
-        def valid(a: RecordArrays) -> np.ndarray:
-            ok = np.flatnonzero((a.nbytes <= tier.slot_bytes) & (a.slot < tier.num_slots))
-            _, first = np.unique(a.slot[ok], return_index=True)
-            keep = np.zeros(len(a), dtype=bool)
-            keep[ok[first]] = True
-            claimed.append(a.slot[keep])
-            return keep
 
         def valid_one(rec: IndexRecord) -> bool:
             while claimed:
@@ -368,6 +390,26 @@ class BlockManager:
             arrays = arrays.concat(more)
         tier.claim(arrays.slot.tolist())
         return arrays, dropped
+
+    def image(self, name: TierId) -> RecordArrays | None:
+        """The records of a slot-addressed persistent tier as its index should hold them (every
+        page with a copy there, its slot, length, checksum and parent), for an index image;
+        None for a tier whose records carry block runs, or with a page lacking a checksum."""
+        tier = self._by_id[name]
+        if tier.block_addressed or not tier.persistent:
+            return None
+        t, lvl = self.table, self.levels[name]
+        live = rows_of(t.core.live_rows())
+        rows = live[(t.where[live] >> lvl) & 1 == 1]
+        if not t.has_sum[rows].all():
+            return None
+        prow = t.parent[rows].astype(np.int64) - 1
+        has_parent = prow >= 0
+        pkeys = np.frombuffer(t.core.keys(np.where(has_parent, prow, rows).astype(np.int32).tobytes()),
+                              dtype="V16").copy()
+        pkeys[~has_parent] = np.void(_NO_KEY)   # as the index records them: zeros where none
+        return RecordArrays(t.core.keys(rows.tobytes()), t.slot[lvl, rows].astype(np.uint64) - 1,
+                            t.nbytes[rows].copy(), t.checksum[rows].copy(), pkeys.tobytes(), has_parent)
 
     def _install(self, tier: Tier, got: RecordArrays) -> int:
         """Enter adopted records (``slot``: the tier's slot handle) into the table and the policy."""
@@ -430,9 +472,9 @@ class BlockManager:
         # so a snapshot of the old one is stale even if the key comes back on another row.
         t.gen[rows] = (self._incarnations + 1 + np.arange(n, dtype=np.int64)) & 0xFFFFFFFF
         self._incarnations += n
-        linked = prow[prow > 0] - 1
-        np.add.at(t.kids[lvl], linked, 1)
-        np.add.at(t.nkids, linked, 1)
+        parents_of, counts = np.unique(prow[prow > 0] - 1, return_counts=True)   # np.add.at, 5x faster in bulk
+        t.kids[lvl, parents_of] += counts.astype(t.kids.dtype)
+        t.nkids[parents_of] += counts.astype(t.nkids.dtype)
         self._pages += n
         return rows
 
@@ -594,7 +636,7 @@ class BlockManager:
         """Evict pages from ``tier`` that either keep a copy elsewhere or are dropped."""
         t, lvl, name = self.table, self.levels[tier.name], tier.name
         bit = np.uint8(1 << lvl)
-        slots = (t.slot[lvl, rows] - 1).tolist()
+        slots = (t.slot[lvl, rows].astype(np.int64) - 1).tolist()
         if self.listeners:
             self._emit("removed", name, list(keys), slots)
         t.slot[lvl, rows] = 0

@@ -26,7 +26,9 @@ from tierkv.codec import Codec, CodecMode
 from tierkv.config import NvmeConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError, StoreBusyError
 from tierkv.store.index import PersistentIndex, is_damage, open_index, quarantine_index
-from tierkv.store.index_check import mark_clean
+from tierkv.store.index_check import mark_clean, was_clean
+from tierkv.store.index_image import IMAGE, drop_image, read_image
+from tierkv.store.index_scan import RecordArrays
 from tierkv.store.manager import BlockManager
 from tierkv.policy import make_policy
 from tierkv.store.coding import CodecChoice
@@ -116,6 +118,7 @@ def release_dir(lock_fd: int | None) -> None:
 def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | None, BlockManager]:
     tiers = build_tiers(cfg, read_only)
     index: PersistentIndex | None = None
+    image: dict[str, RecordArrays] = {}
     created: Path | None = None         # an index this open made: removed again if the open fails
     try:
         persistent: list[str] = [t.name for t in tiers if t.persistent]
@@ -123,12 +126,22 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
             store_dir = Path(cfg.path)
             if not read_only and not (store_dir / "index.lmdb").exists():
                 created = store_dir / "index.lmdb"
+            # With an image to load, the child walk checks the records' seals, as reading them here would.
+            imaged = not read_only and was_clean(store_dir) and (store_dir / IMAGE).exists()
             try:
                 index = open_index(store_dir, persistent, _meta(cfg, tiers), read_only=read_only,
-                                   verify=cfg.verify_index, upgrade_from=UPGRADABLE_FORMATS)
+                                   verify=cfg.verify_index, upgrade_from=UPGRADABLE_FORMATS, seals=imaged)
             except ConfigError as exc:
                 raise _with_resize_hint(cfg, exc) from None
             if not read_only:
+                # A clean close's image of the records, if nothing was committed since; gone
+                # before this writer commits anything.
+                if imaged and index.unsealed > 0:
+                    log.warning("%d index records fail their seals; the index is walked, not loaded from its "
+                                "image, and those pages are misses", index.unsealed)
+                elif imaged:
+                    image = read_image(store_dir, index.store_id(), index.last_txnid())
+                drop_image(store_dir)
                 mark_clean(store_dir, False)
             for t in tiers:
                 medium = t.blocks if isinstance(t, BlockPageTier) else t
@@ -137,7 +150,7 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
                     _check_label(medium, index, read_only, store_dir)
         manager = BlockManager(tiers, {t.name: make_policy(cfg.policy) for t in tiers}, index)
         if not read_only:
-            adopted = sum(manager.adopt_persistent(t.name) for t in tiers if t.persistent)
+            adopted = sum(manager.adopt_persistent(t.name, image.get(t.name)) for t in tiers if t.persistent)
             if adopted >= _TRIM_AFTER:
                 _trim_heap()
             if index is not None and cfg.durability == "window":  # adoption's deletes are committed already

@@ -34,6 +34,8 @@ NO_LEVEL = 0xFF
 LOWEST_LEVEL = np.array([NO_LEVEL] + [(m & -m).bit_length() - 1 for m in range(1, 256)], dtype=np.uint8)
 #: Most tiers a table tracks (the tier mask is one byte).
 MAX_TIERS = 8
+#: A tier holds at most this many slots: the slot column keeps slot + 1 in 32 bits.
+MAX_SLOTS = (1 << 32) - 1
 
 
 class PyCore:
@@ -186,7 +188,7 @@ class PageTable:
         self.gen = np.zeros(0, dtype=np.uint32)       # the incarnation of the row's page (set by the manager)
         self.where = np.zeros(0, dtype=np.uint8)      # bit i: level i holds a copy
         self.nkids = np.zeros(0, dtype=np.int32)      # children with a copy anywhere
-        self.slot = np.zeros((tiers, 0), dtype=np.int64)   # slot + 1 per level; 0: none
+        self.slot = np.zeros((tiers, 0), dtype=np.uint32)  # slot + 1 per level; 0: none (so slots < MAX_SLOTS)
         self.kids = np.zeros((tiers, 0), dtype=np.int32)   # children with a copy in each level
         self.grow()
 
