@@ -85,3 +85,13 @@ def test_prefault_is_on_unless_the_config_turns_it_off() -> None:  # its type ch
                             "tiers": {"dram": {"capacity_bytes": "1MiB", "prefault": False}}})
     assert cfg.dram is not None and cfg.dram.prefault is False
     assert DramConfig(1 << 20).prefault is True
+
+
+def test_a_buffer_larger_than_the_memory_available_is_left_to_fault_lazily(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(aligned, "memory_available", lambda: 4 << 20)   # 4 MiB free, an 8 MiB tier
+    with caplog.at_level("WARNING"), dram.DramTier(2048, 4096, prefault=True) as tier:
+        assert tier._prefault is not None and tier._prefault.done.is_set()
+        assert _resident(tier.buffer) < 0.1
+    assert "not prefaulted" in caplog.text
+    assert aligned.memory_available() is None or aligned.memory_available() > 0  # type: ignore[operator]

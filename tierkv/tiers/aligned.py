@@ -91,6 +91,20 @@ MADV_POPULATE_WRITE = 23
 #: background thread, a chunk at a time (a node's 1 TiB tier takes minutes to fault in).
 PREFAULT_SYNC_BYTES = 256 << 20
 PREFAULT_CHUNK = 64 << 20
+#: A buffer larger than this share of MemAvailable is not prefaulted.
+PREFAULT_MAX_SHARE = 0.8
+
+
+def memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class Prefault:
@@ -105,6 +119,16 @@ class Prefault:
         self._stop = threading.Event()
         self.done = threading.Event()
         self._thread: threading.Thread | None = None
+        available = memory_available()
+        if available is not None and buf.nbytes > available * PREFAULT_MAX_SHARE:
+            # Faulting in more than the machine has free would call the OOM killer, not the
+            # pages: such a buffer is only usable lazily, so it stays lazy.
+            log.warning("the %s buffer (%d bytes) is larger than %.0f%% of the memory available (%d bytes); not "
+                        "prefaulted: its pages fault in as they are first written", name, buf.nbytes,
+                        PREFAULT_MAX_SHARE * 100, available)
+            self._buf = None
+            self.done.set()
+            return
         if buf.nbytes <= PREFAULT_SYNC_BYTES:
             self._run()
         else:
