@@ -224,7 +224,8 @@ def _nvme(cfg: StoreConfig, read_only: bool) -> Tier | None:
         raise ConfigError(f"nvme capacity of {nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
     return _paged(cfg, nvme, lambda unit: NvmeTier(
         cfg.nvme_path(), slots * (slot_bytes // round_up(unit)), unit, o_direct=nvme.o_direct,
-        io_threads=nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES, defer_grow=True))
+        io_threads=nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES, defer_grow=True,
+        exclusive=not read_only))
 
 
 def _nvmeof(cfg: StoreConfig, read_only: bool) -> Tier | None:

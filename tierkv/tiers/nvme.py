@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierkv.store.checksum import checksum64
-from tierkv.errors import InputError, StoreClosedError, TierIOError
+from tierkv.errors import InputError, StoreBusyError, StoreClosedError, TierIOError
 from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, is_aligned, round_up
 from tierkv.tiers.backing import open_backing, oserr
@@ -89,6 +90,21 @@ class _Chunk:
     count: int
 
 
+def _lock_backing(fd: int, path: str) -> None:
+    """Hold an exclusive ``flock`` on the backing file or device for the fd's lifetime (a
+    store's writer does), so that a second store naming the same path is refused rather
+    than relabelling it; StoreBusyError (the fd closed) if another holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreBusyError(f"nvme tier {path} is in use by another store's writer (it holds the file's lock); "
+                             "two stores cannot share a data file: give each its own [tiers.nvme] path") from None
+    except OSError as e:  # a filesystem without flock: nothing to hold, as before
+        logger.warning("nvme tier %s: cannot lock it (%s); nothing stops another store from opening it too",
+                       path, oserr(e))
+
+
 class NvmeTier(Tier):
     """Slots in a file (created 0600, allocated as slots are first written) or a block device.
 
@@ -108,6 +124,8 @@ class NvmeTier(Tier):
     the call have finished, so no I/O into the caller's buffer outlives the call.
     A write into a file first allocates its room (see the module notes); a filesystem
     without room fails it with TierIOError before any of its bytes move.
+    ``exclusive``: hold an exclusive ``flock`` on the file or device while open (a store's
+    writer); StoreBusyError if another open holds it.
     A write zero-fills the part of each slot past the row width. ``flush`` makes
     completed writes durable (``fdatasync``). Thread-safe as the Tier contract says:
     transfers on disjoint slots may run at once from any threads; ``close`` waits for
@@ -120,7 +138,8 @@ class NvmeTier(Tier):
     def __init__(self, path: str | os.PathLike[str], num_slots: int, page_bytes: int, *,
                  o_direct: bool = True, io_threads: int = 4, create: bool = True,
                  max_io_bytes: int = DEFAULT_MAX_IO_BYTES, header_bytes: int = 0, defer_grow: bool = False,
-                 name: str | None = None, io_uring: bool | None = None, read_depth: int = URING_READ_DEPTH) -> None:
+                 name: str | None = None, io_uring: bool | None = None, read_depth: int = URING_READ_DEPTH,
+                 exclusive: bool = False) -> None:
         if page_bytes <= 0 or num_slots < 0:
             raise InputError(f"nvme tier needs page_bytes > 0 and num_slots >= 0, got {page_bytes}, {num_slots}")
         if io_threads < 1 or read_depth < 1:
@@ -136,6 +155,8 @@ class NvmeTier(Tier):
         self.header_bytes = header_bytes
         size = header_bytes + num_slots * self.slot_bytes
         self._fd, self.direct, short = open_backing(self.path, size, o_direct=o_direct, create=create)
+        if exclusive:
+            _lock_backing(self._fd, self.path)
         # Bytes from the start of the file known to have their disk space allocated; a block
         # device (and a file whose filesystem cannot reserve ahead) needs no reservations.
         self._size = size
