@@ -10,6 +10,8 @@ import logging
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 
 from tests.conftest import PB, make_config, page_data
 from tierkv.store.api import Store
+from tierkv.store.checksum import checksum64
 from tierkv.store.opening import LABEL_BYTES
 from tierkv.config import StoreConfig
 from tierkv.keys import PageKey
@@ -64,6 +67,9 @@ def test_flipped_data_bytes_quarantine_only_that_page(cfg: StoreConfig, caplog: 
         counts = served(cfg)
     assert counts == [2, 2, 1] + [2] * (N - 3)
     assert "failed its checksum" in caplog.text
+    # Both values in hex (issue 28 item 11: the stored one was printed in decimal).
+    want = f"{checksum64(page_data(2, 2)[1]):x}"
+    assert f"(stored {want}, read " in caplog.text
     assert served(cfg) == counts  # the quarantined page stays a miss; nothing else changed
 
 
@@ -150,3 +156,34 @@ def test_read_only_open_refuses_a_foreign_file(tmp_path: Path, cfg: StoreConfig)
     shutil.copy(Path(other.path) / "nvme.data", Path(cfg.path) / "nvme.data")
     with pytest.raises(ConfigError, match="does not belong"):
         Store.open(cfg, read_only=True)
+
+
+_CUT_OPEN = r"""
+import sys
+from pathlib import Path
+from tests.conftest import make_config
+from tierkv.errors import ConfigError
+from tierkv.store.api import Store
+cfg = make_config(Path(sys.argv[1]), 0, 24, verify_index=sys.argv[2])
+try:
+    with Store.open(cfg, read_only=sys.argv[3] == "ro") as s:
+        print("opened", len(s._manager))
+except ConfigError as exc:
+    print("refused", exc)
+"""
+
+
+@pytest.mark.parametrize("mode,verify", [("ro", "always"), ("rw", "never"), ("rw", "unclean"), ("rw", "always")])
+def test_a_truncated_index_faults_no_process_in_any_mode(cfg: StoreConfig, mode: str, verify: str) -> None:
+    """Issue 28 item 5: LMDB maps data.mdb and trusts its header, so a file cut short killed
+    read-only readers (which run no child check) and writers that skip it with SIGBUS."""
+    mdb = Path(cfg.path) / "index.lmdb" / "data.mdb"
+    os.truncate(mdb, mdb.stat().st_size // 2 // 4096 * 4096)
+    proc = subprocess.run([sys.executable, "-c", _CUT_OPEN, cfg.path, verify, mode], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2], check=False)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    if mode == "ro":
+        assert proc.stdout.startswith("refused") and "truncated" in proc.stdout
+    else:  # the index is set aside and the store starts empty
+        assert proc.stdout.split() == ["opened", "0"]
+        assert any(p.name.startswith("index.lmdb.corrupt-") for p in Path(cfg.path).iterdir())

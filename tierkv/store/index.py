@@ -42,7 +42,7 @@ import xxhash
 
 from tierkv.errors import ConfigError, CorruptPageError, TierIOError, TierKVError
 from tierkv.store.commits import GroupCommit, Ops
-from tierkv.store.index_check import probe_index, was_clean
+from tierkv.store.index_check import check_index_file, probe_index, was_clean
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.tiers.aligned import MAX_PAGE_BLOCKS
 
@@ -404,6 +404,11 @@ def open_index(store_dir: Path, tier_names: list[str], meta: dict[str, object], 
     path = store_dir / "index.lmdb"
     walked = False  # whether a child walked every record and rehearsed the writes without harm
     unsealed = -1
+    cut = check_index_file(path)  # before anything maps it: a short file faults every reader
+    if cut is not None:
+        if read_only:
+            raise ConfigError(f"the store index at {path} is unusable: {cut}")
+        quarantine_index(store_dir, cut)
     if not read_only and (path / "data.mdb").exists() and (
             verify == "always" or (verify == "unclean" and not was_clean(store_dir))):
         problem, unsealed = probe_index(path, seals=seals)

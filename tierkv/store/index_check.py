@@ -13,6 +13,8 @@ clean close's index image instead of reading the records itself). Called by :fun
 
 from __future__ import annotations
 
+import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +57,48 @@ print(unsealed)
 
 
 CLEAN_MARKER = "clean"
+
+# LMDB's meta pages (the first two pages of data.mdb): a 16-byte page header, then the
+# meta: magic, version, address, map size, two 48-byte database records (the first one's
+# pad field holds the page size), the last page in use and the transaction id.
+_META = struct.Struct("<II8xQ")           # magic, version, (address), map size; at byte 16
+_PSIZE_AT, _LAST_AT = 40, 136
+_LMDB_MAGIC = 0xBEEFC0DE
+
+
+def check_index_file(path: Path) -> str | None:
+    """Whether ``path/data.mdb`` is as long as its own meta pages say: a file cut short
+    makes LMDB fault (SIGBUS) on its first read past the end, in every process that maps
+    it, readers included. None if so, or if there is no file or it is not LMDB's (LMDB
+    reports that itself); else why not. Reads the two meta pages only."""
+    mdb = path / "data.mdb"
+    try:
+        with open(mdb, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            first = f.read(4096)
+            if len(first) < _LAST_AT + 16:
+                return f"data.mdb is {size} bytes: shorter than LMDB's header"
+            magic, _version, _mapsize = _META.unpack_from(first, 16)
+            if magic != _LMDB_MAGIC:
+                return None
+            (psize,) = struct.unpack_from("<I", first, _PSIZE_AT)
+            if not 512 <= psize <= 1 << 16 or psize & (psize - 1):
+                return None
+            f.seek(psize)
+            second = f.read(_LAST_AT + 16)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot read data.mdb: {exc}"
+    metas = [struct.unpack_from("<QQ", page, _LAST_AT) for page in (first, second)
+             if len(page) >= _LAST_AT + 16 and struct.unpack_from("<I", page, 16)[0] == _LMDB_MAGIC]
+    if len(metas) < 2:
+        return f"data.mdb is {size} bytes: its second meta page is missing"
+    last_pg, _txnid = max(metas, key=lambda m: m[1])
+    need = (last_pg + 1) * psize
+    if size < need:
+        return f"data.mdb is {size} bytes, but its header says it holds {last_pg + 1} pages ({need} bytes): truncated"
+    return None
 
 
 def probe_index(path: Path, timeout_s: float = 120.0, seals: bool = False) -> tuple[str | None, int]:
