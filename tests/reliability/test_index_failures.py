@@ -192,3 +192,30 @@ def test_prefetch_racing_close_says_closed(store: Store, monkeypatch: pytest.Mon
     monkeypatch.setattr(store._prefetcher, "submit", close_first)
     with pytest.raises(StoreClosedError):
         store.prefetch(toks(0))
+
+
+def test_a_close_whose_write_back_fails_says_how_many_pages_it_lost(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28 item 3: with the disk full, close() returned normally after failing to persist."""
+    cfg = make_config(tmp_path / "s", dram_pages=4, nvme_pages=8)
+    store = Store.open(cfg)
+    store.put(toks(0, 2), data(0, 2))
+    store.put(toks(1, 4), data(1, 4))      # fills DRAM: prompt 0 is demoted to NVMe and committed
+    nvme = next(t for t in store._manager.tiers if t.persistent)
+
+    def full(*args: object, **kw: object) -> object:
+        raise TierIOError(f"nvme tier {nvme.name}: write failed: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(nvme, "write", full)
+    with pytest.raises(TierIOError, match=r"close: 4 of the 4 pages held only in volatile tiers could not be written "
+                                          r"back to nvme .* they are lost, every page written before is durable"):
+        store.close()
+    monkeypatch.undo()
+    with Store.open(cfg) as again:         # released; what was durable before the close is there
+        got, out = read(again, 0, 2)
+        assert got == 2 and (out == 1).all()
+        assert again.lookup(toks(1, 4)).cached_pages == 0
+        again.put(toks(2, 2), data(2, 2))  # and the store works
+        assert read(again, 2, 2)[0] == 2
+    with Store.open(cfg) as clean:         # a close that wrote everything back raises nothing
+        assert clean.lookup(toks(2, 2)).cached_pages == 2

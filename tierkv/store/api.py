@@ -402,7 +402,7 @@ class Store:
             failed: BaseException | None = None
             try:
                 if self.config.persist_on_close and not self.read_only:
-                    self._transfers.run(self._manager.plan_writeback())
+                    self._write_back()
             except BaseException as exc:  # noqa: BLE001 - raised below, once everything is released
                 failed = exc
             try:
@@ -410,6 +410,20 @@ class Store:
             finally:
                 if failed is not None:
                     raise failed
+
+    def _write_back(self) -> None:
+        """Copy the pages only volatile tiers hold down to the persistent tier, for the next
+        open. Writes that fail (a full disk, an I/O error) cost those pages, as in a put, and
+        are logged as they happen; afterwards TierIOError says how many were lost, so that a
+        close that persisted less than it could does not return as if it had."""
+        plan = self._manager.plan_writeback()
+        before = self._counters.events["demotions"]
+        self._transfers.run(plan)
+        lost = len(plan.moves) - (self._counters.events["demotions"] - before)
+        if lost > 0:
+            raise TierIOError(f"close: {lost} of the {len(plan.moves)} pages held only in volatile tiers could not be "
+                              f"written back to {plan.moves[0].dst} (the warnings above say why); they are lost, "
+                              "every page written before is durable")
 
     def _release(self, clean: bool) -> None:
         synced: TierIOError | None = None
