@@ -53,6 +53,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 
 
 from tierkv.errors import InputError
@@ -142,7 +143,7 @@ class GittinsPolicy:
             self._request_native(keys, t)
         else:
             self._request_python(keys, t)
-        self._request = {k: d for d, k in enumerate(keys)}
+        self._request = dict(zip(keys, range(len(keys))))
         self._admitted, self._bar, self._refused = 0, None, False
 
     def _request_native(self, keys: Sequence[PageKey], t: float) -> None:
@@ -378,8 +379,7 @@ class GittinsPolicy:
         n = len(pages)
         if self._cost is None and not self._refused and (not self._room
                                                          or len(self._leaves) + self._admitted + n <= self._room):
-            request = self._request
-            self._admitted += sum(1 for k, _ in pages if k in request)
+            self._admitted += sum(map(self._request.__contains__, map(itemgetter(0), pages)))
             return [True] * n
         return [self.admit(k, p) for k, p in pages]
 

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -204,7 +205,7 @@ class Store:
             self._counters.events["pages_hit"] += loaded
             return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
 
-    def _announce(self, blob: bytes, *, from_get: bool) -> None:
+    def _announce(self, blob: bytes, *, from_get: bool, keys: list[PageKey] | None = None) -> None:
         """Show the policies every page a request needs (cached or not), once per request:
         an engine's get then put of the same prompt (on one thread) is one request; a put
         whose request a get has shown already in any other way passes ``announce=False``.
@@ -214,7 +215,7 @@ class Store:
         if not from_get and blob == getattr(self._announced, "blob", None):
             self._announced.blob = None
             return
-        self._manager.note_request(split_keys(blob))
+        self._manager.note_request(split_keys(blob) if keys is None else keys)
         self._announced.blob = blob if from_get else None
 
     def _promote(self, lead: Lead, levels: np.ndarray, rows: np.ndarray) -> int:
@@ -264,7 +265,7 @@ class Store:
             if isinstance(unfilled, bool) or not isinstance(unfilled, int) or not 0 <= unfilled <= rows.shape[0]:
                 raise InputError(f"put: unfilled must be an integer from 0 to the {rows.shape[0]} rows, got {unfilled!r}")
             if announce:
-                self._announce(blob, from_get=False)
+                self._announce(blob, from_get=False, keys=keys)
             held = self._manager.held(blob[:unfilled * KEY_BYTES]) if unfilled else []
             gone = next((j for j, h in enumerate(held) if not h), None)
             if gone is not None:
@@ -280,7 +281,7 @@ class Store:
         held = self._manager.held(b"".join(keys[first:first + n]))
         fresh = [i for i, h in enumerate(held) if not h]
         new = [(keys[first + i], keys[first + i - 1] if first + i else None) for i in fresh]
-        row_of = {k: i for (k, _), i in zip(new, fresh)}
+        row_of = dict(zip(map(itemgetter(0), new), fresh))
         prefix = keys[:first] + [k for k, h in zip(keys[first:first + n], held) if h]
         plan = self._manager.plan_store(new, self.layout.page_bytes, prefix=prefix)
         stored = self._transfers.run(plan, rows, row_of)
