@@ -70,7 +70,8 @@ class Store:
         self._kinds = tuple(t.kind for t in self._manager.tiers)   # by level
         self._pins = PinLedger(self._manager)  # what each pin call took
         self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes,
-                                    deferred_sync=self._index is not None and self._index.deferred)
+                                    deferred_sync=self._index is not None and self._index.deferred,
+                                    read_only=read_only)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_PREFETCH_THREAD)
         self._peering: Peering | None = None
         if config.peers is not None and not read_only:

@@ -84,12 +84,22 @@ def _by_tier(placed: list[tuple[PageKey, TierId, int]], levels: Mapping[TierId, 
     return [list(g) for _, g in groupby(sorted(placed, key=lambda p: levels[p[1]]), key=itemgetter(1))]
 
 
+#: A read-only store reports the pages that failed verification at most once per this many seconds.
+READER_REPORT_S = 60.0
+
+
 class Transfers:
     """Runs plans against the manager's tiers and keeps the byte counters."""
 
     def __init__(self, manager: BlockManager, counters: Counters, page_bytes: int, *,
-                 deferred_sync: bool = False) -> None:
+                 deferred_sync: bool = False, read_only: bool = False) -> None:
         self._m = manager
+        # A read-only store's pages that fail verification are misses it cannot quarantine
+        # (the writer owns the index), and most are races with the writer reusing a slot:
+        # counted, and reported in one warning per READER_REPORT_S.
+        self._read_only = read_only
+        self._unverified = 0
+        self._reported = -READER_REPORT_S
         # Group commit: the index syncs a persistent tier's data before it commits the
         # window's records, so a write here need not wait for the device.
         self._deferred = deferred_sync
@@ -239,9 +249,7 @@ class Transfers:
                 good = self._verify(tier, lead, a, rows[:bad]) if bad else 0
                 if good == bad:
                     key = lead.key(a + bad)
-                    log.warning("page %s in %s does not decode (%s); quarantined", key.hex(), name, exc)
-                    self._c.events["corrupt_pages"] += 1
-                    self._m.forget(key)
+                    self._quarantine(key, f"page {key.hex()} in {name} does not decode ({exc})")
                 self._count(name, lead, a, a + good, time.perf_counter() - start, serve)
                 return a + good
             except TierUnavailableError as exc:
@@ -260,6 +268,23 @@ class Transfers:
             if good < b - a:
                 return a + good
         return n
+
+    def _quarantine(self, key: PageKey, what: str) -> None:
+        """A page that failed verification: the writer forgets it (a miss from now on); a
+        read-only store serves it as a miss and reports such pages in bulk."""
+        self._c.events["corrupt_pages"] += 1
+        if not self._read_only:
+            log.warning("%s; quarantined", what)
+            self._m.forget(key)
+            return
+        self._unverified += 1
+        log.debug("%s; a miss for this read-only store", what)
+        now = time.monotonic()
+        if now - self._reported >= READER_REPORT_S:
+            log.warning("%d pages read by this read-only store failed verification since the last report (the "
+                        "latest: %s) and were served as misses: a writer reusing slots after this store looked "
+                        "them up, or damage, which the writer quarantines when it reads them", self._unverified, what)
+            self._unverified, self._reported = 0, now
 
     def _count(self, name: TierId, lead: Lead, start: int, stop: int, seconds: float, serve: bool) -> None:
         """Count the intact pages ``start .. stop-1`` of a read: hits and bytes to the caller,
@@ -287,9 +312,7 @@ class Transfers:
         for i, (g, w) in enumerate(zip(got, want)):
             if g != w:
                 key = lead.key(start + i)
-                log.warning("page %s in %s slot %s failed its checksum (stored %x, read %x); quarantined",
-                            key.hex(), tier.name, lead.slots[start + i], w, g)
-                self._c.events["corrupt_pages"] += 1
-                self._m.forget(key)
+                self._quarantine(key, f"page {key.hex()} in {tier.name} slot {lead.slots[start + i]} failed its "
+                                      f"checksum (stored {w:x}, read {g:x})")
                 return i
         return n
