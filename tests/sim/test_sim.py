@@ -291,3 +291,15 @@ def test_reproduces_the_reference_figures_on_the_trace() -> None:
     assert round(simulate(partial, "lru", [c5]).prefix_hit_rate, 3) == 0.195
     assert round(simulate(full, "opt", [c5]).prefix_hit_rate, 3) == 0.366
     assert lru_curve(full.keys, [c1])[0] == simulate(full, "lru", [c1]).blocks_hit
+
+
+def test_opt_runs_over_requests_shorter_than_one_block() -> None:
+    """Issue 28 item 10: a request with no full block never reaches the manager, but it had
+    a place in OPT's future, so the next request failed to match it."""
+    reqs = [Request(0.0, (1, 2), 1100, 10), Request(1.0, (9,), 100, 10),   # 100 tokens: no full block
+            Request(2.0, (1, 2, 3), 1600, 10), Request(3.0, (1, 2), 1100, 10)]
+    w = Workload.from_requests(reqs)
+    assert [len(k) for k in w.keys] == [2, 0, 3, 2]
+    got = simulate(w, "opt", [4])
+    # The metric counts every block requested, the partial one too (docs/policies.md): 2 + 1 + 3 + 2.
+    assert got.blocks_requested == 8 and got.blocks_hit == 4   # 2 of request 2, 2 of request 3

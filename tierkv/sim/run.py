@@ -70,9 +70,11 @@ class Workload:
         return sum(self.blocks)
 
     def future(self) -> Future:
-        """Every request's next uses, over the keys the simulator's manager sees (:func:`as_page_keys`)."""
+        """Every request's next uses, over the keys the simulator's manager sees (:func:`as_page_keys`).
+        Requests without a full page never reach the manager (:meth:`SimManager.request`),
+        so they have no place in the future either."""
         if self._future is None:
-            self._future = Future([as_page_keys(keys) for keys in self.keys])
+            self._future = Future([as_page_keys(keys) for keys in self.keys if len(keys)])
         return self._future
 
 
