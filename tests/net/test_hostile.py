@@ -372,3 +372,24 @@ def test_a_peer_that_drops_every_connection_draws_backoff_not_a_storm() -> None:
         assert peer.accepted <= 10, f"{peer.accepted} connections in 1.5 s"
     finally:
         peer.close()
+
+
+def test_no_connection_thread_outlives_the_server() -> None:
+    """Issue 28 item 11: two tierkv-peer-send threads were still alive after close()."""
+    earlier = set(threading.enumerate())    # other tests' threads may still be ending
+
+    def conn_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate()
+                if t.name in ("tierkv-peer-send", "tierkv-peer-conn") and t not in earlier]
+
+    with DramTier(8, W) as tier:
+        srv = PeerServer(tier, config=CFG)
+        clients = [raw_client(srv) for _ in range(2)]
+        deadline = time.monotonic() + 5
+        while len(conn_threads()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(conn_threads()) == 4
+        srv.close()
+        assert conn_threads() == []
+        for c in clients:
+            c.close()

@@ -63,6 +63,7 @@ class _Conn:
         self._rest: list[memoryview] | None = None  # the unsent end of a message (under _wire)
         self._outbox: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self.sender = threading.Thread(target=self._send_loop, name="tierkv-peer-send", daemon=True)
+        self.reader: threading.Thread | None = None   # the server's thread reading its requests
 
     def send(self, kind: Kind, channel: int, seq: int, parts: list[bytes | memoryview]) -> None:
         if not self.open:
@@ -143,6 +144,12 @@ class TcpServer:
         for c in conns:
             _shut(c)
         self._workers.shutdown(wait=True)
+        # Each connection's reader and sender end once its socket is shut (the reader
+        # within its 0.2 s poll); wait for them, so none outlives the server.
+        for c in conns:
+            for t in (c.reader, c.sender):
+                if t is not None and t.is_alive() and t is not threading.current_thread():
+                    t.join(timeout=max(self.config.timeout_s, 1.0))
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -170,8 +177,9 @@ class TcpServer:
             with self._lock:
                 self._conns.add(conn)
                 self._counts["connections"] += 1
+            conn.reader = threading.Thread(target=self._serve, args=(conn,), name="tierkv-peer-conn", daemon=True)
             conn.sender.start()
-            threading.Thread(target=self._serve, args=(conn,), name="tierkv-peer-conn", daemon=True).start()
+            conn.reader.start()
 
     def _serve(self, conn: _Conn) -> None:
         try:
