@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 import tierkv
 from tierkv import keys
 from tierkv.errors import InputError
-from tierkv.keys import KEY_BYTES, PageKeySet, _chain_keys_py, chain_keys, namespace_digest, page_keys
+from tierkv.keys import (KEY_BYTES, PageKeySet, _chain_keys_py, as_token_array, chain_keys, namespace_digest,
+                         page_keys)
 from tierkv.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_page=16)
@@ -356,3 +357,10 @@ def test_bad_tenants_are_input_errors_in_the_store_too(tmp_path: Path, tenant: o
     with Store.open(make_config(tmp_path / "s", 4, 0)) as s:
         with pytest.raises(InputError, match="tenant salt"):
             s.lookup(np.arange(32, dtype=np.int64), tenant=tenant)  # type: ignore[arg-type]
+
+
+def test_tokens_on_the_meta_device_are_refused_by_name() -> None:
+    """Issue 28 item 7: a meta tensor raised NotImplementedError from torch."""
+    with pytest.raises(InputError, match="meta device, which holds no values"):
+        as_token_array(torch.arange(64, device="meta"))
+    assert as_token_array(torch.arange(4)).tolist() == [0, 1, 2, 3]

@@ -78,7 +78,10 @@ def as_token_array(tokens: Tokens) -> np.ndarray:
     """Tokens as a contiguous little-endian uint32 array; raises InputError otherwise."""
     if hasattr(tokens, "numpy") and not isinstance(tokens, np.ndarray):
         tensor = tokens
-        if getattr(tensor, "device", None) is not None and str(tensor.device) != "cpu":  # type: ignore[attr-defined, union-attr]
+        device = str(getattr(tensor, "device", "cpu"))
+        if device == "meta":
+            raise InputError("tokens are a tensor on the meta device, which holds no values; pass the token ids")
+        if device != "cpu":
             tensor = tensor.cpu()  # type: ignore[attr-defined, union-attr]
         arr = np.asarray(tensor.numpy())
     else:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import PB, make_config, page_data
+from tierkv.errors import ConfigError
 from tierkv.store.api import Store
 from tierkv.store.checksum import checksum64
 from tierkv.store.opening import LABEL_BYTES
@@ -209,3 +210,14 @@ def test_a_read_only_store_reports_unverified_pages_in_bulk_and_quarantines_noth
     warnings = [r for r in caplog.records if "failed verification" in r.getMessage()]
     assert len(warnings) == 1 and "quarantined" not in caplog.text
     assert served(cfg) == [0] * N   # the writer quarantines them when it reads them
+
+
+def test_a_directory_where_the_clean_marker_goes_is_named(cfg: StoreConfig) -> None:
+    """Issue 28 item 7: it was taken as a clean close, then the open died with IsADirectoryError."""
+    marker = Path(cfg.path) / "clean"
+    marker.unlink()
+    marker.mkdir()
+    with pytest.raises(ConfigError, match=r"clean is a directory; the store keeps its clean-shutdown marker"):
+        Store.open(cfg)
+    marker.rmdir()
+    assert served(cfg) == [2] * N

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tierkv.errors import ConfigError
+
 _WALK = r"""
 import os
 import sys
@@ -120,12 +122,16 @@ def probe_index(path: Path, timeout_s: float = 120.0, seals: bool = False) -> tu
 
 def was_clean(store_dir: Path) -> bool:
     """Whether the last writer closed the store cleanly (and no writer has opened it since)."""
-    return (store_dir / CLEAN_MARKER).exists()
+    return (store_dir / CLEAN_MARKER).is_file()
 
 
 def mark_clean(store_dir: Path, clean: bool) -> None:
-    """Set or clear the clean-shutdown marker (writers only)."""
+    """Set or clear the clean-shutdown marker (writers only); ConfigError if something
+    other than a file sits where the marker goes."""
     marker = store_dir / CLEAN_MARKER
+    if marker.is_dir() and not marker.is_symlink():
+        raise ConfigError(f"{marker} is a directory; the store keeps its clean-shutdown marker file there: "
+                          "remove it")
     if clean:
         marker.touch(mode=0o600)
     else:
