@@ -6,12 +6,14 @@ miss with a logged reason, and every page still served has exactly its written b
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +163,7 @@ def test_read_only_open_refuses_a_foreign_file(tmp_path: Path, cfg: StoreConfig)
 
 _CUT_OPEN = r"""
 import sys
+from dataclasses import replace
 from pathlib import Path
 from tests.conftest import make_config
 from tierkv.errors import ConfigError
@@ -221,3 +224,49 @@ def test_a_directory_where_the_clean_marker_goes_is_named(cfg: StoreConfig) -> N
         Store.open(cfg)
     marker.rmdir()
     assert served(cfg) == [2] * N
+
+
+@pytest.mark.parametrize("err,damaged", [(errno.EACCES, False), (errno.EMFILE, False), (errno.EIO, True)])
+def test_an_index_that_cannot_be_read_is_set_aside_only_when_the_medium_fails(
+        cfg: StoreConfig, monkeypatch: pytest.MonkeyPatch, err: int, damaged: bool) -> None:
+    """Found in review: the length check set the index aside on any OSError (a permission
+    error lost every durable page); only EIO says the file itself is bad."""
+    from tierkv.store import index_check
+
+    real_open = open
+
+    def failing(path: object, *args: object, **kw: object) -> object:
+        if str(path).endswith("data.mdb"):
+            raise OSError(err, os.strerror(err), str(path))
+        return real_open(path, *args, **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(index_check, "open", failing, raising=False)
+    never = replace(cfg, verify_index="never")
+    if damaged:
+        with Store.open(never) as s:
+            assert len(s._manager) == 0        # set aside: the store starts empty
+        assert any(p.name.startswith("index.lmdb.corrupt-") for p in Path(cfg.path).iterdir())
+        return
+    with pytest.raises(ConfigError, match="cannot read the store index"):
+        Store.open(never)
+    monkeypatch.undo()
+    assert not any(p.name.startswith("index.lmdb.corrupt-") for p in Path(cfg.path).iterdir())
+    assert served(cfg) == [2] * N              # every page still there
+
+
+def test_the_child_walk_gets_more_time_for_a_larger_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: a fixed 120 s deadline set aside healthy indexes of some 80M+ records
+    (the walk timed out), so it grows with the file."""
+    from tierkv.store import index_check
+
+    seen: list[float] = []
+
+    def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        seen.append(float(kw["timeout"]))  # type: ignore[arg-type]
+        return subprocess.CompletedProcess(cmd, 0, "0\n", "")
+
+    monkeypatch.setattr(index_check.subprocess, "run", run)
+    (tmp_path / "data.mdb").touch()
+    os.truncate(tmp_path / "data.mdb", 50 * 10**9)      # sparse: a 50 GB index
+    assert index_check.probe_index(tmp_path, seals=True) == (None, 0)
+    assert seen == [120.0 + 50 * 10**9 / index_check.PROBE_BYTES_PER_S]

@@ -326,3 +326,29 @@ def test_reader_serves_a_coded_prefix_longer_than_the_raw_capacity(tmp_path: Pat
             got, out = get_all(reader, tokens, n, layout.page_bytes)
     assert got == held
     np.testing.assert_array_equal(out[:got], rows[:got])
+
+
+def test_page_handles_past_32_bits_stay_exact_in_the_page_table(tmp_path: Path) -> None:
+    """A coded tier's page handles come from a counter that never reuses one: after about
+    4.3e9 writes they pass 2**32, which a 32-bit slot column wrapped (found in review)."""
+    import itertools
+
+    layout = KVLayout(2, 2, 64, DType.BF16, 16)
+    pages = np.random.default_rng(3).integers(0, 256, (12, layout.page_bytes), dtype=np.uint8)
+    cfg = StoreConfig(path=str(tmp_path / "s"), model_id="m", layout=layout,
+                      nvme=NvmeConfig(8 * round_up(layout.page_bytes), codec="lossless"))
+    with Store.open(cfg) as s:
+        tier = next(t for t in s._manager.tiers if isinstance(t, BlockPageTier))
+        tier._handles = itertools.count(2**32 - 3)   # as in a process that has run for days
+
+        def prompt(i: int) -> np.ndarray:
+            return np.arange(16, dtype=np.int64) + 100_000 * (i + 1)
+
+        for i in range(12):                          # 8 pages fit: later puts evict earlier ones
+            assert s.put(prompt(i), pages[i:i + 1]).stored == 1
+        s._manager.check()
+        out = np.empty((1, layout.page_bytes), dtype=np.uint8)
+        served = [i for i in range(12) if s.get(prompt(i), out).pages]
+        assert len(served) == 8
+        for i in served:
+            assert s.get(prompt(i), out).pages == 1 and np.array_equal(out[0], pages[i])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,3 +96,34 @@ def test_a_buffer_larger_than_the_memory_available_is_left_to_fault_lazily(
         assert _resident(tier.buffer) < 0.1
     assert "not prefaulted" in caplog.text
     assert aligned.memory_available() is None or aligned.memory_available() > 0  # type: ignore[operator]
+
+
+def test_a_tier_too_large_to_track_is_a_capacity_error_not_a_memory_error() -> None:
+    """Issue 28 item 7: `--dram 1000000TiB` ended in a bare MemoryError from the slot map."""
+    with pytest.raises(CapacityError, match=r"dram tier: cannot keep the free map of 281,474,976,710,656 slots"):
+        dram.DramTier(1 << 48, 4096)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_cgroup_limit_bounds_the_memory_available(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    version: int) -> None:
+    """In a container MemAvailable is the host's: the cgroup's limit less its usage counts (review)."""
+    if version == 2:
+        (tmp_path / "proc").write_text("0::/kv.slice\n")
+        d = tmp_path / "cg" / "kv.slice"
+        d.mkdir(parents=True)
+        (d / "memory.max").write_text(f"{8 << 20}\n")
+        (d / "memory.current").write_text(f"{3 << 20}\n")
+    else:
+        (tmp_path / "proc").write_text("5:devices:/\n4:memory:/docker/abc\n0::/\n")
+        d = tmp_path / "cg" / "memory" / "docker" / "abc"
+        d.mkdir(parents=True)
+        (d / "memory.limit_in_bytes").write_text(f"{8 << 20}\n")
+        (d / "memory.usage_in_bytes").write_text(f"{3 << 20}\n")
+    monkeypatch.setattr(aligned, "PROC_CGROUP", str(tmp_path / "proc"))
+    monkeypatch.setattr(aligned, "CGROUP_ROOT", str(tmp_path / "cg"))
+    assert aligned.memory_available() == 5 << 20
+    (d / ("memory.max" if version == 2 else "memory.limit_in_bytes")).write_text("max\n" if version == 2 else
+                                                                               "9223372036854771712\n")
+    host = aligned.memory_available()
+    assert host is not None and host > 5 << 20      # no limit: the host's MemAvailable

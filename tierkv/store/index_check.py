@@ -13,6 +13,7 @@ clean close's index image instead of reading the records itself). Called by :fun
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import subprocess
@@ -59,6 +60,9 @@ print(unsealed)
 
 
 CLEAN_MARKER = "clean"
+#: The child walk's deadline grows by a second per this many bytes of index: it walks
+#: about 70 MB/s here with seals checked (about 100 bytes a record), so this is 7x slack.
+PROBE_BYTES_PER_S = 10e6
 
 # LMDB's meta pages (the first two pages of data.mdb): a 16-byte page header, then the
 # meta: magic, version, address, map size, two 48-byte database records (the first one's
@@ -91,7 +95,11 @@ def check_index_file(path: Path) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        return f"cannot read data.mdb: {exc}"
+        if exc.errno == errno.EIO:  # the medium fails under it: LMDB would fault on it too
+            return f"cannot read data.mdb: {exc}"
+        # Permissions, descriptors, memory: nothing says the file is damaged, so it must
+        # not be set aside (its pages would be lost); the open fails with the reason.
+        raise ConfigError(f"cannot read the store index {mdb}: {exc}") from None
     metas = [struct.unpack_from("<QQ", page, _LAST_AT) for page in (first, second)
              if len(page) >= _LAST_AT + 16 and struct.unpack_from("<I", page, 16)[0] == _LMDB_MAGIC]
     if len(metas) < 2:
@@ -103,9 +111,17 @@ def check_index_file(path: Path) -> str | None:
     return None
 
 
-def probe_index(path: Path, timeout_s: float = 120.0, seals: bool = False) -> tuple[str | None, int]:
+def probe_index(path: Path, timeout_s: float | None = None, seals: bool = False) -> tuple[str | None, int]:
     """Walk the LMDB environment at ``path`` in a child: (None if healthy, else why not; how
-    many records fail their seal, counted only if ``seals``, else 0)."""
+    many records fail their seal, counted only if ``seals``, else 0). ``timeout_s``: by
+    default 120 s plus a second per :data:`PROBE_BYTES_PER_S` of data.mdb, so that a large
+    healthy index is never taken for a hung walk (and set aside)."""
+    if timeout_s is None:
+        try:
+            size = (path / "data.mdb").stat().st_size
+        except OSError:
+            size = 0
+        timeout_s = 120.0 + size / PROBE_BYTES_PER_S
     try:
         proc = subprocess.run([sys.executable, "-c", _WALK, str(path), "seals" if seals else "walk"],
                               capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -128,7 +128,7 @@ class BlockManager:
         if len(names) > MAX_TIERS:
             raise InputError(f"a store holds at most {MAX_TIERS} tiers, got {len(names)}: {names}")
         for tier in tiers:
-            if tier.num_slots > MAX_SLOTS:
+            if tier.num_slots > MAX_SLOTS and not tier.block_addressed:
                 raise InputError(f"the {tier.name} tier has {tier.num_slots:,} slots; a tier holds at most "
                                  f"{MAX_SLOTS:,}: use larger pages or a smaller capacity")
         self._by_id = {t.name: t for t in self.tiers}
@@ -140,7 +140,8 @@ class BlockManager:
         self.kind_ranks = bytes(t.kind.rank for t in self.tiers) + bytes(range(len(names), 256))
         self._policies = policies
         self._index = index
-        self.table = PageTable(len(names))
+        # A block-addressed tier's slots are handles from a counter that never reuses one.
+        self.table = PageTable(len(names), wide_slots=any(t.block_addressed for t in self.tiers))
         #: Published pages -> level of their fastest tier (the table's lookup half), so a
         #: lookup is one C scan.
         self.resident = self.table.core

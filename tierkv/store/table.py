@@ -174,7 +174,9 @@ def rows_of(raw: bytes) -> np.ndarray:
 class PageTable:
     """The core plus the manager's numpy columns for ``tiers`` tiers (levels 0..tiers-1)."""
 
-    def __init__(self, tiers: int) -> None:
+    def __init__(self, tiers: int, wide_slots: bool = False) -> None:
+        """``wide_slots``: 64-bit slots, for tiers whose slots are handles that are never
+        reused (a block-addressed tier's), where 32 bits would wrap in a long run."""
         if not 1 <= tiers <= MAX_TIERS:
             raise ValueError(f"a page table tracks 1 to {MAX_TIERS} tiers, got {tiers}")
         self.core = new_core()
@@ -188,7 +190,8 @@ class PageTable:
         self.gen = np.zeros(0, dtype=np.uint32)       # the incarnation of the row's page (set by the manager)
         self.where = np.zeros(0, dtype=np.uint8)      # bit i: level i holds a copy
         self.nkids = np.zeros(0, dtype=np.int32)      # children with a copy anywhere
-        self.slot = np.zeros((tiers, 0), dtype=np.uint32)  # slot + 1 per level; 0: none (so slots < MAX_SLOTS)
+        # slot + 1 per level; 0: none (so slots < MAX_SLOTS, unless wide)
+        self.slot = np.zeros((tiers, 0), dtype=np.int64 if wide_slots else np.uint32)
         self.kids = np.zeros((tiers, 0), dtype=np.int32)   # children with a copy in each level
         self.grow()
 

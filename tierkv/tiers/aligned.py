@@ -96,14 +96,55 @@ PREFAULT_MAX_SHARE = 0.8
 
 
 def memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes; None where it cannot be read."""
+    """The memory this process may still fault in, in bytes: MemAvailable from
+    /proc/meminfo, or less where its cgroup's limit leaves less (a container sees the
+    host's MemAvailable); None where neither can be read."""
+    host: int | None = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
+        host = None
+    room = _cgroup_headroom()
+    if host is None or room is None:
+        return room if host is None else host
+    return min(host, room)
+
+
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _cgroup_headroom() -> int | None:
+    """The cgroup memory limit less the usage (cgroup v2 ``memory.max``/``memory.current``,
+    or v1 ``memory.limit_in_bytes``/``memory.usage_in_bytes``); None without a limit."""
+    try:
+        with open(PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
         return None
+    for line in lines:
+        hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hid == "0" and controllers == "":
+            files = (f"{CGROUP_ROOT}{path}/memory.max", f"{CGROUP_ROOT}{path}/memory.current")
+        elif "memory" in controllers.split(","):
+            files = (f"{CGROUP_ROOT}/memory{path}/memory.limit_in_bytes",
+                     f"{CGROUP_ROOT}/memory{path}/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            with open(files[0]) as f:
+                limit = f.read().strip()
+            with open(files[1]) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 62:
+            continue
+        return max(0, int(limit) - used)
     return None
 
 

@@ -193,7 +193,13 @@ class Tier(abc.ABC):
         self.name = tier_id(name) if name is not None else TierId(self.kind.value)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self._slots = SlotAllocator(num_slots)
+        try:
+            self._slots = SlotAllocator(num_slots)   # a byte per slot
+        except (MemoryError, OverflowError):
+            self._closed = True
+            raise CapacityError(f"{self.name} tier: cannot keep the free map of {num_slots:,} slots of {slot_bytes} "
+                                f"bytes ({num_slots * slot_bytes:,} bytes in all) in memory; lower its "
+                                "capacity_bytes") from None
         self._closed = False
 
     # -- slot bookkeeping -------------------------------------------------------
