@@ -26,6 +26,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
+
 #include <stdint.h>
 #include <string.h>
 
@@ -995,6 +997,121 @@ lh_take(LeafHeapsObject *s, PyObject *key)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(choose_doc,
+"choose_victims(n, evictable, index, support, now, z, use_rank, requests, log_growth, bins) -> list\n\n"
+"GittinsPolicy's victims loop in one call: up to n times, candidates(evictable), the\n"
+"choice among them, take(key). index and support are float64 tables [classes][bins]\n"
+"(bytes), use_rank one byte per class; a candidate's score is index[c][b] with relative\n"
+"error z / sqrt(max(support[c][b], 1)), b the bin of its age now - last (log1p(age) /\n"
+"log_growth, at most bins - 1). The oldest candidate goes unless, with request hints,\n"
+"one of no higher use rank scores lower beyond both error bars (GittinsPolicy._choose).\n"
+"Does not settle: the caller does.");
+
+static void
+score(const double *index, const double *support, int bins, int c, double age, double z, double log_growth,
+      double *err, double *value)
+{
+    int b = 0;
+    if (age > 0.0) {
+        double x = log1p(age) / log_growth;
+        b = x >= (double)(bins - 1) ? bins - 1 : (int)x;
+    }
+    double sup = support[c * bins + b];
+    *value = index[c * bins + b];
+    *err = z / sqrt(sup > 1.0 ? sup : 1.0);
+}
+
+static PyObject *
+lh_choose_victims(LeafHeapsObject *s, PyObject *args)
+{
+    Py_ssize_t n;
+    PyObject *evictable;
+    Py_buffer index, support, rank;
+    double now, z, log_growth;
+    int requests, bins;
+    if (check_ok(s) < 0)
+        return NULL;
+    if (!PyArg_ParseTuple(args, "nOy*y*ddy*pdi:choose_victims", &n, &evictable, &index, &support, &now, &z, &rank,
+                          &requests, &log_growth, &bins))
+        return NULL;
+    PyObject *out = NULL, *cands = NULL;
+    const double *ix = index.buf, *sp = support.buf;
+    const uint8_t *rk = rank.buf;
+    if (bins < 1 || index.len != (Py_ssize_t)s->classes * bins * (Py_ssize_t)sizeof(double)
+        || support.len != index.len || rank.len < s->classes || !(log_growth > 0.0)) {
+        PyErr_Format(InputError, "choose_victims: tables of %zd and %zd bytes, %zd ranks and %d bins do not fit %d "
+                     "classes", index.len, support.len, rank.len, bins, s->classes);
+        goto done;
+    }
+    out = PyList_New(0);
+    if (out == NULL)
+        goto done;
+    while (PyList_GET_SIZE(out) < n) {
+        cands = lh_candidates(s, evictable);
+        if (cands == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_ssize_t m = PyList_GET_SIZE(cands);
+        if (m == 0)
+            break;
+        Py_ssize_t best = 0, oldest = 0;
+        double best_err = 0, best_v = 0, old_err = 0, old_v = 0, old_last = 0;
+        int old_young = 0, best_c = 0, old_c = 0;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            PyObject *t = PyList_GET_ITEM(cands, i);
+            long c = PyLong_AsLong(PyTuple_GET_ITEM(t, 1));
+            double last = PyFloat_AsDouble(PyTuple_GET_ITEM(t, 2));
+            int young = PyObject_IsTrue(PyTuple_GET_ITEM(t, 3));
+            if ((c == -1 || last == -1.0) && PyErr_Occurred()) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            double err, v;
+            score(ix, sp, bins, (int)c, now - last, z, log_growth, &err, &v);
+            if (i == 0) {
+                best_err = old_err = err;
+                best_v = old_v = v;
+                best_c = old_c = (int)c;
+                old_last = last;
+                old_young = young;
+                continue;
+            }
+            if (v < best_v) {
+                best = i, best_err = err, best_v = v, best_c = (int)c;
+            }
+            if (!young && (old_young || last < old_last)) {
+                oldest = i, old_err = err, old_v = v, old_c = (int)c, old_last = last, old_young = young;
+            }
+        }
+        Py_ssize_t pick = oldest;
+        if (best != oldest && requests && !(rk[best_c] > rk[old_c])) {
+            double upper = best_v * (1.0 + best_err);
+            double lower = old_v * (1.0 - old_err > 0.0 ? 1.0 - old_err : 0.0);
+            if (upper < lower)
+                pick = best;
+        }
+        PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(cands, pick), 0);
+        Py_INCREF(key);
+        Py_CLEAR(cands);
+        PyObject *r = lh_take(s, key);
+        if (r == NULL || PyList_Append(out, key) < 0) {
+            Py_XDECREF(r);
+            Py_DECREF(key);
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_DECREF(r);
+        Py_DECREF(key);
+    }
+done:
+    Py_XDECREF(cands);
+    PyBuffer_Release(&index);
+    PyBuffer_Release(&support);
+    PyBuffer_Release(&rank);
+    return out;
+}
+
 PyDoc_STRVAR(settle_doc, "settle()\n\nEnd of a victims call: leaves skipped as unevictable go back.");
 
 static PyObject *
@@ -1088,6 +1205,7 @@ static PyMethodDef lh_methods[] = {
     {"discard", (PyCFunction)lh_discard, METH_O, discard_doc},
     {"candidates", (PyCFunction)lh_candidates, METH_O, candidates_doc},
     {"take", (PyCFunction)lh_take, METH_O, take_doc},
+    {"choose_victims", (PyCFunction)lh_choose_victims, METH_VARARGS, choose_doc},
     {"settle", (PyCFunction)lh_settle, METH_NOARGS, settle_doc},
     {"undo", (PyCFunction)lh_undo, METH_NOARGS, undo_doc},
     {"last_of", (PyCFunction)lh_last_of, METH_O, last_of_doc},

@@ -55,6 +55,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 
+import numpy as np
 
 from tierkv.errors import InputError
 from tierkv.keys import KEY_BYTES, PageKey
@@ -78,6 +79,7 @@ ABANDONED = 6
 #: How often a page of each class has been used, for the dominance rule: new and
 #: abandoned pages rank 0.
 USE_RANK = (0, 1, 2, 3, 4, 0, 0)
+_USE_RANK_BYTES = bytes(USE_RANK)
 #: Requests between refreshes of the index table.
 REFRESH_REQUESTS = 64
 #: Error bars of the index, in standard errors.
@@ -105,8 +107,10 @@ class GittinsPolicy:
     last request) is compiled (``tierkv.policy._ghost``, about 45 bytes per page, and the
     whole per-request pass in C) where the extension is built, unless ``native=False``
     or ``TIERKV_PURE_POLICY=1`` was set when this module was first imported; otherwise it
-    is an ``OrderedDict`` of lists (about 270 bytes per page). Both decide the same, to
-    the bit (tests/policy/test_gittins_native.py); the compiled one takes only page keys
+    is an ``OrderedDict`` of lists (about 270 bytes per page). The same switch runs the
+    victims loop in C (``LeafHeaps.choose_victims``, scored from the same tables) where
+    the native heaps are built. Both decide the same, to the bit
+    (tests/policy/test_gittins_native.py); the compiled one takes only page keys
     of 1 to 16 bytes (:class:`~tierkv.errors.InputError` otherwise).
     """
 
@@ -116,6 +120,8 @@ class GittinsPolicy:
         self._model = ReuseModel(CLASSES)
         use_native = NATIVE_GHOST if native is None else native and _ghost is not None
         self._native = _ghost.Ghost(MAX_AGE) if use_native else None
+        # The same switch picks the compiled victims loop (where the native heaps have it).
+        self._native_victims = use_native
         self._ghost: OrderedDict[PageKey, list[float]] = OrderedDict()   # key -> [last, count, class]
         self._ghost_pages = ghost_pages
         self._now = 0.0
@@ -299,7 +305,14 @@ class GittinsPolicy:
             # A page the current request just used would leave its new pages without a prefix.
             return k not in request and evictable(k)
 
+        choose = getattr(leaves, "choose_victims", None)
         try:
+            if choose is not None and self._cost is None and self._native_victims:
+                # The loop below in one compiled call (the native heaps), scored from the same tables.
+                model = self._model
+                return choose(n, allowed, np.asarray(model.index, dtype=np.float64).tobytes(),
+                              np.asarray(model.support, dtype=np.float64).tobytes(), self._now, CONFIDENCE_Z,
+                              _USE_RANK_BYTES, bool(self._requests), hazard._LOG_GROWTH, hazard.BINS)
             while len(out) < n:
                 cands = leaves.candidates(allowed)
                 if not cands:
@@ -381,7 +394,29 @@ class GittinsPolicy:
                                                          or len(self._leaves) + self._admitted + n <= self._room):
             self._admitted += sum(map(self._request.__contains__, map(itemgetter(0), pages)))
             return [True] * n
-        return [self.admit(k, p) for k, p in pages]
+        if self._cost is not None:
+            return [self.admit(k, p) for k, p in pages]
+        # admit() page by page, without its calls: without a cost model a page's weighing
+        # against the victim depends on its class alone, so each class is weighed once.
+        request, room, resident = self._request, self._room, len(self._leaves)
+        weighed: dict[int, bool] = {}
+        out = []
+        for k, _ in pages:
+            if k not in request:
+                out.append(True)
+                continue
+            if not self._refused and room and resident + self._admitted >= room:
+                c = self._class(k)
+                good = weighed.get(c)
+                if good is None:
+                    good = weighed[c] = self._beats_victim(k)
+                self._refused = not good
+            if self._refused:
+                out.append(False)
+                continue
+            self._admitted += 1
+            out.append(True)
+        return out
 
     def _beats_victim(self, key: PageKey) -> bool:
         """Whether a new page is worth the page that would be evicted for it (see the module doc)."""
