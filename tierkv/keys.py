@@ -137,6 +137,11 @@ def split_keys(blob: bytes) -> list[PageKey]:
     return [PageKey(blob[i:i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
 
 
+def take_keys(blob: bytes, mask: np.ndarray) -> bytes:
+    """The 16-byte keys of a key blob where the boolean ``mask`` is set, back to back."""
+    return np.frombuffer(blob, dtype="V16")[mask].tobytes()  # type: ignore[no-any-return]
+
+
 def page_keys(tokens: Tokens, layout: KVLayout, namespace: bytes) -> list[PageKey]:
     """Keys of every full page of ``tokens``, in order (a partial last page gets none)."""
     return split_keys(chain_keys(as_token_array(tokens), layout.tokens_per_page, namespace))

@@ -55,8 +55,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 
-import numpy as np
-
 from tierkv.errors import InputError
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.policy import hazard
@@ -309,10 +307,9 @@ class GittinsPolicy:
         try:
             if choose is not None and self._cost is None and self._native_victims:
                 # The loop below in one compiled call (the native heaps), scored from the same tables.
-                model = self._model
-                return choose(n, allowed, np.asarray(model.index, dtype=np.float64).tobytes(),
-                              np.asarray(model.support, dtype=np.float64).tobytes(), self._now, CONFIDENCE_Z,
-                              _USE_RANK_BYTES, bool(self._requests), hazard._LOG_GROWTH, hazard.BINS)
+                index, support = self._model.tables()
+                return choose(n, allowed, index, support, self._now, CONFIDENCE_Z, _USE_RANK_BYTES,
+                              bool(self._requests), hazard._LOG_GROWTH, hazard.BINS)
             while len(out) < n:
                 cands = leaves.candidates(allowed)
                 if not cands:

@@ -86,6 +86,7 @@ class ReuseModel:
         # Before any data: evict the oldest first, as LRU would.
         self.index: list[list[float]] = [list(1.0 / (1.0 + _MIDS)) for _ in range(classes)]
         self.support: list[list[float]] = [[0.0] * BINS for _ in range(classes)]
+        self._tables: tuple[bytes, bytes] | None = None
 
     def _weight(self, t: float) -> float:
         return math.exp((t - self._t_ref) / self._memory)
@@ -164,8 +165,17 @@ class ReuseModel:
             hazard = np.clip((r_s[c] + self._prior * level * pooled) / (a_s[c] + self._prior), 0.0, 1.0)
             self.index[c] = list(_gittins(hazard))
             self.support[c] = list(support[c])
+        self._tables = None
         if now - self._t_ref > 64 * self._memory:
             self._rebase(now)
+
+    def tables(self) -> tuple[bytes, bytes]:
+        """``index`` and ``support`` as float64 ``[classes][bins]`` bytes, for the compiled
+        victims loop; built once per refresh, not per victims call."""
+        if self._tables is None:
+            self._tables = (np.asarray(self.index, dtype=np.float64).tobytes(),
+                            np.asarray(self.support, dtype=np.float64).tobytes())
+        return self._tables
 
     def _at_risk(self, now: float) -> np.ndarray:
         """Weight of pages that reached each age bin: resolved ones plus those still waiting."""

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from tierkv.errors import TierIOError
-from tierkv.keys import KEY_BYTES, _native
+from tierkv.keys import KEY_BYTES, _native, take_keys
 from tierkv.store.index import _OPERATIONAL, _RECORD, _SEAL, IndexDamaged, IndexRecord, PersistentIndex, _decode
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,8 @@ class RecordArrays:
 
     def take(self, keep: np.ndarray) -> RecordArrays:
         """The records where ``keep`` (a bool mask) is set."""
-        k = np.frombuffer(self.keys, dtype="V16")[keep].tobytes()
-        p = np.frombuffer(self.parents, dtype="V16")[keep].tobytes()
-        return RecordArrays(k, self.slot[keep], self.nbytes[keep], self.checksum[keep], p, self.has_parent[keep])
+        return RecordArrays(take_keys(self.keys, keep), self.slot[keep], self.nbytes[keep], self.checksum[keep],
+                            take_keys(self.parents, keep), self.has_parent[keep])
 
 
 def _seals(keys: bytes, values: bytes | bytearray, size: int, body: int) -> np.ndarray:

@@ -32,7 +32,7 @@ from itertools import repeat
 import numpy as np
 
 from tierkv.errors import CapacityError, InputError, TierIOError
-from tierkv.keys import KEY_BYTES, PageKey
+from tierkv.keys import KEY_BYTES, PageKey, take_keys
 from tierkv.policy import Policy
 from tierkv.store.index import IndexRecord, PersistentIndex
 from tierkv.store.index_scan import RecordArrays, scan_records
@@ -86,11 +86,6 @@ def _slot_validator(tier: Tier) -> tuple[Callable[[RecordArrays], np.ndarray], l
         return keep
 
     return valid, claimed
-
-
-def _take_keys(blob: bytes, mask: np.ndarray) -> bytes:
-    """The 16-byte keys of ``blob`` where ``mask``, back to back."""
-    return np.frombuffer(blob, dtype="V16")[mask].tobytes()
 
 
 def _insert_pages(policy: Policy, keys: bytes, parents: bytes, has_parent: np.ndarray) -> None:
@@ -458,7 +453,7 @@ class BlockManager:
             if has_parent.all():
                 got, _ = t.ensure(parents)
             else:
-                got, _ = t.ensure(np.frombuffer(parents, dtype="V16")[has_parent].tobytes())
+                got, _ = t.ensure(take_keys(parents, has_parent))
             prow[has_parent] = got + 1
         if t.where[rows].any():
             raise AssertionError("a page added to the table already has a copy")
@@ -803,7 +798,7 @@ class BlockManager:
         else:
             for name in dict.fromkeys(names):
                 ours = np.array([n == name for n in names])
-                _insert_pages(self._policies[name], _take_keys(blob, ours), _take_keys(parents, ours),
+                _insert_pages(self._policies[name], take_keys(blob, ours), take_keys(parents, ours),
                               has_parent[ours])
         t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
         if self.listeners:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.keys import KEY_BYTES, PageKey
+from tierkv.keys import KEY_BYTES, PageKey, take_keys
 from tierkv.store.table import NO_LEVEL
 from tierkv.tiers.base import TierId
 
@@ -69,7 +69,7 @@ class Lead:
     def take(self, which: np.ndarray) -> Lead:
         """The pages where the boolean mask ``which`` is set, in order."""
         idx = np.flatnonzero(which).tolist()
-        return Lead(b"".join(self.keys_of(i, i + 1) for i in idx), self.levels[which],
+        return Lead(take_keys(self.keys, which), self.levels[which],
                     [self.slots[i] for i in idx], [self.sums[i] for i in idx])
 
 
