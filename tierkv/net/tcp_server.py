@@ -134,9 +134,10 @@ class TcpServer:
         return len(conns)
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
+        with self._lock:  # from here on no reader takes its connection out of _conns
+            if self._closed.is_set():
+                return
+            self._closed.set()
         self._listener.close()
         self._thread.join(timeout=5)
         with self._lock:
@@ -207,7 +208,10 @@ class TcpServer:
         finally:
             _shut(conn)
             with self._lock:
-                self._conns.discard(conn)
+                # Once closing, close() takes the set as it stands and joins every thread in
+                # it; a reader leaving on the closed flag must not hide its sender from that.
+                if not self._closed.is_set():
+                    self._conns.discard(conn)
 
     def _handle(self, conn: _Conn, header: Header, body: Body) -> None:
         try:
