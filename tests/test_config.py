@@ -199,8 +199,8 @@ BOOL_FIELDS = _fields("bool")
 
 def test_the_bool_fields_are_all_here() -> None:
     assert sorted(f"{t}.{k}" for t, k in BOOL_FIELDS) == [
-        "store.persist_on_close", "store.promote_on_hit", "tiers.dram.prefault", "tiers.nvme.o_direct",
-        "tiers.nvmeof.disconnect_on_close", "tiers.nvmeof.o_direct"]
+        "store.persist_on_close", "store.promote_on_hit", "tiers.dram.prefault", "tiers.nvme.format",
+        "tiers.nvme.o_direct", "tiers.nvmeof.disconnect_on_close", "tiers.nvmeof.format", "tiers.nvmeof.o_direct"]
 
 
 @pytest.mark.parametrize("table,key", BOOL_FIELDS)

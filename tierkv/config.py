@@ -135,6 +135,12 @@ class NvmeConfig:
     of them. "auto" codes only where that makes transfers faster, from the codec's
     measured speed and the tier's bandwidth: ``bandwidth_gbps`` (GB/s) if set, else
     measured from the tier's own transfers.
+
+    ``format``: the store may take ``path`` when it holds foreign data (a filesystem, a
+    partition table, any non-zero bytes without a tierkv label), overwriting it. Without it
+    a store takes only a missing path, an empty file, a blank medium, its own label (or that
+    of an earlier store in its directory whose index was lost) and one ``tierkv format``
+    marked; another store's label is refused either way (docs: configs/default.toml).
     """
 
     capacity_bytes: int
@@ -143,15 +149,18 @@ class NvmeConfig:
     io_threads: int = 4
     codec: str = "none"
     bandwidth_gbps: float = 0.0
+    format: bool = False
 
     if TYPE_CHECKING:  # sizes may be given as "64GiB": the generated __init__ parses them
         def __init__(self, capacity_bytes: int | str, path: str | None = None, o_direct: bool = True,
-                     io_threads: int = 4, codec: str = "none", bandwidth_gbps: float = 0.0) -> None: ...
+                     io_threads: int = 4, codec: str = "none", bandwidth_gbps: float = 0.0,
+                     format: bool = False) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvme.capacity_bytes"))
         _check_codec(self, "nvme")
         _check_str(self.path, "nvme.path", path=True)
+        _check_bool(self.format, "nvme.format")
 
 
 _TRANSPORTS = ("rdma", "tcp", "loop")
@@ -171,7 +180,7 @@ class NvmeofConfig:
     ``ctrl_loss_tmo_s``, ``reconnect_delay_s`` and ``fast_io_fail_tmo_s`` are passed to
     the kernel's connect (-1 for ctrl_loss_tmo_s: reconnect forever). DH-HMAC-CHAP secrets
     are read from files (``DHHC-1:...`` lines), never written in the config itself.
-    ``codec`` and ``bandwidth_gbps`` are as for the NVMe tier.
+    ``codec``, ``bandwidth_gbps`` and ``format`` are as for the NVMe tier.
     """
 
     capacity_bytes: int = 0
@@ -196,10 +205,12 @@ class NvmeofConfig:
     disconnect_on_close: bool = False
     codec: str = "none"
     bandwidth_gbps: float = 0.0
+    format: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvmeof.capacity_bytes"))
         _check_codec(self, "nvmeof")
+        _check_bool(self.format, "nvmeof.format")
         for name in ("device", "dhchap_secret_file", "dhchap_ctrl_secret_file"):
             _check_str(getattr(self, name), f"nvmeof.{name}", path=True)
         for name in ("transport", "traddr", "subnqn", "hostnqn", "hostid"):

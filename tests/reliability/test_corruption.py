@@ -141,12 +141,21 @@ def test_truncated_index_is_moved_aside(cfg: StoreConfig, caplog: pytest.LogCapt
 
 def test_data_file_of_another_store_is_refused(tmp_path: Path, cfg: StoreConfig,
                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 28 item 1: it was relabelled (the other store's data taken over); now the open
+    is refused with the file unchanged until it is handed over with tierkv format."""
+    from tierkv.store.medium import format_medium
     other = make_config(tmp_path / "other", 0, 2 * N)
     fill(other, seed=7)  # same geometry, same keys, different bytes
-    shutil.copy(Path(other.path) / "nvme.data", Path(cfg.path) / "nvme.data")
+    data = Path(cfg.path) / "nvme.data"
+    shutil.copy(Path(other.path) / "nvme.data", data)
+    before = data.read_bytes()
+    with pytest.raises(ConfigError, match=r"belongs to another tierkv store \(the store at .*other on host"):
+        Store.open(cfg)
+    assert data.read_bytes() == before
+    format_medium(data)                    # handed over
     with caplog.at_level(logging.WARNING):
         assert served(cfg) == [0] * N  # neither store's bytes are served as this store's
-    assert "foreign" in caplog.text
+    assert "carries no label of this store (formatted)" in caplog.text
     fill(cfg, seed=0)
     assert served(cfg) == [2] * N
     assert served(other, seed=7) == [2] * N  # the other store is unharmed

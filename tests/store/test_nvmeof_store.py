@@ -168,11 +168,22 @@ def test_a_refused_first_open_leaves_no_index_behind(tmp_path: Path) -> None:
         assert s.stats().tiers["nvmeof"].capacity_slots == SLOTS // 2
 
 
-def test_a_blank_or_non_tierkv_namespace_is_labelled(tmp_path: Path) -> None:
+def test_a_blank_namespace_is_labelled_and_a_non_tierkv_one_needs_format(tmp_path: Path) -> None:
+    """Issue 28 item 1: a namespace holding data that is not a store's was labelled."""
     cfg, dev = make(tmp_path)
+    with Store.open(cfg) as s:                      # blank (all zeros): taken
+        assert state(s) == "available"
+    assert dev.read_bytes().startswith(b"tierkv-data-")
+    (tmp_path / "x").mkdir()
+    cfg, dev = make(tmp_path / "x")
     with open(dev, "r+b") as f:
         f.write(b"some filesystem superblock" * 10)
-    with Store.open(cfg) as s:
+    before = dev.read_bytes()
+    with pytest.raises(ConfigError, match=r"holds data that is not this store's .*format = true in \[tiers.nvmeof\]"):
+        Store.open(cfg)
+    assert dev.read_bytes() == before
+    assert cfg.nvmeof is not None
+    with Store.open(dataclasses.replace(cfg, nvmeof=dataclasses.replace(cfg.nvmeof, format=True))) as s:
         assert state(s) == "available"
     assert dev.read_bytes().startswith(b"tierkv-data-")
 

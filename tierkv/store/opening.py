@@ -1,5 +1,6 @@
 """How a store opens: the writer lock, the tiers a config asks for, the index with its
-geometry record, the data-file label, and the adoption of persistent pages.
+geometry record, the data-file label (whose medium it is: :mod:`tierkv.store.medium`),
+and the adoption of persistent pages.
 
 :func:`open_store_parts` returns everything :class:`tierkv.store.api.Store` runs on; on any
 failure it closes what it opened. Called once per ``Store.open``.
@@ -15,7 +16,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,8 @@ from tierkv.store.index_check import mark_clean, was_clean
 from tierkv.store.index_image import IMAGE, drop_image, read_image
 from tierkv.store.index_scan import RecordArrays
 from tierkv.store.manager import BlockManager
+# The data-file label's format, and what is on a medium before a store takes it.
+from tierkv.store.medium import LABEL_BYTES, LABEL_MAGIC, Contents, Medium, examine, label_data_bytes, owner_record
 from tierkv.policy import make_policy
 from tierkv.store.coding import CodecChoice
 from tierkv.tiers.aligned import ALIGN, round_up
@@ -47,12 +49,6 @@ _TRIM_AFTER = 1 << 16
 # their records are slot records, byte for byte).
 FORMAT_VERSION = 3
 UPGRADABLE_FORMATS = (2,)
-# The NVMe data file starts with a 4 KiB label: magic + the store's 16-byte identity,
-# then a JSON owner record ({"host", "path", "data_bytes"}) ended by a NUL. Labels
-# written before the owner record have zeros there; a writer adds it at its next open.
-LABEL_BYTES = 4096
-_LABEL_MAGIC = b"tierkv-data-v2\n\0"
-_ID_BYTES = 16
 log = logging.getLogger(__name__)
 
 
@@ -145,9 +141,8 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
                 mark_clean(store_dir, False)
             for t in tiers:
                 medium = t.blocks if isinstance(t, BlockPageTier) else t
-                if isinstance(medium, NvmeTier):
-                    medium.grow_back()  # the index accepted this geometry: now a truncated file may grow
-                    _check_label(medium, index, read_only, store_dir)
+                if isinstance(medium, NvmeTier):  # the index accepted this geometry: now check whose medium it is
+                    _check_label(medium, index, read_only, store_dir, _may_format(cfg, medium))
         manager = BlockManager(tiers, {t.name: make_policy(cfg.policy) for t in tiers}, index)
         if not read_only:
             adopted = sum(manager.adopt_persistent(t.name, image.get(t.name)) for t in tiers if t.persistent)
@@ -222,6 +217,11 @@ def _nvme(cfg: StoreConfig, read_only: bool) -> Tier | None:
     slots = nvme.capacity_bytes // slot_bytes
     if slots == 0:
         raise ConfigError(f"nvme capacity of {nvme.capacity_bytes} bytes holds no slot of {slot_bytes} bytes")
+    if read_only or not nvme.format:  # before the file is opened (and its size judged) at all
+        found = examine(cfg.nvme_path())
+        if found.contents is Contents.FOREIGN:
+            raise ConfigError(f"{found.path} does not belong to the store index beside it ({found.describe()})"
+                              if read_only else _not_ours(found, "nvme"))
     return _paged(cfg, nvme, lambda unit: NvmeTier(
         cfg.nvme_path(), slots * (slot_bytes // round_up(unit)), unit, o_direct=nvme.o_direct,
         io_threads=nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES, defer_grow=True,
@@ -271,59 +271,91 @@ def _block_tier(blocks: NvmeTier, pages: int, cfg: StoreConfig, tier_cfg: NvmeCo
         raise
 
 
-def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_dir: Path) -> None:
-    """Make sure the data file belongs to this index, and label it when it may be taken.
+def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_dir: Path,
+                 may_format: bool) -> None:
+    """Make sure the data file or namespace belongs to this index, and label it when it may be taken.
 
-    This store's label: kept (rewritten by a writer when its owner record is missing or
-    out of date). A local data file without it (foreign, replaced, blank) loses this
-    store's records and is labelled. A namespace, or a local tier on a raw block device,
-    is shared media: a blank or non-tierkv one is labelled; one labelled by another store
-    is refused with ConfigError and nothing is changed, index included. The one tierkv
-    label that is taken is an earlier store's in this same directory on this host whose
-    index was lost (or one from before labels had owner records): only by an index that
-    has never labelled this tier's medium. An index that has (its identity on its own
-    namespace) meeting another identity here is another store under the same host name
-    and path (another container), or an index restored from before its namespace was
-    relabelled: refused too.
+    Nothing is written (a short file is not grown) before this decides. This store's label:
+    kept (rewritten by a writer when its owner record is missing or out of date). Readers
+    accept nothing else. A writer labels a missing, empty or blank medium, or one marked by
+    ``tierkv format`` (records this store held for it are dropped); foreign data (a
+    signature, non-zero bytes: :func:`tierkv.store.medium.examine`) only with ``format =
+    true`` in the tier's config, else ConfigError and nothing changed. Another store's
+    label is refused with ConfigError, index included, whatever ``format`` says. The one
+    tierkv label that is taken is an earlier store's in this same directory on this host
+    whose index was lost (or one from before labels had owner records): only by an index
+    that has never labelled this tier's medium. An index that has (its identity on its own
+    medium) meeting another identity here is another store under the same host name and
+    path (another container), or an index restored from before its medium was relabelled:
+    refused too.
     """
-    ident = _LABEL_MAGIC + index.store_id()
-    kind, name = tier.kind.value, tier.name
+    ident = LABEL_MAGIC + index.store_id()
+    name = tier.name
     owner = _owner_of(store_dir, tier.num_slots * tier.slot_bytes, LABEL_BYTES - len(ident))
     label = ident + json.dumps(owner, sort_keys=True).encode() + b"\0"
     if isinstance(tier, NvmeofTier):
         tier.expect_header(ident)  # recovery after a fabric loss requires this identity back
-    header = tier.read_header()
-    if header.startswith(ident):
+    found = examine(tier.path)
+    if found.head.startswith(ident):
         if not read_only:
-            if not header.startswith(label):
+            tier.grow_back()
+            if not found.head.startswith(label):
                 tier.write_header(label)
             index.mark_labelled(name)
         return
     if read_only:
         raise ConfigError(f"{tier.path} does not belong to the store index beside it")
-    if (isinstance(tier, NvmeofTier) or _is_block_device(tier.path)) and header.startswith(_LABEL_MAGIC):
-        theirs = _owner_record(header)    # {}: a label from before owner records
-        here = (theirs.get("host"), theirs.get("path")) == (owner["host"], owner["path"])
-        if (theirs and not here) or index.has_labelled(name):
-            who = (f"the store at {theirs.get('path')} on host {theirs.get('host')}" if theirs
-                   else "a store labelled before labels named their owner")
-            if index.has_labelled(name) and (here or not theirs):
-                who += (", with another identity than this store's index, which has labelled a namespace of its "
-                        "own: another container with the same host name and path, or an index restored from "
-                        "before this namespace was relabelled")
-            raise ConfigError(
-                f"{tier.path} belongs to another tierkv store ({who}); refusing to relabel it for the store at "
-                f"{owner['path']}: point [tiers.{kind}] at this store's own namespace, or zero its first "
-                f"{LABEL_BYTES} bytes to hand it over")
+    if found.contents is Contents.TIERKV:
+        _refuse_other_store(found, tier, index, owner)
         log.warning("%s carries the label of an earlier store in %s (its index was lost); labelling it for "
                     "this one", tier.path, owner["path"])
+    elif found.contents is Contents.FOREIGN:
+        if not may_format:
+            raise ConfigError(_not_ours(found, tier.kind.value))
+        log.warning("%s holds %s; [tiers.%s] format = true: taking it over", tier.path, found.describe(),
+                    tier.kind.value)
     stale = index.count(name)
     if stale:
-        log.warning("%s carries no label of this store (a foreign or replaced file); its %d index "
-                    "records are dropped and those pages become misses", tier.path, stale)
+        log.warning("%s carries no label of this store (%s); its %d index records are dropped and those pages "
+                    "become misses", tier.path, found.contents.value, stale)
         index.clear(name)
+    tier.grow_back()
     tier.write_header(label)
     index.mark_labelled(name)
+
+
+def _refuse_other_store(found: Medium, tier: NvmeTier, index: PersistentIndex, owner: dict[str, object]) -> None:
+    """ConfigError unless ``found``'s tierkv label is an earlier store's of this directory
+    on this host (or an owner-less old one) and this index has never labelled ``tier``."""
+    theirs = owner_record(found.head)    # {}: a label from before owner records
+    here = (theirs.get("host"), theirs.get("path")) == (owner["host"], owner["path"])
+    labelled = index.has_labelled(tier.name)
+    if not ((theirs and not here) or labelled):
+        return
+    who = (f"the store at {theirs.get('path')} on host {theirs.get('host')}" if theirs
+           else "a store labelled before labels named their owner")
+    if labelled and (here or not theirs):
+        who += (", with another identity than this store's index, which has labelled a medium of its own: "
+                "another container with the same host name and path, or an index restored from before this "
+                "medium was relabelled")
+    raise ConfigError(
+        f"{tier.path} belongs to another tierkv store ({who}); refusing to relabel it for the store at "
+        f"{owner['path']}: point [tiers.{tier.kind.value}] at this store's own medium, or hand this one over "
+        f"with 'tierkv format {tier.path} --yes' (format = true does not take another store's label)")
+
+
+def _not_ours(found: Medium, kind: str) -> str:
+    """The one-line refusal of a medium holding data that is not a store's."""
+    return (f"[tiers.{kind}] {'device' if kind == 'nvmeof' else 'path'} {found.path} holds data that is not this "
+            f"store's ({found.describe()}); refusing to take it over. Point it at a new file or a blank device, "
+            f"or, if its contents may be destroyed, run 'tierkv format {found.path}' (shows what is there; --yes "
+            f"erases it) or set format = true in [tiers.{kind}]")
+
+
+def _may_format(cfg: StoreConfig, tier: NvmeTier) -> bool:
+    """Whether the config lets ``tier`` take a medium holding foreign data (``format = true``)."""
+    tier_cfg = cfg.nvmeof if isinstance(tier, NvmeofTier) else cfg.nvme
+    return tier_cfg is not None and tier_cfg.format
 
 
 def _trim_heap() -> None:
@@ -342,15 +374,6 @@ def _trim_heap() -> None:
     trim(0)
 
 
-def _is_block_device(path: str | os.PathLike[str]) -> bool:
-    """Whether a local NVMe tier sits on a raw device: shared media whose name can change
-    across reboots (``/dev/nvme1n1`` may be another drive), treated as a namespace is."""
-    try:
-        return stat.S_ISBLK(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
 def _owner_of(store_dir: Path, data_bytes: int, room: int) -> dict[str, object]:
     """This store's owner record as the label holds it: host, store directory and data
     bytes, within ``room`` bytes of JSON and a NUL (a path too long for that, as escaped
@@ -360,25 +383,6 @@ def _owner_of(store_dir: Path, data_bytes: int, room: int) -> dict[str, object]:
     if len(json.dumps(owner, sort_keys=True).encode()) + 1 > room:
         owner["path"] = "xxh3:" + xxhash.xxh3_128_hexdigest(path.encode(errors="surrogateescape"))
     return owner
-
-
-def _owner_record(header: bytes) -> dict[str, object]:
-    """The owner record of a tierkv label; {} where there is none (an older label)."""
-    body = header[len(_LABEL_MAGIC) + _ID_BYTES:].split(b"\0", 1)[0]
-    try:
-        rec = json.loads(body) if body else {}
-    except ValueError:  # UnicodeDecodeError included
-        return {}
-    return rec if isinstance(rec, dict) else {}
-
-
-def label_data_bytes(header: bytes) -> int | None:
-    """The data bytes the store that labelled this header uses (None: no tierkv label, or
-    one written before labels recorded it). Sizes an NVMe-oF tier whose namespace grew."""
-    if not header.startswith(_LABEL_MAGIC):
-        return None
-    size = _owner_record(header).get("data_bytes")
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def _with_resize_hint(cfg: StoreConfig, exc: ConfigError) -> ConfigError:
