@@ -9,6 +9,7 @@ the deadline, nothing wrong is returned, and the tier recovers when the target d
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -23,6 +24,7 @@ from tierkv.store.api import Store
 from tierkv.config import DramConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.layout import KVLayout
+from tierkv.store.medium import format_medium
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.nvmeof import NvmeofTier
 
@@ -136,8 +138,26 @@ def test_a_namespace_of_another_store_is_refused_until_handed_over(store_config:
         assert check(s, prompts) == sum(len(p) for _, p in prompts) > 0
         fabric = next(t for t in s._manager.tiers if t.kind is TierKind.NVMEOF)
         assert isinstance(fabric, NvmeofTier)
-        fabric.write_header(b"")             # handed over: the label zeroed (the device goes at close)
+        format_medium(fabric.path)           # handed over, as tierkv format --yes does (the device goes at close)
     with Store.open(other) as s:             # the other store labels it as its own
         assert check(s, prompts) == 0
     with pytest.raises(ConfigError, match="belongs to another tierkv store"):
         Store.open(store_config)             # now the first store is the stranger
+
+
+def test_a_namespace_holding_foreign_data_needs_format(store_config: StoreConfig, rig_spec: object) -> None:
+    """Issue 28 item 1: a namespace with non-tierkv data (here an XFS superblock's magic,
+    written into the target's backing file) was labelled; now it is refused unchanged,
+    and taken with format = true."""
+    backing = Path(rig_spec.namespaces[0].path)  # type: ignore[attr-defined]
+    with open(backing, "r+b") as f:
+        f.write(b"XFSB" + b"\x00\x00\x10\x00" * 8)
+        f.flush()
+        os.fsync(f.fileno())
+    with pytest.raises(ConfigError, match=r"holds data that is not this store's .*xfs superblock"):
+        Store.open(store_config)
+    with open(backing, "rb") as f:
+        assert f.read(4) == b"XFSB"
+    assert store_config.nvmeof is not None
+    with Store.open(replace(store_config, nvmeof=replace(store_config.nvmeof, format=True))) as s:
+        assert check(s, fill(s, 1)) == 4

@@ -162,8 +162,9 @@ class NvmeTier(Tier):
         self._size = size
         self._reserved = 0 if stat.S_ISREG(os.fstat(self._fd).st_mode) else size
         self._reserve_lock = threading.Lock()
-        # A truncated file is grown back, but a store grows it only once its index has
-        # accepted this geometry (``defer_grow``): a refused open must leave the file alone.
+        # A truncated file is grown back, but a store grows it only once its index has accepted
+        # this geometry and the file proved to be one it may take (``defer_grow``; the label
+        # check in tierkv.store.opening): a refused open must leave the file alone.
         self._grow: tuple[int, int] | None = (short, size) if short is not None else None
         self._chunk_slots = max(1, min(max_io_bytes // self.slot_bytes, _MAX_IOVECS // 2))
         self._bounce_slots = max(1, min(self._chunk_slots, BOUNCE_CHUNK_BYTES // self.slot_bytes))
