@@ -38,23 +38,30 @@ def _lead(keys: Sequence[PageKey], cached: object) -> int:
 def ref_store_lru(requests: Requests, capacity: int) -> int:
     """LRU as the store runs it: leading hits touched, missing pages stored, the oldest make
     room; the request's cached pages are not evicted for its new ones (they would be left
-    without their prefix), so new pages that find no room are not stored."""
+    without their prefix), so new pages that find no room are not stored. Once the request
+    is stored, the pages whose parent went are dropped too (issue 28 item 11: no lookup
+    could reach them), and their room is free for the next one."""
     order: OrderedDict[PageKey, None] = OrderedDict()
+    parent: dict[PageKey, PageKey | None] = {}
     hits = 0
     for keys in requests:
         lead = _lead(keys, order)
         hits += lead
         for key in keys[:lead]:
             order.move_to_end(key)
-        new = [key for key in keys[lead:] if key not in order]
+        new = [(key, keys[i - 1] if i else None) for i, key in enumerate(keys) if i >= lead and key not in order]
         if len(new) > capacity:
             continue
         mine = set(keys)
         need = len(order) + len(new) - capacity
         for key in [key for key in order if key not in mine][:max(need, 0)]:
             del order[key]
-        for key in new[:capacity - len(order)]:
+        for key, up in new[:capacity - len(order)]:
             order[key] = None
+            parent[key] = up
+        while stranded := [key for key in order if parent[key] is not None and parent[key] not in order]:
+            for key in stranded:
+                del order[key]
     return hits
 
 

@@ -52,7 +52,10 @@ class Policy(Protocol):
         """Up to ``n`` resident keys to evict, best victim first, all with ``evictable(key)``.
 
         The manager then calls ``remove`` for each, in order; victims it does not remove
-        stay resident.
+        stay resident. A victim whose last copy leaves the store takes its cached
+        descendants along (the manager drops them once the plan is done, and calls
+        ``remove`` for them too): a policy that offers leaves first (gittins, lru-leaf)
+        never loses more than it chose.
         """
 
     def admit(self, key: PageKey, parent: PageKey | None) -> bool:

@@ -16,6 +16,12 @@ Caching is inclusive downwards: a page promoted to a faster tier keeps its copy
 below, so evicting it from the faster tier later costs no write, and the persistent
 copy survives a restart.
 
+No page is kept that no lookup can reach (a lookup stops at a prompt's first miss): a
+cached child in another tier keeps its parent from being dropped; the cached descendants
+of a page that leaves the store anyway (a policy that is not leaf-first evicted it, it
+failed its checksum, its write failed) are dropped once the plan is done; a close
+persists, and an open adopts, only pages whose whole prefix is persisted.
+
 Tiers are told apart by name (:data:`~tierkv.tiers.base.TierId`), so a store may hold
 two tiers of one kind. They are ordered by kind (HBM, DRAM, NVMe, NVMe-oF), tiers of one
 kind in the order given; a tier's *level* is its place in that order (0 is the fastest).
@@ -49,6 +55,8 @@ _NO_KEY = bytes(KEY_BYTES)
 _ROW = struct.Struct("<i")  # one int32 row, as the table's core takes rows
 #: The largest page length a row records.
 MAX_NBYTES = (1 << 32) - 1
+# Pointer doublings that reach the root of any chain of rows (a depth below 2**40).
+_MAX_DOUBLINGS = 40
 
 
 def _as_slot(rec: IndexRecord, blocks_per_slot: int) -> int | None:
@@ -150,6 +158,12 @@ class BlockManager:
         # Deletes of evicted or forgotten records whose index transaction failed (a full
         # disk, say): they ride in that tier's next commit, ahead of its puts.
         self._unsynced: dict[TierId, list[PageKey]] = {}
+        # A plan took the last copy of a page with cached children (an eviction by a policy
+        # that is not leaf-first, a failed write): the children may be in flight, so
+        # commit_deletes, once the plan is done, drops what it stranded.
+        self._stray = False
+        self._adopted: set[TierId] = set()   # persistent tiers whose records were adopted
+        self._adopting = False
 
     # -- rows ------------------------------------------------------------------------
     def _row(self, key: PageKey) -> int:
@@ -216,6 +230,60 @@ class BlockManager:
         slots = {self._names[lvl]: int(t.slot[lvl, r]) - 1 for lvl in range(len(self._names)) if w >> lvl & 1}
         return Entry(PageKey(t.key(r)), self._parent_key(r), int(t.nbytes[r]),
                      int(t.checksum[r]) if t.has_sum[r] else None, slots, int(t.pins[r]), int(t.gen[r]))
+
+    # -- reachability ----------------------------------------------------------------
+    def _stranded(self, has: np.ndarray) -> np.ndarray:
+        """Rows where ``has`` (a bool per row) is set but not for every ancestor: pages a
+        lookup could never reach if only those copies were kept. Pointer doubling over the
+        parent column, O(rows log depth) numpy work; a row on a parent cycle (only a
+        damaged index could name one) counts as stranded."""
+        up = self.table.parent.astype(np.int64) - 1
+        gap = np.zeros(len(up), dtype=bool)   # some ancestor within the span jumped lacks ``has``
+        idx = np.flatnonzero(up >= 0)
+        gap[idx] = ~has[up[idx]]
+        for _ in range(_MAX_DOUBLINGS):
+            if not len(idx):
+                break
+            a = up[idx]
+            gap[idx] |= gap[a]
+            up[idx] = up[a]
+            idx = idx[up[idx] >= 0]
+        gap[idx] = True   # still linked after every doubling: a cycle
+        return np.flatnonzero(has & gap).astype(np.int32)   # rows as the core takes them
+
+    def _discard(self, rows: np.ndarray, mask: int, plan: MovePlan | None) -> int:
+        """Evict the copies of ``rows`` on the levels of ``mask``, a vectorized pass per tier;
+        their records' deletes go to ``plan``, or without one are committed now (a failure
+        is logged and the deletes ride in the tier's next commit). Returns how many pages
+        left the store (also counted in the plan's ``dropped``)."""
+        work = MovePlan() if plan is None else plan
+        before = work.dropped
+        t = self.table
+        rows = np.asarray(rows, dtype=np.int32)
+        for lvl, tier in enumerate(self.tiers):
+            if mask >> lvl & 1:
+                sel = rows[(t.where[rows] >> lvl) & 1 == 1]
+                if len(sel):
+                    self._evict_run(t.keys(sel), sel, tier, work)
+        if plan is None:
+            stray, self._stray = self._stray, False   # commit only: no sweep from inside one
+            self.commit_deletes(work)
+            self._stray = stray
+        return work.dropped - before
+
+    def _sweep(self, plan: MovePlan | None = None) -> int:
+        """Drop every page that some ancestor's absence strands (a miss for every lookup);
+        returns how many. Only where no plan is in flight: its reserved copies count as held.
+
+        Pinned pages stay while pinned: their holder may be reading them, and they are
+        reachable again once the missing page is stored again (a quarantined page is
+        recomputed). A later sweep, the close or the next open drops them if not.
+        """
+        dead = self._stranded(self.table.where != 0)
+        dead = dead[self.table.pins[dead] == 0]
+        gone = self._discard(dead, (1 << len(self.tiers)) - 1, plan) if len(dead) else 0
+        self._stray = False   # nothing is stranded now
+        return gone
 
     # -- queries -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -320,7 +388,23 @@ class BlockManager:
         tier's claim their block runs one by one. ``image``: the tier's records from a
         clean close's image (:mod:`~tierkv.store.index_image`), used instead of the walk
         if they are as many as the database holds and all valid.
+
+        Once every persistent tier is adopted, the pages whose parent no tier recorded (it
+        lived in a volatile tier only when the last run ended: a crash, or a close without
+        write-back) are dropped and their records deleted: no lookup could reach them.
         """
+        self._adopting = True   # until the last tier: a page's parent may be in a tier not read yet
+        got = self._adopt(name, image)
+        self._adopted.add(name)
+        if self._adopted >= {t.name for t in self.tiers if t.persistent}:
+            self._adopting = False
+            dropped = self._sweep()
+            if dropped:
+                log.info("%d pages recorded without their prefix (their parent was not recorded) were dropped",
+                         dropped)
+        return got
+
+    def _adopt(self, name: TierId, image: RecordArrays | None) -> int:
         assert self._index is not None
         tier = self._by_id[name]
         if image is not None and not tier.block_addressed and len(image) == self._index.entries(name):
@@ -538,7 +622,10 @@ class BlockManager:
 
         Used at a clean close so a restart finds them. Parents come before their
         children, since a page is useless without its prefix; older persistent pages
-        are evicted as that tier's policy says.
+        are evicted as that tier's policy says, as if each were a page's last copy (the
+        volatile tiers go away). Persistent copies of pages whose parent will not be
+        persisted are dropped, their deletes in the plan: the next open finds only
+        pages it can reach.
         """
         plan = MovePlan()
         target = next((t for t in self.tiers if t.persistent and t.available), None)
@@ -554,7 +641,21 @@ class BlockManager:
         rows = live[(where != 0) & (where & durable == 0)]
         rows = rows[np.argsort(t.depths()[rows], kind="stable")]   # parents first
         keys = t.keys(rows)
-        slots = self._reserve(target, len(rows), set(keys), plan)
+        slots = self._reserve(target, len(rows), set(keys), plan, final=True)
+        rows, keys = rows[:len(slots)], keys[:len(slots)]
+        # What the persistent tiers will hold is all the next open gets: a page there whose
+        # parent is not (left behind for want of room, or evicted above) could never be
+        # reached, so it is neither written nor kept.
+        has = (t.where & durable) != 0
+        has[rows] = True
+        dead = self._stranded(has)
+        if len(dead):
+            write = ~np.isin(rows, dead)
+            target.free([slot for slot, yes in zip(slots, write.tolist()) if not yes])
+            slots = [slot for slot, yes in zip(slots, write.tolist()) if yes]
+            keys = [key for key, yes in zip(keys, write.tolist()) if yes]
+            rows = rows[write]
+            self._discard(dead[(t.where[dead] & durable) != 0], durable, plan)
         lvl = self.levels[target.name]
         for r, key, slot in zip(rows.tolist(), keys, slots):
             src = _lowest(int(t.where[r]))
@@ -562,32 +663,18 @@ class BlockManager:
             self._add_copy(r, lvl, slot)
         return plan
 
-    def _reserve(self, tier: Tier, n: int, protect: set[PageKey], plan: MovePlan) -> list[int]:
+    def _reserve(self, tier: Tier, n: int, protect: set[PageKey], plan: MovePlan, final: bool = False) -> list[int]:
+        """``n`` slots of ``tier`` (fewer if it cannot make room), evicting as its policy says.
+
+        ``final``: every copy evicted is taken as its page's last one (at a close, when the
+        volatile tiers go away), so a page with cached children keeps it.
+        """
         need = n - tier.num_free
         if need > 0 and not tier.persistent and self.below(tier.name) is not None:
             # Demote in batches: one flush and one index commit then cover many pages.
             need = max(need, min(self.demotion_batch, tier.num_slots // 16))
         policy = self._policies[tier.name]
-
-        # The last tier keeps a parent whose child sits in a faster tier; a store whose last
-        # tier is also its first (DRAM only) has no faster tier, so skips the check.
-        last = self.below(tier.name) is None and tier is not self.tiers[0]
-        t = self.table
-        faster = self.levels[tier.name]
-        row = t.core.row
-        parents, kept = plan.parents_below.get(tier.name, ()), plan.kept
-
-        def evictable(k: PageKey) -> bool:
-            if k in protect or k in parents or k in kept:
-                return False
-            r = row(k)
-            if t.pins[r]:
-                return False
-            w = int(t.where[r])
-            if last and not w & (w - 1):  # its last copy: dropped, not demoted
-                return not (faster and t.kids[:faster, r].any())
-            return True
-
+        evictable = self._evictable(tier, protect, plan, final)
         # A compressed page frees less than the raw page reserved in its place, so a
         # block tier may need more victims than pages asked for: evict until they fit.
         while need > 0:
@@ -597,6 +684,36 @@ class BlockManager:
             if not victims:
                 break
         return tier.allocate(min(n, tier.num_free))
+
+    def _evictable(self, tier: Tier, protect: set[PageKey], plan: MovePlan, final: bool) -> Callable[[PageKey], bool]:
+        """Which pages of ``tier`` a victims call for ``plan`` may offer."""
+        # A page whose last copy is here leaves the store when evicted from the last tier
+        # (there is no tier below to take it); at a close (``final``) also one whose other
+        # copies are all volatile. A cached child elsewhere (a faster tier, say) keeps it,
+        # as does any at a close. Its children here go first with a leaf-first policy
+        # (gittins, lru-leaf); with any other (lru, s3fifo) they are dropped after it, once
+        # the plan is done (commit_deletes), since no lookup could reach them. In a tier
+        # with one below, ``_evict`` keeps such a page if it cannot go down.
+        last = self.below(tier.name) is None
+        t = self.table
+        row = t.core.row
+        lvl = self.levels[tier.name]
+        parents, kept = plan.parents_below.get(tier.name, ()), plan.kept
+        mine = ~(1 << lvl)
+        keeps = sum(1 << i for i, other in enumerate(self.tiers) if other.persistent) if final else 0xFF
+
+        def evictable(k: PageKey) -> bool:
+            if k in protect or k in parents or k in kept:
+                return False
+            r = row(k)
+            if t.pins[r]:
+                return False
+            others = int(t.where[r]) & mine
+            if t.nkids[r] and (not others & keeps if others else last):  # it would leave the store
+                return not final and bool(np.count_nonzero(t.kids[:, r]) == (t.kids[lvl, r] > 0))
+            return True
+
+        return evictable
 
     def _emit(self, event: str, name: TierId, keys: list[PageKey], slots: list[int]) -> None:
         for listener in self.listeners:
@@ -651,6 +768,8 @@ class BlockManager:
             plan.deletes.setdefault(name, []).extend(keys)
         if gone.any():
             dead = rows[gone]
+            if t.nkids[dead].any():
+                self._stray = True   # their cached descendants go when the plan is done
             self._pages -= len(dead)
             t.core.set_levels(dead.tobytes(), NO_LEVEL)
             t.parent[dead] = 0
@@ -703,6 +822,7 @@ class BlockManager:
             self._republish(r)
         elif gone:
             plan.dropped += 1
+            self._stray = self._stray or bool(t.nkids[r])
         else:
             self._republish(r)
         tier.free([slot])
@@ -731,6 +851,8 @@ class BlockManager:
         until then a record may name a slot that holds newer bytes, which fail its
         checksum after a restart (a miss, never wrong data).
         """
+        if self._stray:   # the plan is done: what it stranded can go
+            self._sweep(plan)
         if self._index is None:
             return
         for name, keys in plan.deletes.items():
@@ -820,17 +942,27 @@ class BlockManager:
             _, gone = self._drop_copy(r, lvl)
             if not gone:
                 self._republish(r)
+            elif t.nkids[r]:
+                self._stray = True   # its cached descendants may be in flight: dropped at commit_deletes
 
     def forget(self, key: PageKey) -> None:
-        """Drop a page from every tier (quarantine or failed write); frees its slots.
+        """Drop a page from every tier (quarantine or failed read); frees its slots.
 
-        The page is gone from memory even if deleting its index record fails (logged; the
-        delete rides in the tier's next commit, and the record fails its checksum after a
-        restart if its slot was reused).
+        Its cached descendants go with it (no lookup could reach them), except pinned
+        ones and while records are being adopted. The page is gone from memory even if deleting its index
+        record fails (logged; the delete rides in the tier's next commit, and the record
+        fails its checksum after a restart if its slot was reused). Not while a plan is in
+        flight (its reserved pages could be among the descendants).
         """
         r = self._row(key)
         if r < 0 or not self.table.where[r]:
             return
+        stranding = bool(self.table.nkids[r]) and not self._adopting
+        self._forget(key, r)
+        if stranding:
+            self._sweep()
+
+    def _forget(self, key: PageKey, r: int) -> None:
         w = int(self.table.where[r])
         copies = []
         for lvl in range(len(self._names)):
