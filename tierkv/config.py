@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -254,12 +254,24 @@ class PeersConfig:
     there are loaded (checked against the peer's checksum) and stored here. ``transport``
     is "auto" (RDMA where pyverbs and a device exist, else TCP), "tcp" or "rdma";
     ``timeout_s`` bounds every peer operation: a slow or lost peer is a miss.
+
+    Peers authenticate (``tierkv.net.auth``, docs/rdma.md "Authentication"):
+    ``secret_file`` (required with ``serve`` or ``fetch``) holds the shared secret of
+    this node's principal, a file of at least 16 bytes readable by its owner only. By
+    default that principal is the cluster's, which may read every tenant's pages; with
+    ``tenant`` set it is that tenant's, and this node then fetches only that tenant's
+    pages. A serving node accepts the cluster's secret and, in ``tenant_secrets`` (tenant
+    name -> secret file), secrets that each let their holder read only that tenant's
+    pages. A read names the key of every page it wants; slot numbers alone return nothing.
     """
 
     serve: str | None = None
     fetch: tuple[str, ...] = ()
     transport: str = "auto"
     timeout_s: float = 2.0
+    secret_file: str | None = None
+    tenant: str | None = None
+    tenant_secrets: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.serve is not None:
@@ -272,6 +284,22 @@ class PeersConfig:
         if not isinstance(self.transport, str) or self.transport not in ("auto", "tcp", "rdma"):
             raise ConfigError(f"peers.transport must be auto, tcp or rdma, got {self.transport!r}")
         _check_number(self.timeout_s, "peers.timeout_s", "seconds", 0, MAX_SECONDS, low_open=True)
+        if isinstance(self.secret_file, os.PathLike):
+            object.__setattr__(self, "secret_file", os.fspath(self.secret_file))
+        if self.secret_file is not None and (not isinstance(self.secret_file, str) or not self.secret_file
+                                             or "\0" in self.secret_file):
+            raise ConfigError(f"peers.secret_file must be a file's path, got {self.secret_file!r}")
+        if (self.serve is not None or self.fetch) and self.secret_file is None:
+            raise ConfigError("peers: serving or fetching pages needs peers.secret_file, the shared secret peers "
+                              "prove they hold (make one with: head -c 32 /dev/urandom | base64 > FILE && "
+                              "chmod 600 FILE, the same file on every node)")
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise ConfigError(f"peers.tenant must be a tenant's name (text), got {self.tenant!r}")
+        if not isinstance(self.tenant_secrets, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (str, os.PathLike)) and v for k, v in self.tenant_secrets.items()):
+            raise ConfigError("peers.tenant_secrets must map tenant names to secret files, got "
+                              f"{self.tenant_secrets!r}")
+        object.__setattr__(self, "tenant_secrets", {k: os.fspath(v) for k, v in self.tenant_secrets.items()})
 
     def serve_endpoint(self) -> tuple[str, int] | None:
         return _endpoint(self.serve, "peers.serve") if self.serve is not None else None

@@ -108,9 +108,10 @@ def test_replay_refuses_a_seed_with_a_trace(capsys: pytest.CaptureFixture[str], 
 
 
 def test_replay_refuses_fabric_and_peer_configs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    cfg = _serving_config(tmp_path, "[peers]\nserve = \"127.0.0.1:7000\"\n")
+    cfg = _serving_config(tmp_path, "[peers]\nserve = \"127.0.0.1:7000\"\nsecret_file = \"/peers.secret\"\n")
     assert main(["replay", "--config", str(cfg), "--synthetic-requests", "10", "--json"]) == 2
-    assert "[peers]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "[peers]" in err and "secret" not in err
 
 
 def test_replay_on_a_kept_store_says_it_starts_warm(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

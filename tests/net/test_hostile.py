@@ -73,8 +73,9 @@ def test_a_reply_that_does_not_add_up_fails_its_request_only(server: PeerServer,
     # A server (an older one, or a broken one) naming a length it does not send.
     real = server.store.read
 
-    def lying_read(slots: list[int]) -> tuple[tuple[object, ...], list[memoryview]]:
-        metas, parts = real(slots)
+    def lying_read(slots: list[int], keys: object = None, scope: object = None) -> tuple[tuple[object, ...],
+                                                                                         list[memoryview]]:
+        metas, parts = real(slots, keys, scope)  # type: ignore[arg-type]
         return metas, parts[:-1]
 
     monkeypatch.setattr(server.store, "read", lying_read)

@@ -294,9 +294,9 @@ def test_a_peer_tier_waits_for_every_part_and_nothing_lands_after_it_gives_up(
         tier.write(list(range(12)), np.full((12, 65536), 7, np.uint8))
         read = srv.SlotStore.read
 
-        def slow(self: srv.SlotStore, slots: list[int]) -> object:
+        def slow(self: srv.SlotStore, slots: list[int], keys: object = None, scope: object = None) -> object:
             time.sleep(0.6)                             # each part well inside its 1 s deadline
-            return read(self, slots)
+            return read(self, slots, keys, scope)  # type: ignore[arg-type]
         monkeypatch.setattr(srv.SlotStore, "read", slow)
         # Four parts of 0.6 s: past one deadline and its grace together (2.4 s against
         # 1.5 s), yet each part is in time. The tier waits one deadline per part.

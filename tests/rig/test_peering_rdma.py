@@ -40,8 +40,18 @@ def config(path: str, peers: PeersConfig) -> StoreConfig:
     return StoreConfig(path=path, model_id="rig", layout=LAYOUT, dram=DramConfig(64 * PB), peers=peers)
 
 
+def secret_file(where: Path) -> str:
+    path = where / "peers.secret"
+    if not path.exists():
+        path.write_bytes(b"rig-cluster-secret-0123456789abcdef")
+        path.chmod(0o600)
+    return str(path)
+
+
 def prefill_node(path: str, port: int, ready: EventType) -> None:
-    store = Store.open(config(path, PeersConfig(serve=f"{RIG_ADDR}:{port}", transport="rdma", timeout_s=5.0)))
+    peers = PeersConfig(serve=f"{RIG_ADDR}:{port}", transport="rdma", timeout_s=5.0,
+                        secret_file=secret_file(Path(path).parent))
+    store = Store.open(config(path, peers))
     for i in range(4):
         store.put(tokens(i, 8), pages(i, 8))
     ready.set()
@@ -56,7 +66,8 @@ def test_decode_store_loads_from_prefill_store_over_rdma(tmp_path: Path) -> None
     proc.start()
     try:
         assert ready.wait(180), "the prefill store did not come up"
-        peers = PeersConfig(fetch=(f"{RIG_ADDR}:{port}",), transport="rdma", timeout_s=5.0)
+        peers = PeersConfig(fetch=(f"{RIG_ADDR}:{port}",), transport="rdma", timeout_s=5.0,
+                            secret_file=secret_file(tmp_path))
         with Store.open(config(str(tmp_path / "decode"), peers)) as decode:
             for i in range(4):
                 out = np.zeros((8, PB), np.uint8)

@@ -15,7 +15,7 @@ from tests.conftest import LAYOUT, PB, page_data
 from tierkv.store.api import Store
 from tierkv.config import DramConfig, NvmeConfig, PeersConfig, StoreConfig
 from tierkv.errors import ConfigError
-from tierkv.net import connect
+from tierkv.net import Credential, NetConfig, connect
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.peer import PeerDramTier
 
@@ -26,6 +26,14 @@ def prompt(seed: int, pages: int) -> np.ndarray:
     return np.random.default_rng(seed + 500).integers(0, 50000, pages * TPP, dtype=np.int64)
 
 
+def secret_file(where: Path, content: bytes = b"cluster-secret-of-this-test-run") -> str:
+    """A peers secret file (mode 0600) in ``where``."""
+    path = where / f"peers-{len(content)}.secret"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    return str(path)
+
+
 def config(path: Path, peers: PeersConfig, dram_pages: int = 16, nvme_pages: int = 32) -> StoreConfig:
     return StoreConfig(path=str(path), model_id="m", layout=LAYOUT, dram=DramConfig(dram_pages * PB),
                        nvme=NvmeConfig(nvme_pages * PB), peers=peers, policy="lru")
@@ -33,13 +41,14 @@ def config(path: Path, peers: PeersConfig, dram_pages: int = 16, nvme_pages: int
 
 @pytest.fixture
 def prefill(tmp_path: Path) -> Iterator[Store]:
-    with Store.open(config(tmp_path / "prefill", PeersConfig(serve="127.0.0.1:0", transport="tcp"))) as s:
+    peers = PeersConfig(serve="127.0.0.1:0", transport="tcp", secret_file=secret_file(tmp_path))
+    with Store.open(config(tmp_path / "prefill", peers)) as s:
         yield s
 
 
 def decode_node(tmp_path: Path, prefill: Store, **kw: object) -> Store:
     host, port = prefill.peer_address or ("", 0)
-    peers = PeersConfig(fetch=(f"{host}:{port}",), transport="tcp", timeout_s=1.0)
+    peers = PeersConfig(fetch=(f"{host}:{port}",), transport="tcp", timeout_s=1.0, secret_file=secret_file(tmp_path))
     return Store.open(config(tmp_path / "decode", peers, **kw))  # type: ignore[arg-type]
 
 
@@ -100,7 +109,8 @@ def test_pages_evicted_on_the_peer_are_misses_never_stale(tmp_path: Path, prefil
 
 
 def test_a_lost_peer_is_a_miss_within_the_timeout(tmp_path: Path) -> None:
-    serving = Store.open(config(tmp_path / "p", PeersConfig(serve="127.0.0.1:0", transport="tcp")))
+    serving = Store.open(config(tmp_path / "p", PeersConfig(serve="127.0.0.1:0", transport="tcp",
+                                                            secret_file=secret_file(tmp_path))))
     tokens, data = prompt(4, 2), page_data(4, 2)
     serving.put(tokens, data)
     decode = decode_node(tmp_path, serving)
@@ -119,7 +129,8 @@ def test_remote_nodes_cannot_write_into_a_served_store(tmp_path: Path, prefill: 
     tokens, data = prompt(6, 1), page_data(6, 1)
     prefill.put(tokens, data)
     host, port = prefill.peer_address or ("", 0)
-    peer = PeerDramTier(connect(host, port, "tcp"))
+    net = NetConfig(credential=Credential("", Path(secret_file(tmp_path)).read_bytes()))
+    peer = PeerDramTier(connect(host, port, "tcp", net))
     try:
         res = peer.transport.write([0], [time.time_ns()], np.full((1, PB), 0xEE, np.uint8)).result(5)
         assert not any(s.name == "STORED" for s in res.statuses)
@@ -130,9 +141,14 @@ def test_remote_nodes_cannot_write_into_a_served_store(tmp_path: Path, prefill: 
 
 
 @pytest.mark.parametrize("peers,match", [
-    ({"serve": "nohost"}, "host:port"),
-    ({"fetch": "10.0.0.1:7400"}, "list"),
-    ({"fetch": ["10.0.0.1:99999"]}, "port"),
+    ({"serve": "nohost", "secret_file": "/s"}, "host:port"),
+    ({"fetch": "10.0.0.1:7400", "secret_file": "/s"}, "list"),
+    ({"fetch": ["10.0.0.1:99999"], "secret_file": "/s"}, "port"),
+    ({"serve": "127.0.0.1:7400"}, "secret_file"),
+    ({"fetch": ["10.0.0.1:7400"]}, "secret_file"),
+    ({"serve": "127.0.0.1:7400", "secret_file": 42}, "secret_file"),
+    ({"serve": "127.0.0.1:7400", "secret_file": "/s", "tenant_secrets": {"a": 1}}, "tenant_secrets"),
+    ({"serve": "127.0.0.1:7400", "secret_file": "/s", "tenant": 7}, "tenant"),
     ({"transport": "ib"}, "transport"),
     ({"timeout_s": 0}, "timeout_s"),
 ])

@@ -12,9 +12,11 @@ slot store), and the controls ``credits``, ``window``, ``mux``, ``pool``.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal, Self
 
 from tierkv.errors import ConfigError, InputError
+from tierkv.net.auth import Credential, ServerAuth
 from tierkv.net.server import SlotStore
 from tierkv.net.tcp import TcpTransport
 from tierkv.net.tcp_server import ServerStats, TcpServer
@@ -32,12 +34,22 @@ class PeerServer:
     ``rdma=True`` also registers the tier's buffer with the RDMA device on ``host``'s
     interface and accepts RDMA clients. ``store`` is the node-local API (``store``,
     ``publish``, ``forget``). Close it (or use it as a context manager) to stop.
+
+    ``auth``: the principals it accepts (:mod:`tierkv.net.auth`); without it, any client
+    is served, so it binds only a loopback address unless ``insecure=True`` says that the
+    network is trusted. ``keyed``: reads must name the key of each slot (a store serving
+    its own pages).
     """
 
     def __init__(self, tier: DramTier, host: str = "127.0.0.1", port: int = 0, config: NetConfig | None = None,
-                 rdma: bool = False, workers: int = 4, accept_writes: bool = True) -> None:
+                 rdma: bool = False, workers: int = 4, accept_writes: bool = True, *,
+                 auth: ServerAuth | None = None, keyed: bool = False, insecure: bool = False) -> None:
         self.config = config or NetConfig()
-        self.store = SlotStore(tier, accept_writes)
+        if auth is None and not insecure and not is_loopback(host):
+            raise ConfigError(f"a peer server on {host} without credentials would serve anyone who can reach it; "
+                              "give it credentials ([peers] secret_file), bind a loopback address, or pass "
+                              "insecure=True on a network you trust")
+        self.store = SlotStore(tier, accept_writes, keyed)
         self.rdma = None
         if rdma:
             try:
@@ -47,8 +59,9 @@ class PeerServer:
                                   "use rdma=False for TCP") from None
 
             self.rdma = RdmaServer(self.store, host, self.config)
-            self.store.methods["rdma-connect"] = self.rdma.accept
-        self.tcp = TcpServer(self.store, host, port, self.config, workers=workers)
+            accept = self.rdma.accept
+            self.store.methods["rdma-connect"] = lambda body, scope: accept(body)
+        self.tcp = TcpServer(self.store, host, port, self.config, workers=workers, auth=auth)
         self.address = self.tcp.address
 
     def stats(self) -> ServerStats:
@@ -64,6 +77,16 @@ class PeerServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback only."""
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def rdma_available() -> bool:
@@ -87,6 +110,6 @@ def connect(host: str, port: int, kind: TransportKind = "auto", config: NetConfi
     return TcpTransport(host, port, config)
 
 
-__all__ = ["CallResult", "LinkStats", "NetConfig", "PageMeta", "PeerInfo", "PeerServer", "ReadResult",
-           "ServerStats", "SlotStore", "TcpTransport", "Transport", "WriteResult", "WriteStatus", "connect",
-           "rdma_available"]
+__all__ = ["CallResult", "Credential", "LinkStats", "NetConfig", "PageMeta", "PeerInfo", "PeerServer", "ReadResult",
+           "ServerAuth", "ServerStats", "SlotStore", "TcpTransport", "Transport", "WriteResult", "WriteStatus", "connect",
+           "is_loopback", "rdma_available"]

@@ -56,7 +56,8 @@ class RdmaTransport(Transport):
     def __init__(self, host: str, port: int, config: NetConfig | None = None) -> None:
         cfg = self.config = config or NetConfig()
         self.control = TcpTransport(host, port, NetConfig(timeout_s=cfg.timeout_s, links=1,
-                                                          connect_timeout_s=cfg.connect_timeout_s))
+                                                          connect_timeout_s=cfg.connect_timeout_s,
+                                                          credential=cfg.credential))
         self.address = (host, port)
         self._closed = False
         self.client_id = ((os.getpid() << 32) ^ time.time_ns()) & 0x7FFFFFFFFFFFFFFF or 1
@@ -113,7 +114,8 @@ class RdmaTransport(Transport):
 
     # -- operations -------------------------------------------------------------------------
     def read(self, slots: Sequence[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None = None,
-             channel: int = 0) -> Future[ReadResult]:
+             channel: int = 0, keys: Sequence[bytes] | None = None) -> Future[ReadResult]:
+        # One-sided: ``keys`` are not sent; the connection (a cluster principal's) authorizes it.
         slots = read_args(slots, dst, self.info)
         fut: Future[ReadResult] = Future()
         if not slots:

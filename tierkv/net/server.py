@@ -7,6 +7,13 @@ record per slot in a packed table (24 bytes a slot, in memory the RDMA server re
 so a peer can also read a meta one-sided), and holds a small key -> slot index so a
 peer can ask "which of these keys do you hold" (the ``lookup`` call).
 
+A store serving its own pages (``keyed``) answers a read only where it names, per slot,
+the key that slot holds: a slot number alone never returns bytes. Each published page
+carries the tag of the tenant whose request placed it (:func:`tierkv.net.auth.tenant_tag`;
+0 when not known); a connection scoped to one tenant is answered only for that tenant's
+pages, by lookup and by read alike. The RDMA connect call, which hands out one-sided
+access to every slot, is for the cluster's principal only.
+
 Thread-safety: every method may be called from any thread. Writers of one slot are
 serialized (a striped lock held from the generation check to the new meta), so racing
 writers leave the newest generation's bytes; page bytes are copied outside the meta
@@ -24,20 +31,24 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tierkv.errors import TierKVError
-from tierkv.net.wire import (EMPTY_GENERATION, Call, PageMeta, Pages, Reply, WriteAck, WriteStatus,
+from tierkv.net.auth import UNKNOWN_TENANT, Scope
+from tierkv.net.wire import (EMPTY_GENERATION, Call, PageMeta, Pages, ProtocolError, Reply, WriteAck, WriteStatus,
                              decode_keys, encode_metas, page_checksum)
 from tierkv.tiers.dram import DramTier
 
 META_DTYPE = np.dtype([("slot", "<u4"), ("generation", "<u8"), ("length", "<u4"), ("checksum", "<u8")])
 assert META_DTYPE.itemsize == 24
-Method = Callable[[bytes], bytes]
+Method = Callable[[bytes, Scope], bytes]
+#: Calls a connection scoped to one tenant may not make (they reach every slot).
+CLUSTER_ONLY = frozenset({"rdma-connect"})
 
 
 class SlotStore:
     """Pages of ``tier`` addressed by slot, with metas and a key index."""
 
-    def __init__(self, tier: DramTier, accept_writes: bool = True) -> None:
+    def __init__(self, tier: DramTier, accept_writes: bool = True, keyed: bool = False) -> None:
         self.tier = tier
+        self.keyed = keyed
         # A store serving its own DRAM tier to peers owns every slot: remote writes are refused.
         self.accept_writes = accept_writes
         self.num_slots = tier.num_slots
@@ -45,6 +56,7 @@ class SlotStore:
         self.epoch = (time.time_ns() ^ (os.getpid() << 40)) & ((1 << 64) - 1) or 1
         self.metas = np.zeros(self.num_slots, dtype=META_DTYPE)
         self.metas["slot"] = np.arange(self.num_slots, dtype=np.uint32)
+        self.tags = np.zeros(self.num_slots, dtype=np.uint64)  # the tenant of each slot's page
         self._lock = threading.Lock()
         self._slot_locks = [threading.Lock() for _ in range(64)]  # striped by slot
         self._index: dict[bytes, int] = {}
@@ -74,14 +86,17 @@ class SlotStore:
             for k in keys:
                 self._index.pop(k, None)
 
-    def seal(self, keys: Sequence[bytes], slots: Sequence[int], generation: int, length: int) -> None:
+    def seal(self, keys: Sequence[bytes], slots: Sequence[int], generation: int, length: int,
+             tags: Sequence[int] | None = None) -> None:
         """Publish pages the owning node has already written into ``slots`` (its own
-        transfers, not :meth:`put`): their metas are computed from the bytes there."""
-        for k, s in zip(keys, slots):
+        transfers, not :meth:`put`): their metas are computed from the bytes there.
+        ``tags[i]``: the tenant tag of page ``i`` (default: not known, cluster-only)."""
+        for i, (k, s) in enumerate(zip(keys, slots)):
             actual = page_checksum(self.tier.buffer[s, :length].data)
             with self._lock:
                 r = self.metas[s]
                 r["generation"], r["length"], r["checksum"] = generation, length, actual
+                self.tags[s] = UNKNOWN_TENANT if tags is None else tags[i]
                 self._index[k] = s
 
     def unseal(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
@@ -92,6 +107,7 @@ class SlotStore:
                 if self._index.get(k) == s:
                     del self._index[k]
                 self.metas[s]["generation"] = EMPTY_GENERATION
+                self.tags[s] = UNKNOWN_TENANT
 
     def store(self, keys: Sequence[bytes], src: np.ndarray, generation: int = 1) -> list[int]:
         """Allocate slots in the tier, write ``src`` there and publish ``keys`` (what the
@@ -103,20 +119,30 @@ class SlotStore:
         return slots
 
     # -- what the servers call ------------------------------------------------------------
-    def read(self, slots: Sequence[int]) -> tuple[tuple[PageMeta, ...], list[memoryview]]:
+    def read(self, slots: Sequence[int], keys: Sequence[bytes] | None = None,
+             scope: Scope = None) -> tuple[tuple[PageMeta, ...], list[memoryview]]:
         """The metas of ``slots`` and views of their stored bytes (empty for a miss or an
-        out-of-range slot, whose meta then has generation 0)."""
+        out-of-range slot, whose meta then has generation 0). A keyed store answers only
+        slots that hold ``keys[i]`` for a tenant ``scope`` may see."""
         metas, parts = [], []
         buf = self.tier.buffer
-        for s in slots:
-            if not 0 <= s < self.num_slots:
-                metas.append(PageMeta(s, EMPTY_GENERATION, 0, 0))
-                continue
-            m = self.meta(s)
-            metas.append(m)
-            if m.generation != EMPTY_GENERATION:
-                parts.append(buf[s, :m.length].data)
+        if keys is not None and len(keys) != len(slots):
+            raise ProtocolError(f"a read names {len(keys)} keys for {len(slots)} slots")
+        with self._lock:
+            for i, s in enumerate(slots):
+                if not 0 <= s < self.num_slots or (self.keyed and (keys is None or self._index.get(keys[i]) != s
+                                                                  or not self._visible(s, scope))):
+                    metas.append(PageMeta(s, EMPTY_GENERATION, 0, 0))
+                    continue
+                m = self._meta_held(s)
+                metas.append(m)
+                if m.generation != EMPTY_GENERATION:
+                    parts.append(buf[s, :m.length].data)
         return tuple(metas), parts
+
+    def _visible(self, slot: int, scope: Scope) -> bool:
+        """Whether a connection of ``scope`` may see the page in ``slot`` (lock held)."""
+        return scope is None or int(self.tags[slot]) == scope
 
     def write(self, pages: Pages) -> WriteAck:
         if not self.accept_writes:
@@ -163,12 +189,15 @@ class SlotStore:
             self.tier.buffer[slot, :len(data)] = np.frombuffer(data, dtype=np.uint8)
             return self._set_meta(PageMeta(slot, generation, len(data), actual), actual)
 
-    def call(self, call: Call) -> Reply:
+    def call(self, call: Call, scope: Scope = None) -> Reply:
+        if scope is not None and call.method in CLUSTER_ONLY:
+            return Reply(False, f"{call.method} is for the cluster's principal; this connection may see one "
+                                "tenant's pages".encode())
         fn = self.methods.get(call.method)
         if fn is None:
             return Reply(False, f"unknown method {call.method!r}; known: {sorted(self.methods)}".encode())
         try:
-            return Reply(True, fn(call.body))
+            return Reply(True, fn(call.body, scope))
         except (TierKVError, ValueError, IndexError) as e:  # InputError, a malformed body (ProtocolError)
             return Reply(False, f"{call.method}: {e}".encode())
 
@@ -183,11 +212,12 @@ class SlotStore:
             r["generation"], r["length"], r["checksum"] = m.generation, m.length, m.checksum
             return WriteStatus.STORED
 
-    def _lookup(self, body: bytes) -> bytes:
+    def _lookup(self, body: bytes, scope: Scope = None) -> bytes:
         keys = decode_keys(body)
         # Slot and meta under one hold: between two, the owner could reuse the slot for
         # another page (another tenant's), whose meta would then vouch for it under this key.
         with self._lock:
             slots = [self._index.get(k, -1) for k in keys]
-            metas = [self._meta_held(s) if s >= 0 else PageMeta(0, EMPTY_GENERATION, 0, 0) for s in slots]
+            metas = [self._meta_held(s) if s >= 0 and self._visible(s, scope) else PageMeta(0, EMPTY_GENERATION, 0, 0)
+                     for s in slots]
         return encode_metas(metas)

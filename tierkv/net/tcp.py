@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.errors import StoreClosedError, TierKVError, TierUnavailableError
+from tierkv.errors import InputError, StoreClosedError, TierKVError, TierUnavailableError
 from tierkv.net.credits import CreditGate
 from tierkv.net.framing import recv_message, send_message
 from tierkv.net.mux import Mux
@@ -42,8 +42,9 @@ from tierkv.net.split import in_turn
 from tierkv.net.transport import (CallResult, LinkStats, NetConfig, PeerInfo, ReadResult, Transport,
                                   WriteResult)
 from tierkv.net.verify import copy_accepted, failed_read, read_args, write_args
-from tierkv.net.wire import (Body, Call, Hello, Kind, PageMeta, Pages, ProtocolError, ReadPages, Reply,
-                             Welcome, WriteAck, WriteStatus, page_checksum, pages_per_message)
+from tierkv.net import auth
+from tierkv.net.wire import (Auth, Body, Call, Challenge, Hello, Kind, PageMeta, Pages, ProtocolError, ReadPages,
+                             Reply, Welcome, WriteAck, WriteStatus, page_checksum, pages_per_message)
 from tierkv.net.window import Entry, SendWindow
 
 _client_ids = itertools.count(1)
@@ -118,17 +119,15 @@ class TcpLink:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.config.connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_message(sock, Kind.HELLO, 0, 0, 0, Hello(self.client_id).encode())
-            # A whole-handshake deadline: each receive is bounded by the socket timeout, but
-            # a peer trickling its WELCOME a byte at a time would otherwise never time out.
-            _, body, _ = recv_message(sock, deadline=time.monotonic() + self.config.connect_timeout_s)
+            body = self._handshake(sock, time.monotonic() + self.config.connect_timeout_s)
         except (OSError, ConnectionError, ProtocolError) as e:
             if sock is not None:
                 sock.close()
             raise TierUnavailableError(f"cannot reach peer {self.host}:{self.port}: {e}") from None
-        if not isinstance(body, Welcome):
+        except TierUnavailableError:
+            assert sock is not None
             sock.close()
-            raise TierUnavailableError(f"peer {self.host}:{self.port} answered the handshake with {type(body).__name__}")
+            raise
         sock.settimeout(None)
         with self._lock:
             if self._closed.is_set():  # closed while this handshake ran: keep nothing
@@ -145,6 +144,38 @@ class TcpLink:
             self._down.clear()
             self._connected.set()
         threading.Thread(target=self._read_loop, args=(sock, gen), name="tierkv-peer-read", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> Welcome:
+        """HELLO, then (with a server that has credentials) the challenge and this side's
+        answer; the server's WELCOME. A whole-handshake deadline: each receive is bounded by
+        the socket timeout, but a peer trickling its answer a byte at a time would otherwise
+        never time out. TierUnavailableError when either side fails to authenticate."""
+        cred = self.config.credential
+        mine = auth.nonce() if cred is not None else b""
+        send_message(sock, Kind.HELLO, 0, 0, 0,
+                     Hello(self.client_id, cred.principal if cred else "", mine).encode())
+        _, body, _ = recv_message(sock, deadline=deadline)
+        where = f"peer {self.host}:{self.port}"
+        if isinstance(body, Challenge):
+            if cred is None:
+                raise TierUnavailableError(f"{where} requires authentication; this side has no credential "
+                                           "(set [peers] secret_file)")
+            if not auth.same(body.proof, auth.server_proof(cred.secret, cred.principal, mine, body.nonce)):
+                raise TierUnavailableError(f"{where} failed to prove it holds the secret of principal "
+                                           f"{cred.principal or '(cluster)'!r}: a different secret, or not a peer")
+            send_message(sock, Kind.AUTH, 0, 0, 0,
+                         Auth(auth.client_proof(cred.secret, cred.principal, body.nonce, mine)).encode())
+            try:
+                _, body, _ = recv_message(sock, deadline=deadline)
+            except ConnectionError:
+                raise TierUnavailableError(f"{where} refused this side's credential for principal "
+                                           f"{cred.principal or '(cluster)'!r}") from None
+        elif cred is not None and isinstance(body, Welcome):
+            raise TierUnavailableError(f"{where} runs without credentials, so it cannot prove who it is; "
+                                       "this side refuses it (give both sides the same secret)")
+        if not isinstance(body, Welcome):
+            raise TierUnavailableError(f"{where} answered the handshake with {type(body).__name__}")
+        return body
 
     def _drop(self, gen: int, why: str) -> None:
         with self._lock:
@@ -300,14 +331,17 @@ class TcpTransport(Transport):
         return all(link._connected.wait(max(0.0, end - time.monotonic())) for link in self._links)
 
     def read(self, slots: Sequence[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None = None,
-             channel: int = 0) -> Future[ReadResult]:
+             channel: int = 0, keys: Sequence[bytes] | None = None) -> Future[ReadResult]:
         slots = read_args(slots, dst, self.info)
+        if keys is not None and len(keys) != len(slots):
+            raise InputError(f"a read names one key per slot: {len(keys)} keys for {len(slots)} slots")
         per = pages_per_message(self.info.slot_bytes)
         if len(slots) <= per:
-            return self._read(slots, dst, expect, channel)
+            return self._read(slots, dst, expect, channel, keys)
         # A reply carries at most ``per`` pages: split, and answer once every part has.
         parts = [functools.partial(self._read, slots[i:i + per], dst[i:i + per],
-                                   None if expect is None else expect[i:i + per], channel)
+                                   None if expect is None else expect[i:i + per], channel,
+                                   None if keys is None else keys[i:i + per])
                  for i in range(0, len(slots), per)]
         return in_turn(parts, lambda rs: ReadResult(tuple(o for r in rs for o in r.ok),
                                                    tuple(m for r in rs for m in r.metas),
@@ -315,7 +349,7 @@ class TcpTransport(Transport):
                        self._parts)
 
     def _read(self, slots: list[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None,
-              channel: int) -> Future[ReadResult]:
+              channel: int, keys: Sequence[bytes] | None = None) -> Future[ReadResult]:
         fut: Future[ReadResult] = Future()
         if not slots:
             fut.set_result(ReadResult((), ()))
@@ -328,7 +362,8 @@ class TcpTransport(Transport):
             datas = [body.data[o:o + m.length] for o, m in zip(offs, body.metas)]
             return copy_accepted(body.metas, datas, slots, dst, expect)
 
-        self._submit(channel, _Req(Kind.READ, channel, ReadPages(tuple(slots)).encode(), fut, on_reply,
+        body = ReadPages(tuple(slots), tuple(keys) if keys else ())
+        self._submit(channel, _Req(Kind.READ, channel, body.encode(), fut, on_reply,
                                    lambda why: failed_read(slots, why)))
         return fut
 

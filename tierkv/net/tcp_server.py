@@ -7,7 +7,10 @@ replies the workers queue, in order (a reply the client does not take within
 connection has ``recv_credits`` posted receives (a :class:`~tierkv.net.credits.ReceiveLedger`);
 a message beyond them is answered with a NAK (RDMA's RNR NAK), counted in ``naks``, and
 the client retries it. A message that fails its checksum or does not parse closes the
-connection (the client reconnects and resends). Started by :class:`tierkv.net.PeerServer`.
+connection (the client reconnects and resends). With credentials (``auth``), a connection
+is served only once the client has answered the challenge (:mod:`tierkv.net.auth`): any
+other message before that, a wrong answer, or no answer within ``timeout_s`` closes it,
+and counts in ``auth_failures``. Started by :class:`tierkv.net.PeerServer`.
 """
 
 from __future__ import annotations
@@ -22,13 +25,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tierkv.net import auth
+from tierkv.net.auth import ServerAuth
 from tierkv.net.credits import ReceiveLedger
 from tierkv.net.framing import frame, recv_message, send_buffers
 from tierkv.net.server import SlotStore
 from tierkv.net.transport import NetConfig
-from tierkv.net.wire import Body, Call, Header, Kind, Pages, ProtocolError, ReadPages, Welcome, pages_per_message
+from tierkv.net.wire import (Auth, Body, Call, Challenge, Header, Hello, Kind, Pages, ProtocolError, ReadPages, Welcome,
+                             pages_per_message)
 
 log = logging.getLogger(__name__)
+REFUSAL_LOG_S = 60.0  # the most often a refused handshake is logged
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class ServerStats:
     requests: int
     naks: int
     protocol_errors: int
+    auth_failures: int = 0
 
 
 class _Wake:
@@ -64,6 +72,7 @@ class _Conn:
         self._outbox: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self.sender = threading.Thread(target=self._send_loop, name="tierkv-peer-send", daemon=True)
         self.reader: threading.Thread | None = None   # the server's thread reading its requests
+        self.scope: auth.Scope = None   # the tenants it may see, once authenticated (None: all)
 
     def send(self, kind: Kind, channel: int, seq: int, parts: list[bytes | memoryview]) -> None:
         if not self.open:
@@ -107,16 +116,19 @@ class _Conn:
 
 
 class TcpServer:
-    def __init__(self, store: SlotStore, host: str, port: int, config: NetConfig, workers: int = 4) -> None:
+    def __init__(self, store: SlotStore, host: str, port: int, config: NetConfig, workers: int = 4,
+                 auth: ServerAuth | None = None) -> None:
         self.store = store
         self.config = config
+        self.auth = auth
         self._listener = socket.create_server((host, port))  # SO_REUSEADDR: a restarted server rebinds at once
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierkv-peer-srv")
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._counts = {"connections": 0, "requests": 0, "naks": 0, "protocol_errors": 0}
+        self._counts = {"connections": 0, "requests": 0, "naks": 0, "protocol_errors": 0, "auth_failures": 0}
+        self._last_refusal = -REFUSAL_LOG_S
         self._thread = threading.Thread(target=self._accept_loop, name="tierkv-peer-listen", daemon=True)
         self._thread.start()
 
@@ -184,16 +196,16 @@ class TcpServer:
 
     def _serve(self, conn: _Conn) -> None:
         try:
+            if not self._greet(conn):
+                return
             while not self._closed.is_set():
                 ready, _, _ = select.select([conn.sock], [], [], 0.2)
                 if not ready:
                     continue
                 # A message started must finish in time, however slowly it trickles in.
                 header, body, _payload = recv_message(conn.sock, deadline=time.monotonic() + self.config.timeout_s)
-                if header.kind == Kind.HELLO:
-                    w = Welcome(self.store.epoch, self.store.num_slots, self.store.slot_bytes, conn.ledger.depth)
-                    conn.send(Kind.WELCOME, header.channel, header.seq, w.encode())
-                    continue
+                if header.kind in (Kind.HELLO, Kind.AUTH):
+                    raise ProtocolError(f"a {header.kind.name} after the handshake")
                 if not conn.ledger.consume():  # no receive posted for it: RNR
                     self._count("naks")
                     conn.send(Kind.NAK, header.channel, header.seq, [])
@@ -213,9 +225,66 @@ class TcpServer:
                 if not self._closed.is_set():
                     self._conns.discard(conn)
 
+    def _greet(self, conn: _Conn) -> bool:
+        """The handshake: HELLO, and with credentials the challenge and its answer, all
+        within ``timeout_s``; then WELCOME. False (the connection is to be closed) when the
+        client fails it; ProtocolError for a message out of turn."""
+        deadline = time.monotonic() + self.config.timeout_s
+        header, hello, _ = self._recv_by(conn, deadline)
+        if not isinstance(hello, Hello):
+            raise ProtocolError(f"a {header.kind.name} before HELLO")
+        if self.auth is not None:
+            known = self.auth.lookup(hello.principal)
+            # An unknown principal is challenged under a random secret, so that a scan
+            # cannot tell which names exist (it fails the client's check instead).
+            secret, scope = known if known is not None else (auth.nonce(), None)
+            mine = auth.nonce()
+            proof = auth.server_proof(secret, hello.principal, hello.nonce, mine)
+            conn.send(Kind.CHALLENGE, header.channel, header.seq, Challenge(mine, proof).encode())
+            if len(hello.nonce) != auth.NONCE_BYTES:  # it learns from the challenge that it needs one
+                return self._refuse(conn, hello.principal, "no credential (a hello without a nonce)")
+            try:
+                header, answer, _ = self._recv_by(conn, deadline)
+            except (OSError, ConnectionError):
+                if self._closed.is_set():
+                    raise
+                return self._refuse(conn, hello.principal, "no answer to the challenge (the client could not "
+                                    "verify this server: a different secret?)")
+            if not isinstance(answer, Auth):
+                raise ProtocolError(f"a {header.kind.name} where the answer to the challenge belongs")
+            if known is None or not auth.same(answer.proof, auth.client_proof(secret, hello.principal, mine,
+                                                                              hello.nonce)):
+                return self._refuse(conn, hello.principal, "a wrong answer to the challenge")
+            conn.scope = scope
+        w = Welcome(self.store.epoch, self.store.num_slots, self.store.slot_bytes, conn.ledger.depth)
+        conn.send(Kind.WELCOME, header.channel, header.seq, w.encode())
+        return True
+
+    def _recv_by(self, conn: _Conn, deadline: float) -> tuple[Header, Body, object]:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed.is_set():
+                raise ConnectionError("the handshake did not finish in time")
+            ready, _, _ = select.select([conn.sock], [], [], min(left, 0.2))
+            if ready:
+                return recv_message(conn.sock, deadline=deadline)
+
+    def _refuse(self, conn: _Conn, principal: str, why: str) -> bool:
+        self._count("auth_failures")
+        peer = _peer_name(conn.sock)
+        now = time.monotonic()
+        with self._lock:
+            quiet = now - self._last_refusal < REFUSAL_LOG_S
+            if not quiet:
+                self._last_refusal = now
+        if not quiet:  # one line a minute at most: a scan must not flood the log
+            log.warning("peer server: refused %s (principal %r): %s; %d refused so far", peer,
+                        principal or "(cluster)", why, self.stats().auth_failures)
+        return False
+
     def _handle(self, conn: _Conn, header: Header, body: Body) -> None:
         try:
-            kind, parts = self._reply(body)
+            kind, parts = self._reply(body, conn.scope)
             conn.ledger.repost()
             conn.send(kind, header.channel, header.seq, parts)
         except Exception as e:  # noqa: BLE001 - a worker must not die silently with the credit taken
@@ -223,19 +292,27 @@ class TcpServer:
             log.warning("peer server: closing a connection after a request it could not answer: %s", e)
             _shut(conn)
 
-    def _reply(self, body: Body) -> tuple[Kind, list[bytes | memoryview]]:
+    def _reply(self, body: Body, scope: auth.Scope) -> tuple[Kind, list[bytes | memoryview]]:
         if isinstance(body, ReadPages):
             if len(body.slots) > pages_per_message(self.store.slot_bytes):
                 raise ProtocolError(f"a read of {len(body.slots)} pages; a reply carries at most "
                                     f"{pages_per_message(self.store.slot_bytes)} of {self.store.slot_bytes} bytes")
-            metas, parts = self.store.read(body.slots)
+            metas, parts = self.store.read(body.slots, body.keys or None, scope)
             head = Pages(metas, memoryview(b"")).encode()
             return Kind.PAGES, head + list(parts)
         if isinstance(body, Pages):
             return Kind.WRITE_ACK, self.store.write(body).encode()
         if isinstance(body, Call):
-            return Kind.REPLY, self.store.call(body).encode()
+            return Kind.REPLY, self.store.call(body, scope).encode()
         raise ProtocolError(f"a client sent a {type(body).__name__}")
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "a client"
+    return f"{host}:{port}"
 
 
 def _shut(conn: _Conn) -> None:

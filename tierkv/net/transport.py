@@ -22,6 +22,7 @@ from typing import Self
 
 import numpy as np
 
+from tierkv.net.auth import Credential
 from tierkv.net.wire import PageMeta, WriteStatus
 
 
@@ -48,6 +49,7 @@ class NetConfig:
     backoff_max_s: float = 1.0
     pool_bytes: int = 64 << 20
     staging_bytes: int = 64 << 20
+    credential: Credential | None = None
 
 
 @dataclass(frozen=True)
@@ -118,11 +120,14 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def read(self, slots: Sequence[int], dst: np.ndarray, expect: Sequence[PageMeta | None] | None = None,
-             channel: int = 0) -> Future[ReadResult]:
+             channel: int = 0, keys: Sequence[bytes] | None = None) -> Future[ReadResult]:
         """Fetch remote ``slots`` into the rows of ``dst`` (the first ``dst.shape[1]`` bytes of
         each page). A page is ok when its bytes hash to its meta and, where ``expect`` is
         given, its generation and checksum equal the expected ones. Rows of missed pages
-        are left in an unspecified state (never a mix the caller could take for a page)."""
+        are left in an unspecified state (never a mix the caller could take for a page).
+        ``keys``: the page key each slot should hold; a server that serves a store answers
+        only reads that name them (over TCP; an RDMA read is one-sided, authorized by the
+        connection, and does not send them)."""
 
     @abc.abstractmethod
     def write(self, slots: Sequence[int], generations: Sequence[int], src: np.ndarray,

@@ -23,7 +23,7 @@ import xxhash
 from tierkv.errors import InputError, TierKVError
 
 MAGIC = b"TK"
-VERSION = 2  # 2: a page list's frame checksum covers its metas, not its page bytes
+VERSION = 3  # 2: a page list's frame checksum covers its metas; 3: authentication, reads that name keys
 MAX_PAYLOAD_BYTES = 1 << 30  # refuse a header announcing more: a garbage or hostile length
 _HEAD = struct.Struct("<2sBBHHQI")  # magic, version, kind, channel, credits, seq, length
 _SUM = struct.Struct("<Q")
@@ -65,6 +65,8 @@ class Kind(enum.IntEnum):
     REPLY = 8        # Reply
     NAK = 9          # receiver had no posted receive for the message (an RNR NAK): retry it
     STAGE = 10       # Stage (RDMA only: where to push a WRITE's bytes, reply to WRITE)
+    CHALLENGE = 11   # server -> client: Challenge (a server with credentials, after HELLO)
+    AUTH = 12        # client -> server: Auth (the answer to a CHALLENGE)
 
 
 class WriteStatus(enum.IntEnum):
@@ -170,14 +172,61 @@ def check_payload(raw_header: bytes | bytearray | memoryview, checksum: int, pay
 # -- message bodies ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hello:
+    """The client's opening: its id, and for an authenticating client its principal's
+    name and a fresh nonce (:mod:`tierkv.net.auth`)."""
+
     client_id: int
+    principal: str = ""
+    nonce: bytes = b""
 
     def encode(self) -> list[bytes | memoryview]:
-        return [struct.pack("<Q", self.client_id)]
+        name = self.principal.encode()
+        if len(name) > 0xFF:
+            raise InputError(f"a principal's name is at most 255 bytes, got {len(name)}")
+        return [struct.pack("<QB", self.client_id, len(name)) + name + self.nonce]
 
     @classmethod
     def decode(cls, b: memoryview) -> Hello:
-        return cls(*_unpack("<Q", b))
+        _need(b, 9)
+        client_id, n = struct.unpack_from("<QB", b)
+        _need(b, 9 + n)
+        nonce = bytes(b[9 + n:])
+        if len(nonce) not in (0, 32):
+            raise ProtocolError(f"a hello's nonce is 0 or 32 bytes, got {len(nonce)}")
+        return cls(client_id, bytes(b[9:9 + n]).decode(), nonce)
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """A server with credentials answers HELLO with its nonce and its proof of the secret."""
+
+    nonce: bytes
+    proof: bytes
+
+    def encode(self) -> list[bytes | memoryview]:
+        return [self.nonce + self.proof]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> Challenge:
+        if len(b) != 64:
+            raise ProtocolError(f"a challenge is 64 bytes, got {len(b)}")
+        return cls(bytes(b[:32]), bytes(b[32:]))
+
+
+@dataclass(frozen=True)
+class Auth:
+    """The client's proof of the secret, answering a CHALLENGE."""
+
+    proof: bytes
+
+    def encode(self) -> list[bytes | memoryview]:
+        return [self.proof]
+
+    @classmethod
+    def decode(cls, b: memoryview) -> Auth:
+        if len(b) != 32:
+            raise ProtocolError(f"an auth answer is 32 bytes, got {len(b)}")
+        return cls(bytes(b))
 
 
 @dataclass(frozen=True)
@@ -200,16 +249,37 @@ class Welcome:
 
 @dataclass(frozen=True)
 class ReadPages:
+    """Pages to read by slot; ``keys`` (one per slot, all of one length) name the page each
+    slot must hold. A server that serves a store (``keyed``) answers only reads that name
+    keys, and only where the slot holds that key for a tenant the connection may see."""
+
     slots: tuple[int, ...]
+    keys: tuple[bytes, ...] = ()
 
     def encode(self) -> list[bytes | memoryview]:
-        return [_COUNT.pack(len(self.slots)) + struct.pack(f"<{len(self.slots)}I", *self.slots)]
+        head = _COUNT.pack(len(self.slots)) + struct.pack(f"<{len(self.slots)}I", *self.slots)
+        if not self.keys:
+            return [head]
+        width = len(self.keys[0])
+        if len(self.keys) != len(self.slots) or any(len(k) != width for k in self.keys) or not 0 < width <= 0xFFFF:
+            raise InputError(f"a read names one key per slot, all of one length (1..65535 bytes): got "
+                             f"{len(self.keys)} keys for {len(self.slots)} slots")
+        return [head, struct.pack("<H", width) + b"".join(self.keys)]
 
     @classmethod
     def decode(cls, b: memoryview) -> ReadPages:
         n = _count(b, "a read", MAX_PAGES_PER_MESSAGE)
-        _need(b, 4 + 4 * n)
-        return cls(struct.unpack_from(f"<{n}I", b, 4))
+        end = 4 + 4 * n
+        _need(b, end)
+        slots = struct.unpack_from(f"<{n}I", b, 4)
+        if len(b) == end:
+            return cls(slots)
+        _need(b, end + 2)
+        (width,) = struct.unpack_from("<H", b, end)
+        if width == 0 or len(b) != end + 2 + n * width:
+            raise ProtocolError(f"a read of {n} slots carries {len(b) - end - 2} bytes of keys of {width} bytes each")
+        raw = bytes(b[end + 2:])
+        return cls(slots, tuple(raw[i * width:(i + 1) * width] for i in range(n)))
 
 
 @dataclass(frozen=True)
@@ -320,11 +390,11 @@ class Nak:
         return cls()
 
 
-Body = Hello | Welcome | ReadPages | Pages | WriteAck | Call | Reply | Nak | Stage
+Body = Hello | Challenge | Auth | Welcome | ReadPages | Pages | WriteAck | Call | Reply | Nak | Stage
 BODY_OF: dict[Kind, type[Body]] = {
     Kind.HELLO: Hello, Kind.WELCOME: Welcome, Kind.READ: ReadPages, Kind.PAGES: Pages,
     Kind.WRITE: Pages, Kind.WRITE_ACK: WriteAck, Kind.CALL: Call, Kind.REPLY: Reply, Kind.NAK: Nak,
-    Kind.STAGE: Stage,
+    Kind.STAGE: Stage, Kind.CHALLENGE: Challenge, Kind.AUTH: Auth,
 }
 
 

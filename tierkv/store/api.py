@@ -13,6 +13,7 @@ and page tensors, never keys.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -187,19 +188,21 @@ class Store:
             levels = lead.levels[:loaded]
             tiers = tuple(map(self._kinds.__getitem__, levels.tolist()))
             if loaded and not self.read_only and self.config.promote_on_hit and levels.any():
-                self._promote(lead, levels, rows)
+                with self._placing(blob, tenant):
+                    self._promote(lead, levels, rows)
             if self._peering is not None and loaded == len(lead) and loaded < want:
                 # The pages that follow the local ones, from another node's DRAM: checked
                 # against the peer's checksum, then kept here.
                 keys = split_keys(blob)
-                got = self._peering.fetch(keys[loaded:want], rows[loaded:want])
+                got = self._peering.fetch(keys[loaded:want], rows[loaded:want], tenant_salt(tenant))
                 if got:
                     self._counters.tier_hits[TierKind.PEER.value] += got
                     # Kept here as far as this store holds them with their prefix; the
                     # caller has every fetched page either way.
                     room = sum(t.num_slots for t in self._manager.tiers) - loaded
                     if room > 0:
-                        self._store(keys, rows[loaded:loaded + min(got, room)], loaded)
+                        with self._placing(blob, tenant):
+                            self._store(keys, rows[loaded:loaded + min(got, room)], loaded)
                     tiers += (TierKind.PEER,) * got
                     loaded += got
             self._counters.events["pages_requested"] += requested
@@ -273,8 +276,15 @@ class Store:
                 log.warning("put: page %d was pinned as stored but has gone; its row holds no data, nothing is "
                             "stored", gone)
                 return PutResult(0, gone, 0)
-            stored, new = self._store(keys, rows, 0)
+            with self._placing(blob, tenant):
+                stored, new = self._store(keys, rows, 0)
             return PutResult(stored, rows.shape[0] - new, new - stored)
+
+    def _placing(self, blob: bytes, tenant: str | bytes) -> contextlib.AbstractContextManager[None]:
+        """Pages placed meanwhile among ``blob``'s keys are the tenant's (for the peer server)."""
+        if self._peering is None:
+            return contextlib.nullcontext()
+        return self._peering.placing(blob, tenant_salt(tenant))
 
     def _store(self, keys: list[PageKey], rows: Rows, first: int) -> tuple[int, int]:
         """Store ``rows[i]`` as page ``first + i`` of ``keys`` unless cached; (stored, new)."""
@@ -304,12 +314,12 @@ class Store:
             self._check_open()
             blob = self._keys(tokens, tenant)
         try:
-            return self._prefetcher.submit(self._prefetch, blob)
+            return self._prefetcher.submit(self._prefetch, blob, tenant)
         except RuntimeError:  # closed between the check and the submit
             self._check_open()
             raise
 
-    def _prefetch(self, blob: bytes) -> int:
+    def _prefetch(self, blob: bytes, tenant: str | bytes) -> int:
         with self._lock:
             self._check_open()
             if self.read_only:
@@ -319,7 +329,8 @@ class Store:
             if len(slow):
                 staging = np.empty((len(slow), self.layout.page_bytes), dtype=np.uint8)
                 loaded = self._transfers.read(slow, staging, serve=False)
-                self._promote(slow, slow.levels[:loaded], staging)
+                with self._placing(blob, tenant):
+                    self._promote(slow, slow.levels[:loaded], staging)
             return int((self._lead(blob, len(lead)).levels == 0).sum())
 
     def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:

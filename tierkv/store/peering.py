@@ -11,19 +11,28 @@ pages by their remote slots, each checked against the peer's checksum); a peer t
 cannot be reached is skipped until its next reconnect attempt. Keys are the store's own
 (model, layout and tenant salted), so nodes of one model share pages and tenants never do.
 Called by the API with the store lock held.
+
+Peers authenticate with the secrets ``[peers]`` names (:mod:`tierkv.net.auth`), and the
+served store is keyed: a read names each page's key. Where ``tenant_secrets`` lets a
+principal see one tenant's pages only, each page this store places in the served tier
+is tagged with the tenant of the request that placed it (the API says which, through
+:meth:`Peering.placing`); a page placed outside a request of its own (a victim demoted
+from a tier above) is tagged unknown, which only the cluster's principal may read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from tierkv.config import PeersConfig
-from tierkv.errors import TierKVError
-from tierkv.keys import PageKey
+from tierkv.errors import ConfigError, TierKVError
+from tierkv.keys import PageKey, split_keys, tenant_salt
+from tierkv.net.auth import CLUSTER, UNKNOWN_TENANT, Credential, ServerAuth, load_secret, tenant_tag
 from tierkv.store.manager import BlockManager
 from tierkv.net import NetConfig, PeerServer, connect
 from tierkv.tiers.base import TierId
@@ -39,18 +48,39 @@ class Peering:
 
     def __init__(self, cfg: PeersConfig, manager: BlockManager, page_bytes: int) -> None:
         self.cfg = cfg
-        self._net = NetConfig(timeout_s=cfg.timeout_s, connect_timeout_s=cfg.timeout_s)
+        assert cfg.secret_file is not None, "PeersConfig requires it with serve or fetch"
+        secret = load_secret(cfg.secret_file, "[peers] secret_file")
+        # This node's own principal: the cluster's, or one tenant's (then it fetches only that tenant's pages).
+        self._own_tag = None if cfg.tenant is None else tenant_tag(tenant_salt(cfg.tenant))
+        credential = Credential(CLUSTER if cfg.tenant is None else "tenant:" + cfg.tenant, secret)
+        self._net = NetConfig(timeout_s=cfg.timeout_s, connect_timeout_s=cfg.timeout_s, credential=credential)
         self._page_bytes = page_bytes
         self._generation = time.time_ns()
         self.server: PeerServer | None = None
         self._served: TierId | None = None  # the DRAM tier the server serves
+        # Tenant tags are kept only where a principal may see one tenant's pages.
+        self._tagging = bool(cfg.tenant_secrets)
+        self._request: tuple[bytes, int] | None = None    # the placing request's key blob and tag
+        self._request_keys: set[bytes] | None = None      # its keys, made on its first placement
         endpoint = cfg.serve_endpoint()
         if endpoint is not None:
             dram = next((t for t in manager.tiers if isinstance(t, DramTier)), None)
             if dram is None:
                 raise TierKVError("[peers] serve needs a DRAM tier to serve; this store has none")
+            principals: dict[str, tuple[bytes, int | None]] = {}
+            if cfg.tenant is None:  # a tenant's secret is not the cluster's: it is accepted under its name only
+                principals[CLUSTER] = (secret, None)
+            for name, path in cfg.tenant_secrets.items():
+                principals["tenant:" + name] = (load_secret(path, f"[peers] tenant_secrets.{name}"),
+                                                tenant_tag(tenant_salt(name)))
+            if cfg.tenant is not None:
+                principals.setdefault(credential.principal, (secret, self._own_tag))
+            if cfg.transport == "rdma" and self._tagging:
+                raise ConfigError("[peers] transport = \"rdma\" with tenant_secrets: RDMA reads are one-sided and "
+                                  "reach every served slot, so they cannot be limited to one tenant; serve over "
+                                  "tcp, or give tenants no secrets of their own")
             self.server = PeerServer(dram, endpoint[0], endpoint[1], self._net, rdma=cfg.transport == "rdma",
-                                     accept_writes=False)
+                                     accept_writes=False, auth=ServerAuth(principals), keyed=True)
             self._served = dram.name
             manager.listeners.append(self._on_event)
         self._peers: dict[tuple[str, int], PeerDramTier | None] = {ep: None for ep in cfg.fetch_endpoints()}
@@ -61,22 +91,50 @@ class Peering:
         return self.server.address if self.server is not None else None
 
     # -- serving -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def placing(self, blob: bytes, salt: bytes) -> Iterator[None]:
+        """Pages the store places meanwhile that are among ``blob``'s keys belong to the
+        tenant of ``salt`` (the request's): so they are tagged, for tenant principals."""
+        if not self._tagging or self.server is None:
+            yield
+            return
+        self._request, self._request_keys = (blob, tenant_tag(salt)), None
+        try:
+            yield
+        finally:
+            self._request = self._request_keys = None
+
+    def _tags(self, keys: list[PageKey]) -> list[int] | None:
+        if not self._tagging:
+            return None
+        if self._request is None:
+            return [UNKNOWN_TENANT] * len(keys)
+        blob, tag = self._request
+        if self._request_keys is None:
+            self._request_keys = set(split_keys(blob))
+        mine = self._request_keys
+        return [tag if k in mine else UNKNOWN_TENANT for k in keys]
+
     def _on_event(self, event: str, tier: TierId, keys: list[PageKey], slots: list[int]) -> None:
         if self.server is None or tier != self._served:
             return
         if event == "placed":
             self._generation += 1
-            self.server.store.seal(keys, slots, self._generation, self._page_bytes)
+            self.server.store.seal(keys, slots, self._generation, self._page_bytes, self._tags(keys))
         else:
             self.server.store.unseal(keys, slots)
 
     # -- fetching ----------------------------------------------------------------------
-    def fetch(self, keys: Sequence[PageKey], rows: np.ndarray) -> int:
-        """Load the leading ``keys`` that some peer holds into ``rows``; returns how many.
+    def fetch(self, keys: Sequence[PageKey], rows: np.ndarray, salt: bytes) -> int:
+        """Load the leading ``keys`` (of the tenant of ``salt``) that some peer holds into
+        ``rows``; returns how many. A node whose principal is one tenant's asks peers only
+        for that tenant's pages.
 
         Stops at the first page no reachable peer returns intact. Never raises for a peer's
         failure: an unreachable or slow peer is a miss within ``timeout_s``.
         """
+        if self._own_tag is not None and tenant_tag(salt) != self._own_tag:
+            return 0
         got = 0
         for ep in self._peers:
             if got == len(keys):
@@ -89,7 +147,8 @@ class Peering:
                 lead = next((i for i, m in enumerate(metas) if m is None), len(metas))
                 if lead == 0:
                     continue
-                res = tier.fetch_remote([m for m in metas[:lead] if m is not None], rows[got:got + lead])
+                res = tier.fetch_remote([m for m in metas[:lead] if m is not None], rows[got:got + lead],
+                                        list(keys[got:got + lead]))
             except TierKVError as exc:
                 log.warning("peer %s:%d failed (%s); its pages are misses for now", ep[0], ep[1], exc)
                 self._drop(ep)

@@ -104,11 +104,14 @@ class PeerDramTier(Tier):
             out.extend(m if m.generation else None for m in metas)
         return out
 
-    def fetch_remote(self, metas: Sequence[PageMeta], dst: np.ndarray) -> ReadResult:
+    def fetch_remote(self, metas: Sequence[PageMeta], dst: np.ndarray,
+                     keys: Sequence[bytes] | None = None) -> ReadResult:
         """Read pages the peer published (found by :meth:`lookup`) by their remote slots;
-        a page whose generation or checksum changed since the lookup is a miss."""
+        a page whose generation or checksum changed since the lookup is a miss. ``keys``:
+        the pages' keys, which a peer serving a store requires the read to name."""
         self._check_open()
-        return self._wait(self.transport.read([m.slot for m in metas], dst, list(metas), next(self._channels)),
+        return self._wait(self.transport.read([m.slot for m in metas], dst, list(metas), next(self._channels),
+                                               keys),
                           len(metas))
 
     # -- the Tier interface -------------------------------------------------------------
