@@ -8,8 +8,9 @@ a hit only if it and every earlier block are cached, i.e. if the running maximum
 the stack distances along the request is below ``C``. Distances come from a Fenwick
 tree over use times: O(log n) per page.
 
-The store's LRU differs in one corner: a page cached beyond a request's first miss
-is not touched by that request. ``docs/policies.md`` shows the two agree to 0.1%.
+The store's LRU differs in two corners: a page cached beyond a request's first miss
+is not touched by that request, and a page whose parent left every tier is dropped
+with it (no lookup could reach it). ``docs/policies.md`` shows the two agree to 0.1%.
 """
 
 from __future__ import annotations
