@@ -46,3 +46,8 @@ class CorruptPageError(TierKVError):
 
 class TierUnavailableError(TierIOError):
     """A tier is degraded (its fabric link or device is gone): its pages are misses until it recovers."""
+
+
+class StoreUnavailableError(TierKVError):
+    """A connected store's daemon cannot be reached (not running, restarting, or too slow
+    to answer); the client reconnects by itself on its next call."""

@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from operator import itemgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,6 +44,10 @@ from tierkv.store.stats import Counters, StoreStats
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.blocks import BlockPageTier
 from tierkv.store.transfer import Transfers
+from tierkv.store.validate import GET_LIST_MESSAGE, check_requested, check_unfilled
+
+if TYPE_CHECKING:
+    from tierkv.serve.client import RemoteStore
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +92,16 @@ class Store:
         """Open (creating if needed) the store that ``config`` (or a TOML path) describes."""
         cfg = config if isinstance(config, StoreConfig) else load_config(config)
         return cls(cfg, read_only=read_only)
+
+    @staticmethod
+    def connect(socket_path: str | os.PathLike[str], *, timeout_s: float = 60.0) -> RemoteStore:
+        """A client of the store a ``tierkv serve`` daemon serves at ``socket_path``
+        (:mod:`tierkv.serve.client`): the same methods, results and errors as an open
+        store, for any number of processes at once. ``timeout_s`` bounds each call; a
+        daemon that is gone or too slow raises ``StoreUnavailableError``, and the next
+        call connects again."""
+        from tierkv.serve.client import RemoteStore
+        return RemoteStore(socket_path, timeout_s=timeout_s)
 
     # -- keys ----------------------------------------------------------------------------
     def _keys(self, tokens: Tokens, tenant: str | bytes) -> bytes:
@@ -171,17 +186,14 @@ class Store:
             blob = self._keys(tokens, tenant)
             total = len(blob) // KEY_BYTES
             if isinstance(out, (list, tuple)):
-                raise InputError("get(out=...): takes one batch buffer ([n, *page_shape] in the layout's dtype, or "
-                                 "uint8 [n, page_bytes]), whose rows become the pages; a list of separate pages is "
-                                 "for put only")
+                raise InputError(GET_LIST_MESSAGE)
             rows = page_rows(out, self.layout, "get(out=...)", max(total, 0))
             if not rows.flags.writeable:
                 raise InputError("get(out=...): the output buffer is read-only")
             want = rows.shape[0]
+            check_requested(requested, want)
             if requested is None:
                 requested = want
-            elif isinstance(requested, bool) or not isinstance(requested, int) or requested < want:
-                raise InputError(f"get: requested must be an integer >= the {want} rows of out, got {requested!r}")
             self._announce(blob, from_get=True)
             lead = self._lead(blob, want)
             loaded = self._transfers.read(lead, rows)
@@ -266,8 +278,7 @@ class Store:
             rows: Rows = (page_list(pages, self.layout, "put(pages=...)", len(keys))
                           if isinstance(pages, (list, tuple)) else
                           page_rows(pages, self.layout, "put(pages=...)", len(keys), lists=True))  # type: ignore[arg-type]
-            if isinstance(unfilled, bool) or not isinstance(unfilled, int) or not 0 <= unfilled <= rows.shape[0]:
-                raise InputError(f"put: unfilled must be an integer from 0 to the {rows.shape[0]} rows, got {unfilled!r}")
+            check_unfilled(unfilled, rows.shape[0])
             if announce:
                 self._announce(blob, from_get=False, keys=keys)
             held = self._manager.held(blob[:unfilled * KEY_BYTES]) if unfilled else []

@@ -1,0 +1,316 @@
+"""The node service across processes: clients in other processes, clients killed with
+SIGKILL mid-put, the daemon killed and restarted under a client, hostile and stalled
+connections, the socket's permissions, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import LAYOUT, PB, make_config
+from tests.polling import wait_for
+from tests.serve.conftest import AnyStore
+from tests.serve.pagegen import pages_of, prompt
+from tierkv.errors import ConfigError, InputError, StoreBusyError, StoreUnavailableError
+from tierkv.serve import protocol as P
+from tierkv.serve.daemon import NodeService
+from tierkv.store.api import Store
+
+TPP = LAYOUT.tokens_per_page
+ROOT = Path(__file__).resolve().parents[2]
+
+# The header of every client process: the same prompts and page bytes as here.
+CLIENT_LIB = textwrap.dedent(f"""
+    import sys
+    import numpy as np
+    sys.path.insert(0, {str(ROOT)!r})
+    from tests.serve.pagegen import PB, TPP, pages_of, prompt
+    from tierkv.store.api import Store
+""")
+
+
+def run_client(sock: Path, body: str, *args: str) -> subprocess.Popen[str]:
+    code = CLIENT_LIB + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", code, str(sock), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def check_everything_served_is_exact(client: AnyStore, prompts: range, pages: int) -> int:
+    """Every page of every prompt a get returns has its bytes; returns how many were served."""
+    served = 0
+    for i in prompts:
+        tokens = prompt(i, pages)
+        out = np.zeros((pages, PB), np.uint8)
+        n = client.get(tokens, out).pages
+        assert np.array_equal(out[:n], pages_of(tokens)[:n]), f"prompt {i}: wrong bytes"
+        served += n
+    return served
+
+
+@pytest.fixture
+def service(tmp_path: Path, sock_dir: Path) -> Iterator[NodeService]:
+    svc = NodeService(make_config(tmp_path / "s", 16, 64, policy="lru"), sock_dir / "d.sock").start()
+    yield svc
+    svc.close()
+
+
+def test_clients_in_other_processes_share_one_store(service: NodeService) -> None:
+    writer = run_client(service.path, """
+        s = Store.connect(sys.argv[1])
+        for i in range(6):
+            t = prompt(i, 3)
+            assert s.put(t, pages_of(t)).stored == 3
+        buf = s.page_buffer(3)             # and once from a shared page buffer, no copy here
+        t = prompt(6, 3)
+        buf[:] = pages_of(t)
+        assert s.put(t, buf).stored == 3
+        print("ok")
+    """)
+    assert writer.communicate(timeout=60)[0].strip() == "ok", writer.stderr
+    readers = [run_client(service.path, """
+        s = Store.connect(sys.argv[1])
+        buf = s.page_buffer(3)
+        for i in range(7):
+            t = prompt(i, 3)
+            out = buf if i %% 2 else np.zeros((3, PB), np.uint8)
+            assert s.get(t, out).pages == 3 and np.array_equal(out, pages_of(t)), i
+        print("ok")
+    """.replace("%%", "%")) for _ in range(2)]
+    for r in readers:
+        out, err = r.communicate(timeout=60)
+        assert out.strip() == "ok", err
+    assert service.store.stats().pages_hit == 42
+    assert wait_for(lambda: service.clients == 0, 10)
+
+
+def test_a_client_killed_mid_put_publishes_no_partial_page_and_leaks_nothing(service: NodeService,
+                                                                               soak: bool) -> None:
+    """SIGKILL at random moments of a client putting prompts of 1-8 pages (through its
+    scratch segment and from a page buffer): afterwards every page served is exact, the
+    manager's table and the tiers' free lists agree (no slot reserved for a dead client),
+    and no connection of the dead client remains."""
+    kills = 100 if soak else 12
+    rng = np.random.default_rng(0)
+    reader = Store.connect(service.path)
+    try:
+        for k in range(kills):
+            client = run_client(service.path, """
+                import itertools
+                s = Store.connect(sys.argv[1])
+                buf = s.page_buffer(8)
+                first = int(sys.argv[2])
+                print("up", flush=True)
+                for i in itertools.count(first):
+                    t = prompt(i %% 40, 1 + i %% 8)
+                    if i %% 2:
+                        n = len(t) // TPP
+                        buf[:n] = pages_of(t)
+                        s.put(t, buf[:n])
+                    else:
+                        s.put(t, pages_of(t))
+            """.replace("%%", "%"), str(k * 7))
+            assert client.stdout is not None
+            assert client.stdout.readline().strip() == "up", client.stderr.read() if client.stderr else ""
+            time.sleep(float(rng.uniform(0.0, 0.3)))
+            client.send_signal(signal.SIGKILL)
+            client.wait(timeout=30)
+            with service.store._lock:
+                service.store._manager.check()
+        assert wait_for(lambda: service.clients == 1, 10)
+        served = sum(check_everything_served_is_exact(reader, range(i, i + 1), 1 + i % 8) for i in range(40))
+        assert served > 0
+        with service.store._lock:
+            service.store._manager.check()
+            for t in service.store._manager.tiers:   # every used slot is a page's copy
+                used = t.num_slots - t.num_free
+                lvl = service.store._manager.levels[t.name]
+                held = int(((service.store._manager.table.where >> lvl) & 1).sum())
+                assert used == held, (t.name, used, held)
+    finally:
+        reader.close()
+
+
+def _serve(cfg_path: Path, sock: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv", "serve", "--config", str(cfg_path), "--socket",
+                             str(sock), "--json", "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"tierkv serve did not start: {proc.stderr.read() if proc.stderr else ''}")
+    assert json.loads(line)["socket"] == str(sock)
+    return proc
+
+
+def _toml(tmp_path: Path, dram: str | None, nvme: str) -> Path:
+    cfg = tmp_path / "store.toml"
+    dram_part = f'[tiers.dram]\ncapacity_bytes = "{dram}"\n' if dram else ""
+    cfg.write_text(textwrap.dedent(f"""
+        [store]
+        path = "{tmp_path / 'store'}"
+        model_id = "test-model"
+        policy = "lru"
+        durability = "put"
+        [layout]
+        num_layers = {LAYOUT.num_layers}
+        num_kv_heads = {LAYOUT.num_kv_heads}
+        head_dim = {LAYOUT.head_dim}
+        dtype = "bf16"
+        tokens_per_page = {TPP}
+    """) + dram_part + f'[tiers.nvme]\ncapacity_bytes = "{nvme}"\n')
+    return cfg
+
+
+def test_a_daemon_killed_and_restarted_keeps_durable_pages_and_clients_reconnect(
+        tmp_path: Path, sock_dir: Path, soak: bool) -> None:
+    cfg, sock = _toml(tmp_path, None, "4MiB"), sock_dir / "d.sock"
+    daemon = _serve(cfg, sock)
+    client = Store.connect(sock, timeout_s=10)
+    try:
+        put = 0
+        for k in range(20 if soak else 3):
+            for i in range(put, put + 4):
+                t = prompt(i, 2)
+                assert client.put(t, pages_of(t)).stored == 2
+            put += 4
+            daemon.send_signal(signal.SIGKILL)
+            daemon.wait(timeout=30)
+            with pytest.raises(StoreUnavailableError, match="daemon at"):
+                client.lookup(prompt(0, 2))
+            daemon = _serve(cfg, sock)       # the stale socket file is taken over
+            assert check_everything_served_is_exact(client, range(put), 2) == 2 * put, f"after kill {k}"
+    finally:
+        client.close()
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0
+
+
+def test_sigterm_closes_the_store_cleanly_and_removes_the_socket(tmp_path: Path, sock_dir: Path) -> None:
+    cfg, sock = _toml(tmp_path, "1MiB", "4MiB"), sock_dir / "d.sock"
+    daemon = _serve(cfg, sock)
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    with Store.connect(sock) as client:
+        for i in range(3):
+            t = prompt(i, 2)
+            client.put(t, pages_of(t))
+    daemon.send_signal(signal.SIGTERM)
+    assert daemon.wait(timeout=60) == 0, daemon.stderr.read() if daemon.stderr else ""
+    assert not sock.exists()
+    with Store.open(cfg) as s:
+        for i in range(3):
+            t = prompt(i, 2)
+            out = np.zeros((2, PB), np.uint8)
+            assert s.get(t, out).pages == 2 and np.array_equal(out, pages_of(t))
+
+
+def test_stalled_and_garbage_connections_do_not_hold_up_others(tmp_path: Path, sock_dir: Path) -> None:
+    svc = NodeService(make_config(tmp_path / "s"), sock_dir / "d.sock", body_timeout_s=0.5).start()
+    try:
+        stalled = socket.socket(socket.AF_UNIX)
+        stalled.connect(str(svc.path))
+        stalled.sendall(P.HEADER.pack(100, P.Op.LOOKUP, 0) + b"x" * 10)   # then nothing
+        huge = socket.socket(socket.AF_UNIX)
+        huge.connect(str(svc.path))
+        huge.sendall(P.HEADER.pack(P.MAX_BODY + 1, P.Op.PUT, 0))
+        junk = socket.socket(socket.AF_UNIX)
+        junk.connect(str(svc.path))
+        junk.sendall(P.HEADER.pack(3, 999, 0) + b"abc")
+        with Store.connect(svc.path, timeout_s=5) as client:
+            t = prompt(1, 2)
+            start = time.monotonic()
+            client.put(t, pages_of(t))
+            assert client.lookup(t).cached_pages == 2
+            assert time.monotonic() - start < 5
+            for s in (huge, junk, stalled):   # each is closed by the daemon
+                s.settimeout(10)
+                assert s.recv(1 << 16) == b""
+            assert wait_for(lambda: svc.clients == 1, 10)
+    finally:
+        svc.close()
+
+
+def test_an_unsealed_segment_and_a_segment_overrun_are_refused(service: NodeService) -> None:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(str(service.path))
+    sock.settimeout(10)
+    fd = os.memfd_create("plain", os.MFD_CLOEXEC)   # can shrink under the daemon: refused
+    os.ftruncate(fd, 1 << 20)
+    P.send_frame(sock, P.Op.SEGMENT, P.SEGMENT_REQ.pack(1, 1 << 20), fds=(fd,))
+    _, status, body, _ = P.recv_frame(sock)
+    assert status == P.Status.ERROR and json.loads(bytes(body))["type"] == InputError.__name__
+    assert "F_SEAL_SHRINK" in json.loads(bytes(body))["message"]
+    os.close(fd)
+    client = Store.connect(service.path)
+    try:
+        conn = client._acquire()
+        t = prompt(2, 2)
+        scratch, _ = conn.scratch_rows(1, PB)
+        with pytest.raises(InputError, match="run past page segment"):   # 2 pages into a 1-page... segment
+            conn.call(P.Op.PUT, P.token_body(b"", t.astype("<u4").tobytes(),
+                                             P.PUT_REQ.pack(scratch.id, scratch.size - PB, 2, 0, 1)))
+        assert client.lookup(t).cached_pages == 0
+    finally:
+        client.close()
+        sock.close()
+
+
+def test_socket_rules(tmp_path: Path, sock_dir: Path) -> None:
+    cfg = make_config(tmp_path / "s")
+    (sock_dir / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is not a socket"):
+        NodeService(cfg, sock_dir / "file")
+    with pytest.raises(ConfigError, match="107 bytes"):
+        NodeService(cfg, sock_dir / ("x" * 120))
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock_dir / "d.sock"))
+    stale.close()                                   # a socket file no one listens on
+    svc = NodeService(cfg, sock_dir / "d.sock", mode=0o660, max_clients=1).start()
+    try:
+        assert stat.S_IMODE((sock_dir / "d.sock").stat().st_mode) == 0o660
+        with pytest.raises(StoreBusyError, match="already listens"):
+            NodeService(make_config(tmp_path / "other"), sock_dir / "d.sock")
+        with Store.connect(svc.path) as first:
+            assert first.lookup(prompt(1, 1)).cached_pages == 0
+            with pytest.raises(StoreBusyError, match="serves 1 clients already"):
+                Store.connect(svc.path)
+    finally:
+        svc.close()
+    with pytest.raises(StoreUnavailableError, match="no tierkv daemon answers"):
+        Store.connect(sock_dir / "d.sock")
+
+
+def test_threads_of_one_client_run_at_once(service: NodeService) -> None:
+    client = Store.connect(service.path)
+    errors: list[BaseException] = []
+
+    def work(base: int) -> None:
+        try:
+            for i in range(base, base + 10):
+                t = prompt(i, 2)
+                client.put(t, pages_of(t))
+                out = np.zeros((2, PB), np.uint8)
+                n = client.get(t, out).pages
+                assert np.array_equal(out[:n], pages_of(t)[:n])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+    threads = [threading.Thread(target=work, args=(100 * k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    client.close()
+    assert not errors, errors
+    assert wait_for(lambda: service.clients == 0, 10)

@@ -1,0 +1,404 @@
+"""A store served by ``tierkv serve``, used from another process: ``Store.connect(path)``.
+
+:class:`RemoteStore` has the in-process :class:`~tierkv.store.api.Store`'s methods,
+arguments, results and errors (put, get, lookup, prefetch, pin/unpin, stats, flush,
+close); arguments are checked here with the same code and messages before anything
+is sent. Page bytes travel through shared memory (:mod:`tierkv.serve.protocol`):
+
+- a batch that lies in a buffer from :meth:`RemoteStore.page_buffer` is read (put) or
+  filled (get) by the daemon in place: one copy, as in-process;
+- any other batch is copied through the connection's own scratch segment first.
+
+Each calling thread uses a connection of its own, so threads run their calls at once
+(the daemon orders them as the store's lock does in-process), and a thread's get then
+put of one prompt is one request to the eviction policies, as in-process. When the
+daemon is not there, or does not answer within ``timeout_s``, a call raises
+:class:`~tierkv.errors.StoreUnavailableError`; the next call connects again, so a
+client outlives a daemon restart without help (pins taken before it are gone with the
+daemon's memory, as its DRAM pages are).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import socket
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import count
+from pathlib import Path
+
+import numpy as np
+
+from tierkv import errors
+from tierkv.errors import InputError, StoreClosedError, StoreUnavailableError, TierKVError
+from tierkv.keys import Tokens, as_token_array, tenant_salt
+from tierkv.layout import KVLayout
+from tierkv.serve import protocol as P
+from tierkv.store.pages import PageBatch, PageList, PageSource, page_list, page_rows
+from tierkv.store.results import GetResult, LookupResult, PutResult, _KIND_BY_RANK
+from tierkv.store.stats import StoreStats, TierStats
+from tierkv.store.validate import GET_LIST_MESSAGE, check_requested, check_unfilled
+
+_ids = count(1)
+
+
+class _Segment:
+    """A sealed memfd mapped here, registered with the daemon per connection."""
+
+    def __init__(self, nbytes: int, name: str) -> None:
+        self.id = next(_ids)
+        self.size = max(nbytes, mmap.PAGESIZE)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.base = self.array.__array_interface__["data"][0]
+
+    def rows(self, n: int, page_bytes: int) -> np.ndarray:
+        return self.array[:n * page_bytes].reshape(n, page_bytes)
+
+    def close(self) -> None:
+        del self.array
+        try:
+            self.map.close()
+        except BufferError:  # the caller still holds a view of a page buffer: unmapped with it
+            pass
+        os.close(self.fd)
+
+
+class _Conn:
+    """One socket to the daemon, its scratch segment and the segments it has registered."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout_s)
+        self.timeout_s = timeout_s
+        self.scratch: _Segment | None = None
+        self.registered: set[int] = set()
+        try:
+            self.sock.connect(path)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def call(self, op: int, body: bytes = b"", fds: tuple[int, ...] = ()) -> memoryview:
+        P.send_frame(self.sock, op, body, fds=fds)
+        rop, status, reply, _ = P.recv_frame(self.sock, body_timeout=self.timeout_s)
+        if rop != op and status == P.Status.OK:
+            raise P.ProtocolError(f"asked op {op}, the daemon answered op {rop}")
+        if status != P.Status.OK:
+            raise _error(reply)
+        return reply
+
+    def register(self, seg: _Segment) -> None:
+        if seg.id not in self.registered:
+            self.call(P.Op.SEGMENT, P.SEGMENT_REQ.pack(seg.id, seg.size), fds=(seg.fd,))
+            self.registered.add(seg.id)
+
+    def scratch_rows(self, n: int, page_bytes: int) -> tuple[_Segment, np.ndarray]:
+        need = n * page_bytes
+        if self.scratch is None or self.scratch.size < need:
+            old = self.scratch
+            self.scratch = _Segment(max(need, 2 * old.size if old is not None else 0), "tierkv-scratch")
+            if old is not None:
+                self.registered.discard(old.id)
+                old.close()
+        self.register(self.scratch)
+        return self.scratch, self.scratch.rows(n, page_bytes)
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None
+
+
+def _error(reply: memoryview) -> TierKVError:
+    try:
+        doc = json.loads(bytes(reply))
+        name, message = str(doc["type"]), str(doc["message"])
+    except (ValueError, KeyError, TypeError):
+        return TierKVError(f"the daemon answered with an unreadable error: {bytes(reply[:200])!r}")
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, TierKVError)):
+        cls = TierKVError
+    return cls(message)
+
+
+class RemoteStore:
+    """A connected store; see the module docstring. Use ``Store.connect(path)``."""
+
+    read_only = False
+
+    def __init__(self, socket_path: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 86400:
+            raise InputError(f"connect: timeout_s must be seconds in (0, 86400], got {timeout_s!r}")
+        self.socket_path = os.fspath(socket_path)
+        self.timeout_s = float(timeout_s)
+        self._lock = threading.Lock()
+        self._mine: dict[int, _Conn] = {}   # by thread
+        self._all: set[_Conn] = set()
+        self._buffers: list[_Segment] = []
+        self._closed = False
+        self._hello: dict[str, object] | None = None
+        conn = self._connect()   # the daemon's layout and model, and an error now if it is not there
+        self._mine[threading.get_ident()] = conn
+        assert self._hello is not None
+        lay = self._hello["layout"]
+        assert isinstance(lay, dict)
+        self.layout: KVLayout = KVLayout(**lay)
+        self.model_id = str(self._hello["model_id"])
+        self._prefetcher: ThreadPoolExecutor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-remote-prefetch")
+
+    # -- connections --------------------------------------------------------------------
+    def _connect(self) -> _Conn:
+        try:
+            conn = _Conn(self.socket_path, self.timeout_s)
+        except OSError as exc:
+            raise StoreUnavailableError(f"no tierkv daemon answers at {self.socket_path}: "
+                                        f"{exc.strerror or exc}") from None
+        try:
+            reply = conn.call(P.Op.HELLO, json.dumps({"version": P.VERSION, "pid": os.getpid()}).encode())
+            hello = json.loads(bytes(reply))
+        except TierKVError:
+            conn.close()
+            raise
+        except (OSError, EOFError, P.ProtocolError, ValueError) as exc:
+            conn.close()
+            raise StoreUnavailableError(f"the tierkv daemon at {self.socket_path} did not greet: {exc}") from None
+        if self._hello is not None and (hello["layout"], hello["model_id"]) != (self._hello["layout"],
+                                                                                 self._hello["model_id"]):
+            conn.close()
+            raise StoreUnavailableError(f"the daemon at {self.socket_path} now serves another model or layout "
+                                        f"({hello['model_id']!r}); connect again")
+        self._hello = hello
+        with self._lock:
+            self._all.add(conn)
+        return conn
+
+    def _acquire(self) -> _Conn:
+        """This thread's connection (made on its first call): a thread's calls reach one
+        daemon thread in order, so a get then a put of one prompt on a thread is one
+        request to the policies, as in-process."""
+        me = threading.get_ident()
+        with self._lock:
+            self._check_open()
+            conn = self._mine.get(me)
+        if conn is not None:
+            return conn
+        conn = self._connect()
+        with self._lock:
+            live = {t.ident for t in threading.enumerate()}
+            for ident in [i for i in self._mine if i not in live]:   # threads gone since
+                self._all.discard(self._mine[ident])
+                self._mine.pop(ident).close()
+            self._mine[me] = conn
+        return conn
+
+    def _release(self, conn: _Conn) -> None:
+        if self._closed:
+            self._drop(conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        with self._lock:
+            self._all.discard(conn)
+            for ident, c in list(self._mine.items()):
+                if c is conn:
+                    del self._mine[ident]
+        conn.close()
+
+    def _request(self, op: int, build: object, *, rows: np.ndarray | PageList | None = None,
+                 fill: bool = False, n_rows: int = 0) -> memoryview:
+        """One request: ``build(segment_id, offset)`` makes the body (token ops with pages)
+        or is the body itself. ``rows`` are put from, or (``fill``) got into."""
+        conn = self._acquire()
+        try:
+            if rows is None:
+                assert isinstance(build, bytes)
+                reply = bytes(conn.call(op, build))
+            else:
+                pb = self.layout.page_bytes
+                place = self._locate(rows)
+                if place is not None:
+                    seg, off = place
+                    conn.register(seg)
+                    reply = bytes(conn.call(op, build(seg.id, off)))  # type: ignore[operator]
+                else:
+                    seg, view = conn.scratch_rows(n_rows, pb)
+                    if not fill:
+                        if isinstance(rows, PageList):
+                            rows.stacked(view)
+                        else:
+                            np.copyto(view, rows)
+                    reply = bytes(conn.call(op, build(seg.id, 0)))  # type: ignore[operator]
+                    if fill:
+                        got = min(n_rows, int.from_bytes(reply[:8], "little"))
+                        assert isinstance(rows, np.ndarray)
+                        rows[:got] = view[:got]
+                    del view
+        except TierKVError:
+            self._release(conn)
+            raise
+        except (OSError, EOFError, P.ProtocolError) as exc:
+            self._drop(conn)
+            if self._closed:
+                raise StoreClosedError(f"the connection to {self.socket_path} was closed") from None
+            what = "did not answer in time" if isinstance(exc, TimeoutError) else f"is gone ({exc})"
+            raise StoreUnavailableError(f"the tierkv daemon at {self.socket_path} {what}; the next call "
+                                        "connects again") from None
+        except BaseException:
+            self._drop(conn)   # mid-request (KeyboardInterrupt): the stream cannot be trusted
+            raise
+        self._release(conn)
+        return memoryview(reply)
+
+    def _locate(self, rows: np.ndarray | PageList) -> tuple[_Segment, int] | None:
+        """(segment, offset) when ``rows`` is a contiguous batch inside one of this
+        client's page buffers."""
+        if not isinstance(rows, np.ndarray) or not rows.flags.c_contiguous:
+            return None
+        start = rows.__array_interface__["data"][0]
+        for seg in self._buffers:
+            if seg.base <= start and start + rows.nbytes <= seg.base + seg.size:
+                return seg, start - seg.base
+        return None
+
+    # -- buffers ------------------------------------------------------------------------
+    def page_buffer(self, pages: int) -> np.ndarray:
+        """A ``uint8 [pages, page_bytes]`` buffer in memory the daemon shares: a batch that
+        lies in it (or a torch tensor made on it with ``torch.from_numpy``) is put from
+        and got into by the daemon directly, with no copy here. Lives until ``close()``."""
+        if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
+            raise InputError(f"page_buffer: pages must be a positive integer, got {pages!r}")
+        self._check_open()
+        seg = _Segment(pages * self.layout.page_bytes, "tierkv-pages")
+        with self._lock:
+            self._buffers.append(seg)
+        return seg.rows(pages, self.layout.page_bytes)
+
+    # -- the API ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"the connection to the store at {self.socket_path} is closed")
+
+    def _pages_of(self, toks: np.ndarray) -> int:
+        return len(toks) // self.layout.tokens_per_page
+
+    def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True) -> LookupResult:
+        """As :meth:`Store.lookup <tierkv.store.api.Store.lookup>`."""
+        self._check_open()
+        toks, salt = as_token_array(tokens), tenant_salt(tenant)
+        reply = self._request(P.Op.LOOKUP, P.token_body(salt, toks.tobytes(), P.LOOKUP_REQ.pack(bool(count))))
+        n, ntok, total = P.LOOKUP_REP.unpack_from(reply)
+        return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]))
+
+    def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
+            requested: int | None = None) -> GetResult:
+        """As :meth:`Store.get <tierkv.store.api.Store.get>`."""
+        self._check_open()
+        toks, salt = as_token_array(tokens), tenant_salt(tenant)
+        if isinstance(out, (list, tuple)):
+            raise InputError(GET_LIST_MESSAGE)
+        rows = page_rows(out, self.layout, "get(out=...)", self._pages_of(toks))
+        if not rows.flags.writeable:
+            raise InputError("get(out=...): the output buffer is read-only")
+        want = rows.shape[0]
+        check_requested(requested, want)
+        tb = toks.tobytes()
+
+        def build(seg: int, off: int) -> bytes:
+            return P.token_body(salt, tb, P.GET_REQ.pack(seg, off, want, -1 if requested is None else requested))
+        reply = self._request(P.Op.GET, build, rows=rows, fill=True, n_rows=want)
+        pages, ntok = P.GET_REP.unpack_from(reply)
+        return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])))
+
+    def put(self, tokens: Tokens, pages: PageSource, tenant: str | bytes = "", *,
+            announce: bool = True, unfilled: int = 0) -> PutResult:
+        """As :meth:`Store.put <tierkv.store.api.Store.put>`."""
+        self._check_open()
+        toks, salt = as_token_array(tokens), tenant_salt(tenant)
+        n = self._pages_of(toks)
+        rows = (page_list(pages, self.layout, "put(pages=...)", n) if isinstance(pages, (list, tuple)) else
+                page_rows(pages, self.layout, "put(pages=...)", n, lists=True))  # type: ignore[arg-type]
+        check_unfilled(unfilled, rows.shape[0])
+        tb, k = toks.tobytes(), rows.shape[0]
+
+        def build(seg: int, off: int) -> bytes:
+            return P.token_body(salt, tb, P.PUT_REQ.pack(seg, off, k, unfilled, bool(announce)))
+        reply = self._request(P.Op.PUT, build, rows=rows, n_rows=k)
+        return PutResult(*P.PUT_REP.unpack_from(reply))
+
+    def prefetch(self, tokens: Tokens, tenant: str | bytes = "") -> Future[int]:
+        """As :meth:`Store.prefetch <tierkv.store.api.Store.prefetch>`: the daemon promotes
+        the pages; the future resolves when it has."""
+        self._check_open()
+        body = P.token_body(tenant_salt(tenant), as_token_array(tokens).tobytes())
+        try:
+            return self._prefetcher.submit(self._count_op, P.Op.PREFETCH, body)
+        except RuntimeError:  # closed between the check and the submit
+            self._check_open()
+            raise
+
+    def _count_op(self, op: int, body: bytes) -> int:
+        (n,) = P.COUNT.unpack_from(self._request(op, body))
+        return int(n)
+
+    def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
+        """As :meth:`Store.pin <tierkv.store.api.Store.pin>`. Pins live in the daemon: a
+        daemon restart releases them (its DRAM pages are gone too)."""
+        self._check_open()
+        return self._count_op(P.Op.PIN, P.token_body(tenant_salt(tenant), as_token_array(tokens).tobytes()))
+
+    def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
+        """As :meth:`Store.unpin <tierkv.store.api.Store.unpin>`."""
+        self._check_open()
+        return self._count_op(P.Op.UNPIN, P.token_body(tenant_salt(tenant), as_token_array(tokens).tobytes()))
+
+    def stats(self) -> StoreStats:
+        """The daemon's store's counters (every client's calls together)."""
+        self._check_open()
+        doc = json.loads(bytes(self._request(P.Op.STATS, b"")))
+        tiers = {name: TierStats(**{k: v for k, v in t.items() if k != "occupancy"}) for name, t in doc["tiers"].items()}
+        fields = {k: v for k, v in doc.items() if k not in ("tiers", "hit_rate", "misses")}
+        return StoreStats(tiers=tiers, **fields)
+
+    def flush(self) -> None:
+        """As :meth:`Store.flush <tierkv.store.api.Store.flush>`, for every client's pages."""
+        self._check_open()
+        self._request(P.Op.FLUSH, b"")
+
+    def close(self) -> None:
+        """Close this client's connections and buffers; the daemon and its store go on."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns, self._all, self._mine = list(self._all), set(), {}
+            buffers, self._buffers = self._buffers, []
+        self._prefetcher.shutdown(wait=True)
+        for conn in conns:
+            conn.close()
+        for seg in buffers:
+            seg.close()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.socket_path!r}, {'closed' if self._closed else 'open'})"
+
+
+def connect(socket_path: str | os.PathLike[str] | Path, *, timeout_s: float = 60.0) -> RemoteStore:
+    """A client of the daemon listening at ``socket_path``."""
+    return RemoteStore(socket_path, timeout_s=timeout_s)

@@ -1,0 +1,339 @@
+"""The node service: one store, many engine processes (``tierkv serve``).
+
+:class:`NodeService` opens the store (its tiers, index and peers, as ``Store.open``
+does) and serves it on a Unix socket (:mod:`tierkv.serve.protocol`). Each connection
+gets a thread; the store's own lock orders their calls, so every call means what it
+means in-process. A connection's tokens are turned into keys here, never taken from
+the client.
+
+Page bytes move between the store's tiers and shared-memory segments the client
+registered (a ``memfd`` whose descriptor came with the request): the daemon copies a
+put's rows straight from the segment into their tier, and a get's pages straight into
+it, so a client whose page buffer is such a segment (``RemoteStore.page_buffer``) pays
+the one copy an in-process store pays. The store's own tiers are never mapped by a
+client. A segment must be sealed against shrinking (``F_SEAL_SHRINK``): a client that
+truncated one under the daemon's mapping would otherwise fault the daemon.
+
+Bounds: at most ``max_clients`` connections (others are told ``StoreBusyError``), at
+most ``MAX_SEGMENTS`` segments per connection, a request's body within
+``body_timeout_s`` once its header arrived, frames within ``protocol.MAX_BODY``. A
+client that breaks the framing loses its connection; nothing it sent half-way is
+applied (a put is applied only once its whole request arrived, and its rows were in
+the segment before it was sent).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import mmap
+import os
+import socket
+import stat
+import struct
+import threading
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+import numpy as np
+
+from tierkv.config import StoreConfig
+from tierkv.errors import ConfigError, InputError, StoreBusyError, TierKVError
+from tierkv.serve import protocol as P
+from tierkv.store.api import Store
+
+log = logging.getLogger(__name__)
+
+#: Segments one connection may have registered at once.
+MAX_SEGMENTS = 64
+#: How long a prefetch request may run before its connection gets an error (the
+#: prefetch goes on in the store).
+PREFETCH_WAIT_S = 300.0
+
+
+class NodeService:
+    """Serve the store ``config`` describes on the Unix socket ``socket_path``.
+
+    ``mode``: the socket file's permissions (0600: only the daemon's user may connect;
+    0660: its group too). Call :meth:`serve_forever` (or :meth:`start` for a thread),
+    then :meth:`close`.
+    """
+
+    def __init__(self, config: StoreConfig, socket_path: str | os.PathLike[str], *, mode: int = 0o600,
+                 max_clients: int = 64, body_timeout_s: float = 10.0) -> None:
+        if not 0 <= mode <= 0o777:
+            raise ConfigError(f"serve: socket mode must be permission bits such as 0o600, got {mode:#o}")
+        if max_clients < 1:
+            raise ConfigError(f"serve: max_clients must be at least 1, got {max_clients}")
+        self.path = Path(socket_path)
+        if len(os.fsencode(self.path)) > 107:
+            raise ConfigError(f"serve: socket path {self.path} is longer than the 107 bytes a Unix socket allows; "
+                              "pick a shorter one")
+        self.mode = mode
+        self.max_clients = max_clients
+        self.body_timeout_s = body_timeout_s
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._thread: threading.Thread | None = None
+        self.store = Store.open(config)
+        try:
+            self._listener = self._bind()
+        except BaseException:
+            self.store.close()
+            raise
+        self._layout = self._describe()
+
+    # -- the socket -------------------------------------------------------------------
+    def _bind(self) -> socket.socket:
+        if self.path.exists() or self.path.is_symlink():
+            st = self.path.lstat()
+            if not stat.S_ISSOCK(st.st_mode):
+                raise ConfigError(f"serve: {self.path} exists and is not a socket; remove it or pick another path")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(os.fspath(self.path))
+            except OSError:
+                self.path.unlink()   # a socket no daemon listens on: left by one killed
+            else:
+                raise StoreBusyError(f"serve: a daemon already listens on {self.path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o777 & ~self.mode)   # no moment where the socket is wider than asked
+        try:
+            sock.bind(os.fspath(self.path))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"serve: cannot listen on {self.path}: {exc.strerror}") from None
+        finally:
+            os.umask(old)
+        os.chmod(self.path, self.mode)
+        sock.listen(max(16, self.max_clients))
+        return sock
+
+    def _describe(self) -> bytes:
+        lay = self.store.layout
+        return json.dumps({
+            "version": P.VERSION, "pid": os.getpid(), "model_id": self.store.config.model_id,
+            "layout": {"num_layers": lay.num_layers, "num_kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim,
+                       "dtype": lay.dtype.value, "tokens_per_page": lay.tokens_per_page, "kind": lay.kind.value},
+            "page_bytes": lay.page_bytes, "store": str(self.store.config.path),
+        }).encode()
+
+    # -- running ----------------------------------------------------------------------
+    def start(self) -> NodeService:
+        """Serve on a background thread; returns self."""
+        self._thread = threading.Thread(target=self.serve_forever, name="tierkv-serve", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Accept connections until :meth:`close`."""
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                raise
+            with self._lock:
+                full = len(self._conns) >= self.max_clients
+                if not full and not self._closed.is_set():
+                    t = threading.Thread(target=self._serve_conn, args=(conn,), name="tierkv-serve-conn",
+                                         daemon=True)
+                    self._conns[conn] = t
+                    t.start()
+                    continue
+            if full:
+                try:
+                    P.send_frame(conn, P.Op.HELLO, P.error_body(StoreBusyError(
+                        f"the tierkv daemon at {self.path} serves {self.max_clients} clients already")), P.Status.ERROR)
+                except OSError:
+                    pass
+            conn.close()
+
+    @property
+    def clients(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def close(self) -> None:
+        """Stop accepting, end every connection, close the store (which writes back what
+        it holds in volatile tiers, as an in-process close does) and remove the socket."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            conns = dict(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in conns.values():
+            t.join()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        self.store.close()
+
+    def __enter__(self) -> NodeService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one connection ---------------------------------------------------------------
+    def _serve_conn(self, conn: socket.socket) -> None:
+        segments: dict[int, mmap.mmap] = {}
+        try:
+            while not self._closed.is_set():
+                try:
+                    op, _status, body, fds = P.recv_frame(conn, body_timeout=self.body_timeout_s, want_fds=True)
+                except EOFError:
+                    return
+                except (P.ProtocolError, OSError) as exc:
+                    if not self._closed.is_set():
+                        log.info("a client connection ended: %s", exc)
+                    return
+                try:
+                    reply = self._handle(op, body, fds, segments)
+                except P.ProtocolError as exc:
+                    log.info("a client broke the protocol, closing its connection: %s", exc)
+                    return
+                except TierKVError as exc:
+                    P.send_frame(conn, op, P.error_body(exc), P.Status.ERROR)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - the client gets the error, the daemon goes on
+                    log.exception("a %s request failed", P.Op(op).name if op in P.Op._value2member_map_ else op)
+                    P.send_frame(conn, op, P.error_body(TierKVError(f"the daemon failed this request: {exc!r}")),
+                                 P.Status.ERROR)
+                    continue
+                finally:
+                    for fd in fds:
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                P.send_frame(conn, op, reply)
+        except OSError as exc:
+            if not self._closed.is_set():
+                log.info("a client connection ended: %s", exc)
+        finally:
+            for m in segments.values():
+                _unmap(m)
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _handle(self, op: int, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap]) -> bytes:
+        if fds and op != P.Op.SEGMENT:
+            raise P.ProtocolError(f"file descriptors sent with op {op}")
+        s = self.store
+        if op == P.Op.HELLO:
+            try:
+                hello = json.loads(bytes(body))
+            except ValueError:
+                raise P.ProtocolError("HELLO is not JSON") from None
+            if not isinstance(hello, dict) or hello.get("version") != P.VERSION:
+                got = hello.get("version") if isinstance(hello, dict) else None
+                raise ConfigError(f"this tierkv daemon speaks protocol version {P.VERSION}, the client {got!r}: "
+                                  "run the same tierkv version on both sides")
+            return self._layout
+        if op == P.Op.SEGMENT:
+            return self._segment(body, fds, segments)
+        if op == P.Op.LOOKUP:
+            (count,) = _unpack(P.LOOKUP_REQ, body)
+            salt, toks = P.split_token_body(body, P.LOOKUP_REQ.size)
+            found = s.lookup(_tokens(toks), salt, count=bool(count))
+            return P.LOOKUP_REP.pack(found.cached_pages, found.cached_tokens, found.total_pages) + found.tier_ranks
+        if op == P.Op.GET:
+            seg, off, rows, requested = _unpack(P.GET_REQ, body)
+            salt, toks = P.split_token_body(body, P.GET_REQ.size)
+            out = self._rows(segments, seg, off, rows)
+            g = s.get(_tokens(toks), out, salt, requested=None if requested < 0 else requested)
+            del out
+            return P.GET_REP.pack(g.pages, g.tokens) + bytes(k.rank for k in g.tiers)
+        if op == P.Op.PUT:
+            seg, off, rows, unfilled, announce = _unpack(P.PUT_REQ, body)
+            salt, toks = P.split_token_body(body, P.PUT_REQ.size)
+            src = self._rows(segments, seg, off, rows)
+            r = s.put(_tokens(toks), src, salt, announce=bool(announce), unfilled=unfilled)
+            del src
+            return P.PUT_REP.pack(r.stored, r.already_present, r.dropped)
+        if op in (P.Op.PREFETCH, P.Op.PIN, P.Op.UNPIN):
+            salt, toks = P.split_token_body(body, 0)
+            tokens = _tokens(toks)
+            if op == P.Op.PIN:
+                return P.COUNT.pack(s.pin(tokens, salt))
+            if op == P.Op.UNPIN:
+                return P.COUNT.pack(s.unpin(tokens, salt))
+            try:
+                return P.COUNT.pack(s.prefetch(tokens, salt).result(timeout=PREFETCH_WAIT_S))
+            except FutureTimeout:
+                raise TierKVError(f"prefetch did not finish within {PREFETCH_WAIT_S:.0f} s") from None
+        if op == P.Op.STATS:
+            return json.dumps(s.stats().to_dict()).encode()
+        if op == P.Op.FLUSH:
+            s.flush()
+            return b""
+        raise P.ProtocolError(f"unknown op {op}")
+
+    def _segment(self, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap]) -> bytes:
+        seg, size = _unpack(P.SEGMENT_REQ, body)
+        if len(fds) != 1:
+            raise P.ProtocolError(f"SEGMENT came with {len(fds)} file descriptors, not 1")
+        fd = fds[0]
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            raise InputError("a page segment must be a memfd (sealable shared memory)") from None
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise InputError("a page segment must be sealed against shrinking (F_SEAL_SHRINK)")
+        st = os.fstat(fd)
+        if not size or st.st_size < size:
+            raise InputError(f"page segment {seg}: {size} bytes declared, the memfd holds {st.st_size}")
+        if seg not in segments and len(segments) >= MAX_SEGMENTS:
+            raise InputError(f"a connection may register at most {MAX_SEGMENTS} page segments")
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        old = segments.pop(seg, None)
+        if old is not None:
+            _unmap(old)
+        segments[seg] = m
+        return b""
+
+    def _rows(self, segments: dict[int, mmap.mmap], seg: int, off: int, rows: int) -> np.ndarray:
+        m = segments.get(seg)
+        if m is None:
+            raise P.ProtocolError(f"page segment {seg} was not registered on this connection")
+        pb = self.store.layout.page_bytes
+        if off + rows * pb > len(m):
+            raise InputError(f"{rows} pages at offset {off} run past page segment {seg} ({len(m)} bytes)")
+        return np.frombuffer(m, dtype=np.uint8, count=rows * pb, offset=off).reshape(rows, pb)
+
+
+def _unpack(fmt: struct.Struct, body: memoryview) -> tuple[int, ...]:
+    if len(body) < fmt.size:
+        raise P.ProtocolError(f"a request of {len(body)} bytes is shorter than its {fmt.size}-byte header")
+    return fmt.unpack_from(body)
+
+
+def _tokens(raw: memoryview) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<u4")
+
+
+def _unmap(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:  # a view still exported (a request mid-flight): freed with it
+        pass

@@ -1,0 +1,169 @@
+"""The node service's wire format: length-prefixed binary frames over a Unix socket.
+
+A frame is an 8-byte header ``<IHH`` (body length, op, status) and a body. A client
+sends one request and reads one reply on a connection at a time; a connection is one
+thread's. Page bytes never travel in frames: they lie in shared-memory segments the
+client created (``memfd``, sealed against shrinking) and registered with ``SEGMENT``,
+whose file descriptor rides in the frame's ancillary data (``SCM_RIGHTS``). A request
+names its pages by segment, offset and row count; the daemon copies between the segment
+and its tiers, once.
+
+Token ops carry the tenant's salt (``<H`` length, bytes) and the tokens as
+little-endian uint32 (the rest of the body): the daemon derives the page keys itself,
+so a client names tokens, never keys. Replies with status ``ERROR`` carry JSON
+``{"type": ..., "message": ...}``, raised on the client as the same tierkv error.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import socket
+import struct
+from enum import IntEnum
+
+from tierkv.errors import InputError
+
+#: Bumped on any incompatible change; HELLO refuses a mismatch.
+VERSION = 1
+
+HEADER = struct.Struct("<IHH")
+#: The largest body either side accepts: 16 Mi tokens, far above any prompt.
+MAX_BODY = 64 << 20
+SALT_LEN = struct.Struct("<H")
+
+
+class Op(IntEnum):
+    HELLO = 1      # JSON both ways: {"version", "pid"} -> {"version", "layout", "model_id", "pid"}
+    SEGMENT = 2    # <QQ segment id, bytes; the memfd in SCM_RIGHTS -> empty
+    LOOKUP = 3     # <B count, salt, tokens -> <QQQ cached pages, cached tokens, total pages + tier ranks
+    GET = 4        # <QQQq segment, offset, rows, requested (-1: rows), salt, tokens -> <QQ pages, tokens + ranks
+    PUT = 5        # <QQQQB segment, offset, rows, unfilled, announce, salt, tokens -> <QQQ stored, present, dropped
+    PREFETCH = 6   # salt, tokens -> <Q pages in the fastest tier
+    PIN = 7        # salt, tokens -> <Q pages pinned
+    UNPIN = 8      # salt, tokens -> <Q pages unpinned
+    STATS = 9      # empty -> JSON of StoreStats.to_dict()
+    FLUSH = 10     # empty -> empty
+
+
+class Status(IntEnum):
+    OK = 0
+    ERROR = 1
+
+
+LOOKUP_REQ = struct.Struct("<B")
+LOOKUP_REP = struct.Struct("<QQQ")
+GET_REQ = struct.Struct("<QQQq")
+GET_REP = struct.Struct("<QQ")
+PUT_REQ = struct.Struct("<QQQQB")
+PUT_REP = struct.Struct("<QQQ")
+COUNT = struct.Struct("<Q")
+SEGMENT_REQ = struct.Struct("<QQ")
+
+
+class ProtocolError(Exception):
+    """The peer broke the framing (or closed mid-frame): the connection cannot go on."""
+
+
+def token_body(salt: bytes, tokens: bytes, prefix: bytes = b"") -> bytes:
+    """``prefix``, the salt and the tokens, as token ops carry them."""
+    if len(salt) > 0xFFFF:
+        raise InputError(f"tenant salt is {len(salt)} bytes; at most 65535")
+    return b"".join((prefix, SALT_LEN.pack(len(salt)), salt, tokens))
+
+
+def split_token_body(body: memoryview, at: int) -> tuple[bytes, memoryview]:
+    """(salt, tokens) of a token op's body whose fixed part ends at ``at``."""
+    if len(body) < at + SALT_LEN.size:
+        raise ProtocolError(f"a token request of {len(body)} bytes is shorter than its header")
+    (n,) = SALT_LEN.unpack_from(body, at)
+    start = at + SALT_LEN.size
+    if len(body) < start + n or (len(body) - start - n) % 4:
+        raise ProtocolError("a token request's salt or tokens are cut short")
+    return bytes(body[start:start + n]), body[start + n:]
+
+
+def send_frame(sock: socket.socket, op: int, body: bytes = b"", status: int = Status.OK,
+               fds: tuple[int, ...] = ()) -> None:
+    header = HEADER.pack(len(body), op, status)
+    if fds:
+        frame = header + body
+        sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        if sent < len(frame):
+            sock.sendall(frame[sent:])
+    else:
+        sock.sendall(header + body if len(body) < 65536 else header)
+        if len(body) >= 65536:
+            sock.sendall(body)
+
+
+def _recv_exact(sock: socket.socket, n: int, first: bool = False) -> memoryview:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            if first and got == 0:
+                raise EOFError("the peer closed the connection")
+            raise ProtocolError(f"the peer closed the connection mid-frame ({got} of {n} bytes)")
+        got += k
+    return view
+
+
+def recv_frame(sock: socket.socket, *, body_timeout: float | None = None,
+               want_fds: bool = False) -> tuple[int, int, memoryview, list[int]]:
+    """Read one frame: (op, status, body, received fds). Waits for the header as long as
+    the socket's timeout allows; the body must follow within ``body_timeout``. Raises
+    EOFError on a clean close between frames, ProtocolError on a broken frame."""
+    fds: list[int] = []
+    if want_fds:
+        msg, anc, _flags, _addr = sock.recvmsg(HEADER.size, socket.CMSG_SPACE(4 * 4))
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(data[:len(data) - len(data) % 4])
+                fds.extend(got)
+        if not msg:
+            _close_all(fds)
+            raise EOFError("the peer closed the connection")
+        head = bytearray(msg)
+        if len(head) < HEADER.size:
+            head += _recv_exact(sock, HEADER.size - len(head))
+        header = memoryview(head)
+    else:
+        header = _recv_exact(sock, HEADER.size, first=True)
+    length, op, status = HEADER.unpack(header)
+    if length > MAX_BODY:
+        _close_all(fds)
+        raise ProtocolError(f"a frame of {length} bytes is over the {MAX_BODY}-byte limit")
+    if not length:
+        return op, status, memoryview(b""), fds
+    old = sock.gettimeout()
+    if body_timeout is not None:
+        sock.settimeout(body_timeout)
+    try:
+        body = _recv_exact(sock, length)
+    except (TimeoutError, socket.timeout):
+        _close_all(fds)
+        raise ProtocolError(f"a frame's {length}-byte body did not arrive within {body_timeout} s") from None
+    except BaseException:
+        _close_all(fds)
+        raise
+    finally:
+        if body_timeout is not None:
+            sock.settimeout(old)
+    return op, status, body, fds
+
+
+def _close_all(fds: list[int]) -> None:
+    import os
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def error_body(exc: BaseException) -> bytes:
+    return json.dumps({"type": type(exc).__name__, "message": str(exc)}).encode()
