@@ -123,13 +123,14 @@ def test_default_toml_names_every_key() -> None:
     import dataclasses
     import re
 
-    from tierkv.config import DramConfig, HbmConfig, NvmeConfig, NvmeofConfig, PeersConfig, StoreConfig
+    from tierkv.config import (DramConfig, HbmConfig, NvmeConfig, NvmeofConfig, PeersConfig, ServeConfig,
+                               StoreConfig)
     from tierkv.layout import KVLayout
 
     text = (Path(__file__).resolve().parents[1] / "configs" / "default.toml").read_text()
     tables = {"store": StoreConfig, "layout": KVLayout, "tiers.hbm": HbmConfig, "tiers.dram": DramConfig,
-              "tiers.nvme": NvmeConfig, "tiers.nvmeof": NvmeofConfig, "peers": PeersConfig}
-    nested = {"layout", "dram", "nvme", "hbm", "nvmeof", "peers"}
+              "tiers.nvme": NvmeConfig, "tiers.nvmeof": NvmeofConfig, "peers": PeersConfig, "serve": ServeConfig}
+    nested = {"layout", "dram", "nvme", "hbm", "nvmeof", "peers", "serve"}
     missing = []
     for table, cls in tables.items():
         head = re.search(rf"^#? ?\[{re.escape(table)}\]", text, re.M)

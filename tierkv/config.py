@@ -309,6 +309,51 @@ class PeersConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """The node service, ``tierkv serve`` (``tierkv.serve.daemon``, docs/serve.md).
+
+    ``socket``: the Unix socket it listens on (default ``tierkv.sock`` in the store's
+    directory). ``mode``: the socket's permissions as octal text ("0600": the daemon's
+    user only; "0660": its group too). ``max_clients``: connections served at once.
+    ``request_timeout_s``: how long a request's body may take to arrive once its header
+    has. ``tenants`` ties connections to tenants by the peer's user (``SO_PEERCRED``):
+    user name or uid -> the tenant names that user may use ("" is the default tenant,
+    "*" every tenant). Empty (the default): whoever can open the socket may use every
+    tenant; set: a user it does not name is refused.
+    """
+
+    socket: str | None = None
+    mode: str = "0600"
+    max_clients: int = 64
+    request_timeout_s: float = 10.0
+    tenants: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.socket, os.PathLike):
+            object.__setattr__(self, "socket", os.fspath(self.socket))
+        _check_str(self.socket, "serve.socket", path=True)
+        if not isinstance(self.mode, str) or not re.fullmatch(r"0?[0-7]{3}", self.mode):
+            raise ConfigError(f"serve.mode must be octal permission bits as text, such as \"0600\" or \"0660\", "
+                              f"got {self.mode!r}")
+        _check_int(self.max_clients, "serve.max_clients", 1, 1 << 16)
+        _check_number(self.request_timeout_s, "serve.request_timeout_s", "seconds", 0, MAX_SECONDS, low_open=True)
+        if not isinstance(self.tenants, Mapping):
+            raise ConfigError(f"serve.tenants must map users to lists of tenant names, got {self.tenants!r}")
+        tenants: dict[str, tuple[str, ...]] = {}
+        for user, names in self.tenants.items():
+            if not isinstance(user, str) or not user or isinstance(names, str) or not isinstance(names, (list, tuple)) \
+                    or not all(isinstance(n, str) for n in names):
+                raise ConfigError(f"serve.tenants: each user (a name or uid) maps to a list of tenant names, got "
+                                  f"{user!r} = {names!r}")
+            tenants[user] = tuple(names)
+        object.__setattr__(self, "tenants", tenants)
+
+    @property
+    def mode_bits(self) -> int:
+        return int(self.mode, 8)
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """Everything needed to open a store.
 
@@ -344,6 +389,7 @@ class StoreConfig:
     durability: str = DEFAULT_DURABILITY
     commit_window_s: float = DEFAULT_COMMIT_WINDOW_S
     commit_window_pages: int = DEFAULT_COMMIT_WINDOW_PAGES
+    serve: ServeConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.path, os.PathLike):  # a pathlib.Path from the API: the field holds text
@@ -356,7 +402,7 @@ class StoreConfig:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"store.layout must be a KVLayout, got {self.layout!r}")
         for name, cls in (("dram", DramConfig), ("nvme", NvmeConfig), ("hbm", HbmConfig), ("nvmeof", NvmeofConfig),
-                          ("peers", PeersConfig)):
+                          ("peers", PeersConfig), ("serve", ServeConfig)):
             if not isinstance(getattr(self, name), (cls, type(None))):
                 raise ConfigError(f"store.{name} must be a {cls.__name__} or None, got {getattr(self, name)!r}")
         if not isinstance(self.verify_index, str) or self.verify_index not in ("always", "unclean", "never"):
@@ -413,10 +459,10 @@ def config_from_dict(data: Mapping[str, object], source: str = "<dict>",
     ``layout``, if given, is used when the data has no ``[layout]`` table (a caller that
     sets the layout itself, as ``tierkv replay`` does); otherwise the table is required.
     """
-    unknown_tables = sorted(set(data) - {"store", "layout", "tiers", "peers"})
+    unknown_tables = sorted(set(data) - {"store", "layout", "tiers", "peers", "serve"})
     if unknown_tables:  # a misspelt [tier.nvme] or [peer] must not silently drop a tier
         raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(unknown_tables)}; "
-                          "expected [store], [layout], [tiers.*] and [peers]")
+                          "expected [store], [layout], [tiers.*], [peers] and [serve]")
     store = _section(data, "store", source)
     if layout is None or "layout" in data:
         layout = _build(KVLayout, _section(data, "layout", source), f"{source} [layout]")  # type: ignore[assignment]
@@ -433,8 +479,9 @@ def config_from_dict(data: Mapping[str, object], source: str = "<dict>",
     if isinstance(values.get("path"), str):
         values["path"] = os.path.expanduser(str(values["path"]))
     peers = _build(PeersConfig, _section(data, "peers", source), f"{source} [peers]") if "peers" in data else None
-    values.update(layout=layout, dram=dram, nvme=nvme, hbm=hbm, nvmeof=nvmeof, peers=peers)
-    for key in ("layout", "dram", "nvme", "hbm", "nvmeof", "peers"):
+    serve = _build(ServeConfig, _section(data, "serve", source), f"{source} [serve]") if "serve" in data else None
+    values.update(layout=layout, dram=dram, nvme=nvme, hbm=hbm, nvmeof=nvmeof, peers=peers, serve=serve)
+    for key in ("layout", "dram", "nvme", "hbm", "nvmeof", "peers", "serve"):
         if key in store:
             raise ConfigError(f"{source}: [store] may not set {key!r}; use its own table")
     cfg = _build(StoreConfig, values, f"{source} [store]")

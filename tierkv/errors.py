@@ -51,3 +51,7 @@ class TierUnavailableError(TierIOError):
 class StoreUnavailableError(TierKVError):
     """A connected store's daemon cannot be reached (not running, restarting, or too slow
     to answer); the client reconnects by itself on its next call."""
+
+
+class AccessDeniedError(TierKVError):
+    """A connected client asked for a tenant its user may not use (``[serve] tenants``)."""

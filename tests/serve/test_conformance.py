@@ -282,3 +282,22 @@ def test_random_sessions_match_call_for_call(sock_dir: Path, tmp_path: Path, see
     finally:
         for o in both:
             o.close()
+
+
+def test_a_long_prompt(opened: Opened, tmp_path: Path) -> None:
+    """Past protocol.INLINE_TOKENS the connected client passes tokens through shared memory."""
+    s = opened(make_config(tmp_path / "s", 8, 16))
+    tokens = np.random.default_rng(3).integers(0, 50000, 100_000, dtype=np.int64)
+    data = page_data(21, 12)
+    assert s.put(tokens[:12 * TPP], data).stored == 12
+    r = s.lookup(tokens)
+    assert (r.cached_pages, r.total_pages) == (12, 100_000 // TPP)
+    out = np.zeros((20, PB), np.uint8)
+    assert s.get(tokens, out).pages == 12 and np.array_equal(out[:12], data)
+    assert s.pin(tokens) == 12 and s.unpin(tokens) == 12
+    assert s.prefetch(tokens).result(timeout=30) == 8
+    shifted = tokens.copy()
+    shifted[5000] += 1                 # a change past the cached pages changes nothing before it
+    assert s.lookup(shifted).cached_pages == 12
+    shifted[100] += 1
+    assert s.lookup(shifted).cached_pages == 100 // TPP

@@ -38,10 +38,12 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                                     "'store' (default) measures the DRAM and NVMe tiers and the keys, "
                                     "'codec' the lossless KV codec against zipnn and zstd on real KV pages, "
                                     "'scale' the page table's memory and time per page at node scale against a dict.")
-    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale"), default="store",
+    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale", "serve"),
+                    default="store",
                     help="what to measure ('codec-store': an NVMe tier with codec none vs lossless; "
                          "'net': peer page fetches and incast over TCP, and RDMA where a device exists; "
-                         "'scale': bytes, reopen, put, get and lookup per page of a store of --pages 4 KiB pages)")
+                         "'scale': bytes, reopen, put, get and lookup per page of a store of --pages 4 KiB pages; "
+                         "'serve': 1, 2 and 4 client processes of a tierkv serve daemon vs an in-process store)")
     bp.add_argument("--kv", metavar="FILE.safetensors", help="codec, codec-store: KV tensors layerNN.k/.v "
                     f"[kv_heads, tokens, head_dim], or a folder of such files (default: ${KV_ENV}, else "
                     "../shared/data/kv beside the tierkv checkout)")
@@ -72,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
                              "(gets repeat to about 65,536 pages)")
         default = QUICK_PAGES if args.quick else DEFAULT_PAGES
         result = run_scale(check_pages(args.pages) if args.pages is not None else default, where=args.dir)
+    elif args.suite == "serve":
+        from tierkv.bench.serve import run_serve_bench
+
+        if args.runs is not None:
+            raise InputError("--runs is not for the serve suite: each client runs its rounds once")
+        result = run_serve_bench(quick=args.quick, where=args.dir)
     elif args.suite == "codec":
         from tierkv.bench.codec import run_codec_bench
 
@@ -263,7 +271,34 @@ def scale_tables(r: Mapping[str, object]) -> Iterator[Table]:
     yield _table("what is measured", ("figure", "what"), timed.items(), labels=2)
 
 
+def serve_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    yield _table("node service vs in-process store, higher is better", ("measurement", "value", "target"), [
+        ("put vs in-process (1 client, first page size)", r.get("put_vs_inprocess"), ">= 0.9"),
+        ("get vs in-process (1 client, first page size)", r.get("get_vs_inprocess"), ">= 0.9"),
+        ("lookup p50 µs (131,072 tokens)", r.get("lookup_p50_us"), "-"),
+        ("lookup p99 µs (131,072 tokens)", r.get("lookup_p99_us"), "<= 200"),
+        ("in-process lookup p50 / p99 µs", f"{_cell(r.get('inprocess_lookup_p50_us'))} / "
+                                           f"{_cell(r.get('inprocess_lookup_p99_us'))}", "-"),
+        ("verified", r.get("verified"), "yes")])
+    for s in _maps(r.get("shapes")):
+        base = _map(s.get("inprocess"))
+        rows: list[Sequence[object]] = [("in-process store", 1, base.get("put_gbps"), base.get("get_gbps"), 1.0, 1.0)]
+        for c in _maps(s.get("clients")):
+            rows.append(("daemon, page_buffer", c.get("clients"), c.get("put_gbps"), c.get("get_gbps"),
+                         _ratio(c.get("put_gbps"), base.get("put_gbps")), _ratio(c.get("get_gbps"), base.get("get_gbps"))))
+        sc = _map(s.get("scratch_1_client"))
+        rows.append(("daemon, own arrays", 1, sc.get("put_gbps"), sc.get("get_gbps"), s.get("put_vs_inprocess_scratch"),
+                     s.get("get_vs_inprocess_scratch")))
+        yield _table(f"{_size(s.get('page_bytes'))} pages, {_cell(s.get('pages_per_batch'))} per batch, "
+                     f"{_cell(s.get('rounds'))} rounds per client (aggregate GB/s)",
+                     ("backend", "clients", "put", "get", "put / in-process", "get / in-process"), rows)
+
+
+def _ratio(a: object, b: object) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
 #: Each suite's tables, by suite name.
 TABLES: dict[str, Callable[[Mapping[str, object]], Iterable[Table]]] = {
     "store": store_tables, "codec": codec_tables, "codec-store": codec_store_tables, "net": net_tables,
-    "scale": scale_tables}
+    "scale": scale_tables, "serve": serve_tables}

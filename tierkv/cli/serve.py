@@ -29,11 +29,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Open the store the config describes and serve it on a Unix socket until SIGTERM. Clients "
                     "call Store.connect(SOCKET) and use it as an open store; pages move through shared memory.")
     p.add_argument("--config", required=True, metavar="FILE", help="the store's TOML config")
-    p.add_argument("--socket", metavar="PATH",
-                   help="the Unix socket to listen on (default: tierkv.sock in the store's directory)")
-    p.add_argument("--mode", default="0600", metavar="OCTAL",
-                   help="the socket's permissions: 0600 lets only this user connect, 0660 its group too")
-    p.add_argument("--max-clients", type=int, default=64, metavar="N", help="connections served at once")
+    p.add_argument("--socket", metavar="PATH", help="the Unix socket to listen on (default: [serve] socket, else "
+                   "tierkv.sock in the store's directory)")
+    p.add_argument("--mode", metavar="OCTAL", help="the socket's permissions: 0600 lets only this user connect, 0660 "
+                   "its group too (default: [serve] mode, else 0600)")
+    p.add_argument("--max-clients", type=int, metavar="N", help="connections served at once (default: [serve] "
+                   "max_clients, else 64)")
     p.add_argument("--json", action="store_true", help="announce the listening socket as one JSON object")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(handler=cmd_serve)
@@ -46,18 +47,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierkv.config import load_config
     from tierkv.serve.daemon import NodeService
 
-    try:
-        mode = int(args.mode, 8)
-    except ValueError:
-        raise InputError(f"--mode must be octal permission bits such as 0600 or 0660, got {args.mode!r}") from None
+    mode = None
+    if args.mode is not None:
+        try:
+            mode = int(args.mode, 8)
+        except ValueError:
+            mode = -1
+        if not 0 <= mode <= 0o777:
+            raise InputError(f"--mode must be octal permission bits such as 0600 or 0660, got {args.mode!r}")
+    if args.max_clients is not None and args.max_clients < 1:
+        raise InputError(f"--max-clients must be at least 1, got {args.max_clients}")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
-    sock = args.socket or os.path.join(cfg.path, "tierkv.sock")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    service = NodeService(cfg, Path(sock), mode=mode, max_clients=args.max_clients).start()
+    service = NodeService(cfg, Path(args.socket) if args.socket else None, mode=mode,
+                          max_clients=args.max_clients).start()
     try:
         ready = {"socket": str(service.path), "pid": os.getpid(), "store": str(cfg.path)}
         print(json.dumps(ready) if args.json else f"tierkv serve: store {cfg.path} on {service.path} "

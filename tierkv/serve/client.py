@@ -26,6 +26,7 @@ import mmap
 import os
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
 from pathlib import Path
@@ -82,6 +83,7 @@ class _Conn:
         self.sock.settimeout(timeout_s)
         self.timeout_s = timeout_s
         self.scratch: _Segment | None = None
+        self.token_seg: _Segment | None = None
         self.registered: set[int] = set()
         try:
             self.sock.connect(path)
@@ -90,7 +92,14 @@ class _Conn:
             raise
 
     def call(self, op: int, body: bytes = b"", fds: tuple[int, ...] = ()) -> memoryview:
-        P.send_frame(self.sock, op, body, fds=fds)
+        try:
+            P.send_frame(self.sock, op, body, fds=fds)
+        except (BrokenPipeError, ConnectionResetError):
+            # The daemon may have said why before it closed (too many clients): read that.
+            rop, status, reply, _ = P.recv_frame(self.sock, body_timeout=self.timeout_s)
+            if status != P.Status.OK:
+                raise _error(reply) from None
+            raise
         rop, status, reply, _ = P.recv_frame(self.sock, body_timeout=self.timeout_s)
         if rop != op and status == P.Status.OK:
             raise P.ProtocolError(f"asked op {op}, the daemon answered op {rop}")
@@ -114,11 +123,32 @@ class _Conn:
         self.register(self.scratch)
         return self.scratch, self.scratch.rows(n, page_bytes)
 
+    def tokens(self, salt: bytes, toks: np.ndarray, prefix: bytes = b"") -> bytes:
+        """The body of a token op: the tokens inline when short, else through this
+        connection's token segment."""
+        if len(toks) <= P.INLINE_TOKENS:
+            return P.token_body(salt, toks.tobytes(), prefix)
+        need = 4 * len(toks)
+        if self.token_seg is None or self.token_seg.size < need:
+            old = self.token_seg
+            self.token_seg = _Segment(max(need, 2 * old.size if old is not None else 0), "tierkv-tokens")
+            if old is not None:
+                self.registered.discard(old.id)
+                old.close()
+        self.register(self.token_seg)
+        self.token_seg.array[:need].view("<u4")[:] = toks
+        return P.token_ref(salt, self.token_seg.id, 0, len(toks), prefix)
+
     def close(self) -> None:
         self.sock.close()
-        if self.scratch is not None:
-            self.scratch.close()
-            self.scratch = None
+        for seg in (self.scratch, self.token_seg):
+            if seg is not None:
+                seg.close()
+        self.scratch = self.token_seg = None
+
+
+def _empty(conn: _Conn, seg: int, off: int) -> bytes:
+    return b""
 
 
 def _error(reply: memoryview) -> TierKVError:
@@ -215,30 +245,29 @@ class RemoteStore:
                     del self._mine[ident]
         conn.close()
 
-    def _request(self, op: int, build: object, *, rows: np.ndarray | PageList | None = None,
-                 fill: bool = False, n_rows: int = 0) -> memoryview:
-        """One request: ``build(segment_id, offset)`` makes the body (token ops with pages)
-        or is the body itself. ``rows`` are put from, or (``fill``) got into."""
+    def _request(self, op: int, build: Callable[[_Conn, int, int], bytes], *,
+                 rows: np.ndarray | PageList | None = None, fill: bool = False, n_rows: int = 0) -> memoryview:
+        """One request on this thread's connection: ``build(conn, segment_id, offset)``
+        makes the body. ``rows`` are put from, or (``fill``) got into: in place when they
+        lie in a page buffer, else through the connection's scratch segment."""
         conn = self._acquire()
         try:
             if rows is None:
-                assert isinstance(build, bytes)
-                reply = bytes(conn.call(op, build))
+                reply = bytes(conn.call(op, build(conn, 0, 0)))
             else:
-                pb = self.layout.page_bytes
                 place = self._locate(rows)
                 if place is not None:
                     seg, off = place
                     conn.register(seg)
-                    reply = bytes(conn.call(op, build(seg.id, off)))  # type: ignore[operator]
+                    reply = bytes(conn.call(op, build(conn, seg.id, off)))
                 else:
-                    seg, view = conn.scratch_rows(n_rows, pb)
+                    seg, view = conn.scratch_rows(n_rows, self.layout.page_bytes)
                     if not fill:
                         if isinstance(rows, PageList):
                             rows.stacked(view)
                         else:
                             np.copyto(view, rows)
-                    reply = bytes(conn.call(op, build(seg.id, 0)))  # type: ignore[operator]
+                    reply = bytes(conn.call(op, build(conn, seg.id, 0)))
                     if fill:
                         got = min(n_rows, int.from_bytes(reply[:8], "little"))
                         assert isinstance(rows, np.ndarray)
@@ -296,7 +325,8 @@ class RemoteStore:
         """As :meth:`Store.lookup <tierkv.store.api.Store.lookup>`."""
         self._check_open()
         toks, salt = as_token_array(tokens), tenant_salt(tenant)
-        reply = self._request(P.Op.LOOKUP, P.token_body(salt, toks.tobytes(), P.LOOKUP_REQ.pack(bool(count))))
+        head = P.LOOKUP_REQ.pack(bool(count))
+        reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.tokens(salt, toks, head))
         n, ntok, total = P.LOOKUP_REP.unpack_from(reply)
         return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]))
 
@@ -312,10 +342,9 @@ class RemoteStore:
             raise InputError("get(out=...): the output buffer is read-only")
         want = rows.shape[0]
         check_requested(requested, want)
-        tb = toks.tobytes()
 
-        def build(seg: int, off: int) -> bytes:
-            return P.token_body(salt, tb, P.GET_REQ.pack(seg, off, want, -1 if requested is None else requested))
+        def build(conn: _Conn, seg: int, off: int) -> bytes:
+            return conn.tokens(salt, toks, P.GET_REQ.pack(seg, off, want, -1 if requested is None else requested))
         reply = self._request(P.Op.GET, build, rows=rows, fill=True, n_rows=want)
         pages, ntok = P.GET_REP.unpack_from(reply)
         return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])))
@@ -329,10 +358,10 @@ class RemoteStore:
         rows = (page_list(pages, self.layout, "put(pages=...)", n) if isinstance(pages, (list, tuple)) else
                 page_rows(pages, self.layout, "put(pages=...)", n, lists=True))  # type: ignore[arg-type]
         check_unfilled(unfilled, rows.shape[0])
-        tb, k = toks.tobytes(), rows.shape[0]
+        k = rows.shape[0]
 
-        def build(seg: int, off: int) -> bytes:
-            return P.token_body(salt, tb, P.PUT_REQ.pack(seg, off, k, unfilled, bool(announce)))
+        def build(conn: _Conn, seg: int, off: int) -> bytes:
+            return conn.tokens(salt, toks, P.PUT_REQ.pack(seg, off, k, unfilled, bool(announce)))
         reply = self._request(P.Op.PUT, build, rows=rows, n_rows=k)
         return PutResult(*P.PUT_REP.unpack_from(reply))
 
@@ -340,32 +369,32 @@ class RemoteStore:
         """As :meth:`Store.prefetch <tierkv.store.api.Store.prefetch>`: the daemon promotes
         the pages; the future resolves when it has."""
         self._check_open()
-        body = P.token_body(tenant_salt(tenant), as_token_array(tokens).tobytes())
+        salt, toks = tenant_salt(tenant), as_token_array(tokens)
         try:
-            return self._prefetcher.submit(self._count_op, P.Op.PREFETCH, body)
+            return self._prefetcher.submit(self._count_op, P.Op.PREFETCH, salt, toks)
         except RuntimeError:  # closed between the check and the submit
             self._check_open()
             raise
 
-    def _count_op(self, op: int, body: bytes) -> int:
-        (n,) = P.COUNT.unpack_from(self._request(op, body))
+    def _count_op(self, op: int, salt: bytes, toks: np.ndarray) -> int:
+        (n,) = P.COUNT.unpack_from(self._request(op, lambda conn, _s, _o: conn.tokens(salt, toks)))
         return int(n)
 
     def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
         """As :meth:`Store.pin <tierkv.store.api.Store.pin>`. Pins live in the daemon: a
         daemon restart releases them (its DRAM pages are gone too)."""
         self._check_open()
-        return self._count_op(P.Op.PIN, P.token_body(tenant_salt(tenant), as_token_array(tokens).tobytes()))
+        return self._count_op(P.Op.PIN, tenant_salt(tenant), as_token_array(tokens))
 
     def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
         """As :meth:`Store.unpin <tierkv.store.api.Store.unpin>`."""
         self._check_open()
-        return self._count_op(P.Op.UNPIN, P.token_body(tenant_salt(tenant), as_token_array(tokens).tobytes()))
+        return self._count_op(P.Op.UNPIN, tenant_salt(tenant), as_token_array(tokens))
 
     def stats(self) -> StoreStats:
         """The daemon's store's counters (every client's calls together)."""
         self._check_open()
-        doc = json.loads(bytes(self._request(P.Op.STATS, b"")))
+        doc = json.loads(bytes(self._request(P.Op.STATS, _empty)))
         tiers = {name: TierStats(**{k: v for k, v in t.items() if k != "occupancy"}) for name, t in doc["tiers"].items()}
         fields = {k: v for k, v in doc.items() if k not in ("tiers", "hit_rate", "misses")}
         return StoreStats(tiers=tiers, **fields)
@@ -373,7 +402,7 @@ class RemoteStore:
     def flush(self) -> None:
         """As :meth:`Store.flush <tierkv.store.api.Store.flush>`, for every client's pages."""
         self._check_open()
-        self._request(P.Op.FLUSH, b"")
+        self._request(P.Op.FLUSH, _empty)
 
     def close(self) -> None:
         """Close this client's connections and buffers; the daemon and its store go on."""

@@ -38,9 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tierkv.config import StoreConfig
+from tierkv.config import ServeConfig, StoreConfig
 from tierkv.errors import ConfigError, InputError, StoreBusyError, TierKVError
 from tierkv.serve import protocol as P
+from tierkv.serve.access import Access, Grant
 from tierkv.store.api import Store
 
 log = logging.getLogger(__name__)
@@ -53,15 +54,26 @@ PREFETCH_WAIT_S = 300.0
 
 
 class NodeService:
-    """Serve the store ``config`` describes on the Unix socket ``socket_path``.
+    """Serve the store ``config`` describes on a Unix socket.
 
-    ``mode``: the socket file's permissions (0600: only the daemon's user may connect;
-    0660: its group too). Call :meth:`serve_forever` (or :meth:`start` for a thread),
-    then :meth:`close`.
+    The socket, its mode, the client limit, the request deadline and the tenants each
+    user may use come from ``config.serve`` (:class:`~tierkv.config.ServeConfig`; its
+    defaults where absent); ``socket_path``, ``mode`` (permission bits: 0o600 only the
+    daemon's user may connect, 0o660 its group too), ``max_clients`` and
+    ``body_timeout_s`` override them. Call :meth:`serve_forever` (or :meth:`start` for a
+    thread), then :meth:`close`.
     """
 
-    def __init__(self, config: StoreConfig, socket_path: str | os.PathLike[str], *, mode: int = 0o600,
-                 max_clients: int = 64, body_timeout_s: float = 10.0) -> None:
+    def __init__(self, config: StoreConfig, socket_path: str | os.PathLike[str] | None = None, *,
+                 mode: int | None = None, max_clients: int | None = None,
+                 body_timeout_s: float | None = None) -> None:
+        sc = config.serve if config.serve is not None else ServeConfig()
+        mode = sc.mode_bits if mode is None else mode
+        max_clients = sc.max_clients if max_clients is None else max_clients
+        body_timeout_s = sc.request_timeout_s if body_timeout_s is None else body_timeout_s
+        if socket_path is None:
+            socket_path = sc.socket if sc.socket is not None else Path(config.path) / "tierkv.sock"
+        self._access = Access(sc.tenants)
         if not 0 <= mode <= 0o777:
             raise ConfigError(f"serve: socket mode must be permission bits such as 0o600, got {mode:#o}")
         if max_clients < 1:
@@ -197,6 +209,12 @@ class NodeService:
     def _serve_conn(self, conn: socket.socket) -> None:
         segments: dict[int, mmap.mmap] = {}
         try:
+            try:
+                grant = self._access.grant(conn)
+            except TierKVError as exc:
+                log.warning("refused a connection: %s", exc)
+                P.send_frame(conn, P.Op.HELLO, P.error_body(exc), P.Status.ERROR)
+                return
             while not self._closed.is_set():
                 try:
                     op, _status, body, fds = P.recv_frame(conn, body_timeout=self.body_timeout_s, want_fds=True)
@@ -207,7 +225,7 @@ class NodeService:
                         log.info("a client connection ended: %s", exc)
                     return
                 try:
-                    reply = self._handle(op, body, fds, segments)
+                    reply = self._handle(op, body, fds, segments, grant)
                 except P.ProtocolError as exc:
                     log.info("a client broke the protocol, closing its connection: %s", exc)
                     return
@@ -236,7 +254,8 @@ class NodeService:
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _handle(self, op: int, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap]) -> bytes:
+    def _handle(self, op: int, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap],
+                grant: Grant) -> bytes:
         if fds and op != P.Op.SEGMENT:
             raise P.ProtocolError(f"file descriptors sent with op {op}")
         s = self.store
@@ -254,26 +273,25 @@ class NodeService:
             return self._segment(body, fds, segments)
         if op == P.Op.LOOKUP:
             (count,) = _unpack(P.LOOKUP_REQ, body)
-            salt, toks = P.split_token_body(body, P.LOOKUP_REQ.size)
-            found = s.lookup(_tokens(toks), salt, count=bool(count))
+            salt, tokens = self._tokens(body, P.LOOKUP_REQ.size, segments, grant)
+            found = s.lookup(tokens, salt, count=bool(count))
             return P.LOOKUP_REP.pack(found.cached_pages, found.cached_tokens, found.total_pages) + found.tier_ranks
         if op == P.Op.GET:
             seg, off, rows, requested = _unpack(P.GET_REQ, body)
-            salt, toks = P.split_token_body(body, P.GET_REQ.size)
+            salt, tokens = self._tokens(body, P.GET_REQ.size, segments, grant)
             out = self._rows(segments, seg, off, rows)
-            g = s.get(_tokens(toks), out, salt, requested=None if requested < 0 else requested)
+            g = s.get(tokens, out, salt, requested=None if requested < 0 else requested)
             del out
             return P.GET_REP.pack(g.pages, g.tokens) + bytes(k.rank for k in g.tiers)
         if op == P.Op.PUT:
             seg, off, rows, unfilled, announce = _unpack(P.PUT_REQ, body)
-            salt, toks = P.split_token_body(body, P.PUT_REQ.size)
+            salt, tokens = self._tokens(body, P.PUT_REQ.size, segments, grant)
             src = self._rows(segments, seg, off, rows)
-            r = s.put(_tokens(toks), src, salt, announce=bool(announce), unfilled=unfilled)
+            r = s.put(tokens, src, salt, announce=bool(announce), unfilled=unfilled)
             del src
             return P.PUT_REP.pack(r.stored, r.already_present, r.dropped)
         if op in (P.Op.PREFETCH, P.Op.PIN, P.Op.UNPIN):
-            salt, toks = P.split_token_body(body, 0)
-            tokens = _tokens(toks)
+            salt, tokens = self._tokens(body, 0, segments, grant)
             if op == P.Op.PIN:
                 return P.COUNT.pack(s.pin(tokens, salt))
             if op == P.Op.UNPIN:
@@ -312,6 +330,24 @@ class NodeService:
         segments[seg] = m
         return b""
 
+    def _tokens(self, body: memoryview, at: int, segments: dict[int, mmap.mmap],
+                grant: Grant) -> tuple[bytes, np.ndarray]:
+        """The salt (one the connection's user may use) and tokens of a token op: inline,
+        or copied out of a segment (so the client cannot change them while the store
+        reads them)."""
+        salt, inline, ref = P.split_token_body(body, at)
+        grant.check(salt)
+        if inline is not None:
+            return salt, np.frombuffer(inline, dtype="<u4")
+        assert ref is not None
+        seg, off, count = ref
+        m = segments.get(seg)
+        if m is None:
+            raise P.ProtocolError(f"token segment {seg} was not registered on this connection")
+        if off % 4 or off + 4 * count > len(m):
+            raise InputError(f"{count} tokens at offset {off} run past segment {seg} ({len(m)} bytes)")
+        return salt, np.frombuffer(m, dtype="<u4", count=count, offset=off).copy()
+
     def _rows(self, segments: dict[int, mmap.mmap], seg: int, off: int, rows: int) -> np.ndarray:
         m = segments.get(seg)
         if m is None:
@@ -326,10 +362,6 @@ def _unpack(fmt: struct.Struct, body: memoryview) -> tuple[int, ...]:
     if len(body) < fmt.size:
         raise P.ProtocolError(f"a request of {len(body)} bytes is shorter than its {fmt.size}-byte header")
     return fmt.unpack_from(body)
-
-
-def _tokens(raw: memoryview) -> np.ndarray:
-    return np.frombuffer(raw, dtype="<u4")
 
 
 def _unmap(m: mmap.mmap) -> None:

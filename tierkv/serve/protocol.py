@@ -9,8 +9,10 @@ names its pages by segment, offset and row count; the daemon copies between the 
 and its tiers, once.
 
 Token ops carry the tenant's salt (``<H`` length, bytes) and the tokens as
-little-endian uint32 (the rest of the body): the daemon derives the page keys itself,
-so a client names tokens, never keys. Replies with status ``ERROR`` carry JSON
+little-endian uint32: in the body (up to :data:`INLINE_TOKENS`), or in a registered
+segment the body names (``<QQQ`` segment, offset, count). The daemon copies them out
+before it reads them and derives the page keys itself, so a client names tokens, never
+keys. Replies with status ``ERROR`` carry JSON
 ``{"type": ..., "message": ...}``, raised on the client as the same tierkv error.
 """
 
@@ -65,22 +67,47 @@ class ProtocolError(Exception):
     """The peer broke the framing (or closed mid-frame): the connection cannot go on."""
 
 
+#: Prompts of up to this many tokens travel in the frame; longer ones in the client's
+#: token segment (a 128K-token prompt is 512 KiB: through the socket that costs a
+#: millisecond, through shared memory a copy of 20 us).
+INLINE_TOKENS = 4096
+TOKEN_REF = struct.Struct("<QQQ")   # segment, offset, tokens
+_INLINE, _REF = 0, 1
+
+
 def token_body(salt: bytes, tokens: bytes, prefix: bytes = b"") -> bytes:
-    """``prefix``, the salt and the tokens, as token ops carry them."""
+    """``prefix``, the salt and the tokens themselves, as token ops carry them."""
+    return b"".join((prefix, _salt(salt), bytes((_INLINE,)), tokens))
+
+
+def token_ref(salt: bytes, segment: int, offset: int, count: int, prefix: bytes = b"") -> bytes:
+    """``prefix``, the salt and where in a registered segment ``count`` tokens lie."""
+    return b"".join((prefix, _salt(salt), bytes((_REF,)), TOKEN_REF.pack(segment, offset, count)))
+
+
+def _salt(salt: bytes) -> bytes:
     if len(salt) > 0xFFFF:
         raise InputError(f"tenant salt is {len(salt)} bytes; at most 65535")
-    return b"".join((prefix, SALT_LEN.pack(len(salt)), salt, tokens))
+    return SALT_LEN.pack(len(salt)) + salt
 
 
-def split_token_body(body: memoryview, at: int) -> tuple[bytes, memoryview]:
-    """(salt, tokens) of a token op's body whose fixed part ends at ``at``."""
+def split_token_body(body: memoryview, at: int) -> tuple[bytes, memoryview | None, tuple[int, int, int] | None]:
+    """(salt, inline tokens or None, (segment, offset, count) or None) of a token op's body
+    whose fixed part ends at ``at``."""
     if len(body) < at + SALT_LEN.size:
         raise ProtocolError(f"a token request of {len(body)} bytes is shorter than its header")
     (n,) = SALT_LEN.unpack_from(body, at)
     start = at + SALT_LEN.size
-    if len(body) < start + n or (len(body) - start - n) % 4:
-        raise ProtocolError("a token request's salt or tokens are cut short")
-    return bytes(body[start:start + n]), body[start + n:]
+    if len(body) < start + n + 1:
+        raise ProtocolError("a token request's salt is cut short")
+    salt, mode, rest = bytes(body[start:start + n]), body[start + n], body[start + n + 1:]
+    if mode == _INLINE:
+        if len(rest) % 4:
+            raise ProtocolError("a token request's tokens are cut short")
+        return salt, rest, None
+    if mode == _REF and len(rest) == TOKEN_REF.size:
+        return salt, None, TOKEN_REF.unpack(rest)
+    raise ProtocolError(f"a token request's tokens are neither inline nor a segment reference (mode {mode})")
 
 
 def send_frame(sock: socket.socket, op: int, body: bytes = b"", status: int = Status.OK,
