@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,3 +50,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def soak(request: pytest.FixtureRequest) -> bool:
     """Whether ``--soak`` was given: randomized reliability tests then run far longer."""
     return bool(request.config.getoption("--soak"))
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory for Unix sockets (pytest's tmp paths can pass their 107-byte limit)."""
+    d = Path(tempfile.mkdtemp(prefix="tkv-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Union
@@ -20,14 +18,6 @@ AnyStore = Union[Store, RemoteStore]
 Opener = Callable[[StoreConfig], AnyStore]
 
 BACKENDS = ("in-process", "connected")
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short directory for sockets (pytest's tmp paths can pass the 107-byte limit)."""
-    d = Path(tempfile.mkdtemp(prefix="tkv-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class Opened:

@@ -145,7 +145,7 @@ def test_a_client_killed_mid_put_publishes_no_partial_page_and_leaks_nothing(ser
 
 def _serve(cfg_path: Path, sock: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, "-m", "tierkv", "serve", "--config", str(cfg_path), "--socket",
-                             str(sock), "--json", "--log-level", "WARNING"],
+                             str(sock), "--json", "--foreground", "--log-level", "WARNING"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -87,7 +87,7 @@ def _client(sock: str, client: int, rounds: int, pages: int, page_bytes: int, re
 
 def _start_daemon(cfg_path: Path, sock: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, "-m", "tierkv", "serve", "--config", str(cfg_path), "--socket", str(sock),
-                             "--json", "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
+                             "--json", "--foreground", "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     if not proc.stdout.readline():
         proc.wait()

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -398,6 +399,14 @@ class RemoteStore:
         tiers = {name: TierStats(**{k: v for k, v in t.items() if k != "occupancy"}) for name, t in doc["tiers"].items()}
         fields = {k: v for k, v in doc.items() if k not in ("tiers", "hit_rate", "misses")}
         return StoreStats(tiers=tiers, **fields)
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's status: pid, uptime, connections, requests, the store's stats, and
+        (for a user that may use every tenant) each client's pid, user and requests."""
+        self._check_open()
+        doc = json.loads(bytes(self._request(P.Op.STATUS, _empty)))
+        assert isinstance(doc, dict)
+        return doc
 
     def flush(self) -> None:
         """As :meth:`Store.flush <tierkv.store.api.Store.flush>`, for every client's pages."""

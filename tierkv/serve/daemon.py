@@ -33,16 +33,23 @@ import socket
 import stat
 import struct
 import threading
+import time
+import pwd
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import numpy as np
 
+from tierkv import __version__
 from tierkv.config import ServeConfig, StoreConfig
 from tierkv.errors import ConfigError, InputError, StoreBusyError, TierKVError
 from tierkv.serve import protocol as P
 from tierkv.serve.access import Access, Grant
 from tierkv.store.api import Store
+from tierkv.store.opening import SERVED_FILE
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +95,18 @@ class NodeService:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._info: dict[socket.socket, _Client] = {}
+        self.started = time.time()
+        self.requests = 0
+        self._metrics: Any = None
         self._thread: threading.Thread | None = None
         self.store = Store.open(config)
+        self._served = Path(config.path) / SERVED_FILE
         try:
             self._listener = self._bind()
+            fd = os.open(self._served, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:   # a second open of the store says where to connect
+                f.write(f"{os.getpid()}\n{self.path}\n")
         except BaseException:
             self.store.close()
             raise
@@ -171,6 +186,44 @@ class NodeService:
         with self._lock:
             return len(self._conns)
 
+    def status(self, clients: bool = True) -> dict[str, Any]:
+        """The daemon, its connections (``clients``: with their pids and users) and the
+        store's stats, as ``tierkv status`` shows them."""
+        now = time.time()
+        with self._lock:
+            infos = list(self._info.values())
+            served = self.requests + sum(i.requests for i in infos)
+        out: dict[str, Any] = {
+            "pid": os.getpid(), "socket": str(self.path), "store": str(self.store.config.path),
+            "model_id": self.store.config.model_id, "version": __version__, "protocol": P.VERSION,
+            "uptime_s": round(now - self.started, 3), "connections": len(infos), "requests": served,
+            "access": "open" if self._access.open else "by user ([serve] tenants)",
+            "stats": self.store.stats().to_dict(),
+        }
+        if clients:
+            out["clients"] = [{"pid": i.pid, "uid": i.uid, "user": _user(i.uid), "connected_s": round(now - i.since, 3),
+                               "requests": i.requests} for i in sorted(infos, key=lambda i: i.since)]
+        return out
+
+    def start_metrics(self, addr: str, port: int) -> int:
+        """Serve Prometheus metrics (the store's, and the daemon's clients and requests) on
+        ``http://addr:port/metrics`` until :meth:`close`; returns the port (0 picks one)."""
+        try:
+            from prometheus_client import CollectorRegistry
+            from prometheus_client.exposition import start_http_server
+        except ImportError:
+            raise ConfigError("--metrics needs prometheus_client: pip install 'tierkv[metrics]'") from None
+        from tierkv.store.metrics import StoreCollector
+
+        registry = CollectorRegistry()
+        registry.register(StoreCollector(self.store))  # type: ignore[arg-type]
+        registry.register(_ServiceCollector(self))  # type: ignore[arg-type]
+        try:
+            self._metrics, _ = start_http_server(port, addr=addr, registry=registry)
+        except OSError as exc:
+            raise ConfigError(f"--metrics {addr}:{port}: {exc.strerror or exc}") from None
+        return int(self._metrics.server_address[1])
+
     def close(self) -> None:
         """Stop accepting, end every connection, close the store (which writes back what
         it holds in volatile tiers, as an in-process close does) and remove the socket."""
@@ -193,10 +246,14 @@ class NodeService:
                 pass
         for t in conns.values():
             t.join()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
+        for done in (self.path, self._served):
+            try:
+                done.unlink()
+            except FileNotFoundError:
+                pass
         self.store.close()
 
     def __enter__(self) -> NodeService:
@@ -215,6 +272,9 @@ class NodeService:
                 log.warning("refused a connection: %s", exc)
                 P.send_frame(conn, P.Op.HELLO, P.error_body(exc), P.Status.ERROR)
                 return
+            info = _Client(grant.pid, grant.uid, time.time())
+            with self._lock:
+                self._info[conn] = info
             while not self._closed.is_set():
                 try:
                     op, _status, body, fds = P.recv_frame(conn, body_timeout=self.body_timeout_s, want_fds=True)
@@ -225,6 +285,7 @@ class NodeService:
                         log.info("a client connection ended: %s", exc)
                     return
                 try:
+                    info.requests += 1
                     reply = self._handle(op, body, fds, segments, grant)
                 except P.ProtocolError as exc:
                     log.info("a client broke the protocol, closing its connection: %s", exc)
@@ -252,6 +313,9 @@ class NodeService:
                 _unmap(m)
             with self._lock:
                 self._conns.pop(conn, None)
+                gone = self._info.pop(conn, None)
+                if gone is not None:
+                    self.requests += gone.requests
             conn.close()
 
     def _handle(self, op: int, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap],
@@ -305,6 +369,8 @@ class NodeService:
         if op == P.Op.FLUSH:
             s.flush()
             return b""
+        if op == P.Op.STATUS:
+            return json.dumps(self.status(clients=grant.salts is None)).encode()
         raise P.ProtocolError(f"unknown op {op}")
 
     def _segment(self, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap]) -> bytes:
@@ -356,6 +422,37 @@ class NodeService:
         if off + rows * pb > len(m):
             raise InputError(f"{rows} pages at offset {off} run past page segment {seg} ({len(m)} bytes)")
         return np.frombuffer(m, dtype=np.uint8, count=rows * pb, offset=off).reshape(rows, pb)
+
+
+@dataclass
+class _Client:
+    pid: int
+    uid: int
+    since: float
+    requests: int = 0
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class _ServiceCollector:
+    """The daemon's own metrics: connections now, requests served."""
+
+    def __init__(self, service: NodeService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[object]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self._service.status(clients=False)
+        yield GaugeMetricFamily("tierkv_serve_connections", "Client connections open now", value=st["connections"])
+        yield CounterMetricFamily("tierkv_serve_requests", "Requests served since start", value=st["requests"])
+        yield GaugeMetricFamily("tierkv_serve_uptime_seconds", "Seconds since the daemon started",
+                                value=st["uptime_s"])
 
 
 def _unpack(fmt: struct.Struct, body: memoryview) -> tuple[int, ...]:

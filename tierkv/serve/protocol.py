@@ -46,6 +46,7 @@ class Op(IntEnum):
     UNPIN = 8      # salt, tokens -> <Q pages unpinned
     STATS = 9      # empty -> JSON of StoreStats.to_dict()
     FLUSH = 10     # empty -> empty
+    STATUS = 11    # empty -> JSON: the daemon, its clients (for users that may use every tenant), the stats
 
 
 class Status(IntEnum):

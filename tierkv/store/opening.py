@@ -99,11 +99,29 @@ def acquire_dir(store_dir: Path, read_only: bool) -> int | None:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
+        served = _served_on(store_dir, holder)
+        if served is not None:
+            raise StoreBusyError(f"the store at {store_dir} is served by a tierkv serve daemon (pid {holder}); "
+                                 f"use it through Store.connect({served!r})") from None
         raise StoreBusyError(f"the store at {store_dir} is open for writing by pid {holder}; "
                              "open it with read_only=True to share it") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+#: Written by a ``tierkv serve`` daemon into the store's directory while it serves: its pid
+#: and socket, so that a second open can say where to connect instead.
+SERVED_FILE = "serve.socket"
+
+
+def _served_on(store_dir: Path, holder: str) -> str | None:
+    """The socket of the daemon ``holder`` (a pid), if that daemon serves this store."""
+    try:
+        pid, _, sock = (store_dir / SERVED_FILE).read_text().partition("\n")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return sock.strip() if pid.strip() == holder and sock.strip() else None
 
 
 def release_dir(lock_fd: int | None) -> None:
