@@ -19,7 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+import tierkv.store.api as api
 from tests.conftest import PB, make_config, page_data
 from tierkv.store.api import Store
 
@@ -137,7 +139,13 @@ def run_threads(targets: list[Callable[[], None]], grace_s: float, deadline: flo
     return [t for t in threads if t.is_alive()]
 
 
-def test_threads_and_a_reader_process_keep_every_invariant(tmp_path: Path, soak: bool) -> None:
+@pytest.mark.parametrize("unlocked", [False, True], ids=["locked-copies", "unlocked-copies"])
+def test_threads_and_a_reader_process_keep_every_invariant(tmp_path: Path, soak: bool, unlocked: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``unlocked``: every copy into and out of DRAM runs without the store's lock (by
+    default only those of 1 MiB or more, which these small pages never reach)."""
+    if unlocked:
+        monkeypatch.setattr(api, "UNLOCKED_COPY_BYTES", 0)
     seconds = 60.0 if soak else 3.0
     cfg = make_config(tmp_path / "s", 4, 64)
     with Store.open(cfg) as store:

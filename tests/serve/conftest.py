@@ -12,6 +12,7 @@ import pytest
 from tierkv.config import StoreConfig
 from tierkv.serve.client import RemoteStore
 from tierkv.serve.daemon import NodeService
+import tierkv.store.api as api
 from tierkv.store.api import Store
 
 AnyStore = Union[Store, RemoteStore]
@@ -44,6 +45,13 @@ class Opened:
     def close(self) -> None:
         for m in reversed(self._made):
             m.close()
+
+
+@pytest.fixture(autouse=True)
+def every_copy_unlocked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies into and out of DRAM run without the store's lock from 1 MiB up; the pages
+    here are 16 KiB, so make every one do, in-process and in daemon threads alike."""
+    monkeypatch.setattr(api, "UNLOCKED_COPY_BYTES", 0)
 
 
 @pytest.fixture(params=BACKENDS)

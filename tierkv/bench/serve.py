@@ -1,7 +1,7 @@
 """``tierkv bench serve``: the node service against an in-process store, in one run.
 
 One daemon (``tierkv serve``'s :class:`~tierkv.serve.daemon.NodeService`, in a process
-of its own) serves a DRAM store; 1, 2 and 4 client processes each put a batch of new
+of its own) serves a DRAM store; 1, 2 and 4 client processes each put a 128 MiB batch of new
 pages and get it back, round after round, starting together; an in-process ``Store``
 of the same config does the same work on one thread of this process, the baseline.
 Reported per page size and client count: aggregate put and get GB/s and their ratio
@@ -158,7 +158,7 @@ def run_serve_bench(quick: bool = False, where: str | None = None) -> dict[str, 
     verified = True
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-serve-", dir=where) as tmp:
         for page_bytes in PAGE_SIZES[:1] if quick else PAGE_SIZES:
-            pages = max(1, (32 << 20) // page_bytes)          # a 32 MiB batch per client
+            pages = max(1, (128 << 20) // page_bytes)         # a 128 MiB batch per client, as in the peer harness
             base = _inprocess(page_bytes, pages, rounds, tmp)
             cfg = _config(os.path.join(tmp, f"served-{page_bytes}"), page_bytes, pages * 2 * max(CLIENTS) + 8)
             cfg_path = Path(tmp) / f"served-{page_bytes}.toml"

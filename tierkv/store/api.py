@@ -14,9 +14,12 @@ and page tensors, never keys.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 import logging
 import os
 import threading
+import time
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from operator import itemgetter
 from pathlib import Path
@@ -41,9 +44,10 @@ from tierkv.store.results import GetResult as GetResult
 from tierkv.store.results import LookupResult as LookupResult
 from tierkv.store.results import PutResult as PutResult
 from tierkv.store.stats import Counters, StoreStats
-from tierkv.tiers.base import TierKind
+from tierkv.tiers.base import TierId, TierKind
+from tierkv.tiers.dram import DramTier
 from tierkv.tiers.blocks import BlockPageTier
-from tierkv.store.transfer import Transfers
+from tierkv.store.transfer import Transfers, gather_rows
 from tierkv.store.validate import GET_LIST_MESSAGE, check_requested, check_unfilled
 
 if TYPE_CHECKING:
@@ -53,6 +57,23 @@ log = logging.getLogger(__name__)
 
 #: Name prefix of the prefetch worker thread (close() called on it must not join it).
 _PREFETCH_THREAD = "tierkv-prefetch"
+
+
+#: Copies of at least this many bytes into or out of the DRAM tier run without the
+#: store's lock, so that threads (and the node service's clients) copy at once; smaller
+#: ones are not worth releasing it for.
+UNLOCKED_COPY_BYTES = 1 << 20
+
+
+@dataclass
+class _Begun:
+    """A put whose DRAM pages are yet to be written (``placed``: reserved, unpublished)."""
+
+    plan: MovePlan
+    placed: list[tuple[PageKey, TierId, int]]
+    row_of: dict[PageKey, int]
+    stored: int
+    new: int
 
 
 class Store:
@@ -65,6 +86,11 @@ class Store:
         self._lock = threading.RLock()
         self._closed = False
         self._released = threading.Event()  # set once close() has released everything
+        # Large copies into and out of the DRAM tier run without the lock (docs/design.md,
+        # "Copies without the store's lock"): how many are running, and a condition close()
+        # waits on until none are.
+        self._copying = 0
+        self._copies_done = threading.Condition(self._lock)
         self._namespaces: dict[bytes, bytes] = {}
         # Per calling thread, the key blob of its last get until its put: engines that serve
         # requests on several threads interleave their gets and puts.
@@ -74,6 +100,10 @@ class Store:
         parts = open_store_parts(config, read_only)
         self._lockfile, self._index, self._manager = parts.lock_fd, parts.index, parts.manager
         self._kinds = tuple(t.kind for t in self._manager.tiers)   # by level
+        top = self._manager.tiers[0]
+        # The tier whose large copies run without the store's lock: the DRAM tier, when it
+        # is the fastest (its slots are held back from reuse while such copies run).
+        self._fast: DramTier | None = top if isinstance(top, DramTier) and not read_only else None
         self._pins = PinLedger(self._manager)  # what each pin call took
         self._transfers = Transfers(self._manager, self._counters, self.layout.page_bytes,
                                     deferred_sync=self._index is not None and self._index.deferred,
@@ -196,30 +226,83 @@ class Store:
                 requested = want
             self._announce(blob, from_get=True)
             lead = self._lead(blob, want)
-            loaded = self._transfers.read(lead, rows)
-            levels = lead.levels[:loaded]
-            tiers = tuple(map(self._kinds.__getitem__, levels.tolist()))
-            if loaded and not self.read_only and self.config.promote_on_hit and levels.any():
-                with self._placing(blob, tenant):
-                    self._promote(lead, levels, rows)
-            if self._peering is not None and loaded == len(lead) and loaded < want:
-                # The pages that follow the local ones, from another node's DRAM: checked
-                # against the peer's checksum, then kept here.
-                keys = split_keys(blob)
-                got = self._peering.fetch(keys[loaded:want], rows[loaded:want], tenant_salt(tenant))
-                if got:
-                    self._counters.tier_hits[TierKind.PEER.value] += got
-                    # Kept here as far as this store holds them with their prefix; the
-                    # caller has every fetched page either way.
-                    room = sum(t.num_slots for t in self._manager.tiers) - loaded
-                    if room > 0:
-                        with self._placing(blob, tenant):
-                            self._store(keys, rows[loaded:loaded + min(got, room)], loaded)
-                    tiers += (TierKind.PEER,) * got
-                    loaded += got
-            self._counters.events["pages_requested"] += requested
-            self._counters.events["pages_hit"] += loaded
-            return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
+            fast = self._fast_lead(lead)
+            if not fast:
+                return self._get_rest(blob, tenant, rows, want, requested, lead, 0)
+            assert self._fast is not None
+            slots = lead.slots[:fast]
+            token = self._begin_unlocked(self._fast, slots)
+        # The leading DRAM pages, copied without the lock (their slots are held back from
+        # reuse until the copy ends), then the rest under it as before.
+        start = time.perf_counter()
+        try:
+            self._fast.read(slots, rows[:fast])
+        except BaseException:
+            with self._lock:
+                self._end_unlocked(self._fast, token)
+            raise
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._end_unlocked(self._fast, token)
+            self._transfers.count_served(self._fast.name, lead.keys_of(0, fast), seconds)
+            if self._closed:   # a close waited for this copy: the pages copied are the result
+                self._counters.events["pages_requested"] += requested
+                self._counters.events["pages_hit"] += fast
+                return GetResult(fast, fast * self.layout.tokens_per_page, (self._fast.kind,) * fast)
+            rest = self._lead(blob[fast * KEY_BYTES:], want - fast)
+            return self._get_rest(blob, tenant, rows, want, requested, rest, fast)
+
+    def _fast_lead(self, lead: Lead) -> int:
+        """How many leading pages of ``lead`` to copy out of the DRAM tier without the lock:
+        all of its leading run there, when that run is worth unlocking for."""
+        if self._fast is None or not len(lead):
+            return 0
+        off = np.flatnonzero(lead.levels != 0)
+        n = int(off[0]) if len(off) else len(lead)
+        return n if n * self.layout.page_bytes >= UNLOCKED_COPY_BYTES else 0
+
+    def _begin_unlocked(self, tier: DramTier, slots: Sequence[int]) -> int:
+        """With the lock held: a copy of ``slots`` of ``tier`` is about to run without it."""
+        self._copying += 1
+        return tier.begin_copy(slots)
+
+    def _end_unlocked(self, tier: DramTier, token: int) -> None:
+        """With the lock held again: the copy ``token`` is done (slots freed meanwhile may
+        be reused from here on, so whatever checks them happened before)."""
+        tier.end_copy(token)
+        self._copying -= 1
+        if not self._copying:
+            self._copies_done.notify_all()
+
+    def _get_rest(self, blob: bytes, tenant: str | bytes, rows: np.ndarray, want: int, requested: int,
+                  lead: Lead, first: int) -> GetResult:
+        """The part of a get after its first ``first`` pages (copied from the DRAM tier
+        already): ``lead`` is of the pages from there on. With the lock held."""
+        got = self._transfers.read(lead, rows[first:])
+        levels = lead.levels[:got]
+        loaded = first + got
+        tiers = (self._kinds[0],) * first + tuple(map(self._kinds.__getitem__, levels.tolist()))
+        if got and not self.read_only and self.config.promote_on_hit and levels.any():
+            with self._placing(blob, tenant):
+                self._promote(lead, levels, rows[first:], blob[:first * KEY_BYTES])
+        if self._peering is not None and loaded == first + len(lead) and loaded < want:
+            # The pages that follow the local ones, from another node's DRAM: checked
+            # against the peer's checksum, then kept here.
+            keys = split_keys(blob)
+            got = self._peering.fetch(keys[loaded:want], rows[loaded:want], tenant_salt(tenant))
+            if got:
+                self._counters.tier_hits[TierKind.PEER.value] += got
+                # Kept here as far as this store holds them with their prefix; the
+                # caller has every fetched page either way.
+                room = sum(t.num_slots for t in self._manager.tiers) - loaded
+                if room > 0:
+                    with self._placing(blob, tenant):
+                        self._store(keys, rows[loaded:loaded + min(got, room)], loaded)
+                tiers += (TierKind.PEER,) * got
+                loaded += got
+        self._counters.events["pages_requested"] += requested
+        self._counters.events["pages_hit"] += loaded
+        return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
 
     def _announce(self, blob: bytes, *, from_get: bool, keys: list[PageKey] | None = None) -> None:
         """Show the policies every page a request needs (cached or not), once per request:
@@ -234,13 +317,15 @@ class Store:
         self._manager.note_request(split_keys(blob) if keys is None else keys)
         self._announced.blob = blob if from_get else None
 
-    def _promote(self, lead: Lead, levels: np.ndarray, rows: np.ndarray) -> int:
+    def _promote(self, lead: Lead, levels: np.ndarray, rows: np.ndarray, before: bytes = b"") -> int:
         """Copy the first ``len(levels)`` pages of ``lead``, read into ``rows`` from the tiers
-        ``levels`` name, up into the fastest tier, one plan per tier they came from."""
+        ``levels`` name, up into the fastest tier, one plan per tier they came from.
+        ``before``: the keys of the request's pages ahead of ``lead`` (loaded already),
+        which the promotions must not evict either."""
         m = self._manager
         top = m.tiers[0].name
         keys = split_keys(lead.keys_of(0, len(levels)))
-        protect = set(keys)
+        protect = set(keys) | set(split_keys(before))
         promoted = 0
         for lvl in sorted(set(levels.tolist()) - {0}):
             idx = np.flatnonzero(levels == lvl).tolist()
@@ -288,8 +373,32 @@ class Store:
                             "stored", gone)
                 return PutResult(0, gone, 0)
             with self._placing(blob, tenant):
-                stored, new = self._store(keys, rows, 0)
-            return PutResult(stored, rows.shape[0] - new, new - stored)
+                begun = self._store_begin(keys, rows)
+            if isinstance(begun, tuple):
+                stored, new = begun
+                return PutResult(stored, rows.shape[0] - new, new - stored)
+            assert self._fast is not None
+            slots = [slot for _, _, slot in begun.placed]
+            token = self._begin_unlocked(self._fast, slots)
+        # The new pages bound for the DRAM tier, written without the lock into the slots
+        # reserved for them; published under it once written, if still theirs.
+        start = time.perf_counter()
+        wrote = False
+        try:
+            self._fast.write(slots, gather_rows(rows, [begun.row_of[k] for k, _, _ in begun.placed]))
+            wrote = True
+        finally:
+            with self._lock:
+                try:
+                    with self._placing(blob, tenant):
+                        done = self._transfers.finish_deferred(begun.plan, begun.placed,
+                                                               time.perf_counter() - start, wrote)
+                finally:
+                    self._end_unlocked(self._fast, token)
+                stored = begun.stored + done
+                self._counters.events["pages_stored"] += done
+                self._count_plan(begun.plan)
+        return PutResult(stored, rows.shape[0] - begun.new, begun.new - stored)
 
     def _placing(self, blob: bytes, tenant: str | bytes) -> contextlib.AbstractContextManager[None]:
         """Pages placed meanwhile among ``blob``'s keys are the tenant's (for the peer server)."""
@@ -297,15 +406,38 @@ class Store:
             return contextlib.nullcontext()
         return self._peering.placing(blob, tenant_salt(tenant))
 
-    def _store(self, keys: list[PageKey], rows: Rows, first: int) -> tuple[int, int]:
-        """Store ``rows[i]`` as page ``first + i`` of ``keys`` unless cached; (stored, new)."""
+    def _store_begin(self, keys: list[PageKey], rows: Rows) -> tuple[int, int] | _Begun:
+        """:meth:`_store` of a put: done, (stored, new); or, where enough new pages go to
+        the DRAM tier, everything but their write, which the caller makes without the lock."""
+        plan, row_of, new = self._plan_new(keys, rows, 0)
+        if self._fast is None or len(new) * self.layout.page_bytes < UNLOCKED_COPY_BYTES:
+            stored = self._transfers.run(plan, rows, row_of)
+            self._counters.events["pages_stored"] += stored
+            self._count_plan(plan)
+            return stored, len(new)
+        stored, placed = self._transfers.run_deferring(plan, rows, row_of, self._fast.name)
+        if not placed:
+            self._counters.events["pages_stored"] += stored
+            self._count_plan(plan)
+            return stored, len(new)
+        self._counters.events["pages_stored"] += stored
+        return _Begun(plan, placed, row_of, stored, len(new))
+
+    def _plan_new(self, keys: list[PageKey], rows: Rows, first: int
+                  ) -> tuple[MovePlan, dict[PageKey, int], list[tuple[PageKey, PageKey | None]]]:
+        """The plan that stores ``rows[i]`` as page ``first + i`` of ``keys`` where not cached:
+        (plan, row of each new page, the new pages with their parents)."""
         n = rows.shape[0]
         held = self._manager.held(b"".join(keys[first:first + n]))
         fresh = [i for i, h in enumerate(held) if not h]
         new = [(keys[first + i], keys[first + i - 1] if first + i else None) for i in fresh]
         row_of = dict(zip(map(itemgetter(0), new), fresh))
         prefix = keys[:first] + [k for k, h in zip(keys[first:first + n], held) if h]
-        plan = self._manager.plan_store(new, self.layout.page_bytes, prefix=prefix)
+        return self._manager.plan_store(new, self.layout.page_bytes, prefix=prefix), row_of, new
+
+    def _store(self, keys: list[PageKey], rows: Rows, first: int) -> tuple[int, int]:
+        """Store ``rows[i]`` as page ``first + i`` of ``keys`` unless cached; (stored, new)."""
+        plan, row_of, new = self._plan_new(keys, rows, first)
         stored = self._transfers.run(plan, rows, row_of)
         self._counters.events["pages_stored"] += stored
         self._count_plan(plan)
@@ -423,6 +555,7 @@ class Store:
         if self._peering is not None:  # stop serving before the DRAM tier goes away
             self._peering.close()
         with self._lock:
+            self._wait_for_copies()   # puts and gets copying without the lock finish first
             failed: BaseException | None = None
             try:
                 if self.config.persist_on_close and not self.read_only:
@@ -434,6 +567,11 @@ class Store:
             finally:
                 if failed is not None:
                     raise failed
+
+    def _wait_for_copies(self) -> None:
+        """With the lock held: until no copy runs without it (close waits here)."""
+        while self._copying:
+            self._copies_done.wait()
 
     def _write_back(self) -> None:
         """Copy the pages only volatile tiers hold down to the persistent tier, for the next

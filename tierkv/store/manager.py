@@ -945,6 +945,44 @@ class BlockManager:
             elif t.nkids[r]:
                 self._stray = True   # its cached descendants may be in flight: dropped at commit_deletes
 
+    def still_placed(self, placed: Sequence[tuple[PageKey, TierId, int]]) -> list[bool]:
+        """Whether each reserved placement still holds its slot (nothing dropped the page
+        or its copy there since it was planned)."""
+        t = self.table
+        rows = rows_of(t.core.find(b"".join(k for k, _, _ in placed))) if placed else np.zeros(0, np.int32)
+        out = []
+        for r, (_, name, slot) in zip(rows.tolist(), placed):
+            lvl = self.levels[name]
+            out.append(r >= 0 and int(t.slot[lvl, r]) - 1 == slot)
+        return out
+
+    def drop_orphans(self, keys: Sequence[PageKey]) -> int:
+        """Forget those of ``keys`` whose parent no tier holds any more (it left while their
+        bytes were being written without the store's lock), with their descendants;
+        returns how many of ``keys`` were."""
+        if not keys:
+            return 0
+        t = self.table
+        rows = rows_of(t.core.find(b"".join(keys)))
+        ok = rows >= 0
+        prow = np.full(len(rows), -1, dtype=np.int64)
+        prow[ok] = t.parent[rows[ok]].astype(np.int64) - 1
+        lost = np.flatnonzero((prow >= 0) & (t.where[np.maximum(prow, 0)] == 0))
+        for i in lost.tolist():
+            self.forget(keys[i])
+        return len(lost)
+
+    def present(self, keys: bytes, name: TierId) -> bytes:
+        """The keys of ``keys`` (16 bytes each) that have a copy in tier ``name``, in order."""
+        if not keys:
+            return b""
+        t = self.table
+        rows = rows_of(t.core.find(keys))
+        ok = rows >= 0
+        lvl = self.levels[name]
+        ok[ok] = (t.where[rows[ok]] >> lvl) & 1 == 1
+        return keys if ok.all() else take_keys(keys, ok)
+
     def forget(self, key: PageKey) -> None:
         """Drop a page from every tier (quarantine or failed read); frees its slots.
 

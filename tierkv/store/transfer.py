@@ -20,7 +20,7 @@ import numpy as np
 
 from tierkv.store.checksum import checksum64, checksum_rows
 from tierkv.errors import TierIOError, TierUnavailableError
-from tierkv.keys import PageKey
+from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.store.manager import BlockManager, Move, MovePlan
 from tierkv.store.moves import NO_SOURCE, Lead
 from tierkv.store.pages import PageList, Rows
@@ -64,7 +64,7 @@ COPY_TABLE: dict[tuple[TierKind, TierKind], CopyFn] = {
 }
 
 
-def _gather(src: Rows, rows: list[int]) -> Rows:
+def gather_rows(src: Rows, rows: list[int]) -> Rows:
     """``src[rows]``: a zero-copy view when the rows are consecutive or ``src`` is a
     list of separate pages, else a contiguous copy."""
     if isinstance(src, PageList):
@@ -126,7 +126,7 @@ class Transfers:
                 done += 1
             for placed in placements:
                 assert src is not None and row_of is not None
-                published += self._place(placed[0][1], placed, _gather(src, [row_of[k] for k, _, _ in placed]),
+                published += self._place(placed[0][1], placed, gather_rows(src, [row_of[k] for k, _, _ in placed]),
                                          source, plan)
                 done += 1
         except BaseException:
@@ -139,6 +139,56 @@ class Transfers:
             raise
         self._m.commit_deletes(plan)  # evictions whose tier received nothing in this plan
         return published
+
+    def run_deferring(self, plan: MovePlan, src: Rows, row_of: dict[PageKey, int], defer: TierId
+                      ) -> tuple[int, list[tuple[PageKey, TierId, int]]]:
+        """As :meth:`run`, except the pages placed in the tier ``defer``: their slots stay
+        reserved and unpublished, returned for the caller to write (without the store's
+        lock) and then hand to :meth:`finish_deferred`. Returns (pages published, deferred)."""
+        mine = [p for p in plan.placements if p[1] == defer]
+        plan.placements = [p for p in plan.placements if p[1] != defer]
+        try:
+            published = self.run(plan, src, row_of)
+        except BaseException:
+            self._m.abandon(mine)
+            raise
+        return published, mine
+
+    def finish_deferred(self, plan: MovePlan, placed: list[tuple[PageKey, TierId, int]], seconds: float,
+                        wrote: bool) -> int:
+        """Publish deferred placements whose bytes were written (``wrote``) in ``seconds``;
+        pages dropped meanwhile (their slot no longer theirs) are left out, as is all of it
+        when the write failed. Returns how many were published."""
+        if not placed:
+            return 0
+        name = placed[0][1]
+        live = self._m.still_placed(placed)
+        gone = [p for p, ok in zip(placed, live) if not ok]
+        keep = [p for p, ok in zip(placed, live) if ok]
+        if not wrote:
+            self._m.abandon(keep)
+            self._m.commit_deletes(plan)
+            return 0
+        if gone:
+            log.debug("%d pages written to %s were dropped before they were published", len(gone), name)
+        self._c.tier_io_s[name] += seconds
+        self._c.moved_bytes("caller", name, len(placed) * self._nbytes, seconds, src_read=False)
+        published = len(keep) if keep and self._publish(keep, {}, plan, f"write to {name}") else 0
+        self._m.commit_deletes(plan)
+        if published and self._m.drop_orphans([k for k, _, _ in keep]):
+            published = len(self._m.present(b"".join(k for k, _, _ in keep), name)) // KEY_BYTES
+        return published
+
+    def count_served(self, name: TierId, keys: bytes, seconds: float) -> None:
+        """Count pages a get copied out of ``name`` without the store's lock: hits, bytes,
+        and a touch in the tier's policy for those still there."""
+        k = len(keys) // KEY_BYTES
+        self._c.tier_io_s[name] += seconds
+        self._c.moved_bytes(name, "caller", k * self._nbytes, seconds)
+        self._c.tier_hits[name] += k
+        present = self._m.present(keys, name)
+        if present:
+            self._m.touch_many(present, name)
 
     def _sync(self, tier: Tier) -> None:
         """Make a write durable before its publish, unless its group commit will."""

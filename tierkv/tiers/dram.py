@@ -10,6 +10,8 @@ from __future__ import annotations
 import glob
 import os
 import sys
+import threading
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -60,6 +62,11 @@ class DramTier(Tier):
     def __init__(self, num_slots: int, slot_bytes: int, *, name: str | None = None, prefault: bool = False) -> None:
         super().__init__(num_slots, slot_bytes, name=name)
         self._prefault: Prefault | None = None
+        self._copy_lock = threading.Lock()
+        self._copies: dict[int, list[int]] = {}   # running copies: token -> the slots they use
+        self._busy: Counter[int] = Counter()      # slot -> running copies that use it
+        self._held: set[int] = set()              # freed while busy: reusable once not
+        self._next_copy = 0
         try:
             buf, pinned = _host_buffer(num_slots * slot_bytes)
             self._buf = buf.reshape(num_slots, slot_bytes)
@@ -70,6 +77,54 @@ class DramTier(Tier):
                                 "capacity_bytes") from None
         if prefault and not pinned:
             self._prefault = Prefault(buf, self.name)
+
+    # -- copies outside the store's lock ------------------------------------------------
+    # The store copies large batches into and out of this tier without holding its lock
+    # (tierkv.store.api), so that threads and processes served by one store copy at once.
+    # A slot such a copy uses may be freed meanwhile (its page evicted, dropped or
+    # forgotten): it is held back from reuse until every copy using it has ended, so a
+    # copy always sees the bytes of the page it was planned for and never lands on
+    # another page's.
+    def begin_copy(self, slots: Sequence[int]) -> int:
+        """Register a copy of ``slots`` about to run without the store's lock (call it with
+        the lock still held); returns its token for :meth:`end_copy`."""
+        with self._copy_lock:
+            token = self._next_copy
+            self._next_copy += 1
+            self._copies[token] = list(slots)
+            self._busy.update(slots)
+            return token
+
+    def end_copy(self, token: int) -> None:
+        """The copy ``token`` is done: its slots that were freed meanwhile become free."""
+        with self._copy_lock:
+            slots = self._copies.pop(token)
+            self._busy.subtract(slots)
+            release = []
+            for slot in set(slots):
+                if self._busy[slot] <= 0:
+                    del self._busy[slot]
+                    if slot in self._held:
+                        self._held.discard(slot)
+                        release.append(slot)
+        if release and not self._closed:
+            super().free(release)
+
+    def free(self, slots: Sequence[int]) -> None:
+        with self._copy_lock:
+            if self._busy:
+                busy = [s for s in slots if self._busy.get(s, 0) > 0]
+                if busy:
+                    self._held.update(busy)
+                    slots = [s for s in slots if self._busy.get(s, 0) <= 0]
+        if slots:
+            super().free(slots)
+
+    @property
+    def held_back(self) -> int:
+        """Slots freed but not reusable yet: copies still running use them."""
+        with self._copy_lock:
+            return len(self._held)
 
     @property
     def buffer(self) -> np.ndarray:
