@@ -564,3 +564,17 @@ def test_a_clean_close_writes_the_prefix_back_over_the_tail_of_a_full_nvme_tier(
         assert s.lookup(tokens).cached_pages == 4
         n, out = load(s, tokens, 4)
         assert n == 4 and np.array_equal(out, data[:4])
+
+
+def test_lookup_by_keys_is_lookup_by_tokens(store: Store) -> None:
+    from tierkv.keys import as_token_array, chain_keys, namespace_digest
+
+    tokens, data = prompt(21, 3), page_data(21, 3)
+    store.put(tokens, data, tenant="t")
+    longer = np.concatenate([tokens, prompt(22, 2)])
+    keys = chain_keys(as_token_array(longer), TPP, namespace_digest("test-model", LAYOUT, "t"))
+    assert store.lookup_keys(keys) == store.lookup(longer, tenant="t")
+    assert store.lookup_keys(keys).cached_pages == 3 and store.lookup_keys(b"").total_pages == 0
+    for bad in (keys[:-1], "text"):
+        with pytest.raises(InputError, match="16 per page"):
+            store.lookup_keys(bad)  # type: ignore[arg-type]

@@ -279,6 +279,7 @@ def serve_tables(r: Mapping[str, object]) -> Iterator[Table]:
         ("lookup p99 µs (131,072 tokens)", r.get("lookup_p99_us"), "<= 200"),
         ("in-process lookup p50 / p99 µs", f"{_cell(r.get('inprocess_lookup_p50_us'))} / "
                                            f"{_cell(r.get('inprocess_lookup_p99_us'))}", "-"),
+        ("memcpy on 2 threads / 1 (the most 2 clients can gain here)", r.get("memcpy_2_threads_vs_1"), "-"),
         ("verified", r.get("verified"), "yes")])
     for s in _maps(r.get("shapes")):
         base = _map(s.get("inprocess"))

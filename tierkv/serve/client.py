@@ -36,7 +36,7 @@ import numpy as np
 
 from tierkv import errors
 from tierkv.errors import InputError, StoreClosedError, StoreUnavailableError, TierKVError
-from tierkv.keys import Tokens, as_token_array, tenant_salt
+from tierkv.keys import KEY_BYTES, Tokens, as_token_array, chain_keys, namespace_digest, tenant_salt
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
 from tierkv.store.pages import PageBatch, PageList, PageSource, page_list, page_rows
@@ -124,12 +124,12 @@ class _Conn:
         self.register(self.scratch)
         return self.scratch, self.scratch.rows(n, page_bytes)
 
-    def tokens(self, salt: bytes, toks: np.ndarray, prefix: bytes = b"") -> bytes:
-        """The body of a token op: the tokens inline when short, else through this
-        connection's token segment."""
-        if len(toks) <= P.INLINE_TOKENS:
+    def tokens(self, salt: bytes, toks: np.ndarray, prefix: bytes = b"", item: int = 4) -> bytes:
+        """The body of a token op: the tokens (or, ``item`` 16, page keys as uint8) inline
+        when short, else through this connection's token segment."""
+        need = toks.nbytes
+        if need <= 4 * P.INLINE_TOKENS:
             return P.token_body(salt, toks.tobytes(), prefix)
-        need = 4 * len(toks)
         if self.token_seg is None or self.token_seg.size < need:
             old = self.token_seg
             self.token_seg = _Segment(max(need, 2 * old.size if old is not None else 0), "tierkv-tokens")
@@ -137,8 +137,8 @@ class _Conn:
                 self.registered.discard(old.id)
                 old.close()
         self.register(self.token_seg)
-        self.token_seg.array[:need].view("<u4")[:] = toks
-        return P.token_ref(salt, self.token_seg.id, 0, len(toks), prefix)
+        self.token_seg.array[:need].view(toks.dtype)[:] = toks
+        return P.token_ref(salt, self.token_seg.id, 0, need // item, prefix)
 
     def close(self) -> None:
         self.sock.close()
@@ -180,13 +180,14 @@ class RemoteStore:
         self._buffers: list[_Segment] = []
         self._closed = False
         self._hello: dict[str, object] | None = None
+        self._namespaces: dict[bytes, bytes] = {}
         conn = self._connect()   # the daemon's layout and model, and an error now if it is not there
         self._mine[threading.get_ident()] = conn
         assert self._hello is not None
         lay = self._hello["layout"]
         assert isinstance(lay, dict)
         self.layout: KVLayout = KVLayout(**lay)
-        self.model_id = str(self._hello["model_id"])
+        self.model_id: str = str(self._hello["model_id"])
         self._prefetcher: ThreadPoolExecutor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-remote-prefetch")
 
     # -- connections --------------------------------------------------------------------
@@ -319,6 +320,12 @@ class RemoteStore:
         if self._closed:
             raise StoreClosedError(f"the connection to the store at {self.socket_path} is closed")
 
+    def _namespace(self, salt: bytes) -> bytes:
+        ns = self._namespaces.get(salt)
+        if ns is None:
+            ns = self._namespaces[salt] = namespace_digest(self.model_id, self.layout, salt)
+        return ns
+
     def _pages_of(self, toks: np.ndarray) -> int:
         return len(toks) // self.layout.tokens_per_page
 
@@ -327,7 +334,14 @@ class RemoteStore:
         self._check_open()
         toks, salt = as_token_array(tokens), tenant_salt(tenant)
         head = P.LOOKUP_REQ.pack(bool(count))
-        reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.tokens(salt, toks, head))
+        if len(toks) > P.INLINE_TOKENS and self._hello is not None and self._hello.get("every_tenant"):
+            # A long prompt, on a connection that may use every tenant: its keys are hashed
+            # here and the daemon only scans them (a client limited to some tenants sends
+            # tokens, so that it cannot name another tenant's pages by their keys).
+            keys = np.frombuffer(chain_keys(toks, self.layout.tokens_per_page, self._namespace(salt)), np.uint8)
+            reply = self._request(P.Op.LOOKUP_KEYS, lambda conn, _s, _o: conn.tokens(b"", keys, head, KEY_BYTES))
+        else:
+            reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.tokens(salt, toks, head))
         n, ntok, total = P.LOOKUP_REP.unpack_from(reply)
         return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]))
 

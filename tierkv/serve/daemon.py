@@ -45,7 +45,8 @@ import numpy as np
 
 from tierkv import __version__
 from tierkv.config import ServeConfig, StoreConfig
-from tierkv.errors import ConfigError, InputError, StoreBusyError, TierKVError
+from tierkv.errors import AccessDeniedError, ConfigError, InputError, StoreBusyError, TierKVError
+from tierkv.keys import KEY_BYTES
 from tierkv.serve import protocol as P
 from tierkv.serve.access import Access, Grant
 from tierkv.store.api import Store
@@ -110,7 +111,7 @@ class NodeService:
         except BaseException:
             self.store.close()
             raise
-        self._layout = self._describe()
+        self._hello = self._describe()
 
     # -- the socket -------------------------------------------------------------------
     def _bind(self) -> socket.socket:
@@ -140,14 +141,15 @@ class NodeService:
         sock.listen(max(16, self.max_clients))
         return sock
 
-    def _describe(self) -> bytes:
+    def _describe(self) -> dict[str, Any]:
+        """What HELLO tells a client (with, per connection, whether it may use every tenant)."""
         lay = self.store.layout
-        return json.dumps({
+        return {
             "version": P.VERSION, "pid": os.getpid(), "model_id": self.store.config.model_id,
             "layout": {"num_layers": lay.num_layers, "num_kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim,
                        "dtype": lay.dtype.value, "tokens_per_page": lay.tokens_per_page, "kind": lay.kind.value},
             "page_bytes": lay.page_bytes, "store": str(self.store.config.path),
-        }).encode()
+        }
 
     # -- running ----------------------------------------------------------------------
     def start(self) -> NodeService:
@@ -332,13 +334,21 @@ class NodeService:
                 got = hello.get("version") if isinstance(hello, dict) else None
                 raise ConfigError(f"this tierkv daemon speaks protocol version {P.VERSION}, the client {got!r}: "
                                   "run the same tierkv version on both sides")
-            return self._layout
+            return json.dumps({**self._hello, "every_tenant": grant.salts is None}).encode()
         if op == P.Op.SEGMENT:
             return self._segment(body, fds, segments)
         if op == P.Op.LOOKUP:
             (count,) = _unpack(P.LOOKUP_REQ, body)
             salt, tokens = self._tokens(body, P.LOOKUP_REQ.size, segments, grant)
             found = s.lookup(tokens, salt, count=bool(count))
+            return P.LOOKUP_REP.pack(found.cached_pages, found.cached_tokens, found.total_pages) + found.tier_ranks
+        if op == P.Op.LOOKUP_KEYS:
+            if grant.salts is not None:
+                raise AccessDeniedError("a lookup by page keys needs a connection whose user may use every tenant; "
+                                        "send tokens")
+            (count,) = _unpack(P.LOOKUP_REQ, body)
+            _, keys = self._tokens(body, P.LOOKUP_REQ.size, segments, grant, item=KEY_BYTES)
+            found = s.lookup_keys(keys.tobytes(), count=bool(count))
             return P.LOOKUP_REP.pack(found.cached_pages, found.cached_tokens, found.total_pages) + found.tier_ranks
         if op == P.Op.GET:
             seg, off, rows, requested = _unpack(P.GET_REQ, body)
@@ -397,22 +407,24 @@ class NodeService:
         return b""
 
     def _tokens(self, body: memoryview, at: int, segments: dict[int, mmap.mmap],
-                grant: Grant) -> tuple[bytes, np.ndarray]:
+                grant: Grant, item: int = 4) -> tuple[bytes, np.ndarray]:
         """The salt (one the connection's user may use) and tokens of a token op: inline,
         or copied out of a segment (so the client cannot change them while the store
-        reads them)."""
-        salt, inline, ref = P.split_token_body(body, at)
+        reads them). ``item``: bytes per entry (16 for keys, as raw bytes)."""
+        salt, inline, ref = P.split_token_body(body, at, item)
         grant.check(salt)
+        dtype = "<u4" if item == 4 else np.uint8
         if inline is not None:
-            return salt, np.frombuffer(inline, dtype="<u4")
+            return salt, np.frombuffer(inline, dtype=dtype)
         assert ref is not None
         seg, off, count = ref
         m = segments.get(seg)
         if m is None:
             raise P.ProtocolError(f"token segment {seg} was not registered on this connection")
-        if off % 4 or off + 4 * count > len(m):
+        if off % 4 or off + item * count > len(m):
             raise InputError(f"{count} tokens at offset {off} run past segment {seg} ({len(m)} bytes)")
-        return salt, np.frombuffer(m, dtype="<u4", count=count, offset=off).copy()
+        return salt, np.frombuffer(m, dtype=dtype, count=count * (item // np.dtype(dtype).itemsize),
+                                   offset=off).copy()
 
     def _rows(self, segments: dict[int, mmap.mmap], seg: int, off: int, rows: int) -> np.ndarray:
         m = segments.get(seg)

@@ -47,6 +47,8 @@ class Op(IntEnum):
     STATS = 9      # empty -> JSON of StoreStats.to_dict()
     FLUSH = 10     # empty -> empty
     STATUS = 11    # empty -> JSON: the daemon, its clients (for users that may use every tenant), the stats
+    LOOKUP_KEYS = 12  # <B count + keys as a token op carries tokens (16 bytes a key) -> as LOOKUP; only for
+                      # connections that may use every tenant (HELLO's "every_tenant")
 
 
 class Status(IntEnum):
@@ -92,9 +94,10 @@ def _salt(salt: bytes) -> bytes:
     return SALT_LEN.pack(len(salt)) + salt
 
 
-def split_token_body(body: memoryview, at: int) -> tuple[bytes, memoryview | None, tuple[int, int, int] | None]:
+def split_token_body(body: memoryview, at: int, item: int = 4
+                     ) -> tuple[bytes, memoryview | None, tuple[int, int, int] | None]:
     """(salt, inline tokens or None, (segment, offset, count) or None) of a token op's body
-    whose fixed part ends at ``at``."""
+    whose fixed part ends at ``at``; ``item``: bytes per token (16 for page keys)."""
     if len(body) < at + SALT_LEN.size:
         raise ProtocolError(f"a token request of {len(body)} bytes is shorter than its header")
     (n,) = SALT_LEN.unpack_from(body, at)
@@ -103,7 +106,7 @@ def split_token_body(body: memoryview, at: int) -> tuple[bytes, memoryview | Non
         raise ProtocolError("a token request's salt is cut short")
     salt, mode, rest = bytes(body[start:start + n]), body[start + n], body[start + n + 1:]
     if mode == _INLINE:
-        if len(rest) % 4:
+        if len(rest) % item:
             raise ProtocolError("a token request's tokens are cut short")
         return salt, rest, None
     if mode == _REF and len(rest) == TOKEN_REF.size:

@@ -183,9 +183,17 @@ class Store:
 
         ``count=False`` leaves it out of ``stats().lookups`` (bookkeeping, not an engine's query).
         """
+        self._check_open()
+        return self.lookup_keys(self._keys(tokens, tenant), count=count)   # keys hashed without the lock
+
+    def lookup_keys(self, keys: bytes, *, count: bool = True) -> LookupResult:
+        """:meth:`lookup` of a prompt given as its page keys (16 bytes each, back to back, as
+        :func:`tierkv.keys.chain_keys` makes them for this store's model, layout and tenant)."""
+        if not isinstance(keys, bytes) or len(keys) % KEY_BYTES:
+            raise InputError(f"lookup_keys: keys must be bytes, {KEY_BYTES} per page")
+        blob = keys
         with self._lock:
             self._check_open()
-            blob = self._keys(tokens, tenant)
             total = len(blob) // KEY_BYTES
             if count:
                 self._counters.events["lookups"] += 1
