@@ -1,0 +1,36 @@
+"""Where does vLLM-CPU's cache-write kernel put K and V of one token inside one layer's KV cache?
+
+Writes known K/V through torch.ops._C.cpu_attn_reshape_and_cache (what CPUAttentionBackendImpl.
+do_kv_cache_update calls) into a tensor shaped like the engine's per-layer cache
+[num_blocks, num_kv_heads, block_size, 2*head_size], with the same view/chunk cpu_attn.py uses,
+then checks the positions. No engine needed:  /tmp/vllm-cpu/venv/bin/python layout_check.py
+"""
+import torch
+from vllm import _custom_ops as ops  # loads vllm._C
+
+
+def check(isa: str, N: int, B: int = 4, H: int = 3, D: int = 64) -> None:
+    cache = torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16)
+    kc, vc = cache.view(B, H, 2 * N, D).chunk(2, dim=2)   # exactly what cpu_attn.py does
+    T = 6
+    key = torch.randn(T, H, D).to(torch.bfloat16)
+    val = torch.randn(T, H, D).to(torch.bfloat16)
+    slots = torch.tensor([0, 1, N - 1, N + 3, 3 * N + 7, 2 * N], dtype=torch.int64)
+    ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slots, isa)
+    plane = cache.view(B, H, 2 * N * D)                   # one (block, head) plane
+    k_t = plane[..., : N * D].view(B, H, D, N)            # K stored transposed: [D, N]
+    v_n = plane[..., N * D:].view(B, H, N, D)             # V stored token-major: [N, D]
+    ok = True
+    for t, s in enumerate(slots.tolist()):
+        b, o = divmod(s, N)
+        ok &= torch.equal(k_t[b, :, :, o], key[t]) and torch.equal(v_n[b, :, o], val[t])
+    nz = int((cache != 0).sum())
+    print(f"isa={isa} block_size={N}: K^T[D,N] then V[N,D] per (block,head) plane -> {ok}; "
+          f"nonzero {nz} == {T * H * D * 2}")
+
+
+if __name__ == "__main__":
+    print("AMX:", torch.cpu._is_amx_tile_supported(), "AVX512:", torch.cpu._is_avx512_supported())
+    check("vec", 128)
+    check("vec", 32)
+    check("vec16", 16)
