@@ -62,6 +62,7 @@ class _Segment:
             os.close(self.fd)
             raise
         self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.array[::mmap.PAGESIZE] = 0   # allocated now, by this process (and charged to its memory)
         self.base = self.array.__array_interface__["data"][0]
 
     def rows(self, n: int, page_bytes: int) -> np.ndarray:
@@ -228,6 +229,10 @@ class RemoteStore:
             return conn
         conn = self._connect()
         with self._lock:
+            if self._closed:   # closed while this thread connected
+                self._all.discard(conn)
+                conn.close()
+                self._check_open()
             live = {t.ident for t in threading.enumerate()}
             for ident in [i for i in self._mine if i not in live]:   # threads gone since
                 self._all.discard(self._mine[ident])

@@ -29,17 +29,17 @@ import json
 import logging
 import mmap
 import os
+import pwd
 import socket
 import stat
 import struct
 import threading
 import time
-import pwd
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
