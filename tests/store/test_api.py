@@ -578,3 +578,27 @@ def test_lookup_by_keys_is_lookup_by_tokens(store: Store) -> None:
     for bad in (keys[:-1], "text"):
         with pytest.raises(InputError, match="16 per page"):
             store.lookup_keys(bad)  # type: ignore[arg-type]
+
+
+def test_a_caller_writing_its_buffer_during_a_get_cannot_poison_a_promoted_page(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's buffer may be shared (a node-service client's segment) or written by
+    another thread: pages from NVMe are verified and promoted from the store's own buffer."""
+    prompts = [(prompt(i, 2), page_data(i, 2)) for i in range(6)]   # DRAM holds 4: the first go to NVMe
+    for tokens, data in prompts:
+        store.put(tokens, data)
+    tokens, data = prompts[0]
+    assert store.lookup(tokens).tiers == (TierKind.NVME, TierKind.NVME)
+    out = np.zeros((2, PB), np.uint8)
+    read = store._transfers.read
+
+    def read_then_scribble(lead, dst, serve=True):  # type: ignore[no-untyped-def]
+        got = read(lead, dst, serve)
+        out[:] = 0xEE            # the caller writes its buffer between the check and the promotion
+        return got
+    monkeypatch.setattr(store._transfers, "read", read_then_scribble)
+    assert store.get(tokens, out).pages == 2
+    monkeypatch.undo()
+    assert store.lookup(tokens).tiers == (TierKind.DRAM, TierKind.DRAM)   # promoted
+    again = np.zeros((2, PB), np.uint8)
+    assert store.get(tokens, again).pages == 2 and np.array_equal(again, data)

@@ -45,6 +45,7 @@ from tierkv.store.results import LookupResult as LookupResult
 from tierkv.store.results import PutResult as PutResult
 from tierkv.store.stats import Counters, StoreStats
 from tierkv.tiers.base import TierId, TierKind
+from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.blocks import BlockPageTier
 from tierkv.store.transfer import Transfers, gather_rows
@@ -286,26 +287,36 @@ class Store:
                   lead: Lead, first: int) -> GetResult:
         """The part of a get after its first ``first`` pages (copied from the DRAM tier
         already): ``lead`` is of the pages from there on. With the lock held."""
-        got = self._transfers.read(lead, rows[first:])
+        # Pages from a tier below DRAM are verified against their checksums, and may be
+        # promoted: both from a buffer of the store's own, then copied out, so that a
+        # caller writing into ``out`` meanwhile (a client's shared buffer, another thread)
+        # can neither fail a good page's check nor become a page's cached copy.
+        private = bool((lead.levels != 0).any())
+        dst = aligned_empty(len(lead) * rows.shape[1]).reshape(len(lead), rows.shape[1]) if private else rows[first:]
+        got = self._transfers.read(lead, dst)
+        if private:
+            rows[first:first + got] = dst[:got]
         levels = lead.levels[:got]
         loaded = first + got
         tiers = (self._kinds[0],) * first + tuple(map(self._kinds.__getitem__, levels.tolist()))
         if got and not self.read_only and self.config.promote_on_hit and levels.any():
             with self._placing(blob, tenant):
-                self._promote(lead, levels, rows[first:], blob[:first * KEY_BYTES])
+                self._promote(lead, levels, dst, blob[:first * KEY_BYTES])
         if self._peering is not None and loaded == first + len(lead) and loaded < want:
             # The pages that follow the local ones, from another node's DRAM: checked
-            # against the peer's checksum, then kept here.
+            # against the peer's checksum (in a buffer of the store's own), then kept here.
             keys = split_keys(blob)
-            got = self._peering.fetch(keys[loaded:want], rows[loaded:want], tenant_salt(tenant))
+            fetched = aligned_empty((want - loaded) * rows.shape[1]).reshape(want - loaded, rows.shape[1])
+            got = self._peering.fetch(keys[loaded:want], fetched, tenant_salt(tenant))
             if got:
+                rows[loaded:loaded + got] = fetched[:got]
                 self._counters.tier_hits[TierKind.PEER.value] += got
                 # Kept here as far as this store holds them with their prefix; the
                 # caller has every fetched page either way.
                 room = sum(t.num_slots for t in self._manager.tiers) - loaded
                 if room > 0:
                     with self._placing(blob, tenant):
-                        self._store(keys, rows[loaded:loaded + min(got, room)], loaded)
+                        self._store(keys, fetched[:min(got, room)], loaded)
                 tiers += (TierKind.PEER,) * got
                 loaded += got
         self._counters.events["pages_requested"] += requested
