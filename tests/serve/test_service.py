@@ -314,3 +314,25 @@ def test_threads_of_one_client_run_at_once(service: NodeService) -> None:
     client.close()
     assert not errors, errors
     assert wait_for(lambda: service.clients == 0, 10)
+
+
+def test_a_slow_answer_is_waited_for_not_abandoned(service: NodeService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call returns only once the daemon is done with the caller's buffer: before, a
+    put that outlived the client's timeout raised while the daemon still read the
+    buffer, and the next prompt written into it was stored under the first one's keys."""
+    put = Store.put
+
+    def slow_put(self: Store, *a: object, **k: object) -> object:
+        time.sleep(1.0)
+        return put(self, *a, **k)  # type: ignore[arg-type]
+    monkeypatch.setattr(Store, "put", slow_put)
+    with Store.connect(service.path, timeout_s=0.2) as client:
+        buf = client.page_buffer(2)
+        a, b = prompt(1, 2), prompt(2, 2)
+        buf[:] = pages_of(a)
+        assert client.put(a, buf).stored == 2
+        buf[:] = pages_of(b)
+        assert client.put(b, buf).stored == 2
+        for t in (a, b):
+            out = np.zeros((2, PB), np.uint8)
+            assert client.get(t, out).pages == 2 and np.array_equal(out, pages_of(t))

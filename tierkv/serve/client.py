@@ -12,10 +12,12 @@ is sent. Page bytes travel through shared memory (:mod:`tierkv.serve.protocol`):
 Each calling thread uses a connection of its own, so threads run their calls at once
 (the daemon orders them as the store's lock does in-process), and a thread's get then
 put of one prompt is one request to the eviction policies, as in-process. When the
-daemon is not there, or does not answer within ``timeout_s``, a call raises
-:class:`~tierkv.errors.StoreUnavailableError`; the next call connects again, so a
-client outlives a daemon restart without help (pins taken before it are gone with the
-daemon's memory, as its DRAM pages are).
+daemon is not there (it does not accept or greet within ``timeout_s``) or goes away
+during a call, the call raises :class:`~tierkv.errors.StoreUnavailableError`; the next
+call connects again, so a client outlives a daemon restart without help (pins taken
+before it are gone with the daemon's memory, as its DRAM pages are). A call waits for
+its reply as long as the daemon lives: until then the daemon may be using the
+caller's buffer.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class _Conn:
             raise
 
     def call(self, op: int, body: bytes = b"", fds: tuple[int, ...] = ()) -> memoryview:
+        """Send one request and wait for its reply. The send is bounded by ``timeout_s``;
+        the reply is waited for as long as the daemon lives (its end closes the socket):
+        the daemon may be copying from or into the caller's buffer until it answers, so
+        returning earlier would let the caller reuse a buffer still in use."""
         try:
             P.send_frame(self.sock, op, body, fds=fds)
         except (BrokenPipeError, ConnectionResetError):
@@ -102,7 +108,11 @@ class _Conn:
             if status != P.Status.OK:
                 raise _error(reply) from None
             raise
-        rop, status, reply, _ = P.recv_frame(self.sock, body_timeout=self.timeout_s)
+        self.sock.settimeout(None)
+        try:
+            rop, status, reply, _ = P.recv_frame(self.sock)
+        finally:
+            self.sock.settimeout(self.timeout_s)
         if rop != op and status == P.Status.OK:
             raise P.ProtocolError(f"asked op {op}, the daemon answered op {rop}")
         if status != P.Status.OK:

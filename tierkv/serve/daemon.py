@@ -241,9 +241,9 @@ class NodeService:
             self._thread.join()
         with self._lock:
             conns = dict(self._conns)
-        for c in conns:
+        for c in conns:   # idle connections wake and end; one mid-request finishes and answers first
             try:
-                c.shutdown(socket.SHUT_RDWR)
+                c.shutdown(socket.SHUT_RD)
             except OSError:
                 pass
         for t in conns.values():

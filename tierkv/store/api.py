@@ -128,9 +128,9 @@ class Store:
     def connect(socket_path: str | os.PathLike[str], *, timeout_s: float = 60.0) -> RemoteStore:
         """A client of the store a ``tierkv serve`` daemon serves at ``socket_path``
         (:mod:`tierkv.serve.client`): the same methods, results and errors as an open
-        store, for any number of processes at once. ``timeout_s`` bounds each call; a
-        daemon that is gone or too slow raises ``StoreUnavailableError``, and the next
-        call connects again."""
+        store, for any number of processes at once. ``timeout_s`` bounds connecting and
+        sending; a daemon that is not there, or goes away during a call, raises
+        ``StoreUnavailableError``, and the next call connects again."""
         from tierkv.serve.client import RemoteStore
         return RemoteStore(socket_path, timeout_s=timeout_s)
 
