@@ -336,3 +336,61 @@ def test_a_slow_answer_is_waited_for_not_abandoned(service: NodeService, monkeyp
         for t in (a, b):
             out = np.zeros((2, PB), np.uint8)
             assert client.get(t, out).pages == 2 and np.array_equal(out, pages_of(t))
+
+
+def test_pins_and_mappings_go_with_the_connection(service: NodeService) -> None:
+    """A client that exits holding pins must not hold pages for good; a connection's
+    scratch segment, grown, replaces its mapping in the daemon instead of adding one."""
+    a = prompt(1, 4)
+    client = Store.connect(service.path)
+    client.put(a, pages_of(a))
+    assert client.pin(a) == 4 and client.pin(a) == 4
+    assert client.unpin(a) == 4                       # one of the two released by the client
+    for n in range(1, 9):                             # batches of growing size: the scratch grows
+        t = prompt(100 + n, n)
+        client.put(t, pages_of(t))
+    assert service._mapped == 1                       # one scratch mapping, however often it grew
+    client.close()
+    assert wait_for(lambda: service.clients == 0, 10)
+    assert service._mapped == 0
+    assert service.store.unpin(a) == 0                # the pin left outstanding was released at close
+
+
+def test_running_out_of_descriptors_does_not_stop_accepting(tmp_path: Path, sock_dir: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    service = NodeService(make_config(tmp_path / "s"), sock_dir / "d.sock")
+    listener = service._listener
+    failing = {"left": 3}
+
+    class Flaky:
+        def accept(self) -> tuple[socket.socket, object]:
+            if failing["left"]:
+                failing["left"] -= 1
+                raise OSError(24, "Too many open files")
+            return listener.accept()
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(listener, name)
+    monkeypatch.setattr(service, "_listener", Flaky())
+    service.start()
+    try:
+        with Store.connect(service.path, timeout_s=10) as client:   # accepted once descriptors are back
+            assert client.lookup(prompt(1, 1)).total_pages == 1
+        assert failing["left"] == 0
+    finally:
+        monkeypatch.setattr(service, "_listener", listener)
+        service.close()
+
+
+def test_descriptors_sent_with_a_broken_frame_are_closed(service: NodeService) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        fd = os.memfd_create("junk", os.MFD_CLOEXEC)
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(service.path))
+        s.sendmsg([P.HEADER.pack(16, P.Op.SEGMENT, 0)[:3]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                              np.array([fd], np.int32).tobytes())])
+        s.close()                                     # a header cut short, with a descriptor riding on it
+        os.close(fd)
+    assert wait_for(lambda: service.clients == 0, 10)
+    assert len(os.listdir("/proc/self/fd")) <= before + 2

@@ -46,14 +46,17 @@ from tierkv.store.results import GetResult, LookupResult, PutResult, _KIND_BY_RA
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.validate import GET_LIST_MESSAGE, check_requested, check_unfilled
 
-_ids = count(1)
+#: Segment ids: a connection's scratch and token segments keep theirs as they grow (the
+#: daemon replaces the mapping), page buffers take fresh ones.
+SCRATCH_ID, TOKENS_ID = 1, 2
+_ids = count(16)
 
 
 class _Segment:
     """A sealed memfd mapped here, registered with the daemon per connection."""
 
-    def __init__(self, nbytes: int, name: str) -> None:
-        self.id = next(_ids)
+    def __init__(self, nbytes: int, name: str, seg_id: int | None = None) -> None:
+        self.id = next(_ids) if seg_id is None else seg_id
         self.size = max(nbytes, mmap.PAGESIZE)
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -128,7 +131,7 @@ class _Conn:
         need = n * page_bytes
         if self.scratch is None or self.scratch.size < need:
             old = self.scratch
-            self.scratch = _Segment(max(need, 2 * old.size if old is not None else 0), "tierkv-scratch")
+            self.scratch = _Segment(max(need, 2 * old.size if old is not None else 0), "tierkv-scratch", SCRATCH_ID)
             if old is not None:
                 self.registered.discard(old.id)
                 old.close()
@@ -143,7 +146,7 @@ class _Conn:
             return P.token_body(salt, toks.tobytes(), prefix)
         if self.token_seg is None or self.token_seg.size < need:
             old = self.token_seg
-            self.token_seg = _Segment(max(need, 2 * old.size if old is not None else 0), "tierkv-tokens")
+            self.token_seg = _Segment(max(need, 2 * old.size if old is not None else 0), "tierkv-tokens", TOKENS_ID)
             if old is not None:
                 self.registered.discard(old.id)
                 old.close()

@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import pwd
+import resource
 import socket
 import stat
 import struct
@@ -37,7 +38,8 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,8 @@ from tierkv.store.opening import SERVED_FILE
 
 log = logging.getLogger(__name__)
 
+#: Clients listed in a status reply (the oldest connections).
+STATUS_CLIENTS = 1000
 #: Segments one connection may have registered at once.
 MAX_SEGMENTS = 64
 #: How long a prefetch request may run before its connection gets an error (the
@@ -97,6 +101,8 @@ class NodeService:
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._info: dict[socket.socket, _Client] = {}
+        self._mapped = 0   # segments mapped, over all connections
+        self._segment_budget = _descriptor_budget(max_clients)
         self.started = time.time()
         self.requests = 0
         self._metrics: Any = None
@@ -160,13 +166,20 @@ class NodeService:
 
     def serve_forever(self) -> None:
         """Accept connections until :meth:`close`."""
+        refused = 0.0
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self._closed.is_set():
                     return
-                raise
+                # Out of file descriptors or memory: the daemon keeps serving who it has and
+                # accepts again shortly; never lets the accept loop die.
+                if time.monotonic() - refused > 60:
+                    log.warning("accepting a connection failed (%s); retrying", exc)
+                    refused = time.monotonic()
+                time.sleep(0.2)
+                continue
             with self._lock:
                 full = len(self._conns) >= self.max_clients
                 if not full and not self._closed.is_set():
@@ -202,9 +215,10 @@ class NodeService:
             "access": "open" if self._access.open else "by user ([serve] tenants)",
             "stats": self.store.stats().to_dict(),
         }
-        if clients:
+        if clients:   # the oldest STATUS_CLIENTS, so that the reply stays a small frame
             out["clients"] = [{"pid": i.pid, "uid": i.uid, "user": _user(i.uid), "connected_s": round(now - i.since, 3),
-                               "requests": i.requests} for i in sorted(infos, key=lambda i: i.since)]
+                               "requests": i.requests}
+                              for i in sorted(infos, key=lambda i: i.since)[:STATUS_CLIENTS]]
         return out
 
     def start_metrics(self, addr: str, port: int) -> int:
@@ -267,6 +281,7 @@ class NodeService:
     # -- one connection ---------------------------------------------------------------
     def _serve_conn(self, conn: socket.socket) -> None:
         segments: dict[int, mmap.mmap] = {}
+        info: _Client | None = None
         try:
             try:
                 grant = self._access.grant(conn)
@@ -288,7 +303,7 @@ class NodeService:
                     return
                 try:
                     info.requests += 1
-                    reply = self._handle(op, body, fds, segments, grant)
+                    reply = self._handle(op, body, fds, segments, grant, info)
                 except P.ProtocolError as exc:
                     log.info("a client broke the protocol, closing its connection: %s", exc)
                     return
@@ -314,6 +329,10 @@ class NodeService:
             for m in segments.values():
                 _unmap(m)
             with self._lock:
+                self._mapped -= len(segments)
+            if info is not None:
+                self._release_pins(info)
+            with self._lock:
                 self._conns.pop(conn, None)
                 gone = self._info.pop(conn, None)
                 if gone is not None:
@@ -321,7 +340,7 @@ class NodeService:
             conn.close()
 
     def _handle(self, op: int, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap],
-                grant: Grant) -> bytes:
+                grant: Grant, info: _Client) -> bytes:
         if fds and op != P.Op.SEGMENT:
             raise P.ProtocolError(f"file descriptors sent with op {op}")
         s = self.store
@@ -366,10 +385,16 @@ class NodeService:
             return P.PUT_REP.pack(r.stored, r.already_present, r.dropped)
         if op in (P.Op.PREFETCH, P.Op.PIN, P.Op.UNPIN):
             salt, tokens = self._tokens(body, 0, segments, grant)
+            held = (salt, tokens.tobytes())
             if op == P.Op.PIN:
-                return P.COUNT.pack(s.pin(tokens, salt))
+                n = s.pin(tokens, salt)
+                info.pins[held] += 1   # released when this connection ends, if not before
+                return P.COUNT.pack(n)
             if op == P.Op.UNPIN:
-                return P.COUNT.pack(s.unpin(tokens, salt))
+                n = s.unpin(tokens, salt)
+                if info.pins[held] > 0:
+                    info.pins[held] -= 1
+                return P.COUNT.pack(n)
             try:
                 return P.COUNT.pack(s.prefetch(tokens, salt).result(timeout=PREFETCH_WAIT_S))
             except FutureTimeout:
@@ -382,6 +407,17 @@ class NodeService:
         if op == P.Op.STATUS:
             return json.dumps(self.status(clients=grant.salts is None)).encode()
         raise P.ProtocolError(f"unknown op {op}")
+
+    def _release_pins(self, info: _Client) -> None:
+        """The pins a connection took and did not release: released as it ends (a client
+        that exits or is killed must not hold pages for good)."""
+        for (salt, raw), n in info.pins.items():
+            tokens = np.frombuffer(raw, dtype="<u4")
+            for _ in range(n):
+                try:
+                    self.store.unpin(tokens, salt)
+                except TierKVError:   # the store closed meanwhile: its pins are gone with it
+                    return
 
     def _segment(self, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap]) -> bytes:
         seg, size = _unpack(P.SEGMENT_REQ, body)
@@ -399,7 +435,17 @@ class NodeService:
             raise InputError(f"page segment {seg}: {size} bytes declared, the memfd holds {st.st_size}")
         if seg not in segments and len(segments) >= MAX_SEGMENTS:
             raise InputError(f"a connection may register at most {MAX_SEGMENTS} page segments")
-        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with self._lock:   # each mapping holds a descriptor (Python's mmap keeps a dup of it)
+            if seg not in segments and self._mapped >= self._segment_budget:
+                raise StoreBusyError(f"the daemon maps {self._mapped} segments, all its open-file limit allows; "
+                                     "retry later or raise the daemon's RLIMIT_NOFILE")
+            self._mapped += seg not in segments
+        try:
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            with self._lock:
+                self._mapped -= seg not in segments
+            raise
         old = segments.pop(seg, None)
         if old is not None:
             _unmap(old)
@@ -436,12 +482,31 @@ class NodeService:
         return np.frombuffer(m, dtype=np.uint8, count=rows * pb, offset=off).reshape(rows, pb)
 
 
+def _descriptor_budget(max_clients: int) -> int:
+    """How many segments the daemon may map at once: its open-file limit (raised to the
+    hard limit where that is higher), less a reserve for the store, sockets and
+    connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        except (ValueError, OSError):
+            pass
+    budget = soft - 256 - 2 * max_clients
+    if budget < max_clients:
+        log.warning("the open-file limit (%d) leaves room for %d client segments; raise RLIMIT_NOFILE", soft,
+                    max(budget, 0))
+    return max(budget, 1)
+
+
 @dataclass
 class _Client:
     pid: int
     uid: int
     since: float
     requests: int = 0
+    pins: Counter[tuple[bytes, bytes]] = field(default_factory=Counter)   # (salt, tokens) -> pins held
 
 
 def _user(uid: int) -> str:

@@ -22,6 +22,7 @@ import array
 import json
 import socket
 import struct
+import time
 from enum import IntEnum
 
 from tierkv.errors import InputError
@@ -30,8 +31,9 @@ from tierkv.errors import InputError
 VERSION = 1
 
 HEADER = struct.Struct("<IHH")
-#: The largest body either side accepts: 16 Mi tokens, far above any prompt.
-MAX_BODY = 64 << 20
+#: The largest body either side accepts. Bodies are small: page bytes and long prompts
+#: travel in segments, so a frame holds at most the inline tokens, a salt and some JSON.
+MAX_BODY = 1 << 20
 SALT_LEN = struct.Struct("<H")
 
 
@@ -128,11 +130,17 @@ def send_frame(sock: socket.socket, op: int, body: bytes = b"", status: int = St
             sock.sendall(body)
 
 
-def _recv_exact(sock: socket.socket, n: int, first: bool = False) -> memoryview:
+def _recv_exact(sock: socket.socket, n: int, first: bool = False, deadline: float | None = None) -> memoryview:
+    """``n`` bytes; ``deadline`` (monotonic): all of them by then, however slowly they trickle."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if not k:
             if first and got == 0:
@@ -160,7 +168,11 @@ def recv_frame(sock: socket.socket, *, body_timeout: float | None = None,
             raise EOFError("the peer closed the connection")
         head = bytearray(msg)
         if len(head) < HEADER.size:
-            head += _recv_exact(sock, HEADER.size - len(head))
+            try:
+                head += _recv_exact(sock, HEADER.size - len(head))
+            except BaseException:
+                _close_all(fds)
+                raise
         header = memoryview(head)
     else:
         header = _recv_exact(sock, HEADER.size, first=True)
@@ -171,10 +183,8 @@ def recv_frame(sock: socket.socket, *, body_timeout: float | None = None,
     if not length:
         return op, status, memoryview(b""), fds
     old = sock.gettimeout()
-    if body_timeout is not None:
-        sock.settimeout(body_timeout)
     try:
-        body = _recv_exact(sock, length)
+        body = _recv_exact(sock, length, deadline=None if body_timeout is None else time.monotonic() + body_timeout)
     except (TimeoutError, socket.timeout):
         _close_all(fds)
         raise ProtocolError(f"a frame's {length}-byte body did not arrive within {body_timeout} s") from None
@@ -182,8 +192,7 @@ def recv_frame(sock: socket.socket, *, body_timeout: float | None = None,
         _close_all(fds)
         raise
     finally:
-        if body_timeout is not None:
-            sock.settimeout(old)
+        sock.settimeout(old)
     return op, status, body, fds
 
 
