@@ -282,6 +282,7 @@ def test_socket_rules(tmp_path: Path, sock_dir: Path) -> None:
         assert stat.S_IMODE((sock_dir / "d.sock").stat().st_mode) == 0o660
         with pytest.raises(StoreBusyError, match="already listens"):
             NodeService(make_config(tmp_path / "other"), sock_dir / "d.sock")
+        assert wait_for(lambda: svc.clients == 0, 10)   # its probe was a connection too, of the only one allowed
         with Store.connect(svc.path) as first:
             assert first.lookup(prompt(1, 1)).cached_pages == 0
             with pytest.raises(StoreBusyError, match="serves 1 clients already"):
