@@ -91,6 +91,7 @@ class _Conn:
         self.timeout_s = timeout_s
         self.scratch: _Segment | None = None
         self.token_seg: _Segment | None = None
+        self.answered = 0   # calls this connection has answered
         self.registered: set[int] = set()
         try:
             self.sock.connect(path)
@@ -160,6 +161,10 @@ class _Conn:
             if seg is not None:
                 seg.close()
         self.scratch = self.token_seg = None
+
+
+class _Stale(Exception):
+    """A connection that had served calls is dead: replace it and send the request again."""
 
 
 def _empty(conn: _Conn, seg: int, off: int) -> bytes:
@@ -269,7 +274,18 @@ class RemoteStore:
                  rows: np.ndarray | PageList | None = None, fill: bool = False, n_rows: int = 0) -> memoryview:
         """One request on this thread's connection: ``build(conn, segment_id, offset)``
         makes the body. ``rows`` are put from, or (``fill``) got into: in place when they
-        lie in a page buffer, else through the connection's scratch segment."""
+        lie in a page buffer, else through the connection's scratch segment.
+
+        A connection that served calls before and turns out dead (the daemon restarted
+        since) is replaced and the request sent again, once, except pins and unpins
+        (not idempotent): the dead daemon can no longer touch anything of the caller's."""
+        try:
+            return self._request_once(op, build, rows, fill, n_rows)
+        except _Stale:
+            return self._request_once(op, build, rows, fill, n_rows, retry=False)
+
+    def _request_once(self, op: int, build: Callable[[_Conn, int, int], bytes], rows: np.ndarray | PageList | None,
+                      fill: bool, n_rows: int, retry: bool = True) -> memoryview:
         conn = self._acquire()
         try:
             if rows is None:
@@ -300,12 +316,15 @@ class RemoteStore:
             self._drop(conn)
             if self._closed:
                 raise StoreClosedError(f"the connection to {self.socket_path} was closed") from None
+            if retry and conn.answered and op not in (P.Op.PIN, P.Op.UNPIN) and not isinstance(exc, TimeoutError):
+                raise _Stale from None
             what = "did not answer in time" if isinstance(exc, TimeoutError) else f"is gone ({exc})"
             raise StoreUnavailableError(f"the tierkv daemon at {self.socket_path} {what}; the next call "
                                         "connects again") from None
         except BaseException:
             self._drop(conn)   # mid-request (KeyboardInterrupt): the stream cannot be trusted
             raise
+        conn.answered += 1
         self._release(conn)
         return memoryview(reply)
 
