@@ -4,6 +4,7 @@ connections, the socket's permissions, SIGTERM."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -256,6 +257,13 @@ def test_an_unsealed_segment_and_a_segment_overrun_are_refused(service: NodeServ
     _, status, body, _ = P.recv_frame(sock)
     assert status == P.Status.ERROR and json.loads(bytes(body))["type"] == InputError.__name__
     assert "F_SEAL_SHRINK" in json.loads(bytes(body))["message"]
+    os.close(fd)
+    fd = os.memfd_create("sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)   # costs its maker nothing
+    os.ftruncate(fd, 2 << 40)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    P.send_frame(sock, P.Op.SEGMENT, P.SEGMENT_REQ.pack(2, 2 << 40), fds=(fd,))
+    _, status, body, _ = P.recv_frame(sock)   # would take 2 TiB of the daemon's address space
+    assert status == P.Status.ERROR and "at most 1 TiB of segments" in json.loads(bytes(body))["message"]
     os.close(fd)
     client = Store.connect(service.path)
     try:

@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 
 #: Clients listed in a status reply (the oldest connections).
 STATUS_CLIENTS = 1000
+#: Bytes of segments one connection may have mapped, and all of them together: a memfd
+#: may be sparse, so without a bound a client could take the daemon's address space.
+MAX_CONN_SEGMENT_BYTES = 1 << 40
+MAX_SEGMENT_BYTES = 32 << 40
 #: Segments one connection may have registered at once.
 MAX_SEGMENTS = 64
 #: How long a prefetch request may run before its connection gets an error (the
@@ -102,6 +106,7 @@ class NodeService:
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._info: dict[socket.socket, _Client] = {}
         self._mapped = 0   # segments mapped, over all connections
+        self._mapped_bytes = 0
         self._segment_budget = _descriptor_budget(max_clients)
         self.started = time.time()
         self.requests = 0
@@ -186,8 +191,12 @@ class NodeService:
                     t = threading.Thread(target=self._serve_conn, args=(conn,), name="tierkv-serve-conn",
                                          daemon=True)
                     self._conns[conn] = t
-                    t.start()
-                    continue
+                    try:
+                        t.start()
+                        continue
+                    except RuntimeError as exc:   # no thread to be had (memory): refuse this one
+                        del self._conns[conn]
+                        log.warning("could not start a thread for a connection: %s", exc)
             if full:
                 try:
                     P.send_frame(conn, P.Op.HELLO, P.error_body(StoreBusyError(
@@ -326,18 +335,22 @@ class NodeService:
             if not self._closed.is_set():
                 log.info("a client connection ended: %s", exc)
         finally:
-            for m in segments.values():
-                _unmap(m)
-            with self._lock:
-                self._mapped -= len(segments)
-            if info is not None:
-                self._release_pins(info)
-            with self._lock:
-                self._conns.pop(conn, None)
-                gone = self._info.pop(conn, None)
-                if gone is not None:
-                    self.requests += gone.requests
-            conn.close()
+            try:
+                unmapped = sum(len(m) for m in segments.values())
+                for m in segments.values():
+                    _unmap(m)
+                with self._lock:
+                    self._mapped -= len(segments)
+                    self._mapped_bytes -= unmapped
+                if info is not None:
+                    self._release_pins(info)
+            finally:   # whatever failed above, the connection is forgotten and closed
+                with self._lock:
+                    self._conns.pop(conn, None)
+                    gone = self._info.pop(conn, None)
+                    if gone is not None:
+                        self.requests += gone.requests
+                conn.close()
 
     def _handle(self, op: int, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap],
                 grant: Grant, info: _Client) -> bytes:
@@ -435,16 +448,25 @@ class NodeService:
             raise InputError(f"page segment {seg}: {size} bytes declared, the memfd holds {st.st_size}")
         if seg not in segments and len(segments) >= MAX_SEGMENTS:
             raise InputError(f"a connection may register at most {MAX_SEGMENTS} page segments")
+        mine = sum(len(m) for k, m in segments.items() if k != seg)
+        if mine + size > MAX_CONN_SEGMENT_BYTES:
+            raise InputError(f"a connection may map at most {MAX_CONN_SEGMENT_BYTES >> 40} TiB of segments; "
+                             f"{mine} bytes are mapped and {size} more asked for")
+        old_size = len(segments[seg]) if seg in segments else 0
         with self._lock:   # each mapping holds a descriptor (Python's mmap keeps a dup of it)
             if seg not in segments and self._mapped >= self._segment_budget:
                 raise StoreBusyError(f"the daemon maps {self._mapped} segments, all its open-file limit allows; "
                                      "retry later or raise the daemon's RLIMIT_NOFILE")
+            if self._mapped_bytes - old_size + size > MAX_SEGMENT_BYTES:
+                raise StoreBusyError("the daemon's clients have mapped all the segment bytes it allows; retry later")
             self._mapped += seg not in segments
+            self._mapped_bytes += size - old_size
         try:
             m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             with self._lock:
                 self._mapped -= seg not in segments
+                self._mapped_bytes -= size - old_size
             raise
         old = segments.pop(seg, None)
         if old is not None:
