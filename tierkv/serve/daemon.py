@@ -401,7 +401,8 @@ class NodeService:
             held = (salt, tokens.tobytes())
             if op == P.Op.PIN:
                 n = s.pin(tokens, salt)
-                info.pins[held] += 1   # released when this connection ends, if not before
+                if n:
+                    info.pins[held] += 1   # released when this connection ends, if not before
                 return P.COUNT.pack(n)
             if op == P.Op.UNPIN:
                 n = s.unpin(tokens, salt)

@@ -152,7 +152,9 @@ class Transfers:
         except BaseException:
             self._m.abandon(mine)
             raise
-        return published, mine
+        # run() may have swept a reserved page (left without its prefix by an eviction in
+        # this plan), freeing its slot: such pages are not written.
+        return published, [p for p, ok in zip(mine, self._m.still_placed(mine)) if ok]
 
     def finish_deferred(self, plan: MovePlan, placed: list[tuple[PageKey, TierId, int]], seconds: float,
                         wrote: bool) -> int:
