@@ -175,7 +175,11 @@ class Transfers:
             log.debug("%d pages written to %s were dropped before they were published", len(gone), name)
         self._c.tier_io_s[name] += seconds
         self._c.moved_bytes("caller", name, len(placed) * self._nbytes, seconds, src_read=False)
-        published = len(keep) if keep and self._publish(keep, {}, plan, f"write to {name}") else 0
+        try:
+            published = len(keep) if keep and self._publish(keep, {}, plan, f"write to {name}") else 0
+        except BaseException:   # anything but a failed commit (handled there): nothing stays reserved
+            self._m.abandon(keep)
+            raise
         self._m.commit_deletes(plan)
         if published and self._m.drop_orphans([k for k, _, _ in keep]):
             published = len(self._m.present(b"".join(k for k, _, _ in keep), name)) // KEY_BYTES
