@@ -128,15 +128,20 @@ class _Conn:
             self.call(P.Op.SEGMENT, P.SEGMENT_REQ.pack(seg.id, seg.size), fds=(seg.fd,))
             self.registered.add(seg.id)
 
-    def scratch_rows(self, n: int, page_bytes: int) -> tuple[_Segment, np.ndarray]:
-        need = n * page_bytes
-        if self.scratch is None or self.scratch.size < need:
-            old = self.scratch
-            self.scratch = _Segment(max(need, 2 * old.size if old is not None else 0), "tierkv-scratch", SCRATCH_ID)
+    def _grown(self, seg: _Segment | None, need: int, name: str, seg_id: int) -> _Segment:
+        """``seg``, or (too small) a segment twice its size or ``need`` that takes its id,
+        so that registering it replaces the daemon's mapping of the old one."""
+        if seg is None or seg.size < need:
+            old = seg
+            seg = _Segment(max(need, 2 * old.size if old is not None else 0), name, seg_id)
             if old is not None:
                 self.registered.discard(old.id)
                 old.close()
-        self.register(self.scratch)
+        self.register(seg)
+        return seg
+
+    def scratch_rows(self, n: int, page_bytes: int) -> tuple[_Segment, np.ndarray]:
+        self.scratch = self._grown(self.scratch, n * page_bytes, "tierkv-scratch", SCRATCH_ID)
         return self.scratch, self.scratch.rows(n, page_bytes)
 
     def tokens(self, salt: bytes, toks: np.ndarray, prefix: bytes = b"", item: int = 4) -> bytes:
@@ -145,13 +150,7 @@ class _Conn:
         need = toks.nbytes
         if need <= 4 * P.INLINE_TOKENS:
             return P.token_body(salt, toks.tobytes(), prefix)
-        if self.token_seg is None or self.token_seg.size < need:
-            old = self.token_seg
-            self.token_seg = _Segment(max(need, 2 * old.size if old is not None else 0), "tierkv-tokens", TOKENS_ID)
-            if old is not None:
-                self.registered.discard(old.id)
-                old.close()
-        self.register(self.token_seg)
+        self.token_seg = self._grown(self.token_seg, need, "tierkv-tokens", TOKENS_ID)
         self.token_seg.array[:need].view(toks.dtype)[:] = toks
         return P.token_ref(salt, self.token_seg.id, 0, need // item, prefix)
 
