@@ -17,6 +17,7 @@ from tierkv.errors import ConfigError, TierUnavailableError
 from tierkv.keys import split_keys
 from tierkv.net import Credential, NetConfig, TcpTransport
 from tierkv.net.wire import decode_metas, encode_keys
+from tierkv.store import peering
 from tierkv.store.api import Store
 from tierkv.tiers.base import TierKind
 
@@ -103,6 +104,27 @@ def test_nodes_fetch_with_their_principal(tmp_path: Path, served: Store) -> None
     with Store.open(config(tmp_path / "node-c", cluster)) as node:
         out = np.zeros((3, PB), np.uint8)
         assert node.get(prompt(2, 3), out, tenant="b").pages == 3 and np.array_equal(out, page_data(2, 3))
+
+
+def test_a_tenant_nodes_lookup_sees_only_its_tenants_pages_on_peers(tmp_path: Path, served: Store,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup asks peers as a get fetches: with the node's principal, so a node whose
+    principal is tenant a learns nothing of tenant b's pages, even by b's own keys."""
+    monkeypatch.setattr(peering, "LOOKUP_TIMEOUT_S", 5.0)   # a loaded machine's slow answer is no miss here
+    host, port = served.peer_address or ("", 0)
+    as_a = PeersConfig(fetch=(f"{host}:{port}",), transport="tcp", timeout_s=2.0,
+                       secret_file=secret(tmp_path, "mine-a", SECRET_A), tenant="a")
+    with Store.open(config(tmp_path / "node-a", as_a)) as node:
+        assert node.lookup(prompt(1, 3), tenant="a").tiers == (TierKind.PEER,) * 3
+        assert node.lookup(prompt(2, 3), tenant="b").cached_pages == 0
+        keys_b = served._keys(prompt(2, 3), "b")
+        assert node.lookup_keys(keys_b).cached_pages == 0            # the peer answers a's principal: none
+    cluster = PeersConfig(fetch=(f"{host}:{port}",), transport="tcp", timeout_s=2.0,
+                          secret_file=secret(tmp_path, "mine-c", CLUSTER))
+    with Store.open(config(tmp_path / "node-c", cluster)) as node:
+        assert node.lookup_keys(keys_b).cached_pages == 3
+        assert node.lookup(prompt(2, 3), tenant="b").cached_pages == 3
+        assert node.lookup(prompt(2, 3), tenant="a").cached_pages == 0   # the same tokens, a's keys
 
 
 def test_a_page_demoted_during_another_tenants_request_is_not_that_tenants(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ every page checked, keeps it, and a lost peer is a miss within the timeout."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,8 @@ from tierkv.store.api import Store
 from tierkv.config import DramConfig, NvmeConfig, PeersConfig, StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.net import Credential, NetConfig, connect
+from tierkv.serve.daemon import NodeService
+from tierkv.store import peering
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.peer import PeerDramTier
 
@@ -34,7 +37,7 @@ def secret_file(where: Path, content: bytes = b"cluster-secret-of-this-test-run"
     return str(path)
 
 
-def config(path: Path, peers: PeersConfig, dram_pages: int = 16, nvme_pages: int = 32) -> StoreConfig:
+def config(path: Path, peers: PeersConfig | None, dram_pages: int = 16, nvme_pages: int = 32) -> StoreConfig:
     return StoreConfig(path=str(path), model_id="m", layout=LAYOUT, dram=DramConfig(dram_pages * PB),
                        nvme=NvmeConfig(nvme_pages * PB), peers=peers, policy="lru")
 
@@ -79,7 +82,8 @@ def test_a_fetch_larger_than_this_store_returns_every_page_and_keeps_what_fits(t
     with decode_node(tmp_path, prefill, dram_pages=2, nvme_pages=4) as decode:
         n, tiers, out = load(decode, tokens, 10)
         assert n == 10 and np.array_equal(out, data) and tiers == (TierKind.PEER,) * 10
-        assert decode.lookup(tokens).cached_pages == 6    # as many as its 2 + 4 slots hold
+        found = decode.lookup(tokens)                      # kept here: as many as its 2 + 4 slots hold
+        assert found.cached_pages == 10 and found.tiers[6:] == (TierKind.PEER,) * 4   # the rest: the peer's
         assert decode.stats().peer_pages == 10
 
 
@@ -123,6 +127,130 @@ def test_a_lost_peer_is_a_miss_within_the_timeout(tmp_path: Path) -> None:
         assert time.monotonic() - start < 3.0
     finally:
         decode.close()
+
+
+@pytest.fixture
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peer lookups wait up to 5 s here, so a loaded test machine cannot turn a slow
+    answer into a miss; the tests of slow and lost peers keep the short default."""
+    monkeypatch.setattr(peering, "LOOKUP_TIMEOUT_S", 5.0)
+
+
+@pytest.mark.usefixtures("patient")
+def test_lookup_counts_the_pages_a_peer_would_serve(tmp_path: Path, prefill: Store) -> None:
+    """A decode node's lookup must see what its get would fetch from the prefill node,
+    or an engine deciding from the lookup never asks for those pages."""
+    tokens, data = prompt(11, 5), page_data(11, 5)
+    prefill.put(tokens, data)
+    with decode_node(tmp_path, prefill) as decode:
+        decode.put(tokens[:TPP], data[:1])                # the first page is here already
+        found = decode.lookup(tokens)
+        assert found.cached_pages == 5 and found.cached_tokens == 5 * TPP and found.total_pages == 5
+        assert found.tiers == (TierKind.DRAM,) + (TierKind.PEER,) * 4
+        assert found.pages_per_tier == {TierKind.DRAM: 1, TierKind.PEER: 4}
+        assert decode.stats().peer_pages == 0             # a lookup moves no page
+        n, tiers, out = load(decode, tokens, 5)
+        assert n == 5 and tiers == found.tiers and np.array_equal(out, data)
+        assert decode.lookup(prompt(12, 3)).cached_pages == 0                    # nobody holds it
+        assert decode.lookup(tokens, tenant="other").cached_pages == 0           # another tenant's keys
+        longer = np.concatenate([tokens, prompt(13, 2)])
+        assert decode.lookup(longer).cached_pages == 5    # the run ends where the peer's does
+
+
+@pytest.mark.usefixtures("patient")
+def test_lookup_follows_peers_in_the_order_a_get_asks_them(tmp_path: Path, prefill: Store) -> None:
+    """Two peers: the first holds pages 0-1, the second 0-3: a get takes 0-1 from the
+    first and 2-3 from the second, and the lookup says 4."""
+    tokens, data = prompt(14, 4), page_data(14, 4)
+    prefill.put(tokens[:2 * TPP], data[:2])
+    peers = PeersConfig(serve="127.0.0.1:0", transport="tcp", secret_file=secret_file(tmp_path))
+    with Store.open(config(tmp_path / "second", peers)) as second:
+        second.put(tokens, data)
+        eps = tuple(f"{h}:{p}" for h, p in (prefill.peer_address or ("", 0), second.peer_address or ("", 0)))
+        cfg = config(tmp_path / "decode", PeersConfig(fetch=eps, transport="tcp", timeout_s=2.0,
+                                                      secret_file=secret_file(tmp_path)))
+        with Store.open(cfg) as decode:
+            assert decode.lookup(tokens).tiers == (TierKind.PEER,) * 4
+            n, _, out = load(decode, tokens, 4)
+            assert n == 4 and np.array_equal(out, data)
+
+
+def test_lookup_treats_a_lost_peer_as_a_miss(tmp_path: Path) -> None:
+    serving = Store.open(config(tmp_path / "p", PeersConfig(serve="127.0.0.1:0", transport="tcp",
+                                                            secret_file=secret_file(tmp_path))))
+    tokens, data = prompt(15, 2), page_data(15, 2)
+    serving.put(tokens, data)
+    decode = decode_node(tmp_path, serving)
+    try:
+        assert load(decode, tokens[:TPP], 1)[0] == 1      # connected, and one page kept here
+        serving.close()
+        start = time.monotonic()
+        found = decode.lookup(tokens)
+        assert found.cached_pages == 1 and found.tiers == (TierKind.DRAM,)
+        assert time.monotonic() - start < 1.0
+    finally:
+        decode.close()
+
+
+def test_lookup_does_not_wait_for_a_peer_that_never_answers(tmp_path: Path) -> None:
+    """A listener that accepts and says nothing: connecting to it would take the whole
+    connect timeout; a lookup takes its own short deadline and says miss, every time."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        host, port = mute.getsockname()
+        peers = PeersConfig(fetch=(f"{host}:{port}",), transport="tcp", timeout_s=2.0,
+                            secret_file=secret_file(tmp_path))
+        with Store.open(config(tmp_path / "d", peers)) as decode:
+            tokens = prompt(16, 2)
+            for _ in range(3):
+                start = time.monotonic()
+                assert decode.lookup(tokens).cached_pages == 0
+                assert time.monotonic() - start < 1.0
+
+
+def test_lookup_does_not_wait_for_a_slow_peer(tmp_path: Path, prefill: Store) -> None:
+    """A connected peer whose lookup answers late (its handler stalls): the lookup is a
+    miss within its deadline, and the get, with its longer timeout, still loads the pages."""
+    tokens, data = prompt(17, 2), page_data(17, 2)
+    prefill.put(tokens, data)
+    assert prefill._peering is not None and prefill._peering.server is not None
+    methods = prefill._peering.server.store.methods
+    answer = methods["lookup"]
+
+    def late(body: bytes, scope: int | None) -> bytes:
+        time.sleep(0.8)
+        return answer(body, scope)
+
+    host, port = prefill.peer_address or ("", 0)
+    peers = PeersConfig(fetch=(f"{host}:{port}",), transport="tcp", timeout_s=5.0, secret_file=secret_file(tmp_path))
+    with Store.open(config(tmp_path / "decode", peers)) as decode:
+        assert load(decode, prompt(18, 1), 1)[0] == 0     # connected
+        methods["lookup"] = late
+        start = time.monotonic()
+        assert decode.lookup(tokens).cached_pages == 0
+        assert time.monotonic() - start < 0.6
+        n, _, out = load(decode, tokens, 2)
+        assert n == 2 and np.array_equal(out, data)
+
+
+@pytest.mark.usefixtures("patient")
+def test_the_node_service_looks_up_peers_as_in_process(tmp_path: Path, prefill: Store, sock_dir: Path) -> None:
+    tokens, data = prompt(19, 3), page_data(19, 3)
+    prefill.put(tokens, data)
+    host, port = prefill.peer_address or ("", 0)
+    peers = PeersConfig(fetch=(f"{host}:{port}",), transport="tcp", timeout_s=2.0, secret_file=secret_file(tmp_path))
+    with NodeService(config(tmp_path / "decode", peers), sock_dir / "d.sock").start() as svc:
+        with Store.connect(svc.path) as client:
+            found = client.lookup(tokens)
+            assert found == svc.store.lookup(tokens)
+            assert found.tiers == (TierKind.PEER,) * 3
+
+
+def test_a_store_without_peers_never_asks_any(tmp_path: Path) -> None:
+    with Store.open(config(tmp_path / "alone", None)) as alone:
+        alone.put(prompt(20, 2), page_data(20, 2))
+        assert alone._peering is None and alone.lookup(prompt(20, 3)).cached_pages == 2
 
 
 def test_remote_nodes_cannot_write_into_a_served_store(tmp_path: Path, prefill: Store) -> None:

@@ -180,19 +180,29 @@ class Store:
 
     # -- the API ---------------------------------------------------------------------------
     def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True) -> LookupResult:
-        """How many leading full pages of ``tokens`` are cached, and on which tiers. Does no I/O.
+        """How many leading full pages of ``tokens`` the store can serve, and from which tiers.
 
-        ``count=False`` leaves it out of ``stats().lookups`` (bookkeeping, not an engine's query).
+        Reads no page. The pages cached here are found in the index (no I/O). Where
+        ``[peers] fetch`` lists peers and the run cached here ends before the prompt does,
+        the run goes on with the pages those peers hold, as a ``get`` would fetch them,
+        reported as ``TierKind.PEER``: each peer is asked once, all at once and without
+        the store's lock, and one that is not connected, down or slower than
+        :data:`tierkv.store.peering.LOOKUP_TIMEOUT_S` (50 ms) is a miss, never an error.
+        A store without peers asks nobody. ``count=False`` leaves it out of
+        ``stats().lookups`` (bookkeeping, not an engine's query).
         """
         self._check_open()
-        return self.lookup_keys(self._keys(tokens, tenant), count=count)   # keys hashed without the lock
+        return self._lookup(self._keys(tokens, tenant), tenant, count)   # keys hashed without the lock
 
     def lookup_keys(self, keys: bytes, *, count: bool = True) -> LookupResult:
         """:meth:`lookup` of a prompt given as its page keys (16 bytes each, back to back, as
         :func:`tierkv.keys.chain_keys` makes them for this store's model, layout and tenant)."""
         if not isinstance(keys, bytes) or len(keys) % KEY_BYTES:
             raise InputError(f"lookup_keys: keys must be bytes, {KEY_BYTES} per page")
-        blob = keys
+        return self._lookup(keys, None, count)
+
+    def _lookup(self, blob: bytes, tenant: str | bytes | None, count: bool) -> LookupResult:
+        """:meth:`lookup` of a key blob; ``tenant``: whose keys they are, when known."""
         with self._lock:
             self._check_open()
             total = len(blob) // KEY_BYTES
@@ -206,8 +216,12 @@ class Store:
                 down = m.unavailable_levels()
                 if down:  # pages whose fastest copy is on a degraded tier are misses for now
                     levels = levels[:next((i for i, v in enumerate(levels) if v in down), len(levels))]
-            n = len(levels)
-            return LookupResult(n, n * self.layout.tokens_per_page, total, levels.translate(m.kind_ranks))
+            peering = self._peering
+        n, ranks = len(levels), levels.translate(m.kind_ranks)
+        if peering is not None and n < total:   # the pages a get would fetch from peers
+            more = peering.lookup(split_keys(blob[n * KEY_BYTES:]), None if tenant is None else tenant_salt(tenant))
+            n, ranks = n + more, ranks + bytes((TierKind.PEER.rank,)) * more
+        return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
             requested: int | None = None) -> GetResult:

@@ -10,7 +10,11 @@ a ``get`` found here, each peer in ``fetch`` is asked in turn (a key lookup RPC,
 pages by their remote slots, each checked against the peer's checksum); a peer that
 cannot be reached is skipped until its next reconnect attempt. Keys are the store's own
 (model, layout and tenant salted), so nodes of one model share pages and tenants never do.
-Called by the API with the store lock held.
+Looking up (:meth:`Peering.lookup`, for ``Store.lookup``): the same key lookup RPC, sent
+to every peer at once and answered within ``LOOKUP_TIMEOUT_S`` or taken for a miss, so a
+lookup sees the pages a get would fetch. ``fetch`` is called by the API with the store
+lock held, ``lookup`` without it: the peers' connections are shared under a lock of
+their own, and made on a thread of their own, so a lookup never waits for a connect.
 
 Peers authenticate with the secrets ``[peers]`` names (:mod:`tierkv.net.auth`), and the
 served store is keyed: a read names each page's key. Where ``tenant_secrets`` lets a
@@ -23,9 +27,12 @@ from a tier above) is tagged unknown, which only the cluster's principal may rea
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -35,12 +42,19 @@ from tierkv.keys import PageKey, split_keys, tenant_salt
 from tierkv.net.auth import CLUSTER, UNKNOWN_TENANT, Credential, ServerAuth, load_secret, tenant_tag
 from tierkv.store.manager import BlockManager
 from tierkv.net import NetConfig, PeerServer, connect
+from tierkv.net.transport import CallResult
+from tierkv.net.wire import MAX_LOOKUP_KEYS, decode_metas, encode_keys
 from tierkv.tiers.base import TierId
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.peer import PeerDramTier
 
 log = logging.getLogger(__name__)
 RETRY_S = 5.0  # a peer that could not be reached is tried again after this long
+#: How long a lookup waits for its peers' answers (and for a first connection to them):
+#: engines look up on every scheduling step, so a peer slower than this is a miss, and
+#: is not asked by lookups again for ``RETRY_S``. Capped by ``[peers] timeout_s``.
+LOOKUP_TIMEOUT_S = 0.05
+Endpoint = tuple[str, int]
 
 
 class Peering:
@@ -83,8 +97,15 @@ class Peering:
                                      accept_writes=False, auth=ServerAuth(principals), keyed=True)
             self._served = dram.name
             manager.listeners.append(self._on_event)
-        self._peers: dict[tuple[str, int], PeerDramTier | None] = {ep: None for ep in cfg.fetch_endpoints()}
-        self._next_try: dict[tuple[str, int], float] = {}
+        # The peers fetched from, and their connections, shared by fetches (under the store's
+        # lock) and lookups (without it) under this lock; connects run on threads of their own.
+        self._lock = threading.Lock()
+        self._closed = False
+        self._peers: dict[Endpoint, PeerDramTier | None] = {ep: None for ep in cfg.fetch_endpoints()}
+        self._connecting: dict[Endpoint, Future[PeerDramTier | None]] = {}
+        self._next_try: dict[Endpoint, float] = {}
+        self._quiet_until: dict[Endpoint, float] = {}   # peers that answered a lookup late
+        self._channels = itertools.count()
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -151,35 +172,135 @@ class Peering:
                                         list(keys[got:got + lead]))
             except TierKVError as exc:
                 log.warning("peer %s:%d failed (%s); its pages are misses for now", ep[0], ep[1], exc)
-                self._drop(ep)
+                self._drop(ep, tier)
                 continue
             n = next((i for i, ok in enumerate(res.ok) if not ok), len(res.ok))
             got += n
         return got
 
-    def _client(self, ep: tuple[str, int]) -> PeerDramTier | None:
-        tier = self._peers[ep]
-        if tier is not None or time.monotonic() < self._next_try.get(ep, 0.0):
-            return tier
+    def lookup(self, keys: Sequence[PageKey], salt: bytes | None) -> int:
+        """How many of the leading ``keys`` a :meth:`fetch` would find on the peers: each
+        peer is asked once, all at once, which of them it holds, and the answers are read
+        in the order ``fetch`` asks the peers (each continuing the run where the one
+        before stopped). ``salt``: the tenant's, when known (a node whose principal is
+        one tenant's asks for that tenant's pages only; the peers enforce it either way).
+
+        Never raises and never waits past ``LOOKUP_TIMEOUT_S`` (or ``timeout_s``): a peer
+        that is not connected yet, cannot be reached or answers late is a miss. Thread-safe.
+        """
+        if not self._peers or not keys or (salt is not None and self._own_tag is not None
+                                           and tenant_tag(salt) != self._own_tag):
+            return 0
+        deadline = time.monotonic() + min(LOOKUP_TIMEOUT_S, self.cfg.timeout_s)
+        body = encode_keys(list(keys[:MAX_LOOKUP_KEYS]))
+        now = time.monotonic()
+        clients = [(ep, self._client_future(ep)) for ep in self._peers if now >= self._quiet_until.get(ep, 0.0)]
+        asked: dict[Endpoint, Future[CallResult]] = {}
+        for first in (True, False):   # connected peers are asked first, then those connecting meanwhile
+            for ep, fut in clients:
+                if fut is None or (first and not fut.done()) or ep in asked:
+                    continue
+                tier = _within(fut, deadline)
+                if tier is not None:
+                    try:
+                        asked[ep] = tier.transport.call("lookup", body, next(self._channels) % 8)
+                    except TierKVError:   # closed under us (dropped by a fetch, or the store's close)
+                        continue
+        held = {ep: h for ep, call in asked.items() if (h := self._answer(ep, call, deadline, len(keys))) is not None}
+        got = 0
+        for ep in self._peers:   # in fetch's order: each peer continues the run where the one before stopped
+            h = held.get(ep)
+            if h is not None:
+                got += next((i for i, ok in enumerate(h[got:]) if not ok), len(h) - got)
+        return got
+
+    def _answer(self, ep: Endpoint, call: Future[CallResult], deadline: float, n: int) -> list[bool] | None:
+        """Which keys the peer at ``ep`` holds, from its answer to a lookup call; None for
+        an answer that did not come by ``deadline`` (the peer is then quiet for lookups
+        for ``RETRY_S``), failed, or does not add up."""
         try:
-            tier = PeerDramTier(connect(ep[0], ep[1], self.cfg.transport, self._net))  # type: ignore[arg-type]
+            res = call.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            call.cancel()
+            self._quiet_until[ep] = time.monotonic() + RETRY_S
+            log.warning("peer %s:%d did not answer a lookup within %.3f s; lookups skip it for %.0f s", ep[0], ep[1],
+                        min(LOOKUP_TIMEOUT_S, self.cfg.timeout_s), RETRY_S)
+            return None
+        if not res.ok:
+            return None
+        try:
+            metas = decode_metas(res.body)
+        except TierKVError:
+            return None
+        return [m.generation != 0 for m in metas] if len(metas) == min(n, MAX_LOOKUP_KEYS) else None
+
+    def _client(self, ep: Endpoint) -> PeerDramTier | None:
+        """The connection to the peer at ``ep``, made now if needed (within the transport's
+        connect timeout); None while it cannot be reached."""
+        fut = self._client_future(ep)
+        return None if fut is None else fut.result()
+
+    def _client_future(self, ep: Endpoint) -> Future[PeerDramTier | None] | None:
+        """The connection to ``ep``: made, or being made on a thread of its own (the
+        future's result is None if that fails); None while waiting to try again."""
+        with self._lock:
+            tier = self._peers.get(ep)
+            if tier is not None:
+                done: Future[PeerDramTier | None] = Future()
+                done.set_result(tier)
+                return done
+            fut = self._connecting.get(ep)
+            if fut is not None or self._closed or time.monotonic() < self._next_try.get(ep, 0.0):
+                return fut
+            fut = self._connecting[ep] = Future()
+        try:
+            threading.Thread(target=self._connect, args=(ep, fut), name="tierkv-peer-connect", daemon=True).start()
+        except RuntimeError:   # no thread to be had: a miss, tried again later
+            self._connected(ep, fut, None)
+        return fut
+
+    def _connect(self, ep: Endpoint, fut: Future[PeerDramTier | None]) -> None:
+        try:
+            tier: PeerDramTier | None = PeerDramTier(connect(ep[0], ep[1], self.cfg.transport,  # type: ignore[arg-type]
+                                                             self._net))
         except TierKVError as exc:
             log.warning("peer %s:%d unreachable (%s); retrying in %.0f s", ep[0], ep[1], exc, RETRY_S)
-            self._next_try[ep] = time.monotonic() + RETRY_S
-            return None
-        self._peers[ep] = tier
-        return tier
+            tier = None
+        self._connected(ep, fut, tier)
 
-    def _drop(self, ep: tuple[str, int]) -> None:
-        tier, self._peers[ep] = self._peers[ep], None
-        self._next_try[ep] = time.monotonic() + RETRY_S
-        if tier is not None:
-            tier.close()
+    def _connected(self, ep: Endpoint, fut: Future[PeerDramTier | None], tier: PeerDramTier | None) -> None:
+        with self._lock:
+            del self._connecting[ep]
+            if tier is None:
+                self._next_try[ep] = time.monotonic() + RETRY_S
+            elif self._closed:   # closed while connecting: keep nothing
+                tier.close()
+                tier = None
+            else:
+                self._peers[ep] = tier
+        fut.set_result(tier)
+
+    def _drop(self, ep: Endpoint, tier: PeerDramTier) -> None:
+        with self._lock:
+            if self._peers.get(ep) is tier:
+                self._peers[ep] = None
+                self._next_try[ep] = time.monotonic() + RETRY_S
+        tier.close()
 
     def close(self) -> None:
-        for ep in list(self._peers):
-            tier, self._peers[ep] = self._peers[ep], None
-            if tier is not None:
-                tier.close()
+        with self._lock:
+            self._closed = True
+            tiers = [t for t in self._peers.values() if t is not None]
+            self._peers = dict.fromkeys(self._peers)
+        for tier in tiers:
+            tier.close()
         if self.server is not None:
             self.server.close()
+
+
+def _within(fut: Future[PeerDramTier | None], deadline: float) -> PeerDramTier | None:
+    """The connection ``fut`` makes, if made by ``deadline`` (the connect goes on after)."""
+    try:
+        return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        return None
