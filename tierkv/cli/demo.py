@@ -62,6 +62,13 @@ def add_parser(subparsers: "argparse._SubParsersAction[Any]") -> argparse.Argume
                     "whose KV pages go through a real store (a DRAM tier of a few pages and a file NVMe tier): "
                     "each turn loads the previous turns' pages instead of recomputing them, and is compared "
                     "with a full recompute on a plain transformers cache. Needs the demo extra.")
+    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                   help="transformers (default: in this process) or vllm (a real vLLM engine over a tierkv serve "
+                        "daemon, three engine runs of about 25 s each; needs tools/install_vllm.sh)")
+    p.add_argument("--vllm-python", metavar="PATH", help="the Python with vLLM (default $TIERKV_VLLM_PYTHON, "
+                   "else the one tools/install_vllm.sh made)")
+    p.add_argument("--vllm-model", metavar="DIR", help="the model folder vLLM serves (default $TIERKV_VLLM_MODEL, "
+                   "else the one tools/install_vllm.sh made)")
     p.add_argument("--turns", type=int, default=3, metavar="N",
                    help=f"user turns, 1-{len(CONVERSATION)} (default 3)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens generated per turn (default 32)")
@@ -90,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"{flag} must be >= {lo}, got {value}")
     if args.turns > len(CONVERSATION):
         raise InputError(f"--turns must be at most {len(CONVERSATION)} (the built-in conversation), got {args.turns}")
+    if args.engine == "vllm":
+        return _run_vllm(args)
     layout = smollm2.kv_layout(args.dtype, args.tokens_per_page)
     dram = DEFAULT_DRAM_PAGES * layout.page_bytes if args.dram is None else parse_size(args.dram, "--dram")
     nvme = parse_size(args.nvme, "--nvme")
@@ -122,6 +131,47 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(out)
     return EXIT_OK if out["matches_plain_cache"] else EXIT_FAILED
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    from tierkv.integrations.vllm.demo import run_demo as run_vllm_demo
+    from tierkv.integrations.vllm.session import find_vllm
+
+    env = find_vllm(args.vllm_python, args.vllm_model)
+    if not args.json:
+        print("running vLLM three times (recompute, with tierkv, after a daemon restart): about 2 minutes ...",
+              file=sys.stderr)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tierkv-demo-vllm-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        out = run_vllm_demo(env, workdir, args.turns, args.max_new_tokens)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out, allow_nan=False))
+    else:
+        _print_vllm(out)
+    ok = out["outputs_identical"] and out["tokens_loaded"] > 0 and out["tokens_loaded_after_restart"] > 0
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def _tiers(hits: Mapping[str, int], tokens: int) -> str:
+    pages = sum(hits.values())
+    return ", ".join(f"{k} {tokens * v // pages}" for k, v in sorted(hits.items())) if pages else "-"
+
+
+def _print_vllm(out: Mapping[str, Any]) -> None:
+    print("turn  prompt  loaded (tier)          TTFT without  with     output  | after restart: loaded (tier)   TTFT     output")
+    for t in out["turns"]:
+        print(f"{t['turn']:>4}  {t['prompt_tokens']:>6}  {t['tokens_loaded']:>6} ({_tiers(t['tiers'], t['tokens_loaded']):<13})"
+              f"  {t['ttft_s_without']:>10.3f}s  {t['ttft_s_with']:>6.3f}s  {_yes(t['output_matches']):>6}  | "
+              f"{t['tokens_loaded_after_restart']:>6} ({_tiers(t['tiers_after_restart'], t['tokens_loaded_after_restart']):<20})"
+              f"  {t['ttft_s_after_restart']:>6.3f}s  {_yes(t['output_matches_after_restart']):>6}")
+    print(f"tokens loaded: {out['tokens_loaded']} (after the daemon's restart: {out['tokens_loaded_after_restart']}); "
+          f"outputs identical to recompute: {_yes(out['outputs_identical'])}")
+    print(f"median TTFT of turns that loaded: {out['ttft_s_with']:.3f} s with tierkv, {out['ttft_s_without']:.3f} s "
+          f"recomputing ({out['ttft_s_after_restart']:.3f} s after the restart)")
 
 
 def run_demo(lm: LoadedModel, workdir: Path, layout: KVLayout, dram_bytes: int, nvme_bytes: int,

@@ -86,3 +86,24 @@ def load(dtype: DType | str = DType.FP32, *, progress: bool = False) -> LoadedMo
     model = model.to(dtype=getattr(torch, DType.parse(dtype).torch_name)).eval()
     # transformers' tokenizers are duck-typed against the protocol the chat uses.
     return LoadedModel(model, cast("ChatTokenizer", tokenizer), path)
+
+
+def export_folder(out: Path, dtype: DType | str = DType.BF16) -> Path:
+    """Write the model as a Hugging Face model folder at ``out`` (what vLLM loads), offline.
+
+    transformers dequantizes the GGUF weights; a model loaded from GGUF refuses
+    ``save_pretrained``, so a plain model is built from its config (without the
+    quantization entry) and given the weights. Returns ``out``.
+    """
+    lm = load(dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = lm.model.config
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    plain = AutoModelForCausalLM.from_config(cfg)
+    plain.load_state_dict(lm.model.state_dict())
+    plain.to(lm.model.dtype).save_pretrained(out)
+    path = gguf_path()
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    return out

@@ -1,0 +1,258 @@
+"""The vLLM connector's halves without vLLM: block copies, the planner and the worker,
+against a real ``tierkv serve`` daemon (a NodeService thread) and CPU tensors shaped as
+vLLM's CPU backend shapes its KV cache. The real engine: test_vllm_engine.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tierkv.config import DramConfig, NvmeConfig, StoreConfig
+from tierkv.errors import InputError, LayoutError
+from tierkv.integrations.vllm.blocks import CpuPagedKV, runs
+from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan
+from tierkv.integrations.vllm.transfer import ConnectorWorker
+from tierkv.layout import KVLayout
+from tierkv.serve.client import RemoteStore
+from tierkv.serve.daemon import NodeService
+
+L, H, N, D = 3, 2, 16, 8           # layers, KV heads, block size, head dim
+LAYOUT = KVLayout(L, H, D, "bf16", N)
+BLOCKS = 12
+
+
+def engine_caches(seed: int = 0, blocks: int = BLOCKS) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(blocks, H, N, 2 * D, generator=g).to(torch.bfloat16) for _ in range(L)]
+
+
+@pytest.fixture
+def daemon(sock_dir: Path, tmp_path: Path) -> Iterator[NodeService]:
+    cfg = StoreConfig(path=str(tmp_path / "store"), model_id="m", layout=LAYOUT,
+                      dram=DramConfig(8 * LAYOUT.page_bytes), nvme=NvmeConfig(64 * LAYOUT.page_bytes))
+    svc = NodeService(cfg, sock_dir / "d.sock").start()
+    yield svc
+    svc.close()
+
+
+@pytest.fixture
+def store(daemon: NodeService) -> Iterator[RemoteStore]:
+    with RemoteStore(daemon.path, timeout_s=10) as s:
+        yield s
+
+
+# -- blocks --------------------------------------------------------------------------------
+def test_runs_groups_consecutive_ids() -> None:
+    assert runs([3, 4, 5, 9, 2, 3]) == [(0, 3, 3), (3, 9, 1), (4, 2, 2)]
+    assert runs([]) == []
+
+
+def test_gather_puts_k_and_v_in_the_store_order() -> None:
+    """Each (block, head) plane is K^T [D, N] then V [N, D] (the CPU kernel's packing,
+    checked against the kernel in test_vllm_engine.py); a page is [L, 2, N, H, D]."""
+    caches = engine_caches()
+    kv = CpuPagedKV(caches, LAYOUT)
+    pages = kv.pages(torch.zeros(2, LAYOUT.page_bytes, dtype=torch.uint8))
+    for layer in range(L):
+        kv.gather(layer, [7, 2], pages)
+    for row, block in enumerate([7, 2]):
+        for layer in range(L):
+            plane = caches[layer][block].reshape(H, 2 * N * D)
+            k_t = plane[:, : N * D].reshape(H, D, N)
+            v = plane[:, N * D:].reshape(H, N, D)
+            for n in (0, 5, N - 1):
+                for h in range(H):
+                    assert torch.equal(pages[row, layer, 0, n, h], k_t[h, :, n])
+                    assert torch.equal(pages[row, layer, 1, n, h], v[h, n])
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 3, 4], [9, 3, 0, 11], [5]])
+def test_scatter_inverts_gather(ids: list[int]) -> None:
+    src, dst = engine_caches(1), engine_caches(2)
+    before = [d.clone() for d in dst]
+    a, b = CpuPagedKV(src, LAYOUT), CpuPagedKV(dst, LAYOUT)
+    pages = a.pages(torch.zeros(len(ids), LAYOUT.page_bytes, dtype=torch.uint8))
+    for layer in range(L):
+        a.gather(layer, ids, pages)
+        b.scatter(layer, pages, ids)
+    others = [i for i in range(BLOCKS) if i not in ids]
+    for layer in range(L):
+        assert torch.equal(dst[layer][ids], src[layer][ids])
+        assert torch.equal(dst[layer][others], before[layer][others])   # nothing else written
+
+
+def test_layout_mismatch_is_refused_naming_the_fix() -> None:
+    with pytest.raises(LayoutError, match=r"tokens_per_page: engine 32 vs store 16.*tokens_per_page=32"):
+        CpuPagedKV([torch.zeros(4, H, 32, 2 * D, dtype=torch.bfloat16)] * L, LAYOUT)
+    with pytest.raises(LayoutError, match="num_layers: engine 2 vs store 3"):
+        CpuPagedKV(engine_caches()[:2], LAYOUT)
+    with pytest.raises(LayoutError, match="dtype: engine float16 vs store bfloat16"):
+        CpuPagedKV([c.to(torch.float16) for c in engine_caches()], LAYOUT)
+    with pytest.raises(LayoutError, match=r"\[num_blocks, kv_heads, block_size, 2\*head_dim\]"):
+        CpuPagedKV([torch.zeros(2, BLOCKS, N, H, D, dtype=torch.bfloat16)] * L, LAYOUT)
+    kv = CpuPagedKV(engine_caches(), LAYOUT)
+    with pytest.raises(InputError, match=r"block ids must lie in \[0, 12\)"):
+        kv.gather(0, [12], kv.pages(torch.zeros(1, LAYOUT.page_bytes, dtype=torch.uint8)))
+
+
+# -- the planner ---------------------------------------------------------------------------
+def prompt(pages: float, seed: int = 0) -> list[int]:
+    return list(np.random.default_rng(seed).integers(0, 50_000, int(pages * N)))
+
+
+def put_pages(store: RemoteStore, tokens: list[int], tenant: str = "") -> None:
+    n = len(tokens) // N
+    store.put(np.array(tokens[: n * N], np.uint32), np.full((n, LAYOUT.page_bytes), 7, np.uint8), tenant)
+
+
+def test_matched_leaves_the_last_token_and_skips_the_engines_own_hit(store: RemoteStore) -> None:
+    p = ConnectorPlanner(store, N)
+    toks = prompt(4)                       # exactly 4 pages: the last token must be computed
+    put_pages(store, toks)
+    assert p.matched(toks, "", 0) == 3 * N
+    assert p.matched(toks + [1], "", 0) == 4 * N
+    assert p.matched(toks + [1], "", 2 * N) == 2 * N      # vLLM's prefix cache had 2 pages
+    assert p.matched(toks + [1], "", 4 * N) == 0
+    assert p.matched(toks + [1], "other-tenant", 0) == 0   # the salt is the tenant
+    assert p.matched(toks[:N], "", 0) == 0
+    assert ConnectorPlanner(store, N, load=False).matched(toks + [1], "", 0) == 0
+    assert store.stats().lookups == 0                     # engine bookkeeping is not counted as lookups
+
+
+def test_allocated_pins_and_plans_the_load_then_finished_unpins(store: RemoteStore) -> None:
+    p = ConnectorPlanner(store, N)
+    toks = prompt(5.5)
+    put_pages(store, toks)
+    p.allocated("r1", toks, len(toks), "", [4, 8, 1, 2, 3, 9], N, 4 * N)   # 1 page local, 4 from the store
+    plan = p.plan([("r1", [4, 8, 1, 2, 3, 9], 5 * N)], [], {"r1": len(toks) - 5 * N})
+    (job,) = plan.loads
+    assert (job.skip, job.block_ids, job.end, job.requested) == (1, (8, 1, 2, 3), 5, 5)
+    assert list(job.tokens) == toks[: 5 * N]
+    assert plan.saves == []                               # the prompt's full pages are all stored
+    assert store.unpin(np.array(toks[: 5 * N], np.uint32)) == 5   # pinned by allocated ...
+    assert store.pin(np.array(toks[: 5 * N], np.uint32)) == 5     # ... (given back for finished())
+    p.finished("r1")
+    assert store.unpin(np.array(toks[: 5 * N], np.uint32)) == 0   # finished() unpinned
+    assert p.pending() == 0
+    assert p.plan([], [], {}).loads == []                 # a plan is handed out once
+
+
+def test_saves_follow_the_computed_pages_prompt_then_generated(store: RemoteStore) -> None:
+    for generated in (True, False):
+        p = ConnectorPlanner(store, N, save_generated=generated)
+        toks = prompt(2.5, seed=3 + generated)
+        live = list(toks)                                  # vLLM's request list, growing
+        p.allocated("r", live, len(toks), "t", [5, 6, 7], 0, 0)
+        s1 = p.plan([("r", [5, 6, 7], 0)], [], {"r": N})   # a chunk of one page
+        assert [(s.first, s.block_ids, len(s.tokens)) for s in s1.saves] == [(0, (5,), N)]
+        s2 = p.plan([], [("r", None, False, N)], {"r": len(toks) - N})
+        assert [(s.first, s.block_ids) for s in s2.saves] == [(1, (6,))]
+        live += prompt(1, seed=9)[: 3 * N - len(toks)]       # decode steps fill the third page
+        s3 = p.plan([], [("r", [9, 10, 11], True, 0)], {"r": 3 * N})   # preempted: resumed in new blocks
+        want = [(2, (11,))] if generated else []
+        assert [(s.first, s.block_ids) for s in s3.saves] == want
+        if generated:
+            assert list(s3.saves[0].tokens) == live[: 3 * N] and s3.saves[0].tenant == "t"
+        p.finished("r")
+
+
+def test_a_request_with_nothing_to_load_counts_its_misses(store: RemoteStore) -> None:
+    p = ConnectorPlanner(store, N)
+    toks = prompt(3.5, seed=5)
+    before = store.stats()
+    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4], 0, 0)
+    after = store.stats()
+    assert after.pages_requested - before.pages_requested == 3
+    assert after.pages_hit == before.pages_hit
+
+
+def test_a_store_that_is_gone_offers_nothing_and_raises_nothing(daemon: NodeService) -> None:
+    store = RemoteStore(daemon.path, timeout_s=2)
+    p = ConnectorPlanner(store, N)
+    toks = prompt(3.5, seed=6)
+    put_pages(store, toks)
+    assert p.matched(toks, "", 0) == 3 * N
+    daemon.close()
+    assert p.matched(toks, "", 0) == 0
+    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4], 0, 3 * N)   # pin fails: the load still goes to the worker
+    assert len(p.plan([], [], {}).loads) == 1
+    p.finished("r")
+    store.close()
+
+
+# -- the worker ----------------------------------------------------------------------------
+def step(worker: ConnectorWorker, plan: StepPlan, write: list[torch.Tensor] | None = None,
+         caches: list[torch.Tensor] | None = None) -> None:
+    """What vLLM does in one step: bind, load before the forward, per layer wait/save, end."""
+    worker.begin_step(plan)
+    worker.start_load()
+    for layer in range(L):
+        worker.wait_layer(layer)
+        if write is not None and caches is not None:   # the forward pass writes this layer
+            caches[layer].copy_(write[layer])
+        worker.save_layer(layer)
+    worker.end_step()
+
+
+def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: RemoteStore) -> None:
+    toks = prompt(4.5, seed=11)
+    src = engine_caches(3)
+    a = ConnectorWorker(store, CpuPagedKV(engine_caches(4), LAYOUT), max_pages=8)
+    pa = ConnectorPlanner(store, N)
+    pa.allocated("a", toks, len(toks), "", [3, 1, 4, 0, 9], 0, 0)
+    step(a, pa.plan([("a", [3, 1, 4, 0, 9], 0)], [], {"a": len(toks)}), write=src, caches=a.kv.layers)
+    a.drain()
+    assert a.counters.saved_pages == 4 and a.counters.failed_saves == 0
+    b_caches = engine_caches(5)
+    b = ConnectorWorker(store, CpuPagedKV(b_caches, LAYOUT), max_pages=8)
+    pb = ConnectorPlanner(store, N)
+    assert pb.matched(toks, "", 0) == 4 * N
+    pb.allocated("b", toks, len(toks), "", [6, 7, 8, 10, 11], 0, 4 * N)
+    step(b, pb.plan([("b", [6, 7, 8, 10, 11], 4 * N)], [], {"b": len(toks) - 4 * N}))
+    for layer in range(L):
+        assert torch.equal(b_caches[layer][[6, 7, 8, 10]], src[layer][[3, 1, 4, 0]])
+    assert b.load_errors() == set()
+    assert b.counters.loaded_tokens == 4 * N and b.counters.tokens_by_tier == {"dram": 4 * N}
+    a.close()
+    b.close()
+
+
+def test_pages_the_store_cannot_serve_are_reported_for_recompute(store: RemoteStore) -> None:
+    toks = prompt(4.5, seed=12)
+    put_pages(store, toks[: 2 * N])                         # only 2 of the 4 claimed pages exist
+    caches = engine_caches(6)
+    before = [c.clone() for c in caches]
+    w = ConnectorWorker(store, CpuPagedKV(caches, LAYOUT), max_pages=8)
+    p = ConnectorPlanner(store, N)
+    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4, 5], 0, 4 * N)
+    step(w, p.plan([("r", [1, 2, 3, 4, 5], 4 * N)], [], {"r": len(toks) - 4 * N}))
+    assert w.load_errors() == {3, 4}
+    assert w.load_errors() == set()                          # reported once
+    assert w.counters.failed_load_tokens == 2 * N
+    for layer in range(L):
+        assert torch.equal(caches[layer][[3, 4]], before[layer][[3, 4]])   # nothing half-written there
+    w.close()
+
+
+def test_jobs_beyond_the_buffers_are_skipped_not_deadlocked(store: RemoteStore) -> None:
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(7), LAYOUT), max_pages=4, buffers=2)
+    p = ConnectorPlanner(store, N)
+    reqs = {f"r{i}": prompt(2.5, seed=20 + i) for i in range(3)}
+    for i, (rid, toks) in enumerate(reqs.items()):
+        p.allocated(rid, toks, len(toks), "", [3 * i, 3 * i + 1, 3 * i + 2], 0, 0)
+    plan = p.plan([(rid, [3 * i, 3 * i + 1, 3 * i + 2], 0) for i, rid in enumerate(reqs)], [],
+                  {rid: len(t) for rid, t in reqs.items()})
+    assert len(plan.saves) == 3
+    step(w, plan)
+    w.drain()
+    assert w.counters.skipped_saves == 1 and w.counters.saved_pages == 4
+    too_long = prompt(6.5, seed=30)                          # over max_pages: neither loaded nor saved
+    put_pages(store, too_long)
+    p.allocated("long", too_long, len(too_long), "", list(range(7)), 0, 6 * N)
+    step(w, p.plan([("long", list(range(7)), 6 * N)], [], {"long": N // 2}))
+    assert w.load_errors() == set(range(6))
+    w.close()

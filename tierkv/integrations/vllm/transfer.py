@@ -1,0 +1,270 @@
+"""The connector's worker half, without vLLM: loads and saves pages, layer by layer.
+
+Runs in each vLLM worker process over its own connection to the node's ``tierkv serve``
+daemon. Pages cross between the daemon and this process through buffers in shared
+memory (:meth:`~tierkv.serve.client.RemoteStore.page_buffer`): the daemon copies a page
+between its DRAM pool and the buffer once, and this process copies it between the
+buffer and vLLM's blocks once, permuting to and from the store's page order
+(:class:`~tierkv.integrations.vllm.blocks.CpuPagedKV`).
+
+- Loads (:meth:`ConnectorWorker.start_load`, before the forward pass; buffers are
+  taken when the step begins, :meth:`begin_step`): a background
+  thread gets each job's pages into a buffer, then scatters them into vLLM's blocks a
+  layer at a time; :meth:`wait_layer` holds a layer's attention until its copies are
+  done, so loading overlaps the forward pass. A page the store does not return (evicted,
+  or it failed its checksum) leaves its block in :meth:`load_errors`, which vLLM
+  recomputes (``kv_load_failure_policy="recompute"``); nothing unverified is used.
+- Saves: :meth:`save_layer` copies a layer of each saved block into a buffer right
+  after the forward pass wrote it; :meth:`end_step` copies any layer not seen yet
+  (vLLM skipped the hook) and hands the buffer to a background thread that puts it.
+  The blocks are free for vLLM to reuse as soon as the step ends.
+
+Buffers come from a pool of ``buffers`` (bounded memory). A job that finds none free
+waits for a background put to return one; when no put is running (this step's own jobs
+hold them all), a load is left to vLLM to recompute and a save is skipped, both
+counted. Failures are logged and counted, never raised into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tierkv.errors import TierKVError
+from tierkv.integrations.vllm.blocks import CpuPagedKV
+from tierkv.integrations.vllm.plan import LoadJob, SaveJob, StepPlan
+from tierkv.serve.client import RemoteStore
+
+log = logging.getLogger(__name__)
+
+#: Page buffers the worker keeps (each holds a request's longest context; memory is
+#: only committed where pages are copied).
+DEFAULT_BUFFERS = 8
+
+
+@dataclass
+class WorkerCounters:
+    """What this worker did (tokens are engine tokens, whole pages)."""
+
+    loaded_tokens: int = 0
+    failed_load_tokens: int = 0
+    saved_pages: int = 0
+    failed_saves: int = 0
+    skipped_saves: int = 0
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+class _BufferPool:
+    """Page buffers in the daemon's shared memory, each ``pages`` rows; lent one at a time."""
+
+    def __init__(self, store: RemoteStore, pages: int, count: int) -> None:
+        self._store, self._pages = store, pages
+        self._free: list[np.ndarray] = []
+        self._made = 0
+        self._count = count
+        self._cond = threading.Condition()
+
+    def take(self, may_wait: Callable[[], bool]) -> np.ndarray | None:
+        """A free buffer; when none is, wait while ``may_wait()`` (someone will give one
+        back), else None."""
+        with self._cond:
+            while not self._free and self._made >= self._count:
+                if not may_wait():
+                    return None
+                self._cond.wait(0.05)
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        try:
+            return self._store.page_buffer(self._pages)
+        except BaseException:
+            with self._cond:
+                self._made -= 1
+                self._cond.notify()
+            raise
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
+class ConnectorWorker:
+    """The worker half over one connection and one worker's KV caches."""
+
+    def __init__(self, store: RemoteStore, kv: CpuPagedKV, max_pages: int, *, buffers: int = DEFAULT_BUFFERS) -> None:
+        self.store = store
+        self.kv = kv
+        self.max_pages = max_pages
+        self.counters = WorkerCounters()
+        self._pool = _BufferPool(store, max_pages, max(buffers, 2))
+        self._puts = 0   # puts handed to the background, not yet returned
+        self._layers = len(kv.layers)
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-vllm-load")
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-vllm-save")
+        self._lock = threading.Lock()
+        self._errors: set[int] = set()
+        self._layer_done: list[threading.Event] = []
+        self._loading: list[tuple[LoadJob, np.ndarray]] = []
+        self._load_future: Future[None] | None = None
+        self._saving: list[tuple[SaveJob, np.ndarray, torch.Tensor, set[int]]] = []
+
+    # -- a step ---------------------------------------------------------------------------
+    def begin_step(self, plan: StepPlan) -> None:
+        """Take buffers for this step's loads, then its saves (vLLM binds the plan before
+        the forward pass). A load with no buffer is recomputed; a save with none skipped."""
+        self._loading = []
+        for job in plan.loads:
+            buf = self._pool.take(self._putting) if job.end <= self.max_pages else None
+            if buf is None:
+                log.warning("tierkv: no page buffer for %s's load of %d pages; vLLM recomputes them",
+                            job.req_id, len(job.block_ids))
+                self._fail_load(job, 0)
+                continue
+            self._loading.append((job, buf))
+        self._layer_done = [threading.Event() for _ in range(self._layers)]
+        if not self._loading:
+            for ev in self._layer_done:
+                ev.set()
+        self._saving = []
+        for sjob in plan.saves:
+            buf = self._pool.take(self._putting) if sjob.end <= self.max_pages else None
+            if buf is None:
+                log.warning("tierkv: no page buffer for %s's save of %d pages; they are not stored",
+                            sjob.req_id, len(sjob.block_ids))
+                with self._lock:
+                    self.counters.skipped_saves += 1
+                continue
+            self._saving.append((sjob, buf, self.kv.pages(torch.from_numpy(buf)), set()))
+
+    # -- loads ------------------------------------------------------------------------
+    def start_load(self) -> None:
+        """Start this step's loads on the background thread (once; before the forward pass)."""
+        loading, self._loading = self._loading, []
+        if loading:
+            self._load_future = self._loader.submit(self._load, loading, self._layer_done)
+
+    def _load(self, jobs: list[tuple[LoadJob, np.ndarray]], done: list[threading.Event]) -> None:
+        got = [(job, self.kv.pages(torch.from_numpy(buf)), self._get(job, buf)) for job, buf in jobs]
+        try:
+            for layer in range(self._layers):
+                for job, pages, n in got:
+                    if n > job.skip:
+                        self.kv.scatter(layer, pages[job.skip:n], job.block_ids[:n - job.skip])
+                done[layer].set()
+        except BaseException:
+            log.exception("tierkv: a load failed; its blocks are recomputed")
+            for job, _pages, _n in got:
+                self._fail_load(job, 0)
+            raise
+        finally:
+            for ev in done:
+                ev.set()
+            for _job, buf in jobs:
+                self._pool.give(buf)
+        for job, _pages, n in got:
+            if n < job.end:
+                self._fail_load(job, n)
+
+    def _get(self, job: LoadJob, buf: np.ndarray) -> int:
+        """Pages of ``job`` the store served into ``buf`` (0 on a store error)."""
+        try:
+            res = self.store.get(job.tokens, buf[:job.end], job.tenant, requested=max(job.requested, job.end))
+        except TierKVError as exc:
+            log.warning("tierkv: loading %d pages for %s failed (%s); vLLM recomputes them",
+                        len(job.block_ids), job.req_id, exc)
+            return 0
+        n = min(res.pages, job.end)
+        bs = self.kv.block_tokens
+        with self._lock:
+            self.counters.loaded_tokens += max(0, n - job.skip) * bs
+            for kind in res.tiers[job.skip:n]:
+                self.counters.tokens_by_tier[kind.value] = self.counters.tokens_by_tier.get(kind.value, 0) + bs
+        return n
+
+    def _fail_load(self, job: LoadJob, served: int) -> None:
+        lost = job.block_ids[max(served - job.skip, 0):]
+        with self._lock:
+            self._errors.update(lost)
+            self.counters.failed_load_tokens += len(lost) * self.kv.block_tokens
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until this step's loads have written layer ``layer``."""
+        if self._loading:   # vLLM reached a layer before start_load_kv: the load goes first
+            self.start_load()
+        if layer < len(self._layer_done):
+            self._layer_done[layer].wait()
+
+    def finish_loads(self) -> None:
+        """Wait for this step's loads (each step ends with it)."""
+        fut, self._load_future = self._load_future, None
+        if fut is not None:
+            try:
+                fut.result()
+            except BaseException:   # already logged; its blocks are in load_errors
+                pass
+
+    def load_errors(self) -> set[int]:
+        """Blocks whose loads failed since the last call."""
+        with self._lock:
+            out, self._errors = self._errors, set()
+        return out
+
+    # -- saves ------------------------------------------------------------------------
+    def save_layer(self, layer: int) -> None:
+        """The forward pass wrote layer ``layer``: copy it out of the saved blocks."""
+        for job, _buf, pages, seen in self._saving:
+            if layer not in seen:
+                self.kv.gather(layer, job.block_ids, pages[job.first:job.end])
+                seen.add(layer)
+
+    def end_step(self) -> None:
+        """Finish this step's copies (loads included, so that their failures are in
+        :meth:`load_errors`) and put the saved pages in the background."""
+        self.start_load()
+        self.finish_loads()
+        saving, self._saving = self._saving, []
+        for job, buf, pages, seen in saving:
+            for layer in range(self._layers):
+                if layer not in seen:
+                    self.kv.gather(layer, job.block_ids, pages[job.first:job.end])
+            with self._lock:
+                self._puts += 1
+            self._saver.submit(self._put, job, buf)
+
+    def _put(self, job: SaveJob, buf: np.ndarray) -> None:
+        try:
+            res = self.store.put(job.tokens, buf[:job.end], job.tenant, announce=False, unfilled=job.first)
+            with self._lock:
+                self.counters.saved_pages += res.stored
+        except TierKVError as exc:
+            log.warning("tierkv: saving %d pages of %s failed (%s)", len(job.block_ids), job.req_id, exc)
+            with self._lock:
+                self.counters.failed_saves += 1
+        except BaseException:
+            log.exception("tierkv: saving pages of %s failed", job.req_id)
+            with self._lock:
+                self.counters.failed_saves += 1
+        finally:
+            with self._lock:
+                self._puts -= 1
+            self._pool.give(buf)
+
+    def _putting(self) -> bool:
+        with self._lock:
+            return self._puts > 0
+
+    def drain(self) -> None:
+        """Wait for every put handed to the background."""
+        self._saver.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.finish_loads()
+        self._loader.shutdown(wait=True)
+        self._saver.shutdown(wait=True)
