@@ -199,6 +199,7 @@ class RemoteStore:
         self._closed = False
         self._hello: dict[str, object] | None = None
         self._namespaces: dict[bytes, bytes] = {}
+        self._client_id = os.urandom(8).hex()   # this client's connections share its pins in the daemon
         conn = self._connect()   # the daemon's layout and model, and an error now if it is not there
         self._mine[threading.get_ident()] = conn
         assert self._hello is not None
@@ -216,7 +217,8 @@ class RemoteStore:
             raise StoreUnavailableError(f"no tierkv daemon answers at {self.socket_path}: "
                                         f"{exc.strerror or exc}") from None
         try:
-            reply = conn.call(P.Op.HELLO, json.dumps({"version": P.VERSION, "pid": os.getpid()}).encode())
+            reply = conn.call(P.Op.HELLO, json.dumps({"version": P.VERSION, "pid": os.getpid(),
+                                                      "client": self._client_id}).encode())
             hello = json.loads(bytes(reply))
         except TierKVError:
             conn.close()
@@ -432,8 +434,10 @@ class RemoteStore:
         return int(n)
 
     def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
-        """As :meth:`Store.pin <tierkv.store.api.Store.pin>`. Pins live in the daemon: a
-        daemon restart releases them (its DRAM pages are gone too)."""
+        """As :meth:`Store.pin <tierkv.store.api.Store.pin>`. Pins live in the daemon and
+        are this client's: its unpins (from any of its threads) release its own pins only,
+        never another client's, and those left are released when it closes or its process
+        ends. A daemon restart releases them (its DRAM pages are gone too)."""
         self._check_open()
         return self._count_op(P.Op.PIN, tenant_salt(tenant), as_token_array(tokens))
 

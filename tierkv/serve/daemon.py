@@ -25,6 +25,7 @@ the segment before it was sent).
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import logging
 import mmap
@@ -38,7 +39,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,7 @@ class NodeService:
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._info: dict[socket.socket, _Client] = {}
+        self._sessions: dict[tuple[int, str], list[int]] = {}   # (pid, client) -> [pin owner, connections]
         self._mapped = 0   # segments mapped, over all connections
         self._mapped_bytes = 0
         self._segment_budget = _descriptor_budget(max_clients)
@@ -366,6 +367,9 @@ class NodeService:
                 got = hello.get("version") if isinstance(hello, dict) else None
                 raise ConfigError(f"this tierkv daemon speaks protocol version {P.VERSION}, the client {got!r}: "
                                   "run the same tierkv version on both sides")
+            client = hello.get("client")
+            if isinstance(client, str) and 0 < len(client) <= 64 and info.requests == 1:
+                self._join(info, client)
             return json.dumps({**self._hello, "every_tenant": grant.salts is None}).encode()
         if op == P.Op.SEGMENT:
             return self._segment(body, fds, segments)
@@ -398,17 +402,10 @@ class NodeService:
             return P.PUT_REP.pack(r.stored, r.already_present, r.dropped)
         if op in (P.Op.PREFETCH, P.Op.PIN, P.Op.UNPIN):
             salt, tokens = self._tokens(body, 0, segments, grant)
-            held = (salt, tokens.tobytes())
-            if op == P.Op.PIN:
-                n = s.pin(tokens, salt)
-                if n:
-                    info.pins[held] += 1   # released when this connection ends, if not before
-                return P.COUNT.pack(n)
+            if op == P.Op.PIN:   # this connection's own: released when it ends, if not before
+                return P.COUNT.pack(s.pin(tokens, salt, owner=info.id))
             if op == P.Op.UNPIN:
-                n = s.unpin(tokens, salt)
-                if info.pins[held] > 0:
-                    info.pins[held] -= 1
-                return P.COUNT.pack(n)
+                return P.COUNT.pack(s.unpin(tokens, salt, owner=info.id))
             try:
                 return P.COUNT.pack(s.prefetch(tokens, salt).result(timeout=PREFETCH_WAIT_S))
             except FutureTimeout:
@@ -422,16 +419,32 @@ class NodeService:
             return json.dumps(self.status(clients=grant.salts is None)).encode()
         raise P.ProtocolError(f"unknown op {op}")
 
+    def _join(self, info: _Client, client: str) -> None:
+        """The connection is one of the client (a ``RemoteStore``: a connection per thread)
+        that HELLO named: its pins are the client's, as an in-process store's are its
+        caller's, and go when the client's last connection ends. Named per process (the
+        kernel's pid), so no other process can take or release them."""
+        with self._lock:
+            session = self._sessions.setdefault((info.pid, client), [info.id, 0])
+            session[1] += 1
+            info.id, info.session = session[0], (info.pid, client)
+
     def _release_pins(self, info: _Client) -> None:
-        """The pins a connection took and did not release: released as it ends (a client
-        that exits or is killed must not hold pages for good)."""
-        for (salt, raw), n in info.pins.items():
-            tokens = np.frombuffer(raw, dtype="<u4")
-            for _ in range(n):
-                try:
-                    self.store.unpin(tokens, salt)
-                except TierKVError:   # the store closed meanwhile: its pins are gone with it
+        """The pins a connection's client took and did not release, and only those:
+        released once its last connection ends (a client that exits or is killed must not
+        hold pages for good)."""
+        key = info.session
+        if key is not None:
+            with self._lock:
+                session = self._sessions[key]
+                session[1] -= 1
+                if session[1]:
                     return
+                del self._sessions[key]
+        try:
+            self.store.release_pins(info.id)
+        except TierKVError:   # the store closed meanwhile: its pins are gone with it
+            pass
 
     def _segment(self, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap]) -> bytes:
         seg, size = _unpack(P.SEGMENT_REQ, body)
@@ -523,13 +536,17 @@ def _descriptor_budget(max_clients: int) -> int:
     return max(budget, 1)
 
 
+_client_ids = itertools.count(1)
+
+
 @dataclass
 class _Client:
     pid: int
     uid: int
     since: float
     requests: int = 0
-    pins: Counter[tuple[bytes, bytes]] = field(default_factory=Counter)   # (salt, tokens) -> pins held
+    id: int = field(default_factory=lambda: next(_client_ids))   # owns the pins this connection takes
+    session: tuple[int, str] | None = None   # (pid, client) of the client it belongs to, if HELLO named one
 
 
 def _user(uid: int) -> str:

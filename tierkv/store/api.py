@@ -509,29 +509,40 @@ class Store:
                     self._promote(slow, slow.levels[:loaded], staging)
             return int((self._lead(blob, len(lead)).levels == 0).sum())
 
-    def pin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
+    def pin(self, tokens: Tokens, tenant: str | bytes = "", *, owner: int | None = None) -> int:
         """Pin the leading cached pages so no policy evicts them; returns how many were pinned.
 
         Each call is remembered until an ``unpin`` of the same tokens (or tokens that
-        extend the pages it pinned) releases it.
+        extend the pages it pinned) by the same ``owner`` releases it. ``owner``: for a
+        service pinning on behalf of its clients (``tierkv serve``: one per connection),
+        so that one client's unpin, or its end (:meth:`release_pins`), never releases
+        another's pin; None, the default, is the store's own callers.
         """
         with self._lock:
             self._check_writable_open()
-            return self._pins.pin(self._manager.leading(self._keys(tokens, tenant), 1 << 62))
+            return self._pins.pin(self._manager.leading(self._keys(tokens, tenant), 1 << 62), owner)
 
-    def unpin(self, tokens: Tokens, tenant: str | bytes = "") -> int:
-        """Release one earlier ``pin`` of these tokens; returns how many pages it unpinned.
+    def unpin(self, tokens: Tokens, tenant: str | bytes = "", *, owner: int | None = None) -> int:
+        """Release one earlier ``pin`` of these tokens by ``owner``; returns how many pages it
+        unpinned.
 
         Exactly the pages that pin took are released: not pages cached since, nor pins
-        other holders took on longer prompts. Of the pins outstanding whose pages are a
-        prefix of ``tokens``' pages, the longest is released (see :mod:`tierkv.store.pins`). A
-        page that has left the store since (one that failed its checksum, say) took
-        its pins with it and is not counted, even if it was stored again. Returns 0
-        when no such pin is outstanding.
+        other holders took on longer prompts. Of the pins ``owner`` has outstanding whose
+        pages are a prefix of ``tokens``' pages, the longest is released (see
+        :mod:`tierkv.store.pins`). A page that has left the store since (one that failed
+        its checksum, say) took its pins with it and is not counted, even if it was
+        stored again. Returns 0 when no such pin is outstanding.
         """
         with self._lock:
             self._check_writable_open()
-            return self._pins.unpin(self._keys(tokens, tenant))
+            return self._pins.unpin(self._keys(tokens, tenant), owner)
+
+    def release_pins(self, owner: int) -> int:
+        """Release every pin ``owner`` holds (a client of a service that went away);
+        returns how many pages that unpinned."""
+        with self._lock:
+            self._check_writable_open()
+            return self._pins.release(owner)
 
     def _check_writable_open(self) -> None:
         self._check_open()

@@ -8,7 +8,11 @@ came back unpinned would hide the pages after it. The ledger keeps, per ``pin`` 
 the page keys and the manager entries it pinned; ``unpin`` releases the longest
 outstanding pin whose keys are a prefix of the tokens' keys (pins on one prefix are
 interchangeable, so every holder that unpins what it pinned releases one), and skips
-entries that have left the store since. Used by :class:`tierkv.store.api.Store` under its lock.
+entries that have left the store since. Each pin has an owner (None: the store's own
+callers): an unpin considers only pins of its owner, and :meth:`PinLedger.release`
+drops all of one owner's, so the node service, whose owners are its connections, never
+releases one client's pin for another (a client's longer pin on the same prompt).
+Used by :class:`tierkv.store.api.Store` under its lock.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from tierkv.store.manager import BlockManager, Entry
 
 @dataclass(frozen=True)
 class _Pin:
-    """One ``pin`` call: the keys of the pages it pinned, concatenated, and their entries."""
+    """One ``pin`` call: the keys of the pages it pinned, concatenated, their entries, and
+    who took it."""
 
     keys: bytes
     entries: list[Entry]
+    owner: int | None
 
 
 class PinLedger:
@@ -34,24 +40,42 @@ class PinLedger:
         self._manager = manager
         self._held: dict[bytes, list[_Pin]] = {}
 
-    def pin(self, entries: list[Entry]) -> int:
-        """Pin ``entries`` (a prompt's leading cached pages) as one call; returns how many."""
+    def pin(self, entries: list[Entry], owner: int | None = None) -> int:
+        """Pin ``entries`` (a prompt's leading cached pages) as one call of ``owner``;
+        returns how many."""
         if entries:
             for e in entries:
                 self._manager.pin(e.key, +1)
-            self._held.setdefault(entries[0].key, []).append(_Pin(b"".join(e.key for e in entries), entries))
+            self._held.setdefault(entries[0].key, []).append(_Pin(b"".join(e.key for e in entries), entries, owner))
         return len(entries)
 
-    def unpin(self, blob: bytes) -> int:
-        """Release the longest outstanding pin whose keys start ``blob`` (a prompt's key
-        blob); returns how many pages it unpinned (0 when none is outstanding)."""
+    def unpin(self, blob: bytes, owner: int | None = None) -> int:
+        """Release the longest outstanding pin of ``owner`` whose keys start ``blob`` (a
+        prompt's key blob); returns how many pages it unpinned (0 when none is outstanding)."""
         held = self._held.get(blob[:KEY_BYTES])
-        fits = [i for i, p in enumerate(held or ()) if blob.startswith(p.keys)]
+        fits = [i for i, p in enumerate(held or ()) if p.owner == owner and blob.startswith(p.keys)]
         if not held or not fits:
             return 0
         taken = held.pop(max(fits, key=lambda i: len(held[i].keys)))
         if not held:
             del self._held[blob[:KEY_BYTES]]
+        return self._release(taken)
+
+    def release(self, owner: int) -> int:
+        """Release every outstanding pin of ``owner``; returns how many pages that unpinned."""
+        released = 0
+        for first in list(self._held):
+            held = self._held[first]
+            mine = [p for p in held if p.owner == owner]
+            if not mine:
+                continue
+            held[:] = [p for p in held if p.owner != owner]
+            if not held:
+                del self._held[first]
+            released += sum(map(self._release, mine))
+        return released
+
+    def _release(self, taken: _Pin) -> int:
         released = 0
         for e in taken.entries:
             if self._manager.current(e):  # not removed (and maybe stored again) since
