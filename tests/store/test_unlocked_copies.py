@@ -14,6 +14,9 @@ import pytest
 
 import tierkv.store.api as api
 from tests.conftest import PB, make_config, page_data
+from tests.store.test_peering import secret_file
+from tierkv.config import PeersConfig
+from tierkv.keys import split_keys
 from tierkv.store.api import Store
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.dram import DramTier
@@ -180,3 +183,32 @@ def test_two_threads_copy_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             th.join(30)
         assert most[0] == 2
         assert np.array_equal(outs[0], a[1]) and np.array_equal(outs[1], b[1])
+
+
+def test_pages_a_get_fetches_from_a_peer_are_not_kept_without_their_prefix(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get copies its leading DRAM pages without the lock and fetches the rest from a
+    peer; if a leading page left meanwhile, the fetched pages must not stay here without
+    their parent, where no lookup could reach them and they would only take room."""
+    tokens, data = prompt(20, 4), page_data(20, 4)
+    serving = PeersConfig(serve="127.0.0.1:0", transport="tcp", secret_file=secret_file(tmp_path))
+    with Store.open(make_config(tmp_path / "prefill", 8, 0, peers=serving)) as prefill:
+        prefill.put(tokens, data)
+        host, port = prefill.peer_address or ("", 0)
+        fetching = PeersConfig(fetch=(f"{host}:{port}",), transport="tcp", timeout_s=5.0,
+                               secret_file=secret_file(tmp_path))
+        with Store.open(make_config(tmp_path / "decode", 8, 0, policy="lru", peers=fetching)) as decode:
+            decode.put(tokens[:2 * TPP], data[:2])
+            keys = split_keys(decode._keys(tokens, ""))
+            pause = Pause(monkeypatch, "_read")
+            out = np.zeros((4, PB), np.uint8)
+            pause.armed = True
+            t, got = in_thread(lambda: decode.get(tokens, out))
+            assert pause.entered.wait(30)
+            with decode._lock:                 # page 1 leaves (it failed its checksum elsewhere, say)
+                decode._manager.forget(keys[1])
+            pause.release.set()
+            t.join(30)
+            assert got[0].pages == 4 and np.array_equal(out, data)   # type: ignore[attr-defined]
+            assert decode._manager.held(b"".join(keys)) == [True, False, False, False]
+            decode._manager.check()

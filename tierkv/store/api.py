@@ -331,6 +331,8 @@ class Store:
                 if room > 0:
                     with self._placing(blob, tenant):
                         self._store(keys, fetched[:min(got, room)], loaded)
+                    if first:   # the first pages were copied without the lock: one may have left since
+                        self._manager.drop_orphans(keys[loaded:loaded + min(got, room)])
                 tiers += (TierKind.PEER,) * got
                 loaded += got
         self._counters.events["pages_requested"] += requested
