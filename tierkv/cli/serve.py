@@ -8,9 +8,11 @@ back, the index left clean) and removes the socket.
 - ``--foreground``: stay attached, log to stderr (what a service manager runs: the
   example unit ``configs/tierkv.service``). Under systemd's ``Type=notify`` it sends
   ``READY=1`` once it listens.
-- otherwise it detaches (a new session, stdio on /dev/null, logs appended to
-  ``serve.log`` in the store's directory) and returns once the daemon listens, or
-  with the daemon's error if it could not start.
+- otherwise it detaches (a new session, working directory ``/`` so that it holds no
+  file system busy, stdio on /dev/null, logs appended to ``serve.log`` in the store's
+  directory) and returns once the daemon listens, or with the daemon's error if it
+  could not start. The config's relative paths, and ``--socket``'s, are resolved
+  against the directory it was started from, before it leaves it.
 
 Either way it prints one line once the socket is up (``--json``: one JSON object with
 the socket, pid and store) so a script can wait for it. ``--metrics HOST:PORT`` serves
@@ -87,7 +89,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.basicConfig(level=args.log_level, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return _run(cfg, args, mode, metrics, announce=lambda line: print(line, flush=True))
-    return _detach(cfg, args, mode, metrics)
+    if args.socket:
+        args.socket = os.path.abspath(args.socket)
+    return _detach(_absolute(cfg), args, mode, metrics)
+
+
+def _absolute(cfg: Any) -> Any:
+    """``cfg`` with every path it names made absolute against the working directory (a
+    detached daemon works from ``/``)."""
+    from dataclasses import replace
+
+    def fix(path: str | None) -> str | None:
+        return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+    cfg = replace(cfg, path=fix(cfg.path))
+    if cfg.nvmeof is not None:
+        cfg = replace(cfg, nvmeof=replace(cfg.nvmeof, device=fix(cfg.nvmeof.device),
+                                          dhchap_secret_file=fix(cfg.nvmeof.dhchap_secret_file),
+                                          dhchap_ctrl_secret_file=fix(cfg.nvmeof.dhchap_ctrl_secret_file)))
+    if cfg.peers is not None:
+        cfg = replace(cfg, peers=replace(cfg.peers, secret_file=fix(cfg.peers.secret_file),
+                                         tenant_secrets={k: fix(v) for k, v in cfg.peers.tenant_secrets.items()}))
+    if cfg.serve is not None and cfg.serve.socket is not None:
+        cfg = replace(cfg, serve=replace(cfg.serve, socket=fix(cfg.serve.socket)))
+    return cfg
 
 
 def _run(cfg: Any, args: argparse.Namespace, mode: int | None, metrics: tuple[str, int] | None,
@@ -143,6 +168,7 @@ def _detach(cfg: Any, args: argparse.Namespace, mode: int | None, metrics: tuple
     if pid == 0:   # the daemon
         os.close(r)
         os.setsid()
+        os.chdir("/")   # holds no file system busy; every path it uses was made absolute before
         code = EXIT_FAILED
         told: list[str] = []
         try:
