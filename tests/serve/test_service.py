@@ -362,10 +362,10 @@ def test_pins_and_mappings_go_with_the_connection(service: NodeService) -> None:
     for n in range(1, 9):                             # batches of growing size: the scratch grows
         t = prompt(100 + n, n)
         client.put(t, pages_of(t))
-    assert service._mapped == 1                       # one scratch mapping, however often it grew
+    assert service.mapped_segments == 1               # one scratch mapping, however often it grew
     client.close()
     assert wait_for(lambda: service.clients == 0, 10)
-    assert service._mapped == 0
+    assert service.mapped_segments == 0
     assert service.store.unpin(a) == 0                # the pin left outstanding was released at close
 
 

@@ -73,13 +73,19 @@ class _Segment:
     def rows(self, n: int, page_bytes: int) -> np.ndarray:
         return self.array[:n * page_bytes].reshape(n, page_bytes)
 
-    def close(self) -> None:
-        del self.array
+    def close(self) -> bool:
+        """Close the memfd and unmap; returns whether it is unmapped. A mapping the caller
+        still holds views of (a page buffer) stays until they go: a later close, or the
+        last view's end, unmaps it."""
+        if self.fd >= 0:
+            del self.array
+            os.close(self.fd)
+            self.fd = -1
         try:
             self.map.close()
-        except BufferError:  # the caller still holds a view of a page buffer: unmapped with it
-            pass
-        os.close(self.fd)
+        except BufferError:
+            return False
+        return True
 
 
 class _Conn:
@@ -93,6 +99,9 @@ class _Conn:
         self.token_seg: _Segment | None = None
         self.answered = 0   # calls this connection has answered
         self.registered: set[int] = set()
+        # Held for a whole request by the thread that owns the connection, and by another
+        # thread that releases a page buffer (so no request is using it meanwhile).
+        self.lock = threading.Lock()
         try:
             self.sock.connect(path)
         except BaseException:
@@ -196,6 +205,7 @@ class RemoteStore:
         self._mine: dict[int, _Conn] = {}   # by thread
         self._all: set[_Conn] = set()
         self._buffers: list[_Segment] = []
+        self._released: list[_Segment] = []   # released page buffers the caller still holds views of
         self._closed = False
         self._hello: dict[str, object] | None = None
         self._namespaces: dict[bytes, bytes] = {}
@@ -289,27 +299,8 @@ class RemoteStore:
                       fill: bool, n_rows: int, retry: bool = True) -> memoryview:
         conn = self._acquire()
         try:
-            if rows is None:
-                reply = bytes(conn.call(op, build(conn, 0, 0)))
-            else:
-                place = self._locate(rows)
-                if place is not None:
-                    seg, off = place
-                    conn.register(seg)
-                    reply = bytes(conn.call(op, build(conn, seg.id, off)))
-                else:
-                    seg, view = conn.scratch_rows(n_rows, self.layout.page_bytes)
-                    if not fill:
-                        if isinstance(rows, PageList):
-                            rows.stacked(view)
-                        else:
-                            np.copyto(view, rows)
-                    reply = bytes(conn.call(op, build(conn, seg.id, 0)))
-                    if fill:
-                        got = min(n_rows, int.from_bytes(reply[:8], "little"))
-                        assert isinstance(rows, np.ndarray)
-                        rows[:got] = view[:got]
-                    del view
+            with conn.lock:
+                reply = self._exchange(conn, op, build, rows, fill, n_rows)
         except TierKVError:
             self._release(conn)
             raise
@@ -329,13 +320,44 @@ class RemoteStore:
         self._release(conn)
         return memoryview(reply)
 
+    def _exchange(self, conn: _Conn, op: int, build: Callable[[_Conn, int, int], bytes],
+                  rows: np.ndarray | PageList | None, fill: bool, n_rows: int) -> bytes:
+        """One request and its reply on ``conn`` (its lock held): see :meth:`_request`."""
+        if rows is None:
+            return bytes(conn.call(op, build(conn, 0, 0)))
+        place = self._locate(rows)
+        if place is not None:
+            seg, off = place
+            conn.register(seg)
+            return bytes(conn.call(op, build(conn, seg.id, off)))
+        seg, view = conn.scratch_rows(n_rows, self.layout.page_bytes)
+        if not fill:
+            if isinstance(rows, PageList):
+                rows.stacked(view)
+            else:
+                np.copyto(view, rows)
+        reply = bytes(conn.call(op, build(conn, seg.id, 0)))
+        if fill:
+            got = min(n_rows, int.from_bytes(reply[:8], "little"))
+            assert isinstance(rows, np.ndarray)
+            rows[:got] = view[:got]
+        del view
+        return reply
+
     def _locate(self, rows: np.ndarray | PageList) -> tuple[_Segment, int] | None:
         """(segment, offset) when ``rows`` is a contiguous batch inside one of this
-        client's page buffers."""
-        if not isinstance(rows, np.ndarray) or not rows.flags.c_contiguous:
+        client's page buffers. InputError when it lies in a released one."""
+        if not isinstance(rows, np.ndarray):
             return None
         start = rows.__array_interface__["data"][0]
-        for seg in self._buffers:
+        with self._lock:
+            buffers, released = list(self._buffers), list(self._released)
+        if any(seg.base <= start < seg.base + seg.size for seg in released):
+            raise InputError("this batch lies in a page buffer released by release_buffer(); take a new one "
+                             "with page_buffer()")
+        if not rows.flags.c_contiguous:
+            return None
+        for seg in buffers:
             if seg.base <= start and start + rows.nbytes <= seg.base + seg.size:
                 return seg, start - seg.base
         return None
@@ -344,7 +366,9 @@ class RemoteStore:
     def page_buffer(self, pages: int) -> np.ndarray:
         """A ``uint8 [pages, page_bytes]`` buffer in memory the daemon shares: a batch that
         lies in it (or a torch tensor made on it with ``torch.from_numpy``) is put from
-        and got into by the daemon directly, with no copy here. Lives until ``close()``."""
+        and got into by the daemon directly, with no copy here. Lives until
+        :meth:`release_buffer` or ``close()``; each connection (one per calling thread)
+        may have 64 registered with the daemon at once, so give back those no longer used."""
         if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
             raise InputError(f"page_buffer: pages must be a positive integer, got {pages!r}")
         self._check_open()
@@ -352,6 +376,38 @@ class RemoteStore:
         with self._lock:
             self._buffers.append(seg)
         return seg.rows(pages, self.layout.page_bytes)
+
+    def release_buffer(self, buf: np.ndarray) -> None:
+        """Give back a buffer :meth:`page_buffer` returned: the daemon unmaps it on every
+        connection of this client that used it, and so does this process. A call on
+        another thread using it is waited for. Afterwards a batch that lies in it is
+        refused (InputError), as is a second release; its memory stays mapped while the
+        caller holds views of it (reading them is harmless), then goes. InputError for
+        an array that is not such a buffer."""
+        self._check_open()
+        start = buf.__array_interface__["data"][0] if isinstance(buf, np.ndarray) else None
+        with self._lock:
+            seg = next((b for b in self._buffers if b.base == start), None)
+            if seg is None:
+                if any(b.base == start for b in self._released):
+                    raise InputError("release_buffer: this page buffer was released already")
+                raise InputError("release_buffer: not a page buffer of this client (page_buffer() makes them)")
+            self._buffers.remove(seg)
+            self._released.append(seg)   # a request that finds it from here on is refused
+            conns = list(self._all)
+        for conn in conns:
+            with conn.lock:   # a request using it on that connection ends first
+                if seg.id not in conn.registered:
+                    continue
+                conn.registered.discard(seg.id)
+                try:
+                    conn.call(P.Op.UNREGISTER, P.UNREGISTER_REQ.pack(seg.id))
+                    continue
+                except (TierKVError, OSError, EOFError, P.ProtocolError):
+                    pass
+            self._drop(conn)   # could not say so: a connection's end unmaps all its segments
+        with self._lock:   # forgotten once unmapped (no view of it can remain then)
+            self._released = [b for b in self._released if not b.close()]
 
     # -- the API ------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -475,10 +531,11 @@ class RemoteStore:
             self._closed = True
             conns, self._all, self._mine = list(self._all), set(), {}
             buffers, self._buffers = self._buffers, []
+            released, self._released = self._released, []
         self._prefetcher.shutdown(wait=True)
         for conn in conns:
             conn.close()
-        for seg in buffers:
+        for seg in buffers + released:
             seg.close()
 
     def __enter__(self) -> RemoteStore:

@@ -15,7 +15,8 @@ client. A segment must be sealed against shrinking (``F_SEAL_SHRINK``): a client
 truncated one under the daemon's mapping would otherwise fault the daemon.
 
 Bounds: at most ``max_clients`` connections (others are told ``StoreBusyError``), at
-most ``MAX_SEGMENTS`` segments per connection, a request's body within
+most ``MAX_SEGMENTS`` segments per connection (:mod:`tierkv.serve.segments`; a client
+gives one back with ``UNREGISTER``), a request's body within
 ``body_timeout_s`` once its header arrived, frames within ``protocol.MAX_BODY``. A
 client that breaks the framing loses its connection; nothing it sent half-way is
 applied (a put is applied only once its whole request arrived, and its rows were in
@@ -24,14 +25,11 @@ the segment before it was sent).
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import json
 import logging
-import mmap
 import os
 import pwd
-import resource
 import socket
 import stat
 import struct
@@ -47,10 +45,11 @@ import numpy as np
 
 from tierkv import __version__
 from tierkv.config import ServeConfig, StoreConfig
-from tierkv.errors import AccessDeniedError, ConfigError, InputError, StoreBusyError, TierKVError
+from tierkv.errors import AccessDeniedError, ConfigError, StoreBusyError, TierKVError
 from tierkv.keys import KEY_BYTES
 from tierkv.serve import protocol as P
 from tierkv.serve.access import Access, Grant
+from tierkv.serve.segments import SegmentBudget, Segments
 from tierkv.store.api import Store
 from tierkv.store.opening import SERVED_FILE
 
@@ -58,12 +57,6 @@ log = logging.getLogger(__name__)
 
 #: Clients listed in a status reply (the oldest connections).
 STATUS_CLIENTS = 1000
-#: Bytes of segments one connection may have mapped, and all of them together: a memfd
-#: may be sparse, so without a bound a client could take the daemon's address space.
-MAX_CONN_SEGMENT_BYTES = 1 << 40
-MAX_SEGMENT_BYTES = 32 << 40
-#: Segments one connection may have registered at once.
-MAX_SEGMENTS = 64
 #: How long a prefetch request may run before its connection gets an error (the
 #: prefetch goes on in the store).
 PREFETCH_WAIT_S = 300.0
@@ -106,9 +99,7 @@ class NodeService:
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._info: dict[socket.socket, _Client] = {}
         self._sessions: dict[tuple[int, str], list[int]] = {}   # (pid, client) -> [pin owner, connections]
-        self._mapped = 0   # segments mapped, over all connections
-        self._mapped_bytes = 0
-        self._segment_budget = _descriptor_budget(max_clients)
+        self._segments = SegmentBudget(max_clients)   # client segments mapped, over all connections
         self.started = time.time()
         self.requests = 0
         self._metrics: Any = None
@@ -211,6 +202,11 @@ class NodeService:
         with self._lock:
             return len(self._conns)
 
+    @property
+    def mapped_segments(self) -> int:
+        """Client segments mapped now, over every connection."""
+        return self._segments.mapped
+
     def status(self, clients: bool = True) -> dict[str, Any]:
         """The daemon, its connections (``clients``: with their pids and users) and the
         store's stats, as ``tierkv status`` shows them."""
@@ -290,7 +286,7 @@ class NodeService:
 
     # -- one connection ---------------------------------------------------------------
     def _serve_conn(self, conn: socket.socket) -> None:
-        segments: dict[int, mmap.mmap] = {}
+        segments = Segments(self._segments)
         info: _Client | None = None
         try:
             try:
@@ -337,12 +333,7 @@ class NodeService:
                 log.info("a client connection ended: %s", exc)
         finally:
             try:
-                unmapped = sum(len(m) for m in segments.values())
-                for m in segments.values():
-                    _unmap(m)
-                with self._lock:
-                    self._mapped -= len(segments)
-                    self._mapped_bytes -= unmapped
+                segments.close()
                 if info is not None:
                     self._release_pins(info)
             finally:   # whatever failed above, the connection is forgotten and closed
@@ -353,7 +344,7 @@ class NodeService:
                         self.requests += gone.requests
                 conn.close()
 
-    def _handle(self, op: int, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap],
+    def _handle(self, op: int, body: memoryview, fds: list[int], segments: Segments,
                 grant: Grant, info: _Client) -> bytes:
         if fds and op != P.Op.SEGMENT:
             raise P.ProtocolError(f"file descriptors sent with op {op}")
@@ -372,7 +363,9 @@ class NodeService:
                 self._join(info, client)
             return json.dumps({**self._hello, "every_tenant": grant.salts is None}).encode()
         if op == P.Op.SEGMENT:
-            return self._segment(body, fds, segments)
+            return segments.register(body, fds)
+        if op == P.Op.UNREGISTER:
+            return segments.unregister(body)
         if op == P.Op.LOOKUP:
             (count,) = _unpack(P.LOOKUP_REQ, body)
             salt, tokens = self._tokens(body, P.LOOKUP_REQ.size, segments, grant)
@@ -389,14 +382,14 @@ class NodeService:
         if op == P.Op.GET:
             seg, off, rows, requested = _unpack(P.GET_REQ, body)
             salt, tokens = self._tokens(body, P.GET_REQ.size, segments, grant)
-            out = self._rows(segments, seg, off, rows)
+            out = segments.rows(seg, off, rows, s.layout.page_bytes)
             g = s.get(tokens, out, salt, requested=None if requested < 0 else requested)
             del out
             return P.GET_REP.pack(g.pages, g.tokens) + bytes(k.rank for k in g.tiers)
         if op == P.Op.PUT:
             seg, off, rows, unfilled, announce = _unpack(P.PUT_REQ, body)
             salt, tokens = self._tokens(body, P.PUT_REQ.size, segments, grant)
-            src = self._rows(segments, seg, off, rows)
+            src = segments.rows(seg, off, rows, s.layout.page_bytes)
             r = s.put(tokens, src, salt, announce=bool(announce), unfilled=unfilled)
             del src
             return P.PUT_REP.pack(r.stored, r.already_present, r.dropped)
@@ -446,94 +439,17 @@ class NodeService:
         except TierKVError:   # the store closed meanwhile: its pins are gone with it
             pass
 
-    def _segment(self, body: memoryview, fds: list[int], segments: dict[int, mmap.mmap]) -> bytes:
-        seg, size = _unpack(P.SEGMENT_REQ, body)
-        if len(fds) != 1:
-            raise P.ProtocolError(f"SEGMENT came with {len(fds)} file descriptors, not 1")
-        fd = fds[0]
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            raise InputError("a page segment must be a memfd (sealable shared memory)") from None
-        if not seals & fcntl.F_SEAL_SHRINK:
-            raise InputError("a page segment must be sealed against shrinking (F_SEAL_SHRINK)")
-        st = os.fstat(fd)
-        if not size or st.st_size < size:
-            raise InputError(f"page segment {seg}: {size} bytes declared, the memfd holds {st.st_size}")
-        if seg not in segments and len(segments) >= MAX_SEGMENTS:
-            raise InputError(f"a connection may register at most {MAX_SEGMENTS} page segments")
-        mine = sum(len(m) for k, m in segments.items() if k != seg)
-        if mine + size > MAX_CONN_SEGMENT_BYTES:
-            raise InputError(f"a connection may map at most {MAX_CONN_SEGMENT_BYTES >> 40} TiB of segments; "
-                             f"{mine} bytes are mapped and {size} more asked for")
-        old_size = len(segments[seg]) if seg in segments else 0
-        with self._lock:   # each mapping holds a descriptor (Python's mmap keeps a dup of it)
-            if seg not in segments and self._mapped >= self._segment_budget:
-                raise StoreBusyError(f"the daemon maps {self._mapped} segments, all its open-file limit allows; "
-                                     "retry later or raise the daemon's RLIMIT_NOFILE")
-            if self._mapped_bytes - old_size + size > MAX_SEGMENT_BYTES:
-                raise StoreBusyError("the daemon's clients have mapped all the segment bytes it allows; retry later")
-            self._mapped += seg not in segments
-            self._mapped_bytes += size - old_size
-        try:
-            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            with self._lock:
-                self._mapped -= seg not in segments
-                self._mapped_bytes -= size - old_size
-            raise
-        old = segments.pop(seg, None)
-        if old is not None:
-            _unmap(old)
-        segments[seg] = m
-        return b""
-
-    def _tokens(self, body: memoryview, at: int, segments: dict[int, mmap.mmap],
+    def _tokens(self, body: memoryview, at: int, segments: Segments,
                 grant: Grant, item: int = 4) -> tuple[bytes, np.ndarray]:
         """The salt (one the connection's user may use) and tokens of a token op: inline,
         or copied out of a segment (so the client cannot change them while the store
         reads them). ``item``: bytes per entry (16 for keys, as raw bytes)."""
         salt, inline, ref = P.split_token_body(body, at, item)
         grant.check(salt)
-        dtype = "<u4" if item == 4 else np.uint8
         if inline is not None:
-            return salt, np.frombuffer(inline, dtype=dtype)
+            return salt, np.frombuffer(inline, dtype="<u4" if item == 4 else np.uint8)
         assert ref is not None
-        seg, off, count = ref
-        m = segments.get(seg)
-        if m is None:
-            raise P.ProtocolError(f"token segment {seg} was not registered on this connection")
-        if off % 4 or off + item * count > len(m):
-            raise InputError(f"{count} tokens at offset {off} run past segment {seg} ({len(m)} bytes)")
-        return salt, np.frombuffer(m, dtype=dtype, count=count * (item // np.dtype(dtype).itemsize),
-                                   offset=off).copy()
-
-    def _rows(self, segments: dict[int, mmap.mmap], seg: int, off: int, rows: int) -> np.ndarray:
-        m = segments.get(seg)
-        if m is None:
-            raise P.ProtocolError(f"page segment {seg} was not registered on this connection")
-        pb = self.store.layout.page_bytes
-        if off + rows * pb > len(m):
-            raise InputError(f"{rows} pages at offset {off} run past page segment {seg} ({len(m)} bytes)")
-        return np.frombuffer(m, dtype=np.uint8, count=rows * pb, offset=off).reshape(rows, pb)
-
-
-def _descriptor_budget(max_clients: int) -> int:
-    """How many segments the daemon may map at once: its open-file limit (raised to the
-    hard limit where that is higher), less a reserve for the store, sockets and
-    connections."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
-            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        except (ValueError, OSError):
-            pass
-    budget = soft - 256 - 2 * max_clients
-    if budget < max_clients:
-        log.warning("the open-file limit (%d) leaves room for %d client segments; raise RLIMIT_NOFILE", soft,
-                    max(budget, 0))
-    return max(budget, 1)
+        return salt, segments.tokens(*ref, item)
 
 
 _client_ids = itertools.count(1)
@@ -576,10 +492,3 @@ def _unpack(fmt: struct.Struct, body: memoryview) -> tuple[int, ...]:
     if len(body) < fmt.size:
         raise P.ProtocolError(f"a request of {len(body)} bytes is shorter than its {fmt.size}-byte header")
     return fmt.unpack_from(body)
-
-
-def _unmap(m: mmap.mmap) -> None:
-    try:
-        m.close()
-    except BufferError:  # a view still exported (a request mid-flight): freed with it
-        pass

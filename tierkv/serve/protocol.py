@@ -4,9 +4,9 @@ A frame is an 8-byte header ``<IHH`` (body length, op, status) and a body. A cli
 sends one request and reads one reply on a connection at a time; a connection is one
 thread's. Page bytes never travel in frames: they lie in shared-memory segments the
 client created (``memfd``, sealed against shrinking) and registered with ``SEGMENT``,
-whose file descriptor rides in the frame's ancillary data (``SCM_RIGHTS``). A request
-names its pages by segment, offset and row count; the daemon copies between the segment
-and its tiers, once.
+whose file descriptor rides in the frame's ancillary data (``SCM_RIGHTS``), and given
+back with ``UNREGISTER``. A request names its pages by segment, offset and row count;
+the daemon copies between the segment and its tiers, once.
 
 Token ops carry the tenant's salt (``<H`` length, bytes) and the tokens as
 little-endian uint32: in the body (up to :data:`INLINE_TOKENS`), or in a registered
@@ -27,8 +27,8 @@ from enum import IntEnum
 
 from tierkv.errors import InputError
 
-#: Bumped on any incompatible change; HELLO refuses a mismatch.
-VERSION = 1
+#: Bumped on any incompatible change; HELLO refuses a mismatch. 2: UNREGISTER.
+VERSION = 2
 
 HEADER = struct.Struct("<IHH")
 #: The largest body either side accepts. Bodies are small: page bytes and long prompts
@@ -51,6 +51,7 @@ class Op(IntEnum):
     STATUS = 11    # empty -> JSON: the daemon, its clients (for users that may use every tenant), the stats
     LOOKUP_KEYS = 12  # <B count + keys as a token op carries tokens (16 bytes a key) -> as LOOKUP; only for
                       # connections that may use every tenant (HELLO's "every_tenant")
+    UNREGISTER = 13   # <Q segment id -> empty: the daemon unmaps it (a client gives a page buffer back)
 
 
 class Status(IntEnum):
@@ -66,6 +67,7 @@ PUT_REQ = struct.Struct("<QQQQB")
 PUT_REP = struct.Struct("<QQQ")
 COUNT = struct.Struct("<Q")
 SEGMENT_REQ = struct.Struct("<QQ")
+UNREGISTER_REQ = struct.Struct("<Q")
 
 
 class ProtocolError(Exception):
