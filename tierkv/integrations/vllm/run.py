@@ -5,7 +5,8 @@ start it, :mod:`tierkv.integrations.vllm.session`)::
 
     python -m tierkv.integrations.vllm.run --model DIR --chat chat.json [--socket S] --out result.json
 
-``chat.json``: ``{"system": str, "turns": [str, ...], "max_tokens": int, "salt": str}``.
+``chat.json``: ``{"system": str, "turns": [str, ...], "max_tokens": int, "salt": str}``
+(or ``{"prompts": [[token ids], ...]}``: :func:`prompts`, for ``tierkv bench vllm``).
 Every turn's prompt is the previous prompt, the previous answer and the new user message
 as token ids (no re-tokenising, so a turn's pages are the previous turn's plus new ones).
 Generation is greedy. Per turn the result holds the answer's token ids, vLLM's own count
@@ -43,7 +44,10 @@ def _engine(model: str, served: str, socket: str | None, max_model_len: int, ext
     from vllm.config import KVTransferConfig
 
     ktc = None
-    if socket:
+    if extra.get("example_connector"):   # vLLM's own ExampleConnector (KV files in a folder), for comparison
+        ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"shared_storage_path": extra["example_connector"]})
+    elif socket:
         ktc = KVTransferConfig(kv_connector="TierKVConnector", kv_role="kv_both",
                                kv_connector_module_path="tierkv.integrations.vllm.connector",
                                kv_load_failure_policy="recompute",
@@ -98,6 +102,64 @@ def chat(model: str, served: str, spec: dict[str, Any], socket: str | None, max_
             "external_prefix_cache_hits": int(counters.get("vllm:external_prefix_cache_hits", 0))}
 
 
+def _await_stored(socket: str, ids: list[int], block_size: int, timeout_s: float = 60.0) -> None:
+    """Wait until the store holds every full page of ``ids`` but the last token's: the
+    connector stores a request's pages in the background, and a request arriving before
+    they land computes its prompt again."""
+    from tierkv.serve.client import RemoteStore
+
+    want = (len(ids) - 1) // block_size
+    deadline = time.monotonic() + timeout_s
+    with RemoteStore(socket) as store:
+        while store.lookup(ids[: want * block_size], count=False).cached_pages < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the store did not get the {want} pages of a prompt in {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+
+def _prompt_ids(tok: Any, spec: dict[str, Any]) -> list[list[int]]:
+    """``spec["prompts"]``, each either token ids or ``{"prefix": True, "question": str}``:
+    the shared prefix (``spec["prefix_text"]`` as a system message, repeated and cut to
+    exactly ``spec["prefix_tokens"]`` tokens) followed by the question as a user turn."""
+    prefix: list[int] = []
+    if "prefix_text" in spec:
+        text = tok.apply_chat_template([{"role": "system", "content": spec["prefix_text"]}], tokenize=False)
+        one = list(tok.encode(text, add_special_tokens=False))
+        want = int(spec["prefix_tokens"])
+        prefix = (one * (want // len(one) + 1))[:want]
+    out = []
+    for p in spec["prompts"]:
+        if isinstance(p, dict):
+            q = f"<|im_start|>user\n{p['question']}<|im_end|>\n<|im_start|>assistant\n"
+            out.append((prefix if p.get("prefix") else []) + list(tok.encode(q, add_special_tokens=False)))
+        else:
+            out.append(list(p))
+    return out
+
+
+def prompts(model: str, served: str, spec: dict[str, Any], socket: str | None,
+            max_model_len: int = 4096) -> dict[str, Any]:
+    """Run ``spec["prompts"]`` (token-id lists) one at a time in a new engine: per prompt
+    its time to first token and the tokens vLLM did not compute (``tierkv bench vllm``)."""
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _engine(model, served, socket, max_model_len, dict(spec.get("connector", {})),
+                  bool(spec.get("prefix_caching")), spec.get("chunk"))
+    started = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 1)))
+    rows = []
+    settle = int(spec.get("settle_after", -1))
+    for i, ids in enumerate(_prompt_ids(llm.get_tokenizer(), spec)):
+        out = llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
+        if i == settle and socket:
+            _await_stored(socket, ids, int(spec.get("block_size", 128)))
+        rows.append({"prompt_tokens": len(ids), "tokens_loaded": int(out.num_cached_tokens or 0),
+                     "ttft_s": float(getattr(out.metrics, "first_token_latency", 0.0) or 0.0),
+                     "answer_ids": list(out.outputs[0].token_ids)})
+    return {"engine_start_s": started, "prompts": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -108,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     spec = json.loads(Path(args.chat).read_text())
+    if "prompts" in spec:
+        Path(args.out).write_text(json.dumps(prompts(args.model, args.served_name or args.model, spec, args.socket,
+                                                     args.max_model_len)))
+        return 0
     result = chat(args.model, args.served_name or args.model, spec, args.socket, args.max_model_len)
     Path(args.out).write_text(json.dumps(result))
     return 0

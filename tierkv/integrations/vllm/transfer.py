@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,9 +44,9 @@ from tierkv.serve.client import RemoteStore
 
 log = logging.getLogger(__name__)
 
-#: Page buffers the worker keeps (each holds a request's longest context; memory is
-#: only committed where pages are copied).
-DEFAULT_BUFFERS = 8
+#: Page buffers the worker keeps, each as many pages as the engine's longest context
+#: (made when the worker starts, so that no request waits for one to be made).
+DEFAULT_BUFFERS = 4
 
 
 @dataclass
@@ -57,6 +58,8 @@ class WorkerCounters:
     saved_pages: int = 0
     failed_saves: int = 0
     skipped_saves: int = 0
+    get_seconds: float = 0.0       # waiting for the daemon's gets
+    scatter_seconds: float = 0.0   # copying loaded pages into vLLM's blocks
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
@@ -89,6 +92,14 @@ class _BufferPool:
                 self._cond.notify()
             raise
 
+    def fill(self) -> None:
+        """Make every buffer now."""
+        while self._made < self._count:
+            buf = self._store.page_buffer(self._pages)
+            with self._cond:
+                self._made += 1
+                self._free.append(buf)
+
     def give(self, buf: np.ndarray) -> None:
         with self._cond:
             self._free.append(buf)
@@ -104,6 +115,7 @@ class ConnectorWorker:
         self.max_pages = max_pages
         self.counters = WorkerCounters()
         self._pool = _BufferPool(store, max_pages, max(buffers, 2))
+        self._pool.fill()
         self._puts = 0   # puts handed to the background, not yet returned
         self._layers = len(kv.layers)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-vllm-load")
@@ -151,13 +163,18 @@ class ConnectorWorker:
             self._load_future = self._loader.submit(self._load, loading, self._layer_done)
 
     def _load(self, jobs: list[tuple[LoadJob, np.ndarray]], done: list[threading.Event]) -> None:
+        t0 = time.perf_counter()
         got = [(job, self.kv.pages(torch.from_numpy(buf)), self._get(job, buf)) for job, buf in jobs]
+        t1 = time.perf_counter()
         try:
             for layer in range(self._layers):
                 for job, pages, n in got:
                     if n > job.skip:
                         self.kv.scatter(layer, pages[job.skip:n], job.block_ids[:n - job.skip])
                 done[layer].set()
+            with self._lock:
+                self.counters.get_seconds += t1 - t0
+                self.counters.scatter_seconds += time.perf_counter() - t1
         except BaseException:
             log.exception("tierkv: a load failed; its blocks are recomputed")
             for job, _pages, _n in got:
