@@ -256,3 +256,26 @@ def test_jobs_beyond_the_buffers_are_skipped_not_deadlocked(store: RemoteStore) 
     step(w, p.plan([("long", list(range(7)), 6 * N)], [], {"long": N // 2}))
     assert w.load_errors() == set(range(6))
     w.close()
+
+
+def test_a_layer_vllm_never_waited_for_is_copied_late_and_its_blocks_recomputed(store: RemoteStore) -> None:
+    toks = prompt(3.5, seed=40)
+    src = engine_caches(8)
+    put = np.zeros((3, LAYOUT.page_bytes), np.uint8)
+    kv_src = CpuPagedKV(src, LAYOUT)
+    pages = kv_src.pages(torch.from_numpy(put))
+    for layer in range(L):
+        kv_src.gather(layer, [0, 1, 2], pages)
+    store.put(np.array(toks[: 3 * N], np.uint32), put)
+    caches = engine_caches(9)
+    w = ConnectorWorker(store, CpuPagedKV(caches, LAYOUT), max_pages=8)
+    p = ConnectorPlanner(store, N)
+    p.allocated("r", toks, len(toks), "", [4, 5, 6, 7], 0, 3 * N)
+    w.begin_step(p.plan([("r", [4, 5, 6, 7], 3 * N)], [], {"r": N // 2}))
+    w.start_load()
+    w.wait_layer(0)                                          # vLLM skipped the waits of layers 1 and 2
+    w.end_step()
+    assert w.load_errors() == {4, 5, 6}                      # the step read blocks before their copy
+    for layer in range(L):                                   # the copies still landed
+        assert torch.equal(caches[layer][[4, 5, 6]], src[layer][[0, 1, 2]])
+    w.close()

@@ -109,3 +109,24 @@ def test_a_buffer_released_while_another_thread_uses_it(service: NodeService, cl
     other.join(30)
     assert len(outcome) == 1 and "released" in outcome[0], outcome
     assert service.mapped_segments == 0
+
+
+def test_attach_maps_a_buffer_before_its_first_use(service: NodeService, client: RemoteStore) -> None:
+    """attach_buffer registers a page buffer on the calling thread's connection now (the
+    connector does it at start, so that a request's first get does not pay for the mapping)."""
+    base = service.mapped_segments
+    buf = client.page_buffer(2)
+    client.attach_buffer(buf)
+    assert service.mapped_segments == base + 1
+    t = prompt(3, 2)
+    buf[:] = pages_of(t)
+    client.put(t, buf)                                 # the same mapping: nothing more registered
+    assert service.mapped_segments == base + 1
+    client.attach_buffer(buf)                          # again: nothing to do
+    assert service.mapped_segments == base + 1
+    with pytest.raises(InputError, match="not a page buffer of this client"):
+        client.attach_buffer(np.zeros((2, PB), np.uint8))
+    client.release_buffer(buf)
+    assert service.mapped_segments == base
+    with pytest.raises(InputError, match="not a page buffer"):
+        client.attach_buffer(buf)

@@ -38,12 +38,14 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                                     "'store' (default) measures the DRAM and NVMe tiers and the keys, "
                                     "'codec' the lossless KV codec against zipnn and zstd on real KV pages, "
                                     "'scale' the page table's memory and time per page at node scale against a dict.")
-    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale", "serve"),
+    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale", "serve", "vllm"),
                     default="store",
                     help="what to measure ('codec-store': an NVMe tier with codec none vs lossless; "
                          "'net': peer page fetches and incast over TCP, and RDMA where a device exists; "
                          "'scale': bytes, reopen, put, get and lookup per page of a store of --pages 4 KiB pages; "
-                         "'serve': 1, 2 and 4 client processes of a tierkv serve daemon vs an in-process store)")
+                         "'serve': 1, 2 and 4 client processes of a tierkv serve daemon vs an in-process store; "
+                         "'vllm': time to first token in a real vLLM engine over a 2K-token shared prefix: recompute, "
+                         "vLLM's ExampleConnector, tierkv from DRAM and from NVMe (tools/install_vllm.sh; about 4 minutes))")
     bp.add_argument("--kv", metavar="FILE.safetensors", help="codec, codec-store: KV tensors layerNN.k/.v "
                     f"[kv_heads, tokens, head_dim], or a folder of such files (default: ${KV_ENV}, else "
                     "../shared/data/kv beside the tierkv checkout)")
@@ -74,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
                              "(gets repeat to about 65,536 pages)")
         default = QUICK_PAGES if args.quick else DEFAULT_PAGES
         result = run_scale(check_pages(args.pages) if args.pages is not None else default, where=args.dir)
+    elif args.suite == "vllm":
+        result = _vllm(args)
     elif args.suite == "serve":
         from tierkv.bench.serve import run_serve_bench
 
@@ -108,6 +112,25 @@ def run(args: argparse.Namespace) -> int:
     for table in TABLES[args.suite](result):
         console.print(table)
     return status
+
+
+def _vllm(args: argparse.Namespace) -> dict[str, object]:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from tierkv.integrations.vllm.bench import run_vllm_bench
+    from tierkv.integrations.vllm.session import find_vllm
+
+    env = find_vllm()
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tierkv-bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        return run_vllm_bench(env, work, requests=args.runs or (2 if args.quick else 3),
+                              prefix_tokens=1024 if args.quick else 2048)
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def kv_source(kv: str | None) -> str | None:
@@ -295,6 +318,20 @@ def serve_tables(r: Mapping[str, object]) -> Iterator[Table]:
                      ("backend", "clients", "put", "get", "put / in-process", "get / in-process"), rows)
 
 
+def vllm_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    modes = _map(r.get("modes"))
+    rows = [(name, _map(modes.get(name)).get("ttft_s"), _map(modes.get(name)).get("tokens_loaded"),
+             _map(modes.get(name)).get("prompt_tokens"))
+            for name in ("recompute", "example_connector", "tierkv_dram", "tierkv_nvme")]
+    yield _table(f"vLLM time to first token, {_cell(r.get('prefix_tokens'))}-token shared prefix "
+                 f"(median of {_cell(r.get('requests'))} requests)", ("mode", "TTFT s", "tokens loaded", "prompt"), rows)
+    yield _table("ratios, lower is better", ("measurement", "value", "target"), [
+        ("tierkv DRAM / recompute", r.get("ttft_dram_vs_recompute"), "<= 0.1"),
+        ("tierkv NVMe / recompute", r.get("ttft_nvme_vs_recompute"), "<= 0.2"),
+        ("tierkv DRAM / ExampleConnector", r.get("ttft_dram_vs_example_connector"), "<= 1.0"),
+        ("tierkv NVMe / ExampleConnector", r.get("ttft_nvme_vs_example_connector"), "<= 1.0")])
+
+
 def _ratio(a: object, b: object) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
@@ -302,4 +339,4 @@ def _ratio(a: object, b: object) -> float | None:
 #: Each suite's tables, by suite name.
 TABLES: dict[str, Callable[[Mapping[str, object]], Iterable[Table]]] = {
     "store": store_tables, "codec": codec_tables, "codec-store": codec_store_tables, "net": net_tables,
-    "scale": scale_tables, "serve": serve_tables}
+    "scale": scale_tables, "serve": serve_tables, "vllm": vllm_tables}

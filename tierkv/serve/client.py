@@ -377,6 +377,32 @@ class RemoteStore:
             self._buffers.append(seg)
         return seg.rows(pages, self.layout.page_bytes)
 
+    def attach_buffer(self, buf: np.ndarray) -> None:
+        """Register a :meth:`page_buffer` with the daemon on the calling thread's connection
+        now (the daemon maps it), so that this thread's first put or get in it does not
+        pay for that. Optional: a call registers the buffer it uses when needed."""
+        self._check_open()
+        start = buf.__array_interface__["data"][0] if isinstance(buf, np.ndarray) else None
+        with self._lock:
+            seg = next((b for b in self._buffers if b.base == start), None)
+        if seg is None:
+            raise InputError("attach_buffer: not a page buffer of this client (page_buffer() makes them)")
+        conn = self._acquire()
+        try:
+            with conn.lock:
+                conn.register(seg)
+        except TierKVError:
+            self._release(conn)
+            raise
+        except (OSError, EOFError, P.ProtocolError) as exc:
+            self._drop(conn)
+            raise StoreUnavailableError(f"the tierkv daemon at {self.socket_path} is gone ({exc}); the next call "
+                                        "connects again") from None
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._release(conn)
+
     def release_buffer(self, buf: np.ndarray) -> None:
         """Give back a buffer :meth:`page_buffer` returned: the daemon unmaps it on every
         connection of this client that used it, and so does this process. A call on

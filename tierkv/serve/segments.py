@@ -100,7 +100,10 @@ class Segments:
         grow = size - (0 if new else len(self._maps[seg]))
         self._budget.take(new, grow)
         try:
-            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: the page tables are filled now, when the client registers the
+            # segment, instead of by page faults during its first put or get (a 47 MB buffer
+            # costs ~20 ms of faults, which its first transfer would otherwise pay).
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             self._budget.give(new, grow)
             raise
@@ -174,6 +177,9 @@ def _unpack(fmt: struct.Struct, body: memoryview) -> tuple[int, ...]:
     if len(body) < fmt.size:
         raise P.ProtocolError(f"a request of {len(body)} bytes is shorter than its {fmt.size}-byte header")
     return fmt.unpack_from(body)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _unmap(m: mmap.mmap) -> None:

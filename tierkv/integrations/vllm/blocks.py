@@ -11,8 +11,9 @@ A store page is ``[layers, 2, N, H, D]`` (:class:`~tierkv.layout.KVLayout`), so 
 copy permutes: a page holds K and V in the declared order, and pages are the same
 whichever engine wrote them. Copies go one layer at a time (the connector saves a layer
 as soon as the forward pass has written it and loads a layer just before the forward
-pass reads it). Consecutive block ids are copied as one slice; scattered ones through
-one gathered temporary per layer.
+pass reads it). Consecutive block ids are copied as one slice, scattered ones with one
+indexed copy per plane (a copy per block costs more in dispatch than in bytes: 16
+blocks of SmolLM2, all layers, took 10 ms that way against 19-29 ms block by block).
 """
 
 from __future__ import annotations
@@ -90,19 +91,33 @@ class CpuPagedKV:
     def gather(self, layer: int, block_ids: Sequence[int], pages: torch.Tensor) -> None:
         """Copy layer ``layer`` of engine blocks ``block_ids`` into ``pages[i, layer]``."""
         self._check_ids(block_ids)
-        cache = self.layers[layer]
-        for start, first, n in runs(block_ids):
-            k, v = self._planes(cache[first:first + n])
-            dst = pages[start:start + n, layer]
+        cache, n = self.layers[layer], len(block_ids)
+        spans = runs(block_ids)
+        if len(spans) > 1:   # scattered blocks: one gather per plane beats a copy per block
+            ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+            k, v = self._planes(cache)
+            pages[:n, layer, 0].copy_(k.index_select(0, ids))
+            pages[:n, layer, 1].copy_(v.index_select(0, ids))
+            return
+        for start, first, m in spans:
+            k, v = self._planes(cache[first:first + m])
+            dst = pages[start:start + m, layer]
             dst[:, 0].copy_(k)
             dst[:, 1].copy_(v)
 
     def scatter(self, layer: int, pages: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Copy ``pages[i, layer]`` into layer ``layer`` of engine block ``block_ids[i]``."""
         self._check_ids(block_ids)
-        cache = self.layers[layer]
-        for start, first, n in runs(block_ids):
-            k, v = self._planes(cache[first:first + n])
-            src = pages[start:start + n, layer]
+        cache, n = self.layers[layer], len(block_ids)
+        spans = runs(block_ids)
+        if len(spans) > 1:   # scattered blocks (vLLM hands out freed blocks in any order)
+            ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+            k, v = self._planes(cache)
+            k.index_copy_(0, ids, pages[:n, layer, 0])
+            v.index_copy_(0, ids, pages[:n, layer, 1])
+            return
+        for start, first, m in spans:
+            k, v = self._planes(cache[first:first + m])
+            src = pages[start:start + m, layer]
             k.copy_(src[:, 0])
             v.copy_(src[:, 1])

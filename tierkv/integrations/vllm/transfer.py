@@ -7,13 +7,16 @@ between its DRAM pool and the buffer once, and this process copies it between th
 buffer and vLLM's blocks once, permuting to and from the store's page order
 (:class:`~tierkv.integrations.vllm.blocks.CpuPagedKV`).
 
-- Loads (:meth:`ConnectorWorker.start_load`, before the forward pass; buffers are
-  taken when the step begins, :meth:`begin_step`): a background
-  thread gets each job's pages into a buffer, then scatters them into vLLM's blocks a
-  layer at a time; :meth:`wait_layer` holds a layer's attention until its copies are
-  done, so loading overlaps the forward pass. A page the store does not return (evicted,
-  or it failed its checksum) leaves its block in :meth:`load_errors`, which vLLM
-  recomputes (``kv_load_failure_policy="recompute"``); nothing unverified is used.
+- Loads: when the step begins (:meth:`ConnectorWorker.begin_step`, vLLM binding the
+  plan) a background thread asks the daemon for each job's pages, which it copies into a
+  buffer while vLLM prepares the step's inputs and runs the first layer up to its
+  attention. :meth:`wait_layer` (vLLM's ``wait_for_layer_load``, on entry to each
+  attention layer) then copies that layer of the pages into vLLM's blocks, on vLLM's own
+  thread: on a CPU engine a second copying thread competes with the forward pass's
+  OpenMP threads for the same cores and made loads slower (docs/benchmarks.md). A page
+  the store does not return (evicted, or it failed its checksum) leaves its block in
+  :meth:`load_errors`, which vLLM recomputes (``kv_load_failure_policy="recompute"``);
+  nothing unverified is used.
 - Saves: :meth:`save_layer` copies a layer of each saved block into a buffer right
   after the forward pass wrote it; :meth:`end_step` copies any layer not seen yet
   (vLLM skipped the hook) and hands the buffer to a background thread that puts it.
@@ -100,6 +103,13 @@ class _BufferPool:
                 self._made += 1
                 self._free.append(buf)
 
+    def attach(self) -> None:
+        """Register every buffer with the daemon on the calling thread's connection."""
+        with self._cond:
+            bufs = list(self._free)
+        for buf in bufs:
+            self._store.attach_buffer(buf)
+
     def give(self, buf: np.ndarray) -> None:
         with self._cond:
             self._free.append(buf)
@@ -120,18 +130,23 @@ class ConnectorWorker:
         self._layers = len(kv.layers)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-vllm-load")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-vllm-save")
+        # The daemon maps every buffer on both threads' connections now, not during a request.
+        for pool in (self._loader, self._saver):
+            pool.submit(self._pool.attach).result()
         self._lock = threading.Lock()
         self._errors: set[int] = set()
-        self._layer_done: list[threading.Event] = []
-        self._loading: list[tuple[LoadJob, np.ndarray]] = []
-        self._load_future: Future[None] | None = None
+        self._load_future: Future[list[tuple[LoadJob, np.ndarray, torch.Tensor, int]]] | None = None
+        self._got: list[tuple[LoadJob, np.ndarray, torch.Tensor, int]] | None = None
+        self._copied = 0   # layers of this step's loads copied into vLLM's blocks
         self._saving: list[tuple[SaveJob, np.ndarray, torch.Tensor, set[int]]] = []
 
     # -- a step ---------------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
-        """Take buffers for this step's loads, then its saves (vLLM binds the plan before
-        the forward pass). A load with no buffer is recomputed; a save with none skipped."""
-        self._loading = []
+        """vLLM bound this step's plan (before the forward pass): take buffers for its loads
+        and start their gets, then take buffers for its saves. A load with no buffer is
+        recomputed; a save with none is skipped."""
+        self._finish_layers()   # a step that never reached its copies (none in vLLM's order)
+        loading = []
         for job in plan.loads:
             buf = self._pool.take(self._putting) if job.end <= self.max_pages else None
             if buf is None:
@@ -139,11 +154,10 @@ class ConnectorWorker:
                             job.req_id, len(job.block_ids))
                 self._fail_load(job, 0)
                 continue
-            self._loading.append((job, buf))
-        self._layer_done = [threading.Event() for _ in range(self._layers)]
-        if not self._loading:
-            for ev in self._layer_done:
-                ev.set()
+            loading.append((job, buf))
+        self._copied = 0
+        self._got = None
+        self._load_future = self._loader.submit(self._get_all, loading) if loading else None
         self._saving = []
         for sjob in plan.saves:
             buf = self._pool.take(self._putting) if sjob.end <= self.max_pages else None
@@ -157,37 +171,70 @@ class ConnectorWorker:
 
     # -- loads ------------------------------------------------------------------------
     def start_load(self) -> None:
-        """Start this step's loads on the background thread (once; before the forward pass)."""
-        loading, self._loading = self._loading, []
-        if loading:
-            self._load_future = self._loader.submit(self._load, loading, self._layer_done)
+        """vLLM's ``start_load_kv``: the gets started when the step began; nothing to add."""
 
-    def _load(self, jobs: list[tuple[LoadJob, np.ndarray]], done: list[threading.Event]) -> None:
+    def _get_all(self, jobs: list[tuple[LoadJob, np.ndarray]]) -> list[tuple[LoadJob, np.ndarray, torch.Tensor, int]]:
+        """The background half of a load: the daemon copies the pages into the buffers."""
         t0 = time.perf_counter()
-        got = [(job, self.kv.pages(torch.from_numpy(buf)), self._get(job, buf)) for job, buf in jobs]
-        t1 = time.perf_counter()
+        got = [(job, buf, self.kv.pages(torch.from_numpy(buf)), self._get(job, buf)) for job, buf in jobs]
+        with self._lock:
+            self.counters.get_seconds += time.perf_counter() - t0
+        return got
+
+    def wait_layer(self, layer: int) -> None:
+        """vLLM's attention for ``layer`` is about to read the blocks: copy the loaded pages'
+        layers up to it into them now (on vLLM's thread, so the copies use its OpenMP
+        threads instead of competing with them for the same cores)."""
+        if self._load_future is None and self._got is None:
+            return
+        self._copy_layers(layer + 1)
+
+    def _copy_layers(self, upto: int) -> None:
+        if self._got is None:
+            fut, self._load_future = self._load_future, None
+            try:
+                self._got = fut.result() if fut is not None else []
+            except BaseException:
+                log.exception("tierkv: a load failed; its blocks are recomputed")
+                self._got = []
+        t0 = time.perf_counter()
         try:
-            for layer in range(self._layers):
-                for job, pages, n in got:
+            while self._copied < min(upto, self._layers):
+                for job, _buf, pages, n in self._got:
                     if n > job.skip:
-                        self.kv.scatter(layer, pages[job.skip:n], job.block_ids[:n - job.skip])
-                done[layer].set()
-            with self._lock:
-                self.counters.get_seconds += t1 - t0
-                self.counters.scatter_seconds += time.perf_counter() - t1
+                        self.kv.scatter(self._copied, pages[job.skip:n], job.block_ids[:n - job.skip])
+                self._copied += 1
         except BaseException:
-            log.exception("tierkv: a load failed; its blocks are recomputed")
-            for job, _pages, _n in got:
+            log.exception("tierkv: copying loaded pages failed; their blocks are recomputed")
+            for job, _buf, _pages, _n in self._got:
                 self._fail_load(job, 0)
-            raise
-        finally:
-            for ev in done:
-                ev.set()
-            for _job, buf in jobs:
-                self._pool.give(buf)
-        for job, _pages, n in got:
+            self._copied = self._layers
+        with self._lock:
+            self.counters.scatter_seconds += time.perf_counter() - t0
+        if self._copied >= self._layers:
+            self._release_loads()
+
+    def _release_loads(self) -> None:
+        got, self._got = self._got or [], None
+        for job, buf, _pages, n in got:
             if n < job.end:
                 self._fail_load(job, n)
+            self._pool.give(buf)
+
+    def _finish_layers(self) -> None:
+        """Copy whatever this step's loads have not copied yet. vLLM waits for every layer
+        before its attention; should a layer be skipped, its copy still lands before the
+        blocks are used by a later step, and the step's blocks are reported for recompute
+        (the skipped attention read them before the copy)."""
+        if self._load_future is None and self._got is None:
+            return
+        late = self._copied < self._layers
+        got = self._got
+        self._copy_layers(self._layers)
+        if late:
+            log.warning("tierkv: vLLM ran attention layers without waiting for their loads; recomputing those blocks")
+            for job, *_rest in got or []:
+                self._fail_load(job, 0)
 
     def _get(self, job: LoadJob, buf: np.ndarray) -> int:
         """Pages of ``job`` the store served into ``buf`` (0 on a store error)."""
@@ -211,22 +258,6 @@ class ConnectorWorker:
             self._errors.update(lost)
             self.counters.failed_load_tokens += len(lost) * self.kv.block_tokens
 
-    def wait_layer(self, layer: int) -> None:
-        """Block until this step's loads have written layer ``layer``."""
-        if self._loading:   # vLLM reached a layer before start_load_kv: the load goes first
-            self.start_load()
-        if layer < len(self._layer_done):
-            self._layer_done[layer].wait()
-
-    def finish_loads(self) -> None:
-        """Wait for this step's loads (each step ends with it)."""
-        fut, self._load_future = self._load_future, None
-        if fut is not None:
-            try:
-                fut.result()
-            except BaseException:   # already logged; its blocks are in load_errors
-                pass
-
     def load_errors(self) -> set[int]:
         """Blocks whose loads failed since the last call."""
         with self._lock:
@@ -244,8 +275,7 @@ class ConnectorWorker:
     def end_step(self) -> None:
         """Finish this step's copies (loads included, so that their failures are in
         :meth:`load_errors`) and put the saved pages in the background."""
-        self.start_load()
-        self.finish_loads()
+        self._finish_layers()
         saving, self._saving = self._saving, []
         for job, buf, pages, seen in saving:
             for layer in range(self._layers):
@@ -282,6 +312,6 @@ class ConnectorWorker:
         self._saver.submit(lambda: None).result()
 
     def close(self) -> None:
-        self.finish_loads()
+        self._finish_layers()
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
