@@ -1,7 +1,10 @@
 """tierkv as SGLang's HiCache L3 storage (tierkv/integrations/sglang.py), created by SGLang's own
 dynamic backend factory from its own ``HiCacheStorageConfig``, over real stores: in-process
 (a DRAM tier over an O_DIRECT NVMe file) and through a ``tierkv serve`` daemon. Page keys are
-SGLang's own chained digests (``get_hash_str``).
+chained sha256 digests in SGLang's form (64 hex digits per page, each over its parent's
+digest and the page's tokens). SGLang's own ``get_hash_str`` is not used: it compiles a
+C++ extension at first use (g++, OpenSSL headers) and fails once another test has
+imported the standard library's distutils; the backend treats keys as opaque strings.
 
 The host pool: SGLang's pool classes (``pool_host/mha.py``, ``pool_host/mla.py``) cannot be
 imported with only what ``hicache_storage`` needs (their package imports torchvision and the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,6 @@ hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
                                 "triton starlette msgspec pyzmq aiohttp")
 
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
 from tierkv.errors import ConfigError, InputError, LayoutError  # noqa: E402
 from tierkv.integrations.sglang import TierKVHiCacheStorage  # noqa: E402
@@ -107,9 +110,13 @@ def indices(pages: list[int]) -> torch.Tensor:
 
 
 def sglang_keys(n: int, seed: int = 0) -> list[str]:
-    """SGLang's page keys of an ``n``-page prompt: chained digests of its tokens."""
-    keys = get_hash_str(list(range(seed, seed + n * T)), None, page_size=T)
-    assert isinstance(keys, list) and len(keys) == n
+    """Page keys of an ``n``-page prompt in SGLang's form: chained sha256 digests of its tokens."""
+    keys, parent = [], b""
+    for i in range(n):
+        tokens = b"".join(t.to_bytes(4, "little") for t in range(seed + i * T, seed + (i + 1) * T))
+        digest = hashlib.sha256(parent + tokens).digest()
+        keys.append(digest.hex())
+        parent = digest
     return keys
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
-from tierkv.errors import InputError, LayoutError
+from tierkv.errors import InputError, LayoutError, TierKVError
 from tierkv.integrations.vllm.blocks import CpuPagedKV, runs
 from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan
 from tierkv.integrations.vllm.transfer import ConnectorWorker
@@ -113,13 +113,13 @@ def test_matched_leaves_the_last_token_and_skips_the_engines_own_hit(store: Remo
     p = ConnectorPlanner(store, N)
     toks = prompt(4)                       # exactly 4 pages: the last token must be computed
     put_pages(store, toks)
-    assert p.matched(toks, "", 0) == 3 * N
-    assert p.matched(toks + [1], "", 0) == 4 * N
-    assert p.matched(toks + [1], "", 2 * N) == 2 * N      # vLLM's prefix cache had 2 pages
-    assert p.matched(toks + [1], "", 4 * N) == 0
-    assert p.matched(toks + [1], "other-tenant", 0) == 0   # the salt is the tenant
-    assert p.matched(toks[:N], "", 0) == 0
-    assert ConnectorPlanner(store, N, load=False).matched(toks + [1], "", 0) == 0
+    assert p.matched("q", toks, "", 0) == 3 * N
+    assert p.matched("q", toks + [1], "", 0) == 4 * N
+    assert p.matched("q", toks + [1], "", 2 * N) == 2 * N      # vLLM's prefix cache had 2 pages
+    assert p.matched("q", toks + [1], "", 4 * N) == 0
+    assert p.matched("q", toks + [1], "other-tenant", 0) == 0   # the salt is the tenant
+    assert p.matched("q", toks[:N], "", 0) == 0
+    assert ConnectorPlanner(store, N, load=False).matched("q", toks + [1], "", 0) == 0
     assert store.stats().lookups == 0                     # engine bookkeeping is not counted as lookups
 
 
@@ -127,7 +127,8 @@ def test_allocated_pins_and_plans_the_load_then_finished_unpins(store: RemoteSto
     p = ConnectorPlanner(store, N)
     toks = prompt(5.5)
     put_pages(store, toks)
-    p.allocated("r1", toks, len(toks), "", [4, 8, 1, 2, 3, 9], N, 4 * N)   # 1 page local, 4 from the store
+    assert p.matched("r1", toks, "", N) == 4 * N              # vLLM's own prefix cache holds page 0
+    p.allocated("r1", toks, len(toks), "", [4, 8, 1, 2, 3, 9], 4 * N)   # so pages 1-4 come from the store
     plan = p.plan([("r1", [4, 8, 1, 2, 3, 9], 5 * N)], [], {"r1": len(toks) - 5 * N})
     (job,) = plan.loads
     assert (job.skip, job.block_ids, job.end, job.requested) == (1, (8, 1, 2, 3), 5, 5)
@@ -146,14 +147,14 @@ def test_saves_follow_the_computed_pages_prompt_then_generated(store: RemoteStor
         p = ConnectorPlanner(store, N, save_generated=generated)
         toks = prompt(2.5, seed=3 + generated)
         live = list(toks)                                  # vLLM's request list, growing
-        p.allocated("r", live, len(toks), "t", [5, 6, 7], 0, 0)
+        p.allocated("r", live, len(toks), "t", [5, 6, 7], 0)
         s1 = p.plan([("r", [5, 6, 7], 0)], [], {"r": N})   # a chunk of one page
         assert [(s.first, s.block_ids, len(s.tokens)) for s in s1.saves] == [(0, (5,), N)]
         s2 = p.plan([], [("r", None, False, N)], {"r": len(toks) - N})
-        assert [(s.first, s.block_ids) for s in s2.saves] == [(1, (6,))]
+        assert [(s.first, s.block_ids) for s in s2.saves] == [(1, (5, 6))]   # every block up to the end
         live += prompt(1, seed=9)[: 3 * N - len(toks)]       # decode steps fill the third page
         s3 = p.plan([], [("r", [9, 10, 11], True, 0)], {"r": 3 * N})   # preempted: resumed in new blocks
-        want = [(2, (11,))] if generated else []
+        want = [(2, (9, 10, 11))] if generated else []
         assert [(s.first, s.block_ids) for s in s3.saves] == want
         if generated:
             assert list(s3.saves[0].tokens) == live[: 3 * N] and s3.saves[0].tenant == "t"
@@ -164,7 +165,7 @@ def test_a_request_with_nothing_to_load_counts_its_misses(store: RemoteStore) ->
     p = ConnectorPlanner(store, N)
     toks = prompt(3.5, seed=5)
     before = store.stats()
-    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4], 0, 0)
+    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4], 0)
     after = store.stats()
     assert after.pages_requested - before.pages_requested == 3
     assert after.pages_hit == before.pages_hit
@@ -175,10 +176,10 @@ def test_a_store_that_is_gone_offers_nothing_and_raises_nothing(daemon: NodeServ
     p = ConnectorPlanner(store, N)
     toks = prompt(3.5, seed=6)
     put_pages(store, toks)
-    assert p.matched(toks, "", 0) == 3 * N
+    assert p.matched("q", toks, "", 0) == 3 * N
     daemon.close()
-    assert p.matched(toks, "", 0) == 0
-    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4], 0, 3 * N)   # pin fails: the load still goes to the worker
+    assert p.matched("q", toks, "", 0) == 0
+    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4], 3 * N)   # pin fails: the load still goes to the worker
     assert len(p.plan([], [], {}).loads) == 1
     p.finished("r")
     store.close()
@@ -203,15 +204,15 @@ def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: Remote
     src = engine_caches(3)
     a = ConnectorWorker(store, CpuPagedKV(engine_caches(4), LAYOUT), max_pages=8)
     pa = ConnectorPlanner(store, N)
-    pa.allocated("a", toks, len(toks), "", [3, 1, 4, 0, 9], 0, 0)
+    pa.allocated("a", toks, len(toks), "", [3, 1, 4, 0, 9], 0)
     step(a, pa.plan([("a", [3, 1, 4, 0, 9], 0)], [], {"a": len(toks)}), write=src, caches=a.kv.layers)
     a.drain()
     assert a.counters.saved_pages == 4 and a.counters.failed_saves == 0
     b_caches = engine_caches(5)
     b = ConnectorWorker(store, CpuPagedKV(b_caches, LAYOUT), max_pages=8)
     pb = ConnectorPlanner(store, N)
-    assert pb.matched(toks, "", 0) == 4 * N
-    pb.allocated("b", toks, len(toks), "", [6, 7, 8, 10, 11], 0, 4 * N)
+    assert pb.matched("q", toks, "", 0) == 4 * N
+    pb.allocated("b", toks, len(toks), "", [6, 7, 8, 10, 11], 4 * N)
     step(b, pb.plan([("b", [6, 7, 8, 10, 11], 4 * N)], [], {"b": len(toks) - 4 * N}))
     for layer in range(L):
         assert torch.equal(b_caches[layer][[6, 7, 8, 10]], src[layer][[3, 1, 4, 0]])
@@ -228,7 +229,7 @@ def test_pages_the_store_cannot_serve_are_reported_for_recompute(store: RemoteSt
     before = [c.clone() for c in caches]
     w = ConnectorWorker(store, CpuPagedKV(caches, LAYOUT), max_pages=8)
     p = ConnectorPlanner(store, N)
-    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4, 5], 0, 4 * N)
+    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4, 5], 4 * N)
     step(w, p.plan([("r", [1, 2, 3, 4, 5], 4 * N)], [], {"r": len(toks) - 4 * N}))
     assert w.load_errors() == {3, 4}
     assert w.load_errors() == set()                          # reported once
@@ -243,7 +244,7 @@ def test_jobs_beyond_the_buffers_are_skipped_not_deadlocked(store: RemoteStore) 
     p = ConnectorPlanner(store, N)
     reqs = {f"r{i}": prompt(2.5, seed=20 + i) for i in range(3)}
     for i, (rid, toks) in enumerate(reqs.items()):
-        p.allocated(rid, toks, len(toks), "", [3 * i, 3 * i + 1, 3 * i + 2], 0, 0)
+        p.allocated(rid, toks, len(toks), "", [3 * i, 3 * i + 1, 3 * i + 2], 0)
     plan = p.plan([(rid, [3 * i, 3 * i + 1, 3 * i + 2], 0) for i, rid in enumerate(reqs)], [],
                   {rid: len(t) for rid, t in reqs.items()})
     assert len(plan.saves) == 3
@@ -252,7 +253,7 @@ def test_jobs_beyond_the_buffers_are_skipped_not_deadlocked(store: RemoteStore) 
     assert w.counters.skipped_saves == 1 and w.counters.saved_pages == 4
     too_long = prompt(6.5, seed=30)                          # over max_pages: neither loaded nor saved
     put_pages(store, too_long)
-    p.allocated("long", too_long, len(too_long), "", list(range(7)), 0, 6 * N)
+    p.allocated("long", too_long, len(too_long), "", list(range(7)), 6 * N)
     step(w, p.plan([("long", list(range(7)), 6 * N)], [], {"long": N // 2}))
     assert w.load_errors() == set(range(6))
     w.close()
@@ -270,7 +271,7 @@ def test_a_layer_vllm_never_waited_for_is_copied_late_and_its_blocks_recomputed(
     caches = engine_caches(9)
     w = ConnectorWorker(store, CpuPagedKV(caches, LAYOUT), max_pages=8)
     p = ConnectorPlanner(store, N)
-    p.allocated("r", toks, len(toks), "", [4, 5, 6, 7], 0, 3 * N)
+    p.allocated("r", toks, len(toks), "", [4, 5, 6, 7], 3 * N)
     w.begin_step(p.plan([("r", [4, 5, 6, 7], 3 * N)], [], {"r": N // 2}))
     w.start_load()
     w.wait_layer(0)                                          # vLLM skipped the waits of layers 1 and 2
@@ -279,3 +280,103 @@ def test_a_layer_vllm_never_waited_for_is_copied_late_and_its_blocks_recomputed(
     for layer in range(L):                                   # the copies still landed
         assert torch.equal(caches[layer][[4, 5, 6]], src[layer][[0, 1, 2]])
     w.close()
+
+
+def stored_pages(store: RemoteStore, tokens: list[int]) -> int:
+    return store.lookup(np.array(tokens[: len(tokens) // N * N], np.uint32), count=False).cached_pages
+
+
+def test_a_save_computed_over_a_failed_load_is_not_stored(store: RemoteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a request loads pages 0-3 and computes page 4 in one step; the get fails
+    (the pages are still in the store). Blocks 1-4 are recomputed by vLLM, and page 4,
+    computed over stale blocks, must not reach the store under a valid key."""
+    toks = prompt(5.5, seed=50)
+    put_pages(store, toks[: 4 * N])
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(10), LAYOUT), max_pages=8)
+    p = ConnectorPlanner(store, N)
+    assert p.matched("r", toks, "", 0) == 4 * N
+    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4, 5, 6], 4 * N)
+    plan = p.plan([("r", [1, 2, 3, 4, 5, 6], 4 * N)], [], {"r": len(toks) - 4 * N})
+    assert [(s.first, s.end) for s in plan.saves] == [(4, 5)]
+
+    def broken_get(*_a: object, **_k: object) -> None:
+        raise TierKVError("the daemon did not answer in time")
+    monkeypatch.setattr(store, "get", broken_get)
+    step(w, plan)
+    w.drain()
+    assert w.load_errors() == {1, 2, 3, 4}
+    assert w.counters.saved_pages == 0 and w.counters.skipped_saves == 1
+    monkeypatch.undo()
+    assert stored_pages(store, toks) == 4                   # page 4 is not in the store
+    w.close()
+
+
+def test_no_wait_at_all_still_reports_the_loads(store: RemoteStore) -> None:
+    """Review: when vLLM waits for no layer at all, the copies land late and every loaded
+    block is reported (the forward pass read them before)."""
+    toks = prompt(3.5, seed=51)
+    put_pages(store, toks)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(11), LAYOUT), max_pages=8)
+    p = ConnectorPlanner(store, N)
+    p.matched("r", toks, "", 0)
+    p.allocated("r", toks, len(toks), "", [7, 8, 9, 10], 3 * N)
+    w.begin_step(p.plan([("r", [7, 8, 9, 10], 3 * N)], [], {"r": N // 2}))
+    w.end_step()
+    assert w.load_errors() == {7, 8, 9}
+    w.close()
+
+
+def test_an_unexpected_loader_failure_reports_the_blocks_and_returns_the_buffers(
+        store: RemoteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    toks = prompt(3.5, seed=52)
+    put_pages(store, toks)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(12), LAYOUT), max_pages=8, buffers=2)
+    p = ConnectorPlanner(store, N)
+    p.matched("r", toks, "", 0)
+    p.allocated("r", toks, len(toks), "", [1, 2, 3, 4], 3 * N)
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise RuntimeError("not a store error")
+    monkeypatch.setattr(w, "_get", boom)
+    step(w, p.plan([("r", [1, 2, 3, 4], 3 * N)], [], {"r": N // 2}))
+    assert w.load_errors() == {1, 2, 3}
+    assert len(w._pool._free) == 2                           # both buffers back in the pool
+    w.close()
+
+
+def test_a_save_after_a_lost_page_starts_again_from_the_first_page(sock_dir: Path, tmp_path: Path) -> None:
+    """Review: the planner moves on as if every save landed. Here the daemon restarts
+    (DRAM only: its pages are gone), so the put of page 1 finds page 0 missing and stores
+    nothing; the request's next save copies from page 0 again and all of it lands."""
+    cfg = StoreConfig(path=str(tmp_path / "dram-only"), model_id="m", layout=LAYOUT,
+                      dram=DramConfig(16 * LAYOUT.page_bytes))
+    path = sock_dir / "r.sock"
+    svc = NodeService(cfg, path).start()
+    store = RemoteStore(path, timeout_s=10)
+    toks = prompt(3.5, seed=53)
+    src = engine_caches(13)
+    w = ConnectorWorker(store, CpuPagedKV([c.clone() for c in src], LAYOUT), max_pages=8)
+    p = ConnectorPlanner(store, N)
+    p.matched("r", toks, "", 0)
+    p.allocated("r", toks, len(toks), "", [2, 3, 4, 5], 0)
+    step(w, p.plan([("r", [2, 3, 4, 5], 0)], [], {"r": N}))           # page 0 lands
+    w.drain()
+    assert stored_pages(store, toks) == 1
+    svc.close()
+    svc = NodeService(cfg, path).start()                              # a new daemon: nothing stored
+    step(w, p.plan([], [("r", None, False, N)], {"r": N}))            # page 1: its put finds no page 0
+    w.drain()
+    assert stored_pages(store, toks) == 0
+    step(w, p.plan([], [("r", None, False, 2 * N)], {"r": N}))        # page 2: saved from page 0 again
+    w.drain()
+    assert stored_pages(store, toks) == 3
+    got = np.zeros((3, LAYOUT.page_bytes), np.uint8)
+    assert store.get(np.array(toks[: 3 * N], np.uint32), got).pages == 3
+    ref = torch.zeros(3, LAYOUT.page_bytes, dtype=torch.uint8)
+    kv = CpuPagedKV(src, LAYOUT)
+    for layer in range(L):
+        kv.gather(layer, [2, 3, 4], kv.pages(ref))
+    assert np.array_equal(got, ref.numpy())
+    w.close()
+    store.close()
+    svc.close()

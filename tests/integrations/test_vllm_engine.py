@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tierkv.errors import ConfigError, InputError
-from tierkv.integrations.vllm.demo import chat_spec
+from tierkv.integrations.vllm.demo import SYSTEM, chat_spec
 from tierkv.integrations.vllm.session import LAYOUT, Daemon, VllmEnv, find_vllm, run_chat, store_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,3 +87,27 @@ def test_a_store_laid_out_for_another_block_size_is_refused(env: VllmEnv, tmp_pa
             run_chat(env, chat_spec(1, 4, {}), tmp_path, "mismatch", d.socket, timeout_s=300)
     log = (tmp_path / "mismatch.log").read_text()
     assert "the tierkv store's pages hold 64 tokens, this engine's blocks 128" in log
+
+
+def test_with_vllms_own_prefix_cache_loads_go_past_its_hit(env: VllmEnv, tmp_path: Path) -> None:
+    """vLLM's prefix cache on. An engine stores a 1,024-token prefix; a new engine first
+    runs a prompt sharing its first 300 tokens (vLLM then holds 2 pages itself), then the
+    whole prefix: vLLM's cache serves 2 pages and tierkv the 6 after them, into the blocks
+    after vLLM's hit (review: the load once went to the first blocks). The answer equals
+    that of an engine that loads nothing from tierkv."""
+    base: dict[str, object] = {"prefix_text": SYSTEM, "prefix_tokens": 1024, "max_tokens": 8, "chunk": 128,
+                               "prefix_caching": True, "block_size": 128}
+    short = {"prefix": True, "cut": 300, "question": "What does a tiered store keep?"}
+    whole = {"prefix": True, "question": "What names a page?"}
+    cfg = tmp_path / "store.toml"
+    cfg.write_text(store_config(tmp_path / "store"))
+    with Daemon(cfg, tmp_path / "daemon.log") as d:
+        run_chat(env, {**base, "connector": {"save_generated": False}, "prompts": [whole], "settle_after": 0},
+                 tmp_path, "populate", d.socket)
+        got = run_chat(env, {**base, "connector": {"save_generated": False}, "prompts": [short, whole]},
+                       tmp_path, "loads", d.socket)["prompts"]
+        ref = run_chat(env, {**base, "connector": {"load": False, "save": False}, "prompts": [short, whole]},
+                       tmp_path, "recomputes", d.socket)["prompts"]
+    assert [r["tokens_loaded"] for r in got] == [256, 1024]   # the short prompt: 2 pages, all from tierkv
+    assert [r["tokens_loaded"] for r in ref] == [0, 256]      # vLLM's own cache alone: the 2 shared pages
+    assert got[1]["answer_ids"] == ref[1]["answer_ids"] and got[0]["answer_ids"] == ref[0]["answer_ids"]

@@ -69,6 +69,8 @@ def add_parser(subparsers: "argparse._SubParsersAction[Any]") -> argparse.Argume
                    "else the one tools/install_vllm.sh made)")
     p.add_argument("--vllm-model", metavar="DIR", help="the model folder vLLM serves (default $TIERKV_VLLM_MODEL, "
                    "else the one tools/install_vllm.sh made)")
+    p.add_argument("--prefix-caching", action="store_true", help="vllm: turn vLLM's own prefix cache on too "
+                   "(a turn then loads from tierkv only the pages vLLM did not keep)")
     p.add_argument("--turns", type=int, default=3, metavar="N",
                    help=f"user turns, 1-{len(CONVERSATION)} (default 3)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens generated per turn (default 32)")
@@ -99,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--turns must be at most {len(CONVERSATION)} (the built-in conversation), got {args.turns}")
     if args.engine == "vllm":
         return _run_vllm(args)
+    if args.prefix_caching:
+        raise InputError("--prefix-caching is for --engine vllm")
     layout = smollm2.kv_layout(args.dtype, args.tokens_per_page)
     dram = DEFAULT_DRAM_PAGES * layout.page_bytes if args.dram is None else parse_size(args.dram, "--dram")
     nvme = parse_size(args.nvme, "--nvme")
@@ -144,7 +148,7 @@ def _run_vllm(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tierkv-demo-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        out = run_vllm_demo(env, workdir, args.turns, args.max_new_tokens)
+        out = run_vllm_demo(env, workdir, args.turns, args.max_new_tokens, args.prefix_caching)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

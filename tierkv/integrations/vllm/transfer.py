@@ -138,7 +138,14 @@ class ConnectorWorker:
         self._load_future: Future[list[tuple[LoadJob, np.ndarray, torch.Tensor, int]]] | None = None
         self._got: list[tuple[LoadJob, np.ndarray, torch.Tensor, int]] | None = None
         self._copied = 0   # layers of this step's loads copied into vLLM's blocks
-        self._saving: list[tuple[SaveJob, np.ndarray, torch.Tensor, set[int]]] = []
+        self._loading: list[tuple[LoadJob, np.ndarray]] = []   # this step's loads with their buffers
+        self._step_errors: set[int] = set()   # blocks whose load failed in this step
+        # Per request: leading pages known to be in the store (loaded, or put), and puts
+        # still running. A save starts from the first page not known stored.
+        self._confirmed: dict[str, int] = {}
+        self._inflight: dict[str, int] = {}
+        self._gone: set[str] = set()   # finished requests with puts still running
+        self._saving: list[tuple[SaveJob, int, np.ndarray, torch.Tensor, set[int]]] = []
 
     # -- a step ---------------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
@@ -146,6 +153,7 @@ class ConnectorWorker:
         and start their gets, then take buffers for its saves. A load with no buffer is
         recomputed; a save with none is skipped."""
         self._finish_layers()   # a step that never reached its copies (none in vLLM's order)
+        self._step_errors = set()
         loading = []
         for job in plan.loads:
             buf = self._pool.take(self._putting) if job.end <= self.max_pages else None
@@ -157,17 +165,22 @@ class ConnectorWorker:
             loading.append((job, buf))
         self._copied = 0
         self._got = None
+        self._loading = loading
         self._load_future = self._loader.submit(self._get_all, loading) if loading else None
         self._saving = []
         for sjob in plan.saves:
+            with self._lock:
+                known = self._confirmed.get(sjob.req_id)
+                start = sjob.first if known is None or self._inflight.get(sjob.req_id) else min(known, sjob.first)
             buf = self._pool.take(self._putting) if sjob.end <= self.max_pages else None
             if buf is None:
                 log.warning("tierkv: no page buffer for %s's save of %d pages; they are not stored",
-                            sjob.req_id, len(sjob.block_ids))
+                            sjob.req_id, sjob.end - start)
+                self._saved(sjob.req_id, min(start, known if known is not None else start))
                 with self._lock:
                     self.counters.skipped_saves += 1
                 continue
-            self._saving.append((sjob, buf, self.kv.pages(torch.from_numpy(buf)), set()))
+            self._saving.append((sjob, start, buf, self.kv.pages(torch.from_numpy(buf)), set()))
 
     # -- loads ------------------------------------------------------------------------
     def start_load(self) -> None:
@@ -189,24 +202,34 @@ class ConnectorWorker:
             return
         self._copy_layers(layer + 1)
 
-    def _copy_layers(self, upto: int) -> None:
+    def _resolve(self) -> list[tuple[LoadJob, np.ndarray, torch.Tensor, int]]:
+        """This step's gets, waited for. A get that failed in a way ``_get`` did not catch
+        fails its whole step's loads (their blocks recomputed, their buffers given back)."""
         if self._got is None:
             fut, self._load_future = self._load_future, None
             try:
                 self._got = fut.result() if fut is not None else []
             except BaseException:
                 log.exception("tierkv: a load failed; its blocks are recomputed")
+                for job, buf in self._loading:
+                    self._fail_load(job, 0)
+                    self._pool.give(buf)
                 self._got = []
+            self._loading = []
+        return self._got
+
+    def _copy_layers(self, upto: int) -> None:
+        got = self._resolve()
         t0 = time.perf_counter()
         try:
             while self._copied < min(upto, self._layers):
-                for job, _buf, pages, n in self._got:
+                for job, _buf, pages, n in got:
                     if n > job.skip:
                         self.kv.scatter(self._copied, pages[job.skip:n], job.block_ids[:n - job.skip])
                 self._copied += 1
         except BaseException:
             log.exception("tierkv: copying loaded pages failed; their blocks are recomputed")
-            for job, _buf, _pages, _n in self._got:
+            for job, _buf, _pages, _n in got:
                 self._fail_load(job, 0)
             self._copied = self._layers
         with self._lock:
@@ -229,11 +252,11 @@ class ConnectorWorker:
         if self._load_future is None and self._got is None:
             return
         late = self._copied < self._layers
-        got = self._got
+        jobs = [job for job, *_rest in self._resolve()]
         self._copy_layers(self._layers)
         if late:
             log.warning("tierkv: vLLM ran attention layers without waiting for their loads; recomputing those blocks")
-            for job, *_rest in got or []:
+            for job in jobs:
                 self._fail_load(job, 0)
 
     def _get(self, job: LoadJob, buf: np.ndarray) -> int:
@@ -246,6 +269,7 @@ class ConnectorWorker:
             return 0
         n = min(res.pages, job.end)
         bs = self.kv.block_tokens
+        self._saved(job.req_id, n)
         with self._lock:
             self.counters.loaded_tokens += max(0, n - job.skip) * bs
             for kind in res.tiers[job.skip:n]:
@@ -254,8 +278,10 @@ class ConnectorWorker:
 
     def _fail_load(self, job: LoadJob, served: int) -> None:
         lost = job.block_ids[max(served - job.skip, 0):]
+        self._saved(job.req_id, served)
         with self._lock:
             self._errors.update(lost)
+            self._step_errors.update(lost)
             self.counters.failed_load_tokens += len(lost) * self.kv.block_tokens
 
     def load_errors(self) -> set[int]:
@@ -265,33 +291,64 @@ class ConnectorWorker:
         return out
 
     # -- saves ------------------------------------------------------------------------
+    def _saved(self, req_id: str, pages: int) -> None:
+        """The request's leading ``pages`` are (after a load, a put) or may not all be
+        (after a failure: pass where the gap may start) in the store."""
+        with self._lock:
+            self._confirmed[req_id] = pages
+
     def save_layer(self, layer: int) -> None:
         """The forward pass wrote layer ``layer``: copy it out of the saved blocks."""
-        for job, _buf, pages, seen in self._saving:
+        for job, start, _buf, pages, seen in self._saving:
             if layer not in seen:
-                self.kv.gather(layer, job.block_ids, pages[job.first:job.end])
+                try:
+                    self.kv.gather(layer, job.block_ids[start:], pages[start:job.end])
+                except Exception:   # noqa: BLE001 - the save is dropped in end_step, vLLM goes on
+                    log.exception("tierkv: copying layer %d of %s's blocks failed", layer, job.req_id)
+                    continue
                 seen.add(layer)
 
     def end_step(self) -> None:
         """Finish this step's copies (loads included, so that their failures are in
-        :meth:`load_errors`) and put the saved pages in the background."""
+        :meth:`load_errors`) and put the saved pages in the background. A save whose
+        pages were computed over a block whose load failed in this step is dropped."""
         self._finish_layers()
         saving, self._saving = self._saving, []
-        for job, buf, pages, seen in saving:
+        with self._lock:
+            failed = set(self._step_errors)
+        for job, start, buf, pages, seen in saving:
+            ok = not failed.intersection(job.block_ids)
             for layer in range(self._layers):
-                if layer not in seen:
-                    self.kv.gather(layer, job.block_ids, pages[job.first:job.end])
+                if ok and layer not in seen:
+                    try:
+                        self.kv.gather(layer, job.block_ids[start:], pages[start:job.end])
+                    except Exception:   # noqa: BLE001
+                        log.exception("tierkv: copying layer %d of %s's blocks failed", layer, job.req_id)
+                        ok = False
+            if not ok:
+                self._saved(job.req_id, 0)
+                self._pool.give(buf)
+                with self._lock:
+                    self.counters.skipped_saves += 1
+                continue
             with self._lock:
                 self._puts += 1
-            self._saver.submit(self._put, job, buf)
+                self._inflight[job.req_id] = self._inflight.get(job.req_id, 0) + 1
+            self._saver.submit(self._put, job, start, buf)
 
-    def _put(self, job: SaveJob, buf: np.ndarray) -> None:
+    def _put(self, job: SaveJob, start: int, buf: np.ndarray) -> None:
+        confirmed = 0   # unless the put shows every page up to the job's end is in the store
         try:
-            res = self.store.put(job.tokens, buf[:job.end], job.tenant, announce=False, unfilled=job.first)
+            res = self.store.put(job.tokens, buf[:job.end], job.tenant, announce=False, unfilled=start)
             with self._lock:
                 self.counters.saved_pages += res.stored
+            if res.stored + res.already_present >= job.end - start:
+                confirmed = job.end
+            else:   # an earlier page has gone (evicted): the next save starts from page 0
+                log.info("tierkv: %s's pages %d-%d were not stored (an earlier page is not in the store)",
+                         job.req_id, start, job.end - 1)
         except TierKVError as exc:
-            log.warning("tierkv: saving %d pages of %s failed (%s)", len(job.block_ids), job.req_id, exc)
+            log.warning("tierkv: saving pages %d-%d of %s failed (%s)", start, job.end - 1, job.req_id, exc)
             with self._lock:
                 self.counters.failed_saves += 1
         except BaseException:
@@ -299,9 +356,27 @@ class ConnectorWorker:
             with self._lock:
                 self.counters.failed_saves += 1
         finally:
+            self._pool.give(buf)   # before the count drops, so a waiting take() finds it
             with self._lock:
                 self._puts -= 1
-            self._pool.give(buf)
+                left = self._inflight.get(job.req_id, 1) - 1
+                if left > 0:
+                    self._inflight[job.req_id] = left
+                else:
+                    self._inflight.pop(job.req_id, None)
+                if job.req_id in self._gone:   # finished meanwhile: forget it once its puts are done
+                    if left <= 0:
+                        self._gone.discard(job.req_id)
+                else:
+                    self._confirmed[job.req_id] = confirmed
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Requests vLLM finished: drop what the worker knew of them."""
+        with self._lock:
+            for r in req_ids:
+                self._confirmed.pop(r, None)
+                if r in self._inflight:
+                    self._gone.add(r)
 
     def _putting(self) -> bool:
         with self._lock:
