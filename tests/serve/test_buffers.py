@@ -130,3 +130,28 @@ def test_attach_maps_a_buffer_before_its_first_use(service: NodeService, client:
     assert service.mapped_segments == base
     with pytest.raises(InputError, match="not a page buffer"):
         client.attach_buffer(buf)
+
+
+
+def test_a_sparse_segment_is_not_populated_by_the_daemon(service: NodeService) -> None:
+    """The daemon fills page tables at registration (MAP_POPULATE) only for a segment the
+    client has allocated in full: populating a sparse memfd would allocate its holes in
+    the daemon, so a client could spend the daemon's memory with a large empty segment."""
+    import fcntl
+    import os
+
+    from tierkv.serve import protocol as P
+    from tierkv.serve.client import _Conn
+
+    conn = _Conn(str(service.path), 10.0)
+    try:
+        conn.call(P.Op.HELLO, b'{"version": %d, "pid": %d}' % (P.VERSION, os.getpid()))
+        fd = os.memfd_create("sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        size = 1 << 30                                   # 1 GiB, never touched
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        conn.call(P.Op.SEGMENT, P.SEGMENT_REQ.pack(900, size), fds=(fd,))
+        assert os.fstat(fd).st_blocks == 0               # the daemon allocated none of it
+        os.close(fd)
+    finally:
+        conn.close()

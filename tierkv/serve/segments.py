@@ -102,8 +102,12 @@ class Segments:
         try:
             # MAP_POPULATE: the page tables are filled now, when the client registers the
             # segment, instead of by page faults during its first put or get (a 47 MB buffer
-            # costs ~20 ms of faults, which its first transfer would otherwise pay).
-            m = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            # costs ~20 ms of faults, which its first transfer would otherwise pay). Only
+            # where the client has allocated the whole segment already (its page buffers
+            # are): populating a sparse memfd would allocate its holes here, letting a
+            # client spend the daemon's memory.
+            populate = _POPULATE if os.fstat(fd).st_blocks * 512 >= size else 0
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED | populate, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             self._budget.give(new, grow)
             raise
