@@ -423,6 +423,11 @@ class StoreConfig:
                                   f"{MAX_PAGE_BLOCKS} per page; pages of {self.layout.page_bytes} bytes need "
                                   f"codec = \"none\"")
 
+    def socket_path(self) -> Path:
+        """Where ``tierkv serve`` listens: ``[serve] socket``, else ``tierkv.sock`` in the store's directory."""
+        sock = self.serve.socket if self.serve is not None else None
+        return Path(sock) if sock else Path(self.path) / "tierkv.sock"
+
     def nvme_path(self) -> Path:
         """Where the NVMe tier's data lives (a file or a block device)."""
         assert self.nvme is not None

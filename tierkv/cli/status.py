@@ -40,7 +40,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         from tierkv.config import load_config
 
         cfg = load_config(args.config)
-        sock = Path(cfg.serve.socket) if cfg.serve is not None and cfg.serve.socket else Path(cfg.path) / "tierkv.sock"
+        sock = cfg.socket_path()
     else:
         raise InputError("tierkv status needs --socket PATH or --config FILE")
     try:

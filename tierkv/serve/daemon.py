@@ -81,7 +81,7 @@ class NodeService:
         max_clients = sc.max_clients if max_clients is None else max_clients
         body_timeout_s = sc.request_timeout_s if body_timeout_s is None else body_timeout_s
         if socket_path is None:
-            socket_path = sc.socket if sc.socket is not None else Path(config.path) / "tierkv.sock"
+            socket_path = config.socket_path()
         self._access = Access(sc.tenants)
         if not 0 <= mode <= 0o777:
             raise ConfigError(f"serve: socket mode must be permission bits such as 0o600, got {mode:#o}")

@@ -87,9 +87,7 @@ def _socket_path(extra: dict[str, Any]) -> str:
     if extra.get("tierkv_socket"):
         return str(extra["tierkv_socket"])
     if extra.get("tierkv_config"):
-        cfg = load_config(str(extra["tierkv_config"]))
-        sock = cfg.serve.socket if cfg.serve is not None else None
-        return sock or str(cfg.path) + "/tierkv.sock"
+        return str(load_config(str(extra["tierkv_config"])).socket_path())
     raise ConfigError("TierKVConnector needs kv_connector_extra_config with \"tierkv_socket\" (the socket of "
                       "`tierkv serve`) or \"tierkv_config\" (the daemon's config file)")
 
