@@ -119,15 +119,17 @@ def _vllm(args: argparse.Namespace) -> dict[str, object]:
     import tempfile
     from pathlib import Path
 
-    from tierkv.integrations.vllm.bench import run_vllm_bench
+    from tierkv.integrations.vllm.bench import ENGINE_RUNS, run_vllm_bench
     from tierkv.integrations.vllm.session import find_vllm
+    from tierkv.progress import task_progress
 
     env = find_vllm()
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tierkv-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return run_vllm_bench(env, work, requests=args.runs or (2 if args.quick else 3),
-                              prefix_tokens=1024 if args.quick else 2048)
+        with task_progress("vLLM engine runs", ENGINE_RUNS, enabled=not args.json) as step:
+            return run_vllm_bench(env, work, requests=args.runs or (2 if args.quick else 3),
+                                  prefix_tokens=1024 if args.quick else 2048, step=step)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)

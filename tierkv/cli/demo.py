@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_vllm(args: argparse.Namespace) -> int:
     from tierkv.integrations.vllm.demo import run_demo as run_vllm_demo
     from tierkv.integrations.vllm.session import find_vllm
+    from tierkv.progress import task_progress
 
     env = find_vllm(args.vllm_python, args.vllm_model)
     if not args.json:
@@ -148,7 +149,8 @@ def _run_vllm(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tierkv-demo-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        out = run_vllm_demo(env, workdir, args.turns, args.max_new_tokens, args.prefix_caching)
+        with task_progress("vLLM engine runs", 3, enabled=not args.json) as step:
+            out = run_vllm_demo(env, workdir, args.turns, args.max_new_tokens, args.prefix_caching, step)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

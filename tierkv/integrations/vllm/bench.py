@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,29 +52,39 @@ def _mode(result: dict[str, Any], measured: int) -> dict[str, Any]:
             "prompt_tokens": rows[0]["prompt_tokens"], "engine_start_s": result["engine_start_s"]}
 
 
-def run_vllm_bench(env: VllmEnv, work: Path, *, prefix_tokens: int = 2048, requests: int = 3) -> dict[str, Any]:
-    """Run the four modes in ``work``; the JSON report."""
+#: Engine processes one run starts (a progress bar's steps).
+ENGINE_RUNS = 5
+
+
+def run_vllm_bench(env: VllmEnv, work: Path, *, prefix_tokens: int = 2048, requests: int = 3,
+                   step: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Run the modes in ``work``; the JSON report. ``step()`` after each engine run."""
     qs = list(QUESTIONS[: requests + 1])
     first, rest = qs[:1], qs[1:]
     modes: dict[str, Any] = {}
     modes["recompute"] = _mode(run_chat(env, _spec(prefix_tokens, rest, {}), work, "recompute", None), requests)
+    step()
     example = work / "example-kv"
     shutil.rmtree(example, ignore_errors=True)
     res = run_chat(env, _spec(prefix_tokens, first + rest, {"example_connector": str(example)}), work, "example", None)
     modes["example_connector"] = _mode(res, requests)
+    step()
     cfg = work / "store.toml"
     cfg.write_text(store_config(work / "store"))
     with Daemon(cfg, work / "daemon.log") as d:
         res = run_chat(env, _spec(prefix_tokens, first + rest, {}, settle=True), work, "tierkv_dram", d.socket)
     modes["tierkv_dram"] = _mode(res, requests)
+    step()
     cfg.write_text(store_config(work / "store", promote=False))
     with Daemon(cfg, work / "daemon.log") as d:
         res = run_chat(env, _spec(prefix_tokens, rest, {}), work, "tierkv_nvme", d.socket)
     modes["tierkv_nvme"] = _mode(res, requests)
+    step()
     cfg.write_text(store_config(work / "store", promote=False, o_direct=False))
     with Daemon(cfg, work / "daemon.log") as d:
         res = run_chat(env, _spec(prefix_tokens, rest, {}), work, "tierkv_nvme_page_cache", d.socket)
     modes["tierkv_nvme_page_cache"] = _mode(res, requests)
+    step()
 
     def ratio(a: str, b: str) -> float:
         return modes[a]["ttft_s"] / modes[b]["ttft_s"] if modes[b]["ttft_s"] else float("inf")

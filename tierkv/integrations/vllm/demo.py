@@ -22,6 +22,7 @@ count (``RequestOutput.num_cached_tokens``; vLLM's prefix cache is off).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +63,24 @@ def _median(xs: list[float]) -> float:
 
 
 def run_demo(env: VllmEnv, work: Path, turns: int = 3, max_tokens: int = 32,
-             prefix_caching: bool = False) -> dict[str, Any]:
+             prefix_caching: bool = False, step: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Run the three engines in ``work``; the JSON report (see the module docstring).
 
     ``prefix_caching``: vLLM's own prefix cache on in all three (then a turn loads only
     the pages beyond what vLLM kept itself, and ``tokens_loaded`` counts vLLM's local hits
-    too)."""
+    too). ``step()`` is called after each engine run (a progress bar)."""
     cfg = work / "store.toml"
     cfg.write_text(store_config(work / "store"))
     exact = {"save_generated": False}
     with Daemon(cfg, work / "daemon.log") as d:
         without = run_chat(env, chat_spec(turns, max_tokens, {"load": False, "save": False}, prefix_caching), work,
                            "without", d.socket)
+        step()
         with_ = run_chat(env, chat_spec(turns, max_tokens, exact, prefix_caching), work, "with", d.socket)
+        step()
     with Daemon(cfg, work / "daemon.log") as d:
         again = run_chat(env, chat_spec(turns, max_tokens, exact, prefix_caching), work, "restart", d.socket)
+        step()
     rows = []
     for i, (b, w, r) in enumerate(zip(without["turns"], with_["turns"], again["turns"])):
         rows.append({"turn": i + 1, "prompt_tokens": b["prompt_tokens"],
