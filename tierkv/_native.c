@@ -3,7 +3,8 @@
  *
  * Holds the prefix-chained xxh3-128 page-key chain, KeySet (an open-addressing
  * hash set of 16-byte page keys, the in-memory index's membership test) and
- * checksum64 (xxh3-64 of a page buffer). Imported optionally by tierkv.keys, which
+ * checksum64 (xxh3-64 of a page buffer), and the ordered word accesses of a get's
+ * landing record (tierkv/store/landed.py). Imported optionally by tierkv.keys, which
  * has a pure-Python fallback giving the same keys and the same KeySet contract.
  *
  * Built by setup.py against xxhash.h (0.8.x, header-only through XXH_INLINE_ALL).
@@ -653,6 +654,63 @@ static PyTypeObject KeySetType = {
     .tp_new = ks_new,
 };
 
+/* ------------------------------------------------------- landing records */
+/* A layer-by-layer get announces the layers that have landed in a word another
+ * process (or thread) polls: the word's store must not become visible before the
+ * bytes it announces, nor the poller's reads of those bytes happen before its load
+ * of the word. Release and acquire give that on every CPU (x86's TSO gives it for
+ * free; Arm's weaker ordering does not). */
+
+static int
+word_at(PyObject *obj, Py_ssize_t index, Py_buffer *view, uint64_t **word)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (index < 0 || (size_t)view->len < (size_t)(index + 1) * sizeof(uint64_t)
+        || ((uintptr_t)view->buf % sizeof(uint64_t)) != 0) {
+        PyErr_Format(PyExc_ValueError, "word %zd is outside an aligned buffer of %zd bytes", index, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    *word = (uint64_t *)view->buf + index;
+    return 0;
+}
+
+static PyObject *
+store_release_u64(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t index;
+    unsigned long long value;
+    Py_buffer view;
+    uint64_t *word;
+    if (!PyArg_ParseTuple(args, "OnK", &obj, &index, &value) || word_at(obj, index, &view, &word) < 0)
+        return NULL;
+    __atomic_store_n(word, (uint64_t)value, __ATOMIC_RELEASE);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+load_acquire_u64(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t index;
+    Py_buffer view;
+    uint64_t *word;
+    if (!PyArg_ParseTuple(args, "On", &obj, &index) || word_at(obj, index, &view, &word) < 0)
+        return NULL;
+    uint64_t value = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(value);
+}
+
+PyDoc_STRVAR(store_release_doc,
+"store_release_u64(buffer, index, value): write uint64 word ``index`` of a writable,\n"
+"8-byte-aligned buffer with release ordering (the bytes written before it are seen first).");
+PyDoc_STRVAR(load_acquire_doc,
+"load_acquire_u64(buffer, index) -> int: read uint64 word ``index`` with acquire ordering.");
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
@@ -660,6 +718,8 @@ static PyMethodDef native_methods[] = {
      chain_doc},
     {"checksum64", checksum64, METH_O, checksum_doc},
     {"seal_records", seal_records, METH_VARARGS, seal_records_doc},
+    {"store_release_u64", store_release_u64, METH_VARARGS, store_release_doc},
+    {"load_acquire_u64", load_acquire_u64, METH_VARARGS, load_acquire_doc},
     {NULL, NULL, 0, NULL},
 };
 

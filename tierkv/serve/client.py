@@ -41,6 +41,8 @@ from tierkv.errors import InputError, StoreClosedError, StoreUnavailableError, T
 from tierkv.keys import KEY_BYTES, Tokens, as_token_array, chain_keys, namespace_digest, tenant_salt
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
+from tierkv.store import landed as landed_words
+from tierkv.store.landed import check_record
 from tierkv.store.pages import PageBatch, PageList, PageSource, page_list, page_rows
 from tierkv.store.results import GetResult, LookupResult, PutResult, _KIND_BY_RANK
 from tierkv.store.stats import StoreStats, TierStats
@@ -377,6 +379,16 @@ class RemoteStore:
             self._buffers.append(seg)
         return seg.rows(pages, self.layout.page_bytes)
 
+    def landing_record(self) -> np.ndarray:
+        """A landing record (:mod:`tierkv.store.landed`) in memory the daemon shares, for
+        ``get(..., landed=record)``; reusable from get to get (each resets it), given back
+        with :meth:`release_buffer` like a page buffer."""
+        self._check_open()
+        seg = _Segment(landed_words.WORDS * 8, "tierkv-landed")
+        with self._lock:
+            self._buffers.append(seg)
+        return np.frombuffer(seg.map, dtype=np.uint64, count=landed_words.WORDS)
+
     def attach_buffer(self, buf: np.ndarray) -> None:
         """Register a :meth:`page_buffer` with the daemon on the calling thread's connection
         now (the daemon maps it), so that this thread's first put or get in it does not
@@ -466,8 +478,11 @@ class RemoteStore:
         return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]))
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
-            requested: int | None = None) -> GetResult:
-        """As :meth:`Store.get <tierkv.store.api.Store.get>`."""
+            requested: int | None = None, landed: np.ndarray | None = None) -> GetResult:
+        """As :meth:`Store.get <tierkv.store.api.Store.get>`. ``landed``: a record from
+        :meth:`landing_record`, which the daemon updates as the layers of the pages land
+        in ``out`` (which must then lie in a :meth:`page_buffer`), for a consumer on
+        another thread that uses the first layers while the last are read."""
         self._check_open()
         toks, salt = as_token_array(tokens), tenant_salt(tenant)
         if isinstance(out, (list, tuple)):
@@ -478,8 +493,27 @@ class RemoteStore:
         want = rows.shape[0]
         check_requested(requested, want)
 
+        asked = -1 if requested is None else requested
+        if landed is not None:
+            record = check_record(landed)
+            at = self._locate(record)
+            if at is None:
+                raise InputError("get(landed=...): the record must lie in memory this client shares with the "
+                                 "daemon (landing_record() makes one)")
+            if self._locate(rows) is None:
+                raise InputError("get(landed=...): the pages of a layered get must lie in a page_buffer() of this "
+                                 "client (the daemon writes them there as they land)")
+            rseg, roff = at
+
+            def build_layered(conn: _Conn, seg: int, off: int) -> bytes:
+                conn.register(rseg)
+                return conn.tokens(salt, toks, P.GET_LAYERED_REQ.pack(seg, off, want, asked, rseg.id, roff))
+            reply = self._request(P.Op.GET_LAYERED, build_layered, rows=rows, fill=True, n_rows=want)
+            pages, ntok = P.GET_REP.unpack_from(reply)
+            return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])))
+
         def build(conn: _Conn, seg: int, off: int) -> bytes:
-            return conn.tokens(salt, toks, P.GET_REQ.pack(seg, off, want, -1 if requested is None else requested))
+            return conn.tokens(salt, toks, P.GET_REQ.pack(seg, off, want, asked))
         reply = self._request(P.Op.GET, build, rows=rows, fill=True, n_rows=want)
         pages, ntok = P.GET_REP.unpack_from(reply)
         return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])))

@@ -50,6 +50,7 @@ from tierkv.keys import KEY_BYTES
 from tierkv.serve import protocol as P
 from tierkv.serve.access import Access, Grant
 from tierkv.serve.segments import SegmentBudget, Segments
+from tierkv.store import landed
 from tierkv.store.api import Store
 from tierkv.store.opening import SERVED_FILE
 
@@ -385,6 +386,14 @@ class NodeService:
             out = segments.rows(seg, off, rows, s.layout.page_bytes)
             g = s.get(tokens, out, salt, requested=None if requested < 0 else requested)
             del out
+            return P.GET_REP.pack(g.pages, g.tokens) + bytes(k.rank for k in g.tiers)
+        if op == P.Op.GET_LAYERED:   # layer by layer, each announced in the client's landing record
+            seg, off, rows, requested, lseg, loff = _unpack(P.GET_LAYERED_REQ, body)
+            salt, tokens = self._tokens(body, P.GET_LAYERED_REQ.size, segments, grant)
+            out = segments.rows(seg, off, rows, s.layout.page_bytes)
+            record = segments.words(lseg, loff, landed.WORDS)
+            g = s.get(tokens, out, salt, requested=None if requested < 0 else requested, landed=record)
+            del out, record
             return P.GET_REP.pack(g.pages, g.tokens) + bytes(k.rank for k in g.tiers)
         if op == P.Op.PUT:
             seg, off, rows, unfilled, announce = _unpack(P.PUT_REQ, body)

@@ -27,8 +27,8 @@ from enum import IntEnum
 
 from tierkv.errors import InputError
 
-#: Bumped on any incompatible change; HELLO refuses a mismatch. 2: UNREGISTER.
-VERSION = 2
+#: Bumped on any incompatible change; HELLO refuses a mismatch. 2: UNREGISTER. 3: GET_LAYERED.
+VERSION = 3
 
 HEADER = struct.Struct("<IHH")
 #: The largest body either side accepts. Bodies are small: page bytes and long prompts
@@ -52,6 +52,7 @@ class Op(IntEnum):
     LOOKUP_KEYS = 12  # <B count + keys as a token op carries tokens (16 bytes a key) -> as LOOKUP; only for
                       # connections that may use every tenant (HELLO's "every_tenant")
     UNREGISTER = 13   # <Q segment id -> empty: the daemon unmaps it (a client gives a page buffer back)
+    GET_LAYERED = 14  # <QQQqQQ as GET + the landing record's segment, offset (tierkv.store.landed) -> as GET
 
 
 class Status(IntEnum):
@@ -63,6 +64,7 @@ LOOKUP_REQ = struct.Struct("<B")
 LOOKUP_REP = struct.Struct("<QQQ")
 GET_REQ = struct.Struct("<QQQq")
 GET_REP = struct.Struct("<QQ")
+GET_LAYERED_REQ = struct.Struct("<QQQqQQ")
 PUT_REQ = struct.Struct("<QQQQB")
 PUT_REP = struct.Struct("<QQQ")
 COUNT = struct.Struct("<Q")

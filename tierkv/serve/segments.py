@@ -134,6 +134,14 @@ class Segments:
             raise InputError(f"{rows} pages at offset {off} run past page segment {seg} ({len(m)} bytes)")
         return np.frombuffer(m, dtype=np.uint8, count=rows * page_bytes, offset=off).reshape(rows, page_bytes)
 
+    def words(self, seg: int, off: int, count: int) -> np.ndarray:
+        """``count`` uint64 words at ``off`` in segment ``seg``, in place (a landing record
+        the daemon writes as a layered get goes)."""
+        m = self._get(seg, "record")
+        if off % 8 or off + 8 * count > len(m):
+            raise InputError(f"{count} aligned words at offset {off} run past segment {seg} ({len(m)} bytes)")
+        return np.frombuffer(m, dtype=np.uint64, count=count, offset=off)
+
     def tokens(self, seg: int, off: int, count: int, item: int) -> np.ndarray:
         """``count`` tokens (``item`` 4: uint32) or page keys (16: raw bytes) at ``off`` in
         segment ``seg``, copied out, so that the client cannot change them while the store

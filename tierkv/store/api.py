@@ -39,7 +39,8 @@ from tierkv.store.opening import open_store_parts, release_dir
 from tierkv.store.pages import PageBatch, PageSource, Rows, page_list, page_rows
 from tierkv.store.peering import Peering
 from tierkv.store.pins import PinLedger
-from tierkv.store.moves import Lead, MovePlan
+from tierkv.store.landed import LAYERS, PAGES, check_record, layer_groups, publish, reset
+from tierkv.store.moves import NO_SOURCE, Lead, MovePlan
 from tierkv.store.results import GetResult as GetResult
 from tierkv.store.results import LookupResult as LookupResult
 from tierkv.store.results import PutResult as PutResult
@@ -229,7 +230,7 @@ class Store:
         return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
-            requested: int | None = None) -> GetResult:
+            requested: int | None = None, landed: np.ndarray | None = None) -> GetResult:
         """Load the leading cached pages of ``tokens`` into ``out`` (up to its length).
 
         Stops at the first page that is not cached or fails verification. Only the
@@ -238,6 +239,10 @@ class Store:
         the config says so. ``requested`` is how many pages the request needed, for
         ``stats()`` (default: the rows of ``out``); an adapter that loads only what a
         lookup found passes the prompt's pages, so that its misses are counted.
+        ``landed``: a landing record (:mod:`tierkv.store.landed`): the pages are read
+        layer by layer across all of them, each layer announced in the record as it
+        lands, for a consumer that starts on the first layers meanwhile (DRAM pages are
+        then copied with the lock held).
         """
         with self._lock:
             self._check_open()
@@ -254,6 +259,8 @@ class Store:
                 requested = want
             self._announce(blob, from_get=True)
             lead = self._lead(blob, want)
+            if landed is not None:
+                return self._get_rest(blob, tenant, rows, want, requested, lead, 0, check_record(landed))
             fast = self._fast_lead(lead)
             if not fast:
                 return self._get_rest(blob, tenant, rows, want, requested, lead, 0)
@@ -315,7 +322,7 @@ class Store:
         return self._private[:need].reshape(n, width)
 
     def _get_rest(self, blob: bytes, tenant: str | bytes, rows: np.ndarray, want: int, requested: int,
-                  lead: Lead, first: int) -> GetResult:
+                  lead: Lead, first: int, landed: np.ndarray | None = None) -> GetResult:
         """The part of a get after its first ``first`` pages (copied from the DRAM tier
         already): ``lead`` is of the pages from there on. With the lock held."""
         # Pages from a tier below DRAM are verified against their checksums, and may be
@@ -323,10 +330,15 @@ class Store:
         # caller writing into ``out`` meanwhile (a client's shared buffer, another thread)
         # can neither fail a good page's check nor become a page's cached copy.
         private = bool((lead.levels != 0).any())
+        if landed is not None and self._manager.tiers[0].persistent:
+            private = True   # NVMe first: read (in aligned ranges) and verified in the store's own rows
         dst = self._private_rows(len(lead), rows.shape[1]) if private else rows[first:]
-        got = self._transfers.read(lead, dst)
-        if private:
-            rows[first:first + got] = dst[:got]
+        if landed is not None:
+            got = self._read_layered(lead, dst, rows[first:] if private else None, landed)
+        else:
+            got = self._transfers.read(lead, dst)
+            if private:
+                rows[first:first + got] = dst[:got]
         levels = lead.levels[:got]
         loaded = first + got
         tiers = (self._kinds[0],) * first + tuple(map(self._kinds.__getitem__, levels.tolist()))
@@ -355,6 +367,26 @@ class Store:
         self._counters.events["pages_requested"] += requested
         self._counters.events["pages_hit"] += loaded
         return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
+
+    def _read_layered(self, lead: Lead, dst: np.ndarray, out: np.ndarray | None, landed: np.ndarray) -> int:
+        """Read ``lead`` into ``dst`` a layer at a time across its pages, announcing each in
+        ``landed``; ``out``: the caller's rows, when ``dst`` is the store's own (each layer
+        is copied out as it lands). With the lock held."""
+        per = self.layout.page_bytes // self.layout.num_layers
+        groups = layer_groups(self.layout.num_layers)
+        ranges = [(a * per, b * per) for a, b in groups]
+        gone = np.flatnonzero(lead.levels == NO_SOURCE)
+        n = int(gone[0]) if len(gone) else len(lead)
+        reset(landed)
+        publish(landed, PAGES, n)
+
+        def after(k: int) -> None:
+            if out is not None:
+                a, b = ranges[k]
+                out[:n, a:b] = dst[:n, a:b]
+            publish(landed, LAYERS, groups[k][1])
+
+        return self._transfers.read_layered(lead, dst, ranges, after)
 
     def _announce(self, blob: bytes, *, from_get: bool, keys: list[PageKey] | None = None) -> None:
         """Show the policies every page a request needs (cached or not), once per request:

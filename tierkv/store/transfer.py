@@ -325,6 +325,55 @@ class Transfers:
                 return a + good
         return n
 
+    def read_layered(self, lead: Lead, out: np.ndarray, ranges: Sequence[tuple[int, int]],
+                     after: Callable[[int], None]) -> int:
+        """:meth:`read` for a caller's get, range by range across every page: ``after(k)``
+        once bytes ``ranges[k]`` of every page still being read have landed in ``out``, so
+        that a consumer of the first ranges (an engine's first layers) starts before the
+        last land. Pages from persistent tiers are verified once all their ranges are in:
+        what ``after`` announced is only good up to the count returned. When a tier cannot
+        read ranges (encoded pages, unaligned for O_DIRECT), pages are read whole and
+        ``after`` is called for every range at the end.
+        """
+        levels = lead.levels
+        gone = np.flatnonzero(levels == NO_SOURCE)
+        n = int(gone[0]) if len(gone) else len(lead)
+        cuts = [0, *(np.flatnonzero(levels[1:n] != levels[:n - 1]) + 1).tolist(), n] if n else [0]
+        runs = [(a, b, self._m.tiers[int(levels[a])]) for a, b in zip(cuts, cuts[1:])]
+        if not all(t.reads_ranges(s, e, out[a:b]) for a, b, t in runs for s, e in ranges):
+            got = self.read(lead, out)
+            for k in range(len(ranges)):
+                after(k)
+            return got
+        limit = n
+        elapsed = [0.0] * len(runs)
+        for k, (s, e) in enumerate(ranges):
+            for r, (a, b, tier) in enumerate(runs):
+                if a >= limit:
+                    break
+                start = time.perf_counter()
+                try:
+                    tier.read_range(lead.slots[a:b], out[a:b], s, e)
+                except TierUnavailableError as exc:   # still there, only unreachable
+                    log.warning("read of %d pages from %s failed, serving them as misses: %s", b - a, tier.name, exc)
+                    limit = a
+                except TierIOError as exc:
+                    log.warning("read of %d pages from %s failed, serving them as misses: %s", b - a, tier.name, exc)
+                    for i in range(a, b):
+                        self._m.forget(lead.key(i))
+                    limit = a
+                finally:
+                    elapsed[r] += self._timed(tier.name, start)
+            after(k)
+        for r, (a, b, tier) in enumerate(runs):
+            if a >= limit:
+                return limit
+            good = self._verify(tier, lead, a, out[a:b])
+            self._count(tier.name, lead, a, a + good, elapsed[r], True)
+            if good < b - a:
+                return a + good
+        return limit
+
     def _quarantine(self, key: PageKey, what: str) -> None:
         """A page that failed verification: the writer forgets it (a miss from now on); a
         read-only store serves it as a miss and reports such pages in bulk."""

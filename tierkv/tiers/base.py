@@ -291,6 +291,27 @@ class Tier(abc.ABC):
         self._read(slots, dst)
         return None
 
+    def reads_ranges(self, start: int, stop: int, dst: np.ndarray) -> bool:
+        """Whether :meth:`read_range` can read bytes ``start .. stop-1`` of pages into
+        ``dst`` (a tier that stores pages as they are, with any alignment it needs met)."""
+        return False
+
+    def read_range(self, slots: Sequence[int], dst: np.ndarray, start: int, stop: int) -> None:
+        """Copy bytes ``start .. stop-1`` of slot ``slots[i]``'s page into ``dst[i, start:stop]``
+        (the rest of ``dst`` is left as it is). Nothing is verified: a caller that reads a
+        persistent tier in ranges checks whole pages once every range has landed."""
+        self._check_io(slots, dst)
+        self._check_writable(dst)
+        if not 0 <= start < stop <= dst.shape[1]:
+            raise InputError(f"a byte range of a page must lie in [0, {dst.shape[1]}], got {start}..{stop}")
+        if not self.reads_ranges(start, stop, dst):
+            raise InputError(f"the {self.name} tier cannot read bytes {start}..{stop} of its pages into this buffer "
+                             "(it stores them encoded, or the range or buffer is not aligned for its I/O)")
+        self._read_range(slots, dst, start, stop)
+
+    def _read_range(self, slots: Sequence[int], dst: np.ndarray, start: int, stop: int) -> None:
+        raise NotImplementedError
+
     def flush(self) -> None:
         """Make every completed write durable (no-op for volatile tiers)."""
         self._check_open()

@@ -160,6 +160,13 @@ class DramTier(Tier):
         for run_start, run_slot, run_len in runs:
             dst[run_start:run_start + run_len] = self._buf[run_slot:run_slot + run_len, :width]
 
+    def reads_ranges(self, start: int, stop: int, dst: np.ndarray) -> bool:
+        return True
+
+    def _read_range(self, slots: Sequence[int], dst: np.ndarray, start: int, stop: int) -> None:
+        for run_start, run_slot, run_len in _runs(slots):
+            dst[run_start:run_start + run_len, start:stop] = self._buf[run_slot:run_slot + run_len, start:stop]
+
     def _close(self) -> None:
         if self._prefault is not None:
             self._prefault.stop()

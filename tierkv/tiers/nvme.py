@@ -342,6 +342,49 @@ class NvmeTier(Tier):
         self._read_rows(slots, dst, sums)
         return sums
 
+    def reads_ranges(self, start: int, stop: int, dst: np.ndarray) -> bool:
+        # Pages lie in the file as they are; O_DIRECT needs the range and the rows aligned.
+        # Local files only: a fabric tier's reads carry deadlines this path does not.
+        if self.kind is not TierKind.NVME:
+            return False
+        if not self.direct:
+            return True
+        return start % ALIGN == 0 and stop % ALIGN == 0 and dst.shape[1] % ALIGN == 0 and is_aligned(dst)
+
+    def _read_range(self, slots: Sequence[int], dst: np.ndarray, start: int, stop: int) -> None:
+        """One read per slot (the ranges of consecutive slots are not adjacent in the file),
+        spread over the I/O threads."""
+        todo = deque(enumerate(int(s) for s in slots))
+        errors: list[BaseException] = []
+        length = stop - start
+        with self._busy() as fd:
+            def drain() -> None:
+                while not errors:
+                    try:
+                        row, slot = todo.popleft()
+                    except IndexError:
+                        return
+                    offset = self.header_bytes + slot * self.slot_bytes + start
+                    try:
+                        done = os.preadv(fd, [dst[row, start:stop].data], offset)
+                    except OSError as e:
+                        errors.append(TierIOError(f"nvme tier {self.path}: read of bytes {start}..{stop} of slot "
+                                                  f"{slot} (offset {offset}) failed: {oserr(e)}"))
+                        return
+                    if done != length:
+                        errors.append(TierIOError(f"nvme tier {self.path}: short read of slot {slot}: {done} of "
+                                                  f"{length} bytes at offset {offset} (file or device shorter than "
+                                                  "the tier?)"))
+                        return
+
+            helpers = min(self.io_threads, len(todo)) - 1
+            futures = [self._fanout.submit(drain) for _ in range(helpers)] if self._fanout else []
+            drain()
+            for f in futures:
+                f.result()
+        if errors:
+            raise errors[0]
+
     # -- reads through io_uring ----------------------------------------------------------
     def _init_reads(self, io_uring: bool | None, read_depth: int) -> None:
         """Set up the read path: io_uring rings where asked for and working here, else the pool.

@@ -44,8 +44,12 @@ from tierkv.errors import TierKVError
 from tierkv.integrations.vllm.blocks import CpuPagedKV
 from tierkv.integrations.vllm.plan import LoadJob, SaveJob, StepPlan
 from tierkv.serve.client import RemoteStore
+from tierkv.store import landed
 
 log = logging.getLogger(__name__)
+
+#: Seconds between looks at a landing record once the first quick ones found nothing.
+POLL_S = 0.0002
 
 #: Page buffers the worker keeps, each as many pages as the engine's longest context
 #: (made when the worker starts, so that no request waits for one to be made).
@@ -66,6 +70,18 @@ class WorkerCounters:
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
+class _Load:
+    """One job's load in this step: its buffer, landing record and how far it got."""
+
+    job: LoadJob
+    buf: np.ndarray
+    record: np.ndarray
+    pages: torch.Tensor        # ``buf`` as pages
+    upto: int = 0              # pages copied for every layer copied so far (from job.skip)
+    served: int | None = None  # the get's count, once it returned
+
+
 class _BufferPool:
     """Page buffers in the daemon's shared memory, each ``pages`` rows; lent one at a time."""
 
@@ -74,7 +90,19 @@ class _BufferPool:
         self._free: list[np.ndarray] = []
         self._made = 0
         self._count = count
+        self._records: dict[int, np.ndarray] = {}
         self._cond = threading.Condition()
+
+    def record(self, buf: np.ndarray) -> np.ndarray:
+        """The landing record that goes with ``buf`` (made with it, on first use)."""
+        key = buf.__array_interface__["data"][0]
+        with self._cond:
+            rec = self._records.get(key)
+        if rec is None:
+            rec = self._store.landing_record()
+            with self._cond:
+                rec = self._records.setdefault(key, rec)
+        return rec
 
     def take(self, may_wait: Callable[[], bool]) -> np.ndarray | None:
         """A free buffer; when none is, wait while ``may_wait()`` (someone will give one
@@ -109,6 +137,7 @@ class _BufferPool:
             bufs = list(self._free)
         for buf in bufs:
             self._store.attach_buffer(buf)
+            self._store.attach_buffer(self.record(buf))
 
     def give(self, buf: np.ndarray) -> None:
         with self._cond:
@@ -135,10 +164,9 @@ class ConnectorWorker:
             pool.submit(self._pool.attach).result()
         self._lock = threading.Lock()
         self._errors: set[int] = set()
-        self._load_future: Future[list[tuple[LoadJob, np.ndarray, torch.Tensor, int]]] | None = None
-        self._got: list[tuple[LoadJob, np.ndarray, torch.Tensor, int]] | None = None
+        self._load_future: Future[None] | None = None
+        self._loads: list[_Load] = []   # this step's loads, until their buffers go back
         self._copied = 0   # layers of this step's loads copied into vLLM's blocks
-        self._loading: list[tuple[LoadJob, np.ndarray]] = []   # this step's loads with their buffers
         self._step_errors: set[int] = set()   # blocks whose load failed in this step
         # Per request: leading pages known to be in the store (loaded, or put), and puts
         # still running. A save starts from the first page not known stored.
@@ -164,9 +192,11 @@ class ConnectorWorker:
                 continue
             loading.append((job, buf))
         self._copied = 0
-        self._got = None
-        self._loading = loading
-        self._load_future = self._loader.submit(self._get_all, loading) if loading else None
+        self._loads = [_Load(job, buf, self._pool.record(buf), self.kv.pages(torch.from_numpy(buf)))
+                       for job, buf in loading]
+        for load in self._loads:
+            landed.reset(load.record)
+        self._load_future = self._loader.submit(self._get_all, self._loads) if self._loads else None
         self._saving = []
         for sjob in plan.saves:
             with self._lock:
@@ -186,51 +216,79 @@ class ConnectorWorker:
     def start_load(self) -> None:
         """vLLM's ``start_load_kv``: the gets started when the step began; nothing to add."""
 
-    def _get_all(self, jobs: list[tuple[LoadJob, np.ndarray]]) -> list[tuple[LoadJob, np.ndarray, torch.Tensor, int]]:
-        """The background half of a load: the daemon copies the pages into the buffers."""
+    def _get_all(self, loads: list[_Load]) -> None:
+        """The background half of a load: the daemon reads each job's pages into its buffer
+        a layer at a time, announcing each layer in the job's landing record."""
         t0 = time.perf_counter()
-        got = [(job, buf, self.kv.pages(torch.from_numpy(buf)), self._get(job, buf)) for job, buf in jobs]
+        for load in loads:
+            load.served = self._get(load.job, load.buf, load.record)
         with self._lock:
             self.counters.get_seconds += time.perf_counter() - t0
-        return got
 
     def wait_layer(self, layer: int) -> None:
-        """vLLM's attention for ``layer`` is about to read the blocks: copy the loaded pages'
-        layers up to it into them now (on vLLM's thread, so the copies use its OpenMP
-        threads instead of competing with them for the same cores)."""
-        if self._load_future is None and self._got is None:
+        """vLLM's attention for ``layer`` is about to read the blocks: copy that layer (and
+        any before it not copied yet) of the loaded pages into them, each as soon as the
+        daemon announces it landed (on vLLM's thread, so the copies use its OpenMP threads
+        instead of competing with them for the same cores)."""
+        if self._load_future is None and not self._loads:
             return
         self._copy_layers(layer + 1)
 
-    def _resolve(self) -> list[tuple[LoadJob, np.ndarray, torch.Tensor, int]]:
+    def _resolve(self) -> list[_Load]:
         """This step's gets, waited for. A get that failed in a way ``_get`` did not catch
         fails its whole step's loads (their blocks recomputed, their buffers given back)."""
-        if self._got is None:
-            fut, self._load_future = self._load_future, None
+        fut, self._load_future = self._load_future, None
+        if fut is not None:
             try:
-                self._got = fut.result() if fut is not None else []
+                fut.result()
             except BaseException:
                 log.exception("tierkv: a load failed; its blocks are recomputed")
-                for job, buf in self._loading:
-                    self._fail_load(job, 0)
-                    self._pool.give(buf)
-                self._got = []
-            self._loading = []
-        return self._got
+                for load in self._loads:
+                    self._fail_load(load.job, 0)
+                    self._pool.give(load.buf)
+                self._loads = []
+        return self._loads
+
+    def _landed(self, load: _Load, layer: int) -> None:
+        """Wait until ``layer`` of ``load``'s pages is in its buffer, or its get ended."""
+        fut = self._load_future
+        spins = 0
+        while load.served is None and landed.read(load.record, landed.LAYERS) <= layer:
+            if fut is None or fut.done():
+                self._resolve()
+                return
+            spins += 1
+            time.sleep(0 if spins < 50 else POLL_S)   # the first waits are short: the daemon is a layer ahead
+
+    def _copy_layer(self, load: _Load, layer: int) -> None:
+        job = load.job
+        if load.served is not None:   # the get has ended: its count is the truth
+            if load.served > load.upto:   # pages it served past those announced (from a peer): catch up
+                for earlier in range(layer):
+                    self._scatter(load, earlier, max(load.upto, job.skip), load.served)
+            load.upto = load.served
+        elif layer == 0:
+            load.upto = min(landed.read(load.record, landed.PAGES), job.end)
+        self._scatter(load, layer, job.skip, load.upto)
+
+    def _scatter(self, load: _Load, layer: int, first: int, end: int) -> None:
+        if end > first:
+            skip = load.job.skip
+            self.kv.scatter(layer, load.pages[first:end], load.job.block_ids[first - skip:end - skip])
 
     def _copy_layers(self, upto: int) -> None:
-        got = self._resolve()
         t0 = time.perf_counter()
         try:
             while self._copied < min(upto, self._layers):
-                for job, _buf, pages, n in got:
-                    if n > job.skip:
-                        self.kv.scatter(self._copied, pages[job.skip:n], job.block_ids[:n - job.skip])
+                for load in self._loads:
+                    self._landed(load, self._copied)
+                    if load in self._loads:   # not failed meanwhile
+                        self._copy_layer(load, self._copied)
                 self._copied += 1
         except BaseException:
             log.exception("tierkv: copying loaded pages failed; their blocks are recomputed")
-            for job, _buf, _pages, _n in got:
-                self._fail_load(job, 0)
+            for load in self._resolve():
+                self._fail_load(load.job, 0)
             self._copied = self._layers
         with self._lock:
             self.counters.scatter_seconds += time.perf_counter() - t0
@@ -238,31 +296,33 @@ class ConnectorWorker:
             self._release_loads()
 
     def _release_loads(self) -> None:
-        got, self._got = self._got or [], None
-        for job, buf, _pages, n in got:
-            if n < job.end:
-                self._fail_load(job, n)
-            self._pool.give(buf)
+        loads, self._loads = self._resolve(), []
+        for load in loads:
+            served = load.served or 0
+            if served < load.job.end:
+                self._fail_load(load.job, served)
+            self._pool.give(load.buf)
 
     def _finish_layers(self) -> None:
         """Copy whatever this step's loads have not copied yet. vLLM waits for every layer
         before its attention; should a layer be skipped, its copy still lands before the
         blocks are used by a later step, and the step's blocks are reported for recompute
         (the skipped attention read them before the copy)."""
-        if self._load_future is None and self._got is None:
+        if self._load_future is None and not self._loads:
             return
         late = self._copied < self._layers
-        jobs = [job for job, *_rest in self._resolve()]
+        jobs = [load.job for load in self._loads]
         self._copy_layers(self._layers)
         if late:
             log.warning("tierkv: vLLM ran attention layers without waiting for their loads; recomputing those blocks")
             for job in jobs:
                 self._fail_load(job, 0)
 
-    def _get(self, job: LoadJob, buf: np.ndarray) -> int:
+    def _get(self, job: LoadJob, buf: np.ndarray, record: np.ndarray) -> int:
         """Pages of ``job`` the store served into ``buf`` (0 on a store error)."""
         try:
-            res = self.store.get(job.tokens, buf[:job.end], job.tenant, requested=max(job.requested, job.end))
+            res = self.store.get(job.tokens, buf[:job.end], job.tenant, requested=max(job.requested, job.end),
+                                 landed=record)
         except TierKVError as exc:
             log.warning("tierkv: loading %d pages for %s failed (%s); vLLM recomputes them",
                         len(job.block_ids), job.req_id, exc)

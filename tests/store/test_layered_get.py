@@ -1,0 +1,149 @@
+"""Store.get(..., landed=record): pages read layer by layer, each layer announced as it lands."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import LAYOUT, PB, make_config, page_data
+from tierkv.errors import InputError
+from tierkv.store import landed as L
+from tierkv.store.api import Store
+from tierkv.store.transfer import Transfers
+from tierkv.tiers.base import TierKind
+from tierkv.tiers.nvme import NvmeTier
+
+TPP = LAYOUT.tokens_per_page
+PER = PB // LAYOUT.num_layers
+
+
+def prompt(seed: int, pages: int) -> np.ndarray:
+    return np.random.default_rng(seed + 2000).integers(0, 50000, pages * TPP, dtype=np.int64)
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, np.ndarray, int, int]]:
+    """Each announcement of a layered get: (layer k, the caller's rows then, record words)."""
+    seen: list[tuple[int, np.ndarray, int, int]] = []
+    real = Transfers.read_layered
+
+    def spy(self: Transfers, lead, out, ranges, after):  # type: ignore[no-untyped-def]
+        def wrapped(k: int) -> None:
+            after(k)
+            seen.append((k, watched_rows[0].copy(), L.read(record[0], L.PAGES), L.read(record[0], L.LAYERS)))
+        return real(self, lead, out, ranges, wrapped)
+
+    monkeypatch.setattr(Transfers, "read_layered", spy)
+    return seen
+
+
+watched_rows: list[np.ndarray] = []
+record: list[np.ndarray] = []
+
+
+def layered_get(s: Store, tokens: np.ndarray, n: int) -> tuple[int, np.ndarray, np.ndarray]:
+    out = np.zeros((n, PB), dtype=np.uint8)
+    rec = L.new_record()
+    L.publish(rec, L.LAYERS, 99)   # stale words from a previous get: the get resets them
+    watched_rows[:] = [out]
+    record[:] = [rec]
+    got = s.get(tokens, out, landed=rec)
+    return got.pages, out, rec
+
+
+@pytest.mark.parametrize("dram,nvme,promote", [(8, 0, True), (0, 8, False), (2, 8, False), (2, 8, True)])
+def test_layers_land_in_order_with_the_same_bytes_as_a_get(tmp_path: Path, watched: list, dram: int, nvme: int,
+                                                           promote: bool) -> None:
+    cfg = make_config(tmp_path / "s", dram, nvme, promote_on_hit=promote)
+    tokens, data = prompt(1, 6), page_data(1, 5)
+    with Store.open(cfg) as s:
+        s.put(tokens[:5 * TPP], data)
+        tiers = s.lookup(tokens).tiers
+        n, out, rec = layered_get(s, tokens, 6)   # one page more than the store holds
+        assert n == 5 and np.array_equal(out[:5], data) and not out[5].any()
+        assert (L.read(rec, L.PAGES), L.read(rec, L.LAYERS)) == (5, LAYOUT.num_layers)
+        assert [k for k, *_ in watched] == list(range(LAYOUT.num_layers))
+        for k, rows, pages, layers in watched:
+            assert (pages, layers) == (5, k + 1)
+            done = (k + 1) * PER
+            assert np.array_equal(rows[:5, :done], data[:, :done])   # the layers announced are there
+            assert not rows[:, done:].any()                            # the later ones not yet
+        after = s.lookup(tokens).tiers
+        assert s.stats().tiers[TierKind.NVME.value if nvme and not dram else TierKind.DRAM.value].hits > 0
+    with Store.open(make_config(tmp_path / "twin", dram, nvme, promote_on_hit=promote)) as twin:
+        twin.put(tokens[:5 * TPP], data)   # a plain get promotes (or not) the same pages
+        assert twin.lookup(tokens).tiers == tiers
+        twin.get(tokens, np.zeros((6, PB), dtype=np.uint8))
+        assert twin.lookup(tokens).tiers == after
+
+
+def test_a_page_that_fails_its_checksum_ends_the_result_though_its_layers_were_announced(
+        tmp_path: Path, watched: list) -> None:
+    cfg = make_config(tmp_path / "s", 0, 8, promote_on_hit=False)
+    tokens, data = prompt(2, 4), page_data(2, 4)
+    with Store.open(cfg) as s:
+        s.put(tokens, data)
+        s.flush()
+        nvme = s._manager.tiers[0]
+        assert isinstance(nvme, NvmeTier)
+        slot = s._manager.leading(s._keys(tokens, ""), 4)[2].slots[nvme.name]
+        fd = os.open(cfg.nvme_path(), os.O_WRONLY)
+        try:   # bit rot in page 2's last layer
+            os.pwrite(fd, b"\xff" * 64, nvme.header_bytes + slot * nvme.slot_bytes + PB - 4096)
+        finally:
+            os.close(fd)
+        n, out, rec = layered_get(s, tokens, 4)
+        assert n == 2 and np.array_equal(out[:2], data[:2])
+        assert L.read(rec, L.PAGES) == 4 and L.read(rec, L.LAYERS) == LAYOUT.num_layers
+        assert s.lookup(tokens).cached_pages == 2   # quarantined, as a plain get does
+        assert s.stats().corrupt_pages == 1
+
+
+def test_a_tier_that_cannot_read_ranges_reads_whole_pages_then_announces_every_layer(tmp_path: Path) -> None:
+    # 6 KiB layers: O_DIRECT cannot read one alone, so the NVMe tier reads whole pages.
+    from tierkv.config import NvmeConfig, StoreConfig
+    from tierkv.layout import KVLayout
+
+    odd = KVLayout(num_layers=2, num_kv_heads=2, head_dim=48, dtype="bf16", tokens_per_page=16)
+    cfg = StoreConfig(path=str(tmp_path / "s"), model_id="m", layout=odd, dram=None,
+                      nvme=NvmeConfig(8 * odd.page_bytes), promote_on_hit=False)
+    data = np.random.default_rng(3).integers(0, 256, (3, odd.page_bytes), dtype=np.uint8)
+    tokens = prompt(3, 3)
+    with Store.open(cfg) as s:
+        s.put(tokens, data)
+        tier = s._manager.tiers[0]
+        assert isinstance(tier, NvmeTier)
+        out = np.zeros((3, odd.page_bytes), dtype=np.uint8)
+        if tier.direct:
+            assert not tier.reads_ranges(0, odd.page_bytes // 2, out)
+        rec = L.new_record()
+        assert s.get(tokens, out, landed=rec).pages == 3
+        assert np.array_equal(out, data) and L.read(rec, L.LAYERS) == 2 and L.read(rec, L.PAGES) == 3
+
+
+def test_a_miss_announces_no_pages(store: Store) -> None:
+    rec = L.new_record()
+    L.publish(rec, L.PAGES, 7)
+    out = np.zeros((2, PB), dtype=np.uint8)
+    assert store.get(prompt(4, 2), out, landed=rec).pages == 0
+    assert L.read(rec, L.PAGES) == 0
+
+
+@pytest.mark.parametrize("bad", [np.zeros(2, dtype=np.int64), np.zeros(3, dtype=np.uint64), [0, 0],
+                                 np.zeros(2, dtype=np.uint64)[::-1]])
+def test_a_record_that_is_not_two_aligned_uint64_words_is_refused(store: Store, bad: object) -> None:
+    with pytest.raises(InputError, match="landing record"):
+        store.get(prompt(5, 1), np.zeros((1, PB), dtype=np.uint8), landed=bad)  # type: ignore[arg-type]
+
+
+def test_tier_range_reads_check_their_range(tmp_path: Path) -> None:
+    with Store.open(make_config(tmp_path / "s", 4, 8)) as s:
+        for tier in s._manager.tiers:
+            dst = np.zeros((1, PB), dtype=np.uint8)
+            with pytest.raises(InputError, match="byte range"):
+                tier.read_range([0], dst, 4096, 4096)
+            with pytest.raises(InputError, match="byte range"):
+                tier.read_range([0], dst, 0, PB + 4096)
