@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
-from tierkv.errors import InputError, LayoutError, TierKVError
+from tierkv.tiers.base import TierKind
+from tierkv.errors import AccessDeniedError, InputError, LayoutError, TierKVError
 from tierkv.integrations.vllm.blocks import CpuPagedKV, runs
 from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan
 from tierkv.integrations.vllm.transfer import ConnectorWorker
@@ -39,9 +40,15 @@ def daemon(sock_dir: Path, tmp_path: Path) -> Iterator[NodeService]:
     svc.close()
 
 
-@pytest.fixture
-def store(daemon: NodeService) -> Iterator[RemoteStore]:
+@pytest.fixture(params=["lend", "get"])
+def store(request: pytest.FixtureRequest, daemon: NodeService) -> Iterator[RemoteStore]:
+    """A client; "get": one whose daemon does not lend its DRAM (as for a user limited to
+    some tenants), so that workers load every page through gets."""
     with RemoteStore(daemon.path, timeout_s=10) as s:
+        if request.param == "get":
+            def no_pool() -> np.ndarray:
+                raise AccessDeniedError("lending needs a connection whose user may use every tenant")
+            s.dram_pool = no_pool  # type: ignore[method-assign]
         yield s
 
 
@@ -218,6 +225,34 @@ def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: Remote
         assert torch.equal(b_caches[layer][[6, 7, 8, 10]], src[layer][[3, 1, 4, 0]])
     assert b.load_errors() == set()
     assert b.counters.loaded_tokens == 4 * N and b.counters.tokens_by_tier == {"dram": 4 * N}
+    assert b.counters.lent_tokens == (4 * N if b._dram is not None else 0)   # copied straight from the pool
+    a.close()
+    b.close()
+
+
+def test_pages_not_all_in_dram_are_got_layer_by_layer_not_lent(store: RemoteStore, daemon: NodeService) -> None:
+    toks = prompt(4.5, seed=13)
+    src = engine_caches(13)
+    a = ConnectorWorker(store, CpuPagedKV(src, LAYOUT), max_pages=8)
+    pa = ConnectorPlanner(store, N)
+    pa.allocated("a", toks, len(toks), "", [0, 1, 2, 3, 4], 0)
+    step(a, pa.plan([("a", [0, 1, 2, 3, 4], 0)], [], {"a": len(toks)}), write=src, caches=a.kv.layers)
+    a.drain()
+    for k in range(3):                                       # 12 other pages push these 4 out of DRAM
+        other = prompt(4.5, seed=100 + k)
+        put_pages(store, other)
+    tiers = daemon.store.lookup(np.array(toks[:4 * N], np.uint32)).tiers
+    assert TierKind.NVME in tiers
+    b_caches = engine_caches(14)
+    b = ConnectorWorker(store, CpuPagedKV(b_caches, LAYOUT), max_pages=8)
+    pb = ConnectorPlanner(store, N)
+    assert pb.matched("b", toks, "", 0) == 4 * N
+    pb.allocated("b", toks, len(toks), "", [9, 8, 7, 6, 5], 4 * N)
+    step(b, pb.plan([("b", [9, 8, 7, 6, 5], 4 * N)], [], {"b": len(toks) - 4 * N}))
+    assert b.load_errors() == set()
+    for layer in range(L):
+        assert torch.equal(b_caches[layer][[9, 8, 7, 6]], src[layer][[0, 1, 2, 3]])
+    assert b.counters.lent_tokens == 0 and b.counters.tokens_by_tier.get("nvme", 0) > 0
     a.close()
     b.close()
 
@@ -302,6 +337,7 @@ def test_a_save_computed_over_a_failed_load_is_not_stored(store: RemoteStore, mo
     def broken_get(*_a: object, **_k: object) -> None:
         raise TierKVError("the daemon did not answer in time")
     monkeypatch.setattr(store, "get", broken_get)
+    monkeypatch.setattr(store, "lend", broken_get)
     step(w, plan)
     w.drain()
     assert w.load_errors() == {1, 2, 3, 4}
@@ -338,6 +374,7 @@ def test_an_unexpected_loader_failure_reports_the_blocks_and_returns_the_buffers
     def boom(*_a: object, **_k: object) -> None:
         raise RuntimeError("not a store error")
     monkeypatch.setattr(w, "_get", boom)
+    monkeypatch.setattr(w, "_lend", boom)
     step(w, p.plan([("r", [1, 2, 3, 4], 3 * N)], [], {"r": N // 2}))
     assert w.load_errors() == {1, 2, 3}
     assert len(w._pool._free) == 2                           # both buffers back in the pool

@@ -13,7 +13,9 @@ from tierkv.errors import InputError
 from tierkv.store import landed as L
 from tierkv.store.api import Store
 from tierkv.store.transfer import Transfers
+from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import TierKind
+from tierkv.tiers.dram import DramTier
 from tierkv.tiers.nvme import NvmeTier
 
 TPP = LAYOUT.tokens_per_page
@@ -30,11 +32,13 @@ def watched(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, np.ndarray, int,
     seen: list[tuple[int, np.ndarray, int, int]] = []
     real = Transfers.read_layered
 
-    def spy(self: Transfers, lead, out, ranges, after):  # type: ignore[no-untyped-def]
+    def spy(self: Transfers, lead, out, ranges, after, **kw):  # type: ignore[no-untyped-def]
         def wrapped(k: int) -> None:
             after(k)
             seen.append((k, watched_rows[0].copy(), L.read(record[0], L.PAGES), L.read(record[0], L.LAYERS)))
-        return real(self, lead, out, ranges, wrapped)
+            if scribble and k == len(ranges) - 1:   # the caller writes into its rows before the check
+                watched_rows[0][scribble[0]] ^= 0xFF
+        return real(self, lead, out, ranges, wrapped, **kw)
 
     monkeypatch.setattr(Transfers, "read_layered", spy)
     return seen
@@ -42,10 +46,12 @@ def watched(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, np.ndarray, int,
 
 watched_rows: list[np.ndarray] = []
 record: list[np.ndarray] = []
+scribble: list[int] = []   # a row the caller overwrites once every layer has landed
 
 
-def layered_get(s: Store, tokens: np.ndarray, n: int) -> tuple[int, np.ndarray, np.ndarray]:
-    out = np.zeros((n, PB), dtype=np.uint8)
+def layered_get(s: Store, tokens: np.ndarray, n: int, aligned: bool = True) -> tuple[int, np.ndarray, np.ndarray]:
+    # Aligned rows take the pages straight from O_DIRECT; others get each group copied out.
+    out = aligned_empty(n * PB).reshape(n, PB) if aligned else np.zeros((n, PB), dtype=np.uint8)
     rec = L.new_record()
     L.publish(rec, L.LAYERS, 99)   # stale words from a previous get: the get resets them
     watched_rows[:] = [out]
@@ -54,15 +60,16 @@ def layered_get(s: Store, tokens: np.ndarray, n: int) -> tuple[int, np.ndarray, 
     return got.pages, out, rec
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("dram,nvme,promote", [(8, 0, True), (0, 8, False), (2, 8, False), (2, 8, True)])
 def test_layers_land_in_order_with_the_same_bytes_as_a_get(tmp_path: Path, watched: list, dram: int, nvme: int,
-                                                           promote: bool) -> None:
+                                                           promote: bool, aligned: bool) -> None:
     cfg = make_config(tmp_path / "s", dram, nvme, promote_on_hit=promote)
     tokens, data = prompt(1, 6), page_data(1, 5)
     with Store.open(cfg) as s:
         s.put(tokens[:5 * TPP], data)
         tiers = s.lookup(tokens).tiers
-        n, out, rec = layered_get(s, tokens, 6)   # one page more than the store holds
+        n, out, rec = layered_get(s, tokens, 6, aligned)   # one page more than the store holds
         assert n == 5 and np.array_equal(out[:5], data) and not out[5].any()
         assert (L.read(rec, L.PAGES), L.read(rec, L.LAYERS)) == (5, LAYOUT.num_layers)
         assert [k for k, *_ in watched] == list(range(LAYOUT.num_layers))
@@ -70,7 +77,8 @@ def test_layers_land_in_order_with_the_same_bytes_as_a_get(tmp_path: Path, watch
             assert (pages, layers) == (5, k + 1)
             done = (k + 1) * PER
             assert np.array_equal(rows[:5, :done], data[:, :done])   # the layers announced are there
-            assert not rows[:, done:].any()                            # the later ones not yet
+            if not aligned:   # copied out group by group (aligned rows take reads still in flight)
+                assert not rows[:, done:].any()                        # the later ones not yet
         after = s.lookup(tokens).tiers
         assert s.stats().tiers[TierKind.NVME.value if nvme and not dram else TierKind.DRAM.value].hits > 0
     with Store.open(make_config(tmp_path / "twin", dram, nvme, promote_on_hit=promote)) as twin:
@@ -100,6 +108,23 @@ def test_a_page_that_fails_its_checksum_ends_the_result_though_its_layers_were_a
         assert L.read(rec, L.PAGES) == 4 and L.read(rec, L.LAYERS) == LAYOUT.num_layers
         assert s.lookup(tokens).cached_pages == 2   # quarantined, as a plain get does
         assert s.stats().corrupt_pages == 1
+
+
+def test_a_caller_writing_into_its_rows_gets_no_good_page_quarantined(tmp_path: Path, watched: list) -> None:
+    # The pages land in the caller's rows (nothing is promoted): a row the caller changes
+    # before the check fails it there, and the page is read again into the store's own
+    # row, found good, and put back; nothing is quarantined for the other readers.
+    cfg = make_config(tmp_path / "s", 0, 8, promote_on_hit=False)
+    tokens, data = prompt(9, 3), page_data(9, 3)
+    with Store.open(cfg) as s:
+        s.put(tokens, data)
+        scribble[:] = [1]
+        try:
+            n, out, _rec = layered_get(s, tokens, 3)
+        finally:
+            scribble.clear()
+        assert n == 3 and np.array_equal(out, data)
+        assert s.stats().corrupt_pages == 0 and s.lookup(tokens).cached_pages == 3
 
 
 def test_a_tier_that_cannot_read_ranges_reads_whole_pages_then_announces_every_layer(tmp_path: Path) -> None:
@@ -147,3 +172,39 @@ def test_tier_range_reads_check_their_range(tmp_path: Path) -> None:
                 tier.read_range([0], dst, 4096, 4096)
             with pytest.raises(InputError, match="byte range"):
                 tier.read_range([0], dst, 0, PB + 4096)
+
+
+def test_a_lend_names_the_rows_of_dram_pages_and_holds_them_until_it_ends(tmp_path: Path) -> None:
+    with Store.open(make_config(tmp_path / "s", 4, 16, promote_on_hit=False)) as s:
+        tokens, data = prompt(6, 3), page_data(6, 3)
+        s.put(tokens, data)
+        dram = s._manager.tiers[0]
+        assert isinstance(dram, DramTier)
+        lent = s.lend(tokens, want=3)
+        assert (lent.pages, lent.tokens) == (3, 3 * TPP)
+        pool = dram.buffer
+        assert all(np.array_equal(pool[slot], data[i]) for i, slot in enumerate(lent.slots))
+        # The pages leave DRAM meanwhile (other puts push them down): their rows are not reused.
+        for k in range(3):
+            s.put(prompt(100 + k, 4), page_data(100 + k, 4))
+        assert all(np.array_equal(pool[slot], data[i]) for i, slot in enumerate(lent.slots))
+        s.end_lend(lent.token)
+        with pytest.raises(InputError, match="no lend"):
+            s.end_lend(lent.token)
+        assert s.stats().tiers[TierKind.DRAM.value].hits == 3
+
+
+def test_a_lend_stops_at_the_first_page_below_dram(tmp_path: Path) -> None:
+    with Store.open(make_config(tmp_path / "s", 2, 16, promote_on_hit=False)) as s:
+        tokens = prompt(7, 4)
+        s.put(tokens[:2 * TPP], page_data(7, 2))
+        s.put(prompt(8, 2), page_data(8, 2))          # pushes the first prompt's pages to NVMe
+        assert s.lookup(tokens).tiers[0] is TierKind.NVME
+        lent = s.lend(tokens, want=4)
+        assert (lent.pages, lent.slots) == (0, ())
+        s.end_lend(lent.token)                          # a lend of nothing ends as well
+        before = s.stats()
+        assert s.lend(tokens, want=2, whole=True).pages == 0   # all or nothing, and nothing counted
+        assert s.stats().pages_requested == before.pages_requested
+        with pytest.raises(InputError, match="want"):
+            s.lend(tokens, want=5)

@@ -21,8 +21,28 @@ def test_a_tier_that_does_not_fit_in_memory_names_itself(monkeypatch: pytest.Mon
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
     monkeypatch.setattr(dram, "aligned_empty", no_memory)
+    monkeypatch.setattr(dram, "_shared_buffer", no_memory)
     with pytest.raises(CapacityError, match=r"dram tier: cannot allocate 64\.0 GiB .*capacity_bytes"):
         dram.DramTier(1 << 20, 1 << 16)
+
+
+def test_a_tier_larger_than_memory_and_swap_is_refused_at_open() -> None:
+    # Its memfd would be created sparse and fail page by page later: refused up front.
+    slots = 2 * dram._memory_and_swap() // (1 << 20) + 1
+    with pytest.raises(CapacityError, match="more than this machine's memory and swap"):
+        dram.DramTier(slots, 1 << 20)
+
+
+def test_the_slot_buffer_is_a_memfd_another_process_can_map() -> None:
+    import mmap
+
+    with dram.DramTier(4, 8192) as t:
+        t.write([2], np.full((1, 8192), 7, dtype=np.uint8))
+        fd = t.lend_fd()
+        assert fd >= 0
+        m = mmap.mmap(fd, 4 * 8192, mmap.MAP_SHARED, mmap.PROT_READ)   # as a client maps what it is sent
+        assert np.frombuffer(m, dtype=np.uint8)[2 * 8192:3 * 8192].tolist() == [7] * 8192
+        m.close()
 
 
 def _resident(buf: np.ndarray) -> float:

@@ -44,7 +44,7 @@ from tierkv.serve import protocol as P
 from tierkv.store import landed as landed_words
 from tierkv.store.landed import check_record
 from tierkv.store.pages import PageBatch, PageList, PageSource, page_list, page_rows
-from tierkv.store.results import GetResult, LookupResult, PutResult, _KIND_BY_RANK
+from tierkv.store.results import GetResult, Lent, LookupResult, PutResult, _KIND_BY_RANK
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.validate import GET_LIST_MESSAGE, check_requested, check_unfilled
 
@@ -110,7 +110,7 @@ class _Conn:
             self.sock.close()
             raise
 
-    def call(self, op: int, body: bytes = b"", fds: tuple[int, ...] = ()) -> memoryview:
+    def call(self, op: int, body: bytes = b"", fds: tuple[int, ...] = (), got: list[int] | None = None) -> memoryview:
         """Send one request and wait for its reply. The send is bounded by ``timeout_s``;
         the reply is waited for as long as the daemon lives (its end closes the socket):
         the daemon may be copying from or into the caller's buffer until it answers, so
@@ -125,9 +125,11 @@ class _Conn:
             raise
         self.sock.settimeout(None)
         try:
-            rop, status, reply, _ = P.recv_frame(self.sock)
+            rop, status, reply, fds_in = P.recv_frame(self.sock, want_fds=got is not None)
         finally:
             self.sock.settimeout(self.timeout_s)
+        if got is not None:
+            got.extend(fds_in)   # the caller's to close, whatever the reply says
         if rop != op and status == P.Status.OK:
             raise P.ProtocolError(f"asked op {op}, the daemon answered op {rop}")
         if status != P.Status.OK:
@@ -208,6 +210,7 @@ class RemoteStore:
         self._all: set[_Conn] = set()
         self._buffers: list[_Segment] = []
         self._released: list[_Segment] = []   # released page buffers the caller still holds views of
+        self._pool: np.ndarray | None = None   # the daemon's DRAM tier, once mapped (dram_pool)
         self._closed = False
         self._hello: dict[str, object] | None = None
         self._namespaces: dict[bytes, bytes] = {}
@@ -310,7 +313,9 @@ class RemoteStore:
             self._drop(conn)
             if self._closed:
                 raise StoreClosedError(f"the connection to {self.socket_path} was closed") from None
-            if retry and conn.answered and op not in (P.Op.PIN, P.Op.UNPIN) and not isinstance(exc, TimeoutError):
+            # Not idempotent: pins; and an END_LEND, whose lend ended with the dead connection.
+            if (retry and conn.answered and op not in (P.Op.PIN, P.Op.UNPIN, P.Op.END_LEND)
+                    and not isinstance(exc, TimeoutError)):
                 raise _Stale from None
             what = "did not answer in time" if isinstance(exc, TimeoutError) else f"is gone ({exc})"
             raise StoreUnavailableError(f"the tierkv daemon at {self.socket_path} {what}; the next call "
@@ -517,6 +522,68 @@ class RemoteStore:
         reply = self._request(P.Op.GET, build, rows=rows, fill=True, n_rows=want)
         pages, ntok = P.GET_REP.unpack_from(reply)
         return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])))
+
+    # -- pages lent in place ----------------------------------------------------------
+    def dram_pool(self) -> np.ndarray:
+        """The daemon's DRAM tier, mapped read-only here: ``uint8 [slots, page_bytes]``,
+        whose rows :meth:`lend` names. Made once per client. Only for a user that may use
+        every tenant (AccessDeniedError otherwise: the pool holds every tenant's pages);
+        TierKVError when the daemon's DRAM tier is not shared (page-locked, or none)."""
+        self._check_open()
+        with self._lock:
+            if self._pool is not None:
+                return self._pool
+        fds: list[int] = []
+        conn = self._acquire()
+        try:
+            with conn.lock:
+                reply = conn.call(P.Op.DRAM_POOL, got=fds)
+            slots, slot_bytes = P.POOL_REP.unpack_from(reply)
+            if len(fds) != 1 or slot_bytes < self.layout.page_bytes:
+                raise P.ProtocolError(f"DRAM_POOL answered {len(fds)} descriptors and {slot_bytes}-byte slots")
+            m = mmap.mmap(fds[0], slots * slot_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        except TierKVError:
+            self._release(conn)
+            raise
+        except (OSError, EOFError, P.ProtocolError) as exc:
+            self._drop(conn)
+            raise StoreUnavailableError(f"the tierkv daemon at {self.socket_path} could not share its DRAM "
+                                        f"pool ({exc})") from None
+        finally:
+            for fd in fds:
+                os.close(fd)   # the mapping keeps what it needs
+        self._release(conn)
+        pool = np.frombuffer(m, dtype=np.uint8).reshape(slots, slot_bytes)[:, :self.layout.page_bytes]
+        with self._lock:
+            if self._pool is None:
+                self._pool = pool
+            return self._pool
+
+    def lend(self, tokens: Tokens, tenant: str | bytes = "", *, want: int, requested: int | None = None,
+             whole: bool = False) -> Lent:
+        """As :meth:`Store.lend <tierkv.store.api.Store.lend>`: page ``i`` is row
+        ``lent.slots[i]`` of :meth:`dram_pool` until :meth:`end_lend`, which must come from
+        the same thread (a lend lives on its thread's connection and ends with it)."""
+        self._check_open()
+        toks, salt = as_token_array(tokens), tenant_salt(tenant)
+        if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= self._pages_of(toks):
+            raise InputError(f"lend: want must be a page count in [0, {self._pages_of(toks)}] (the full pages of "
+                             f"the tokens), got {want!r}")
+        check_requested(requested, want)
+
+        def build(conn: _Conn, seg: int, off: int) -> bytes:
+            return conn.tokens(salt, toks, P.LEND_REQ.pack(want, -1 if requested is None else requested, whole))
+        reply = self._request(P.Op.LEND, build)
+        pages, ntok, token = P.LEND_REP.unpack_from(reply)
+        slots = np.frombuffer(reply, dtype="<u4", count=pages, offset=P.LEND_REP.size)
+        return Lent(pages, ntok, tuple(int(x) for x in slots), token)
+
+    def end_lend(self, lent: Lent | int) -> None:
+        """The rows :meth:`lend` named are no longer read (on the thread that lent them)."""
+        self._check_open()
+        token = lent.token if isinstance(lent, Lent) else int(lent)
+        if token >= 0:
+            self._request(P.Op.END_LEND, lambda conn, seg, off: P.END_LEND_REQ.pack(token))
 
     def put(self, tokens: Tokens, pages: PageSource, tenant: str | bytes = "", *,
             announce: bool = True, unfilled: int = 0) -> PutResult:

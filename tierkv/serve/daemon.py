@@ -45,7 +45,7 @@ import numpy as np
 
 from tierkv import __version__
 from tierkv.config import ServeConfig, StoreConfig
-from tierkv.errors import AccessDeniedError, ConfigError, StoreBusyError, TierKVError
+from tierkv.errors import AccessDeniedError, ConfigError, InputError, StoreBusyError, TierKVError
 from tierkv.keys import KEY_BYTES
 from tierkv.serve import protocol as P
 from tierkv.serve.access import Access, Grant
@@ -328,7 +328,10 @@ class NodeService:
                             os.close(fd)
                         except OSError:
                             pass
-                P.send_frame(conn, op, reply)
+                if isinstance(reply, tuple):   # a reply that carries descriptors
+                    P.send_frame(conn, op, reply[0], fds=reply[1])
+                else:
+                    P.send_frame(conn, op, reply)
         except OSError as exc:
             if not self._closed.is_set():
                 log.info("a client connection ended: %s", exc)
@@ -336,6 +339,9 @@ class NodeService:
             try:
                 segments.close()
                 if info is not None:
+                    for token in info.lends:   # the rows it borrowed go back with it
+                        self.store.end_lend(token)
+                    info.lends.clear()
                     self._release_pins(info)
             finally:   # whatever failed above, the connection is forgotten and closed
                 with self._lock:
@@ -346,7 +352,7 @@ class NodeService:
                 conn.close()
 
     def _handle(self, op: int, body: memoryview, fds: list[int], segments: Segments,
-                grant: Grant, info: _Client) -> bytes:
+                grant: Grant, info: _Client) -> bytes | tuple[bytes, tuple[int, ...]]:
         if fds and op != P.Op.SEGMENT:
             raise P.ProtocolError(f"file descriptors sent with op {op}")
         s = self.store
@@ -395,6 +401,8 @@ class NodeService:
             g = s.get(tokens, out, salt, requested=None if requested < 0 else requested, landed=record)
             del out, record
             return P.GET_REP.pack(g.pages, g.tokens) + bytes(k.rank for k in g.tiers)
+        if op in (P.Op.DRAM_POOL, P.Op.LEND, P.Op.END_LEND):
+            return self._lending(op, body, segments, grant, info)
         if op == P.Op.PUT:
             seg, off, rows, unfilled, announce = _unpack(P.PUT_REQ, body)
             salt, tokens = self._tokens(body, P.PUT_REQ.size, segments, grant)
@@ -420,6 +428,37 @@ class NodeService:
         if op == P.Op.STATUS:
             return json.dumps(self.status(clients=grant.salts is None)).encode()
         raise P.ProtocolError(f"unknown op {op}")
+
+    def _lending(self, op: int, body: memoryview, segments: Segments, grant: Grant,
+                 info: _Client) -> bytes | tuple[bytes, tuple[int, ...]]:
+        """DRAM_POOL, LEND, END_LEND: pages read by the client straight out of the DRAM
+        tier's memory (``Store.lend``), for connections that may use every tenant: the
+        mapping shows every tenant's pages."""
+        s = self.store
+        if grant.salts is not None:
+            raise AccessDeniedError("the DRAM pool holds every tenant's pages: lending needs a connection whose user "
+                                    "may use every tenant; use get")
+        if op == P.Op.DRAM_POOL:
+            fd, slots, slot_bytes = s.lend_pool()
+            if fd < 0:
+                raise TierKVError("this store's DRAM tier is not in shared memory (none, page-locked, or not on "
+                                  "top): nothing to lend; use get")
+            return P.POOL_REP.pack(slots, slot_bytes), (fd,)
+        if op == P.Op.LEND:
+            want, requested, whole = _unpack(P.LEND_REQ, body)
+            salt, tokens = self._tokens(body, P.LEND_REQ.size, segments, grant)
+            lent = s.lend(tokens, salt, want=want, requested=None if requested < 0 else requested, whole=bool(whole))
+            if lent.token >= 0:
+                info.lends.add(lent.token)
+            return P.LEND_REP.pack(lent.pages, lent.tokens, lent.token) + np.asarray(lent.slots, "<u4").tobytes()
+        (token,) = _unpack(P.END_LEND_REQ, body)
+        if token >= 0:
+            if token not in info.lends:
+                raise InputError(f"end_lend: lend {token} is not open on this connection (a lend ends on the "
+                                 "thread that took it)")
+            info.lends.discard(token)
+            s.end_lend(token)
+        return b""
 
     def _join(self, info: _Client, client: str) -> None:
         """The connection is one of the client (a ``RemoteStore``: a connection per thread)
@@ -472,6 +511,7 @@ class _Client:
     requests: int = 0
     id: int = field(default_factory=lambda: next(_client_ids))   # owns the pins this connection takes
     session: tuple[int, str] | None = None   # (pid, client) of the client it belongs to, if HELLO named one
+    lends: set[int] = field(default_factory=set)   # Store.lend tokens this connection has not ended
 
 
 def _user(uid: int) -> str:

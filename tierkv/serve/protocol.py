@@ -27,7 +27,8 @@ from enum import IntEnum
 
 from tierkv.errors import InputError
 
-#: Bumped on any incompatible change; HELLO refuses a mismatch. 2: UNREGISTER. 3: GET_LAYERED.
+#: Bumped on any incompatible change; HELLO refuses a mismatch. 2: UNREGISTER. 3: GET_LAYERED, DRAM_POOL,
+#: LEND, END_LEND.
 VERSION = 3
 
 HEADER = struct.Struct("<IHH")
@@ -53,6 +54,10 @@ class Op(IntEnum):
                       # connections that may use every tenant (HELLO's "every_tenant")
     UNREGISTER = 13   # <Q segment id -> empty: the daemon unmaps it (a client gives a page buffer back)
     GET_LAYERED = 14  # <QQQqQQ as GET + the landing record's segment, offset (tierkv.store.landed) -> as GET
+    DRAM_POOL = 15    # empty -> <QQ slots, slot bytes, the DRAM tier's memfd in SCM_RIGHTS; only for connections
+                      # that may use every tenant (the pool holds every tenant's pages)
+    LEND = 16         # <QqB want, requested, whole, salt, tokens -> <QQq pages, tokens, lend token + <u4 slot per page
+    END_LEND = 17     # <q lend token -> empty (a connection's lends end with it)
 
 
 class Status(IntEnum):
@@ -65,6 +70,10 @@ LOOKUP_REP = struct.Struct("<QQQ")
 GET_REQ = struct.Struct("<QQQq")
 GET_REP = struct.Struct("<QQ")
 GET_LAYERED_REQ = struct.Struct("<QQQqQQ")
+POOL_REP = struct.Struct("<QQ")
+LEND_REQ = struct.Struct("<QqB")
+LEND_REP = struct.Struct("<QQq")
+END_LEND_REQ = struct.Struct("<q")
 PUT_REQ = struct.Struct("<QQQQB")
 PUT_REP = struct.Struct("<QQQ")
 COUNT = struct.Struct("<Q")

@@ -42,11 +42,12 @@ from tierkv.store.pins import PinLedger
 from tierkv.store.landed import LAYERS, PAGES, check_record, layer_groups, publish, reset
 from tierkv.store.moves import NO_SOURCE, Lead, MovePlan
 from tierkv.store.results import GetResult as GetResult
+from tierkv.store.results import Lent as Lent
 from tierkv.store.results import LookupResult as LookupResult
 from tierkv.store.results import PutResult as PutResult
 from tierkv.store.stats import Counters, StoreStats
 from tierkv.tiers.base import TierId, TierKind
-from tierkv.tiers.aligned import aligned_empty
+from tierkv.tiers.aligned import ALIGN, aligned_empty, is_aligned
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.blocks import BlockPageTier
 from tierkv.store.transfer import Transfers, gather_rows
@@ -287,6 +288,63 @@ class Store:
             rest = self._lead(blob[fast * KEY_BYTES:], want - fast)
             return self._get_rest(blob, tenant, rows, want, requested, rest, fast)
 
+    def lend(self, tokens: Tokens, tenant: str | bytes = "", *, want: int,
+             requested: int | None = None, whole: bool = False) -> Lent:
+        """Lend the leading pages of ``tokens`` (up to ``want``) that lie in the DRAM tier,
+        in place: the result names their rows in the tier's buffer (``DramTier.lend_fd``
+        shares it), which keep these pages' bytes until :meth:`end_lend` (a page evicted
+        meanwhile leaves its row to the borrower until then). For a reader that copies
+        pages straight out of the store's memory instead of having them copied to it
+        (``tierkv serve`` clients on the same machine). Counted as a get's hits; pages
+        below DRAM are not lent (the run stops at the first), nor is anything by a store
+        whose DRAM tier is not shared (page-locked) or not on top (``pages`` 0).
+        ``whole``: all ``want`` pages or none, and nothing counted when none (a caller
+        that gets them all another way then).
+        """
+        with self._lock:
+            self._check_open()
+            blob = self._keys(tokens, tenant)
+            total = len(blob) // KEY_BYTES
+            if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= total:
+                raise InputError(f"lend: want must be a page count in [0, {total}] (the full pages of the tokens), "
+                                 f"got {want!r}")
+            check_requested(requested, want)
+            self._announce(blob, from_get=True)
+            lead = self._lead(blob, want)
+            off = np.flatnonzero(lead.levels != 0)
+            n = int(off[0]) if len(off) else len(lead)
+            if self._fast is None or self._fast.lend_fd() < 0:
+                n = 0
+            if whole and n < want:
+                return Lent(0, 0, (), -1)
+            self._counters.events["pages_requested"] += want if requested is None else requested
+            self._counters.events["pages_hit"] += n
+            if not n or self._fast is None:
+                return Lent(0, 0, (), -1)
+            slots = tuple(int(x) for x in lead.slots[:n])
+            token = self._begin_unlocked(self._fast, slots)
+            self._transfers.count_served(self._fast.name, lead.keys_of(0, n), 0.0)
+            return Lent(n, n * self.layout.tokens_per_page, slots, token)
+
+    def lend_pool(self) -> tuple[int, int, int]:
+        """``(memfd, slots, slot_bytes)``: the DRAM tier's buffer whose rows :meth:`lend`
+        names, for a reader in another process to map; ``(-1, 0, 0)`` when this store
+        lends nothing (no DRAM tier on top, or a page-locked one)."""
+        with self._lock:
+            self._check_open()
+            fd = self._fast.lend_fd() if self._fast is not None else -1
+            return (fd, self._fast.num_slots, self._fast.slot_bytes) if self._fast is not None and fd >= 0 else (-1, 0, 0)
+
+    def end_lend(self, token: int) -> None:
+        """The borrower of :meth:`lend`'s ``token`` is done with its rows (once per lend;
+        InputError for a token not lent). A close waits for every lend to end."""
+        with self._lock:
+            if token < 0:   # a lend of no pages
+                return
+            if self._fast is None or not self._fast.lent(token):
+                raise InputError(f"end_lend: no lend {token} is open")
+            self._end_unlocked(self._fast, token)
+
     def _fast_lead(self, lead: Lead) -> int:
         """How many leading pages of ``lead`` to copy out of the DRAM tier without the lock:
         all of its leading run there, when that run is worth unlocking for."""
@@ -330,8 +388,16 @@ class Store:
         # caller writing into ``out`` meanwhile (a client's shared buffer, another thread)
         # can neither fail a good page's check nor become a page's cached copy.
         private = bool((lead.levels != 0).any())
-        if landed is not None and self._manager.tiers[0].persistent:
-            private = True   # NVMe first: read (in aligned ranges) and verified in the store's own rows
+        promotes = not self.read_only and self.config.promote_on_hit
+        if landed is not None:
+            # Layer by layer, straight into the caller's rows unless pages will be promoted
+            # from them (a client could change them between the check and the copy) or they
+            # are not aligned for O_DIRECT (then each group is copied out); a page
+            # that fails its check there is read again into the store's own row before it is
+            # quarantined (Transfers.read_layered).
+            on_disk = any(self._manager.tiers[int(v)].persistent for v in np.unique(lead.levels) if v != NO_SOURCE)
+            unaligned = on_disk and not (is_aligned(rows) and rows.shape[1] % ALIGN == 0)
+            private = len(lead) > 0 and (private and promotes or unaligned)
         dst = self._private_rows(len(lead), rows.shape[1]) if private else rows[first:]
         if landed is not None:
             got = self._read_layered(lead, dst, rows[first:] if private else None, landed)
@@ -342,7 +408,7 @@ class Store:
         levels = lead.levels[:got]
         loaded = first + got
         tiers = (self._kinds[0],) * first + tuple(map(self._kinds.__getitem__, levels.tolist()))
-        if got and not self.read_only and self.config.promote_on_hit and levels.any():
+        if got and promotes and levels.any():
             with self._placing(blob, tenant):
                 self._promote(lead, levels, dst, blob[:first * KEY_BYTES])
         if self._peering is not None and loaded == first + len(lead) and loaded < want:
@@ -386,7 +452,7 @@ class Store:
                 out[:n, a:b] = dst[:n, a:b]
             publish(landed, LAYERS, groups[k][1])
 
-        return self._transfers.read_layered(lead, dst, ranges, after)
+        return self._transfers.read_layered(lead, dst, ranges, after, shared=out is None)
 
     def _announce(self, blob: bytes, *, from_get: bool, keys: list[PageKey] | None = None) -> None:
         """Show the policies every page a request needs (cached or not), once per request:

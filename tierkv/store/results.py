@@ -41,6 +41,17 @@ class GetResult:
 
 
 @dataclass(frozen=True)
+class Lent:
+    """Leading pages lent in place from the DRAM tier (``Store.lend``): page ``i`` is row
+    ``slots[i]`` of the tier's buffer until ``Store.end_lend(token)``."""
+
+    pages: int
+    tokens: int
+    slots: tuple[int, ...]
+    token: int
+
+
+@dataclass(frozen=True)
 class PutResult:
     """``stored`` new pages, ``already_present`` skipped, ``dropped`` that found no room."""
 

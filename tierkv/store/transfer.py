@@ -326,14 +326,16 @@ class Transfers:
         return n
 
     def read_layered(self, lead: Lead, out: np.ndarray, ranges: Sequence[tuple[int, int]],
-                     after: Callable[[int], None]) -> int:
+                     after: Callable[[int], None], *, shared: bool = False) -> int:
         """:meth:`read` for a caller's get, range by range across every page: ``after(k)``
         once bytes ``ranges[k]`` of every page still being read have landed in ``out``, so
         that a consumer of the first ranges (an engine's first layers) starts before the
         last land. Pages from persistent tiers are verified once all their ranges are in:
         what ``after`` announced is only good up to the count returned. When a tier cannot
         read ranges (encoded pages, unaligned for O_DIRECT), pages are read whole and
-        ``after`` is called for every range at the end.
+        ``after`` is called for every range at the end. ``shared``: ``out`` is a caller's
+        memory (a client's page buffer), so a page that fails its check there is read
+        again into a row of the store's own before it is quarantined.
         """
         levels = lead.levels
         gone = np.flatnonzero(levels == NO_SOURCE)
@@ -347,13 +349,18 @@ class Transfers:
             return got
         limit = n
         elapsed = [0.0] * len(runs)
-        for k, (s, e) in enumerate(ranges):
+        # One tier: it overlaps the ranges' reads where it can. Several: range by range.
+        passes = [ranges] if len(runs) == 1 else [[rng] for rng in ranges]
+        for k, part in enumerate(passes):
             for r, (a, b, tier) in enumerate(runs):
                 if a >= limit:
                     break
                 start = time.perf_counter()
                 try:
-                    tier.read_range(lead.slots[a:b], out[a:b], s, e)
+                    if len(runs) == 1:
+                        tier.read_ranges(lead.slots[a:b], out[a:b], part, after)
+                    else:
+                        tier.read_range(lead.slots[a:b], out[a:b], *part[0])
                 except TierUnavailableError as exc:   # still there, only unreachable
                     log.warning("read of %d pages from %s failed, serving them as misses: %s", b - a, tier.name, exc)
                     limit = a
@@ -364,15 +371,42 @@ class Transfers:
                     limit = a
                 finally:
                     elapsed[r] += self._timed(tier.name, start)
-            after(k)
+            if len(runs) > 1:
+                after(k)
         for r, (a, b, tier) in enumerate(runs):
             if a >= limit:
                 return limit
-            good = self._verify(tier, lead, a, out[a:b])
+            good = self._recheck(tier, lead, a, out[a:b]) if shared else self._verify(tier, lead, a, out[a:b])
             self._count(tier.name, lead, a, a + good, elapsed[r], True)
             if good < b - a:
                 return a + good
         return limit
+
+    def _recheck(self, tier: Tier, lead: Lead, start: int, rows: np.ndarray) -> int:
+        """:meth:`_verify` for rows in a caller's memory: a page that does not match is read
+        again into a row of the store's own and checked there (the caller may have
+        written into its rows meanwhile; that must not get a good page quarantined for
+        everyone); a good re-read replaces the caller's row."""
+        if not tier.persistent:
+            return len(rows)
+        got = checksum_rows(rows)
+        want = lead.sums[start:start + len(rows)]
+        for i in range(len(rows)):
+            if int(got[i]) == want[i]:
+                continue
+            own = aligned_empty(rows.shape[1]).reshape(1, rows.shape[1])
+            try:
+                again = tier.read([lead.slots[start + i]], own, checksums=True)
+            except TierIOError:
+                again = None
+            if again is not None and int(again[0]) == want[i]:
+                rows[i] = own[0]
+                continue
+            key = lead.key(start + i)
+            self._quarantine(key, f"page {key.hex()} in {tier.name} slot {lead.slots[start + i]} failed its "
+                                  f"checksum (stored {want[i]:x}, read {int(got[i]):x}, then again)")
+            return i
+        return len(rows)
 
     def _quarantine(self, key: PageKey, what: str) -> None:
         """A page that failed verification: the writer forgets it (a miss from now on); a

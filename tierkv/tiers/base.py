@@ -29,7 +29,7 @@ import abc
 import enum
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, NewType, Self, overload
 
 import numpy as np
@@ -311,6 +311,16 @@ class Tier(abc.ABC):
 
     def _read_range(self, slots: Sequence[int], dst: np.ndarray, start: int, stop: int) -> None:
         raise NotImplementedError
+
+    def read_ranges(self, slots: Sequence[int], dst: np.ndarray, ranges: Sequence[tuple[int, int]],
+                    after: Callable[[int], None]) -> None:
+        """:meth:`read_range` for each of ``ranges`` in turn, calling ``after(k)`` once range
+        ``k`` of every page has landed (a tier with I/O threads overlaps the ranges' reads,
+        still calling ``after`` in order). The first failure is raised; ranges announced
+        before it stay announced."""
+        for k, (start, stop) in enumerate(ranges):
+            self.read_range(slots, dst, start, stop)
+            after(k)
 
     def flush(self) -> None:
         """Make every completed write durable (no-op for volatile tiers)."""

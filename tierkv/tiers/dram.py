@@ -7,7 +7,10 @@ copy. Volatile: its contents do not survive a close.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import glob
+import mmap
 import os
 import sys
 import threading
@@ -28,6 +31,38 @@ def _nvidia_driver() -> bool:
     return os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def _memory_and_swap() -> int:
+    """Bytes of RAM plus swap on this machine."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(total)
+
+
+def _shared_buffer(nbytes: int) -> tuple[np.ndarray, int]:
+    """A zeroed, page-aligned host buffer in a memfd (shared memory, as an anonymous mmap
+    is anyway), and the memfd: a ``tierkv serve`` daemon lends its pages to clients that
+    map it (:meth:`DramTier.lend_fd`). ENOMEM up front for more than the machine's memory
+    and swap (as the kernel refuses such an anonymous mapping; a memfd would take it and
+    fail page by page later)."""
+    if nbytes > _memory_and_swap():
+        raise OSError(errno.ENOMEM, f"more than this machine's memory and swap ({format_size(_memory_and_swap())})")
+    fd = os.memfd_create("tierkv-dram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        m = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return np.frombuffer(m, dtype=np.uint8), fd
+
+
 def _host_buffer(nbytes: int) -> tuple[np.ndarray, bool]:
     """A zeroed host buffer, page-locked when a CUDA device is present; and whether it is
     (page-locked memory is resident from the start).
@@ -44,6 +79,16 @@ def _host_buffer(nbytes: int) -> tuple[np.ndarray, bool]:
     if torch is not None and torch.cuda.is_available():
         return torch.zeros(nbytes, dtype=torch.uint8).pin_memory().numpy(), True
     return aligned_empty(nbytes), False  # mmap'd, so zeroed; 4 KiB-aligned rows go to O_DIRECT without a bounce
+
+
+def _pinned_wanted() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None and _nvidia_driver():
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return False
+    return torch is not None and bool(torch.cuda.is_available())
 
 
 # Below this row size numpy's gather/scatter beats a Python loop of slice copies; above
@@ -67,8 +112,12 @@ class DramTier(Tier):
         self._busy: Counter[int] = Counter()      # slot -> running copies that use it
         self._held: set[int] = set()              # freed while busy: reusable once not
         self._next_copy = 0
+        self._fd = -1
         try:
-            buf, pinned = _host_buffer(num_slots * slot_bytes)
+            if _pinned_wanted():
+                buf, pinned = _host_buffer(num_slots * slot_bytes)
+            else:   # 4 KiB-aligned rows go to O_DIRECT without a bounce
+                (buf, self._fd), pinned = _shared_buffer(num_slots * slot_bytes), False
             self._buf = buf.reshape(num_slots, slot_bytes)
         except (MemoryError, OSError, RuntimeError) as exc:  # mmap ENOMEM; torch's pinning fails as RuntimeError
             self._closed = True
@@ -94,6 +143,11 @@ class DramTier(Tier):
             self._copies[token] = list(slots)
             self._busy.update(slots)
             return token
+
+    def lent(self, token: int) -> bool:
+        """Whether the copy ``token`` is still running (a lend not ended)."""
+        with self._copy_lock:
+            return token in self._copies
 
     def end_copy(self, token: int) -> None:
         """The copy ``token`` is done: its slots that were freed meanwhile become free."""
@@ -167,10 +221,20 @@ class DramTier(Tier):
         for run_start, run_slot, run_len in _runs(slots):
             dst[run_start:run_start + run_len, start:stop] = self._buf[run_slot:run_slot + run_len, start:stop]
 
+    def lend_fd(self) -> int:
+        """The memfd holding the slot buffer (row ``slot`` at ``slot * slot_bytes``), for a
+        reader in another process that maps it and copies pages it was lent
+        (``Store.lend``); -1 when the buffer is page-locked memory, which is not shared."""
+        self._check_open()
+        return self._fd
+
     def _close(self) -> None:
         if self._prefault is not None:
             self._prefault.stop()
         del self._buf
+        if self._fd >= 0:
+            os.close(self._fd)   # the mapping stays while views of it do
+            self._fd = -1
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

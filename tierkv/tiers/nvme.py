@@ -35,7 +35,7 @@ import shutil
 import stat
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -382,6 +382,82 @@ class NvmeTier(Tier):
             drain()
             for f in futures:
                 f.result()
+        if errors:
+            raise errors[0]
+
+    def read_ranges(self, slots: Sequence[int], dst: np.ndarray, ranges: Sequence[tuple[int, int]],
+                    after: Callable[[int], None]) -> None:
+        """All ranges' reads queued at once, range 0 of every page first, so that the device
+        always has ``io_threads`` reads in flight; ``after(k)`` on the calling thread, in
+        order, as soon as range ``k`` of every page has landed (the calling thread also
+        reads while it waits)."""
+        self._check_io(slots, dst)
+        self._check_writable(dst)
+        for start, stop in ranges:
+            if not 0 <= start < stop <= dst.shape[1] or not self.reads_ranges(start, stop, dst):
+                raise InputError(f"the {self.name} tier cannot read bytes {start}..{stop} of its pages into this "
+                                 "buffer (out of the row, or not aligned for O_DIRECT)")
+        n = len(slots)
+        todo = deque((k, row, int(slot)) for k in range(len(ranges)) for row, slot in enumerate(slots))
+        left = [n] * len(ranges)
+        errors: list[BaseException] = []
+        cond = threading.Condition()
+        with self._busy() as fd:
+            def one() -> bool:
+                """Read the next queued range of a page; False when none is left (or one failed)."""
+                with cond:
+                    if errors or not todo:
+                        return False
+                    k, row, slot = todo.popleft()
+                start, stop = ranges[k]
+                offset = self.header_bytes + slot * self.slot_bytes + start
+                try:
+                    done = os.preadv(fd, [dst[row, start:stop].data], offset)
+                    if done != stop - start:
+                        raise TierIOError(f"nvme tier {self.path}: short read of slot {slot}: {done} of "
+                                          f"{stop - start} bytes at offset {offset} (file or device shorter than "
+                                          "the tier?)")
+                except OSError as e:
+                    err: BaseException = TierIOError(f"nvme tier {self.path}: read of bytes {start}..{stop} of slot "
+                                                     f"{slot} (offset {offset}) failed: {oserr(e)}")
+                except BaseException as e:  # noqa: BLE001 - raised by the caller
+                    err = e
+                else:
+                    with cond:
+                        left[k] -= 1
+                        cond.notify_all()
+                    return True
+                with cond:
+                    errors.append(err)
+                    cond.notify_all()
+                return False
+
+            def drain() -> None:
+                while one():
+                    pass
+
+            helpers = min(self.io_threads, n * len(ranges)) - 1
+            futures = [self._fanout.submit(drain) for _ in range(helpers)] if self._fanout else []
+            try:
+                k = 0
+                while k < len(ranges):
+                    with cond:
+                        ready = not errors and left[k] == 0
+                    if ready:
+                        after(k)
+                        k += 1
+                    elif not one():   # nothing left to read here: wait for the helpers' reads
+                        with cond:
+                            if errors:
+                                break
+                            cond.wait_for(lambda: bool(errors) or left[k] == 0, timeout=1.0)
+            finally:
+                with cond:
+                    if not errors and any(left):
+                        errors.append(TierIOError(f"nvme tier {self.path}: a ranged read stopped early"))
+                    todo.clear()
+                for f in futures:
+                    f.result()
         if errors:
             raise errors[0]
 

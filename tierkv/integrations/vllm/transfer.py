@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,10 +42,11 @@ import numpy as np
 import torch
 
 from tierkv.errors import TierKVError
-from tierkv.integrations.vllm.blocks import CpuPagedKV
+from tierkv.integrations.vllm.blocks import CpuPagedKV, runs
 from tierkv.integrations.vllm.plan import LoadJob, SaveJob, StepPlan
 from tierkv.serve.client import RemoteStore
 from tierkv.store import landed
+from tierkv.store.results import Lent
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class WorkerCounters:
     saved_pages: int = 0
     failed_saves: int = 0
     skipped_saves: int = 0
+    lent_tokens: int = 0           # of loaded_tokens: copied straight out of the daemon's DRAM
     get_seconds: float = 0.0       # waiting for the daemon's gets
     scatter_seconds: float = 0.0   # copying loaded pages into vLLM's blocks
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
@@ -80,6 +83,7 @@ class _Load:
     pages: torch.Tensor        # ``buf`` as pages
     upto: int = 0              # pages copied for every layer copied so far (from job.skip)
     served: int | None = None  # the get's count, once it returned
+    lent: Lent | None = None   # the pages lent in place from the daemon's DRAM, instead of a get
 
 
 class _BufferPool:
@@ -155,6 +159,7 @@ class ConnectorWorker:
         self.counters = WorkerCounters()
         self._pool = _BufferPool(store, max_pages, max(buffers, 2))
         self._pool.fill()
+        self._dram = self._map_dram()
         self._puts = 0   # puts handed to the background, not yet returned
         self._layers = len(kv.layers)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-vllm-load")
@@ -216,11 +221,28 @@ class ConnectorWorker:
     def start_load(self) -> None:
         """vLLM's ``start_load_kv``: the gets started when the step began; nothing to add."""
 
+    def _map_dram(self) -> torch.Tensor | None:
+        """The daemon's DRAM tier as pages, mapped here read-only, so that a load whose pages
+        all lie there copies them straight into vLLM's blocks (one copy instead of two, and
+        none in the daemon competing with the forward pass for the cores); None where the
+        daemon does not lend (a user limited to some tenants, a page-locked pool)."""
+        try:
+            pool = self.store.dram_pool()
+        except TierKVError as exc:
+            log.info("tierkv: loads go through the daemon's gets (%s)", exc)
+            return None
+        with warnings.catch_warnings():   # read-only memory, only ever read from
+            warnings.simplefilter("ignore", UserWarning)
+            return self.kv.pages(torch.from_numpy(pool))
+
     def _get_all(self, loads: list[_Load]) -> None:
-        """The background half of a load: the daemon reads each job's pages into its buffer
-        a layer at a time, announcing each layer in the job's landing record."""
+        """The background half of a load: pages lent in place where the daemon holds them
+        all in DRAM; else the daemon reads each job's pages into its buffer a layer at a
+        time, announcing each layer in the job's landing record."""
         t0 = time.perf_counter()
         for load in loads:
+            if self._dram is not None and self._lend(load):
+                continue
             load.served = self._get(load.job, load.buf, load.record)
         with self._lock:
             self.counters.get_seconds += time.perf_counter() - t0
@@ -272,9 +294,45 @@ class ConnectorWorker:
         self._scatter(load, layer, job.skip, load.upto)
 
     def _scatter(self, load: _Load, layer: int, first: int, end: int) -> None:
-        if end > first:
-            skip = load.job.skip
+        if end <= first:
+            return
+        skip = load.job.skip
+        if load.lent is None:
             self.kv.scatter(layer, load.pages[first:end], load.job.block_ids[first - skip:end - skip])
+            return
+        assert self._dram is not None
+        for i, slot, n in runs(load.lent.slots[first:end]):   # rows of the daemon's pool, in runs
+            at = first + i
+            self.kv.scatter(layer, self._dram[slot:slot + n], load.job.block_ids[at - skip:at - skip + n])
+
+    def _lend(self, load: _Load) -> bool:
+        """Borrow all of ``load``'s pages from the daemon's DRAM (False: not all there, or
+        the lend failed; a get serves them)."""
+        job = load.job
+        try:
+            lent = self.store.lend(job.tokens, job.tenant, want=job.end, requested=max(job.requested, job.end),
+                                   whole=True)
+        except TierKVError as exc:
+            log.warning("tierkv: lending %d pages for %s failed (%s); getting them", job.end, job.req_id, exc)
+            return False
+        if lent.pages < job.end:
+            return False
+        load.lent = lent
+        bs = self.kv.block_tokens
+        self._saved(job.req_id, lent.pages)
+        with self._lock:
+            self.counters.loaded_tokens += max(0, lent.pages - job.skip) * bs
+            self.counters.lent_tokens += max(0, lent.pages - job.skip) * bs
+            self.counters.tokens_by_tier["dram"] = self.counters.tokens_by_tier.get("dram", 0) + lent.pages * bs
+        load.served = lent.pages
+        return True
+
+    def _end_lend(self, lent: Lent) -> None:
+        """On the loader's thread (a lend ends on the connection that took it)."""
+        try:
+            self.store.end_lend(lent)
+        except TierKVError as exc:   # its connection ended, which ended the lend too
+            log.info("tierkv: ending a lend: %s", exc)
 
     def _copy_layers(self, upto: int) -> None:
         t0 = time.perf_counter()
@@ -301,6 +359,8 @@ class ConnectorWorker:
             served = load.served or 0
             if served < load.job.end:
                 self._fail_load(load.job, served)
+            if load.lent is not None:
+                self._loader.submit(self._end_lend, load.lent)
             self._pool.give(load.buf)
 
     def _finish_layers(self) -> None:

@@ -1,0 +1,102 @@
+"""Pages lent in place (DRAM_POOL, LEND, END_LEND): a client maps the daemon's DRAM tier
+read-only and copies pages straight out of it, the rows held for it until it ends the lend
+or its connection ends."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import PB, make_config
+from tests.serve.pagegen import pages_of, prompt
+from tierkv.errors import InputError
+from tierkv.serve.client import RemoteStore
+from tierkv.serve.daemon import NodeService
+from tierkv.store.api import Store
+from tierkv.tiers.base import TierKind
+
+
+@pytest.fixture
+def service(tmp_path: Path, sock_dir: Path) -> Iterator[NodeService]:
+    cfg = make_config(tmp_path / "s", dram_pages=4, nvme_pages=16, promote_on_hit=False)
+    with NodeService(cfg, sock_dir / "d.sock").start() as svc:
+        yield svc
+
+
+@pytest.fixture
+def client(service: NodeService) -> Iterator[RemoteStore]:
+    with Store.connect(service.path) as c:
+        yield c
+
+
+def test_lent_rows_hold_the_pages_until_the_lend_ends(service: NodeService, client: RemoteStore) -> None:
+    t = prompt(1, 3)
+    client.put(t, pages_of(t))
+    pool = client.dram_pool()
+    assert pool.shape[1] == PB and not pool.flags.writeable
+    lent = client.lend(t, want=3)
+    assert (lent.pages, lent.tokens) == (3, 3 * 16)
+    want = pages_of(t)
+    assert all(np.array_equal(pool[s], want[i]) for i, s in enumerate(lent.slots))
+    for k in range(3):   # other prompts push these pages out of DRAM: their rows wait for the lend
+        other = prompt(10 + k, 4)
+        client.put(other, pages_of(other))
+    assert all(np.array_equal(pool[s], want[i]) for i, s in enumerate(lent.slots))
+    assert service.store.lookup(t).tiers[0] is TierKind.NVME
+    client.end_lend(lent)
+    with pytest.raises(InputError, match="not open"):
+        client.end_lend(lent)
+    assert client.lend(t, want=3).pages == 0   # in NVMe now: nothing to lend (a get serves them)
+
+
+def test_a_connections_lends_end_with_it(service: NodeService, client: RemoteStore) -> None:
+    t = prompt(2, 2)
+    client.put(t, pages_of(t))
+    other = Store.connect(service.path)
+    lent = other.lend(t, want=2)
+    assert lent.pages == 2
+    other.close()   # without end_lend: the daemon ends it when the connection goes
+    deadline = threading.Event()
+    for _ in range(100):
+        if service.store._copying == 0:
+            break
+        deadline.wait(0.02)
+    assert service.store._copying == 0
+
+
+def test_a_lend_ends_only_on_the_thread_that_took_it(client: RemoteStore) -> None:
+    t = prompt(3, 1)
+    client.put(t, pages_of(t))
+    lent = client.lend(t, want=1)
+    errors: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            client.end_lend(lent)
+        except InputError as exc:
+            errors.append(exc)
+
+    th = threading.Thread(target=elsewhere)
+    th.start()
+    th.join()
+    assert errors and "thread that took it" in str(errors[0])
+    client.end_lend(lent)
+
+
+def test_a_user_limited_to_some_tenants_is_not_lent_the_pool(tmp_path: Path, sock_dir: Path) -> None:
+    from tierkv.config import ServeConfig
+    from tierkv.errors import AccessDeniedError
+
+    import dataclasses
+
+    cfg = dataclasses.replace(make_config(tmp_path / "s", 4, 0), serve=ServeConfig(tenants={str(os.getuid()): ("alpha",)}))
+    with NodeService(cfg, sock_dir / "t.sock").start() as svc, Store.connect(svc.path) as c:
+        with pytest.raises(AccessDeniedError, match="every tenant"):
+            c.dram_pool()
+        with pytest.raises(AccessDeniedError, match="every tenant"):
+            c.lend(prompt(4, 1), "alpha", want=1)
