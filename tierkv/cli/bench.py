@@ -119,7 +119,7 @@ def _vllm(args: argparse.Namespace) -> dict[str, object]:
     import tempfile
     from pathlib import Path
 
-    from tierkv.integrations.vllm.bench import ENGINE_RUNS, run_vllm_bench
+    from tierkv.integrations.vllm.bench import engine_runs, run_vllm_bench
     from tierkv.integrations.vllm.session import find_vllm
     from tierkv.progress import task_progress
 
@@ -127,8 +127,9 @@ def _vllm(args: argparse.Namespace) -> dict[str, object]:
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tierkv-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        with task_progress("vLLM engine runs", ENGINE_RUNS, enabled=not args.json) as step:
-            return run_vllm_bench(env, work, requests=args.runs or (2 if args.quick else 3),
+        rounds = 1 if args.quick else 2
+        with task_progress("vLLM engine runs", engine_runs(rounds), enabled=not args.json) as step:
+            return run_vllm_bench(env, work, requests=args.runs or (2 if args.quick else 5), rounds=rounds,
                                   prefix_tokens=1024 if args.quick else 2048, step=step)
     finally:
         if not args.dir:

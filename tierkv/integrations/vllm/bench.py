@@ -1,7 +1,7 @@
 """``tierkv bench vllm``: time to first token in a real vLLM engine, recompute vs loading.
 
 Every request is one shared prefix of ``prefix_tokens`` tokens (2,048 by default) and a
-question of its own. Four engine processes, one mode each, in one run:
+question of its own. Modes, each a new engine process:
 
 - ``recompute``: no connector; every request computes the whole prefix;
 - ``example_connector``: vLLM's own ``ExampleConnector`` (KV files in a folder, read
@@ -16,9 +16,13 @@ question of its own. Four engine processes, one mode each, in one run:
   reads come through the page cache, as ExampleConnector's do (like for like).
 
 Each engine first runs a short unrelated prompt (its first forward pass is slow), then
-``requests`` measured ones; a mode reports the median TTFT vLLM measured and the median
-tokens it did not compute (``num_cached_tokens``; vLLM's prefix cache is off). The
-ratios are against recompute and against ExampleConnector in the same run.
+``requests`` measured ones. Recompute runs once; the loading modes run in ``rounds``
+rounds (ExampleConnector first in one, last in the next), because this machine's speed
+drifts by tens of percent over minutes and one engine per mode measured the drift as
+much as the modes. A mode reports the median TTFT vLLM measured over all its requests
+(and per round), and the median tokens it did not compute (``num_cached_tokens``;
+vLLM's prefix cache is off). The ratios are against recompute and against
+ExampleConnector in the same run.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tierkv.errors import InputError
 from tierkv.integrations.vllm.demo import SYSTEM
 from tierkv.integrations.vllm.session import Daemon, VllmEnv, run_chat, store_config
 
@@ -44,55 +49,82 @@ def _spec(prefix_tokens: int, questions: list[str], connector: dict[str, Any], s
             "prompts": [{"question": "Say hello."}] + [{"prefix": True, "question": q} for q in questions]}
 
 
-def _mode(result: dict[str, Any], measured: int) -> dict[str, Any]:
-    rows = result["prompts"][-measured:]
+def _rows(result: dict[str, Any], measured: int) -> list[dict[str, Any]]:
+    return list(result["prompts"][-measured:])
+
+
+def _mode(rounds: list[list[dict[str, Any]]], start_s: list[float]) -> dict[str, Any]:
+    rows = [r for one in rounds for r in one]
     return {"ttft_s": statistics.median(r["ttft_s"] for r in rows),
             "ttft_s_each": [r["ttft_s"] for r in rows],
+            "ttft_s_rounds": [statistics.median(r["ttft_s"] for r in one) for one in rounds],
             "tokens_loaded": statistics.median(r["tokens_loaded"] for r in rows),
-            "prompt_tokens": rows[0]["prompt_tokens"], "engine_start_s": result["engine_start_s"]}
+            "prompt_tokens": rows[0]["prompt_tokens"], "engine_start_s": statistics.median(start_s)}
 
 
-#: Engine processes one run starts (a progress bar's steps).
-ENGINE_RUNS = 5
+#: The loading modes, in the order of an even round (an odd one runs ExampleConnector last).
+LOADING = ("example_connector", "tierkv_dram", "tierkv_nvme", "tierkv_nvme_page_cache")
 
 
-def run_vllm_bench(env: VllmEnv, work: Path, *, prefix_tokens: int = 2048, requests: int = 3,
+def engine_runs(rounds: int) -> int:
+    """Engine processes a run starts (a progress bar's steps)."""
+    return 1 + len(LOADING) * rounds
+
+
+def run_vllm_bench(env: VllmEnv, work: Path, *, prefix_tokens: int = 2048, requests: int = 5, rounds: int = 2,
                    step: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """Run the modes in ``work``; the JSON report. ``step()`` after each engine run."""
+    """Run the modes in ``work``; the JSON report. ``step()`` after each engine run.
+
+    The machine's speed drifts by tens of percent over minutes (shared cores), so the
+    loading modes run in ``rounds`` rounds, each mode a new engine per round, the order
+    rotated from round to round; a mode's figure is the median over all its requests.
+    """
+    if not 1 <= requests <= len(QUESTIONS) - 1:
+        raise InputError(f"tierkv bench vllm measures 1 to {len(QUESTIONS) - 1} requests per mode (--runs), "
+                         f"got {requests}")
+    if not 1 <= rounds <= 8:
+        raise InputError(f"tierkv bench vllm runs 1 to 8 rounds of its modes, got {rounds}")
     qs = list(QUESTIONS[: requests + 1])
     first, rest = qs[:1], qs[1:]
-    modes: dict[str, Any] = {}
-    modes["recompute"] = _mode(run_chat(env, _spec(prefix_tokens, rest, {}), work, "recompute", None), requests)
+    res = run_chat(env, _spec(prefix_tokens, rest, {}), work, "recompute", None)
+    modes: dict[str, Any] = {"recompute": _mode([_rows(res, requests)], [res["engine_start_s"]])}
     step()
-    example = work / "example-kv"
-    shutil.rmtree(example, ignore_errors=True)
-    res = run_chat(env, _spec(prefix_tokens, first + rest, {"example_connector": str(example)}), work, "example", None)
-    modes["example_connector"] = _mode(res, requests)
-    step()
+    got: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in LOADING}
+    starts: dict[str, list[float]] = {m: [] for m in LOADING}
     cfg = work / "store.toml"
-    cfg.write_text(store_config(work / "store"))
-    with Daemon(cfg, work / "daemon.log") as d:
-        res = run_chat(env, _spec(prefix_tokens, first + rest, {}, settle=True), work, "tierkv_dram", d.socket)
-    modes["tierkv_dram"] = _mode(res, requests)
-    step()
-    cfg.write_text(store_config(work / "store", promote=False))
-    with Daemon(cfg, work / "daemon.log") as d:
-        res = run_chat(env, _spec(prefix_tokens, rest, {}), work, "tierkv_nvme", d.socket)
-    modes["tierkv_nvme"] = _mode(res, requests)
-    step()
-    cfg.write_text(store_config(work / "store", promote=False, o_direct=False))
-    with Daemon(cfg, work / "daemon.log") as d:
-        res = run_chat(env, _spec(prefix_tokens, rest, {}), work, "tierkv_nvme_page_cache", d.socket)
-    modes["tierkv_nvme_page_cache"] = _mode(res, requests)
-    step()
+    for r in range(rounds):
+        store = work / f"store-{r}"   # each round from an empty store: its tierkv_dram run stores the pages
+        shutil.rmtree(store, ignore_errors=True)
+        # tierkv's modes in their order (the NVMe ones read what tierkv_dram stored);
+        # ExampleConnector first in even rounds, last in odd ones.
+        order = LOADING if r % 2 == 0 else LOADING[1:] + LOADING[:1]
+        for mode in order:
+            if mode == "example_connector":
+                example = work / "example-kv"
+                shutil.rmtree(example, ignore_errors=True)
+                res = run_chat(env, _spec(prefix_tokens, first + rest, {"example_connector": str(example)}), work,
+                               "example", None)
+            else:
+                dram = mode == "tierkv_dram"
+                cfg.write_text(store_config(store, promote=dram, o_direct=mode != "tierkv_nvme_page_cache"))
+                with Daemon(cfg, work / "daemon.log") as d:
+                    res = run_chat(env, _spec(prefix_tokens, first + rest if dram else rest, {}, settle=dram), work,
+                                   mode, d.socket)
+            got[mode].append(_rows(res, requests))
+            starts[mode].append(res["engine_start_s"])
+            step()
+    for mode in LOADING:
+        modes[mode] = _mode(got[mode], starts[mode])
 
     def ratio(a: str, b: str) -> float:
         return modes[a]["ttft_s"] / modes[b]["ttft_s"] if modes[b]["ttft_s"] else float("inf")
 
     # A loading mode that loaded less than the prefix measured recompute, not a load: the
     # run is not valid (the CLI exits 1).
-    loaded = all(m["tokens_loaded"] >= prefix_tokens // 128 * 128 for k, m in modes.items() if k != "recompute")
-    return {"prefix_tokens": prefix_tokens, "requests": requests, "modes": modes, "verified": loaded,
+    loaded = all(min(r["tokens_loaded"] for one in got[m] for r in one) >= prefix_tokens // 128 * 128
+                 for m in LOADING)
+    return {"prefix_tokens": prefix_tokens, "requests": requests, "rounds": rounds, "modes": modes,
+            "verified": loaded,
             "ttft_dram_vs_recompute": ratio("tierkv_dram", "recompute"),
             "ttft_nvme_vs_recompute": ratio("tierkv_nvme", "recompute"),
             "ttft_dram_vs_example_connector": ratio("tierkv_dram", "example_connector"),
