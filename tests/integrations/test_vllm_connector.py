@@ -381,6 +381,33 @@ def test_an_unexpected_loader_failure_reports_the_blocks_and_returns_the_buffers
     w.close()
 
 
+def test_a_load_failing_after_another_was_lent_gives_the_lent_rows_back(
+        store: RemoteStore, daemon: NodeService, monkeypatch: pytest.MonkeyPatch) -> None:
+    reqs = {"a": prompt(2.5, seed=60), "b": prompt(2.5, seed=61)}
+    for toks in reqs.values():
+        put_pages(store, toks)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(15), LAYOUT), max_pages=8)
+    if w._dram is None:
+        w.close()
+        pytest.skip("this client is not lent the daemon's DRAM")
+    p = ConnectorPlanner(store, N)
+    for i, (rid, toks) in enumerate(reqs.items()):
+        p.matched(rid, toks, "", 0)
+        p.allocated(rid, toks, len(toks), "", [3 * i, 3 * i + 1, 3 * i + 2], 2 * N)
+    real = w._lend
+
+    def second_fails(load):  # type: ignore[no-untyped-def]
+        if load.job.req_id == "b":
+            raise RuntimeError("not a store error")
+        return real(load)
+    monkeypatch.setattr(w, "_lend", second_fails)
+    step(w, p.plan([(rid, [3 * i, 3 * i + 1, 3 * i + 2], 2 * N) for i, rid in enumerate(reqs)], [],
+                   {rid: N // 2 for rid in reqs}))
+    assert w.load_errors() == {0, 1, 3, 4}
+    w.close()                                                # its loader ends what it lent
+    assert daemon.store._copying == 0                        # no DRAM row held back any more
+
+
 def test_a_save_after_a_lost_page_starts_again_from_the_first_page(sock_dir: Path, tmp_path: Path) -> None:
     """Review: the planner moves on as if every save landed. Here the daemon restarts
     (DRAM only: its pages are gone), so the put of page 1 finds page 0 missing and stores

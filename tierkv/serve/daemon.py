@@ -340,7 +340,10 @@ class NodeService:
                 segments.close()
                 if info is not None:
                     for token in info.lends:   # the rows it borrowed go back with it
-                        self.store.end_lend(token)
+                        try:
+                            self.store.end_lend(token)
+                        except TierKVError as exc:   # the pins below are released whatever happens here
+                            log.warning("ending lend %d of a closed connection: %s", token, exc)
                     info.lends.clear()
                     self._release_pins(info)
             finally:   # whatever failed above, the connection is forgotten and closed

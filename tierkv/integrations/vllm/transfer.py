@@ -267,6 +267,8 @@ class ConnectorWorker:
                 log.exception("tierkv: a load failed; its blocks are recomputed")
                 for load in self._loads:
                     self._fail_load(load.job, 0)
+                    if load.lent is not None:   # lent before the failure: its rows go back too
+                        self._loader.submit(self._end_lend, load.lent)
                     self._pool.give(load.buf)
                 self._loads = []
         return self._loads
