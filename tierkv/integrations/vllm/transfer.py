@@ -1,22 +1,26 @@
 """The connector's worker half, without vLLM: loads and saves pages, layer by layer.
 
-Runs in each vLLM worker process over its own connection to the node's ``tierkv serve``
-daemon. Pages cross between the daemon and this process through buffers in shared
-memory (:meth:`~tierkv.serve.client.RemoteStore.page_buffer`): the daemon copies a page
-between its DRAM pool and the buffer once, and this process copies it between the
-buffer and vLLM's blocks once, permuting to and from the store's page order
-(:class:`~tierkv.integrations.vllm.blocks.CpuPagedKV`).
+Runs in each vLLM worker process over its own connections to the node's ``tierkv serve``
+daemon. Pages cross between the daemon and this process through shared memory: buffers
+of this process's (:meth:`~tierkv.serve.client.RemoteStore.page_buffer`), which the
+daemon fills or reads, or, for loads from DRAM, the daemon's own pool, lent in place.
+This process copies a page between that memory and vLLM's blocks once, permuting to and
+from the store's page order (:class:`~tierkv.integrations.vllm.blocks.CpuPagedKV`).
 
 - Loads: when the step begins (:meth:`ConnectorWorker.begin_step`, vLLM binding the
-  plan) a background thread asks the daemon for each job's pages, which it copies into a
-  buffer while vLLM prepares the step's inputs and runs the first layer up to its
-  attention. :meth:`wait_layer` (vLLM's ``wait_for_layer_load``, on entry to each
-  attention layer) then copies that layer of the pages into vLLM's blocks, on vLLM's own
-  thread: on a CPU engine a second copying thread competes with the forward pass's
-  OpenMP threads for the same cores and made loads slower (docs/benchmarks.md). A page
-  the store does not return (evicted, or it failed its checksum) leaves its block in
-  :meth:`load_errors`, which vLLM recomputes (``kv_load_failure_policy="recompute"``);
-  nothing unverified is used.
+  plan) a background thread serves each job: when the daemon holds all its pages in DRAM
+  they are lent in place (the worker maps the daemon's DRAM tier read-only,
+  ``RemoteStore.dram_pool``, and copies from it; the daemon copies nothing); otherwise a
+  layered get (``get(..., landed=record)``) has the daemon fill a page buffer a group of
+  layers at a time, announcing each in the job's landing record. :meth:`wait_layer`
+  (vLLM's ``wait_for_layer_load``, on entry to each attention layer) waits until that
+  layer has landed and copies it into vLLM's blocks, on vLLM's own thread: on a CPU
+  engine a second copying thread competes with the forward pass's OpenMP threads for the
+  same cores and made loads slower (docs/benchmarks.md). A page the store does not
+  return (evicted, or it failed its checksum, possibly after its first layers were
+  announced and copied) leaves its block in :meth:`load_errors`, which vLLM recomputes
+  (``kv_load_failure_policy="recompute"``, the step's output for the request dropped);
+  nothing unverified is kept.
 - Saves: :meth:`save_layer` copies a layer of each saved block into a buffer right
   after the forward pass wrote it; :meth:`end_step` copies any layer not seen yet
   (vLLM skipped the hook) and hands the buffer to a background thread that puts it.
