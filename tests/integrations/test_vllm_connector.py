@@ -408,6 +408,44 @@ def test_a_load_failing_after_another_was_lent_gives_the_lent_rows_back(
     assert daemon.store._copying == 0                        # no DRAM row held back any more
 
 
+def test_a_worker_lent_pages_by_a_restarted_daemon_reads_them_from_its_new_pool(sock_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Review: the worker mapped the first daemon's DRAM pool; after a restart a lend names
+    rows of the new daemon's pool, which the worker must map and read, not the old one."""
+    path = sock_dir / "p.sock"
+    toks, filler = prompt(2.5, seed=70), prompt(3.5, seed=71)
+    src = engine_caches(16)
+    kv_src = CpuPagedKV(src, LAYOUT)
+    pages = torch.zeros(2, LAYOUT.page_bytes, dtype=torch.uint8)
+    for layer in range(L):
+        kv_src.gather(layer, [5, 6], kv_src.pages(pages))
+    cfg = StoreConfig(path=str(tmp_path / "a"), model_id="m", layout=LAYOUT, dram=DramConfig(8 * LAYOUT.page_bytes))
+    svc = NodeService(cfg, path).start()
+    store = RemoteStore(path, timeout_s=10)
+    store.put(np.array(toks[:2 * N], np.uint32), pages.numpy())
+    caches = engine_caches(17)
+    w = ConnectorWorker(store, CpuPagedKV(caches, LAYOUT), max_pages=8)
+    p = ConnectorPlanner(store, N)
+    p.matched("q", toks, "", 0)
+    p.allocated("q", toks, len(toks), "", [4, 5, 6], 2 * N)
+    step(w, p.plan([("q", [4, 5, 6], 2 * N)], [], {"q": N // 2}))    # lent by the first daemon
+    assert w.counters.lent_tokens == 2 * N
+    svc.close()
+    cfg_b = StoreConfig(path=str(tmp_path / "b"), model_id="m", layout=LAYOUT, dram=DramConfig(8 * LAYOUT.page_bytes))
+    svc = NodeService(cfg_b, path).start()
+    put_pages(store, filler)                                          # other pages take the first rows here
+    store.put(np.array(toks[:2 * N], np.uint32), pages.numpy())
+    assert p.matched("r", toks, "", 0) == 2 * N
+    p.allocated("r", toks, len(toks), "", [1, 2, 3], 2 * N)
+    step(w, p.plan([("r", [1, 2, 3], 2 * N)], [], {"r": N // 2}))
+    assert w.load_errors() == set() and w.counters.lent_tokens == 4 * N   # lent by the second daemon
+    for layer in range(L):
+        assert torch.equal(caches[layer][[1, 2]], src[layer][[5, 6]])
+    w.close()
+    store.close()
+    svc.close()
+
+
 def test_a_save_after_a_lost_page_starts_again_from_the_first_page(sock_dir: Path, tmp_path: Path) -> None:
     """Review: the planner moves on as if every save landed. Here the daemon restarts
     (DRAM only: its pages are gone), so the put of page 1 finds page 0 missing and stores

@@ -100,3 +100,28 @@ def test_a_user_limited_to_some_tenants_is_not_lent_the_pool(tmp_path: Path, soc
             c.dram_pool()
         with pytest.raises(AccessDeniedError, match="every tenant"):
             c.lend(prompt(4, 1), "alpha", want=1)
+
+
+def test_after_a_daemon_restart_lent_rows_are_read_from_the_new_pool(tmp_path: Path, sock_dir: Path) -> None:
+    # The client keeps its mapping of the first daemon's pool; a lend from the second
+    # names rows of another buffer: the client maps that one before anyone reads them.
+    t = prompt(5, 2)
+    other = prompt(6, 3)
+    path = sock_dir / "r.sock"
+    cfg = make_config(tmp_path / "a", dram_pages=8, nvme_pages=0)
+    with NodeService(cfg, path).start():
+        c = Store.connect(path)
+        c.put(t, pages_of(t))
+        first = c.dram_pool()
+        c.end_lend(c.lend(t, want=2))
+    cfg_b = make_config(tmp_path / "b", dram_pages=8, nvme_pages=0)
+    with NodeService(cfg_b, path).start():
+        c.put(other, pages_of(other))          # rows 0-2 of the new pool: another prompt's pages
+        c.put(t, pages_of(t))                  # t's pages on rows 3-4 here (rows 0-1 in the old pool)
+        lent = c.lend(t, want=2)
+        assert lent.pages == 2 and lent.pool != 0
+        pool = c.dram_pool()
+        assert pool is not first
+        assert all(np.array_equal(pool[s], pages_of(t)[i]) for i, s in enumerate(lent.slots))
+        c.end_lend(lent)
+        c.close()

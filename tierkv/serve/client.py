@@ -211,6 +211,7 @@ class RemoteStore:
         self._buffers: list[_Segment] = []
         self._released: list[_Segment] = []   # released page buffers the caller still holds views of
         self._pool: np.ndarray | None = None   # the daemon's DRAM tier, once mapped (dram_pool)
+        self._pool_id = 0                       # and its identity (a restarted daemon's is another)
         self._closed = False
         self._hello: dict[str, object] | None = None
         self._namespaces: dict[bytes, bytes] = {}
@@ -526,7 +527,9 @@ class RemoteStore:
     # -- pages lent in place ----------------------------------------------------------
     def dram_pool(self) -> np.ndarray:
         """The daemon's DRAM tier, mapped read-only here: ``uint8 [slots, page_bytes]``,
-        whose rows :meth:`lend` names. Made once per client. Only for a user that may use
+        whose rows :meth:`lend` names. Made once per daemon: after a lend from a restarted
+        daemon (whose pool is another), this returns the new pool's mapping, and a caller
+        that kept the old array must take this one. Only for a user that may use
         every tenant (AccessDeniedError otherwise: the pool holds every tenant's pages);
         TierKVError when the daemon's DRAM tier is not shared (page-locked, or none)."""
         self._check_open()
@@ -538,7 +541,7 @@ class RemoteStore:
         try:
             with conn.lock:
                 reply = conn.call(P.Op.DRAM_POOL, got=fds)
-            slots, slot_bytes = P.POOL_REP.unpack_from(reply)
+            slots, slot_bytes, pool_id = P.POOL_REP.unpack_from(reply)
             if len(fds) != 1 or slot_bytes < self.layout.page_bytes:
                 raise P.ProtocolError(f"DRAM_POOL answered {len(fds)} descriptors and {slot_bytes}-byte slots")
             m = mmap.mmap(fds[0], slots * slot_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -556,7 +559,7 @@ class RemoteStore:
         pool = np.frombuffer(m, dtype=np.uint8).reshape(slots, slot_bytes)[:, :self.layout.page_bytes]
         with self._lock:
             if self._pool is None:
-                self._pool = pool
+                self._pool, self._pool_id = pool, pool_id
             return self._pool
 
     def lend(self, tokens: Tokens, tenant: str | bytes = "", *, want: int, requested: int | None = None,
@@ -574,9 +577,23 @@ class RemoteStore:
         def build(conn: _Conn, seg: int, off: int) -> bytes:
             return conn.tokens(salt, toks, P.LEND_REQ.pack(want, -1 if requested is None else requested, whole))
         reply = self._request(P.Op.LEND, build)
-        pages, ntok, token = P.LEND_REP.unpack_from(reply)
+        pages, ntok, token, pool_id = P.LEND_REP.unpack_from(reply)
         slots = np.frombuffer(reply, dtype="<u4", count=pages, offset=P.LEND_REP.size)
-        return Lent(pages, ntok, tuple(int(x) for x in slots), token)
+        lent = Lent(pages, ntok, tuple(int(x) for x in slots), token, pool_id)
+        with self._lock:
+            stale = self._pool is not None and pool_id != self._pool_id
+            if stale:   # the daemon restarted since dram_pool(): its rows are in another buffer
+                self._pool = None
+        if stale and pages:
+            try:
+                self.dram_pool()
+                if self._pool_id != pool_id:
+                    raise StoreUnavailableError(f"the tierkv daemon at {self.socket_path} changed its DRAM pool "
+                                                "again (restarted twice?); lend again")
+            except BaseException:
+                self.end_lend(lent)
+                raise
+        return lent
 
     def end_lend(self, lent: Lent | int) -> None:
         """The rows :meth:`lend` named are no longer read (on the thread that lent them)."""

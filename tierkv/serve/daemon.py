@@ -442,18 +442,19 @@ class NodeService:
             raise AccessDeniedError("the DRAM pool holds every tenant's pages: lending needs a connection whose user "
                                     "may use every tenant; use get")
         if op == P.Op.DRAM_POOL:
-            fd, slots, slot_bytes = s.lend_pool()
+            fd, slots, slot_bytes, pool = s.lend_pool()
             if fd < 0:
                 raise TierKVError("this store's DRAM tier is not in shared memory (none, page-locked, or not on "
                                   "top): nothing to lend; use get")
-            return P.POOL_REP.pack(slots, slot_bytes), (fd,)
+            return P.POOL_REP.pack(slots, slot_bytes, pool), (fd,)
         if op == P.Op.LEND:
             want, requested, whole = _unpack(P.LEND_REQ, body)
             salt, tokens = self._tokens(body, P.LEND_REQ.size, segments, grant)
             lent = s.lend(tokens, salt, want=want, requested=None if requested < 0 else requested, whole=bool(whole))
             if lent.token >= 0:
                 info.lends.add(lent.token)
-            return P.LEND_REP.pack(lent.pages, lent.tokens, lent.token) + np.asarray(lent.slots, "<u4").tobytes()
+            return (P.LEND_REP.pack(lent.pages, lent.tokens, lent.token, lent.pool)
+                    + np.asarray(lent.slots, "<u4").tobytes())
         (token,) = _unpack(P.END_LEND_REQ, body)
         if token >= 0:
             if token not in info.lends:

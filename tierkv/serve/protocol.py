@@ -54,9 +54,9 @@ class Op(IntEnum):
                       # connections that may use every tenant (HELLO's "every_tenant")
     UNREGISTER = 13   # <Q segment id -> empty: the daemon unmaps it (a client gives a page buffer back)
     GET_LAYERED = 14  # <QQQqQQ as GET + the landing record's segment, offset (tierkv.store.landed) -> as GET
-    DRAM_POOL = 15    # empty -> <QQ slots, slot bytes, the DRAM tier's memfd in SCM_RIGHTS; only for connections
+    DRAM_POOL = 15    # empty -> <QQQ slots, slot bytes, pool id, the DRAM tier's memfd in SCM_RIGHTS; only for connections
                       # that may use every tenant (the pool holds every tenant's pages)
-    LEND = 16         # <QqB want, requested, whole, salt, tokens -> <QQq pages, tokens, lend token + <u4 slot per page
+    LEND = 16         # <QqB want, requested, whole, salt, tokens -> <QQqQ pages, tokens, lend token, pool id + <u4 slot per page
     END_LEND = 17     # <q lend token -> empty (a connection's lends end with it)
 
 
@@ -70,9 +70,9 @@ LOOKUP_REP = struct.Struct("<QQQ")
 GET_REQ = struct.Struct("<QQQq")
 GET_REP = struct.Struct("<QQ")
 GET_LAYERED_REQ = struct.Struct("<QQQqQQ")
-POOL_REP = struct.Struct("<QQ")
+POOL_REP = struct.Struct("<QQQ")
 LEND_REQ = struct.Struct("<QqB")
-LEND_REP = struct.Struct("<QQq")
+LEND_REP = struct.Struct("<QQqQ")
 END_LEND_REQ = struct.Struct("<q")
 PUT_REQ = struct.Struct("<QQQQB")
 PUT_REP = struct.Struct("<QQQ")

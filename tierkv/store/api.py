@@ -324,16 +324,19 @@ class Store:
             slots = tuple(int(x) for x in lead.slots[:n])
             token = self._begin_unlocked(self._fast, slots)
             self._transfers.count_served(self._fast.name, lead.keys_of(0, n), 0.0)
-            return Lent(n, n * self.layout.tokens_per_page, slots, token)
+            return Lent(n, n * self.layout.tokens_per_page, slots, token, self._fast.lend_id)
 
-    def lend_pool(self) -> tuple[int, int, int]:
-        """``(memfd, slots, slot_bytes)``: the DRAM tier's buffer whose rows :meth:`lend`
-        names, for a reader in another process to map; ``(-1, 0, 0)`` when this store
-        lends nothing (no DRAM tier on top, or a page-locked one)."""
+    def lend_pool(self) -> tuple[int, int, int, int]:
+        """``(memfd, slots, slot_bytes, pool)``: the DRAM tier's buffer whose rows :meth:`lend`
+        names, for a reader in another process to map, and its identity (which every
+        :class:`Lent` carries: a reader holding another buffer's mapping, a restarted
+        daemon's, must map this one first); ``(-1, 0, 0, 0)`` when this store lends nothing
+        (no DRAM tier on top, or a page-locked one)."""
         with self._lock:
             self._check_open()
-            fd = self._fast.lend_fd() if self._fast is not None else -1
-            return (fd, self._fast.num_slots, self._fast.slot_bytes) if self._fast is not None and fd >= 0 else (-1, 0, 0)
+            tier = self._fast
+            fd = tier.lend_fd() if tier is not None else -1
+            return (fd, tier.num_slots, tier.slot_bytes, tier.lend_id) if tier is not None and fd >= 0 else (-1, 0, 0, 0)
 
     def end_lend(self, token: int) -> None:
         """The borrower of :meth:`lend`'s ``token`` is done with its rows (once per lend;

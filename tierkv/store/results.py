@@ -49,6 +49,7 @@ class Lent:
     tokens: int
     slots: tuple[int, ...]
     token: int
+    pool: int = 0   # the buffer's identity (``Store.lend_pool``): a restarted daemon's is another
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,8 @@ class DramTier(Tier):
         self._held: set[int] = set()              # freed while busy: reusable once not
         self._next_copy = 0
         self._fd = -1
+        #: This buffer's identity, for a borrower that must not read a former one's rows.
+        self.lend_id = int.from_bytes(os.urandom(8), "little") >> 1
         try:
             if _pinned_wanted():
                 buf, pinned = _host_buffer(num_slots * slot_bytes)

@@ -88,6 +88,7 @@ class _Load:
     upto: int = 0              # pages copied for every layer copied so far (from job.skip)
     served: int | None = None  # the get's count, once it returned
     lent: Lent | None = None   # the pages lent in place from the daemon's DRAM, instead of a get
+    pool: torch.Tensor | None = None   # the mapping of the daemon's pool the lent rows are in
 
 
 class _BufferPool:
@@ -163,6 +164,7 @@ class ConnectorWorker:
         self.counters = WorkerCounters()
         self._pool = _BufferPool(store, max_pages, max(buffers, 2))
         self._pool.fill()
+        self._dram_rows: np.ndarray | None = None   # the daemon's pool as mapped, under self._dram
         self._dram = self._map_dram()
         self._puts = 0   # puts handed to the background, not yet returned
         self._layers = len(kv.layers)
@@ -235,6 +237,7 @@ class ConnectorWorker:
         except TierKVError as exc:
             log.info("tierkv: loads go through the daemon's gets (%s)", exc)
             return None
+        self._dram_rows = pool
         with warnings.catch_warnings():   # read-only memory, only ever read from
             warnings.simplefilter("ignore", UserWarning)
             return self.kv.pages(torch.from_numpy(pool))
@@ -306,10 +309,10 @@ class ConnectorWorker:
         if load.lent is None:
             self.kv.scatter(layer, load.pages[first:end], load.job.block_ids[first - skip:end - skip])
             return
-        assert self._dram is not None
+        assert load.pool is not None
         for i, slot, n in runs(load.lent.slots[first:end]):   # rows of the daemon's pool, in runs
             at = first + i
-            self.kv.scatter(layer, self._dram[slot:slot + n], load.job.block_ids[at - skip:at - skip + n])
+            self.kv.scatter(layer, load.pool[slot:slot + n], load.job.block_ids[at - skip:at - skip + n])
 
     def _lend(self, load: _Load) -> bool:
         """Borrow all of ``load``'s pages from the daemon's DRAM (False: not all there, or
@@ -323,7 +326,16 @@ class ConnectorWorker:
             return False
         if lent.pages < job.end:
             return False
-        load.lent = lent
+        try:
+            current = self.store.dram_pool()
+        except TierKVError:
+            current = None
+        if current is not self._dram_rows:   # the daemon restarted: its pool is another buffer
+            self._dram = self._map_dram() if current is not None else None
+            if self._dram is None:
+                self._end_lend(lent)   # on the loader's thread, which lent it
+                return False
+        load.lent, load.pool = lent, self._dram
         bs = self.kv.block_tokens
         self._saved(job.req_id, lent.pages)
         with self._lock:
