@@ -288,25 +288,27 @@ class RemoteStore:
         conn.close()
 
     def _request(self, op: int, build: Callable[[_Conn, int, int], bytes], *,
-                 rows: np.ndarray | PageList | None = None, fill: bool = False, n_rows: int = 0) -> memoryview:
+                 rows: np.ndarray | PageList | None = None, fill: bool = False, n_rows: int = 0,
+                 got: list[int] | None = None) -> memoryview:
         """One request on this thread's connection: ``build(conn, segment_id, offset)``
         makes the body. ``rows`` are put from, or (``fill``) got into: in place when they
         lie in a page buffer, else through the connection's scratch segment.
 
         A connection that served calls before and turns out dead (the daemon restarted
         since) is replaced and the request sent again, once, except pins and unpins
-        (not idempotent): the dead daemon can no longer touch anything of the caller's."""
+        (not idempotent): the dead daemon can no longer touch anything of the caller's.
+        ``got``: descriptors that came with the reply are added to it (the caller closes them)."""
         try:
-            return self._request_once(op, build, rows, fill, n_rows)
+            return self._request_once(op, build, rows, fill, n_rows, got=got)
         except _Stale:
-            return self._request_once(op, build, rows, fill, n_rows, retry=False)
+            return self._request_once(op, build, rows, fill, n_rows, retry=False, got=got)
 
     def _request_once(self, op: int, build: Callable[[_Conn, int, int], bytes], rows: np.ndarray | PageList | None,
-                      fill: bool, n_rows: int, retry: bool = True) -> memoryview:
+                      fill: bool, n_rows: int, retry: bool = True, got: list[int] | None = None) -> memoryview:
         conn = self._acquire()
         try:
             with conn.lock:
-                reply = self._exchange(conn, op, build, rows, fill, n_rows)
+                reply = self._exchange(conn, op, build, rows, fill, n_rows, got)
         except TierKVError:
             self._release(conn)
             raise
@@ -329,10 +331,10 @@ class RemoteStore:
         return memoryview(reply)
 
     def _exchange(self, conn: _Conn, op: int, build: Callable[[_Conn, int, int], bytes],
-                  rows: np.ndarray | PageList | None, fill: bool, n_rows: int) -> bytes:
+                  rows: np.ndarray | PageList | None, fill: bool, n_rows: int, got: list[int] | None = None) -> bytes:
         """One request and its reply on ``conn`` (its lock held): see :meth:`_request`."""
         if rows is None:
-            return bytes(conn.call(op, build(conn, 0, 0)))
+            return bytes(conn.call(op, build(conn, 0, 0), got=got))
         place = self._locate(rows)
         if place is not None:
             seg, off = place
@@ -346,9 +348,9 @@ class RemoteStore:
                 np.copyto(view, rows)
         reply = bytes(conn.call(op, build(conn, seg.id, 0)))
         if fill:
-            got = min(n_rows, int.from_bytes(reply[:8], "little"))
+            served = min(n_rows, int.from_bytes(reply[:8], "little"))
             assert isinstance(rows, np.ndarray)
-            rows[:got] = view[:got]
+            rows[:served] = view[:served]
         del view
         return reply
 
@@ -537,25 +539,20 @@ class RemoteStore:
             if self._pool is not None:
                 return self._pool
         fds: list[int] = []
-        conn = self._acquire()
         try:
-            with conn.lock:
-                reply = conn.call(P.Op.DRAM_POOL, got=fds)
+            reply = self._request(P.Op.DRAM_POOL, lambda conn, seg, off: b"", got=fds)
             slots, slot_bytes, pool_id = P.POOL_REP.unpack_from(reply)
             if len(fds) != 1 or slot_bytes < self.layout.page_bytes:
-                raise P.ProtocolError(f"DRAM_POOL answered {len(fds)} descriptors and {slot_bytes}-byte slots")
-            m = mmap.mmap(fds[0], slots * slot_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
-        except TierKVError:
-            self._release(conn)
-            raise
-        except (OSError, EOFError, P.ProtocolError) as exc:
-            self._drop(conn)
-            raise StoreUnavailableError(f"the tierkv daemon at {self.socket_path} could not share its DRAM "
-                                        f"pool ({exc})") from None
+                raise StoreUnavailableError(f"the tierkv daemon at {self.socket_path} answered DRAM_POOL with "
+                                            f"{len(fds)} descriptors and {slot_bytes}-byte slots")
+            try:
+                m = mmap.mmap(fds[0], slots * slot_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+            except OSError as exc:
+                raise StoreUnavailableError(f"cannot map the DRAM pool of the tierkv daemon at {self.socket_path}: "
+                                            f"{exc}") from None
         finally:
             for fd in fds:
                 os.close(fd)   # the mapping keeps what it needs
-        self._release(conn)
         pool = np.frombuffer(m, dtype=np.uint8).reshape(slots, slot_bytes)[:, :self.layout.page_bytes]
         with self._lock:
             if self._pool is None:

@@ -311,8 +311,7 @@ class Store:
             check_requested(requested, want)
             self._announce(blob, from_get=True)
             lead = self._lead(blob, want)
-            off = np.flatnonzero(lead.levels != 0)
-            n = int(off[0]) if len(off) else len(lead)
+            n = lead.run_until(lead.levels != 0)
             if self._fast is None or self._fast.lend_fd() < 0:
                 n = 0
             if whole and n < want:
@@ -353,8 +352,7 @@ class Store:
         all of its leading run there, when that run is worth unlocking for."""
         if self._fast is None or not len(lead):
             return 0
-        off = np.flatnonzero(lead.levels != 0)
-        n = int(off[0]) if len(off) else len(lead)
+        n = lead.run_until(lead.levels != 0)
         return n if n * self.layout.page_bytes >= UNLOCKED_COPY_BYTES else 0
 
     def _begin_unlocked(self, tier: DramTier, slots: Sequence[int]) -> int:
@@ -444,8 +442,7 @@ class Store:
         per = self.layout.page_bytes // self.layout.num_layers
         groups = layer_groups(self.layout.num_layers)
         ranges = [(a * per, b * per) for a, b in groups]
-        gone = np.flatnonzero(lead.levels == NO_SOURCE)
-        n = int(gone[0]) if len(gone) else len(lead)
+        n = lead.sourced()
         reset(landed)
         publish(landed, PAGES, n)
 

@@ -66,6 +66,15 @@ class Lead:
         """The keys of pages ``start .. stop-1``, back to back."""
         return self.keys[start * KEY_BYTES:stop * KEY_BYTES]
 
+    def run_until(self, stop: np.ndarray) -> int:
+        """How many leading pages come before the first where the boolean mask ``stop`` is set."""
+        hit = np.flatnonzero(stop)
+        return int(hit[0]) if len(hit) else len(self)
+
+    def sourced(self) -> int:
+        """How many leading pages have a copy to read (before the first :data:`NO_SOURCE`)."""
+        return self.run_until(self.levels == NO_SOURCE)
+
     def take(self, which: np.ndarray) -> Lead:
         """The pages where the boolean mask ``which`` is set, in order."""
         idx = np.flatnonzero(which).tolist()

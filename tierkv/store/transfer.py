@@ -22,7 +22,7 @@ from tierkv.store.checksum import checksum64, checksum_rows
 from tierkv.errors import TierIOError, TierUnavailableError
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.store.manager import BlockManager, Move, MovePlan
-from tierkv.store.moves import NO_SOURCE, Lead
+from tierkv.store.moves import Lead
 from tierkv.store.pages import PageList, Rows
 from tierkv.store.stats import Counters
 from tierkv.tiers.aligned import aligned_empty
@@ -285,8 +285,7 @@ class Transfers:
         the tier's bytes read are counted.
         """
         levels = lead.levels
-        gone = np.flatnonzero(levels == NO_SOURCE)
-        n = int(gone[0]) if len(gone) else len(lead)
+        n = lead.sourced()
         starts = (np.flatnonzero(levels[1:n] != levels[:n - 1]) + 1).tolist() if n else []
         for a, b in zip([0, *starts], [*starts, n]):
             if a == b:
@@ -338,8 +337,7 @@ class Transfers:
         again into a row of the store's own before it is quarantined.
         """
         levels = lead.levels
-        gone = np.flatnonzero(levels == NO_SOURCE)
-        n = int(gone[0]) if len(gone) else len(lead)
+        n = lead.sourced()
         cuts = [0, *(np.flatnonzero(levels[1:n] != levels[:n - 1]) + 1).tolist(), n] if n else [0]
         runs = [(a, b, self._m.tiers[int(levels[a])]) for a, b in zip(cuts, cuts[1:])]
         if not all(t.reads_ranges(s, e, out[a:b]) for a, b, t in runs for s, e in ranges):

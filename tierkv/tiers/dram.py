@@ -21,7 +21,7 @@ import numpy as np
 
 from tierkv.errors import CapacityError
 from tierkv.store.pages import PageList
-from tierkv.tiers.aligned import Prefault, aligned_empty
+from tierkv.tiers.aligned import Prefault
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.units import format_size
 
@@ -63,9 +63,10 @@ def _shared_buffer(nbytes: int) -> tuple[np.ndarray, int]:
     return np.frombuffer(m, dtype=np.uint8), fd
 
 
-def _host_buffer(nbytes: int) -> tuple[np.ndarray, bool]:
-    """A zeroed host buffer, page-locked when a CUDA device is present; and whether it is
-    (page-locked memory is resident from the start).
+def _host_buffer(nbytes: int) -> tuple[np.ndarray, bool, int]:
+    """A zeroed host buffer: page-locked when a CUDA device is present, else in a memfd
+    (:func:`_shared_buffer`); whether it is page-locked (resident from the start), and the
+    memfd (-1 for page-locked memory, which is not shared).
 
     torch is imported only where it can matter (already imported by the caller, or an
     NVIDIA driver present): it takes seconds to import, and minutes in emulated guests.
@@ -77,18 +78,9 @@ def _host_buffer(nbytes: int) -> tuple[np.ndarray, bool]:
         except ImportError:  # pragma: no cover - torch is a dependency
             torch = None
     if torch is not None and torch.cuda.is_available():
-        return torch.zeros(nbytes, dtype=torch.uint8).pin_memory().numpy(), True
-    return aligned_empty(nbytes), False  # mmap'd, so zeroed; 4 KiB-aligned rows go to O_DIRECT without a bounce
-
-
-def _pinned_wanted() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None and _nvidia_driver():
-        try:
-            import torch
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return False
-    return torch is not None and bool(torch.cuda.is_available())
+        return torch.zeros(nbytes, dtype=torch.uint8).pin_memory().numpy(), True, -1
+    buf, fd = _shared_buffer(nbytes)   # 4 KiB-aligned rows go to O_DIRECT without a bounce
+    return buf, False, fd
 
 
 # Below this row size numpy's gather/scatter beats a Python loop of slice copies; above
@@ -116,10 +108,7 @@ class DramTier(Tier):
         #: This buffer's identity, for a borrower that must not read a former one's rows.
         self.lend_id = int.from_bytes(os.urandom(8), "little") >> 1
         try:
-            if _pinned_wanted():
-                buf, pinned = _host_buffer(num_slots * slot_bytes)
-            else:   # 4 KiB-aligned rows go to O_DIRECT without a bounce
-                (buf, self._fd), pinned = _shared_buffer(num_slots * slot_bytes), False
+            buf, pinned, self._fd = _host_buffer(num_slots * slot_bytes)
             self._buf = buf.reshape(num_slots, slot_bytes)
         except (MemoryError, OSError, RuntimeError) as exc:  # mmap ENOMEM; torch's pinning fails as RuntimeError
             self._closed = True

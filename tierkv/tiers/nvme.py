@@ -352,38 +352,7 @@ class NvmeTier(Tier):
         return start % ALIGN == 0 and stop % ALIGN == 0 and dst.shape[1] % ALIGN == 0 and is_aligned(dst)
 
     def _read_range(self, slots: Sequence[int], dst: np.ndarray, start: int, stop: int) -> None:
-        """One read per slot (the ranges of consecutive slots are not adjacent in the file),
-        spread over the I/O threads."""
-        todo = deque(enumerate(int(s) for s in slots))
-        errors: list[BaseException] = []
-        length = stop - start
-        with self._busy() as fd:
-            def drain() -> None:
-                while not errors:
-                    try:
-                        row, slot = todo.popleft()
-                    except IndexError:
-                        return
-                    offset = self.header_bytes + slot * self.slot_bytes + start
-                    try:
-                        done = os.preadv(fd, [dst[row, start:stop].data], offset)
-                    except OSError as e:
-                        errors.append(TierIOError(f"nvme tier {self.path}: read of bytes {start}..{stop} of slot "
-                                                  f"{slot} (offset {offset}) failed: {oserr(e)}"))
-                        return
-                    if done != length:
-                        errors.append(TierIOError(f"nvme tier {self.path}: short read of slot {slot}: {done} of "
-                                                  f"{length} bytes at offset {offset} (file or device shorter than "
-                                                  "the tier?)"))
-                        return
-
-            helpers = min(self.io_threads, len(todo)) - 1
-            futures = [self._fanout.submit(drain) for _ in range(helpers)] if self._fanout else []
-            drain()
-            for f in futures:
-                f.result()
-        if errors:
-            raise errors[0]
+        self._pread_ranges(slots, dst, [(start, stop)], lambda k: None)
 
     def read_ranges(self, slots: Sequence[int], dst: np.ndarray, ranges: Sequence[tuple[int, int]],
                     after: Callable[[int], None]) -> None:
@@ -397,6 +366,12 @@ class NvmeTier(Tier):
             if not 0 <= start < stop <= dst.shape[1] or not self.reads_ranges(start, stop, dst):
                 raise InputError(f"the {self.name} tier cannot read bytes {start}..{stop} of its pages into this "
                                  "buffer (out of the row, or not aligned for O_DIRECT)")
+        self._pread_ranges(slots, dst, ranges, after)
+
+    def _pread_ranges(self, slots: Sequence[int], dst: np.ndarray, ranges: Sequence[tuple[int, int]],
+                      after: Callable[[int], None]) -> None:
+        """:meth:`read_ranges` once its arguments are checked: one read per page per range
+        (the ranges of consecutive slots are not adjacent in the file)."""
         n = len(slots)
         todo = deque((k, row, int(slot)) for k in range(len(ranges)) for row, slot in enumerate(slots))
         left = [n] * len(ranges)
