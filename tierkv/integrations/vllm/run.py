@@ -6,7 +6,8 @@ start it, :mod:`tierkv.integrations.vllm.session`)::
     python -m tierkv.integrations.vllm.run --model DIR --chat chat.json [--socket S] --out result.json
 
 ``chat.json``: ``{"system": str, "turns": [str, ...], "max_tokens": int, "salt": str}``
-(or ``{"prompts": [[token ids], ...]}``: :func:`prompts`, for ``tierkv bench vllm``).
+(or ``{"prompts": [[token ids], ...]}``: :func:`prompts`; or ``{"engines": [...]}``:
+:func:`paired`, several engines at once, for ``tierkv bench vllm``).
 Every turn's prompt is the previous prompt, the previous answer and the new user message
 as token ids (no re-tokenising, so a turn's pages are the previous turn's plus new ones).
 Generation is greedy. Per turn the result holds the answer's token ids, vLLM's own count
@@ -162,6 +163,76 @@ def prompts(model: str, served: str, spec: dict[str, Any], socket: str | None,
     return {"engine_start_s": started, "prompts": rows}
 
 
+def _step(progress: str | None) -> None:
+    """One step done (``tierkv bench vllm``'s bar counts the bytes of this file)."""
+    if progress:
+        with open(progress, "ab") as f:
+            f.write(b".")
+
+
+def paired(model: str, served: str, spec: dict[str, Any], max_model_len: int = 4096,
+           progress: str | None = None) -> dict[str, Any]:
+    """Engines of several modes alive at once in this process, measured requests
+    alternating between them (``tierkv bench vllm``): the machine's drift over minutes
+    then moves every mode alike instead of whichever ran last.
+
+    ``spec["engines"]``: ``{"name", "connector": {...}, "daemon": {"config", "log"} | None,
+    "restart": bool, "fill": bool, "requests": int}``, started in order; each runs a short
+    warm-up prompt, then (``fill``) one prefix request whose pages it stores (waiting,
+    for a daemon, until they landed; ``restart``: the daemon is then restarted, its DRAM
+    gone, the engine reconnecting), then one unmeasured prefix request (the load path's
+    first use). Then ``spec["requests"]`` rounds, each a prefix request with the round's
+    question (``spec["questions"]``, cycled) on every engine, the order rotated by one
+    each round; an engine with its own smaller ``requests`` sits out later rounds. Per
+    engine: its start time and its measured rows, each with its round."""
+    from vllm import SamplingParams
+
+    from tierkv.integrations.vllm.session import Daemon
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    questions = list(spec["questions"])
+    engines: list[dict[str, Any]] = []
+    daemons: list[Daemon] = []
+    try:
+        for e in spec["engines"]:
+            daemon = None
+            if e.get("daemon"):
+                daemon = Daemon(Path(e["daemon"]["config"]), Path(e["daemon"]["log"])).start()
+                daemons.append(daemon)
+            t0 = time.perf_counter()
+            llm = _engine(model, served, daemon.socket if daemon else None, max_model_len, dict(e.get("connector", {})))
+            started = time.perf_counter() - t0
+            ids = _prompt_ids(llm.get_tokenizer(), {**spec, "prompts": [{"question": "Say hello."}] + [
+                {"prefix": True, "question": q} for q in ["Fill the store.", "Load it once.", *questions]]})
+            llm.generate([{"prompt_token_ids": ids[0]}], params, use_tqdm=False)
+            if e.get("fill"):
+                llm.generate([{"prompt_token_ids": ids[1]}], params, use_tqdm=False)
+                if daemon is not None:
+                    _await_stored(daemon.socket, ids[1], int(spec.get("block_size", 128)))
+                    if e.get("restart"):
+                        daemon.stop()
+                        daemon.start()
+                llm.generate([{"prompt_token_ids": ids[2]}], params, use_tqdm=False)
+            engines.append({"name": e["name"], "llm": llm, "ids": ids[3:], "start_s": started, "rows": [],
+                            "requests": int(e.get("requests", spec["requests"]))})
+            _step(progress)
+        for r in range(int(spec["requests"])):
+            order = engines[r % len(engines):] + engines[: r % len(engines)]
+            for eng in order:
+                if r >= eng["requests"]:
+                    continue
+                ids = eng["ids"][r % len(questions)]
+                out = eng["llm"].generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+                eng["rows"].append({"round": r, "prompt_tokens": len(ids),
+                                    "tokens_loaded": int(out.num_cached_tokens or 0),
+                                    "ttft_s": float(getattr(out.metrics, "first_token_latency", 0.0) or 0.0)})
+            _step(progress)
+    finally:
+        for d in daemons:
+            d.stop()
+    return {"engines": {e["name"]: {"engine_start_s": e["start_s"], "prompts": e["rows"]} for e in engines}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -170,8 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--socket", default=None, help="the tierkv daemon's socket; none: no connector")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--progress", default=None, help="a file that gets one byte per step done (paired runs)")
     args = ap.parse_args(argv)
     spec = json.loads(Path(args.chat).read_text())
+    if "engines" in spec:
+        Path(args.out).write_text(json.dumps(paired(args.model, args.served_name or args.model, spec,
+                                                    args.max_model_len, args.progress)))
+        return 0
     if "prompts" in spec:
         Path(args.out).write_text(json.dumps(prompts(args.model, args.served_name or args.model, spec, args.socket,
                                                      args.max_model_len)))

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,19 +109,37 @@ class Daemon:
 
 
 def run_chat(env: VllmEnv, chat: dict[str, Any], work: Path, name: str, socket: str | None,
-             timeout_s: float = 900.0) -> dict[str, Any]:
-    """Run ``chat`` in a new engine process (with the connector when ``socket`` is given)."""
+             timeout_s: float = 900.0, step: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run ``chat`` in a new engine process (with the connector when ``socket`` is given).
+    ``step``: called for each step the run reports (:func:`~tierkv.integrations.vllm.run.paired`)."""
     spec, out, log = work / f"{name}.chat.json", work / f"{name}.result.json", work / f"{name}.log"
+    progress = work / f"{name}.progress"
     spec.write_text(json.dumps(chat))
+    progress.write_bytes(b"")
     argv = [env.python, "-m", "tierkv.integrations.vllm.run", "--model", env.model, "--chat", str(spec),
-            "--served-name", SERVED_NAME, "--out", str(out)]
+            "--served-name", SERVED_NAME, "--out", str(out), "--progress", str(progress)]
     if socket:
         argv += ["--socket", socket]
     with open(log, "w") as logf:
-        try:
-            rc = subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            raise InputError(f"the vLLM engine run {name!r} took over {timeout_s:.0f} s; its log: {log}") from None
+        # A session of its own: on a timeout its whole group goes (daemons a paired run started).
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline, done = time.monotonic() + timeout_s, 0
+        while True:
+            try:
+                rc = proc.wait(0.5)
+            except subprocess.TimeoutExpired:
+                rc = None
+            if step is not None:
+                now = progress.stat().st_size
+                for _ in range(now - done):
+                    step()
+                done = now
+            if rc is not None:
+                break
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise InputError(f"the vLLM engine run {name!r} took over {timeout_s:.0f} s; its log: {log}")
     if rc != 0 or not out.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise InputError(f"the vLLM engine run {name!r} failed (exit {rc}); log {log}, last lines:\n{tail}")
