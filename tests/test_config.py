@@ -18,7 +18,7 @@ import pytest
 from tierkv.config import (DramConfig, HbmConfig, NvmeConfig, NvmeofConfig, PeersConfig, StoreConfig, config_from_dict,
                            load_config)
 from tierkv.errors import ConfigError, LayoutError
-from tierkv.layout import DType, KVLayout, LayoutKind
+from tierkv.layout import DType, KVLayout, LayoutKind, PageOrder
 from tierkv.units import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,6 +97,27 @@ def test_layout_sizes() -> None:
     assert KVLayout(1, 1, 1, "fp8_e4m3", 1).page_bytes == 2
     with pytest.raises(LayoutError, match="limit"):
         KVLayout(1000, 1000, 1000, "fp32", 1000)
+
+
+def test_page_order_is_declared_checked_and_a_layout_of_its_own() -> None:
+    std = KVLayout(30, 3, 64, "bf16", 128)
+    native = KVLayout(30, 3, 64, "bf16", 128, page_order="vllm_cpu")
+    assert native.page_order is PageOrder.VLLM_CPU and std.page_order is PageOrder.STANDARD
+    assert native.page_shape == (30, 3, 128, 128) and native.page_bytes == std.page_bytes
+    # The standard order leaves the fingerprint as it was before the field (stores and
+    # keys made then stay valid); another order is another layout.
+    assert std.fingerprint() == (b'{"dtype":"bf16","head_dim":64,"kind":"kv","num_kv_heads":3,"num_layers":30,'
+                                 b'"tokens_per_page":128}')
+    assert native.fingerprint() != std.fingerprint() and b'"page_order":"vllm_cpu"' in native.fingerprint()
+    with pytest.raises(LayoutError, match="page_order must be one of 'standard', 'vllm_cpu', got 'lbhnc'"):
+        KVLayout(30, 3, 64, "bf16", 128, page_order="lbhnc")
+    with pytest.raises(LayoutError, match="needs kind 'kv'"):
+        KVLayout(30, 1, 64, "bf16", 128, LayoutKind.LATENT, "vllm_cpu")
+    data = {"store": {"path": "/tmp/x", "model_id": "m"},
+            "layout": {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 128,
+                       "page_order": "vllm_cpu"},
+            "tiers": {"dram": {"capacity_bytes": "1GiB"}}}
+    assert config_from_dict(data, "x.toml").layout == native
 
 
 def test_coded_tiers_refuse_pages_their_records_cannot_describe(tmp_path: Path) -> None:

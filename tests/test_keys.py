@@ -152,6 +152,9 @@ def test_namespaces_separate_tenants_models_and_layouts() -> None:
         namespace_digest("m", LAYOUT, b"tenant-b"),
         namespace_digest("m2", LAYOUT),
         namespace_digest("m", other_layout),
+        namespace_digest("m", KVLayout(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads,
+                                       head_dim=LAYOUT.head_dim, dtype=LAYOUT.dtype,
+                                       tokens_per_page=LAYOUT.tokens_per_page, page_order="vllm_cpu")),
     ]
     assert namespace_digest("m", LAYOUT, "tenant-a") == namespace_digest("m", LAYOUT, b"tenant-a")
     all_keys = [page_keys(tokens, LAYOUT, ns) for ns in namespaces]

@@ -1,11 +1,16 @@
 """The declared KV layout of a store's pages.
 
-A page holds ``tokens_per_page`` tokens of every layer, contiguous:
+A page holds ``tokens_per_page`` tokens of every layer, contiguous, layers outermost:
 ``[num_layers, 2, tokens_per_page, num_kv_heads, head_dim]`` for K+V caches and
 ``[num_layers, tokens_per_page, head_dim]`` for latent-only (MLA) caches, where
-``head_dim`` is then the latent width. The layout is always declared by the
-caller (config or dataclass), never guessed from a tensor. Used by the API to
-validate page batches, by the manager for page sizes and by the key namespace.
+``head_dim`` is then the latent width. That is the ``standard`` page order, the one
+every engine integration reads and writes. ``page_order = "vllm_cpu"`` instead keeps
+each layer as vLLM's CPU attention backend packs a block (:class:`PageOrder`), so that
+the vLLM connector copies a page into an engine block without permuting it; pages of
+another order are another layout (another key namespace, another store format), never
+read as this one. The layout is always declared by the caller (config or dataclass),
+never guessed from a tensor. Used by the API to validate page batches, by the manager
+for page sizes and by the key namespace.
 """
 
 from __future__ import annotations
@@ -67,6 +72,21 @@ class LayoutKind(enum.Enum):
     LATENT = "latent"
 
 
+class PageOrder(enum.Enum):
+    """How a page's elements are ordered inside each of its layers.
+
+    - ``STANDARD``: ``[2, tokens_per_page, num_kv_heads, head_dim]`` (K then V, token-major);
+      latent layouts ``[tokens_per_page, head_dim]``;
+    - ``VLLM_CPU``: one block of vLLM's CPU attention backend (kernels ``vec``/``vec16``):
+      ``[num_kv_heads, tokens_per_page, 2 * head_dim]`` as a tensor, where each head's
+      ``2 * tokens * head_dim`` elements are K transposed (``[head_dim, tokens]``)
+      followed by V (``[tokens, head_dim]``). K+V layouts only.
+    """
+
+    STANDARD = "standard"
+    VLLM_CPU = "vllm_cpu"
+
+
 # Guards against typos such as a head_dim of 1280000 producing a 50 GiB page.
 MAX_PAGE_BYTES = 1 << 31
 
@@ -84,10 +104,12 @@ class KVLayout:
     dtype: DType = DType.BF16
     tokens_per_page: int = 16
     kind: LayoutKind = LayoutKind.KV
+    page_order: PageOrder = PageOrder.STANDARD
 
-    if TYPE_CHECKING:  # dtype and kind may be given by name ("bf16", "latent"): __post_init__ parses them
+    if TYPE_CHECKING:  # dtype, kind and page_order may be given by name ("bf16", "latent"): __post_init__ parses them
         def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: DType | str = DType.BF16,
-                     tokens_per_page: int = 16, kind: LayoutKind | str = LayoutKind.KV) -> None: ...
+                     tokens_per_page: int = 16, kind: LayoutKind | str = LayoutKind.KV,
+                     page_order: PageOrder | str = PageOrder.STANDARD) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
@@ -96,6 +118,14 @@ class KVLayout:
                 object.__setattr__(self, "kind", LayoutKind(str(self.kind).lower()))
             except ValueError:
                 raise LayoutError(f"layout kind must be 'kv' or 'latent', got {self.kind!r}") from None
+        if not isinstance(self.page_order, PageOrder):
+            try:
+                object.__setattr__(self, "page_order", PageOrder(str(self.page_order).lower()))
+            except ValueError:
+                names = ", ".join(repr(o.value) for o in PageOrder)
+                raise LayoutError(f"layout page_order must be one of {names}, got {self.page_order!r}") from None
+        if self.page_order is PageOrder.VLLM_CPU and self.kind is not LayoutKind.KV:
+            raise LayoutError("page_order 'vllm_cpu' (vLLM's CPU attention blocks) holds K and V: it needs kind 'kv'")
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_page"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -116,6 +146,8 @@ class KVLayout:
         """Shape of one page as a tensor of ``dtype`` elements."""
         if self.kind is LayoutKind.LATENT:
             return (self.num_layers, self.tokens_per_page, self.head_dim)
+        if self.page_order is PageOrder.VLLM_CPU:
+            return (self.num_layers, self.num_kv_heads, self.tokens_per_page, 2 * self.head_dim)
         return (self.num_layers, 2, self.tokens_per_page, self.num_kv_heads, self.head_dim)
 
     @property
@@ -133,4 +165,8 @@ class KVLayout:
         fields = asdict(self)
         fields["dtype"] = self.dtype.value
         fields["kind"] = self.kind.value
+        if self.page_order is PageOrder.STANDARD:   # absent: stores and keys made before the field stay valid
+            del fields["page_order"]
+        else:
+            fields["page_order"] = self.page_order.value
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()

@@ -54,6 +54,13 @@ def test_mismatches_are_named(engine: EngineLayout, message: str) -> None:
         engine.geometry(STORE)
 
 
+def test_engine_copies_refuse_pages_in_another_order() -> None:
+    vllm_cpu = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="bf16", tokens_per_page=16,
+                        page_order="vllm_cpu")
+    with pytest.raises(LayoutError, match="page_order 'vllm_cpu'; engine copies read and write the 'standard'"):
+        EngineLayout.for_store(STORE, "flash").geometry(vllm_cpu)
+
+
 def test_kv_engine_refuses_a_latent_store() -> None:
     with pytest.raises(LayoutError, match="flash vs store layout kind latent"):
         EngineLayout(EngineLayoutKind.FLASH, 4, 16, 1, 24, DType.FP16).geometry(LATENT)

@@ -14,11 +14,11 @@ import torch
 
 from tierkv.store.api import Store
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
-from tierkv.errors import InputError
+from tierkv.errors import InputError, LayoutError
 from tierkv.integrations.adapter import EventKind, OffloadScheduler, external_key_tokens
 from tierkv.integrations.worker import OffloadWorker, PagedKV
 from tierkv.keys import PageKey
-from tierkv.layout import KVLayout
+from tierkv.layout import KVLayout, PageOrder
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="fp32", tokens_per_page=4)
 T = LAYOUT.tokens_per_page
@@ -394,6 +394,16 @@ def test_a_one_page_prompt_reaches_the_policy_once(store: Store, monkeypatch: py
     sched.complete_store(spec, OffloadWorker(store, engine_kv("cpu", 8)).transfer(spec).success)
     assert announced == [1]
     assert store.stats().pages_requested == 0          # nothing it could have loaded
+
+
+def test_a_store_in_another_page_order_is_refused(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    other = replace(LAYOUT, page_order=PageOrder.VLLM_CPU)
+    with Store.open(StoreConfig(path=str(tmp_path / "v"), model_id="m", layout=other,
+                                dram=DramConfig(4 * other.page_bytes))) as s:
+        with pytest.raises(LayoutError, match="page_order 'vllm_cpu'; OffloadWorker reads and writes the 'standard'"):
+            OffloadWorker(s, engine_kv("cpu", 0))
 
 
 def test_a_closed_worker_refuses_submits_and_starts_no_thread(store: Store) -> None:

@@ -31,9 +31,12 @@ def engine_caches(seed: int = 0, blocks: int = BLOCKS) -> list[torch.Tensor]:
     return [torch.randn(blocks, H, N, 2 * D, generator=g).to(torch.bfloat16) for _ in range(L)]
 
 
-@pytest.fixture
-def daemon(sock_dir: Path, tmp_path: Path) -> Iterator[NodeService]:
-    cfg = StoreConfig(path=str(tmp_path / "store"), model_id="m", layout=LAYOUT,
+@pytest.fixture(params=["standard", "vllm_cpu"])
+def daemon(request: pytest.FixtureRequest, sock_dir: Path, tmp_path: Path) -> Iterator[NodeService]:
+    """A daemon whose pages are in either page order (the worker copies whole blocks in the
+    engine's own order, or permutes to and from the standard one)."""
+    layout = KVLayout(L, H, D, "bf16", N, page_order=request.param)
+    cfg = StoreConfig(path=str(tmp_path / "store"), model_id="m", layout=layout,
                       dram=DramConfig(8 * LAYOUT.page_bytes), nvme=NvmeConfig(64 * LAYOUT.page_bytes))
     svc = NodeService(cfg, sock_dir / "d.sock").start()
     yield svc
@@ -77,11 +80,34 @@ def test_gather_puts_k_and_v_in_the_store_order() -> None:
                     assert torch.equal(pages[row, layer, 1, n, h], v[h, n])
 
 
+def test_in_the_vllm_cpu_order_a_pages_layer_is_the_blocks_bytes() -> None:
+    native = KVLayout(L, H, D, "bf16", N, page_order="vllm_cpu")
+    caches = engine_caches()
+    kv = CpuPagedKV(caches, native)
+    pages = kv.pages(torch.zeros(3, native.page_bytes, dtype=torch.uint8))
+    assert tuple(pages.shape) == (3, L, H, N, 2 * D)
+    for layer in range(L):
+        kv.gather(layer, [7, 2, 3], pages)
+    for row, block in enumerate([7, 2, 3]):
+        for layer in range(L):
+            assert torch.equal(pages[row, layer], caches[layer][block])
+    # The same blocks in the standard order hold the same values, permuted (so one
+    # engine's pages are either order's, never both: the orders are separate layouts).
+    std = CpuPagedKV(caches, LAYOUT)
+    spages = std.pages(torch.zeros(3, LAYOUT.page_bytes, dtype=torch.uint8))
+    for layer in range(L):
+        std.gather(layer, [7, 2, 3], spages)
+    assert not torch.equal(spages.flatten(), pages.flatten())
+    assert torch.equal(spages.flatten().sort().values, pages.flatten().sort().values)
+
+
+@pytest.mark.parametrize("order", ["standard", "vllm_cpu"])
 @pytest.mark.parametrize("ids", [[1, 2, 3, 4], [9, 3, 0, 11], [5]])
-def test_scatter_inverts_gather(ids: list[int]) -> None:
+def test_scatter_inverts_gather(ids: list[int], order: str) -> None:
     src, dst = engine_caches(1), engine_caches(2)
     before = [d.clone() for d in dst]
-    a, b = CpuPagedKV(src, LAYOUT), CpuPagedKV(dst, LAYOUT)
+    layout = KVLayout(L, H, D, "bf16", N, page_order=order)
+    a, b = CpuPagedKV(src, layout), CpuPagedKV(dst, layout)
     pages = a.pages(torch.zeros(len(ids), LAYOUT.page_bytes, dtype=torch.uint8))
     for layer in range(L):
         a.gather(layer, ids, pages)
@@ -209,14 +235,14 @@ def step(worker: ConnectorWorker, plan: StepPlan, write: list[torch.Tensor] | No
 def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: RemoteStore) -> None:
     toks = prompt(4.5, seed=11)
     src = engine_caches(3)
-    a = ConnectorWorker(store, CpuPagedKV(engine_caches(4), LAYOUT), max_pages=8)
+    a = ConnectorWorker(store, CpuPagedKV(engine_caches(4), store.layout), max_pages=8)
     pa = ConnectorPlanner(store, N)
     pa.allocated("a", toks, len(toks), "", [3, 1, 4, 0, 9], 0)
     step(a, pa.plan([("a", [3, 1, 4, 0, 9], 0)], [], {"a": len(toks)}), write=src, caches=a.kv.layers)
     a.drain()
     assert a.counters.saved_pages == 4 and a.counters.failed_saves == 0
     b_caches = engine_caches(5)
-    b = ConnectorWorker(store, CpuPagedKV(b_caches, LAYOUT), max_pages=8)
+    b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout), max_pages=8)
     pb = ConnectorPlanner(store, N)
     assert pb.matched("q", toks, "", 0) == 4 * N
     pb.allocated("b", toks, len(toks), "", [6, 7, 8, 10, 11], 4 * N)
@@ -233,7 +259,7 @@ def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: Remote
 def test_pages_not_all_in_dram_are_got_layer_by_layer_not_lent(store: RemoteStore, daemon: NodeService) -> None:
     toks = prompt(4.5, seed=13)
     src = engine_caches(13)
-    a = ConnectorWorker(store, CpuPagedKV(src, LAYOUT), max_pages=8)
+    a = ConnectorWorker(store, CpuPagedKV(src, store.layout), max_pages=8)
     pa = ConnectorPlanner(store, N)
     pa.allocated("a", toks, len(toks), "", [0, 1, 2, 3, 4], 0)
     step(a, pa.plan([("a", [0, 1, 2, 3, 4], 0)], [], {"a": len(toks)}), write=src, caches=a.kv.layers)
@@ -244,7 +270,7 @@ def test_pages_not_all_in_dram_are_got_layer_by_layer_not_lent(store: RemoteStor
     tiers = daemon.store.lookup(np.array(toks[:4 * N], np.uint32)).tiers
     assert TierKind.NVME in tiers
     b_caches = engine_caches(14)
-    b = ConnectorWorker(store, CpuPagedKV(b_caches, LAYOUT), max_pages=8)
+    b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout), max_pages=8)
     pb = ConnectorPlanner(store, N)
     assert pb.matched("b", toks, "", 0) == 4 * N
     pb.allocated("b", toks, len(toks), "", [9, 8, 7, 6, 5], 4 * N)
@@ -262,7 +288,7 @@ def test_pages_the_store_cannot_serve_are_reported_for_recompute(store: RemoteSt
     put_pages(store, toks[: 2 * N])                         # only 2 of the 4 claimed pages exist
     caches = engine_caches(6)
     before = [c.clone() for c in caches]
-    w = ConnectorWorker(store, CpuPagedKV(caches, LAYOUT), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.allocated("r", toks, len(toks), "", [1, 2, 3, 4, 5], 4 * N)
     step(w, p.plan([("r", [1, 2, 3, 4, 5], 4 * N)], [], {"r": len(toks) - 4 * N}))
@@ -275,7 +301,7 @@ def test_pages_the_store_cannot_serve_are_reported_for_recompute(store: RemoteSt
 
 
 def test_jobs_beyond_the_buffers_are_skipped_not_deadlocked(store: RemoteStore) -> None:
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(7), LAYOUT), max_pages=4, buffers=2)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(7), store.layout), max_pages=4, buffers=2)
     p = ConnectorPlanner(store, N)
     reqs = {f"r{i}": prompt(2.5, seed=20 + i) for i in range(3)}
     for i, (rid, toks) in enumerate(reqs.items()):
@@ -298,13 +324,13 @@ def test_a_layer_vllm_never_waited_for_is_copied_late_and_its_blocks_recomputed(
     toks = prompt(3.5, seed=40)
     src = engine_caches(8)
     put = np.zeros((3, LAYOUT.page_bytes), np.uint8)
-    kv_src = CpuPagedKV(src, LAYOUT)
+    kv_src = CpuPagedKV(src, store.layout)
     pages = kv_src.pages(torch.from_numpy(put))
     for layer in range(L):
         kv_src.gather(layer, [0, 1, 2], pages)
     store.put(np.array(toks[: 3 * N], np.uint32), put)
     caches = engine_caches(9)
-    w = ConnectorWorker(store, CpuPagedKV(caches, LAYOUT), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.allocated("r", toks, len(toks), "", [4, 5, 6, 7], 3 * N)
     w.begin_step(p.plan([("r", [4, 5, 6, 7], 3 * N)], [], {"r": N // 2}))
@@ -327,7 +353,7 @@ def test_a_save_computed_over_a_failed_load_is_not_stored(store: RemoteStore, mo
     computed over stale blocks, must not reach the store under a valid key."""
     toks = prompt(5.5, seed=50)
     put_pages(store, toks[: 4 * N])
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(10), LAYOUT), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(10), store.layout), max_pages=8)
     p = ConnectorPlanner(store, N)
     assert p.matched("r", toks, "", 0) == 4 * N
     p.allocated("r", toks, len(toks), "", [1, 2, 3, 4, 5, 6], 4 * N)
@@ -352,7 +378,7 @@ def test_no_wait_at_all_still_reports_the_loads(store: RemoteStore) -> None:
     block is reported (the forward pass read them before)."""
     toks = prompt(3.5, seed=51)
     put_pages(store, toks)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(11), LAYOUT), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(11), store.layout), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.matched("r", toks, "", 0)
     p.allocated("r", toks, len(toks), "", [7, 8, 9, 10], 3 * N)
@@ -366,7 +392,7 @@ def test_an_unexpected_loader_failure_reports_the_blocks_and_returns_the_buffers
         store: RemoteStore, monkeypatch: pytest.MonkeyPatch) -> None:
     toks = prompt(3.5, seed=52)
     put_pages(store, toks)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(12), LAYOUT), max_pages=8, buffers=2)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(12), store.layout), max_pages=8, buffers=2)
     p = ConnectorPlanner(store, N)
     p.matched("r", toks, "", 0)
     p.allocated("r", toks, len(toks), "", [1, 2, 3, 4], 3 * N)
@@ -386,7 +412,7 @@ def test_a_load_failing_after_another_was_lent_gives_the_lent_rows_back(
     reqs = {"a": prompt(2.5, seed=60), "b": prompt(2.5, seed=61)}
     for toks in reqs.values():
         put_pages(store, toks)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(15), LAYOUT), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(15), store.layout), max_pages=8)
     if w._dram is None:
         w.close()
         pytest.skip("this client is not lent the daemon's DRAM")

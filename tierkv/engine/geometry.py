@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass
 
 from tierkv.errors import LayoutError
-from tierkv.layout import DType, KVLayout, LayoutKind
+from tierkv.layout import DType, KVLayout, LayoutKind, PageOrder
 
 
 class EngineLayoutKind(enum.Enum):
@@ -98,6 +98,9 @@ class EngineLayout:
         diffs = [f"{name} {getattr(self, name)} vs {getattr(store, name)}"
                  for name in ("num_layers", "num_kv_heads", "head_dim", "dtype")
                  if getattr(self, name) != getattr(store, name)]
+        if store.page_order is not PageOrder.STANDARD:
+            diffs.append(f"the store's pages are in page_order {store.page_order.value!r}; engine copies read and "
+                         "write the 'standard' order")
         if want_latent != (store.kind is LayoutKind.LATENT):
             diffs.append(f"engine layout {self.kind.value} vs store layout kind {store.kind.value}")
         if store.tokens_per_page % self.block_size:

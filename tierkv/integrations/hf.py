@@ -268,4 +268,4 @@ def _cache_tensors(cache: DynamicCache, num_layers: int) -> tuple[list[torch.Ten
 
 def _describe(layout: KVLayout) -> str:
     return (f"{layout.num_layers} layers, {layout.num_kv_heads} KV heads, head_dim {layout.head_dim}, "
-            f"{layout.dtype.value}, kind {layout.kind.value}")
+            f"{layout.dtype.value}, kind {layout.kind.value}, page_order {layout.page_order.value}")

@@ -27,8 +27,9 @@ from typing import Protocol, Self
 import torch
 
 from tierkv.store.api import Store
-from tierkv.errors import InputError, StoreClosedError, TierKVError
+from tierkv.errors import InputError, LayoutError, StoreClosedError, TierKVError
 from tierkv.integrations.adapter import LoadSpec, StoreSpec
+from tierkv.layout import PageOrder
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ class OffloadWorker:
     """
 
     def __init__(self, store: Store, blocks: KVBlocks) -> None:
+        if store.layout.page_order is not PageOrder.STANDARD:
+            raise LayoutError(f"the store's pages are in page_order {store.layout.page_order.value!r}; "
+                              "OffloadWorker reads and writes the 'standard' order")
         self.store = store
         self.blocks = blocks
         self._layout = store.layout

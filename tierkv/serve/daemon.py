@@ -151,7 +151,8 @@ class NodeService:
         return {
             "version": P.VERSION, "pid": os.getpid(), "model_id": self.store.config.model_id,
             "layout": {"num_layers": lay.num_layers, "num_kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim,
-                       "dtype": lay.dtype.value, "tokens_per_page": lay.tokens_per_page, "kind": lay.kind.value},
+                       "dtype": lay.dtype.value, "tokens_per_page": lay.tokens_per_page, "kind": lay.kind.value,
+                       "page_order": lay.page_order.value},
             "page_bytes": lay.page_bytes, "store": str(self.store.config.path),
         }
 

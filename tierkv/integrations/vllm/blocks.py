@@ -7,13 +7,20 @@ elements as K transposed (``[D, N]``: element (d, n) at ``d*N + n``) followed by
 token-major (``[N, D]`` at ``N*D + n*D + d``); ``tools/vllm_probe/layout_check.py`` and
 ``tests/integrations/test_vllm_engine.py`` check that against the kernel itself.
 
-A store page is ``[layers, 2, N, H, D]`` (:class:`~tierkv.layout.KVLayout`), so each
-copy permutes: a page holds K and V in the declared order, and pages are the same
-whichever engine wrote them. Copies go one layer at a time (the connector saves a layer
-as soon as the forward pass has written it and loads a layer just before the forward
-pass reads it). Consecutive block ids are copied as one slice, scattered ones with one
-indexed copy per plane (a copy per block costs more in dispatch than in bytes: 16
-blocks of SmolLM2, all layers, took 10 ms that way against 19-29 ms block by block).
+Two page orders (:class:`~tierkv.layout.PageOrder`, the store's ``[layout] page_order``):
+
+- ``vllm_cpu``: each layer of a page is one engine block's bytes for that layer, as the
+  kernel packs it, so a copy is a plain copy of ``H*N*2*D`` elements per block and
+  layer (16 blocks of SmolLM2, all layers: 3.4-6.3 ms here against 8-35 ms permuting);
+  pages are then this engine's, under a key namespace of their own;
+- ``standard``: ``[layers, 2, N, H, D]``, the order every integration shares, so each
+  copy permutes (K transposed back, heads and tokens swapped).
+
+Copies go one layer at a time (the connector saves a layer as soon as the forward pass
+has written it and loads a layer just before the forward pass reads it). Consecutive
+block ids are copied as one slice, scattered ones with one indexed copy (per plane
+when permuting): a copy per block costs more in dispatch than in bytes (16 blocks,
+all layers, permuting: 10 ms that way against 19-29 ms block by block).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from tierkv.errors import InputError, LayoutError
-from tierkv.layout import KVLayout
+from tierkv.layout import KVLayout, PageOrder
 
 #: The CPU attention kernels whose block packing this module knows (the AMX kernel packs
 #: blocks for its tiles: unverified, so refused rather than stored in a wrong order).
@@ -62,17 +69,20 @@ class CpuPagedKV:
             raise LayoutError(f"the store's layout does not match this vLLM engine's KV cache ({diff or 'kind'}); "
                               f"declare [layout] num_layers={engine['num_layers']}, num_kv_heads={h}, "
                               f"head_dim={d2 // 2}, tokens_per_page={n} (the engine's block size), "
-                              f"dtype={layout.dtype.parse(str(engine['dtype'])).value}, kind=\"kv\" in the daemon's config")
+                              f"dtype={layout.dtype.parse(str(engine['dtype'])).value}, kind=\"kv\", "
+                              "page_order=\"vllm_cpu\" in the daemon's config")
         for i, t in enumerate(layers):
             if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype or not t.is_contiguous():
                 raise LayoutError(f"KV cache layer {i} is {t.dtype} {list(t.shape)} (contiguous: {t.is_contiguous()}); "
                                   f"layer 0 is {first.dtype} {list(first.shape)}")
         self.layers = list(layers)
         self.layout = layout
+        self.native = layout.page_order is PageOrder.VLLM_CPU   # a page's layer is a block's bytes
         self.num_blocks, self.heads, self.block_tokens, self.head_dim = nb, h, n, d2 // 2
 
     def pages(self, rows: torch.Tensor) -> torch.Tensor:
-        """``uint8 [n, page_bytes]`` rows (a store buffer) viewed as ``[n, layers, 2, N, H, D]`` pages."""
+        """``uint8 [n, page_bytes]`` rows (a store buffer) viewed as ``[n, *page_shape]`` pages
+        (``[n, layers, 2, N, H, D]``, or ``[n, layers, H, N, 2*D]`` in the ``vllm_cpu`` order)."""
         return rows.view(self.layers[0].dtype).view(rows.shape[0], *self.layout.page_shape)
 
     def _planes(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +103,13 @@ class CpuPagedKV:
         self._check_ids(block_ids)
         cache, n = self.layers[layer], len(block_ids)
         spans = runs(block_ids)
+        if self.native and len(spans) == 1:
+            start, first, m = spans[0]
+            pages[start:start + m, layer].copy_(cache[first:first + m])
+            return
+        if self.native and spans:
+            pages[:n, layer].copy_(cache.index_select(0, torch.as_tensor(list(block_ids), dtype=torch.long)))
+            return
         if len(spans) > 1:   # scattered blocks: one gather per plane beats a copy per block
             ids = torch.as_tensor(list(block_ids), dtype=torch.long)
             k, v = self._planes(cache)
@@ -110,6 +127,13 @@ class CpuPagedKV:
         self._check_ids(block_ids)
         cache, n = self.layers[layer], len(block_ids)
         spans = runs(block_ids)
+        if self.native and len(spans) == 1:
+            start, first, m = spans[0]
+            cache[first:first + m].copy_(pages[start:start + m, layer])
+            return
+        if self.native and spans:
+            cache.index_copy_(0, torch.as_tensor(list(block_ids), dtype=torch.long), pages[:n, layer])
+            return
         if len(spans) > 1:   # scattered blocks (vLLM hands out freed blocks in any order)
             ids = torch.as_tensor(list(block_ids), dtype=torch.long)
             k, v = self._planes(cache)

@@ -27,8 +27,10 @@ from tierkv.errors import ConfigError, InputError
 #: TIERKV_VLLM_PYTHON and TIERKV_VLLM_MODEL).
 DEFAULT_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tierkv" / "vllm"
 SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-#: SmolLM2-135M's KV layout at vLLM's CPU block size.
-LAYOUT = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 128}
+#: SmolLM2-135M's KV layout at vLLM's CPU block size, pages in the order vLLM's CPU
+#: backend packs a block (the connector copies blocks whole; docs/integration.md).
+LAYOUT = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 128,
+          "page_order": "vllm_cpu"}
 
 
 @dataclass(frozen=True)
