@@ -73,7 +73,8 @@ class WorkerCounters:
     skipped_saves: int = 0
     lent_tokens: int = 0           # of loaded_tokens: copied straight out of the daemon's DRAM
     get_seconds: float = 0.0       # waiting for the daemon's gets
-    scatter_seconds: float = 0.0   # copying loaded pages into vLLM's blocks
+    scatter_seconds: float = 0.0   # copying loaded pages into vLLM's blocks, waits included
+    wait_seconds: float = 0.0      # of scatter_seconds: waiting for layers to land
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
@@ -283,13 +284,18 @@ class ConnectorWorker:
     def _landed(self, load: _Load, layer: int) -> None:
         """Wait until ``layer`` of ``load``'s pages is in its buffer, or its get ended."""
         fut = self._load_future
-        spins = 0
+        spins, t0 = 0, 0.0
         while load.served is None and landed.read(load.record, landed.LAYERS) <= layer:
             if fut is None or fut.done():
                 self._resolve()
-                return
+                break
+            if not spins:
+                t0 = time.perf_counter()
             spins += 1
             time.sleep(0 if spins < 50 else POLL_S)   # the first waits are short: the daemon is a layer ahead
+        if spins:
+            with self._lock:
+                self.counters.wait_seconds += time.perf_counter() - t0
 
     def _copy_layer(self, load: _Load, layer: int) -> None:
         job = load.job
