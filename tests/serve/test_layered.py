@@ -97,3 +97,44 @@ def test_a_layered_get_needs_shared_memory_for_its_pages_and_record(client: Remo
     client.release_buffer(rec)
     with pytest.raises(InputError, match="released"):
         client.get(t, buf, landed=rec)
+
+
+def test_a_thread_that_only_attached_its_buffers_gets_after_a_daemon_restart(tmp_path: Path,
+                                                                             sock_dir: Path) -> None:
+    """Review (bench vllm): the connector's loader thread attaches its buffers, and its
+    first get may come after the daemon restarted; so may the main thread's first put,
+    on the connection that only greeted the daemon. Both connections had served (the
+    greeting counts), so each call connects again and is sent again instead of failing
+    (which made vLLM recompute the load)."""
+    cfg = make_config(tmp_path / "s", dram_pages=8)
+    path = sock_dir / "r.sock"
+    t = prompt(5, 4)
+    svc = NodeService(cfg, path).start()
+    client = Store.connect(path)
+    buf, rec = client.page_buffer(4), client.landing_record()
+    out: list[object] = []
+
+    def attach_then_get(go: threading.Event) -> None:
+        client.attach_buffer(buf)
+        client.attach_buffer(rec)
+        go.wait(30)
+        try:
+            out.append(client.get(t, buf, landed=rec).pages)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            out.append(exc)
+
+    go = threading.Event()
+    th = threading.Thread(target=attach_then_get, args=(go,))
+    th.start()
+    while len(getattr(client._mine.get(th.ident or 0), "registered", ())) < 2:   # until both are attached
+        threading.Event().wait(0.01)
+    svc.close()
+    svc = NodeService(cfg, path).start()
+    client.put(t, pages_of(t))
+    go.set()
+    th.join(30)
+    try:
+        assert out == [4] and np.array_equal(buf, pages_of(t))
+    finally:
+        client.close()
+        svc.close()

@@ -248,6 +248,9 @@ class RemoteStore:
             raise StoreUnavailableError(f"the daemon at {self.socket_path} now serves another model or layout "
                                         f"({hello['model_id']!r}); connect again")
         self._hello = hello
+        # Greeted: the daemon served this connection, so its death from now on means the
+        # daemon went away since (a retry's case), as after any other answered call.
+        conn.answered += 1
         with self._lock:
             self._all.add(conn)
         return conn
@@ -294,8 +297,8 @@ class RemoteStore:
         makes the body. ``rows`` are put from, or (``fill``) got into: in place when they
         lie in a page buffer, else through the connection's scratch segment.
 
-        A connection that served calls before and turns out dead (the daemon restarted
-        since) is replaced and the request sent again, once, except pins and unpins
+        A connection that served calls before (its greeting counts) and turns out dead
+        (the daemon restarted since) is replaced and the request sent again, once, except pins and unpins
         (not idempotent): the dead daemon can no longer touch anything of the caller's.
         ``got``: descriptors that came with the reply are added to it (the caller closes them)."""
         try:
