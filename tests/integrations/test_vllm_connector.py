@@ -244,9 +244,11 @@ def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: Remote
     b_caches = engine_caches(5)
     b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout), max_pages=8)
     pb = ConnectorPlanner(store, N)
-    assert pb.matched("q", toks, "", 0) == 4 * N
+    assert pb.matched("b", toks, "", 0) == 4 * N
     pb.allocated("b", toks, len(toks), "", [6, 7, 8, 10, 11], 4 * N)
-    step(b, pb.plan([("b", [6, 7, 8, 10, 11], 4 * N)], [], {"b": len(toks) - 4 * N}))
+    plan = pb.plan([("b", [6, 7, 8, 10, 11], 4 * N)], [], {"b": len(toks) - 4 * N})
+    assert [job.lend for job in plan.loads] == [True]        # all in DRAM at the lookup: borrow them
+    step(b, plan)
     for layer in range(L):
         assert torch.equal(b_caches[layer][[6, 7, 8, 10]], src[layer][[3, 1, 4, 0]])
     assert b.load_errors() == set()
@@ -271,10 +273,20 @@ def test_pages_not_all_in_dram_are_got_layer_by_layer_not_lent(store: RemoteStor
     assert TierKind.NVME in tiers
     b_caches = engine_caches(14)
     b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout), max_pages=8)
+    lends: list[object] = []
+    real_lend = store.lend
+
+    def lend(*a: object, **k: object) -> object:
+        lends.append(a)
+        return real_lend(*a, **k)  # type: ignore[arg-type]
+    store.lend = lend  # type: ignore[method-assign,assignment]
     pb = ConnectorPlanner(store, N)
     assert pb.matched("b", toks, "", 0) == 4 * N
     pb.allocated("b", toks, len(toks), "", [9, 8, 7, 6, 5], 4 * N)
-    step(b, pb.plan([("b", [9, 8, 7, 6, 5], 4 * N)], [], {"b": len(toks) - 4 * N}))
+    plan = pb.plan([("b", [9, 8, 7, 6, 5], 4 * N)], [], {"b": len(toks) - 4 * N})
+    assert [job.lend for job in plan.loads] == [False]       # the lookup saw pages below DRAM
+    step(b, plan)
+    assert lends == []                                       # so no lend was tried first
     assert b.load_errors() == set()
     for layer in range(L):
         assert torch.equal(b_caches[layer][[9, 8, 7, 6]], src[layer][[0, 1, 2, 3]])

@@ -38,6 +38,7 @@ import numpy as np
 from tierkv.errors import TierKVError
 from tierkv.keys import as_token_array
 from tierkv.serve.client import RemoteStore
+from tierkv.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ class LoadJob:
     ``tokens`` covers pages ``0 .. skip+len(block_ids)-1`` (the store's keys chain over
     the prefix, and a get starts at page 0); pages before ``skip`` are in vLLM's own
     prefix cache and are not copied. ``requested``: the request's loadable pages, for
-    the store's hit rates.
+    the store's hit rates. ``lend``: every page was in the daemon's DRAM at the lookup, so
+    the worker asks to borrow them in place first (else it goes straight to a get: a lend
+    that cannot cover them is a round trip the load waits for).
     """
 
     req_id: str
@@ -58,6 +61,7 @@ class LoadJob:
     skip: int
     block_ids: tuple[int, ...]
     requested: int
+    lend: bool = True
 
     @property
     def end(self) -> int:
@@ -114,6 +118,7 @@ class ConnectorPlanner:
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadJob] = []
         self._local_hits: dict[str, int] = {}   # vLLM's own hit per request, from matched()
+        self._in_dram: dict[str, int] = {}      # leading pages the lookup found in DRAM, per request
         self._down = False
 
     # -- store calls that must not fail the engine -------------------------------------
@@ -138,12 +143,13 @@ class ConnectorPlanner:
         if not self.load or usable <= 0 or num_computed >= usable * self.block_size:
             return 0
         try:
-            found = self.store.lookup(as_token_array(list(tokens[:usable * self.block_size])), tenant,
-                                      count=False).cached_pages
+            res = self.store.lookup(as_token_array(list(tokens[:usable * self.block_size])), tenant, count=False)
         except TierKVError as exc:
             self._failed("a lookup", exc)
             return 0
         self._ok()
+        found, dram = res.cached_pages, TierKind.DRAM.rank
+        self._in_dram[req_id] = next((i for i, r in enumerate(res.tier_ranks) if r != dram), found)
         return max(0, min(found, usable) * self.block_size - num_computed)
 
     def allocated(self, req_id: str, tokens: Sequence[int], prompt_len: int, tenant: str, block_ids: Sequence[int],
@@ -152,6 +158,7 @@ class ConnectorPlanner:
         first) and will take ``num_external`` tokens after that hit from the store.
         ``tokens``: the request's tokens, prompt first, as a live list the engine extends."""
         num_computed = self._local_hits.pop(req_id, 0)
+        in_dram = self._in_dram.pop(req_id, None)   # None: no lookup seen (try a lend, as ever)
         req = self._requests.get(req_id)
         if req is None:
             req = self._requests[req_id] = _Request(tenant, tokens, prompt_len)
@@ -181,7 +188,8 @@ class ConnectorPlanner:
             req.pinned = prefix[:pinned * self.block_size]
         # Pages evicted since matched() are still loaded (and fail there): vLLM has
         # already counted them, and the worker reports their blocks for recompute.
-        self._loads.append(LoadJob(req_id, tenant, prefix, skip, tuple(req.block_ids[skip:end]), usable))
+        self._loads.append(LoadJob(req_id, tenant, prefix, skip, tuple(req.block_ids[skip:end]), usable,
+                                   lend=in_dram is None or in_dram >= end))
         req.stored = max(req.stored, end)
 
     def plan(self, new: Sequence[tuple[str, Sequence[int], int]],
@@ -222,6 +230,7 @@ class ConnectorPlanner:
     def finished(self, req_id: str) -> None:
         """The request ended (any reason): unpin what its load pinned and forget it."""
         self._local_hits.pop(req_id, None)
+        self._in_dram.pop(req_id, None)
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._unpin(req)

@@ -249,7 +249,7 @@ class ConnectorWorker:
         time, announcing each layer in the job's landing record."""
         t0 = time.perf_counter()
         for load in loads:
-            if self._dram is not None and self._lend(load):
+            if self._dram is not None and load.job.lend and self._lend(load):
                 continue
             load.served = self._get(load.job, load.buf, load.record)
         with self._lock:
