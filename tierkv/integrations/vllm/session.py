@@ -123,25 +123,30 @@ def run_chat(env: VllmEnv, chat: dict[str, Any], work: Path, name: str, socket: 
     if socket:
         argv += ["--socket", socket]
     with open(log, "w") as logf:
-        # A session of its own: on a timeout its whole group goes (daemons a paired run started).
+        # A session of its own, so that on a timeout or an interrupt (Ctrl-C no longer
+        # reaches it) its whole group goes: the engines and the daemons a paired run started.
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         deadline, done = time.monotonic() + timeout_s, 0
-        while True:
-            try:
-                rc = proc.wait(0.5)
-            except subprocess.TimeoutExpired:
-                rc = None
-            if step is not None:
-                now = progress.stat().st_size
-                for _ in range(now - done):
-                    step()
-                done = now
-            if rc is not None:
-                break
-            if time.monotonic() > deadline:
+        try:
+            while True:
+                try:
+                    rc = proc.wait(0.5)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                if step is not None:
+                    now = progress.stat().st_size
+                    for _ in range(now - done):
+                        step()
+                    done = now
+                if rc is not None:
+                    break
+                if time.monotonic() > deadline:
+                    raise InputError(f"the vLLM engine run {name!r} took over {timeout_s:.0f} s; its log: {log}")
+        except BaseException:
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                raise InputError(f"the vLLM engine run {name!r} took over {timeout_s:.0f} s; its log: {log}")
+            raise
     if rc != 0 or not out.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise InputError(f"the vLLM engine run {name!r} failed (exit {rc}); log {log}, last lines:\n{tail}")
