@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import mmap
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +211,50 @@ def test_a_lend_stops_at_the_first_page_below_dram(tmp_path: Path) -> None:
         assert s.stats().pages_requested == before.pages_requested
         with pytest.raises(InputError, match="want"):
             s.lend(tokens, want=5)
+
+
+def test_a_close_ends_lends_its_borrowers_never_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Review: a close waited for every lend to end, so an in-process borrower that never
+    called end_lend hung it forever. It now waits CLOSE_LEND_GRACE_S, ends them with a
+    warning, and writes the DRAM pages back as ever; the borrower's mapping of the pool
+    still reads its pages, and its late end_lend is a no-op."""
+    monkeypatch.setattr(Store, "CLOSE_LEND_GRACE_S", 0.3)
+    cfg = make_config(tmp_path / "s", 4, 16, promote_on_hit=False)
+    s = Store.open(cfg)
+    tokens, data = prompt(9, 3), page_data(9, 3)
+    s.put(tokens, data)
+    lent = s.lend(tokens, want=3)
+    fd, slots, slot_bytes, _ = s.lend_pool()
+    view = np.frombuffer(mmap.mmap(os.dup(fd), slots * slot_bytes, prot=mmap.PROT_READ), np.uint8)
+    view = view.reshape(slots, slot_bytes)
+    done = threading.Event()
+
+    def close() -> None:
+        s.close()
+        done.set()
+    closer = threading.Thread(target=close, daemon=True)
+    caplog.set_level(logging.WARNING, logger="tierkv.store.api")
+    closer.start()
+    assert done.wait(10), "close hung on a lend nobody ended"
+    closer.join()
+    assert "1 lend(s) of DRAM rows still open" in caplog.text
+    assert all(np.array_equal(view[slot, :PB], data[i]) for i, slot in enumerate(lent.slots))
+    s.end_lend(lent.token)                               # after the close: nothing to do, no error
+    with Store.open(cfg) as again:                       # the lent pages were written back at close
+        out = np.zeros((3, PB), np.uint8)
+        assert again.get(tokens, out).pages == 3 and np.array_equal(out, data)
+
+
+def test_a_close_waits_for_a_lend_ended_within_the_grace(tmp_path: Path) -> None:
+    s = Store.open(make_config(tmp_path / "s", 4, 16, promote_on_hit=False))
+    tokens = prompt(10, 2)
+    s.put(tokens, page_data(10, 2))
+    lent = s.lend(tokens, want=2)
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()                             # waiting for the borrower
+    s.end_lend(lent.token)
+    closer.join(10)
+    assert not closer.is_alive()

@@ -86,6 +86,9 @@ class _Begun:
 class Store:
     """A tiered KV page store. Use ``Store.open(...)`` and close it (or use ``with``)."""
 
+    #: Seconds a close waits for open lends (:meth:`lend`) to end before ending them itself.
+    CLOSE_LEND_GRACE_S = 5.0
+
     def __init__(self, config: StoreConfig, *, read_only: bool = False) -> None:
         self.config = config
         self.layout: KVLayout = config.layout
@@ -98,6 +101,7 @@ class Store:
         # waits on until none are.
         self._copying = 0
         self._copies_done = threading.Condition(self._lock)
+        self._lends: set[int] = set()   # of those, lends (tokens): their borrowers end them
         self._namespaces: dict[bytes, bytes] = {}
         self._private: np.ndarray | None = None   # see _private_rows
         # Per calling thread, the key blob of its last get until its put: engines that serve
@@ -322,6 +326,7 @@ class Store:
                 return Lent(0, 0, (), -1)
             slots = tuple(int(x) for x in lead.slots[:n])
             token = self._begin_unlocked(self._fast, slots)
+            self._lends.add(token)
             self._transfers.count_served(self._fast.name, lead.keys_of(0, n), 0.0)
             return Lent(n, n * self.layout.tokens_per_page, slots, token, self._fast.lend_id)
 
@@ -339,12 +344,15 @@ class Store:
 
     def end_lend(self, token: int) -> None:
         """The borrower of :meth:`lend`'s ``token`` is done with its rows (once per lend;
-        InputError for a token not lent). A close waits for every lend to end."""
+        InputError for a token not lent). A close waits up to :attr:`CLOSE_LEND_GRACE_S`
+        for open lends to end, then ends them itself (a borrower's mapping keeps the bytes:
+        nothing writes the rows once the store is closed); ending one after that is a no-op."""
         with self._lock:
-            if token < 0:   # a lend of no pages
+            if token < 0 or (self._closed and token not in self._lends):   # no pages; or ended by close
                 return
-            if self._fast is None or not self._fast.lent(token):
+            if self._fast is None or token not in self._lends or not self._fast.lent(token):
                 raise InputError(f"end_lend: no lend {token} is open")
+            self._lends.discard(token)
             self._end_unlocked(self._fast, token)
 
     def _fast_lead(self, lead: Lead) -> int:
@@ -730,8 +738,22 @@ class Store:
                     raise failed
 
     def _wait_for_copies(self) -> None:
-        """With the lock held: until no copy runs without it (close waits here)."""
-        while self._copying:
+        """With the lock held: until no copy runs without it (close waits here). Copies
+        are short; lends last as long as their borrowers: after CLOSE_LEND_GRACE_S the
+        ones still open are ended here, with a warning (a borrower that never calls
+        end_lend must not hang the close)."""
+        while self._copying > len(self._lends):
+            self._copies_done.wait()
+        deadline = time.monotonic() + self.CLOSE_LEND_GRACE_S
+        while self._lends and time.monotonic() < deadline:
+            self._copies_done.wait(deadline - time.monotonic())
+        if self._lends and self._fast is not None:
+            log.warning("close: %d lend(s) of DRAM rows still open after %.0f s; ending them (their borrowers' "
+                        "mappings keep the bytes as they are)", len(self._lends), self.CLOSE_LEND_GRACE_S)
+            for token in sorted(self._lends):
+                self._end_unlocked(self._fast, token)
+            self._lends.clear()
+        while self._copying:   # copies begun meanwhile
             self._copies_done.wait()
 
     def _write_back(self) -> None:
