@@ -319,7 +319,10 @@ class ServeConfig:
     has. ``tenants`` ties connections to tenants by the peer's user (``SO_PEERCRED``):
     user name or uid -> the tenant names that user may use ("" is the default tenant,
     "*" every tenant). Empty (the default): whoever can open the socket may use every
-    tenant; set: a user it does not name is refused.
+    tenant; set: a user it does not name is refused. ``max_lent_fraction``: the most of
+    the DRAM tier's rows one connection may hold lent at once (a lend past it lends
+    nothing, or, not ``whole``, what fits; the client gets instead): lent rows of
+    evicted pages are withheld from reuse until the lend ends.
     """
 
     socket: str | None = None
@@ -327,6 +330,7 @@ class ServeConfig:
     max_clients: int = 64
     request_timeout_s: float = 10.0
     tenants: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    max_lent_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.socket, os.PathLike):
@@ -337,6 +341,8 @@ class ServeConfig:
                               f"got {self.mode!r}")
         _check_int(self.max_clients, "serve.max_clients", 1, 1 << 16)
         _check_number(self.request_timeout_s, "serve.request_timeout_s", "seconds", 0, MAX_SECONDS, low_open=True)
+        _check_number(self.max_lent_fraction, "serve.max_lent_fraction", "a fraction of the DRAM tier", 0, 1,
+                      low_open=True)
         if not isinstance(self.tenants, Mapping):
             raise ConfigError(f"serve.tenants must map users to lists of tenant names, got {self.tenants!r}")
         tenants: dict[str, tuple[str, ...]] = {}

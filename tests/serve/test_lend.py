@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import PB, make_config
+from tierkv.config import ServeConfig
 from tests.serve.pagegen import pages_of, prompt
-from tierkv.errors import InputError
+from tierkv.errors import ConfigError, InputError
 from tierkv.serve.client import RemoteStore
 from tierkv.serve.daemon import NodeService
 from tierkv.store.api import Store
@@ -23,7 +24,9 @@ from tierkv.tiers.base import TierKind
 
 @pytest.fixture
 def service(tmp_path: Path, sock_dir: Path) -> Iterator[NodeService]:
-    cfg = make_config(tmp_path / "s", dram_pages=4, nvme_pages=16, promote_on_hit=False)
+    # Lends of the whole (4-page) DRAM tier: the cap on lent rows has its own test.
+    cfg = make_config(tmp_path / "s", dram_pages=4, nvme_pages=16, promote_on_hit=False,
+                      serve=ServeConfig(max_lent_fraction=1.0))
     with NodeService(cfg, sock_dir / "d.sock").start() as svc:
         yield svc
 
@@ -125,3 +128,35 @@ def test_after_a_daemon_restart_lent_rows_are_read_from_the_new_pool(tmp_path: P
         assert all(np.array_equal(pool[s], pages_of(t)[i]) for i, s in enumerate(lent.slots))
         c.end_lend(lent)
         c.close()
+
+
+def test_a_connection_holds_at_most_its_share_of_the_dram_rows_lent(tmp_path: Path, sock_dir: Path) -> None:
+    """Rows lent for pages evicted meanwhile are withheld from reuse until the lend ends:
+    one connection may hold serve.max_lent_fraction of the DRAM tier lent at once. A
+    whole lend past it lends nothing (and counts nothing: the client gets instead), a
+    partial one what fits; another connection has a share of its own."""
+    cfg = make_config(tmp_path / "s", dram_pages=8, nvme_pages=16, serve=ServeConfig(max_lent_fraction=0.5))
+    with NodeService(cfg, sock_dir / "c.sock").start() as svc, Store.connect(svc.path) as client:
+        t = prompt(20, 6)
+        client.put(t, pages_of(t))
+        first = client.lend(t, want=3, whole=True)                 # 3 of the 4 rows this connection may hold
+        assert first.pages == 3
+        before = svc.store.stats().pages_requested
+        assert client.lend(t, want=2, whole=True).pages == 0       # 5 > 4: nothing
+        assert svc.store.stats().pages_requested == before         # and nothing counted
+        part = client.lend(t, want=2)                              # not whole: the 1 row left
+        assert part.pages == 1
+        assert client.lend(t, want=1).pages == 0                   # none left
+        with Store.connect(svc.path) as other:                     # another connection: its own share
+            assert other.lend(t, want=4, whole=True).pages == 4
+        client.end_lend(first)
+        client.end_lend(part)
+        again = client.lend(t, want=4, whole=True)
+        assert again.pages == 4
+        client.end_lend(again)
+
+
+def test_max_lent_fraction_is_checked() -> None:
+    for bad in (0, 1.5, -0.1, "half"):
+        with pytest.raises(ConfigError, match="serve.max_lent_fraction"):
+            ServeConfig(max_lent_fraction=bad)  # type: ignore[arg-type]

@@ -101,6 +101,7 @@ class NodeService:
         self._info: dict[socket.socket, _Client] = {}
         self._sessions: dict[tuple[int, str], list[int]] = {}   # (pid, client) -> [pin owner, connections]
         self._segments = SegmentBudget(max_clients)   # client segments mapped, over all connections
+        self._lent_fraction = sc.max_lent_fraction    # of the DRAM tier's rows, per connection
         self.started = time.time()
         self.requests = 0
         self._metrics: Any = None
@@ -451,9 +452,17 @@ class NodeService:
         if op == P.Op.LEND:
             want, requested, whole = _unpack(P.LEND_REQ, body)
             salt, tokens = self._tokens(body, P.LEND_REQ.size, segments, grant)
-            lent = s.lend(tokens, salt, want=want, requested=None if requested < 0 else requested, whole=bool(whole))
+            _, slots, _, pool = s.lend_pool()
+            room = max(1, int(slots * self._lent_fraction)) - sum(info.lends.values())
+            if want > room and (whole or room <= 0):   # nothing lent, nothing counted: the client gets
+                log.info("a connection (pid %d) holds %d lent DRAM rows; a lend of %d more is refused "
+                         "(serve.max_lent_fraction %.2f)", info.pid, sum(info.lends.values()), want,
+                         self._lent_fraction)
+                return P.LEND_REP.pack(0, 0, -1, pool)
+            lent = s.lend(tokens, salt, want=min(want, room), requested=None if requested < 0 else requested,
+                          whole=bool(whole))
             if lent.token >= 0:
-                info.lends.add(lent.token)
+                info.lends[lent.token] = lent.pages
             return (P.LEND_REP.pack(lent.pages, lent.tokens, lent.token, lent.pool)
                     + np.asarray(lent.slots, "<u4").tobytes())
         (token,) = _unpack(P.END_LEND_REQ, body)
@@ -461,7 +470,7 @@ class NodeService:
             if token not in info.lends:
                 raise InputError(f"end_lend: lend {token} is not open on this connection (a lend ends on the "
                                  "thread that took it)")
-            info.lends.discard(token)
+            del info.lends[token]
             s.end_lend(token)
         return b""
 
@@ -516,7 +525,7 @@ class _Client:
     requests: int = 0
     id: int = field(default_factory=lambda: next(_client_ids))   # owns the pins this connection takes
     session: tuple[int, str] | None = None   # (pid, client) of the client it belongs to, if HELLO named one
-    lends: set[int] = field(default_factory=set)   # Store.lend tokens this connection has not ended
+    lends: dict[int, int] = field(default_factory=dict)   # Store.lend tokens not ended -> pages lent
 
 
 def _user(uid: int) -> str:
