@@ -160,3 +160,31 @@ def test_max_lent_fraction_is_checked() -> None:
     for bad in (0, 1.5, -0.1, "half"):
         with pytest.raises(ConfigError, match="serve.max_lent_fraction"):
             ServeConfig(max_lent_fraction=bad)  # type: ignore[arg-type]
+
+
+def test_a_lend_of_a_restarted_daemons_pool_is_not_ended_on_the_new_one(tmp_path: Path, sock_dir: Path) -> None:
+    """Review: lend tokens start again in a new daemon. A thread's old lend (ended with
+    its connection when the daemon went) must not end the new daemon's lend of the same
+    token, whose rows the thread may still be reading."""
+    cfg = make_config(tmp_path / "s", dram_pages=4, nvme_pages=16, serve=ServeConfig(max_lent_fraction=1.0))
+    path = sock_dir / "r.sock"
+    t = prompt(30, 2)
+    svc = NodeService(cfg, path).start()
+    client = Store.connect(path)
+    client.put(t, pages_of(t))
+    client.dram_pool()
+    old = client.lend(t, want=2, whole=True)
+    svc.close()
+    svc = NodeService(cfg, path).start()                   # a new daemon, a new pool, tokens from 0 again
+    other = prompt(31, 2)
+    client.put(other, pages_of(other))
+    new = client.lend(other, want=2, whole=True)
+    try:
+        assert new.pages == 2 and new.pool != old.pool and new.token == old.token   # the same number, reused
+        client.end_lend(old)                               # the old pool's: not sent
+        assert svc.store._fast is not None and svc.store._fast.lent(new.token)
+        client.end_lend(new)
+        assert not svc.store._fast.lent(new.token)
+    finally:
+        client.close()
+        svc.close()

@@ -258,3 +258,29 @@ def test_a_close_waits_for_a_lend_ended_within_the_grace(tmp_path: Path) -> None
     s.end_lend(lent.token)
     closer.join(10)
     assert not closer.is_alive()
+
+
+def test_a_close_with_a_lend_open_does_not_miss_the_end_of_a_copy(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: close waited for copies apart from lends, but was woken only when no copy
+    at all ran; with a lend open, the end of a get's unlocked copy never woke it, and
+    the close waited for the lend after all (for ever, if nobody ended it)."""
+    monkeypatch.setattr(Store, "CLOSE_LEND_GRACE_S", 0.3)
+    s = Store.open(make_config(tmp_path / "s", 4, 16, promote_on_hit=False))
+    tokens = prompt(11, 2)
+    s.put(tokens, page_data(11, 2))
+    s.lend(tokens, want=2)                                # never ended
+    dram = s._manager.tiers[0]
+    assert isinstance(dram, DramTier)
+    with s._lock:                                         # a copy running without the lock, as a big get's
+        copy = s._begin_unlocked(dram, [0])
+    done = threading.Event()
+
+    def close() -> None:
+        s.close()
+        done.set()
+    threading.Thread(target=close, daemon=True).start()
+    assert not done.wait(0.2)                             # the copy is waited for
+    with s._lock:
+        s._end_unlocked(dram, copy)
+    assert done.wait(10), "close missed the end of the copy"

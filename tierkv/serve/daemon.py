@@ -47,6 +47,7 @@ from tierkv import __version__
 from tierkv.config import ServeConfig, StoreConfig
 from tierkv.errors import AccessDeniedError, ConfigError, InputError, StoreBusyError, TierKVError
 from tierkv.keys import KEY_BYTES
+from tierkv.layout import PageOrder
 from tierkv.serve import protocol as P
 from tierkv.serve.access import Access, Grant
 from tierkv.serve.segments import SegmentBudget, Segments
@@ -149,11 +150,14 @@ class NodeService:
     def _describe(self) -> dict[str, Any]:
         """What HELLO tells a client (with, per connection, whether it may use every tenant)."""
         lay = self.store.layout
+        layout: dict[str, Any] = {"num_layers": lay.num_layers, "num_kv_heads": lay.num_kv_heads,
+                                  "head_dim": lay.head_dim, "dtype": lay.dtype.value,
+                                  "tokens_per_page": lay.tokens_per_page, "kind": lay.kind.value}
+        if lay.page_order is not PageOrder.STANDARD:   # absent otherwise: a client without the field still reads it
+            layout["page_order"] = lay.page_order.value
         return {
             "version": P.VERSION, "pid": os.getpid(), "model_id": self.store.config.model_id,
-            "layout": {"num_layers": lay.num_layers, "num_kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim,
-                       "dtype": lay.dtype.value, "tokens_per_page": lay.tokens_per_page, "kind": lay.kind.value,
-                       "page_order": lay.page_order.value},
+            "layout": layout,
             "page_bytes": lay.page_bytes, "store": str(self.store.config.path),
         }
 
@@ -453,13 +457,13 @@ class NodeService:
             want, requested, whole = _unpack(P.LEND_REQ, body)
             salt, tokens = self._tokens(body, P.LEND_REQ.size, segments, grant)
             _, slots, _, pool = s.lend_pool()
-            room = max(1, int(slots * self._lent_fraction)) - sum(info.lends.values())
+            room = max(1, int(slots * self._lent_fraction)) - sum(info.lends.values()) if slots else want
             if want > room and (whole or room <= 0):   # nothing lent, nothing counted: the client gets
                 log.info("a connection (pid %d) holds %d lent DRAM rows; a lend of %d more is refused "
                          "(serve.max_lent_fraction %.2f)", info.pid, sum(info.lends.values()), want,
                          self._lent_fraction)
                 return P.LEND_REP.pack(0, 0, -1, pool)
-            lent = s.lend(tokens, salt, want=min(want, room), requested=None if requested < 0 else requested,
+            lent = s.lend(tokens, salt, want=min(want, room), requested=want if requested < 0 else requested,
                           whole=bool(whole))
             if lent.token >= 0:
                 info.lends[lent.token] = lent.pages

@@ -318,12 +318,13 @@ class Store:
             n = lead.run_until(lead.levels != 0)
             if self._fast is None or self._fast.lend_fd() < 0:
                 n = 0
+            pool = self._fast.lend_id if self._fast is not None else 0   # a borrower's mapping stays current
             if whole and n < want:
-                return Lent(0, 0, (), -1)
+                return Lent(0, 0, (), -1, pool)
             self._counters.events["pages_requested"] += want if requested is None else requested
             self._counters.events["pages_hit"] += n
             if not n or self._fast is None:
-                return Lent(0, 0, (), -1)
+                return Lent(0, 0, (), -1, pool)
             slots = tuple(int(x) for x in lead.slots[:n])
             token = self._begin_unlocked(self._fast, slots)
             self._lends.add(token)
@@ -373,8 +374,7 @@ class Store:
         be reused from here on, so whatever checks them happened before)."""
         tier.end_copy(token)
         self._copying -= 1
-        if not self._copying:
-            self._copies_done.notify_all()
+        self._copies_done.notify_all()   # close waits for copies apart from lends, then for lends
 
     def _private_rows(self, n: int, width: int) -> np.ndarray:
         """``n`` rows of ``width`` bytes of the store's own (with the lock held): one buffer
