@@ -142,11 +142,12 @@ def run_chat(env: VllmEnv, chat: dict[str, Any], work: Path, name: str, socket: 
                     break
                 if time.monotonic() > deadline:
                     raise InputError(f"the vLLM engine run {name!r} took over {timeout_s:.0f} s; its log: {log}")
-        except BaseException:
-            if proc.poll() is None:
+        finally:   # whatever happened (the run's own process may have died without cleaning up)
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            raise
+            except ProcessLookupError:   # the group is empty: a clean end
+                pass
+            proc.wait()
     if rc != 0 or not out.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise InputError(f"the vLLM engine run {name!r} failed (exit {rc}); log {log}, last lines:\n{tail}")
