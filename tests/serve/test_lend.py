@@ -163,9 +163,10 @@ def test_max_lent_fraction_is_checked() -> None:
 
 
 def test_a_lend_of_a_restarted_daemons_pool_is_not_ended_on_the_new_one(tmp_path: Path, sock_dir: Path) -> None:
-    """Review: lend tokens start again in a new daemon. A thread's old lend (ended with
-    its connection when the daemon went) must not end the new daemon's lend of the same
-    token, whose rows the thread may still be reading."""
+    """Review: lend tokens started again from 0 in a new daemon, so a thread's old lend
+    (ended with its connection when the daemon went) could end the new daemon's lend of
+    the same number, whose rows the thread may still be reading. Tokens start at random
+    per DRAM tier now: the old one names no lend there."""
     cfg = make_config(tmp_path / "s", dram_pages=4, nvme_pages=16, serve=ServeConfig(max_lent_fraction=1.0))
     path = sock_dir / "r.sock"
     t = prompt(30, 2)
@@ -180,8 +181,9 @@ def test_a_lend_of_a_restarted_daemons_pool_is_not_ended_on_the_new_one(tmp_path
     client.put(other, pages_of(other))
     new = client.lend(other, want=2, whole=True)
     try:
-        assert new.pages == 2 and new.pool != old.pool and new.token == old.token   # the same number, reused
-        client.end_lend(old)                               # the old pool's: not sent
+        assert new.pages == 2 and new.pool != old.pool and new.token != old.token
+        with pytest.raises(InputError, match="not open"):
+            client.end_lend(old)                           # ended with its daemon: nothing to end here
         assert svc.store._fast is not None and svc.store._fast.lent(new.token)
         client.end_lend(new)
         assert not svc.store._fast.lent(new.token)

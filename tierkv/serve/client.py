@@ -596,12 +596,8 @@ class RemoteStore:
         return lent
 
     def end_lend(self, lent: Lent | int) -> None:
-        """The rows :meth:`lend` named are no longer read (on the thread that lent them).
-        A lend of a pool this client no longer maps (the daemon restarted since: the lend
-        ended with its connection) is not sent: its token may name a new lend there."""
+        """The rows :meth:`lend` named are no longer read (on the thread that lent them)."""
         self._check_open()
-        if isinstance(lent, Lent) and lent.pool and self._pool_id and lent.pool != self._pool_id:
-            return
         token = lent.token if isinstance(lent, Lent) else int(lent)
         if token >= 0:
             self._request(P.Op.END_LEND, lambda conn, seg, off: P.END_LEND_REQ.pack(token))

@@ -457,11 +457,11 @@ class NodeService:
             want, requested, whole = _unpack(P.LEND_REQ, body)
             salt, tokens = self._tokens(body, P.LEND_REQ.size, segments, grant)
             _, slots, _, pool = s.lend_pool()
-            room = max(1, int(slots * self._lent_fraction)) - sum(info.lends.values()) if slots else want
+            held = sum(info.lends.values())
+            room = max(1, int(slots * self._lent_fraction)) - held if slots else want
             if want > room and (whole or room <= 0):   # nothing lent, nothing counted: the client gets
                 log.info("a connection (pid %d) holds %d lent DRAM rows; a lend of %d more is refused "
-                         "(serve.max_lent_fraction %.2f)", info.pid, sum(info.lends.values()), want,
-                         self._lent_fraction)
+                         "(serve.max_lent_fraction %.2f)", info.pid, held, want, self._lent_fraction)
                 return P.LEND_REP.pack(0, 0, -1, pool)
             lent = s.lend(tokens, salt, want=min(want, room), requested=want if requested < 0 else requested,
                           whole=bool(whole))

@@ -103,7 +103,9 @@ class DramTier(Tier):
         self._copies: dict[int, list[int]] = {}   # running copies: token -> the slots they use
         self._busy: Counter[int] = Counter()      # slot -> running copies that use it
         self._held: set[int] = set()              # freed while busy: reusable once not
-        self._next_copy = 0
+        # Copy (and lend) tokens start at random: a borrower holding a token of a former
+        # tier (a restarted daemon's) never names one of this tier's lends by chance.
+        self._next_copy = int.from_bytes(os.urandom(8), "little") >> 2
         self._fd = -1
         #: This buffer's identity, for a borrower that must not read a former one's rows.
         self.lend_id = int.from_bytes(os.urandom(8), "little") >> 1

@@ -284,13 +284,11 @@ class ConnectorWorker:
     def _landed(self, load: _Load, layer: int) -> None:
         """Wait until ``layer`` of ``load``'s pages is in its buffer, or its get ended."""
         fut = self._load_future
-        spins, t0 = 0, 0.0
+        spins, t0 = 0, time.perf_counter()
         while load.served is None and landed.read(load.record, landed.LAYERS) <= layer:
             if fut is None or fut.done():
                 self._resolve()
                 break
-            if not spins:
-                t0 = time.perf_counter()
             spins += 1
             time.sleep(0 if spins < 50 else POLL_S)   # the first waits are short: the daemon is a layer ahead
         if spins:
