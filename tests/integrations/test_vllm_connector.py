@@ -4,6 +4,10 @@ vLLM's CPU backend shapes its KV cache. The real engine: test_vllm_engine.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,11 +19,13 @@ from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.tiers.base import TierKind
 from tierkv.errors import AccessDeniedError, InputError, LayoutError, TierKVError
 from tierkv.integrations.vllm.blocks import CpuPagedKV, runs
-from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan
+from tierkv.integrations.vllm.early import EarlyListener, EarlySender, channel_address, encode
+from tierkv.integrations.vllm.plan import ConnectorPlanner, LoadJob, StepPlan
 from tierkv.integrations.vllm.transfer import ConnectorWorker
 from tierkv.layout import KVLayout
 from tierkv.serve.client import RemoteStore
 from tierkv.serve.daemon import NodeService
+from tests.polling import wait_for
 
 L, H, N, D = 3, 2, 16, 8           # layers, KV heads, block size, head dim
 LAYOUT = KVLayout(L, H, D, "bf16", N)
@@ -520,3 +526,163 @@ def test_a_save_after_a_lost_page_starts_again_from_the_first_page(sock_dir: Pat
     w.close()
     store.close()
     svc.close()
+
+
+# -- loads announced before their step (early.py) --------------------------------------------
+def stored_src(store: RemoteStore, toks: list[int], seed: int, pages: int) -> list[torch.Tensor]:
+    """Engine caches whose blocks 0..pages-1 are stored as the prompt's pages; returned."""
+    src = engine_caches(seed)
+    kv = CpuPagedKV(src, store.layout)
+    buf = torch.zeros(pages, LAYOUT.page_bytes, dtype=torch.uint8)
+    for layer in range(L):
+        kv.gather(layer, list(range(pages)), kv.pages(buf))
+    store.put(np.array(toks[: pages * N], np.uint32), buf.numpy())
+    return src
+
+
+def test_an_announced_load_starts_before_its_step_and_the_plan_takes_it(
+        store: RemoteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    toks = prompt(3.5, seed=80)
+    src = stored_src(store, toks, 80, 3)
+    caches = engine_caches(81)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    announced: list[bool] = []
+    p = ConnectorPlanner(store, N, announce=lambda job: announced.append(w.start_early(job)))
+    assert p.matched("r", toks, "", 0) == 3 * N
+    p.allocated("r", toks, len(toks), "", [9, 2, 7, 1], 3 * N)
+    assert announced == [True]                               # started when the scheduler decided it
+    (load,) = w._early.values()
+    assert load.future is not None
+    load.future.result(timeout=10)                           # done before the step began
+
+    def no_more(*_a: object, **_k: object) -> None:
+        raise AssertionError("the step loaded the pages a second time")
+    monkeypatch.setattr(store, "get", no_more)
+    monkeypatch.setattr(store, "lend", no_more)
+    plan = p.plan([("r", [9, 2, 7, 1], 3 * N)], [], {"r": N // 2})
+    assert [j.serial for j in plan.loads] == [1] and plan.serial == 1
+    step(w, plan)
+    monkeypatch.undo()
+    assert w.load_errors() == set()
+    for layer in range(L):
+        assert torch.equal(caches[layer][[9, 2, 7]], src[layer][[0, 1, 2]])
+    assert (w.counters.early_loads, w.counters.unused_early_loads, w.counters.loaded_tokens) == (1, 0, 3 * N)
+    assert w._early == {} and len(w._pool._free) == w._pool._made    # every buffer back
+    w.close()
+
+
+def test_an_announced_load_no_plan_takes_is_given_back_unused(store: RemoteStore, daemon: NodeService) -> None:
+    toks = prompt(2.5, seed=82)
+    stored_src(store, toks, 82, 2)
+    caches = engine_caches(83)
+    before = [c.clone() for c in caches]
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    p = ConnectorPlanner(store, N, announce=w.start_early)
+    p.matched("r", toks, "", 0)
+    p.allocated("r", toks, len(toks), "", [4, 5, 6], 2 * N)
+    p.plan([], [], {})                                       # the plan that carried it was lost
+    step(w, StepPlan(serial=1))                              # a later plan has passed serial 1
+    w.drain()
+    w._loader.submit(lambda: None).result()                  # the give-back ran
+    assert w._early == {} and len(w._pool._free) == w._pool._made
+    assert (w.counters.early_loads, w.counters.unused_early_loads, w.counters.loaded_tokens) == (0, 1, 0)
+    assert w.load_errors() == set()
+    for layer in range(L):
+        assert torch.equal(caches[layer], before[layer])     # nothing copied into vLLM's blocks
+    assert daemon.store._copying == 0                        # a lend it took has ended
+    w.close()
+
+
+def test_an_announcement_after_its_plan_or_unlike_it_does_not_change_the_load(store: RemoteStore) -> None:
+    toks = prompt(2.5, seed=84)
+    src = stored_src(store, toks, 84, 2)
+    caches = engine_caches(85)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    p = ConnectorPlanner(store, N)
+    p.matched("r", toks, "", 0)
+    p.allocated("r", toks, len(toks), "", [4, 5, 6], 2 * N)
+    plan = p.plan([("r", [4, 5, 6], 2 * N)], [], {"r": N // 2})
+    (job,) = plan.loads
+    step(w, plan)
+    assert w.start_early(job) is False and w._early == {}    # late: the step already loaded it
+    # An announcement whose blocks differ from its plan's: the plan wins.
+    p.matched("s", toks, "", 0)
+    p.allocated("s", toks, len(toks), "", [7, 8, 9], 2 * N)
+    plan = p.plan([("s", [7, 8, 9], 2 * N)], [], {"s": N // 2})
+    (job,) = plan.loads
+    assert w.start_early(dataclasses.replace(job, block_ids=(10, 11))) is True
+    step(w, plan)
+    assert w.load_errors() == set()
+    for layer in range(L):
+        assert torch.equal(caches[layer][[7, 8]], src[layer][[0, 1]])
+    assert (w.counters.early_loads, w.counters.unused_early_loads) == (0, 1)
+    w.close()
+    assert len(w._pool._free) == w._pool._made
+
+
+def test_announced_loads_a_worker_closes_with_are_given_back(store: RemoteStore, daemon: NodeService) -> None:
+    toks = prompt(2.5, seed=86)
+    stored_src(store, toks, 86, 2)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(87), store.layout), max_pages=8, buffers=2)
+    p = ConnectorPlanner(store, N, announce=w.start_early)
+    for rid in ("a", "b", "c"):                              # two buffers: the third is not started
+        p.matched(rid, toks, "", 0)
+        p.allocated(rid, toks, len(toks), "", [1, 2, 3], 2 * N)
+    assert sorted(w._early) == [1, 2]
+    w.close()
+    assert w._early == {} and len(w._pool._free) == 2
+    assert daemon.store._copying == 0
+
+
+def job(serial: int = 3, tokens: int = 2 * N) -> LoadJob:
+    return LoadJob("req-7", "tenant", np.arange(tokens, dtype=np.uint32), 1, (4, 9), 5, lend=False, serial=serial)
+
+
+def test_the_channel_carries_a_job_whole_and_a_send_without_listener_never_raises(sock_dir: Path) -> None:
+    addr = channel_address(f"engine-{sock_dir.name}")
+    assert len(addr) < 108 and addr.startswith(b"\0")
+    sender = EarlySender(addr)
+    sender.send(job())                                       # nobody listens: dropped, not raised
+    assert (sender.sent, sender.dropped) == (0, 1)
+    got: list[LoadJob] = []
+    listener = EarlyListener(addr, lambda j, sent: got.append(j))
+    with pytest.raises(OSError):                             # one listener per engine
+        EarlyListener(addr, lambda j, sent: got.append(j))
+    sender._next_try = 0.0
+    for s in (3, 4):
+        sender.send(job(s, tokens=5000 * N))                 # 80,000 tokens: frames larger than a socket buffer
+    assert wait_for(lambda: len(got) == 2)
+    assert got[0].same(job(3, tokens=5000 * N)) and got[1].serial == 4 and got[0].lend is False
+    # A malformed frame closes its connection only; the next sender is heard.
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(addr)
+    raw.sendall(struct.pack("<I", 9) + b"not json!")
+    assert raw.recv(1) == b""                                # the listener hung up
+    raw.close()
+    again = EarlySender(addr)
+    again.send(job(5))
+    assert wait_for(lambda: len(got) == 3)
+    listener.close()
+    sender.close()
+    again.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to send as another user")
+def test_the_channel_hears_no_other_user(sock_dir: Path) -> None:
+    addr = channel_address(f"other-{sock_dir.name}")
+    got: list[LoadJob] = []
+    listener = EarlyListener(addr, lambda j, sent: got.append(j))
+    pid = os.fork()
+    if pid == 0:   # the child: another user sends a job
+        try:
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(addr)
+            s.sendall(encode(job()))
+            s.recv(1)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert wait_for(lambda: listener.refused == 1)
+    assert got == []
+    listener.close()

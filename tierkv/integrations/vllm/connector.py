@@ -11,7 +11,9 @@ Extra config keys: ``tierkv_socket`` (the ``tierkv serve`` daemon's socket) or
 ``tierkv_config`` (its TOML config: the socket is its ``[serve] socket``); ``model_id``
 (what the store's ``model_id`` must be; default vLLM's served model name);
 ``load`` and ``save`` (default true: load what the store holds, store what requests
-compute; a prefill-only node may turn ``load`` off, a consumer ``save``);
+compute; a prefill-only node may turn ``load`` off, a consumer ``save``); ``early_loads`` (default
+true: the scheduler announces each load to the worker as it decides it, so that its reads
+start before the step, :mod:`tierkv.integrations.vllm.early`);
 ``save_generated`` (default true; false stores only pages of prompt tokens, whose KV a
 prefill computes: see docs/integration.md on exact outputs); ``buffers`` (page buffers per
 worker, default 4); ``connect_timeout_s`` (default 30).
@@ -60,6 +62,7 @@ from tierkv.config import load_config
 from tierkv.errors import ConfigError, LayoutError
 from tierkv.integrations import MissingDependencyError
 from tierkv.integrations.vllm.blocks import KNOWN_CPU_KERNELS, CpuPagedKV
+from tierkv.integrations.vllm.early import EarlyListener, EarlySender, channel_address
 from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan
 from tierkv.integrations.vllm.transfer import DEFAULT_BUFFERS, ConnectorWorker
 from tierkv.serve.client import RemoteStore
@@ -137,10 +140,18 @@ class TierKVConnector(KVConnectorBase_V1):
         self.planner: ConnectorPlanner | None = None
         self.worker: ConnectorWorker | None = None
         self._layer_index: dict[str, int] = {}
+        engine_id = getattr(self._kv_transfer_config, "engine_id", None)
+        self._early_address = (channel_address(str(engine_id))
+                               if engine_id and bool(extra.get("early_loads", True)) else None)
+        self._sender: EarlySender | None = None
+        self._listener: EarlyListener | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if self._early_address is not None:
+                self._sender = EarlySender(self._early_address)
             self.planner = ConnectorPlanner(self.store, self.block_size, load=bool(extra.get("load", True)),
                                             save=bool(extra.get("save", True)),
-                                            save_generated=bool(extra.get("save_generated", True)))
+                                            save_generated=bool(extra.get("save_generated", True)),
+                                            announce=self._sender.send if self._sender is not None else None)
 
     def _check_store(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
         served = vllm_config.model_config.served_model_name
@@ -174,6 +185,11 @@ class TierKVConnector(KVConnectorBase_V1):
         self._layer_index = {name: i for i, name in enumerate(names)}
         kv = CpuPagedKV([kv_caches[n] for n in names], self.store.layout)
         self.worker = ConnectorWorker(self.store, kv, self.max_pages, buffers=self._buffers)
+        if self._early_address is not None:
+            try:
+                self._listener = EarlyListener(self._early_address, self.worker.start_early)
+            except OSError as exc:   # another worker of this engine listens: loads start with their steps
+                log.warning("tierkv: cannot listen for early loads (%s); each load starts with its step", exc)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -240,6 +256,10 @@ class TierKVConnector(KVConnectorBase_V1):
 
     # -- both -------------------------------------------------------------------------
     def shutdown(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        if self._sender is not None:
+            self._sender.close()
         if self.worker is not None:
             self.worker.close()
             log.info("tierkv worker: %s", self.worker.counters)

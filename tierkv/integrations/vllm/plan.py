@@ -14,7 +14,9 @@ Per request:
    load, so no policy evicts them before the worker copies them (they stay pinned until
    the request finishes), and records a :class:`LoadJob` for the next plan. A request
    that loads nothing is counted here (one zero-row get: its pages are misses in the
-   store's hit rates, and the eviction policy sees the request once).
+   store's hit rates, and the eviction policy sees the request once). The job is also
+   announced to the worker at once (``announce``), which may start its get before the
+   plan arrives (:mod:`tierkv.integrations.vllm.early`).
 3. :meth:`ConnectorPlanner.plan` (``build_connector_meta``): the loads recorded since
    the last step, and a :class:`SaveJob` per request whose step completes full pages not
    stored yet (prompt and generated tokens alike, so a later turn of a conversation
@@ -30,7 +32,7 @@ offers nothing, and the failure is logged once per outage.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,7 +54,9 @@ class LoadJob:
     prefix cache and are not copied. ``requested``: the request's loadable pages, for
     the store's hit rates. ``lend``: every page was in the daemon's DRAM at the lookup, so
     the worker asks to borrow them in place first (else it goes straight to a get: a lend
-    that cannot cover them is a round trip the load waits for).
+    that cannot cover them is a round trip the load waits for). ``serial``: the planner's
+    number for the job, by which a plan names a load the worker may have started early
+    (:mod:`tierkv.integrations.vllm.early`).
     """
 
     req_id: str
@@ -62,10 +66,17 @@ class LoadJob:
     block_ids: tuple[int, ...]
     requested: int
     lend: bool = True
+    serial: int = 0
 
     @property
     def end(self) -> int:
         return self.skip + len(self.block_ids)
+
+    def same(self, other: LoadJob) -> bool:
+        """Whether ``other`` loads the same pages into the same blocks."""
+        return (self.serial, self.req_id, self.tenant, self.skip, self.block_ids, self.requested) == (
+            other.serial, other.req_id, other.tenant, other.skip, other.block_ids, other.requested
+        ) and np.array_equal(self.tokens, other.tokens)
 
 
 @dataclass(frozen=True)
@@ -91,10 +102,13 @@ class SaveJob:
 
 @dataclass
 class StepPlan:
-    """What the workers do in one step."""
+    """What the workers do in one step. ``serial``: the last job serial the planner had
+    given out when it made the plan (a load announced early with a serial up to it and not
+    in ``loads`` will not be in any later plan)."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    serial: int = 0
 
 
 @dataclass
@@ -108,11 +122,15 @@ class _Request:
 
 
 class ConnectorPlanner:
-    """The scheduler half over a connection to the node's store (any thread; vLLM uses one)."""
+    """The scheduler half over a connection to the node's store (any thread; vLLM uses one).
+    ``announce``: called with each load job as soon as it is made (the early channel's
+    send), before the plan that carries it."""
 
     def __init__(self, store: RemoteStore, block_size: int, *, load: bool = True, save: bool = True,
-                 save_generated: bool = True) -> None:
+                 save_generated: bool = True, announce: Callable[[LoadJob], object] | None = None) -> None:
         self.store = store
+        self.announce = announce
+        self._serial = 0
         self.block_size = block_size
         self.load, self.save, self.save_generated = load, save, save_generated
         self._requests: dict[str, _Request] = {}
@@ -188,9 +206,13 @@ class ConnectorPlanner:
             req.pinned = prefix[:pinned * self.block_size]
         # Pages evicted since matched() are still loaded (and fail there): vLLM has
         # already counted them, and the worker reports their blocks for recompute.
-        self._loads.append(LoadJob(req_id, tenant, prefix, skip, tuple(req.block_ids[skip:end]), usable,
-                                   lend=in_dram is None or in_dram >= end))
+        self._serial += 1
+        job = LoadJob(req_id, tenant, prefix, skip, tuple(req.block_ids[skip:end]), usable,
+                      lend=in_dram is None or in_dram >= end, serial=self._serial)
+        self._loads.append(job)
         req.stored = max(req.stored, end)
+        if self.announce is not None:
+            self.announce(job)
 
     def plan(self, new: Sequence[tuple[str, Sequence[int], int]],
              cached: Sequence[tuple[str, Sequence[int] | None, bool, int]],
@@ -198,7 +220,7 @@ class ConnectorPlanner:
         """This step's plan. ``new``: (req_id, block_ids, num_computed) of newly scheduled
         requests; ``cached``: (req_id, new_block_ids or None, resumed, num_computed) of the
         others; ``scheduled``: tokens each computes this step."""
-        out = StepPlan(loads=self._loads)
+        out = StepPlan(loads=self._loads, serial=self._serial)
         self._loads = []
         for req_id, block_ids, computed in new:
             req = self._requests.get(req_id)

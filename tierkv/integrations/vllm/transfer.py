@@ -7,8 +7,10 @@ daemon fills or reads, or, for loads from DRAM, the daemon's own pool, lent in p
 This process copies a page between that memory and vLLM's blocks once, permuting to and
 from the store's page order (:class:`~tierkv.integrations.vllm.blocks.CpuPagedKV`).
 
-- Loads: when the step begins (:meth:`ConnectorWorker.begin_step`, vLLM binding the
-  plan) a background thread serves each job: when the daemon holds all its pages in DRAM
+- Loads: when the scheduler announces a job (:meth:`ConnectorWorker.start_early`, over
+  :mod:`tierkv.integrations.vllm.early`, milliseconds before the step), or else when the
+  step begins (:meth:`ConnectorWorker.begin_step`, vLLM binding the plan), a background
+  thread serves it: when the daemon holds all its pages in DRAM
   they are lent in place (the worker maps the daemon's DRAM tier read-only,
   ``RemoteStore.dram_pool``, and copies from it; the daemon copies nothing); otherwise a
   layered get (``get(..., landed=record)``) has the daemon fill a page buffer a group of
@@ -75,6 +77,10 @@ class WorkerCounters:
     get_seconds: float = 0.0       # waiting for the daemon's gets
     scatter_seconds: float = 0.0   # copying loaded pages into vLLM's blocks, waits included
     wait_seconds: float = 0.0      # of scatter_seconds: waiting for layers to land
+    early_loads: int = 0           # loads started when the scheduler announced them, before their step
+    unused_early_loads: int = 0    # of those: not in the plan that followed (given back unused)
+    late_announcements: int = 0    # the scheduler's notes that came after their plan (ignored)
+    announce_seconds: float = 0.0  # from the scheduler's notes to this worker hearing them, summed
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
@@ -90,6 +96,8 @@ class _Load:
     served: int | None = None  # the get's count, once it returned
     lent: Lent | None = None   # the pages lent in place from the daemon's DRAM, instead of a get
     pool: torch.Tensor | None = None   # the mapping of the daemon's pool the lent rows are in
+    future: Future[None] | None = None   # the loader's task that lends or gets the pages
+    tiers: list[str] = field(default_factory=list)   # where each served page came from
 
 
 class _BufferPool:
@@ -176,8 +184,12 @@ class ConnectorWorker:
             pool.submit(self._pool.attach).result()
         self._lock = threading.Lock()
         self._errors: set[int] = set()
-        self._load_future: Future[None] | None = None
         self._loads: list[_Load] = []   # this step's loads, until their buffers go back
+        # Loads started before their plan (start_early), by serial, until a plan takes them
+        # or passes them by; plans seen so far name serials up to _bound.
+        self._early: dict[int, _Load] = {}
+        self._bound = 0
+        self._early_lock = threading.Lock()
         self._copied = 0   # layers of this step's loads copied into vLLM's blocks
         self._step_errors: set[int] = set()   # blocks whose load failed in this step
         # Per request: leading pages known to be in the store (loaded, or put), and puts
@@ -189,13 +201,36 @@ class ConnectorWorker:
 
     # -- a step ---------------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
-        """vLLM bound this step's plan (before the forward pass): take buffers for its loads
-        and start their gets, then take buffers for its saves. A load with no buffer is
-        recomputed; a save with none is skipped."""
+        """vLLM bound this step's plan (before the forward pass): take the loads started
+        early for it, take buffers for the others and start their gets, then take buffers
+        for its saves. A load with no buffer is recomputed; a save with none is skipped."""
         self._finish_layers()   # a step that never reached its copies (none in vLLM's order)
         self._step_errors = set()
+        with self._early_lock:
+            self._bound = max(self._bound, plan.serial, max((j.serial for j in plan.loads), default=0))
+            early = {j.serial: self._early.pop(j.serial) for j in plan.loads if j.serial in self._early}
+            passed = [s for s in self._early if s <= self._bound]
+            stale = [self._early.pop(s) for s in passed]
+        for load in stale:   # announced, then not planned: never copied
+            log.info("tierkv: an early load for %s was not in its plan; giving it back", load.job.req_id)
+            self._loader.submit(self._drop_early, load)
+        with self._lock:
+            self.counters.unused_early_loads += len(stale)
+        started: list[_Load] = []
         loading = []
         for job in plan.loads:
+            pre = early.pop(job.serial, None)
+            if pre is not None and pre.job.same(job):
+                started.append(pre)
+                with self._lock:
+                    self.counters.early_loads += 1
+                continue
+            if pre is not None:   # announced differently from the plan: the plan is the truth
+                log.warning("tierkv: the early load %d for %s differs from its plan; loading as planned",
+                            job.serial, job.req_id)
+                self._loader.submit(self._drop_early, pre)
+                with self._lock:
+                    self.counters.unused_early_loads += 1
             buf = self._pool.take(self._putting) if job.end <= self.max_pages else None
             if buf is None:
                 log.warning("tierkv: no page buffer for %s's load of %d pages; vLLM recomputes them",
@@ -204,11 +239,12 @@ class ConnectorWorker:
                 continue
             loading.append((job, buf))
         self._copied = 0
-        self._loads = [_Load(job, buf, self._pool.record(buf), self.kv.pages(torch.from_numpy(buf)))
-                       for job, buf in loading]
-        for load in self._loads:
-            landed.reset(load.record)
-        self._load_future = self._loader.submit(self._get_all, self._loads) if self._loads else None
+        fresh = [self._new_load(job, buf) for job, buf in loading]
+        if fresh:
+            fut = self._loader.submit(self._get_all, fresh)
+            for load in fresh:
+                load.future = fut
+        self._loads = started + fresh
         self._saving = []
         for sjob in plan.saves:
             with self._lock:
@@ -227,6 +263,43 @@ class ConnectorWorker:
     # -- loads ------------------------------------------------------------------------
     def start_load(self) -> None:
         """vLLM's ``start_load_kv``: the gets started when the step began; nothing to add."""
+
+    def _new_load(self, job: LoadJob, buf: np.ndarray) -> _Load:
+        load = _Load(job, buf, self._pool.record(buf), self.kv.pages(torch.from_numpy(buf)))
+        landed.reset(load.record)
+        return load
+
+    def start_early(self, job: LoadJob, sent: float | None = None) -> bool:
+        """The scheduler announced ``job`` before its plan (:mod:`tierkv.integrations.vllm.early`;
+        any thread; ``sent``: when, ``time.monotonic()``): start its lend or get now, into a
+        buffer free now, for the plan to take. False (nothing started) when a plan already
+        named it, or no buffer is free."""
+        with self._lock:
+            if sent is not None:
+                self.counters.announce_seconds += max(0.0, time.monotonic() - sent)
+        with self._early_lock:
+            if job.serial <= self._bound or job.serial in self._early:
+                with self._lock:
+                    self.counters.late_announcements += job.serial <= self._bound
+                return False
+        buf = self._pool.take(lambda: False) if job.end <= self.max_pages else None
+        if buf is None:
+            return False
+        load = self._new_load(job, buf)
+        with self._early_lock:
+            if job.serial > self._bound and job.serial not in self._early:
+                self._early[job.serial] = load
+                load.future = self._loader.submit(self._get_all, [load])
+                return True
+        self._pool.give(buf)
+        return False
+
+    def _drop_early(self, load: _Load) -> None:
+        """On the loader's thread, after ``load``'s own task: an early load no plan took
+        gives its lent rows and buffer back."""
+        if load.lent is not None:
+            self._end_lend(load.lent)
+        self._pool.give(load.buf)
 
     def _map_dram(self) -> torch.Tensor | None:
         """The daemon's DRAM tier as pages, mapped here read-only, so that a load whose pages
@@ -251,7 +324,7 @@ class ConnectorWorker:
         for load in loads:
             if self._dram is not None and load.job.lend and self._lend(load):
                 continue
-            load.served = self._get(load.job, load.buf, load.record)
+            load.served = self._get(load)
         with self._lock:
             self.counters.get_seconds += time.perf_counter() - t0
 
@@ -260,34 +333,39 @@ class ConnectorWorker:
         any before it not copied yet) of the loaded pages into them, each as soon as the
         daemon announces it landed (on vLLM's thread, so the copies use its OpenMP threads
         instead of competing with them for the same cores)."""
-        if self._load_future is None and not self._loads:
+        if not self._loads:
             return
         self._copy_layers(layer + 1)
 
     def _resolve(self) -> list[_Load]:
-        """This step's gets, waited for. A get that failed in a way ``_get`` did not catch
-        fails its whole step's loads (their blocks recomputed, their buffers given back)."""
-        fut, self._load_future = self._load_future, None
-        if fut is not None:
+        """This step's gets, waited for (all of them, so that no buffer goes back while the
+        daemon still writes it). A get that failed in a way ``_get`` did not catch fails its
+        whole step's loads (their blocks recomputed, their buffers given back)."""
+        futures = {id(load.future): load.future for load in self._loads if load.future is not None}
+        failed = False
+        for fut in futures.values():
             try:
                 fut.result()
             except BaseException:
                 log.exception("tierkv: a load failed; its blocks are recomputed")
-                for load in self._loads:
-                    self._fail_load(load.job, 0)
-                    if load.lent is not None:   # lent before the failure: its rows go back too
-                        self._loader.submit(self._end_lend, load.lent)
-                    self._pool.give(load.buf)
-                self._loads = []
+                failed = True
+        if failed:
+            for load in self._loads:
+                self._fail_load(load.job, 0)
+                if load.lent is not None:   # lent before the failure: its rows go back too
+                    self._loader.submit(self._end_lend, load.lent)
+                self._pool.give(load.buf)
+            self._loads = []
         return self._loads
 
     def _landed(self, load: _Load, layer: int) -> None:
         """Wait until ``layer`` of ``load``'s pages is in its buffer, or its get ended."""
-        fut = self._load_future
+        fut = load.future
         spins, t0 = 0, time.perf_counter()
         while load.served is None and landed.read(load.record, landed.LAYERS) <= layer:
             if fut is None or fut.done():
-                self._resolve()
+                if fut is None or fut.exception() is not None:
+                    self._resolve()
                 break
             spins += 1
             time.sleep(0 if spins < 50 else POLL_S)   # the first waits are short: the daemon is a layer ahead
@@ -340,12 +418,8 @@ class ConnectorWorker:
                 self._end_lend(lent)   # on the loader's thread, which lent it
                 return False
         load.lent, load.pool = lent, self._dram
-        bs = self.kv.block_tokens
         self._saved(job.req_id, lent.pages)
-        with self._lock:
-            self.counters.loaded_tokens += max(0, lent.pages - job.skip) * bs
-            self.counters.lent_tokens += max(0, lent.pages - job.skip) * bs
-            self.counters.tokens_by_tier["dram"] = self.counters.tokens_by_tier.get("dram", 0) + lent.pages * bs
+        load.tiers = ["dram"] * lent.pages
         load.served = lent.pages
         return True
 
@@ -379,6 +453,7 @@ class ConnectorWorker:
         loads, self._loads = self._resolve(), []
         for load in loads:
             served = load.served or 0
+            self._count(load, served)
             if served < load.job.end:
                 self._fail_load(load.job, served)
             if load.lent is not None:
@@ -390,7 +465,7 @@ class ConnectorWorker:
         before its attention; should a layer be skipped, its copy still lands before the
         blocks are used by a later step, and the step's blocks are reported for recompute
         (the skipped attention read them before the copy)."""
-        if self._load_future is None and not self._loads:
+        if not self._loads:
             return
         late = self._copied < self._layers
         jobs = [load.job for load in self._loads]
@@ -400,23 +475,31 @@ class ConnectorWorker:
             for job in jobs:
                 self._fail_load(job, 0)
 
-    def _get(self, job: LoadJob, buf: np.ndarray, record: np.ndarray) -> int:
-        """Pages of ``job`` the store served into ``buf`` (0 on a store error)."""
+    def _get(self, load: _Load) -> int:
+        """Pages of ``load``'s job the store served into its buffer (0 on a store error)."""
+        job = load.job
         try:
-            res = self.store.get(job.tokens, buf[:job.end], job.tenant, requested=max(job.requested, job.end),
-                                 landed=record)
+            res = self.store.get(job.tokens, load.buf[:job.end], job.tenant, requested=max(job.requested, job.end),
+                                 landed=load.record)
         except TierKVError as exc:
             log.warning("tierkv: loading %d pages for %s failed (%s); vLLM recomputes them",
                         len(job.block_ids), job.req_id, exc)
             return 0
         n = min(res.pages, job.end)
-        bs = self.kv.block_tokens
         self._saved(job.req_id, n)
-        with self._lock:
-            self.counters.loaded_tokens += max(0, n - job.skip) * bs
-            for kind in res.tiers[job.skip:n]:
-                self.counters.tokens_by_tier[kind.value] = self.counters.tokens_by_tier.get(kind.value, 0) + bs
+        load.tiers = [kind.value for kind in res.tiers[:n]]
         return n
+
+    def _count(self, load: _Load, served: int) -> None:
+        """Count what ``load`` gave vLLM (its pages past vLLM's own hit)."""
+        job, bs = load.job, self.kv.block_tokens
+        loaded = max(0, served - job.skip) * bs
+        with self._lock:
+            self.counters.loaded_tokens += loaded
+            if load.lent is not None:
+                self.counters.lent_tokens += loaded
+            for kind in load.tiers[job.skip:served]:
+                self.counters.tokens_by_tier[kind] = self.counters.tokens_by_tier.get(kind, 0) + bs
 
     def _fail_load(self, job: LoadJob, served: int) -> None:
         lost = job.block_ids[max(served - job.skip, 0):]
@@ -530,5 +613,10 @@ class ConnectorWorker:
 
     def close(self) -> None:
         self._finish_layers()
+        with self._early_lock:
+            self._bound = 1 << 62   # no more early loads
+            early, self._early = list(self._early.values()), {}
+        for load in early:
+            self._loader.submit(self._drop_early, load)
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
