@@ -19,6 +19,7 @@ from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.tiers.base import TierKind
 from tierkv.errors import AccessDeniedError, InputError, LayoutError, TierKVError
 from tierkv.integrations.vllm.blocks import CpuPagedKV, runs
+from tierkv.integrations.vllm import early
 from tierkv.integrations.vllm.early import EarlyListener, EarlySender, channel_address, encode
 from tierkv.integrations.vllm.plan import ConnectorPlanner, LoadJob, StepPlan
 from tierkv.integrations.vllm.transfer import ConnectorWorker
@@ -610,11 +611,13 @@ def test_an_announcement_after_its_plan_or_unlike_it_does_not_change_the_load(st
     p.allocated("s", toks, len(toks), "", [7, 8, 9], 2 * N)
     plan = p.plan([("s", [7, 8, 9], 2 * N)], [], {"s": N // 2})
     (job,) = plan.loads
+    before = [c.clone() for c in caches]
     assert w.start_early(dataclasses.replace(job, block_ids=(10, 11))) is True
     step(w, plan)
     assert w.load_errors() == set()
     for layer in range(L):
         assert torch.equal(caches[layer][[7, 8]], src[layer][[0, 1]])
+        assert torch.equal(caches[layer][[10, 11]], before[layer][[10, 11]])   # the note's blocks untouched
     assert (w.counters.early_loads, w.counters.unused_early_loads) == (0, 1)
     w.close()
     assert len(w._pool._free) == w._pool._made
@@ -623,14 +626,14 @@ def test_an_announcement_after_its_plan_or_unlike_it_does_not_change_the_load(st
 def test_announced_loads_a_worker_closes_with_are_given_back(store: RemoteStore, daemon: NodeService) -> None:
     toks = prompt(2.5, seed=86)
     stored_src(store, toks, 86, 2)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(87), store.layout), max_pages=8, buffers=2)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(87), store.layout), max_pages=8, buffers=3)
     p = ConnectorPlanner(store, N, announce=w.start_early)
-    for rid in ("a", "b", "c"):                              # two buffers: the third is not started
+    for rid in ("a", "b", "c"):                              # one buffer stays for the next step: 2 start
         p.matched(rid, toks, "", 0)
         p.allocated(rid, toks, len(toks), "", [1, 2, 3], 2 * N)
-    assert sorted(w._early) == [1, 2]
+    assert sorted(w._early) == [1, 2] and len(w._pool._free) == 1
     w.close()
-    assert w._early == {} and len(w._pool._free) == 2
+    assert w._early == {} and len(w._pool._free) == 3
     assert daemon.store._copying == 0
 
 
@@ -638,7 +641,63 @@ def job(serial: int = 3, tokens: int = 2 * N) -> LoadJob:
     return LoadJob("req-7", "tenant", np.arange(tokens, dtype=np.uint32), 1, (4, 9), 5, lend=False, serial=serial)
 
 
-def test_the_channel_carries_a_job_whole_and_a_send_without_listener_never_raises(sock_dir: Path) -> None:
+def test_a_note_for_the_next_step_survives_this_steps_bind_and_another_planners_is_ignored(
+        store: RemoteStore) -> None:
+    """vLLM's async scheduling: step N+1's load may be announced before the worker binds
+    step N's plan."""
+    toks = prompt(2.5, seed=88)
+    src = stored_src(store, toks, 88, 2)
+    caches = engine_caches(89)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    p = ConnectorPlanner(store, N)
+    step(w, p.plan([], [], {}))                              # step N-1: the worker learns the planner
+    plan_n = p.plan([], [], {})                              # step N, planned before the load
+    p.matched("r", toks, "", 0)
+    p.allocated("r", toks, len(toks), "", [5, 6, 7], 2 * N)  # step N+1's load ...
+    (job,) = p._loads
+    assert w.start_early(job) is True                        # ... announced before N binds
+    other = ConnectorPlanner(store, N)
+    other.matched("x", toks, "", 0)
+    other.allocated("x", toks, len(toks), "", [8, 9, 10], 2 * N)
+    assert w.start_early(other._loads[0]) is False           # another planner's note (same serial)
+    step(w, plan_n)
+    assert list(w._early) == [job.serial]                    # still waiting for its plan
+    step(w, p.plan([("r", [5, 6, 7], 2 * N)], [], {"r": N // 2}))
+    assert w.load_errors() == set() and w.counters.early_loads == 1 and w.counters.unused_early_loads == 0
+    for layer in range(L):
+        assert torch.equal(caches[layer][[5, 6]], src[layer][[0, 1]])
+    w.close()
+
+
+def test_a_failed_load_fails_only_its_own_blocks_when_another_was_started_early(
+        store: RemoteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    reqs = {"a": prompt(2.5, seed=90), "b": prompt(2.5, seed=91)}
+    srcs = {rid: stored_src(store, toks, 90 + i, 2) for i, (rid, toks) in enumerate(reqs.items())}
+    caches = engine_caches(92)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    p = ConnectorPlanner(store, N)
+    p.matched("a", reqs["a"], "", 0)
+    p.allocated("a", reqs["a"], len(reqs["a"]), "", [0, 1, 2], 2 * N)
+    assert w.start_early(p._loads[0]) is True               # a: announced, started early
+    w._early[p._loads[0].serial].future.result(timeout=10)   # type: ignore[union-attr]
+    p.matched("b", reqs["b"], "", 0)
+    p.allocated("b", reqs["b"], len(reqs["b"]), "", [3, 4, 5], 2 * N)   # b: no note, loaded with the step
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise RuntimeError("not a store error")
+    monkeypatch.setattr(w, "_get", boom)
+    monkeypatch.setattr(w, "_lend", boom)
+    step(w, p.plan([("a", [0, 1, 2], 2 * N), ("b", [3, 4, 5], 2 * N)], [], {"a": N // 2, "b": N // 2}))
+    assert w.load_errors() == {3, 4}                         # b's blocks only
+    for layer in range(L):
+        assert torch.equal(caches[layer][[0, 1]], srcs["a"][layer][[0, 1]])
+    assert len(w._pool._free) == w._pool._made
+    w.close()
+
+
+def test_the_channel_carries_a_job_whole_and_a_send_without_listener_never_raises(
+        sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(early, "SEND_TIMEOUT_S", 10.0)       # large frames on a busy machine: no drop
     addr = channel_address(f"engine-{sock_dir.name}")
     assert len(addr) < 108 and addr.startswith(b"\0")
     sender = EarlySender(addr)
@@ -665,6 +724,21 @@ def test_the_channel_carries_a_job_whole_and_a_send_without_listener_never_raise
     listener.close()
     sender.close()
     again.close()
+
+
+def test_the_scheduler_sends_nothing_to_a_listener_of_another_user(sock_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    addr = channel_address(f"squat-{sock_dir.name}")
+    got: list[LoadJob] = []
+    listener = EarlyListener(addr, lambda j, sent: got.append(j))   # bound first, by "another user"
+    monkeypatch.setattr(early.os, "getuid", lambda: os.geteuid() + 4242)   # the scheduler's uid differs
+    sender = EarlySender(addr)
+    sender.send(job())
+    assert (sender.sent, sender.dropped) == (0, 1) and sender._next_try == float("inf")
+    monkeypatch.undo()
+    sender.send(job())                                       # and never tries that socket again
+    assert sender.sent == 0 and got == []
+    listener.close()
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to send as another user")

@@ -15,9 +15,13 @@ ignored.
 The channel is a Unix stream socket in the abstract namespace, named after vLLM's
 ``engine_id`` (one per engine, data-parallel ranks apart), that the worker listens on.
 Only a peer of the worker's own user is heard (``SO_PEERCRED``). Frames are
-``<I length>`` then a JSON header (length-prefixed) then the tokens as ``<u4``. A send
-never blocks the scheduler for long and never raises: without a listener, or with one
-that does not keep up, the worker hears of the load from the plan, as without this.
+``<I length>`` then a JSON header (length-prefixed) then the tokens as ``<u4``. The
+scheduler sends only to a listener of its own user (``SO_PEERCRED`` again: the name is
+predictable, and another user could bind it first), and each job carries its planner's
+random ``origin``, so that a worker ignores notes of another planner that found the same
+name (a second engine given the same ``engine_id``). A send never blocks the scheduler
+for long and never raises: without a listener, or with one that does not keep up, the
+worker hears of the load from the plan, as without this.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ RECONNECT_S = 1.0
 MAX_FRAME = 8 << 20
 
 _LEN = struct.Struct("<I")
-_PEERCRED = struct.Struct("3i")   # pid, uid, gid
+_PEERCRED = struct.Struct("iII")   # pid, uid, gid
 
 
 def channel_address(engine_id: str) -> bytes:
@@ -57,7 +61,8 @@ def channel_address(engine_id: str) -> bytes:
 
 def encode(job: LoadJob) -> bytes:
     """``job`` as one frame (with when it was sent, ``time.monotonic()``: one clock per machine)."""
-    head = json.dumps({"sent": time.monotonic(), "serial": job.serial, "req_id": job.req_id, "tenant": job.tenant, "skip": job.skip,
+    head = json.dumps({"sent": time.monotonic(), "serial": job.serial, "origin": job.origin, "req_id": job.req_id,
+                       "tenant": job.tenant, "skip": job.skip,
                        "block_ids": list(job.block_ids), "requested": job.requested, "lend": job.lend}).encode()
     tokens = np.ascontiguousarray(job.tokens, dtype="<u4").tobytes()
     body = _LEN.pack(len(head)) + head + tokens
@@ -74,7 +79,7 @@ def decode(body: bytes) -> tuple[LoadJob, float]:
         raise ValueError(f"{len(raw)} bytes of tokens is not a whole number of uint32")
     job = LoadJob(str(head["req_id"]), str(head["tenant"]), np.frombuffer(raw, dtype="<u4").copy(),
                   int(head["skip"]), tuple(int(b) for b in head["block_ids"]), int(head["requested"]),
-                  lend=bool(head["lend"]), serial=int(head["serial"]))
+                  lend=bool(head["lend"]), serial=int(head["serial"]), origin=int(head["origin"]))
     return job, float(head["sent"])
 
 
@@ -89,15 +94,16 @@ class EarlySender:
         self.dropped = 0
 
     def send(self, job: LoadJob) -> None:
-        """Tell the worker about ``job`` now, if it listens; never raises."""
-        sock = self._connect()
-        if sock is None:
-            self.dropped += 1
-            return
+        """Tell the worker about ``job`` now, if it listens; never raises (the plan carries
+        the job whatever happens here)."""
         try:
+            sock = self._connect()
+            if sock is None:
+                self.dropped += 1
+                return
             sock.sendall(encode(job))
             self.sent += 1
-        except OSError as exc:   # a timeout too: the frame may be cut, so the connection goes
+        except Exception as exc:   # noqa: BLE001 - a timeout too: the frame may be cut, so the connection goes
             log.info("tierkv: announcing a load to the worker failed (%s); it starts with the step", exc)
             self.dropped += 1
             self._close()
@@ -108,14 +114,21 @@ class EarlySender:
         now = time.monotonic()
         if now < self._next_try:
             return None
+        self._next_try = now + RECONNECT_S
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(SEND_TIMEOUT_S)
             sock.connect(self.address)
+            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError as exc:
             sock.close()
-            self._next_try = now + RECONNECT_S
             log.debug("tierkv: no worker listens for early loads (%s)", exc)
+            return None
+        if uid != os.getuid():
+            sock.close()
+            self._next_try = float("inf")   # never again: loads start with their steps
+            log.warning("tierkv: the early-load socket of this engine is held by pid %d of uid %d, not this user "
+                        "(uid %d); sending it nothing", pid, uid, os.getuid())
             return None
         self._sock = sock
         return sock
@@ -124,7 +137,7 @@ class EarlySender:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._next_try = time.monotonic() + RECONNECT_S
+        self._next_try = max(self._next_try, time.monotonic() + RECONNECT_S)
 
     def close(self) -> None:
         self._close()
@@ -158,8 +171,16 @@ class EarlyListener:
             try:
                 conn, _ = self._sock.accept()
             except OSError:
-                return   # closed
-            pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+                if self._closed:
+                    return
+                time.sleep(0.05)   # out of descriptors: accept again shortly, never stop listening
+                continue
+            try:
+                pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                  _PEERCRED.size))
+            except OSError:
+                conn.close()
+                continue
             if uid != os.getuid():
                 log.warning("tierkv: refused early loads from pid %d of uid %d (this worker runs as uid %d)",
                             pid, uid, os.getuid())
@@ -189,7 +210,7 @@ class EarlyListener:
                     return
                 try:
                     job, sent = decode(body)
-                except (ValueError, KeyError, TypeError, struct.error) as exc:
+                except Exception as exc:   # noqa: BLE001 - whatever the frame holds, only its connection ends
                     log.warning("tierkv: a malformed early-load frame (%s); closing its connection", exc)
                     return
                 try:

@@ -32,6 +32,7 @@ offers nothing, and the failure is logged once per outage.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,7 +57,8 @@ class LoadJob:
     the worker asks to borrow them in place first (else it goes straight to a get: a lend
     that cannot cover them is a round trip the load waits for). ``serial``: the planner's
     number for the job, by which a plan names a load the worker may have started early
-    (:mod:`tierkv.integrations.vllm.early`).
+    (:mod:`tierkv.integrations.vllm.early`); ``origin``: the planner's random number (a
+    note from another planner is not this one's).
     """
 
     req_id: str
@@ -67,6 +69,7 @@ class LoadJob:
     requested: int
     lend: bool = True
     serial: int = 0
+    origin: int = 0
 
     @property
     def end(self) -> int:
@@ -74,8 +77,8 @@ class LoadJob:
 
     def same(self, other: LoadJob) -> bool:
         """Whether ``other`` loads the same pages into the same blocks."""
-        return (self.serial, self.req_id, self.tenant, self.skip, self.block_ids, self.requested) == (
-            other.serial, other.req_id, other.tenant, other.skip, other.block_ids, other.requested
+        return (self.origin, self.serial, self.req_id, self.tenant, self.skip, self.block_ids, self.requested) == (
+            other.origin, other.serial, other.req_id, other.tenant, other.skip, other.block_ids, other.requested
         ) and np.array_equal(self.tokens, other.tokens)
 
 
@@ -104,11 +107,12 @@ class SaveJob:
 class StepPlan:
     """What the workers do in one step. ``serial``: the last job serial the planner had
     given out when it made the plan (a load announced early with a serial up to it and not
-    in ``loads`` will not be in any later plan)."""
+    in ``loads`` will not be in any later plan); ``origin``: the planner's random number."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     serial: int = 0
+    origin: int = 0
 
 
 @dataclass
@@ -131,6 +135,7 @@ class ConnectorPlanner:
         self.store = store
         self.announce = announce
         self._serial = 0
+        self.origin = secrets.randbits(62) + 1
         self.block_size = block_size
         self.load, self.save, self.save_generated = load, save, save_generated
         self._requests: dict[str, _Request] = {}
@@ -208,11 +213,14 @@ class ConnectorPlanner:
         # already counted them, and the worker reports their blocks for recompute.
         self._serial += 1
         job = LoadJob(req_id, tenant, prefix, skip, tuple(req.block_ids[skip:end]), usable,
-                      lend=in_dram is None or in_dram >= end, serial=self._serial)
+                      lend=in_dram is None or in_dram >= end, serial=self._serial, origin=self.origin)
         self._loads.append(job)
         req.stored = max(req.stored, end)
         if self.announce is not None:
-            self.announce(job)
+            try:
+                self.announce(job)
+            except Exception:   # noqa: BLE001 - the plan carries the job; vLLM must not see this
+                log.exception("tierkv: announcing a load to the worker failed")
 
     def plan(self, new: Sequence[tuple[str, Sequence[int], int]],
              cached: Sequence[tuple[str, Sequence[int] | None, bool, int]],
@@ -220,7 +228,7 @@ class ConnectorPlanner:
         """This step's plan. ``new``: (req_id, block_ids, num_computed) of newly scheduled
         requests; ``cached``: (req_id, new_block_ids or None, resumed, num_computed) of the
         others; ``scheduled``: tokens each computes this step."""
-        out = StepPlan(loads=self._loads, serial=self._serial)
+        out = StepPlan(loads=self._loads, serial=self._serial, origin=self.origin)
         self._loads = []
         for req_id, block_ids, computed in new:
             req = self._requests.get(req_id)

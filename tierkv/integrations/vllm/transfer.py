@@ -77,8 +77,8 @@ class WorkerCounters:
     get_seconds: float = 0.0       # waiting for the daemon's gets
     scatter_seconds: float = 0.0   # copying loaded pages into vLLM's blocks, waits included
     wait_seconds: float = 0.0      # of scatter_seconds: waiting for layers to land
-    early_loads: int = 0           # loads started when the scheduler announced them, before their step
-    unused_early_loads: int = 0    # of those: not in the plan that followed (given back unused)
+    early_loads: int = 0           # loads their plan took already started from the scheduler's note
+    unused_early_loads: int = 0    # loads started from a note that no plan took (given back unused)
     late_announcements: int = 0    # the scheduler's notes that came after their plan (ignored)
     announce_seconds: float = 0.0  # from the scheduler's notes to this worker hearing them, summed
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
@@ -121,6 +121,13 @@ class _BufferPool:
             with self._cond:
                 rec = self._records.setdefault(key, rec)
         return rec
+
+    def spare(self, keep: int) -> np.ndarray | None:
+        """A free buffer if more than ``keep`` are free (made ones), else None; never waits."""
+        with self._cond:
+            if len(self._free) > keep:
+                return self._free.pop()
+        return None
 
     def take(self, may_wait: Callable[[], bool]) -> np.ndarray | None:
         """A free buffer; when none is, wait while ``may_wait()`` (someone will give one
@@ -189,6 +196,7 @@ class ConnectorWorker:
         # or passes them by; plans seen so far name serials up to _bound.
         self._early: dict[int, _Load] = {}
         self._bound = 0
+        self._origin = 0   # the planner's (from its plans): notes of another are ignored
         self._early_lock = threading.Lock()
         self._copied = 0   # layers of this step's loads copied into vLLM's blocks
         self._step_errors: set[int] = set()   # blocks whose load failed in this step
@@ -207,9 +215,12 @@ class ConnectorWorker:
         self._finish_layers()   # a step that never reached its copies (none in vLLM's order)
         self._step_errors = set()
         with self._early_lock:
+            if plan.origin and plan.origin != self._origin:   # the first plan, or the planner restarted
+                self._origin, self._bound = plan.origin, 0
             self._bound = max(self._bound, plan.serial, max((j.serial for j in plan.loads), default=0))
-            early = {j.serial: self._early.pop(j.serial) for j in plan.loads if j.serial in self._early}
-            passed = [s for s in self._early if s <= self._bound]
+            early = {j.serial: self._early.pop(j.serial) for j in plan.loads
+                     if j.serial in self._early and self._early[j.serial].job.origin == j.origin}
+            passed = [s for s, e in self._early.items() if s <= self._bound or e.job.origin != self._origin]
             stale = [self._early.pop(s) for s in passed]
         for load in stale:   # announced, then not planned: never copied
             log.info("tierkv: an early load for %s was not in its plan; giving it back", load.job.req_id)
@@ -278,21 +289,30 @@ class ConnectorWorker:
             if sent is not None:
                 self.counters.announce_seconds += max(0.0, time.monotonic() - sent)
         with self._early_lock:
+            if self._origin and job.origin != self._origin:
+                log.debug("tierkv: ignoring a note of another planner (%x, not %x)", job.origin, self._origin)
+                return False
             if job.serial <= self._bound or job.serial in self._early:
                 with self._lock:
                     self.counters.late_announcements += job.serial <= self._bound
                 return False
-        buf = self._pool.take(lambda: False) if job.end <= self.max_pages else None
+        # One buffer stays for the step that binds next (its own loads and saves).
+        buf = self._pool.spare(keep=1) if job.end <= self.max_pages else None
         if buf is None:
             return False
-        load = self._new_load(job, buf)
-        with self._early_lock:
-            if job.serial > self._bound and job.serial not in self._early:
-                self._early[job.serial] = load
-                load.future = self._loader.submit(self._get_all, [load])
-                return True
-        self._pool.give(buf)
-        return False
+        try:
+            load = self._new_load(job, buf)
+            with self._early_lock:
+                if job.serial > self._bound and job.serial not in self._early and (
+                        not self._origin or job.origin == self._origin):
+                    self._early[job.serial] = load
+                    load.future = self._loader.submit(self._get_all, [load])
+                    buf = None
+                    return True
+            return False
+        finally:
+            if buf is not None:
+                self._pool.give(buf)
 
     def _drop_early(self, load: _Load) -> None:
         """On the loader's thread, after ``load``'s own task: an early load no plan took
@@ -339,23 +359,27 @@ class ConnectorWorker:
 
     def _resolve(self) -> list[_Load]:
         """This step's gets, waited for (all of them, so that no buffer goes back while the
-        daemon still writes it). A get that failed in a way ``_get`` did not catch fails its
-        whole step's loads (their blocks recomputed, their buffers given back)."""
+        daemon still writes it). A task that failed in a way ``_get`` did not catch fails
+        the loads it served (their blocks recomputed, their buffers given back)."""
         futures = {id(load.future): load.future for load in self._loads if load.future is not None}
-        failed = False
-        for fut in futures.values():
+        failed = set()
+        for key, fut in futures.items():
             try:
                 fut.result()
             except BaseException:
                 log.exception("tierkv: a load failed; its blocks are recomputed")
-                failed = True
+                failed.add(key)
         if failed:
+            kept = []
             for load in self._loads:
+                if id(load.future) not in failed:
+                    kept.append(load)
+                    continue
                 self._fail_load(load.job, 0)
                 if load.lent is not None:   # lent before the failure: its rows go back too
                     self._loader.submit(self._end_lend, load.lent)
                 self._pool.give(load.buf)
-            self._loads = []
+            self._loads = kept
         return self._loads
 
     def _landed(self, load: _Load, layer: int) -> None:
