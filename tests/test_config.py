@@ -144,14 +144,15 @@ def test_default_toml_names_every_key() -> None:
     import dataclasses
     import re
 
-    from tierkv.config import (DramConfig, HbmConfig, NvmeConfig, NvmeofConfig, PeersConfig, ServeConfig,
-                               StoreConfig)
+    from tierkv.config import (ClusterConfig, DramConfig, HbmConfig, NvmeConfig, NvmeofConfig, PeersConfig,
+                               ServeConfig, StoreConfig)
     from tierkv.layout import KVLayout
 
     text = (Path(__file__).resolve().parents[1] / "configs" / "default.toml").read_text()
     tables = {"store": StoreConfig, "layout": KVLayout, "tiers.hbm": HbmConfig, "tiers.dram": DramConfig,
-              "tiers.nvme": NvmeConfig, "tiers.nvmeof": NvmeofConfig, "peers": PeersConfig, "serve": ServeConfig}
-    nested = {"layout", "dram", "nvme", "hbm", "nvmeof", "peers", "serve"}
+              "tiers.nvme": NvmeConfig, "tiers.nvmeof": NvmeofConfig, "peers": PeersConfig, "serve": ServeConfig,
+              "cluster": ClusterConfig}
+    nested = {"layout", "dram", "nvme", "hbm", "nvmeof", "peers", "serve", "cluster"}
     missing = []
     for table, cls in tables.items():
         head = re.search(rf"^#? ?\[{re.escape(table)}\]", text, re.M)

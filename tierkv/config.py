@@ -309,6 +309,39 @@ class PeersConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """This node as a member of a cluster kept in etcd (``tierkv.cluster``, docs/cluster.md).
+
+    ``etcd``: the etcd endpoints (``host:port``), tried in order. ``name``: the cluster's
+    name (nodes of one name see each other). ``node``: this node's name in it (default the
+    host name; unique among live members: a second daemon under a live node's name is
+    refused). ``lease_ttl_s``: how long after its last renewal a node that stopped renewing
+    (killed, partitioned away from etcd) leaves the cluster. ``timeout_s``: the deadline of
+    every etcd call (the node serves its own tiers whatever etcd does).
+    """
+
+    etcd: tuple[str, ...] = ("127.0.0.1:2379",)
+    name: str = "default"
+    node: str | None = None
+    lease_ttl_s: int = 10
+    timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.etcd, str) or not isinstance(self.etcd, (list, tuple)) or not self.etcd:
+            raise ConfigError(f"cluster.etcd must be a non-empty list of 'host:port', got {self.etcd!r}")
+        object.__setattr__(self, "etcd", tuple(self.etcd))
+        for i, addr in enumerate(self.etcd):
+            _endpoint(addr.removeprefix("http://") if isinstance(addr, str) else addr, f"cluster.etcd[{i}]")
+        for what, value in (("cluster.name", self.name), ("cluster.node", self.node)):
+            if value is None and what == "cluster.node":
+                continue
+            if not isinstance(value, str) or not 0 < len(value) <= 128 or not all(c.isalnum() or c in "-_." for c in value):
+                raise ConfigError(f"{what} must be 1-128 letters, digits, '-', '_' or '.', got {value!r}")
+        _check_int(self.lease_ttl_s, "cluster.lease_ttl_s", 2, 3600)
+        _check_number(self.timeout_s, "cluster.timeout_s", "seconds", 0, 60, low_open=True)
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """The node service, ``tierkv serve`` (``tierkv.serve.daemon``, docs/serve.md).
 
@@ -396,6 +429,7 @@ class StoreConfig:
     commit_window_s: float = DEFAULT_COMMIT_WINDOW_S
     commit_window_pages: int = DEFAULT_COMMIT_WINDOW_PAGES
     serve: ServeConfig | None = None
+    cluster: ClusterConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.path, os.PathLike):  # a pathlib.Path from the API: the field holds text
@@ -408,7 +442,7 @@ class StoreConfig:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"store.layout must be a KVLayout, got {self.layout!r}")
         for name, cls in (("dram", DramConfig), ("nvme", NvmeConfig), ("hbm", HbmConfig), ("nvmeof", NvmeofConfig),
-                          ("peers", PeersConfig), ("serve", ServeConfig)):
+                          ("peers", PeersConfig), ("serve", ServeConfig), ("cluster", ClusterConfig)):
             if not isinstance(getattr(self, name), (cls, type(None))):
                 raise ConfigError(f"store.{name} must be a {cls.__name__} or None, got {getattr(self, name)!r}")
         if not isinstance(self.verify_index, str) or self.verify_index not in ("always", "unclean", "never"):
@@ -470,10 +504,10 @@ def config_from_dict(data: Mapping[str, object], source: str = "<dict>",
     ``layout``, if given, is used when the data has no ``[layout]`` table (a caller that
     sets the layout itself, as ``tierkv replay`` does); otherwise the table is required.
     """
-    unknown_tables = sorted(set(data) - {"store", "layout", "tiers", "peers", "serve"})
+    unknown_tables = sorted(set(data) - {"store", "layout", "tiers", "peers", "serve", "cluster"})
     if unknown_tables:  # a misspelt [tier.nvme] or [peer] must not silently drop a tier
         raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(unknown_tables)}; "
-                          "expected [store], [layout], [tiers.*], [peers] and [serve]")
+                          "expected [store], [layout], [tiers.*], [peers], [serve] and [cluster]")
     store = _section(data, "store", source)
     if layout is None or "layout" in data:
         layout = _build(KVLayout, _section(data, "layout", source), f"{source} [layout]")  # type: ignore[assignment]
@@ -491,8 +525,11 @@ def config_from_dict(data: Mapping[str, object], source: str = "<dict>",
         values["path"] = os.path.expanduser(str(values["path"]))
     peers = _build(PeersConfig, _section(data, "peers", source), f"{source} [peers]") if "peers" in data else None
     serve = _build(ServeConfig, _section(data, "serve", source), f"{source} [serve]") if "serve" in data else None
-    values.update(layout=layout, dram=dram, nvme=nvme, hbm=hbm, nvmeof=nvmeof, peers=peers, serve=serve)
-    for key in ("layout", "dram", "nvme", "hbm", "nvmeof", "peers", "serve"):
+    cluster = (_build(ClusterConfig, _section(data, "cluster", source), f"{source} [cluster]")
+               if "cluster" in data else None)
+    values.update(layout=layout, dram=dram, nvme=nvme, hbm=hbm, nvmeof=nvmeof, peers=peers, serve=serve,
+                  cluster=cluster)
+    for key in ("layout", "dram", "nvme", "hbm", "nvmeof", "peers", "serve", "cluster"):
         if key in store:
             raise ConfigError(f"{source}: [store] may not set {key!r}; use its own table")
     cfg = _build(StoreConfig, values, f"{source} [store]")

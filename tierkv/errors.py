@@ -55,3 +55,8 @@ class StoreUnavailableError(TierKVError):
 
 class AccessDeniedError(TierKVError):
     """A connected client asked for a tenant its user may not use (``[serve] tenants``)."""
+
+
+class ClusterUnavailableError(TierKVError):
+    """The cluster's etcd did not answer within its deadline (the node goes on serving its
+    own tiers; what it publishes waits until etcd answers again)."""

