@@ -339,6 +339,9 @@ class ClusterConfig:
                 raise ConfigError(f"{what} must be 1-128 letters, digits, '-', '_' or '.', got {value!r}")
         _check_int(self.lease_ttl_s, "cluster.lease_ttl_s", 2, 3600)
         _check_number(self.timeout_s, "cluster.timeout_s", "seconds", 0, 60, low_open=True)
+        if self.timeout_s * 3 > self.lease_ttl_s:   # a renewal (every third of the TTL) must fit in it
+            raise ConfigError(f"cluster.timeout_s ({self.timeout_s:g} s) must be at most a third of "
+                              f"cluster.lease_ttl_s ({self.lease_ttl_s} s): a renewal runs every third of the lease")
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,8 @@ class AccessDeniedError(TierKVError):
 class ClusterUnavailableError(TierKVError):
     """The cluster's etcd did not answer within its deadline (the node goes on serving its
     own tiers; what it publishes waits until etcd answers again)."""
+
+
+class ClusterRefusedError(TierKVError):
+    """etcd answered and refused the request (a lease not found, a request too large, a
+    compare that failed): not an absence of etcd."""

@@ -2,15 +2,21 @@
 
 Over etcd's JSON gateway (``/v3/``, etcd 3.4 and later) through ``etcd3gw``'s client, one
 per endpoint, tried in order: the first that answers serves the call. Every call has a
-deadline (``timeout_s``); none hangs when etcd is gone or partitioned away, and every
-failure is a :class:`~tierkv.errors.ClusterUnavailableError` naming the endpoints tried.
-Keys and values are bytes here (the gateway's base64 stays inside this module).
+deadline: ``timeout_s`` for the connection and again for the answer, per endpoint tried
+(so at most about ``2 * timeout_s`` per endpoint; endpoints are best given as addresses,
+a host name's resolution is not bounded). An endpoint that does not answer (or answers
+with a server error) is a :class:`~tierkv.errors.ClusterUnavailableError` once every
+endpoint was tried; an answer that refuses the request (a lease not found, a request too
+large) is a :class:`~tierkv.errors.ClusterRefusedError` with etcd's own message. Keys and
+values are bytes here (the gateway's base64 stays inside this module).
 
 A watch (:meth:`Etcd.watch_prefix`) streams events on a thread of its own from a given
 revision, and calls ``on_broken`` once when its stream ends for any reason other than
-``cancel()`` (etcd stopped, the connection lost, the revision compacted): the caller
-lists the prefix again and starts a new watch from that listing's revision, so no event
-between the two is missed.
+``cancel()`` (etcd stopped, the connection lost, the revision compacted, or nothing
+arrived for ``WATCH_IDLE_S``: a partitioned etcd can leave a stream open and silent).
+The caller lists the prefix again and watches from that listing's revision, so no event
+between the two is missed; :class:`~tierkv.cluster.members.NodeView` also checks the
+listing against what its watch delivered, since a silent stream is not always a broken one.
 """
 
 from __future__ import annotations
@@ -23,10 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.errors import ClusterUnavailableError, ConfigError
+from tierkv.errors import ClusterRefusedError, ClusterUnavailableError, ConfigError
 from tierkv.integrations import MissingDependencyError
 
 log = logging.getLogger(__name__)
+
+#: Seconds a watch's stream may stay silent (and its answer take to begin) before it is
+#: ended and its owner lists again: an idle cluster's watch starts over this often.
+WATCH_IDLE_S = 10.0
 
 INSTALL_HINT = "pip install 'tierkv[cluster]' (etcd3gw), and an etcd 3.4+ server (Debian: apt-get install etcd-server)"
 
@@ -99,7 +109,8 @@ class Etcd:
         return ", ".join(f"{h}:{p}" for h, p in self.endpoints)
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        from etcd3gw.exceptions import Etcd3Exception
+        from etcd3gw.exceptions import (ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception,
+                                        InternalServerError)
 
         with self._lock:
             first = self._first
@@ -109,21 +120,29 @@ class Etcd:
             client = self._clients[k]
             try:
                 out: dict[str, Any] = client.post(client.get_url(path), json=body)
-            except Etcd3Exception as exc:
-                errors.append(f"{client.host}:{client.port}: {type(exc).__name__} {str(exc)[:200]}")
+            except (ConnectionFailedError, ConnectionTimeoutError, InternalServerError) as exc:
+                errors.append(f"{client.host}:{client.port}: {type(exc).__name__}: {_detail(exc)}")
                 continue
+            except Etcd3Exception as exc:   # etcd answered, and refused
+                raise ClusterRefusedError(f"etcd at {client.host}:{client.port} refused {path}: {_detail(exc)}") from None
             except (OSError, ValueError) as exc:   # a reset connection, a body that is not JSON
                 errors.append(f"{client.host}:{client.port}: {exc}")
                 continue
+            if isinstance(out, dict) and "error" in out and len(out) <= 3:   # an error in a 200 body
+                raise ClusterRefusedError(f"etcd at {client.host}:{client.port} refused {path}: {out.get('error')}")
             with self._lock:
                 self._first = k
             return out
         raise ClusterUnavailableError(f"etcd did not answer {path} ({'; '.join(errors)})")
 
     # -- keys ---------------------------------------------------------------------------
-    def get_prefix(self, prefix: bytes) -> tuple[int, list[KeyValue]]:
-        """Every key under ``prefix``, and the revision they were read at."""
-        rep = self._call("/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
+    def get_prefix(self, prefix: bytes, keys_only: bool = False) -> tuple[int, list[KeyValue]]:
+        """Every key under ``prefix`` (without values if ``keys_only``), and the revision
+        they were read at."""
+        body: dict[str, Any] = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        if keys_only:
+            body["keys_only"] = True
+        rep = self._call("/kv/range", body)
         revision = int(rep.get("header", {}).get("revision", 0))
         return revision, [_kv(kv) for kv in rep.get("kvs", [])]
 
@@ -138,6 +157,16 @@ class Etcd:
         if lease:
             body["lease"] = str(lease)
         return int(self._call("/kv/put", body).get("header", {}).get("revision", 0))
+
+    def replace(self, key: bytes, mod_revision: int, value: bytes, lease: int = 0) -> bool:
+        """Put ``key`` only where it is still at ``mod_revision`` (one transaction); whether it was."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        rep = self._call("/kv/txn", {
+            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(mod_revision)}],
+            "success": [{"request_put": put}], "failure": []})
+        return bool(rep.get("succeeded", False))
 
     def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
         """Put ``key`` only where it does not exist (one transaction); whether it did."""
@@ -181,6 +210,8 @@ class Etcd:
         """Renew ``lease``; its remaining TTL in seconds, or -1 when it no longer exists
         (expired or revoked: its keys are gone)."""
         rep = self._call("/lease/keepalive", {"ID": str(lease)})
+        if "error" in rep:
+            raise ClusterRefusedError(f"etcd refused to renew lease {lease:x}: {rep['error']}")
         result = rep.get("result", rep)
         ttl = int(result.get("TTL", -1) or -1) if isinstance(result, dict) else -1
         return ttl if ttl > 0 else -1
@@ -189,8 +220,8 @@ class Etcd:
         """End ``lease`` now: its keys are deleted (a lease already gone is fine)."""
         try:
             self._call("/lease/revoke", {"ID": str(lease)})
-        except ClusterUnavailableError as exc:
-            if "not found" not in str(exc):
+        except ClusterRefusedError as exc:
+            if "lease not found" not in str(exc):
                 raise
 
     # -- watches ------------------------------------------------------------------------
@@ -211,7 +242,7 @@ class Etcd:
             try:
                 # Connect within the deadline; then wait for events as long as they take.
                 resp = client.session.post(client.get_url("/watch"), json=body, stream=True,
-                                           timeout=(self.timeout_s, None))
+                                           timeout=(self.timeout_s, WATCH_IDLE_S))
                 holder["resp"] = resp
                 if cancelled.is_set():
                     return
@@ -265,6 +296,18 @@ class Etcd:
     def close(self) -> None:
         for client in self._clients:
             client.session.close()
+
+
+def _detail(exc: Exception) -> str:
+    """What etcd (or the connection) said, from an etcd3gw exception."""
+    text = getattr(exc, "detail_text", None) or str(exc) or type(exc).__name__
+    try:
+        parsed = json.loads(text)
+        if isinstance(parsed, dict):
+            text = str(parsed.get("error") or parsed.get("message") or text)
+    except ValueError:
+        pass
+    return " ".join(str(text).split())[:300]
 
 
 def _kv(kv: dict[str, Any]) -> KeyValue:

@@ -92,10 +92,21 @@ class LocalEtcd:
     def stop(self) -> None:
         self._end(signal.SIGTERM)
 
+    def pause(self) -> None:
+        """SIGSTOP etcd: it holds its connections open and answers nothing (as when frozen,
+        or partitioned away without a reset); :meth:`resume` goes on."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def _end(self, sig: int) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)   # a paused etcd cannot act on SIGTERM
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout=10)

@@ -6,16 +6,22 @@ third of it. A node that stops renewing (killed, partitioned away from etcd) van
 its lease, and everything it put under that lease with it, within ``lease_ttl_s`` of its
 last renewal; a node that closes revokes its lease, and vanishes at once.
 
-- :class:`Membership`: one node's registration. The first registration refuses a node name
-  another live node holds (a second daemon started with the same ``[cluster] node``);
-  after that, a lease found expired (etcd was away longer than the TTL, or this process
-  was paused) is replaced by a new one and the record put again, with the new lease as its
-  ``epoch``: others tell a node that came back from the one they knew. While etcd does not
-  answer the node goes on serving its own tiers and keeps trying (``etcd_away`` says so).
+- :class:`Membership`: one node's registration. A registration refuses a node name another
+  live node holds (a second daemon started with the same ``[cluster] node``: at start an
+  error, later a logged error and a retry every TTL); a record left by this same store on
+  this host (the daemon crashed and restarted within the TTL: the store's lock proves the
+  old daemon is gone) is taken over at once. A lease found expired (etcd was away longer
+  than the TTL, or this process was paused) is replaced by a new one and the record put
+  again, with the new lease as its ``epoch``: others tell a node that came back from the
+  one they knew. While etcd does not answer the node goes on serving its own tiers and
+  keeps trying (``etcd_away`` says so). A lease granted for a registration that then
+  failed is revoked; one a closing registration got is revoked by it.
 - :class:`NodeView`: the members as one node sees them, from a listing kept current by a
-  watch; a broken watch (etcd restarted, the connection lost) lists again and watches on
-  from that listing's revision, so no change is missed. While etcd is away the view keeps
-  the last members it knew and says it is ``stale``.
+  watch. A thread checks the listing's keys and revisions every ``check_s`` against what
+  the watch delivered: when etcd does not answer the view is ``stale`` (it keeps the last
+  members it knew), and when the two differ twice in a row (a watch left silent by a
+  partition, or broken) or the view was stale, it lists again and watches on from that
+  listing's revision, so no change is missed for long.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from tierkv.cluster.etcd import Etcd, Event
-from tierkv.errors import ClusterUnavailableError, ConfigError, InputError
+from tierkv.errors import ClusterRefusedError, ClusterUnavailableError, ConfigError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +63,9 @@ class NodeRecord:
     """What a node publishes about itself. ``epoch``: the lease it registered under (a node
     that registers again, after a restart or a lost lease, has another). ``peer``: where
     its peer server serves its DRAM pages (``host:port``), if it does; ``layout``: the
-    fingerprint of its store's layout (only nodes of one model and layout share pages)."""
+    fingerprint of its store's layout (only nodes of one model and layout share pages);
+    ``host`` and ``store``: the machine and the store's directory (a daemon that restarts on
+    the same store takes over its own record)."""
 
     node: str
     epoch: int
@@ -67,6 +75,8 @@ class NodeRecord:
     transports: tuple[str, ...] = ()
     tiers: tuple[str, ...] = ()
     started: float = field(default_factory=time.time)
+    host: str = ""
+    store: str = ""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -79,7 +89,8 @@ class NodeRecord:
             return cls(node=str(d["node"]), epoch=int(d["epoch"]), model_id=str(d["model_id"]),
                        layout=str(d["layout"]), peer=None if d.get("peer") is None else str(d["peer"]),
                        transports=tuple(str(t) for t in d.get("transports", ())),
-                       tiers=tuple(str(t) for t in d.get("tiers", ())), started=float(d.get("started", 0.0)))
+                       tiers=tuple(str(t) for t in d.get("tiers", ())), started=float(d.get("started", 0.0)),
+                       host=str(d.get("host", "")), store=str(d.get("store", "")))
         except (ValueError, KeyError, TypeError) as exc:
             raise InputError(f"a node record in etcd is not one ({exc}): {data[:200]!r}") from None
 
@@ -107,12 +118,17 @@ class Membership:
     def key(self) -> bytes:
         return nodes_prefix(self.cluster) + self.node.encode()
 
+    @property
+    def member(self) -> bool:
+        """Whether this node holds a lease that etcd confirmed at its last renewal."""
+        return bool(self.lease) and not self.etcd_away
+
     def start(self) -> Membership:
         """Register now (ConfigError when another live node has this node's name); when etcd
         does not answer, go on and register from the renewing thread once it does."""
         try:
             self._register(first=True)
-        except ClusterUnavailableError as exc:
+        except (ClusterUnavailableError, ClusterRefusedError) as exc:
             log.warning("tierkv: etcd does not answer (%s); this node serves its own tiers and joins the "
                         "cluster when etcd answers", exc)
             self.etcd_away = True
@@ -122,22 +138,57 @@ class Membership:
 
     def _register(self, first: bool) -> None:
         lease = self.etcd.grant(self.ttl_s)
-        record = self._record(lease)
-        self.node = check_name(record.node, "cluster.node")
-        if not self.etcd.create(self.key, record.encode(), lease):
-            held = self.etcd.get(self.key)
-            self.etcd.revoke(lease)
-            raise ConfigError(f"node {self.node!r} is already a live member of cluster {self.cluster!r} (under lease "
-                              f"{held.lease if held else '?'}): give this daemon another [cluster] node name, or stop "
-                              f"the other one{'' if first else ' (this node stays out of the cluster until then)'}")
-        with self._lock:
-            self.lease = lease
-            self.registrations += 1
+        try:
+            if self._stop.is_set():
+                raise _Closing
+            record = self._record(lease)
+            self.node = check_name(record.node, "cluster.node")
+            if not self.etcd.create(self.key, record.encode(), lease) and not self._take_over(record, lease):
+                held = self.etcd.get(self.key)
+                raise ConfigError(
+                    f"node {self.node!r} is already a live member of cluster {self.cluster!r} (under lease "
+                    f"{held.lease if held else 0:x}): give this daemon another [cluster] node name, or stop the "
+                    f"other one{'' if first else ' (this node stays out of the cluster until then)'}")
+            with self._lock:
+                if self._stop.is_set():   # closed meanwhile: close() saw no lease, so this thread ends it
+                    raise _Closing
+                self.lease = lease
+                self.registrations += 1
+        except BaseException:
+            try:   # whatever happened (a create whose answer was lost included), no lease of ours stays
+                self.etcd.revoke(lease)
+            except (ClusterUnavailableError, ClusterRefusedError) as exc:
+                log.info("tierkv: revoking lease %x: %s (it expires within %d s)", lease, exc, self.ttl_s)
+            raise
         log.info("tierkv: node %s joined cluster %s (lease %x, ttl %d s)", self.node, self.cluster, lease, self.ttl_s)
+
+    def _take_over(self, record: NodeRecord, lease: int) -> bool:
+        """Replace the record of this node's name when it is this same store's, left by a
+        daemon that died (the store's lock, which this daemon holds, proves it gone)."""
+        held = self.etcd.get(self.key)
+        if held is None:   # gone meanwhile: try again now
+            return self.etcd.create(self.key, record.encode(), lease)
+        try:
+            old = NodeRecord.decode(held.value)
+        except InputError:
+            return False
+        if not record.store or (old.host, old.store) != (record.host, record.store) or held.lease == lease:
+            return False
+        if not self.etcd.replace(self.key, held.mod_revision, record.encode(), lease):
+            return False
+        log.warning("tierkv: node %s took over its record from a daemon of this store that stopped (lease %x)",
+                    self.node, held.lease)
+        try:
+            self.etcd.revoke(held.lease)
+        except (ClusterUnavailableError, ClusterRefusedError):
+            pass
+        return True
 
     def _renew(self) -> None:
         interval = max(0.5, self.ttl_s / 3)
-        while not self._stop.wait(RETRY_S if self.etcd_away or not self.lease else interval):
+        wait = interval
+        while not self._stop.wait(wait):
+            wait = RETRY_S if self.etcd_away or not self.lease else interval
             try:
                 if not self.lease or self.etcd.keepalive(self.lease) < 0:
                     if self.lease:
@@ -150,72 +201,98 @@ class Membership:
                     log.warning("tierkv: etcd answers again; node %s is a member of cluster %s", self.node,
                                 self.cluster)
                 self.etcd_away = False
-            except ClusterUnavailableError as exc:
+                wait = interval
+            except _Closing:
+                return
+            except (ClusterUnavailableError, ClusterRefusedError) as exc:
                 if not self.etcd_away:
                     log.warning("tierkv: etcd does not answer (%s); this node goes on serving its own tiers", exc)
                 self.etcd_away = True
-            except ConfigError as exc:   # our name taken meanwhile: stay out, say so, try again later
+            except ConfigError as exc:   # our name taken meanwhile: stay out, say so, try again a TTL later
                 log.error("tierkv: %s", exc)
                 self.etcd_away = False
+                wait = self.ttl_s
 
     def close(self) -> None:
-        """Leave the cluster now (revoke the lease: the record goes at once)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.etcd.timeout_s * 2 + 1)
+        """Leave the cluster now (revoke the lease: the record goes at once). A registration
+        still running revokes what it gets."""
         with self._lock:
+            self._stop.set()
             lease, self.lease = self.lease, 0
         if lease:
             try:
                 self.etcd.revoke(lease)
-            except ClusterUnavailableError as exc:   # the lease expires by itself
+            except (ClusterUnavailableError, ClusterRefusedError) as exc:   # the lease expires by itself
                 log.warning("tierkv: could not leave cluster %s at once (%s); the record goes within %d s",
                             self.cluster, exc, self.ttl_s)
+        if self._thread is not None:
+            self._thread.join(timeout=self.etcd.timeout_s * 2 + 1)
+
+
+class _Closing(Exception):
+    """A registration that found its membership closing."""
 
 
 class NodeView:
     """The cluster's members as this process sees them, kept current by a watch."""
 
-    def __init__(self, etcd: Etcd, cluster: str) -> None:
+    def __init__(self, etcd: Etcd, cluster: str, check_s: float = 1.0) -> None:
         self.etcd = etcd
         self.cluster = check_name(cluster, "cluster.name")
+        self.check_s = check_s
         self._prefix = nodes_prefix(self.cluster)
         self._nodes: dict[str, NodeRecord] = {}
+        self._mods: dict[bytes, int] = {}   # key -> mod_revision, as the listing and the watch gave them
         self._cond = threading.Condition()
         self.stale = True
         self.revision = 0
+        self.relists = 0
+        self._generation = 0
         self._cancel: Callable[[], None] | None = None
         self._closed = False
-        self._relister: threading.Thread | None = None
+        self._checker: threading.Thread | None = None
+        #: Called with the members after each change (on the view's threads; must not block).
+        self.listeners: list[Callable[[dict[str, NodeRecord]], None]] = []
 
     def start(self) -> NodeView:
-        """List the members and watch them; when etcd does not answer, keep trying from a
-        thread (the view is ``stale`` and empty until then)."""
+        """List the members and watch them (when etcd does not answer, the view is ``stale``
+        and empty until it does); then check them every ``check_s`` on a thread."""
         try:
             self._list_and_watch()
-        except ClusterUnavailableError as exc:
+        except (ClusterUnavailableError, ClusterRefusedError) as exc:
             log.warning("tierkv: cannot list the cluster's nodes yet (%s)", exc)
-            self._broken(exc)
+        self._checker = threading.Thread(target=self._check, name="tierkv-cluster-view", daemon=True)
+        self._checker.start()
         return self
 
     def _list_and_watch(self) -> None:
+        """List again and watch from there (only the checking thread, or start(), calls it)."""
         revision, kvs = self.etcd.get_prefix(self._prefix)
-        nodes = {}
+        nodes, mods = {}, {}
         for kv in kvs:
+            mods[kv.key] = kv.mod_revision
             rec = self._decode(kv.key, kv.value)
             if rec is not None:
                 nodes[rec.node] = rec
         with self._cond:
             if self._closed:
                 return
-            self._nodes, self.revision, self.stale = nodes, revision, False
+            old, self._cancel = self._cancel, None
+            self._generation += 1
+            generation = self._generation
+            self._nodes, self._mods, self.revision, self.stale = nodes, mods, revision, False
+            self.relists += 1
             self._cond.notify_all()
-        cancel = self.etcd.watch_prefix(self._prefix, revision + 1, self._events, self._broken)
+        if old is not None:
+            threading.Thread(target=old, name="tierkv-cluster-unwatch", daemon=True).start()   # may take a while
+        self._tell()
+        cancel = self.etcd.watch_prefix(self._prefix, revision + 1,
+                                        lambda evs: self._events(generation, evs), lambda exc: self._broken(generation, exc))
         with self._cond:
-            closed = self._closed
-            if not closed:
+            current = self._generation == generation and not self._closed
+            if current:
                 self._cancel = cancel
-        if closed:
+        if not current:
             cancel()
 
     def _decode(self, key: bytes, value: bytes) -> NodeRecord | None:
@@ -229,40 +306,69 @@ class NodeView:
             return None
         return rec
 
-    def _events(self, events: list[Event]) -> None:
+    def _events(self, generation: int, events: list[Event]) -> None:
         with self._cond:
+            if self._closed or generation != self._generation:
+                return
             for ev in events:
                 name = ev.kv.key[len(self._prefix):].decode(errors="replace")
                 if ev.deleted:
                     self._nodes.pop(name, None)
+                    self._mods.pop(ev.kv.key, None)
                 else:
+                    self._mods[ev.kv.key] = ev.kv.mod_revision
                     rec = self._decode(ev.kv.key, ev.kv.value)
                     if rec is not None:
                         self._nodes[rec.node] = rec
+                    else:
+                        self._nodes.pop(name, None)
                 self.revision = max(self.revision, ev.kv.mod_revision)
             self._cond.notify_all()
+        self._tell()
 
-    def _broken(self, error: Exception | None) -> None:
+    def _broken(self, generation: int, error: Exception | None) -> None:
         with self._cond:
-            if self._closed:
+            if self._closed or generation != self._generation:
                 return
             self.stale = True
             self._cond.notify_all()
         log.info("tierkv: the watch of cluster %s's nodes ended (%s); listing again", self.cluster, error)
-        self._relister = threading.Thread(target=self._relist, name="tierkv-cluster-relist", daemon=True)
-        self._relister.start()
 
-    def _relist(self) -> None:
+    def _check(self) -> None:
+        """Every ``check_s``: is etcd there, and does the listing match what the watch gave?"""
+        differed = False
         while True:
             with self._cond:
+                self._cond.wait_for(lambda: self._closed, timeout=self.check_s)
                 if self._closed:
                     return
+                stale = self.stale
             try:
-                self._list_and_watch()
-                return
-            except ClusterUnavailableError:
+                _rev, kvs = self.etcd.get_prefix(self._prefix, keys_only=True)
+            except (ClusterUnavailableError, ClusterRefusedError):
                 with self._cond:
-                    self._cond.wait(RETRY_S)
+                    self.stale = True
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                same = {kv.key: kv.mod_revision for kv in kvs} == self._mods
+            if stale or (not same and differed):
+                try:
+                    self._list_and_watch()
+                except (ClusterUnavailableError, ClusterRefusedError):
+                    with self._cond:
+                        self.stale = True
+                differed = False
+            else:
+                differed = not same   # once may be the watch's delivery on its way
+
+    def _tell(self) -> None:
+        nodes = self.nodes()
+        for listener in list(self.listeners):
+            try:
+                listener(nodes)
+            except Exception:   # noqa: BLE001 - a listener's fault must not end the watch
+                log.exception("tierkv: a listener of cluster %s's members failed", self.cluster)
 
     def nodes(self) -> dict[str, NodeRecord]:
         """The members last seen (``stale`` says whether etcd confirmed them lately)."""
@@ -283,6 +389,9 @@ class NodeView:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            cancel, self._cancel = self._cancel, None
             self._cond.notify_all()
-        if self._cancel is not None:
-            self._cancel()
+        if cancel is not None:
+            cancel()
+        if self._checker is not None:
+            self._checker.join(timeout=self.etcd.timeout_s * 2 + 1)

@@ -120,6 +120,7 @@ class NodeService:
             raise
         self._hello = self._describe()
         self._membership: Any = None
+        self._view: Any = None
         if config.cluster is not None:
             try:
                 self._membership = self._join_cluster(config)
@@ -142,12 +143,38 @@ class NodeService:
         transports = (config.peers.transport,) if config.peers is not None and peer is not None else ()
         layout = hashlib.sha256(self.store.layout.fingerprint()).hexdigest()[:32]
 
+        host, store = socket.gethostname(), str(Path(config.path).resolve())
+
         def record(epoch: int) -> NodeRecord:
             return NodeRecord(node=cc.node or default_node_name(), epoch=epoch, model_id=config.model_id,
                               layout=layout, peer=f"{peer[0]}:{peer[1]}" if peer is not None else None,
-                              transports=transports, tiers=tiers)
+                              transports=transports, tiers=tiers, host=host, store=store)
 
-        return Membership(Etcd(cc.etcd, cc.timeout_s), cc.name, record, cc.lease_ttl_s).start()
+        etcd = Etcd(cc.etcd, cc.timeout_s)
+        try:
+            membership = Membership(etcd, cc.name, record, cc.lease_ttl_s).start()
+        except BaseException:
+            etcd.close()
+            raise
+        if config.peers is not None:   # fetch from the members of this model and layout
+            from tierkv.cluster.members import NodeView
+
+            me = membership.node
+
+            def changed(nodes: dict[str, NodeRecord]) -> None:
+                eps = []
+                for rec in nodes.values():
+                    if rec.node == me or rec.peer is None or (rec.model_id, rec.layout) != (config.model_id, layout):
+                        continue
+                    peer_host, _, peer_port = rec.peer.rpartition(":")
+                    if peer_port.isdigit():
+                        eps.append((peer_host.strip("[]"), int(peer_port)))
+                self.store.set_cluster_peers(eps)
+
+            self._view = NodeView(etcd, cc.name)
+            self._view.listeners.append(changed)
+            self._view.start()
+        return membership
 
     # -- the socket -------------------------------------------------------------------
     def _bind(self) -> socket.socket:
@@ -260,8 +287,10 @@ class NodeService:
         }
         m = self._membership
         if m is not None:
-            out["cluster"] = {"name": m.cluster, "node": m.node, "member": bool(m.lease), "lease": m.lease,
+            out["cluster"] = {"name": m.cluster, "node": m.node, "member": m.member, "lease": m.lease,
                               "etcd_away": m.etcd_away, "lease_ttl_s": m.ttl_s}
+            if self._view is not None:
+                out["cluster"]["fetch_peers"] = [f"{h}:{p}" for h, p in self.store.fetch_peers()]
         if clients:   # the oldest STATUS_CLIENTS, so that the reply stays a small frame
             out["clients"] = [{"pid": i.pid, "uid": i.uid, "user": _user(i.uid), "connected_s": round(now - i.since, 3),
                                "requests": i.requests}
@@ -293,6 +322,8 @@ class NodeService:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._view is not None:
+            self._view.close()
         if self._membership is not None:   # leave the cluster first: nobody is sent here any more
             self._membership.close()
             self._membership.etcd.close()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tierkv.config import StoreConfig, load_config
-from tierkv.errors import InputError, StoreClosedError, TierIOError
+from tierkv.errors import ConfigError, InputError, StoreClosedError, TierIOError
 from tierkv.store.index_check import mark_clean
 from tierkv.store.index_image import write_image
 from tierkv.store.index_scan import RecordArrays
@@ -157,6 +157,19 @@ class Store:
     def peer_address(self) -> tuple[str, int] | None:
         """Where this store serves its DRAM pages to other nodes (``[peers] serve``), or None."""
         return self._peering.address if self._peering is not None else None
+
+    def set_cluster_peers(self, endpoints: list[tuple[str, int]]) -> None:
+        """The nodes whose DRAM pages this store may fetch besides ``[peers] fetch``: the
+        cluster's members of this model and layout (the node service keeps it current,
+        docs/cluster.md). ConfigError without a ``[peers]`` table (fetching needs its secret)."""
+        if self._peering is None:
+            raise ConfigError("fetching from the cluster's nodes needs a [peers] table with its secret_file")
+        self._peering.set_cluster_peers(endpoints)
+
+    def fetch_peers(self) -> list[tuple[str, int]]:
+        """The peers a get asks, in order, for pages it does not find here (``[peers] fetch``,
+        then the cluster's)."""
+        return self._peering.peers if self._peering is not None else []
 
     def _check_open(self) -> None:
         if self._closed:

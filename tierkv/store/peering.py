@@ -273,12 +273,32 @@ class Peering:
             del self._connecting[ep]
             if tier is None:
                 self._next_try[ep] = time.monotonic() + RETRY_S
-            elif self._closed:   # closed while connecting: keep nothing
+            elif self._closed or ep not in self._peers:   # closed, or left the cluster, while connecting
                 tier.close()
                 tier = None
             else:
                 self._peers[ep] = tier
         fut.set_result(tier)
+
+    def set_cluster_peers(self, endpoints: Sequence[Endpoint]) -> None:
+        """The peers the cluster's members name (:mod:`tierkv.cluster`), asked after the
+        ``[peers] fetch`` ones; a peer no longer named is dropped (its connection closed).
+        Fetches and lookups running meanwhile finish over the list they began with."""
+        static = self.cfg.fetch_endpoints()
+        want = static + [ep for ep in dict.fromkeys(endpoints) if ep not in static and ep != self.address]
+        with self._lock:
+            if self._closed or list(self._peers) == want:
+                return
+            peers = {ep: self._peers.get(ep) for ep in want}
+            gone = [t for ep, t in self._peers.items() if ep not in peers and t is not None]
+            self._peers = peers   # a new dict: iterations over the old one are not disturbed
+        for tier in gone:
+            tier.close()
+
+    @property
+    def peers(self) -> list[Endpoint]:
+        """The peers a fetch asks, in order."""
+        return list(self._peers)
 
     def _drop(self, ep: Endpoint, tier: PeerDramTier) -> None:
         with self._lock:
