@@ -1,9 +1,15 @@
-"""``tierkv cluster nodes [--config FILE | --etcd HOST:PORT ... --name NAME] [--json]``: the members.
+"""``tierkv cluster nodes|up``: a tierkv cluster kept in etcd (docs/cluster.md).
 
-Registered by ``tierkv.cli.main``. Lists the nodes registered in a cluster's etcd
-(docs/cluster.md): each node's name, lease (its epoch), model, peer address, tiers and
-age. Exit status 1 when etcd does not answer (``--json`` then prints
-``{"cluster": ..., "error": ...}``).
+Registered by ``tierkv.cli.main``.
+
+- ``nodes [--config FILE | --etcd HOST:PORT ... --name NAME] [--json]``: the nodes
+  registered in a cluster's etcd: each node's name, lease (its epoch), model, peer address,
+  tiers and age. Exit status 1 when etcd does not answer (``--json`` then prints
+  ``{"cluster": ..., "error": ...}``).
+- ``up [--nodes N] [--dir DIR] [--name NAME] [--json]``: a local cluster to try: an etcd
+  and N node daemons on loopback, fetching from each other; prints where each listens
+  (``--json``: one line once all are up) and runs until interrupted (Ctrl-C, SIGTERM),
+  then stops them all (a temporary ``--dir`` is removed).
 """
 
 from __future__ import annotations
@@ -31,7 +37,57 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     nodes.add_argument("--timeout", metavar="S", type=float, default=2.0, help="etcd's deadline (default 2 s)")
     nodes.add_argument("--json", action="store_true", help="print one JSON object")
     nodes.set_defaults(handler=cmd_nodes)
+    up = sub.add_parser("up", help="run a local cluster to try: etcd and N node daemons on loopback",
+                        description="Start a local etcd and N tierkv serve daemons on loopback, members of one "
+                        "cluster that fetch each other's pages; run until interrupted, then stop them all.")
+    up.add_argument("--nodes", metavar="N", type=int, default=3, help="node daemons (1-16; default 3)")
+    up.add_argument("--dir", metavar="DIR", help="where the stores, configs and logs go (kept); default a "
+                    "temporary folder, removed at the end")
+    up.add_argument("--name", metavar="NAME", default="local", help="the cluster's name (default \"local\")")
+    up.add_argument("--json", action="store_true", help="print one JSON line once every node is up")
+    up.set_defaults(handler=cmd_up)
     return cl
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import shutil
+    import signal
+    import sys
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from tierkv.cluster.local import LocalCluster
+    from tierkv.cluster.members import check_name
+
+    check_name(args.name, "--name")
+    workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tierkv-cluster-"))
+    if args.dir and workdir.exists() and any(workdir.iterdir()):
+        raise InputError(f"--dir {workdir} is not empty: give tierkv cluster up an empty or new folder")
+    cluster = LocalCluster(workdir, nodes=args.nodes, name=args.name)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start(step=None if args.json else lambda what: print(f"up: {what}", file=sys.stderr, flush=True))
+        info = cluster.describe()
+        if args.json:
+            print(json.dumps(info), flush=True)
+        else:
+            print(f"cluster {info['cluster']}: etcd {info['etcd']}, {len(cluster.daemons)} nodes of model "
+                  f"{info['model_id']} (stores, configs and logs in {workdir})")
+            for n in info["nodes"]:   # type: ignore[attr-defined]
+                print(f"  {n['node']}: socket {n['socket']}, peer {n['peer']}, config {n['config']}")
+            print("Ctrl-C stops them all.", flush=True)
+        while not stop.wait(0.5):
+            if any(d.proc is None or d.proc.poll() is not None for _, _, d in cluster.daemons):
+                print("tierkv cluster up: a node daemon exited; stopping the cluster", file=sys.stderr)
+                return EXIT_FAILED
+        return EXIT_OK
+    finally:
+        cluster.stop()
+        if not args.dir:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:

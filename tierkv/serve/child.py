@@ -1,0 +1,57 @@
+"""``tierkv serve --foreground`` as a child process: what tools that run daemons of their own
+use (``tierkv demo --engine vllm``, ``tierkv bench vllm``, ``tierkv cluster up``)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tierkv.errors import ConfigError
+
+
+class Daemon:
+    """``tierkv serve --foreground`` over the config at ``config``, as a child process."""
+
+    def __init__(self, config: Path, log: Path) -> None:
+        self.config, self.log = config, log
+        self.proc: subprocess.Popen[str] | None = None
+        self.socket = ""
+
+    def start(self, timeout_s: float = 60.0) -> Daemon:
+        logf = open(self.log, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tierkv", "serve", "--config", str(self.config),
+                                      "--foreground", "--json"], stdout=subprocess.PIPE, stderr=logf, text=True)
+        logf.close()
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        line = self.proc.stdout.readline()   # one line once the socket is up (or EOF if it failed)
+        if not line or time.monotonic() > deadline:
+            self.stop()
+            raise ConfigError(f"tierkv serve did not start; its log: {self.log}")
+        self.socket = json.loads(line)["socket"]
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM (the daemon writes its DRAM pages down to NVMe and closes), then wait."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def __enter__(self) -> Daemon:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
