@@ -20,7 +20,7 @@ from tierkv.cli.main import main
 from tierkv.cluster.etcd import Etcd, prefix_end
 from tierkv.cluster.local import LocalEtcd
 from tierkv.cluster.members import Membership, NodeRecord, NodeView
-from tierkv.config import ClusterConfig, DramConfig, StoreConfig, config_from_dict, load_config
+from tierkv.config import ClusterConfig, DramConfig, NvmeConfig, PeersConfig, StoreConfig, config_from_dict, load_config
 from tierkv.errors import ClusterRefusedError, ClusterUnavailableError, ConfigError
 from tierkv.serve.daemon import NodeService
 from tierkv.store.api import Store
@@ -48,10 +48,8 @@ def test_a_node_joins_is_seen_with_its_record_and_leaving_removes_it_at_once(etc
     rec = view.nodes()["a"]
     assert (rec.node, rec.epoch, rec.peer, rec.tiers, rec.model_id) == ("a", a.lease, "127.0.0.1:7000", ("dram",), "m")
     assert not view.stale and other_cluster.nodes() == {}
-    t0 = time.monotonic()
     a.close()                                               # revoked: gone now, not after 30 s
     assert view.wait(lambda n: "a" not in n, 5)
-    assert time.monotonic() - t0 < 5
     view.close()
     other_cluster.close()
 
@@ -71,7 +69,7 @@ def test_a_killed_node_vanishes_when_its_lease_runs_out(etcd: LocalEtcd, tmp_pat
         import sys, time
         from tierkv.cluster.etcd import Etcd
         from tierkv.cluster.members import Membership, NodeRecord
-        Membership(Etcd([{etcd.endpoint!r}]), "c", lambda e: NodeRecord("k", e, "m", "fp"), ttl_s=2).start()
+        Membership(Etcd([{etcd.endpoint!r}], timeout_s=1), "c", lambda e: NodeRecord("k", e, "m", "fp"), ttl_s=4).start()
         print("joined", flush=True)
         time.sleep(600)
     """)
@@ -81,12 +79,13 @@ def test_a_killed_node_vanishes_when_its_lease_runs_out(etcd: LocalEtcd, tmp_pat
         assert proc.stdout is not None and proc.stdout.readline().strip() == "joined"
         view = NodeView(Etcd([etcd.endpoint]), "c").start()
         assert "k" in view.nodes()
-        time.sleep(3)                                        # renewals keep it past one TTL
-        assert "k" in view.nodes()
+        epoch = view.nodes()["k"].epoch
+        time.sleep(5)                                        # renewals keep it past one TTL
+        assert view.nodes()["k"].epoch == epoch
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        assert view.wait(lambda n: "k" not in n, 10)
-        assert time.monotonic() - t0 <= 2 + 4               # the TTL, etcd's expiry check, a busy machine
+        assert view.wait(lambda n: "k" not in n, 15)
+        assert time.monotonic() - t0 <= 4 + 4               # the TTL, etcd's expiry check, a busy machine
         view.close()
     finally:
         proc.kill()
@@ -285,3 +284,29 @@ def test_tierkv_cluster_nodes_lists_the_members_and_says_when_etcd_is_away(
     assert "etcd did not answer" in json.loads(capsys.readouterr().out)["error"]
     assert main(["cluster", "nodes", "--json"]) == 2                 # nowhere to look: a usage error
     assert "needs --config FILE or --etcd" in capsys.readouterr().err
+
+
+def test_a_wildcard_peer_address_is_refused_with_a_cluster(etcd: LocalEtcd, tmp_path: Path, sock_dir: Path) -> None:
+    secret = tmp_path / "s.secret"
+    secret.write_bytes(b"a-secret-of-this-test-run-32-bytes")
+    secret.chmod(0o600)
+    cfg = StoreConfig(path=str(tmp_path / "w"), model_id="m", layout=LAYOUT, dram=DramConfig(8 * PB),
+                      peers=PeersConfig(serve="0.0.0.0:0", transport="tcp", secret_file=str(secret)),
+                      cluster=ClusterConfig((etcd.endpoint,), "c", "w", lease_ttl_s=6))
+    with pytest.raises(ConfigError, match="must be one they reach"):
+        NodeService(cfg, sock_dir / "w.sock")
+    assert not (sock_dir / "w.sock").exists()
+
+
+def test_a_stores_identity_is_stable_and_its_own(tmp_path: Path) -> None:
+    dram_only = StoreConfig(path=str(tmp_path / "d"), model_id="m", layout=LAYOUT, dram=DramConfig(8 * PB))
+    with Store.open(dram_only) as s:
+        first = s.identity()
+    with Store.open(dram_only) as s:
+        assert s.identity() == first and len(first) == 32
+    persistent = StoreConfig(path=str(tmp_path / "p"), model_id="m", layout=LAYOUT, dram=DramConfig(8 * PB),
+                             nvme=NvmeConfig(8 * PB))
+    with Store.open(persistent) as s:
+        other = s.identity()
+    with Store.open(persistent) as s:
+        assert s.identity() == other != first

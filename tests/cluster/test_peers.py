@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tierkv.cluster.etcd import Etcd
 from tierkv.cluster.local import LocalEtcd
 from tierkv.cluster.members import NodeView
 from tierkv.config import ClusterConfig, DramConfig, NvmeConfig, PeersConfig, StoreConfig
 from tierkv.serve.daemon import NodeService
+from tierkv.store import peering
 from tierkv.tiers.base import TierKind
 from tests.conftest import LAYOUT, PB, page_data
 from tests.polling import wait_for
@@ -28,10 +30,22 @@ def node(tmp_path: Path, sock_dir: Path, etcd: LocalEtcd, name: str, model: str 
 
 
 def test_a_node_fetches_what_another_member_holds_and_forgets_a_member_that_left(
-        etcd: LocalEtcd, tmp_path: Path, sock_dir: Path) -> None:
+        etcd: LocalEtcd, tmp_path: Path, sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peering, "LOOKUP_TIMEOUT_S", 5.0)   # three daemons on two busy cores: no late answer
+    services: list[NodeService] = []
+    try:
+        run(etcd, tmp_path, sock_dir, services)
+    finally:
+        for svc in services:
+            svc.close()
+
+
+def run(etcd: LocalEtcd, tmp_path: Path, sock_dir: Path, services: list[NodeService]) -> None:
     a = node(tmp_path, sock_dir, etcd, "a")
+    services.append(a)
     b = node(tmp_path, sock_dir, etcd, "b")
-    other = node(tmp_path, sock_dir, etcd, "x", model="another-model")   # never a peer of a or b
+    services.append(b)
+    services.append(node(tmp_path, sock_dir, etcd, "x", model="another-model"))   # never a peer of a or b
     a_ep = a.store.peer_address
     assert a_ep is not None
     assert wait_for(lambda: b.store.fetch_peers() == [a_ep], 10)
@@ -48,6 +62,4 @@ def test_a_node_fetches_what_another_member_holds_and_forgets_a_member_that_left
     a.close()
     assert wait_for(lambda: b.store.fetch_peers() == [], 10)               # a left: not asked any more
     assert view.wait(lambda n: "a" not in n, 5)
-    b.close()
-    other.close()
     view.close()

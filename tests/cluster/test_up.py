@@ -19,6 +19,7 @@ from tierkv.cli.main import main
 from tierkv.layout import KVLayout
 from tierkv.store.api import Store
 from tierkv.tiers.base import TierKind
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,6 +55,7 @@ def test_cluster_up_runs_three_nodes_that_share_pages_and_stops_them_all(
             one.put(tokens, data)
         out = np.zeros_like(data)
         with Store.connect(info["nodes"][2]["socket"]) as three:
+            assert wait_for(lambda: three.lookup(tokens).cached_pages == 3, 10)   # node3 connected to node1
             got = three.get(tokens, out)
         assert got.pages == 3 and set(got.tiers) == {TierKind.PEER} and np.array_equal(out, data)
         pids = [n["pid"] for n in info["nodes"]]

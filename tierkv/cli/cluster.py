@@ -61,15 +61,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     from tierkv.cluster.members import check_name
 
     check_name(args.name, "--name")
+    if not 1 <= args.nodes <= 16:
+        raise InputError(f"--nodes must be 1 to 16, got {args.nodes}")
+    if args.dir and Path(args.dir).exists() and any(Path(args.dir).iterdir()):
+        raise InputError(f"--dir {args.dir} is not empty: give tierkv cluster up an empty or new folder")
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tierkv-cluster-"))
-    if args.dir and workdir.exists() and any(workdir.iterdir()):
-        raise InputError(f"--dir {workdir} is not empty: give tierkv cluster up an empty or new folder")
-    cluster = LocalCluster(workdir, nodes=args.nodes, name=args.name)
     stop = threading.Event()
+
+    def interrupted(*_: object) -> None:   # while starting: stop starting (what started is stopped)
+        raise KeyboardInterrupt
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, interrupted)
+    cluster = LocalCluster(workdir, nodes=args.nodes, name=args.name)
     try:
         cluster.start(step=None if args.json else lambda what: print(f"up: {what}", file=sys.stderr, flush=True))
+        for sig in (signal.SIGINT, signal.SIGTERM):   # up: an interrupt now ends the run normally
+            signal.signal(sig, lambda *_: stop.set())
         info = cluster.describe()
         if args.json:
             print(json.dumps(info), flush=True)

@@ -65,7 +65,10 @@ class LocalEtcd:
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            # A session of its own: a terminal's Ctrl-C reaches whoever runs it, which stops
+            # the nodes first (they leave the cluster) and etcd last.
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -179,7 +182,7 @@ class LocalCluster:
             for k in range(1, self.nodes + 1):
                 node = f"node{k}"
                 config = self._config(node, secret)
-                daemon = Daemon(config, self.workdir / f"{node}.log").start(timeout_s)
+                daemon = Daemon(config, self.workdir / f"{node}.log", new_session=True).start(timeout_s)
                 self.daemons.append((node, config, daemon))
                 if step:
                     step(f"{node} on {daemon.socket}")

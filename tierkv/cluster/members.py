@@ -64,8 +64,8 @@ class NodeRecord:
     that registers again, after a restart or a lost lease, has another). ``peer``: where
     its peer server serves its DRAM pages (``host:port``), if it does; ``layout``: the
     fingerprint of its store's layout (only nodes of one model and layout share pages);
-    ``host`` and ``store``: the machine and the store's directory (a daemon that restarts on
-    the same store takes over its own record)."""
+    ``host`` and ``store``: the machine and the store's random identity (a daemon that
+    restarts on the same store takes over its own record; two stores never share one)."""
 
     node: str
     epoch: int
@@ -128,10 +128,13 @@ class Membership:
         does not answer, go on and register from the renewing thread once it does."""
         try:
             self._register(first=True)
-        except (ClusterUnavailableError, ClusterRefusedError) as exc:
+        except ClusterUnavailableError as exc:
             log.warning("tierkv: etcd does not answer (%s); this node serves its own tiers and joins the "
                         "cluster when etcd answers", exc)
             self.etcd_away = True
+        except ClusterRefusedError as exc:
+            log.error("tierkv: etcd refused this node's registration (%s); it serves its own tiers and tries "
+                      "again", exc)
         self._thread = threading.Thread(target=self._renew, name="tierkv-cluster-lease", daemon=True)
         self._thread.start()
         return self
@@ -204,10 +207,14 @@ class Membership:
                 wait = interval
             except _Closing:
                 return
-            except (ClusterUnavailableError, ClusterRefusedError) as exc:
+            except ClusterUnavailableError as exc:
                 if not self.etcd_away:
                     log.warning("tierkv: etcd does not answer (%s); this node goes on serving its own tiers", exc)
                 self.etcd_away = True
+            except ClusterRefusedError as exc:   # etcd is there and said no: say so, try again shortly
+                log.error("tierkv: etcd refused a renewal or registration of node %s: %s", self.node, exc)
+                self.etcd_away = False
+                wait = RETRY_S
             except ConfigError as exc:   # our name taken meanwhile: stay out, say so, try again a TTL later
                 log.error("tierkv: %s", exc)
                 self.etcd_away = False
@@ -244,6 +251,7 @@ class NodeView:
         self._nodes: dict[str, NodeRecord] = {}
         self._mods: dict[bytes, int] = {}   # key -> mod_revision, as the listing and the watch gave them
         self._cond = threading.Condition()
+        self._tell_lock = threading.Lock()
         self.stale = True
         self.revision = 0
         self.relists = 0
@@ -363,12 +371,15 @@ class NodeView:
                 differed = not same   # once may be the watch's delivery on its way
 
     def _tell(self) -> None:
-        nodes = self.nodes()
-        for listener in list(self.listeners):
-            try:
-                listener(nodes)
-            except Exception:   # noqa: BLE001 - a listener's fault must not end the watch
-                log.exception("tierkv: a listener of cluster %s's members failed", self.cluster)
+        # One at a time, each with the members as they are when it runs: the last call a
+        # listener gets is the newest view (a call from an old watch cannot land after it).
+        with self._tell_lock:
+            nodes = self.nodes()
+            for listener in list(self.listeners):
+                try:
+                    listener(nodes)
+                except Exception:   # noqa: BLE001 - a listener's fault must not end the watch
+                    log.exception("tierkv: a listener of cluster %s's members failed", self.cluster)
 
     def nodes(self) -> dict[str, NodeRecord]:
         """The members last seen (``stale`` says whether etcd confirmed them lately)."""

@@ -143,7 +143,11 @@ class NodeService:
         transports = (config.peers.transport,) if config.peers is not None and peer is not None else ()
         layout = hashlib.sha256(self.store.layout.fingerprint()).hexdigest()[:32]
 
-        host, store = socket.gethostname(), str(Path(config.path).resolve())
+        if peer is not None and peer[0] in ("0.0.0.0", "::", ""):
+            raise ConfigError(f"[peers] serve = {config.peers.serve if config.peers else ''!r} with [cluster]: the "
+                              "cluster publishes this address for other nodes to fetch from, so it must be one they "
+                              "reach (this node's cluster address), not a wildcard")
+        host, store = socket.gethostname(), self.store.identity()
 
         def record(epoch: int) -> NodeRecord:
             return NodeRecord(node=cc.node or default_node_name(), epoch=epoch, model_id=config.model_id,

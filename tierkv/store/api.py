@@ -158,6 +158,22 @@ class Store:
         """Where this store serves its DRAM pages to other nodes (``[peers] serve``), or None."""
         return self._peering.address if self._peering is not None else None
 
+    def identity(self) -> str:
+        """This store's random identity (hex): its index's, or for a store without a
+        persistent tier one kept in its directory (``node.id``), made on first use."""
+        self._check_open()
+        if self._index is not None:
+            return self._index.store_id().hex()
+        path = self._dir / "node.id"
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            ident = os.urandom(16).hex()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(ident + "\n")
+            return ident
+
     def set_cluster_peers(self, endpoints: list[tuple[str, int]]) -> None:
         """The nodes whose DRAM pages this store may fetch besides ``[peers] fetch``: the
         cluster's members of this model and layout (the node service keeps it current,

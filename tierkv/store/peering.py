@@ -105,6 +105,7 @@ class Peering:
         self._connecting: dict[Endpoint, Future[PeerDramTier | None]] = {}
         self._next_try: dict[Endpoint, float] = {}
         self._quiet_until: dict[Endpoint, float] = {}   # peers that answered a lookup late
+        self._cluster: set[Endpoint] = set()   # peers the cluster named (set_cluster_peers)
         self._channels = itertools.count()
 
     @property
@@ -160,7 +161,9 @@ class Peering:
         for ep in self._peers:
             if got == len(keys):
                 break
-            tier = self._client(ep)
+            # A peer the cluster named is asked once connected (connecting runs in the
+            # background): an address etcd published that does not answer must not stall gets.
+            tier = self._connected_now(ep) if ep in self._cluster else self._client(ep)
             if tier is None:
                 continue
             try:
@@ -234,6 +237,11 @@ class Peering:
             return None
         return [m.generation != 0 for m in metas] if len(metas) == min(n, MAX_LOOKUP_KEYS) else None
 
+    def _connected_now(self, ep: Endpoint) -> PeerDramTier | None:
+        """The connection to ``ep`` if it is made; else None (and it is being made)."""
+        fut = self._client_future(ep)
+        return fut.result() if fut is not None and fut.done() else None
+
     def _client(self, ep: Endpoint) -> PeerDramTier | None:
         """The connection to the peer at ``ep``, made now if needed (within the transport's
         connect timeout); None while it cannot be reached."""
@@ -285,15 +293,22 @@ class Peering:
         ``[peers] fetch`` ones; a peer no longer named is dropped (its connection closed).
         Fetches and lookups running meanwhile finish over the list they began with."""
         static = self.cfg.fetch_endpoints()
-        want = static + [ep for ep in dict.fromkeys(endpoints) if ep not in static and ep != self.address]
+        cluster = [ep for ep in dict.fromkeys(endpoints) if ep not in static and ep != self.address]
+        want = static + cluster
         with self._lock:
             if self._closed or list(self._peers) == want:
                 return
             peers = {ep: self._peers.get(ep) for ep in want}
             gone = [t for ep, t in self._peers.items() if ep not in peers and t is not None]
             self._peers = peers   # a new dict: iterations over the old one are not disturbed
+            self._cluster = set(cluster)
+            for table in (self._next_try, self._quiet_until):
+                for ep in [e for e in table if e not in peers]:
+                    del table[ep]
         for tier in gone:
             tier.close()
+        for ep in cluster:   # connect now, in the background: a get does not wait for these
+            self._client_future(ep)
 
     @property
     def peers(self) -> list[Endpoint]:
