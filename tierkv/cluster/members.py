@@ -26,6 +26,7 @@ last renewal; a node that closes revokes its lease, and vanishes at once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from tierkv.cluster.etcd import Etcd, Event
+from tierkv.layout import KVLayout
 from tierkv.errors import ClusterRefusedError, ClusterUnavailableError, ConfigError, InputError
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,11 @@ def check_name(name: object, what: str) -> str:
     if not isinstance(name, str) or not 0 < len(name) <= 128 or not all(c.isalnum() or c in "-_." for c in name):
         raise ConfigError(f"{what} must be 1-128 letters, digits, '-', '_' or '.', got {name!r}")
     return name
+
+
+def layout_digest(layout: KVLayout) -> str:
+    """What a record says of its store's layout: a digest of the layout's fingerprint."""
+    return hashlib.sha256(layout.fingerprint()).hexdigest()[:32]
 
 
 def default_node_name() -> str:
@@ -80,6 +87,13 @@ class NodeRecord:
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
+
+    def peer_endpoint(self) -> tuple[str, int] | None:
+        """``peer`` as (host, port), or None (none, or not ``host:port``)."""
+        if self.peer is None:
+            return None
+        host, _, port = self.peer.rpartition(":")
+        return (host.strip("[]"), int(port)) if host and port.isdigit() else None
 
     @classmethod
     def decode(cls, data: bytes) -> NodeRecord:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import hashlib
 import logging
 import os
 import pwd
@@ -134,14 +133,14 @@ class NodeService:
     def _join_cluster(self, config: StoreConfig) -> Any:
         """Register this node in its cluster (``[cluster]``, :mod:`tierkv.cluster.members`)."""
         from tierkv.cluster.etcd import Etcd
-        from tierkv.cluster.members import Membership, NodeRecord, default_node_name
+        from tierkv.cluster.members import Membership, NodeRecord, default_node_name, layout_digest
 
         cc = config.cluster
         assert cc is not None
         peer = self.store.peer_address
         tiers = tuple(name for name in ("hbm", "dram", "nvme", "nvmeof") if getattr(config, name) is not None)
         transports = (config.peers.transport,) if config.peers is not None and peer is not None else ()
-        layout = hashlib.sha256(self.store.layout.fingerprint()).hexdigest()[:32]
+        layout = layout_digest(self.store.layout)
 
         if peer is not None and peer[0] in ("0.0.0.0", "::", ""):
             raise ConfigError(f"[peers] serve = {config.peers.serve if config.peers else ''!r} with [cluster]: the "
@@ -166,13 +165,8 @@ class NodeService:
             me = membership.node
 
             def changed(nodes: dict[str, NodeRecord]) -> None:
-                eps = []
-                for rec in nodes.values():
-                    if rec.node == me or rec.peer is None or (rec.model_id, rec.layout) != (config.model_id, layout):
-                        continue
-                    peer_host, _, peer_port = rec.peer.rpartition(":")
-                    if peer_port.isdigit():
-                        eps.append((peer_host.strip("[]"), int(peer_port)))
+                eps = [ep for rec in nodes.values() if rec.node != me and (ep := rec.peer_endpoint()) is not None
+                       and (rec.model_id, rec.layout) == (config.model_id, layout)]
                 self.store.set_cluster_peers(eps)
 
             self._view = NodeView(etcd, cc.name)
