@@ -4,10 +4,10 @@ use (``tierkv demo --engine vllm``, ``tierkv bench vllm``, ``tierkv cluster up``
 from __future__ import annotations
 
 import json
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tierkv.errors import ConfigError
@@ -31,11 +31,14 @@ class Daemon:
                                      start_new_session=self.new_session)
         logf.close()
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        line = self.proc.stdout.readline()   # one line once the socket is up (or EOF if it failed)
-        if not line or time.monotonic() > deadline:
+        # One line once the socket is up (EOF if it failed); a daemon that says nothing
+        # within timeout_s is stopped rather than waited for.
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
             self.stop()
-            raise ConfigError(f"tierkv serve did not start; its log: {self.log}")
+            raise ConfigError(f"tierkv serve did not start{'' if ready else f' within {timeout_s:.0f} s'}; "
+                              f"its log: {self.log}")
         self.socket = json.loads(line)["socket"]
         return self
 
