@@ -308,6 +308,13 @@ class PeersConfig:
         return [_endpoint(a, "peers.fetch") for a in self.fetch]
 
 
+def check_name(name: object, what: str) -> str:
+    """A cluster or node name: 1-128 characters of letters, digits, ``-``, ``_`` and ``.``."""
+    if not isinstance(name, str) or not 0 < len(name) <= 128 or not all(c.isalnum() or c in "-_." for c in name):
+        raise ConfigError(f"{what} must be 1-128 letters, digits, '-', '_' or '.', got {name!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """This node as a member of a cluster kept in etcd (``tierkv.cluster``, docs/cluster.md).
@@ -332,11 +339,9 @@ class ClusterConfig:
         object.__setattr__(self, "etcd", tuple(self.etcd))
         for i, addr in enumerate(self.etcd):
             _endpoint(addr.removeprefix("http://") if isinstance(addr, str) else addr, f"cluster.etcd[{i}]")
-        for what, value in (("cluster.name", self.name), ("cluster.node", self.node)):
-            if value is None and what == "cluster.node":
-                continue
-            if not isinstance(value, str) or not 0 < len(value) <= 128 or not all(c.isalnum() or c in "-_." for c in value):
-                raise ConfigError(f"{what} must be 1-128 letters, digits, '-', '_' or '.', got {value!r}")
+        check_name(self.name, "cluster.name")
+        if self.node is not None:
+            check_name(self.node, "cluster.node")
         _check_int(self.lease_ttl_s, "cluster.lease_ttl_s", 2, 3600)
         _check_number(self.timeout_s, "cluster.timeout_s", "seconds", 0, 60, low_open=True)
         if self.timeout_s * 3 > self.lease_ttl_s:   # a renewal (every third of the TTL) must fit in it

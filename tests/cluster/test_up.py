@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,17 +18,10 @@ from tierkv.cli.main import main
 from tierkv.layout import KVLayout
 from tierkv.store.api import Store
 from tierkv.tiers.base import TierKind
+from tests.cli.test_serve_cli import gone
 from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_cluster_up_runs_three_nodes_that_share_pages_and_stops_them_all(
@@ -61,7 +53,7 @@ def test_cluster_up_runs_three_nodes_that_share_pages_and_stops_them_all(
         pids = [n["pid"] for n in info["nodes"]]
         proc.send_signal(signal.SIGINT)                      # Ctrl-C
         assert proc.wait(60) == 0
-        assert not any(alive(p) for p in pids)
+        assert all(gone(p) for p in pids)
         assert not (Path(info["nodes"][0]["socket"])).exists()
     finally:
         if proc.poll() is None:

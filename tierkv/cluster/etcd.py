@@ -178,25 +178,6 @@ class Etcd:
             "success": [{"request_put": put}], "failure": []})
         return bool(rep.get("succeeded", False))
 
-    def txn_puts(self, puts: Sequence[tuple[bytes, bytes]], deletes: Sequence[bytes] = (), lease: int = 0) -> int:
-        """Puts and deletes in one transaction (all or none); the new revision."""
-        ops: list[dict[str, Any]] = [{"request_delete_range": {"key": _b64(k)}} for k in deletes]
-        for key, value in puts:
-            put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-            if lease:
-                put["lease"] = str(lease)
-            ops.append({"request_put": put})
-        rep = self._call("/kv/txn", {"compare": [], "success": ops, "failure": []})
-        return int(rep.get("header", {}).get("revision", 0))
-
-    def delete(self, key: bytes) -> int:
-        """Delete ``key``; how many keys went (0 or 1)."""
-        return int(self._call("/kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
-
-    def delete_prefix(self, prefix: bytes) -> int:
-        return int(self._call("/kv/deleterange", {"key": _b64(prefix),
-                                                  "range_end": _b64(prefix_end(prefix))}).get("deleted", 0))
-
     # -- leases -------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:
         """A new lease of ``ttl_s`` seconds; its id."""
@@ -210,8 +191,6 @@ class Etcd:
         """Renew ``lease``; its remaining TTL in seconds, or -1 when it no longer exists
         (expired or revoked: its keys are gone)."""
         rep = self._call("/lease/keepalive", {"ID": str(lease)})
-        if "error" in rep:
-            raise ClusterRefusedError(f"etcd refused to renew lease {lease:x}: {rep['error']}")
         result = rep.get("result", rep)
         ttl = int(result.get("TTL", -1) or -1) if isinstance(result, dict) else -1
         return ttl if ttl > 0 else -1

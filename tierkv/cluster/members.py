@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 from tierkv.cluster.etcd import Etcd, Event
 from tierkv.layout import KVLayout
+from tierkv.config import check_name
 from tierkv.errors import ClusterRefusedError, ClusterUnavailableError, ConfigError, InputError
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,6 @@ RETRY_S = 1.0
 
 def nodes_prefix(cluster: str) -> bytes:
     return f"/tierkv/{cluster}/nodes/".encode()
-
-
-def check_name(name: object, what: str) -> str:
-    """A cluster or node name: 1-128 characters of letters, digits, ``-``, ``_`` and ``.``."""
-    if not isinstance(name, str) or not 0 < len(name) <= 128 or not all(c.isalnum() or c in "-_." for c in name):
-        raise ConfigError(f"{what} must be 1-128 letters, digits, '-', '_' or '.', got {name!r}")
-    return name
 
 
 def layout_digest(layout: KVLayout) -> str:
@@ -267,7 +261,6 @@ class NodeView:
         self._cond = threading.Condition()
         self._tell_lock = threading.Lock()
         self.stale = True
-        self.revision = 0
         self.relists = 0
         self._generation = 0
         self._cancel: Callable[[], None] | None = None
@@ -302,7 +295,7 @@ class NodeView:
             old, self._cancel = self._cancel, None
             self._generation += 1
             generation = self._generation
-            self._nodes, self._mods, self.revision, self.stale = nodes, mods, revision, False
+            self._nodes, self._mods, self.stale = nodes, mods, False
             self.relists += 1
             self._cond.notify_all()
         if old is not None:
@@ -344,7 +337,6 @@ class NodeView:
                         self._nodes[rec.node] = rec
                     else:
                         self._nodes.pop(name, None)
-                self.revision = max(self.revision, ev.kv.mod_revision)
             self._cond.notify_all()
         self._tell()
 
