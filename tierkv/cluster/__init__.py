@@ -5,9 +5,27 @@
 - :mod:`~tierkv.cluster.members`: a node's registration under a lease
   (:class:`~tierkv.cluster.members.Membership`) and the members as a node sees them
   (:class:`~tierkv.cluster.members.NodeView`);
-- :mod:`~tierkv.cluster.routing`: routing hints (:class:`~tierkv.cluster.routing.Router`:
-  the members holding the most leading pages of a prompt);
+- :mod:`~tierkv.cluster.directory`: the page directory (each node's anchors, published
+  under its lease; every member's, followed by a watch);
+- :mod:`~tierkv.cluster.routing`: routing hints (:func:`best_nodes`,
+  :class:`~tierkv.cluster.routing.Router`: the members holding the most leading pages of a
+  prompt);
+- :mod:`~tierkv.cluster.node`: a node daemon's part in the cluster;
 - :mod:`~tierkv.cluster.local`: a local etcd and cluster for trying it and for tests.
 
 Needs the ``cluster`` extra (``etcd3gw``) and an etcd 3.4+ server.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["best_nodes"]
+
+
+def __getattr__(name: str) -> Any:   # the routing module imports the network stack: only when asked
+    if name == "best_nodes":
+        from tierkv.cluster.routing import best_nodes
+
+        return best_nodes
+    raise AttributeError(f"module 'tierkv.cluster' has no attribute {name!r}")

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 #: ended and its owner lists again: an idle cluster's watch starts over this often.
 WATCH_IDLE_S = 10.0
 
+#: The most operations one transaction may hold (etcd's default ``--max-txn-ops``).
+MAX_TXN_OPS = 128
+
 INSTALL_HINT = "pip install 'tierkv[cluster]' (etcd3gw), and an etcd 3.4+ server (Debian: apt-get install etcd-server)"
 
 
@@ -178,6 +181,36 @@ class Etcd:
             "success": [{"request_put": put}], "failure": []})
         return bool(rep.get("succeeded", False))
 
+    def write(self, puts: Sequence[tuple[bytes, bytes]] = (), deletes: Sequence[bytes] = (), lease: int = 0) -> int:
+        """Delete ``deletes`` then put ``puts`` (under ``lease``) in one transaction (at most
+        :data:`MAX_TXN_OPS` operations: etcd's default limit); the new revision. A lease etcd
+        no longer has refuses the whole transaction (ClusterRefusedError)."""
+        if len(puts) + len(deletes) > MAX_TXN_OPS:
+            raise ValueError(f"an etcd transaction holds at most {MAX_TXN_OPS} operations, got "
+                             f"{len(puts) + len(deletes)}")
+        ops: list[dict[str, Any]] = [{"request_delete_range": {"key": _b64(k)}} for k in deletes]
+        for key, value in puts:
+            put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+            if lease:
+                put["lease"] = str(lease)
+            ops.append({"request_put": put})
+        if not ops:
+            return 0
+        rep = self._call("/kv/txn", {"compare": [], "success": ops, "failure": []})
+        return int(rep.get("header", {}).get("revision", 0))
+
+    def count_prefix(self, prefix: bytes) -> tuple[int, int]:
+        """How many keys are under ``prefix``, and the revision they were counted at."""
+        rep = self._call("/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
+                                       "count_only": True})
+        return int(rep.get("count", 0) or 0), int(rep.get("header", {}).get("revision", 0))
+
+    def db_size(self) -> int:
+        """The bytes etcd's store takes in use (``dbSizeInUse``; ``dbSize`` where the server
+        does not report it) on the endpoint that answers."""
+        rep = self._call("/maintenance/status", {})
+        return int(rep.get("dbSizeInUse") or rep.get("dbSize") or 0)
+
     # -- leases -------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:
         """A new lease of ``ttl_s`` seconds; its id."""
@@ -245,6 +278,8 @@ class Etcd:
             except (requests.RequestException, OSError, ValueError, ClusterUnavailableError) as exc:
                 error = exc
             except Exception as exc:   # noqa: BLE001 - a callback's failure breaks the watch, reported
+                if cancelled.is_set():   # the stream closed under its reader by cancel()
+                    return
                 log.exception("tierkv: a watch of %r failed", prefix)
                 error = exc
             if not cancelled.is_set():

@@ -118,6 +118,9 @@ class Membership:
         self.node = ""
         self.etcd_away = False
         self.registrations = 0
+        #: Called with each lease this node registers under (on the registering thread;
+        #: must not block): the page directory's publisher puts its anchors under it.
+        self.on_lease: list[Callable[[int], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -172,6 +175,11 @@ class Membership:
                 log.info("tierkv: revoking lease %x: %s (it expires within %d s)", lease, exc, self.ttl_s)
             raise
         log.info("tierkv: node %s joined cluster %s (lease %x, ttl %d s)", self.node, self.cluster, lease, self.ttl_s)
+        for listener in list(self.on_lease):
+            try:
+                listener(lease)
+            except Exception:   # noqa: BLE001 - a listener's fault must not undo the registration
+                log.exception("tierkv: a listener of node %s's lease failed", self.node)
 
     def _take_over(self, record: NodeRecord, lease: int) -> bool:
         """Replace the record of this node's name when it is this same store's, left by a

@@ -1,25 +1,29 @@
 """Routing hints: which members of the cluster hold the longest leading run of a prompt's pages.
 
 A request router sends a request where its prefix already is. :class:`Router` follows the
-cluster's members (a :class:`~tierkv.cluster.members.NodeView`) and answers
-:meth:`Router.best_nodes` by asking every member of the store's model and layout, at once,
-which of the prompt's page keys its peer server holds (the peer lookup call of
+cluster's members (a :class:`~tierkv.cluster.members.NodeView`) and its page directory (a
+:class:`~tierkv.cluster.directory.Directory`), and answers :meth:`Router.best_nodes` by
+asking the members the directory names as holding the prompt's anchors, at once, which of
+the prompt's page keys their peer servers hold (the peer lookup call of
 :mod:`tierkv.store.peering`, authenticated with ``[peers] secret_file``), within
-``timeout_s``: a member that does not answer in time is left out, never waited for.
+``timeout_s``: a member asked that does not answer in time is left out, never waited for;
+members holding none of its anchors are listed with 0 pages, unasked. While the directory
+is stale (etcd away, or not listed yet) every member is asked. What a member holds is
+what it serves to other nodes: its DRAM tier.
 
-It asks every member: right for a few nodes, not for a hundred, which is what the page
-directory (docs/cluster.md, not built yet) is for. What a member holds is what it serves
-to other nodes: its DRAM tier.
+:func:`best_nodes` keeps one :class:`Router` per config for a caller that asks by path.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from tierkv.cluster.directory import Directory
 from tierkv.cluster.etcd import Etcd
 from tierkv.cluster.members import NodeRecord, NodeView, layout_digest
 from tierkv.config import StoreConfig
@@ -61,6 +65,7 @@ class Router:
         self._layout = layout_digest(config.layout)
         self._etcd = Etcd(cc.etcd, cc.timeout_s)
         self._view = NodeView(self._etcd, cc.name).start()
+        self.directory = Directory(self._etcd, cc.name).start()
         self._tiers: dict[tuple[str, int], PeerDramTier] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tierkv-route")
@@ -72,21 +77,30 @@ class Router:
 
     def best_nodes(self, tokens: Tokens, tenant: str | bytes = "") -> list[Holding]:
         """The members holding the prompt's leading pages, most pages first (ties by name);
-        members holding none are included (0 pages), members that did not answer within
-        ``timeout_s`` are not."""
+        members holding none of its anchors are included (0 pages), members asked that did
+        not answer within ``timeout_s`` are not."""
         lay = self.config.layout
         keys = split_keys(chain_keys(as_token_array(tokens), lay.tokens_per_page,
                                      namespace_digest(self.config.model_id, lay, tenant_salt(tenant))))
-        asked: dict[str, tuple[NodeRecord, Future[int]]] = {
-            r.node: (r, self._pool.submit(self._held, r, keys)) for r in self.members()}
+        members = self.members()
+        if self.directory.stale or self._view.stale:
+            ask = {r.node for r in members}
+        else:
+            ask = set(self.directory.holders(keys, {r.node: r.epoch for r in members}))
+        asked: dict[str, Future[int]] = {r.node: self._pool.submit(self._held, r, keys) for r in members
+                                         if r.node in ask}
         deadline = time.monotonic() + self.timeout_s
         out = []
-        for name, (rec, fut) in asked.items():
+        for rec in members:
+            fut = asked.get(rec.node)
+            if fut is None:
+                out.append(Holding(rec.node, 0, "dram", rec.peer or ""))
+                continue
             try:
                 pages = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except (FutureTimeout, TierKVError):
                 continue
-            out.append(Holding(name, pages, "dram", rec.peer or ""))
+            out.append(Holding(rec.node, pages, "dram", rec.peer or ""))
         return sorted(out, key=lambda h: (-h.pages, h.node))
 
     def _held(self, rec: NodeRecord, keys: list[PageKey]) -> int:
@@ -114,6 +128,7 @@ class Router:
         return next((i for i, m in enumerate(metas) if m is None), len(metas))
 
     def close(self) -> None:
+        self.directory.close()
         self._view.close()
         self._etcd.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -127,3 +142,31 @@ class Router:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_routers: dict[str, Router] = {}
+_routers_lock = threading.Lock()
+
+
+def best_nodes(tokens: Tokens, tenant: str | bytes = "", *, config: str | os.PathLike[str] | StoreConfig,
+               timeout_s: float = 0.05) -> list[Holding]:
+    """:meth:`Router.best_nodes` through a :class:`Router` kept per ``config`` (a router's
+    config file, or a :class:`~tierkv.config.StoreConfig`) for the process's lifetime."""
+    from tierkv.config import load_config
+
+    key = repr(config) if isinstance(config, StoreConfig) else os.fspath(config)
+    with _routers_lock:
+        router = _routers.get(key)
+        if router is None:
+            cfg = config if isinstance(config, StoreConfig) else load_config(config)
+            router = _routers[key] = Router(cfg, timeout_s)
+    return router.best_nodes(tokens, tenant)
+
+
+def close_routers() -> None:
+    """Close the routers :func:`best_nodes` keeps."""
+    with _routers_lock:
+        routers = list(_routers.values())
+        _routers.clear()
+    for router in routers:
+        router.close()

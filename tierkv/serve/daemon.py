@@ -118,61 +118,18 @@ class NodeService:
             self.store.close()
             raise
         self._hello = self._describe()
-        self._membership: Any = None
-        self._view: Any = None
-        if config.cluster is not None:
+        self._cluster: Any = None
+        if config.cluster is not None:   # register in the cluster, follow it (docs/cluster.md)
             try:
-                self._membership = self._join_cluster(config)
+                from tierkv.cluster.node import ClusterNode
+
+                self._cluster = ClusterNode(self.store, config)
             except BaseException:
                 self._listener.close()
                 for made in (self.path, self._served):
                     made.unlink(missing_ok=True)
                 self.store.close()
                 raise
-
-    def _join_cluster(self, config: StoreConfig) -> Any:
-        """Register this node in its cluster (``[cluster]``, :mod:`tierkv.cluster.members`)."""
-        from tierkv.cluster.etcd import Etcd
-        from tierkv.cluster.members import Membership, NodeRecord, default_node_name, layout_digest
-
-        cc = config.cluster
-        assert cc is not None
-        peer = self.store.peer_address
-        tiers = tuple(name for name in ("hbm", "dram", "nvme", "nvmeof") if getattr(config, name) is not None)
-        transports = (config.peers.transport,) if config.peers is not None and peer is not None else ()
-        layout = layout_digest(self.store.layout)
-
-        if peer is not None and peer[0] in ("0.0.0.0", "::", ""):
-            raise ConfigError(f"[peers] serve = {config.peers.serve if config.peers else ''!r} with [cluster]: the "
-                              "cluster publishes this address for other nodes to fetch from, so it must be one they "
-                              "reach (this node's cluster address), not a wildcard")
-        host, store = socket.gethostname(), self.store.identity()
-
-        def record(epoch: int) -> NodeRecord:
-            return NodeRecord(node=cc.node or default_node_name(), epoch=epoch, model_id=config.model_id,
-                              layout=layout, peer=f"{peer[0]}:{peer[1]}" if peer is not None else None,
-                              transports=transports, tiers=tiers, host=host, store=store)
-
-        etcd = Etcd(cc.etcd, cc.timeout_s)
-        try:
-            membership = Membership(etcd, cc.name, record, cc.lease_ttl_s).start()
-        except BaseException:
-            etcd.close()
-            raise
-        if config.peers is not None:   # fetch from the members of this model and layout
-            from tierkv.cluster.members import NodeView
-
-            me = membership.node
-
-            def changed(nodes: dict[str, NodeRecord]) -> None:
-                eps = [ep for rec in nodes.values() if rec.node != me and (ep := rec.peer_endpoint()) is not None
-                       and (rec.model_id, rec.layout) == (config.model_id, layout)]
-                self.store.set_cluster_peers(eps)
-
-            self._view = NodeView(etcd, cc.name)
-            self._view.listeners.append(changed)
-            self._view.start()
-        return membership
 
     # -- the socket -------------------------------------------------------------------
     def _bind(self) -> socket.socket:
@@ -283,12 +240,8 @@ class NodeService:
             "access": "open" if self._access.open else "by user ([serve] tenants)",
             "stats": self.store.stats().to_dict(),
         }
-        m = self._membership
-        if m is not None:
-            out["cluster"] = {"name": m.cluster, "node": m.node, "member": m.member, "lease": m.lease,
-                              "etcd_away": m.etcd_away, "lease_ttl_s": m.ttl_s}
-            if self._view is not None:
-                out["cluster"]["fetch_peers"] = [f"{h}:{p}" for h, p in self.store.fetch_peers()]
+        if self._cluster is not None:
+            out["cluster"] = self._cluster.status()
         if clients:   # the oldest STATUS_CLIENTS, so that the reply stays a small frame
             out["clients"] = [{"pid": i.pid, "uid": i.uid, "user": _user(i.uid), "connected_s": round(now - i.since, 3),
                                "requests": i.requests}
@@ -320,11 +273,8 @@ class NodeService:
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._view is not None:
-            self._view.close()
-        if self._membership is not None:   # leave the cluster first: nobody is sent here any more
-            self._membership.close()
-            self._membership.etcd.close()
+        if self._cluster is not None:   # leave the cluster first: nobody is sent here any more
+            self._cluster.close()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:

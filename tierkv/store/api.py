@@ -37,7 +37,7 @@ from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys,
 from tierkv.layout import KVLayout
 from tierkv.store.opening import open_store_parts, release_dir
 from tierkv.store.pages import PageBatch, PageSource, Rows, page_list, page_rows
-from tierkv.store.peering import Peering
+from tierkv.store.peering import Peering, Publishing, Route
 from tierkv.store.pins import PinLedger
 from tierkv.store.landed import LAYERS, PAGES, check_record, layer_groups, publish, reset
 from tierkv.store.moves import NO_SOURCE, Lead, MovePlan
@@ -182,6 +182,15 @@ class Store:
             raise ConfigError("fetching from the cluster's nodes needs a [peers] table with its secret_file")
         self._peering.set_cluster_peers(endpoints)
 
+    def set_cluster_directory(self, publisher: Publishing | None, route: Route | None) -> None:
+        """The cluster's page directory (docs/cluster.md): ``publisher`` is told the pages
+        this store serves to other nodes; ``route(chain)`` names the members holding a
+        chain's leading pages, so a get or lookup asks those (None: every member is asked).
+        ConfigError without a ``[peers]`` table."""
+        if self._peering is None:
+            raise ConfigError("the cluster's page directory needs a [peers] table with its secret_file")
+        self._peering.set_directory(publisher, route)
+
     def fetch_peers(self) -> list[tuple[str, int]]:
         """The peers a get asks, in order, for pages it does not find here (``[peers] fetch``,
         then the cluster's)."""
@@ -259,7 +268,7 @@ class Store:
             peering = self._peering
         n, ranks = len(levels), levels.translate(m.kind_ranks)
         if peering is not None and n < total:   # the pages a get would fetch from peers
-            more = peering.lookup(split_keys(blob[n * KEY_BYTES:]), None if tenant is None else tenant_salt(tenant))
+            more = peering.lookup(split_keys(blob), n, None if tenant is None else tenant_salt(tenant))
             n, ranks = n + more, ranks + bytes((TierKind.PEER.rank,)) * more
         return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
 
@@ -454,7 +463,7 @@ class Store:
             # against the peer's checksum (in a buffer of the store's own), then kept here.
             keys = split_keys(blob)
             fetched = aligned_empty((want - loaded) * rows.shape[1]).reshape(want - loaded, rows.shape[1])
-            got = self._peering.fetch(keys[loaded:want], fetched, tenant_salt(tenant))
+            got = self._peering.fetch(keys[:want], loaded, fetched, tenant_salt(tenant))
             if got:
                 rows[loaded:loaded + got] = fetched[:got]
                 self._counters.tier_hits[TierKind.PEER.value] += got

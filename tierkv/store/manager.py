@@ -325,6 +325,27 @@ class BlockManager:
                 for i, (nb, pins, gen) in enumerate(zip(t.nbytes[rows].tolist(), t.pins[rows].tolist(),
                                                         t.gen[rows].tolist()))]
 
+    def shallow_depths(self, keys: Sequence[PageKey], cap: int) -> np.ndarray:
+        """For each key: its page's position in its chain (0: no parent) where that is below
+        ``cap`` and the chain up to its root is held, else -1 (deeper, not held, or its
+        chain passes a page no tier holds, whose parent link is no longer kept). A walk of
+        at most ``cap`` steps over the parent column, all keys at once."""
+        t = self.table
+        rows = rows_of(t.core.find(b"".join(keys))).astype(np.int64)
+        depth = np.full(len(rows), -1, dtype=np.int64)
+        cur = rows.copy()
+        live = (cur >= 0) & (t.where[np.maximum(cur, 0)] != 0)
+        for d in range(cap):
+            if not live.any():
+                break
+            up = np.where(live, t.parent[np.maximum(cur, 0)].astype(np.int64) - 1, -1)
+            root = live & (up < 0)
+            depth[root] = d
+            live &= ~root
+            cur = up
+            live &= (cur >= 0) & (t.where[np.maximum(cur, 0)] != 0)
+        return depth
+
     def lead(self, blob: bytes, limit: int) -> Lead:
         """The leading published pages of a key blob (at most ``limit``), column by column,
         each with its fastest copy on a tier that serves I/O."""

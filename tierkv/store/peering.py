@@ -31,8 +31,9 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from typing import Protocol
 
 import numpy as np
 
@@ -55,6 +56,21 @@ RETRY_S = 5.0  # a peer that could not be reached is tried again after this long
 #: is not asked by lookups again for ``RETRY_S``. Capped by ``[peers] timeout_s``.
 LOOKUP_TIMEOUT_S = 0.05
 Endpoint = tuple[str, int]
+#: The page directory's view, for a chain's keys: the peers holding its leading pages, best
+#: first (None: it cannot say).
+Route = Callable[[Sequence[PageKey]], "list[Endpoint] | None"]
+
+
+class Publishing(Protocol):
+    """What the page directory's publisher is told (:class:`tierkv.cluster.directory.Publisher`):
+    pages placed, with their positions in their chains where below ``depth_cap`` (else -1),
+    and pages removed."""
+
+    depth_cap: int
+
+    def placed(self, keys: Sequence[PageKey], depths: Sequence[int]) -> None: ...
+
+    def removed(self, keys: Sequence[PageKey]) -> None: ...
 
 
 class Peering:
@@ -107,6 +123,11 @@ class Peering:
         self._quiet_until: dict[Endpoint, float] = {}   # peers that answered a lookup late
         self._cluster: set[Endpoint] = set()   # peers the cluster named (set_cluster_peers)
         self._channels = itertools.count()
+        self._manager = manager
+        # The cluster's page directory (set_directory): told what this node serves, and
+        # asked which members hold a prompt's pages.
+        self._publisher: Publishing | None = None
+        self._route: Route | None = None
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -140,25 +161,39 @@ class Peering:
     def _on_event(self, event: str, tier: TierId, keys: list[PageKey], slots: list[int]) -> None:
         if self.server is None or tier != self._served:
             return
+        publisher = self._publisher
         if event == "placed":
             self._generation += 1
             self.server.store.seal(keys, slots, self._generation, self._page_bytes, self._tags(keys))
+            if publisher is not None:   # announced after the bytes are readable here
+                publisher.placed(keys, self._manager.shallow_depths(keys, publisher.depth_cap).tolist())
         else:
+            if publisher is not None:
+                publisher.removed(keys)
             self.server.store.unseal(keys, slots)
 
+    def set_directory(self, publisher: Publishing | None, route: Route | None) -> None:
+        """The cluster's page directory (:mod:`tierkv.cluster.directory`): ``publisher`` is
+        told the pages this node serves (placed, with their positions, and removed);
+        ``route(chain)`` names the cluster peers holding a chain's leading pages, best
+        first (None: it cannot say, and every cluster peer is asked)."""
+        self._publisher = publisher if self.server is not None else None
+        self._route = route
+
     # -- fetching ----------------------------------------------------------------------
-    def fetch(self, keys: Sequence[PageKey], rows: np.ndarray, salt: bytes) -> int:
-        """Load the leading ``keys`` (of the tenant of ``salt``) that some peer holds into
-        ``rows``; returns how many. A node whose principal is one tenant's asks peers only
-        for that tenant's pages.
+    def fetch(self, chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes) -> int:
+        """Load the leading pages of ``chain[start:]`` (a prompt's keys from its first page,
+        of the tenant of ``salt``) that some peer holds into ``rows``; returns how many. A
+        node whose principal is one tenant's asks peers only for that tenant's pages.
 
         Stops at the first page no reachable peer returns intact. Never raises for a peer's
         failure: an unreachable or slow peer is a miss within ``timeout_s``.
         """
         if self._own_tag is not None and tenant_tag(salt) != self._own_tag:
             return 0
+        keys = chain[start:]
         got = 0
-        for ep in self._peers:
+        for ep in self._asked(chain):
             if got == len(keys):
                 break
             # A peer the cluster named is asked once connected (connecting runs in the
@@ -181,8 +216,8 @@ class Peering:
             got += n
         return got
 
-    def lookup(self, keys: Sequence[PageKey], salt: bytes | None) -> int:
-        """How many of the leading ``keys`` a :meth:`fetch` would find on the peers: each
+    def lookup(self, chain: Sequence[PageKey], start: int, salt: bytes | None) -> int:
+        """How many of the leading ``chain[start:]`` a :meth:`fetch` would find on the peers: each
         peer is asked once, all at once, which of them it holds, and the answers are read
         in the order ``fetch`` asks the peers (each continuing the run where the one
         before stopped). ``salt``: the tenant's, when known (a node whose principal is
@@ -191,13 +226,15 @@ class Peering:
         Never raises and never waits past ``LOOKUP_TIMEOUT_S`` (or ``timeout_s``): a peer
         that is not connected yet, cannot be reached or answers late is a miss. Thread-safe.
         """
+        keys = chain[start:]
         if not self._peers or not keys or (salt is not None and self._own_tag is not None
                                            and tenant_tag(salt) != self._own_tag):
             return 0
+        order = self._asked(chain)
         deadline = time.monotonic() + min(LOOKUP_TIMEOUT_S, self.cfg.timeout_s)
         body = encode_keys(list(keys[:MAX_LOOKUP_KEYS]))
         now = time.monotonic()
-        clients = [(ep, self._client_future(ep)) for ep in self._peers if now >= self._quiet_until.get(ep, 0.0)]
+        clients = [(ep, self._client_future(ep)) for ep in order if now >= self._quiet_until.get(ep, 0.0)]
         asked: dict[Endpoint, Future[CallResult]] = {}
         for first in (True, False):   # connected peers are asked first, then those connecting meanwhile
             for ep, fut in clients:
@@ -211,11 +248,27 @@ class Peering:
                         continue
         held = {ep: h for ep, call in asked.items() if (h := self._answer(ep, call, deadline, len(keys))) is not None}
         got = 0
-        for ep in self._peers:   # in fetch's order: each peer continues the run where the one before stopped
+        for ep in order:   # in fetch's order: each peer continues the run where the one before stopped
             h = held.get(ep)
             if h is not None:
                 got += next((i for i, ok in enumerate(h[got:]) if not ok), len(h) - got)
         return got
+
+    def _asked(self, chain: Sequence[PageKey]) -> list[Endpoint]:
+        """The peers a fetch or lookup of ``chain`` asks, in order: the ``[peers] fetch``
+        ones, then the cluster's: those the directory names, or all where it cannot say."""
+        peers, route = list(self._peers), self._route
+        if route is None or not self._cluster:
+            return peers
+        try:
+            named = route(chain)
+        except Exception:   # noqa: BLE001 - a directory's fault is a hint lost, not a failed get
+            log.exception("tierkv: the page directory failed a lookup; asking every member")
+            named = None
+        if named is None:
+            return peers
+        cluster = self._cluster
+        return [ep for ep in peers if ep not in cluster] + [ep for ep in dict.fromkeys(named) if ep in cluster]
 
     def _answer(self, ep: Endpoint, call: Future[CallResult], deadline: float, n: int) -> list[bool] | None:
         """Which keys the peer at ``ep`` holds, from its answer to a lookup call; None for

@@ -1,0 +1,370 @@
+"""The page directory: which member holds which prefix, kept in etcd as *anchors*.
+
+A page's key is prefix-chained: a node holding page ``i`` of a prompt holds its whole
+prefix's worth of keys, so the directory needs only some of each prefix's pages to say
+where a prompt's leading pages are. The anchors of a chain are its pages at positions 1,
+2, 4, 8, 16 and 32 (counting from 1), and beyond 32 the pages whose key's last byte is a
+multiple of :data:`ANCHOR_EVERY` (one in 64 on average, chosen by the key so that no node
+needs to know how deep a page lies). The arithmetic that chose this over a key per page
+or per-node summaries is in docs/cluster.md.
+
+- :class:`Publisher`: one node's anchors. The store tells it the pages it places in and
+  removes from the tier it serves to other nodes; it writes their anchors as
+  ``/tierkv/{cluster}/pages/{key hex}/{node}`` (value: the tier) under the node's lease,
+  batched, at most :data:`~tierkv.cluster.etcd.MAX_TXN_OPS` operations a transaction,
+  every ``flush_s``, deletes first. A page is announced after its bytes are in place;
+  its removal is queued when the store evicts it and sent with the next batch, so for up
+  to a batch's delay the directory can name a node for a page it no longer has: the
+  reader asks that node, which answers from its live index (a miss), never with other
+  bytes. When the node's lease changes (it registered again) every anchor it holds is
+  put again under the new one; its anchors leave etcd with its lease.
+- :class:`Directory`: every member's anchors as one process sees them, listed once and
+  kept current by a watch (checked every ``check_s`` by counting the keys etcd holds, and
+  listed again when the watch broke or the counts differ twice in a row).
+  :meth:`Directory.holders` says, for a prompt's keys, how deep an anchor each member
+  holds; entries under a lease other than the member's current one (its epoch) are left
+  out. Lookups ask the members it names how far they really hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from tierkv.cluster.etcd import MAX_TXN_OPS, Etcd, Event, KeyValue
+from tierkv.config import check_name
+from tierkv.errors import ClusterRefusedError, ClusterUnavailableError
+from tierkv.keys import KEY_BYTES, PageKey
+
+log = logging.getLogger(__name__)
+
+#: Beyond the first :data:`SHALLOW` pages, one page in this many (by its key) is an anchor.
+ANCHOR_EVERY = 64
+#: The first pages of a chain whose anchors are chosen by position (1, 2, 4, ... 32).
+SHALLOW = 32
+#: Seconds between attempts to reach etcd again.
+RETRY_S = 1.0
+
+
+def pages_prefix(cluster: str) -> bytes:
+    return f"/tierkv/{cluster}/pages/".encode()
+
+
+def is_anchor(position: int, key: bytes) -> bool:
+    """Whether the page at ``position`` (0: a chain's first page) with ``key`` is an anchor."""
+    if position < SHALLOW:
+        return position & (position + 1) == 0   # positions 0, 1, 3, 7, 15, 31: pages 1, 2, 4, ... 32
+    return key[-1] % ANCHOR_EVERY == 0
+
+
+def anchor_positions(keys: Sequence[bytes]) -> list[int]:
+    """The positions of a chain's anchors among its ``keys`` (a chain from its first page)."""
+    out = [p for p in (0, 1, 3, 7, 15, 31) if p < len(keys)]
+    out.extend(i for i in range(SHALLOW, len(keys)) if keys[i][-1] % ANCHOR_EVERY == 0)
+    return out
+
+
+def anchor_key(prefix: bytes, key: bytes, node: str) -> bytes:
+    return prefix + key.hex().encode() + b"/" + node.encode()
+
+
+class Publisher:
+    """This node's anchors in etcd, under its lease (:meth:`set_lease`), batched on a thread."""
+
+    def __init__(self, etcd: Etcd, cluster: str, node: str, tier: str = "dram", flush_s: float = 0.05) -> None:
+        self.etcd = etcd
+        self.prefix = pages_prefix(check_name(cluster, "cluster.name"))
+        self.node = check_name(node, "cluster.node")
+        self.tier = tier.encode()
+        self.flush_s = flush_s
+        self.depth_cap = SHALLOW   # the positions placed() needs: those below it choose anchors
+        self._pending: dict[bytes, bool] = {}   # key -> whether it should be published
+        self._published: set[bytes] = set()
+        self._lease = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self.etcd_away = False
+        self.transactions = 0
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="tierkv-directory-publish", daemon=True)
+        self._thread.start()
+
+    # -- what the store tells it (with its lock held: never blocks) --------------------
+    def placed(self, keys: Sequence[PageKey], depths: Sequence[int]) -> None:
+        """Pages now readable by other nodes, with their positions (-1: deep, or unknown)."""
+        mine = [k for k, d in zip(keys, depths) if (is_anchor(d, k) if d >= 0 else k[-1] % ANCHOR_EVERY == 0)]
+        if not mine:
+            return
+        with self._cond:
+            for k in mine:
+                self._pending[k] = True
+            self._cond.notify()
+
+    def removed(self, keys: Sequence[PageKey]) -> None:
+        """Pages no longer readable here (their slots about to be reused)."""
+        with self._cond:
+            for k in keys:
+                if k in self._published or k in self._pending:
+                    self._pending[k] = False
+
+    def set_lease(self, lease: int) -> None:
+        """The node's lease (0: none). A new lease: every anchor is put again under it (the
+        ones under the old lease left etcd with it)."""
+        with self._cond:
+            if lease == self._lease:
+                return
+            self._lease = lease
+            for k in self._published:
+                self._pending.setdefault(k, True)
+            self._published.clear()
+            self._cond.notify()
+
+    # -- the writer --------------------------------------------------------------------
+    def _batch(self) -> tuple[list[bytes], list[bytes], dict[bytes, bool], int]:
+        """Up to a transaction's worth of changes, deletes first (under the lock)."""
+        deletes: list[bytes] = []
+        puts: list[bytes] = []
+        taken: dict[bytes, bool] = {}
+        for k, want in list(self._pending.items()):
+            if len(deletes) + len(puts) >= MAX_TXN_OPS:
+                break
+            del self._pending[k]
+            if want == (k in self._published):
+                continue
+            taken[k] = want
+            (puts if want else deletes).append(k)
+        return puts, deletes, taken, self._lease
+
+    def _run(self) -> None:
+        wait = 0.0
+        while True:
+            with self._cond:
+                if wait:
+                    self._cond.wait_for(lambda: self._closed, timeout=wait)
+                self._cond.wait_for(lambda: self._closed or (self._pending and self._lease), timeout=1.0)
+                if self._closed:
+                    return
+                if not (self._pending and self._lease):
+                    wait = 0.0
+                    continue
+                puts, deletes, taken, lease = self._batch()
+            wait = 0.0
+            if not taken:
+                continue
+            try:
+                self.etcd.write([(anchor_key(self.prefix, k, self.node), self.tier) for k in puts],
+                                [anchor_key(self.prefix, k, self.node) for k in deletes], lease)
+            except (ClusterUnavailableError, ClusterRefusedError) as exc:
+                with self._cond:
+                    for k, want in taken.items():
+                        self._pending.setdefault(k, want)   # a newer change stays
+                    self.errors += 1
+                    away = isinstance(exc, ClusterUnavailableError)
+                    if away and not self.etcd_away:
+                        log.warning("tierkv: publishing anchors: etcd does not answer (%s); retrying", exc)
+                    elif not away:   # the lease gone: the membership registers again, then set_lease
+                        log.info("tierkv: publishing anchors: %s; waiting for the node's next lease", exc)
+                    self.etcd_away = away
+                wait = RETRY_S
+                continue
+            with self._cond:
+                self.etcd_away = False
+                self.transactions += 1
+                if lease != self._lease:   # a new lease meanwhile: what this put is gone with the old one
+                    for k, want in taken.items():
+                        if want:
+                            self._pending.setdefault(k, True)
+                    continue
+                self._published.update(puts)
+                self._published.difference_update(deletes)
+            if not self._pending:
+                wait = self.flush_s   # gather the next batch
+
+    def stats(self) -> dict[str, int | bool]:
+        with self._cond:
+            return {"anchors": len(self._published), "pending": len(self._pending), "transactions": self.transactions,
+                    "errors": self.errors, "etcd_away": self.etcd_away}
+
+    def flushed(self, timeout_s: float) -> bool:
+        """Wait until nothing is pending; whether that happened within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._cond:
+                if not self._pending and self._lease:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        """Stop publishing (the anchors stay until the node's lease ends: the node's close revokes it)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self.etcd.timeout_s * 2 + 1)
+
+
+class Directory:
+    """Every member's anchors, as listed from etcd and kept current by a watch."""
+
+    def __init__(self, etcd: Etcd, cluster: str, check_s: float = 1.0) -> None:
+        self.etcd = etcd
+        self.prefix = pages_prefix(check_name(cluster, "cluster.name"))
+        self.check_s = check_s
+        self._anchors: dict[bytes, dict[str, int]] = {}   # page key -> {node: lease}
+        self._count = 0
+        self._lock = threading.Condition()
+        self.stale = True
+        self.relists = 0
+        self._generation = 0
+        self._cancel: Callable[[], None] | None = None
+        self._closed = False
+        self._checker: threading.Thread | None = None
+
+    def start(self) -> Directory:
+        try:
+            self._list_and_watch()
+        except (ClusterUnavailableError, ClusterRefusedError) as exc:
+            log.warning("tierkv: cannot list the page directory yet (%s)", exc)
+        self._checker = threading.Thread(target=self._check, name="tierkv-directory", daemon=True)
+        self._checker.start()
+        return self
+
+    def _parse(self, key: bytes) -> tuple[bytes, str] | None:
+        rest = key[len(self.prefix):]
+        hexkey, sep, node = rest.partition(b"/")
+        if not sep or len(hexkey) != 2 * KEY_BYTES or not node:
+            return None
+        try:
+            return bytes.fromhex(hexkey.decode()), node.decode()
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def _list_and_watch(self) -> None:
+        revision, kvs = self.etcd.get_prefix(self.prefix, keys_only=True)
+        anchors: dict[bytes, dict[str, int]] = {}
+        count = 0
+        for kv in kvs:
+            if self._add(anchors, kv):
+                count += 1
+        with self._lock:
+            if self._closed:
+                return
+            old, self._cancel = self._cancel, None
+            self._generation += 1
+            generation = self._generation
+            self._anchors, self._count, self.stale = anchors, count, False
+            self.relists += 1
+            self._lock.notify_all()
+        if old is not None:
+            threading.Thread(target=old, name="tierkv-directory-unwatch", daemon=True).start()
+        cancel = self.etcd.watch_prefix(self.prefix, revision + 1, lambda evs: self._events(generation, evs),
+                                        lambda exc: self._broken(generation, exc))
+        with self._lock:
+            current = self._generation == generation and not self._closed
+            if current:
+                self._cancel = cancel
+        if not current:
+            cancel()
+
+    def _add(self, anchors: dict[bytes, dict[str, int]], kv: KeyValue) -> bool:
+        parsed = self._parse(kv.key)
+        if parsed is None:
+            return False
+        key, node = parsed
+        holders = anchors.setdefault(key, {})
+        new = node not in holders
+        holders[node] = kv.lease
+        return new
+
+    def _events(self, generation: int, events: list[Event]) -> None:
+        with self._lock:
+            if self._closed or generation != self._generation:
+                return
+            for ev in events:
+                if not ev.deleted:
+                    self._count += self._add(self._anchors, ev.kv)
+                    continue
+                parsed = self._parse(ev.kv.key)
+                if parsed is None:
+                    continue
+                holders = self._anchors.get(parsed[0])
+                if holders is not None and holders.pop(parsed[1], None) is not None:
+                    self._count -= 1
+                    if not holders:
+                        del self._anchors[parsed[0]]
+            self._lock.notify_all()
+
+    def _broken(self, generation: int, error: Exception | None) -> None:
+        with self._lock:
+            if self._closed or generation != self._generation:
+                return
+            self.stale = True
+        log.info("tierkv: the page directory's watch ended (%s); listing again", error)
+
+    def _check(self) -> None:
+        differed = False
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._closed, timeout=self.check_s)
+                if self._closed:
+                    return
+                stale = self.stale
+            try:
+                count, _rev = self.etcd.count_prefix(self.prefix)
+            except (ClusterUnavailableError, ClusterRefusedError):
+                with self._lock:
+                    self.stale = True
+                continue
+            with self._lock:
+                same = count == self._count
+            if stale or (not same and differed):
+                try:
+                    self._list_and_watch()
+                except (ClusterUnavailableError, ClusterRefusedError):
+                    with self._lock:
+                        self.stale = True
+                differed = False
+            else:
+                differed = not same
+
+    def holders(self, keys: Sequence[bytes], epochs: dict[str, int] | None = None) -> dict[str, int]:
+        """For a chain's ``keys`` (from its first page): each member holding one of its
+        anchors, and how many leading pages its deepest anchor covers. ``epochs``: each
+        member's current lease; anchors under another lease (or of a node not in it) are
+        left out."""
+        out: dict[str, int] = {}
+        positions = anchor_positions(keys)
+        with self._lock:
+            for p in positions:
+                for node, lease in self._anchors.get(bytes(keys[p]), {}).items():
+                    if epochs is None or epochs.get(node) == lease:
+                        out[node] = p + 1
+        return out
+
+    def wait(self, cond: Callable[[Directory], bool], timeout_s: float) -> bool:
+        """Wait until ``cond(self)`` holds (checked as events arrive); whether it did in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while not cond(self):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, 0.1))
+            return True
+
+    def __len__(self) -> int:
+        """Anchors held (one per member holding it)."""
+        with self._lock:
+            return self._count
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            cancel, self._cancel = self._cancel, None
+            self._lock.notify_all()
+        if cancel is not None:
+            cancel()
+        if self._checker is not None:
+            self._checker.join(timeout=self.etcd.timeout_s * 2 + 1)
