@@ -11,6 +11,11 @@ import pytest
 from tierkv.cluster.local import LocalEtcd, etcd_binary
 
 
+#: For tests that start their own etcd (a LocalCluster): skipped where it cannot run.
+needs_etcd = pytest.mark.skipif(etcd_binary() is None or importlib.util.find_spec("etcd3gw") is None,
+                                reason="needs the etcd server and etcd3gw (tools/install.sh installs both)")
+
+
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
     if etcd_binary() is None:

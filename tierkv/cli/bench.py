@@ -38,7 +38,8 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                                     "'store' (default) measures the DRAM and NVMe tiers and the keys, "
                                     "'codec' the lossless KV codec against zipnn and zstd on real KV pages, "
                                     "'scale' the page table's memory and time per page at node scale against a dict.")
-    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale", "serve", "vllm"),
+    bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale", "serve", "vllm",
+                                                          "cluster"),
                     default="store",
                     help="what to measure ('codec-store': an NVMe tier with codec none vs lossless; "
                          "'net': peer page fetches and incast over TCP, and RDMA where a device exists; "
@@ -46,7 +47,9 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                          "'serve': 1, 2 and 4 client processes of a tierkv serve daemon vs an in-process store; "
                          "'vllm': time to first token in a real vLLM engine over a 2K-token shared prefix: recompute, "
                          "vLLM's ExampleConnector, tierkv from DRAM and from NVMe, "
-                         "engines interleaved (tools/install_vllm.sh; about 4 minutes))")
+                         "engines interleaved (tools/install_vllm.sh; about 4 minutes); "
+                         "'cluster': a local etcd and --nodes node daemons: pages published to the directory per s, "
+                         "cross-node lookup p50/p99, etcd bytes per page, failover after a SIGKILL (about a minute))")
     bp.add_argument("--kv", metavar="FILE.safetensors", help="codec, codec-store: KV tensors layerNN.k/.v "
                     f"[kv_heads, tokens, head_dim], or a folder of such files (default: ${KV_ENV}, else "
                     "../shared/data/kv beside the tierkv checkout)")
@@ -55,6 +58,9 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
     bp.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     bp.add_argument("--pages", metavar="N", help="scale: pages of 4 KiB in the store, an integer >= 1 "
                     "(default 1,000,000; 4,096 with --quick); the DRAM tier holds 1%% of them")
+    bp.add_argument("--nodes", type=int, default=None, metavar="N", help="cluster: node daemons (2-16; default 3)")
+    bp.add_argument("--lease", type=int, default=None, metavar="S", help="cluster: the nodes' lease in seconds "
+                    "(default 10; 3 with --quick)")
     bp.add_argument("--dir", metavar="DIR", help="directory for the files of the store, codec-store and scale "
                     "suites (default: a temporary one; codec and net write none)")
     bp.add_argument("--runs", type=int, default=None, metavar="N", help="repetitions per measurement")
@@ -67,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--runs must be >= 1, got {args.runs}")
     if args.page_tokens < 1:
         raise InputError(f"--page-tokens must be >= 1, got {args.page_tokens}")
-    if args.pages is not None and args.suite != "scale":
-        raise InputError(f"--pages is for the scale suite, not {args.suite}")
+    if args.pages is not None and args.suite not in ("scale", "cluster"):
+        raise InputError(f"--pages is for the scale and cluster suites, not {args.suite}")
+    if (args.nodes is not None or args.lease is not None) and args.suite != "cluster":
+        raise InputError(f"--nodes and --lease are for the cluster suite, not {args.suite}")
     if args.suite == "scale":
         from tierkv.bench.scale import DEFAULT_PAGES, QUICK_PAGES, check_pages, run_scale
 
@@ -77,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
                              "(gets repeat to about 65,536 pages)")
         default = QUICK_PAGES if args.quick else DEFAULT_PAGES
         result = run_scale(check_pages(args.pages) if args.pages is not None else default, where=args.dir)
+    elif args.suite == "cluster":
+        result = _cluster(args)
     elif args.suite == "vllm":
         result = _vllm(args)
     elif args.suite == "serve":
@@ -113,6 +123,26 @@ def run(args: argparse.Namespace) -> int:
     for table in TABLES[args.suite](result):
         console.print(table)
     return status
+
+
+def _cluster(args: argparse.Namespace) -> dict[str, object]:
+    import sys
+
+    from tierkv.bench.cluster import run_cluster_bench
+    from tierkv.bench.scale import check_pages
+
+    nodes = 3 if args.nodes is None else args.nodes
+    if not 2 <= nodes <= 16:
+        raise InputError(f"--nodes must be 2 to 16, got {nodes}")
+    lease = args.lease if args.lease is not None else (3 if args.quick else 10)
+    if not 2 <= lease <= 3600:
+        raise InputError(f"--lease must be 2 to 3600 seconds, got {lease}")
+    pages = check_pages(args.pages) if args.pages is not None else (2048 if args.quick else 32768)
+    if args.runs is not None:
+        raise InputError("--runs is not for the cluster suite: it measures --pages pages and 1,000 lookups once")
+    return run_cluster_bench(nodes=nodes, pages=pages, lookups=200 if args.quick else 1000, lease_ttl_s=lease,
+                             where=args.dir, step=None if args.json else
+                             lambda what: print(f"cluster: {what}", file=sys.stderr, flush=True))
 
 
 def _vllm(args: argparse.Namespace) -> dict[str, object]:
@@ -322,6 +352,27 @@ def serve_tables(r: Mapping[str, object]) -> Iterator[Table]:
                      ("backend", "clients", "put", "get", "put / in-process", "get / in-process"), rows)
 
 
+def cluster_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    yield _table(f"cluster of {_cell(r.get('nodes'))} nodes on loopback, {_cell(r.get('pages'))} pages of "
+                 f"{_size(r.get('page_bytes'))}, lease {_cell(r.get('lease_ttl_s'))} s",
+                 ("measurement", "value", "baseline", "target"), [
+        ("pages published per s (put until in the directory)", r.get("publish_pages_per_s"),
+         f"puts alone: {_cell(r.get('put_pages_per_s'))}", ">= 5,000"),
+        ("lookup p50 ms, 64 pages another node holds", r.get("lookup_p50_ms"),
+         f"own pages: {_cell(r.get('local_lookup_p50_ms'))}", "-"),
+        ("lookup p99 ms, 64 pages another node holds", r.get("lookup_p99_ms"),
+         f"own pages: {_cell(r.get('local_lookup_p99_ms'))}", "<= 5"),
+        ("best_nodes p50 / p99 ms", f"{_cell(r.get('best_nodes_p50_ms'))} / {_cell(r.get('best_nodes_p99_ms'))}",
+         "-", "-"),
+        ("etcd keys per page", r.get("etcd_keys_per_page"), "-", "-"),
+        ("etcd bytes per page", r.get("etcd_bytes_per_page"), "-", "-"),
+        ("etcd bytes at 10^8 pages", _size(r.get("etcd_bytes_at_1e8_pages")), "-", "< 8 GiB"),
+        ("failover s (SIGKILL until no lookup names the node)", r.get("failover_s"), "-", "<= 12 (10 s lease)"),
+        ("slowest lookup during failover, ms", r.get("failover_lookup_max_ms"), "-", "-"),
+        ("wrong answers (lookups, hints, failover)", f"{_cell(r.get('mismatches'))}, "
+                                                      f"{_cell(r.get('failover_wrong'))}", "-", "0, 0")])
+
+
 def vllm_tables(r: Mapping[str, object]) -> Iterator[Table]:
     modes = _map(r.get("modes"))
 
@@ -357,4 +408,4 @@ def _ratio(a: object, b: object) -> float | None:
 #: Each suite's tables, by suite name.
 TABLES: dict[str, Callable[[Mapping[str, object]], Iterable[Table]]] = {
     "store": store_tables, "codec": codec_tables, "codec-store": codec_store_tables, "net": net_tables,
-    "scale": scale_tables, "serve": serve_tables, "vllm": vllm_tables}
+    "scale": scale_tables, "serve": serve_tables, "vllm": vllm_tables, "cluster": cluster_tables}

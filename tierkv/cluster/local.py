@@ -140,11 +140,14 @@ class LocalCluster:
     cluster ``name`` and fetching from each other (a shared ``[peers]`` secret)."""
 
     def __init__(self, workdir: Path | str, nodes: int = 3, name: str = "local", model_id: str = "tierkv-local",
-                 dram: str = "256MiB", nvme: str = "1GiB") -> None:
+                 dram: str = "256MiB", nvme: str | None = "1GiB", layout: dict[str, Any] | None = None,
+                 lease_ttl_s: int = 10) -> None:
+        """``layout``: the nodes' (default :data:`TRY_LAYOUT`); ``nvme``: None for none."""
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= 16:
             raise ConfigError(f"a local cluster has 1 to 16 nodes, got {nodes!r}")
         self.workdir = Path(workdir)
         self.nodes, self.name, self.model_id, self.dram, self.nvme = nodes, name, model_id, dram, nvme
+        self.layout, self.lease_ttl_s = layout or TRY_LAYOUT, lease_ttl_s
         self.etcd = LocalEtcd(self.workdir / "etcd")
         self.daemons: list[tuple[str, Path, Daemon]] = []
         self.records: dict[str, Any] = {}   # node -> NodeRecord, once all joined
@@ -154,12 +157,14 @@ class LocalCluster:
 
         q = json.dumps
         store = self.workdir / node
-        layout = "\n".join(f"{k} = {q(v)}" for k, v in TRY_LAYOUT.items())
+        layout = "\n".join(f"{k} = {q(v)}" for k, v in self.layout.items())
+        nvme = f"[tiers.nvme]\ncapacity_bytes = {q(self.nvme)}\n\n" if self.nvme else ""
         text = (f"[store]\npath = {q(str(store))}\nmodel_id = {q(self.model_id)}\n\n[layout]\n{layout}\n\n"
-                f"[tiers.dram]\ncapacity_bytes = {q(self.dram)}\n\n[tiers.nvme]\ncapacity_bytes = {q(self.nvme)}\n\n"
+                f"[tiers.dram]\ncapacity_bytes = {q(self.dram)}\n\n{nvme}"
                 f"[serve]\nsocket = {q(str(store / 'tierkv.sock'))}\n\n"
                 f"[peers]\nserve = \"127.0.0.1:0\"\ntransport = \"tcp\"\nsecret_file = {q(str(secret))}\n\n"
-                f"[cluster]\netcd = [{q(self.etcd.endpoint)}]\nname = {q(self.name)}\nnode = {q(node)}\n")
+                f"[cluster]\netcd = [{q(self.etcd.endpoint)}]\nname = {q(self.name)}\nnode = {q(node)}\n"
+                f"lease_ttl_s = {self.lease_ttl_s}\ntimeout_s = {min(2000, self.lease_ttl_s * 1000 // 3) / 1000}\n")
         path = self.workdir / f"{node}.toml"
         path.write_text(text)
         return path

@@ -37,8 +37,12 @@ class Daemon:
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             self.stop()
+            try:   # its last words, which a temporary folder would take with it
+                said = " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-3:])
+            except OSError:
+                said = ""
             raise ConfigError(f"tierkv serve did not start{'' if ready else f' within {timeout_s:.0f} s'}; "
-                              f"its log: {self.log}")
+                              f"its log: {self.log}{f' (ends: {said[-500:]})' if said else ''}")
         self.socket = json.loads(line)["socket"]
         return self
 

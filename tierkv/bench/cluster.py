@@ -1,0 +1,194 @@
+"""``tierkv bench cluster``: the page directory and cross-node lookups of a local cluster.
+
+A real etcd and ``nodes`` node daemons (``tierkv cluster up``'s :class:`LocalCluster`,
+each ``tierkv serve`` a process of its own, 4 KiB pages, a DRAM tier served to the others
+over TCP on loopback) with a lease of ``lease_ttl_s``. Measured, in one run:
+
+- ``publish_pages_per_s``: ``pages`` new pages (prompts of 64 pages) put through node1's
+  socket, from the first put until this process's own directory (a watch of etcd, as
+  every node keeps) holds every anchor of them; beside ``put_pages_per_s``, the puts
+  alone (the baseline: what the store takes in without a cluster to tell).
+- ``lookup_p50_ms`` / ``lookup_p99_ms``: ``Store.lookup`` through node2's socket of a
+  64-page prefix only node1 holds (node2 finds its anchors in its directory and asks
+  node1 how far it holds), beside ``local_lookup_p50_ms`` / ``local_lookup_p99_ms``: the
+  same lookup of a prefix node2 holds itself, through the same socket (the baseline:
+  the client round trip). ``best_nodes_p50_ms`` / ``best_nodes_p99_ms``: the routing
+  hint (:class:`~tierkv.cluster.routing.Router`) for the same prefixes, from this process.
+- ``etcd_bytes_per_page``: the growth of etcd's store in use (``dbSizeInUse``) over the
+  pages published; ``etcd_keys_per_page``: anchors per page; ``etcd_bytes_at_1e8_pages``:
+  the first times 10^8 (100 nodes holding a million pages each).
+- ``failover_s``: node1 is SIGKILLed; the time until neither the members nor the
+  directory as this process sees them (what every lookup consults) name it any more.
+  Lookups through node2 go on meanwhile: ``failover_lookup_max_ms`` is the slowest, and
+  ``failover_wrong`` counts lookups that claimed more pages than node2 itself holds once
+  node1 was gone (none may).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierkv.keys import PageKey, as_token_array, chain_keys, namespace_digest, split_keys, tenant_salt
+from tierkv.layout import KVLayout
+
+#: 1 layer of 1 KV head of 64 dims in bf16, 16 tokens a page: 4 KiB pages, so that the
+#: directory, not copying, is what is timed.
+LAYOUT: dict[str, Any] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 16}
+PROMPT_PAGES = 64
+MODEL = "tierkv-bench-cluster"
+
+
+def _tokens(i: int, pages: int = PROMPT_PAGES) -> np.ndarray:
+    return (np.arange(pages * 16, dtype=np.int64) + (i + 1) * 1_000_003) % 2_000_000_000
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def _ms(samples: list[float]) -> tuple[float, float]:
+    return round(statistics.median(samples) * 1e3, 3), round(_pct(samples, 0.99) * 1e3, 3)
+
+
+def run_cluster_bench(nodes: int = 3, pages: int = 32768, lookups: int = 1000, lease_ttl_s: int = 10,
+                      where: str | None = None, step: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark (module docstring); ``step`` is told each phase as it starts."""
+    from tierkv.cluster.directory import Directory
+    from tierkv.cluster.etcd import Etcd
+    from tierkv.cluster.local import LocalCluster
+    from tierkv.cluster.members import NodeView
+    from tierkv.cluster.routing import Router
+    from tierkv.config import ClusterConfig, DramConfig, PeersConfig, StoreConfig
+    from tierkv.serve.client import connect
+
+    if nodes < 2:
+        raise ValueError(f"the cluster benchmark needs at least 2 nodes, got {nodes}")
+    prompts = max(1, pages // PROMPT_PAGES)
+    pages = prompts * PROMPT_PAGES
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="bf16", tokens_per_page=16)   # LAYOUT
+    say = step or (lambda _what: None)
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-cluster-", dir=where) as tmp:
+        dram = f"{max(64, 2 * pages * layout.page_bytes >> 20)}MiB"
+        cluster = LocalCluster(Path(tmp), nodes=nodes, name="bench", model_id=MODEL, dram=dram, nvme=None,
+                               layout=LAYOUT, lease_ttl_s=lease_ttl_s)
+        say(f"starting etcd and {nodes} node daemons")
+        cluster.start()
+        etcd = Etcd([cluster.etcd.endpoint])
+        directory = Directory(etcd, "bench", check_s=0.5).start()
+        view = NodeView(etcd, "bench", check_s=0.5).start()
+        router_cfg = StoreConfig(path=os.path.join(tmp, "router"), model_id=MODEL, layout=layout,
+                                 dram=DramConfig(layout.page_bytes),
+                                 peers=PeersConfig(transport="tcp", secret_file=os.path.join(tmp, "peers.secret")),
+                                 cluster=ClusterConfig((cluster.etcd.endpoint,), "bench", "router",
+                                                       lease_ttl_s=lease_ttl_s, timeout_s=min(2000, lease_ttl_s * 1000 // 3) / 1000))
+        router = Router(router_cfg, timeout_s=0.05)
+        one = connect(cluster.daemons[0][2].socket)
+        two = connect(cluster.daemons[1][2].socket)
+        ns = namespace_digest(MODEL, layout, tenant_salt(""))
+        try:
+            # -- publishing ---------------------------------------------------------------
+            say(f"putting {pages:,} pages through node1 until the directory holds their anchors")
+            data = np.random.default_rng(1).integers(0, 256, (PROMPT_PAGES, layout.page_bytes), dtype=np.uint8)
+            chains = [split_keys(chain_keys(as_token_array(_tokens(i)), 16, ns)) for i in range(prompts)]
+            base_size, base_keys = etcd.db_size(), len(directory)
+            started = time.perf_counter()
+            for i in range(prompts):
+                one.put(_tokens(i), data)
+            put_s = time.perf_counter() - started
+            want = base_keys + sum(1 for c in chains for p in _anchors(c))
+            if not directory.wait(lambda d: len(d) >= want, 120):
+                raise TimeoutError(f"the directory holds {len(directory)} anchors of {want} after 120 s")
+            publish_s = time.perf_counter() - started
+            anchors = len(directory) - base_keys
+            time.sleep(1.0)   # etcd's size in use settles after its batch commit (100 ms)
+            grown = etcd.db_size() - base_size
+            # -- lookups ------------------------------------------------------------------
+            say(f"{lookups} lookups through node2 of 64-page prefixes node1 holds, and of its own")
+            own = [prompts + 1 + i for i in range(min(64, prompts))]
+            for i in own:
+                two.put(_tokens(i), data)
+            deadline = time.monotonic() + 30
+            while two.lookup(_tokens(0)).cached_pages < PROMPT_PAGES:   # node2 connected to node1, anchors seen
+                if time.monotonic() > deadline:
+                    raise TimeoutError("node2 did not find node1's pages within 30 s")
+                time.sleep(0.05)
+            remote, local, hints, wrong = [], [], [], 0
+            for j in range(lookups):
+                t0 = time.perf_counter()
+                got = two.lookup(_tokens(j % prompts)).cached_pages
+                remote.append(time.perf_counter() - t0)
+                wrong += got != PROMPT_PAGES
+                t0 = time.perf_counter()
+                local_got = two.lookup(_tokens(own[j % len(own)])).cached_pages
+                local.append(time.perf_counter() - t0)
+                wrong += local_got != PROMPT_PAGES
+                t0 = time.perf_counter()
+                best = router.best_nodes(_tokens(j % prompts))
+                hints.append(time.perf_counter() - t0)
+                wrong += not best or best[0].node != "node1" or best[0].pages != PROMPT_PAGES
+            # -- failover -----------------------------------------------------------------
+            say(f"SIGKILL node1; waiting for its lease ({lease_ttl_s} s) to end")
+            proc = cluster.daemons[0][2].proc
+            assert proc is not None
+            first = chains[0]
+            during: list[float] = []
+            failover_wrong = 0
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            proc.wait()
+            gone_at = None
+            while time.monotonic() - killed < 3 * lease_ttl_s + 10:
+                named = "node1" in view.nodes() or "node1" in directory.holders(first)
+                if not named:
+                    gone_at = time.monotonic()
+                    break
+                t0 = time.perf_counter()
+                got = two.lookup(_tokens(0)).cached_pages
+                during.append(time.perf_counter() - t0)
+                failover_wrong += got not in (0, PROMPT_PAGES)   # all of node1's, or none: never a part
+                time.sleep(0.02)
+            after = two.lookup(_tokens(0)).cached_pages
+            failover_wrong += after != 0
+            mismatches = wrong
+        finally:
+            one.close()
+            two.close()
+            router.close()
+            directory.close()
+            view.close()
+            etcd.close()
+            cluster.stop()
+    p50, p99 = _ms(remote)
+    l50, l99 = _ms(local)
+    b50, b99 = _ms(hints)
+    per_page = grown / pages
+    return {
+        "suite": "cluster", "nodes": nodes, "pages": pages, "page_bytes": layout.page_bytes,
+        "lease_ttl_s": lease_ttl_s, "lookups": lookups,
+        "put_pages_per_s": round(pages / put_s), "publish_pages_per_s": round(pages / publish_s),
+        "publish_vs_put": round(put_s / publish_s, 3),
+        "lookup_p50_ms": p50, "lookup_p99_ms": p99, "local_lookup_p50_ms": l50, "local_lookup_p99_ms": l99,
+        "lookup_p50_vs_local": round(p50 / l50, 3) if l50 else None,
+        "best_nodes_p50_ms": b50, "best_nodes_p99_ms": b99,
+        "anchors": anchors, "etcd_keys_per_page": round(anchors / pages, 4),
+        "etcd_bytes_per_page": round(per_page, 2), "etcd_bytes_at_1e8_pages": round(per_page * 1e8),
+        "failover_s": round(gone_at - killed, 3) if gone_at is not None else None,
+        "failover_lookups": len(during), "failover_lookup_max_ms": round(max(during) * 1e3, 3) if during else None,
+        "failover_wrong": failover_wrong, "mismatches": mismatches,
+    }
+
+
+def _anchors(chain: list[PageKey]) -> list[int]:
+    from tierkv.cluster.directory import anchor_positions
+
+    return anchor_positions(chain)
