@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what tierkv and its tests need on a fresh Debian 12 / Python 3.11 machine:
 # fio (the NVMe benchmark baseline), the xxhash header for the C key chain, etcd (the
-# cluster directory's store; its tests start one on loopback), torch
+# cluster directory's store; its tests start one on loopback), iproute2 (the
+# partition tests' network namespaces; they skip where the kernel allows none), torch
 # (the CPU wheel 2.13.0 first, so the range in pyproject.toml does not pull a CUDA
 # build), then tierkv itself in editable mode with its test, metrics, demo, bench, plot and
 # cluster extras (every extra but the hardware ones: cuda, cuda13, rdma, nvme), and
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 if command -v apt-get >/dev/null; then
     $SUDO apt-get update -qq
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio libxxhash-dev gcc etcd-server >/dev/null
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio libxxhash-dev gcc etcd-server iproute2 >/dev/null
 fi
 python3 -m pip install -q torch==2.13.0
 # The constraint keeps the extras (accelerate, transformers) from moving torch off 2.13.0.

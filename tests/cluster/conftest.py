@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tierkv.cluster.local import LocalEtcd, etcd_binary
+from tests.cluster.netns import NetNs, make_netns
 
 
 #: For tests that start their own etcd (a LocalCluster): skipped where it cannot run.
@@ -25,3 +26,10 @@ def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
     server = LocalEtcd(tmp_path / "etcd").start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def netns() -> Iterator[NetNs]:
+    """A network namespace joined to this one by a veth pair (tests/cluster/netns.py)."""
+    with make_netns() as ns:
+        yield ns

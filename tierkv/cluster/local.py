@@ -36,10 +36,12 @@ def free_port() -> int:
 
 
 class LocalEtcd:
-    """One etcd member on 127.0.0.1, its data under ``workdir``."""
+    """One etcd member on ``host`` (default 127.0.0.1), its data under ``workdir``."""
 
-    def __init__(self, workdir: Path | str, client_port: int = 0, name: str = "tierkv-local") -> None:
+    def __init__(self, workdir: Path | str, client_port: int = 0, name: str = "tierkv-local",
+                 host: str = "127.0.0.1") -> None:
         self.workdir = Path(workdir)
+        self.host = host
         self.client_port = client_port or free_port()
         self.peer_port = free_port()
         self.name = name
@@ -47,7 +49,7 @@ class LocalEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def log_path(self) -> Path:
@@ -58,7 +60,7 @@ class LocalEtcd:
         if binary is None:
             raise ConfigError("no etcd server here: apt-get install etcd-server (etcd 3.4+)")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = f"http://{self.host}:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         argv = [binary, "--name", self.name, "--data-dir", str(self.workdir / "data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -74,7 +76,7 @@ class LocalEtcd:
             if self.proc.poll() is not None:
                 raise ClusterUnavailableError(f"etcd exited with status {self.proc.returncode}; its log: {self.log_path}")
             try:
-                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
+                with socket.create_connection((self.host, self.client_port), timeout=0.2):
                     pass
                 if self._healthy():
                     return self
@@ -87,7 +89,7 @@ class LocalEtcd:
     def _healthy(self) -> bool:
         import urllib.request
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health", timeout=1) as r:
+            with urllib.request.urlopen(f"http://{self.host}:{self.client_port}/health", timeout=1) as r:
                 return b'"true"' in r.read()
         except OSError:
             return False

@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from tierkv.errors import ConfigError
@@ -16,17 +17,18 @@ from tierkv.errors import ConfigError
 class Daemon:
     """``tierkv serve --foreground`` over the config at ``config``, as a child process."""
 
-    def __init__(self, config: Path, log: Path, *, new_session: bool = False) -> None:
+    def __init__(self, config: Path, log: Path, *, new_session: bool = False, prefix: Sequence[str] = ()) -> None:
         """``new_session``: run it in a session of its own (a terminal's Ctrl-C then reaches
         only its parent, which stops it in order); default: in the parent's process group
-        (a caller that kills its group ends it too)."""
-        self.config, self.log, self.new_session = config, log, new_session
+        (a caller that kills its group ends it too). ``prefix``: a command it runs under
+        (``ip netns exec NAME``: in a network namespace)."""
+        self.config, self.log, self.new_session, self.prefix = config, log, new_session, list(prefix)
         self.proc: subprocess.Popen[str] | None = None
         self.socket = ""
 
     def start(self, timeout_s: float = 60.0) -> Daemon:
         logf = open(self.log, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tierkv", "serve", "--config", str(self.config),
+        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "tierkv", "serve", "--config", str(self.config),
                                       "--foreground", "--json"], stdout=subprocess.PIPE, stderr=logf, text=True,
                                      start_new_session=self.new_session)
         logf.close()
