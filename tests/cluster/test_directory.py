@@ -174,3 +174,23 @@ def test_the_directory_ignores_keys_that_are_not_anchors(etcd: LocalEtcd, bad: b
         assert len(view) == 1 and view.holders([b"k" * 16]) == {"n": 1}
     finally:
         view.close()
+
+
+def test_the_anchor_table_keeps_one_entry_per_page_and_node() -> None:
+    t = D.AnchorTable()
+    t.add(b"k" * 16, "a", 1)
+    t.add(b"k" * 16, "b", 2)
+    t.add(b"k" * 16, "a", 3)                       # a again under a new lease: replaces its entry
+    assert sorted(t.holders(b"k" * 16)) == [("a", 3), ("b", 2)] and t.count == 2
+    t.add(b"j" * 16, "a", 3)
+    t.remove(b"k" * 16, "a")
+    t.remove(b"k" * 16, "c")                       # never there
+    assert t.holders(b"k" * 16) == [("b", 2)] and t.holders(b"j" * 16) == [("a", 3)] and t.count == 2
+    t.remove(b"k" * 16, "b")
+    t.remove(b"j" * 16, "a")
+    assert t.masks == {} and t.count == 0
+    for i in range(300):                           # holder numbers are reused once unused
+        t.add(bytes([i % 256]) * 16, f"n{i}", i)
+        t.remove(bytes([i % 256]) * 16, f"n{i}")
+    t.add(b"k" * 16, "z", 9)
+    assert len(t._holders) == 3 and t.masks[b"k" * 16].bit_length() <= 3   # never more numbers than held at once

@@ -17,6 +17,8 @@ over TCP on loopback) with a lease of ``lease_ttl_s``. Measured, in one run:
 - ``etcd_bytes_per_page``: the growth of etcd's store in use (``dbSizeInUse``) over the
   pages published; ``etcd_keys_per_page``: anchors per page; ``etcd_bytes_at_1e8_pages``:
   the first times 10^8 (100 nodes holding a million pages each).
+  ``follower_bytes_per_anchor``: the memory a follower's table of the anchors takes
+  (tracemalloc), and ``follower_bytes_at_1e8_pages`` what each node would hold at 10^8.
 - ``failover_s``: node1 is SIGKILLed; the time until neither the members nor the
   directory as this process sees them (what every lookup consults) name it any more.
   Lookups through node2 go on meanwhile: ``failover_lookup_max_ms`` is the slowest, and
@@ -112,6 +114,7 @@ def run_cluster_bench(nodes: int = 3, pages: int = 32768, lookups: int = 1000, l
             anchors = len(directory) - base_keys
             time.sleep(1.0)   # etcd's size in use settles after its batch commit (100 ms)
             grown = etcd.db_size() - base_size
+            follower = _table_bytes(etcd, directory) / max(1, len(directory))
             # -- lookups ------------------------------------------------------------------
             say(f"{lookups} lookups through node2 of 64-page prefixes node1 holds, and of its own")
             own = [prompts + 1 + i for i in range(min(64, prompts))]
@@ -182,10 +185,32 @@ def run_cluster_bench(nodes: int = 3, pages: int = 32768, lookups: int = 1000, l
         "best_nodes_p50_ms": b50, "best_nodes_p99_ms": b99,
         "anchors": anchors, "etcd_keys_per_page": round(anchors / pages, 4),
         "etcd_bytes_per_page": round(per_page, 2), "etcd_bytes_at_1e8_pages": round(per_page * 1e8),
+        "follower_bytes_per_anchor": round(follower, 1),
+        "follower_bytes_at_1e8_pages": round(follower * anchors / pages * 1e8),
         "failover_s": round(gone_at - killed, 3) if gone_at is not None else None,
         "failover_lookups": len(during), "failover_lookup_max_ms": round(max(during) * 1e3, 3) if during else None,
         "failover_wrong": failover_wrong, "mismatches": mismatches,
     }
+
+
+def _table_bytes(etcd: Any, directory: Any) -> int:
+    """The memory a follower's table of every anchor in etcd takes (tracemalloc)."""
+    import tracemalloc
+
+    from tierkv.cluster.directory import AnchorTable
+
+    _rev, kvs = etcd.get_prefix(directory.prefix, keys_only=True)
+    tracemalloc.start()
+    try:
+        table = AnchorTable()
+        for kv in kvs:   # as a follower does: each key parsed (the page key made), then kept
+            parsed = directory._parse(kv.key)
+            if parsed is not None:
+                table.add(parsed[0], parsed[1], kv.lease)
+        del parsed
+        return int(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
 
 
 def _anchors(chain: list[PageKey]) -> list[int]:

@@ -367,6 +367,8 @@ def cluster_tables(r: Mapping[str, object]) -> Iterator[Table]:
         ("etcd keys per page", r.get("etcd_keys_per_page"), "-", "-"),
         ("etcd bytes per page", r.get("etcd_bytes_per_page"), "-", "-"),
         ("etcd bytes at 10^8 pages", _size(r.get("etcd_bytes_at_1e8_pages")), "-", "< 8 GiB"),
+        ("follower bytes per anchor (each node's table)", r.get("follower_bytes_per_anchor"), "-", "-"),
+        ("follower bytes at 10^8 pages", _size(r.get("follower_bytes_at_1e8_pages")), "-", "-"),
         ("failover s (SIGKILL until no lookup names the node)", r.get("failover_s"), "-", "<= 12 (10 s lease)"),
         ("slowest lookup during failover, ms", r.get("failover_lookup_max_ms"), "-", "-"),
         ("wrong answers (lookups, hints, failover)", f"{_cell(r.get('mismatches'))}, "

@@ -64,7 +64,7 @@ fi
 # pin keeps pip from pulling a multi-GB CUDA build. The project itself is not installed:
 # guest.sh puts the checkout on PYTHONPATH, so nothing is written into the repo.
 GUEST_VENV=$WORK/guest-venv
-GUEST_REQS="numpy lmdb xxhash rich pytest hypothesis torch==2.13.0"
+GUEST_REQS="numpy lmdb xxhash rich pytest hypothesis etcd3gw torch==2.13.0"
 STAMP=$GUEST_VENV/.tierkv-reqs
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$GUEST_REQS" ] || ! "$GUEST_VENV/bin/python" -c 'import pytest, numpy, torch, pyverbs, libnvme' 2>/dev/null; then
     log "building the guest venv ($GUEST_REQS)"
