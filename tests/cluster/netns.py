@@ -43,7 +43,8 @@ def make_netns() -> Iterator[NetNs]:
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     tag = f"tkv{os.getpid() % 100000}"
-    octet = 16 + os.getpid() % 200
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=10).stdout
+    octet = next(o for o in [16 + (os.getpid() + i) % 200 for i in range(200)] if f" 10.{o}." not in used)
     ns = NetNs(tag, f"{tag}h", f"10.{octet}.0.1", f"10.{octet}.0.2")
     try:
         _ip("netns", "add", ns.name)

@@ -25,6 +25,15 @@ def test_bench_cluster_quick_json(sock_dir: Path) -> None:   # a short folder: t
     assert 0.1 < r["etcd_keys_per_page"] < 0.11          # 6 shallow anchors + ~0.5 deep ones per 64 pages
     assert r["failover_s"] < 2 * 2 + 5                   # the lease, then etcd's expiry check and the watch
     assert list(sock_dir.iterdir()) == []                # its files are gone
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(sock_dir).encode() in _cmdline(p)]
+    assert left == [], "etcd or a node daemon outlived the benchmark"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_bench_cluster_refuses_bad_arguments() -> None:

@@ -5,6 +5,9 @@ watch; the node daemons ask the member the directory names."""
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,7 @@ from tierkv.cluster import directory as D
 from tierkv.cluster.directory import ANCHOR_EVERY, SHALLOW, Directory, Publisher, anchor_positions, is_anchor
 from tierkv.cluster.etcd import Etcd
 from tierkv.cluster.local import LocalEtcd
+from tierkv.errors import ClusterUnavailableError
 from tierkv.config import ClusterConfig, DramConfig, PeersConfig, StoreConfig
 from tierkv.keys import PageKey, as_token_array, chain_keys, namespace_digest, split_keys, tenant_salt
 from tierkv.serve.daemon import NodeService
@@ -60,7 +64,8 @@ def test_publisher_and_directory(etcd: LocalEtcd) -> None:
         anchors = anchor_positions(chain)
         assert [p for p in anchors if p >= SHALLOW] == [64, 128, 192, 256]
         pub.placed(chain, list(range(SHALLOW)) + [-1] * (300 - SHALLOW))
-        assert not pub.flushed(0.3)                      # no lease yet: nothing is written
+        time.sleep(0.3)
+        assert pub.stats()["transactions"] == 0 and len(view) == 0    # no lease yet: nothing is written
         lease = client.grant(30)
         pub.set_lease(lease)
         assert pub.flushed(5)
@@ -94,14 +99,14 @@ def test_the_directory_lists_again_when_etcd_returns(etcd: LocalEtcd) -> None:
         lease = client.grant(60)
         client.put(D.anchor_key(D.pages_prefix("c"), b"k" * 16, "n2"), b"dram", lease)
         assert view.wait(lambda d: d.holders([b"k" * 16]) == {"n2": 1}, 5)
+        relists = view.relists
         etcd.pause()
         assert wait_for(lambda: view.stale, 5)
         etcd.resume()
         assert wait_for(lambda: not view.stale, 10)
-        relists = view.relists
+        assert view.relists > relists                    # listed again: events may have been missed
         client.put(D.anchor_key(D.pages_prefix("c"), b"j" * 16, "n2"), b"dram", lease)
         assert view.wait(lambda d: d.holders([b"j" * 16]) == {"n2": 1}, 5)
-        assert view.relists >= relists
     finally:
         view.close()
 
@@ -128,8 +133,8 @@ def test_nodes_publish_what_they_serve_and_ask_the_member_that_holds_a_prefix(
         route = b._cluster._route
         assert wait_for(lambda: route(keys) == [a_ep], 10)              # only a is asked
         assert route(keys_of(tokens, tenant="t")) == []                  # another tenant's keys: nobody
-        st = a.status()["cluster"]["directory"]
-        assert st["published"]["anchors"] == 6 + sum(k[-1] % ANCHOR_EVERY == 0 for k in keys[SHALLOW:])
+        anchors = 6 + sum(k[-1] % ANCHOR_EVERY == 0 for k in keys[SHALLOW:])
+        assert wait_for(lambda: a.status()["cluster"]["directory"]["published"]["anchors"] == anchors, 5)
         assert b.store.lookup(tokens).cached_pages == 40
         out = np.zeros((40, PB), np.uint8)
         got = b.store.get(tokens, out)
@@ -169,9 +174,11 @@ def test_the_directory_ignores_keys_that_are_not_anchors(etcd: LocalEtcd, bad: b
     client = Etcd([etcd.endpoint])
     client.put(bad, b"dram")
     client.put(D.anchor_key(D.pages_prefix("c"), b"k" * 16, "n"), b"dram")
-    view = Directory(client, "c").start()
+    view = Directory(client, "c", check_s=0.1).start()
     try:
         assert len(view) == 1 and view.holders([b"k" * 16]) == {"n": 1}
+        time.sleep(0.6)
+        assert view.relists == 1 and not view.stale      # the stray key counted: no listing again and again
     finally:
         view.close()
 
@@ -194,3 +201,111 @@ def test_the_anchor_table_keeps_one_entry_per_page_and_node() -> None:
         t.remove(bytes([i % 256]) * 16, f"n{i}")
     t.add(b"k" * 16, "z", 9)
     assert len(t._holders) == 3 and t.masks[b"k" * 16].bit_length() <= 3   # never more numbers than held at once
+
+
+class HeldEtcd(Etcd):
+    """A real etcd client whose transactions can be held before they go, or fail after
+    etcd committed them (an answer lost: the outcome unknown to the caller)."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__([endpoint])
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.lose_answers = 0
+
+    def write(self, puts: Sequence[tuple[bytes, bytes]] = (), deletes: Sequence[bytes] = (), lease: int = 0) -> int:
+        self.entered.set()
+        self.gate.wait(10)
+        rev = super().write(puts, deletes, lease)
+        if self.lose_answers:
+            self.lose_answers -= 1
+            raise ClusterUnavailableError("the answer was lost (test)")
+        return rev
+
+
+def anchor_in_etcd(client: Etcd, key: bytes, node: str = "n1") -> bool:
+    return client.get(D.anchor_key(D.pages_prefix("c"), key, node)) is not None
+
+
+def test_a_page_removed_while_its_put_is_in_flight_leaves_etcd(etcd: LocalEtcd) -> None:
+    client = HeldEtcd(etcd.endpoint)
+    pub = Publisher(client, "c", "n1", flush_s=0.01)
+    try:
+        pub.set_lease(client.grant(30))
+        k = PageKey(os.urandom(16))
+        client.gate.clear()
+        pub.placed([k], [0])
+        assert client.entered.wait(5)                    # the put is in flight, held
+        pub.removed([k])
+        client.gate.set()
+        assert pub.flushed(5)
+        assert wait_for(lambda: not anchor_in_etcd(client, k), 5) and pub.stats()["anchors"] == 0
+        # A lease change while a delete is in flight does not put the page back.
+        k2 = PageKey(os.urandom(16))
+        pub.placed([k2], [0])
+        assert pub.flushed(5) and anchor_in_etcd(client, k2)
+        client.entered.clear()
+        client.gate.clear()
+        pub.removed([k2])
+        assert client.entered.wait(5)
+        pub.set_lease(client.grant(30))
+        client.gate.set()
+        assert pub.flushed(5)
+        time.sleep(0.2)
+        assert not anchor_in_etcd(client, k2) and pub.stats()["anchors"] == 0
+    finally:
+        client.gate.set()
+        pub.close()
+
+
+def test_writes_whose_answer_was_lost_are_sent_again(etcd: LocalEtcd) -> None:
+    client = HeldEtcd(etcd.endpoint)
+    pub = Publisher(client, "c", "n1", flush_s=0.01)
+    try:
+        pub.set_lease(client.grant(30))
+        # A put committed, its answer lost; then the page leaves: the delete must be sent.
+        k = PageKey(os.urandom(16))
+        client.lose_answers = 1
+        pub.placed([k], [0])
+        assert wait_for(lambda: pub.stats()["errors"] == 1, 5) and anchor_in_etcd(client, k)
+        pub.removed([k])
+        assert pub.flushed(5) and wait_for(lambda: not anchor_in_etcd(client, k), 5)
+        # A delete committed, its answer lost; then the page comes back: the put must be sent.
+        k2 = PageKey(os.urandom(16))
+        pub.placed([k2], [0])
+        assert pub.flushed(5) and anchor_in_etcd(client, k2)
+        client.lose_answers = 1
+        pub.removed([k2])
+        assert wait_for(lambda: pub.stats()["errors"] == 2, 5) and not anchor_in_etcd(client, k2)
+        pub.placed([k2], [0])
+        assert pub.flushed(5) and wait_for(lambda: anchor_in_etcd(client, k2), 5)
+        assert not pub.stats()["etcd_away"]
+    finally:
+        pub.close()
+
+
+def test_an_idle_watch_is_resumed_not_listed_again(etcd: LocalEtcd, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierkv.cluster import etcd as E
+
+    monkeypatch.setattr(E, "WATCH_IDLE_S", 0.5)          # the watch's stream ends after 0.5 s of silence
+    client = Etcd([etcd.endpoint])
+    view = Directory(client, "c", check_s=0.1).start()
+    try:
+        assert wait_for(lambda: view.rewatches >= 2, 10)
+        lease = client.grant(30)
+        client.put(D.anchor_key(D.pages_prefix("c"), b"k" * 16, "n"), b"dram", lease)
+        assert view.wait(lambda d: d.holders([b"k" * 16]) == {"n": 1}, 5)
+        assert view.relists == 1
+    finally:
+        view.close()
+
+
+def test_a_listing_goes_in_pages_at_one_revision(etcd: LocalEtcd) -> None:
+    client = Etcd([etcd.endpoint])
+    for i in range(10):
+        client.put(b"/p/" + bytes([65 + i]), b"v")
+    client.put(b"/q", b"outside")
+    rev, kvs = client.get_prefix_paged(b"/p/", page=3)
+    assert [kv.key for kv in kvs] == [b"/p/" + bytes([65 + i]) for i in range(10)] and rev > 0
+    assert client.get_prefix_paged(b"/none/", page=3)[1] == []

@@ -60,6 +60,11 @@ def test_cluster_members_fetch_over_rdma(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "b never saw a's pages"
             time.sleep(0.2)
         assert b.status()["cluster"]["directory"]["anchors"] >= 6
+        from tierkv.keys import as_token_array, chain_keys, namespace_digest, split_keys, tenant_salt
+
+        keys = split_keys(chain_keys(as_token_array(tokens), LAYOUT.tokens_per_page,
+                                     namespace_digest("rig", LAYOUT, tenant_salt(""))))
+        assert b._cluster._route(keys) == [a.store.peer_address]   # the directory named a (not every member)
         out = np.zeros((40, PB), np.uint8)
         got = b.store.get(tokens, out)
         assert got.pages == 40 and got.tiers == (TierKind.PEER,) * 40

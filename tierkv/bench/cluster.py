@@ -18,12 +18,15 @@ over TCP on loopback) with a lease of ``lease_ttl_s``. Measured, in one run:
   pages published; ``etcd_keys_per_page``: anchors per page; ``etcd_bytes_at_1e8_pages``:
   the first times 10^8 (100 nodes holding a million pages each).
   ``follower_bytes_per_anchor``: the memory a follower's table of the anchors takes
-  (tracemalloc), and ``follower_bytes_at_1e8_pages`` what each node would hold at 10^8.
-- ``failover_s``: node1 is SIGKILLed; the time until neither the members nor the
-  directory as this process sees them (what every lookup consults) name it any more.
+  (tracemalloc; each anchor's holder numbered as a hundredth node's), and
+  ``follower_bytes_at_1e8_pages`` what each node would hold at 10^8.
+- ``failover_s``: node1 is SIGKILLed; the time until node2 no longer fetches from it
+  (``fetch_peers`` in its status: the members its gets and lookups ask) and neither the
+  members nor the directory as this process follows them name it.
   Lookups through node2 go on meanwhile: ``failover_lookup_max_ms`` is the slowest, and
-  ``failover_wrong`` counts lookups that claimed more pages than node2 itself holds once
-  node1 was gone (none may).
+  ``failover_wrong`` counts lookups that claimed any page (node1 is dead and node2 never
+  held the prompt: none may). A run where node1 is still named 3 leases + 10 s later
+  raises TimeoutError.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -79,98 +83,98 @@ def run_cluster_bench(nodes: int = 3, pages: int = 32768, lookups: int = 1000, l
     pages = prompts * PROMPT_PAGES
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="bf16", tokens_per_page=16)   # LAYOUT
     say = step or (lambda _what: None)
-    with tempfile.TemporaryDirectory(prefix="tierkv-bench-cluster-", dir=where) as tmp:
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-cluster-", dir=where) as tmp, ExitStack() as stack:
         dram = f"{max(64, 2 * pages * layout.page_bytes >> 20)}MiB"
         cluster = LocalCluster(Path(tmp), nodes=nodes, name="bench", model_id=MODEL, dram=dram, nvme=None,
                                layout=LAYOUT, lease_ttl_s=lease_ttl_s)
         say(f"starting etcd and {nodes} node daemons")
+        stack.callback(cluster.stop)   # last out: whatever fails below, no daemon or etcd outlives the run
         cluster.start()
         etcd = Etcd([cluster.etcd.endpoint])
+        stack.callback(etcd.close)
         directory = Directory(etcd, "bench", check_s=0.5).start()
+        stack.callback(directory.close)
         view = NodeView(etcd, "bench", check_s=0.5).start()
+        stack.callback(view.close)
+        timeout = min(2000, lease_ttl_s * 1000 // 3) / 1000
         router_cfg = StoreConfig(path=os.path.join(tmp, "router"), model_id=MODEL, layout=layout,
                                  dram=DramConfig(layout.page_bytes),
                                  peers=PeersConfig(transport="tcp", secret_file=os.path.join(tmp, "peers.secret")),
                                  cluster=ClusterConfig((cluster.etcd.endpoint,), "bench", "router",
-                                                       lease_ttl_s=lease_ttl_s, timeout_s=min(2000, lease_ttl_s * 1000 // 3) / 1000))
-        router = Router(router_cfg, timeout_s=0.05)
-        one = connect(cluster.daemons[0][2].socket)
-        two = connect(cluster.daemons[1][2].socket)
+                                                       lease_ttl_s=lease_ttl_s, timeout_s=timeout))
+        router = stack.enter_context(Router(router_cfg, timeout_s=0.05))
+        one = stack.enter_context(connect(cluster.daemons[0][2].socket))
+        two = stack.enter_context(connect(cluster.daemons[1][2].socket))
         ns = namespace_digest(MODEL, layout, tenant_salt(""))
-        try:
-            # -- publishing ---------------------------------------------------------------
-            say(f"putting {pages:,} pages through node1 until the directory holds their anchors")
-            data = np.random.default_rng(1).integers(0, 256, (PROMPT_PAGES, layout.page_bytes), dtype=np.uint8)
-            chains = [split_keys(chain_keys(as_token_array(_tokens(i)), 16, ns)) for i in range(prompts)]
-            base_size, base_keys = etcd.db_size(), len(directory)
-            started = time.perf_counter()
-            for i in range(prompts):
-                one.put(_tokens(i), data)
-            put_s = time.perf_counter() - started
-            want = base_keys + sum(1 for c in chains for p in _anchors(c))
-            if not directory.wait(lambda d: len(d) >= want, 120):
-                raise TimeoutError(f"the directory holds {len(directory)} anchors of {want} after 120 s")
-            publish_s = time.perf_counter() - started
-            anchors = len(directory) - base_keys
-            time.sleep(1.0)   # etcd's size in use settles after its batch commit (100 ms)
-            grown = etcd.db_size() - base_size
-            follower = _table_bytes(etcd, directory) / max(1, len(directory))
-            # -- lookups ------------------------------------------------------------------
-            say(f"{lookups} lookups through node2 of 64-page prefixes node1 holds, and of its own")
-            own = [prompts + 1 + i for i in range(min(64, prompts))]
-            for i in own:
-                two.put(_tokens(i), data)
-            deadline = time.monotonic() + 30
-            while two.lookup(_tokens(0)).cached_pages < PROMPT_PAGES:   # node2 connected to node1, anchors seen
-                if time.monotonic() > deadline:
-                    raise TimeoutError("node2 did not find node1's pages within 30 s")
-                time.sleep(0.05)
-            remote, local, hints, wrong = [], [], [], 0
-            for j in range(lookups):
-                t0 = time.perf_counter()
-                got = two.lookup(_tokens(j % prompts)).cached_pages
-                remote.append(time.perf_counter() - t0)
-                wrong += got != PROMPT_PAGES
-                t0 = time.perf_counter()
-                local_got = two.lookup(_tokens(own[j % len(own)])).cached_pages
-                local.append(time.perf_counter() - t0)
-                wrong += local_got != PROMPT_PAGES
-                t0 = time.perf_counter()
-                best = router.best_nodes(_tokens(j % prompts))
-                hints.append(time.perf_counter() - t0)
-                wrong += not best or best[0].node != "node1" or best[0].pages != PROMPT_PAGES
-            # -- failover -----------------------------------------------------------------
-            say(f"SIGKILL node1; waiting for its lease ({lease_ttl_s} s) to end")
-            proc = cluster.daemons[0][2].proc
-            assert proc is not None
-            first = chains[0]
-            during: list[float] = []
-            failover_wrong = 0
-            os.kill(proc.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            proc.wait()
-            gone_at = None
-            while time.monotonic() - killed < 3 * lease_ttl_s + 10:
-                named = "node1" in view.nodes() or "node1" in directory.holders(first)
-                if not named:
-                    gone_at = time.monotonic()
-                    break
-                t0 = time.perf_counter()
-                got = two.lookup(_tokens(0)).cached_pages
-                during.append(time.perf_counter() - t0)
-                failover_wrong += got not in (0, PROMPT_PAGES)   # all of node1's, or none: never a part
-                time.sleep(0.02)
-            after = two.lookup(_tokens(0)).cached_pages
-            failover_wrong += after != 0
-            mismatches = wrong
-        finally:
-            one.close()
-            two.close()
-            router.close()
-            directory.close()
-            view.close()
-            etcd.close()
-            cluster.stop()
+        # -- publishing -------------------------------------------------------------------
+        say(f"putting {pages:,} pages through node1 until the directory holds their anchors")
+        data = np.random.default_rng(1).integers(0, 256, (PROMPT_PAGES, layout.page_bytes), dtype=np.uint8)
+        chains = [split_keys(chain_keys(as_token_array(_tokens(i)), 16, ns)) for i in range(prompts)]
+        base_size, base_keys = etcd.db_size(), len(directory)
+        started = time.perf_counter()
+        for i in range(prompts):
+            one.put(_tokens(i), data)
+        put_s = time.perf_counter() - started
+        want = base_keys + sum(1 for c in chains for p in _anchors(c))
+        if not directory.wait(lambda d: len(d) >= want, 120):
+            raise TimeoutError(f"the directory holds {len(directory)} anchors of {want} after 120 s")
+        publish_s = time.perf_counter() - started
+        anchors = len(directory) - base_keys
+        time.sleep(1.0)   # etcd's size in use settles after its batch commit (100 ms)
+        grown = etcd.db_size() - base_size
+        follower = _table_bytes(etcd, directory)
+        # -- lookups ----------------------------------------------------------------------
+        say(f"{lookups} lookups through node2 of 64-page prefixes node1 holds, and of its own")
+        own = [prompts + 1 + i for i in range(min(64, prompts))]
+        for i in own:
+            two.put(_tokens(i), data)
+        deadline = time.monotonic() + 30
+        while two.lookup(_tokens(0)).cached_pages < PROMPT_PAGES:   # node2 connected to node1, anchors seen
+            if time.monotonic() > deadline:
+                raise TimeoutError("node2 did not find node1's pages within 30 s")
+            time.sleep(0.05)
+        remote, local, hints, wrong = [], [], [], 0
+        for j in range(lookups):
+            t0 = time.perf_counter()
+            got = two.lookup(_tokens(j % prompts)).cached_pages
+            remote.append(time.perf_counter() - t0)
+            wrong += got != PROMPT_PAGES
+            t0 = time.perf_counter()
+            local_got = two.lookup(_tokens(own[j % len(own)])).cached_pages
+            local.append(time.perf_counter() - t0)
+            wrong += local_got != PROMPT_PAGES
+            t0 = time.perf_counter()
+            best = router.best_nodes(_tokens(j % prompts))
+            hints.append(time.perf_counter() - t0)
+            wrong += not best or best[0].node != "node1" or best[0].pages != PROMPT_PAGES
+        # -- failover ---------------------------------------------------------------------
+        say(f"SIGKILL node1; waiting for its lease ({lease_ttl_s} s) to end")
+        proc = cluster.daemons[0][2].proc
+        assert proc is not None
+        node1 = _peer_of(view, "node1")
+        first = chains[0]
+        during: list[float] = []
+        failover_wrong = 0
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait()
+        gone_at = None
+        while time.monotonic() - killed < 3 * lease_ttl_s + 10:
+            # Named while node2 still fetches from it (its members' view, what its lookups
+            # ask), or a follower's members or directory still hold it.
+            named = (node1 in two.status()["cluster"].get("fetch_peers", []) or "node1" in view.nodes()
+                     or "node1" in directory.holders(first))
+            if not named:
+                gone_at = time.monotonic()
+                break
+            t0 = time.perf_counter()
+            got = two.lookup(_tokens(0)).cached_pages
+            during.append(time.perf_counter() - t0)
+            failover_wrong += got != 0   # node1 is dead and node2 never held prompt 0
+            time.sleep(0.02)
+        if gone_at is None:
+            raise TimeoutError(f"node1 was still named {3 * lease_ttl_s + 10} s after its SIGKILL")
+        failover_wrong += two.lookup(_tokens(0)).cached_pages != 0
     p50, p99 = _ms(remote)
     l50, l99 = _ms(local)
     b50, b99 = _ms(hints)
@@ -187,28 +191,40 @@ def run_cluster_bench(nodes: int = 3, pages: int = 32768, lookups: int = 1000, l
         "etcd_bytes_per_page": round(per_page, 2), "etcd_bytes_at_1e8_pages": round(per_page * 1e8),
         "follower_bytes_per_anchor": round(follower, 1),
         "follower_bytes_at_1e8_pages": round(follower * anchors / pages * 1e8),
-        "failover_s": round(gone_at - killed, 3) if gone_at is not None else None,
+        "failover_s": round(gone_at - killed, 3),
         "failover_lookups": len(during), "failover_lookup_max_ms": round(max(during) * 1e3, 3) if during else None,
-        "failover_wrong": failover_wrong, "mismatches": mismatches,
+        "failover_wrong": failover_wrong, "mismatches": wrong,
     }
 
 
-def _table_bytes(etcd: Any, directory: Any) -> int:
-    """The memory a follower's table of every anchor in etcd takes (tracemalloc)."""
+def _peer_of(view: Any, node: str) -> str:
+    rec = view.nodes().get(node)
+    if rec is None or rec.peer is None:
+        raise RuntimeError(f"{node} is not a member serving pages")
+    return str(rec.peer)
+
+
+def _table_bytes(etcd: Any, directory: Any) -> float:
+    """The memory per anchor a follower's table of every anchor in etcd takes
+    (tracemalloc), with holders numbered as the hundredth node's would be: a mask of one
+    low bit is a small int CPython does not allocate, which would flatter the figure."""
     import tracemalloc
 
     from tierkv.cluster.directory import AnchorTable
 
-    _rev, kvs = etcd.get_prefix(directory.prefix, keys_only=True)
+    _rev, kvs = etcd.get_prefix_paged(directory.prefix, keys_only=True)
+    table = AnchorTable()
+    for i in range(99):   # 99 other nodes' holder numbers, taken first
+        table.add(bytes(16), f"other{i}", i + 1)
     tracemalloc.start()
     try:
-        table = AnchorTable()
+        n = 0
         for kv in kvs:   # as a follower does: each key parsed (the page key made), then kept
             parsed = directory._parse(kv.key)
             if parsed is not None:
                 table.add(parsed[0], parsed[1], kv.lease)
-        del parsed
-        return int(tracemalloc.get_traced_memory()[0])
+                n += 1
+        return tracemalloc.get_traced_memory()[0] / max(1, n)
     finally:
         tracemalloc.stop()
 

@@ -11,16 +11,19 @@ or per-node summaries is in docs/cluster.md.
 - :class:`Publisher`: one node's anchors. The store tells it the pages it places in and
   removes from the tier it serves to other nodes; it writes their anchors as
   ``/tierkv/{cluster}/pages/{key hex}/{node}`` (value: the tier) under the node's lease,
-  batched, at most :data:`~tierkv.cluster.etcd.MAX_TXN_OPS` operations a transaction,
-  every ``flush_s``, deletes first. A page is announced after its bytes are in place;
-  its removal is queued when the store evicts it and sent with the next batch, so for up
-  to a batch's delay the directory can name a node for a page it no longer has: the
-  reader asks that node, which answers from its live index (a miss), never with other
-  bytes. When the node's lease changes (it registered again) every anchor it holds is
-  put again under the new one; its anchors leave etcd with its lease.
-- :class:`Directory`: every member's anchors as one process sees them, listed once and
-  kept current by a watch (checked every ``check_s`` by counting the keys etcd holds, and
-  listed again when the watch broke or the counts differ twice in a row).
+  batched, at most :data:`~tierkv.cluster.etcd.MAX_TXN_OPS` operations a transaction
+  (deletes first within it), every ``flush_s``. A page is announced after its bytes are
+  in place; its removal is queued when the store evicts it and sent with the next batch
+  (after a put of it still in flight), so for about a batch's delay, or while etcd does
+  not answer, the directory can name a node for a page it no longer has: the reader asks
+  that node, which answers from its live index (a miss), never with other bytes. When
+  the node's lease changes (it registered again) every anchor it still holds is put
+  again under the new one; its anchors leave etcd with its lease.
+- :class:`Directory`: every member's anchors as one process sees them, listed once (in
+  pages of :data:`~tierkv.cluster.etcd.LIST_PAGE` keys at one revision) and kept current
+  by a watch; a watch that ends (idle, reset, etcd restarted) is resumed from the last
+  revision seen, and only a compaction past it, or counts of the keys etcd holds that
+  differ from the directory's twice in a row (checked every ``check_s``), list again.
   :meth:`Directory.holders` says, for a prompt's keys, how deep an anchor each member
   holds; entries under a lease other than the member's current one (its epoch) are left
   out. Lookups ask the members it names how far they really hold.
@@ -28,12 +31,13 @@ or per-node summaries is in docs/cluster.md.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tierkv.cluster.etcd import MAX_TXN_OPS, Etcd, Event, KeyValue
+from tierkv.cluster.etcd import MAX_TXN_OPS, Etcd, Event
 from tierkv.config import check_name
 from tierkv.errors import ClusterRefusedError, ClusterUnavailableError
 from tierkv.keys import KEY_BYTES, PageKey
@@ -46,6 +50,8 @@ ANCHOR_EVERY = 64
 SHALLOW = 32
 #: Seconds between attempts to reach etcd again.
 RETRY_S = 1.0
+#: Watch events applied under the directory's lock at a time.
+EVENT_CHUNK = 1024
 
 
 def pages_prefix(cluster: str) -> bytes:
@@ -71,7 +77,14 @@ def anchor_key(prefix: bytes, key: bytes, node: str) -> bytes:
 
 
 class Publisher:
-    """This node's anchors in etcd, under its lease (:meth:`set_lease`), batched on a thread."""
+    """This node's anchors in etcd, under its lease (:meth:`set_lease`), batched on a thread.
+
+    Each key's state is the latest of: pending (what the store last said, not yet sent),
+    in flight (sent in the transaction being written), published (confirmed by etcd), so
+    a removal during a put's transaction is sent after it, and a lease change re-puts only
+    what is still wanted. A write whose outcome is unknown (a timeout after etcd may have
+    committed it) makes its keys *unsure*: their next operation is sent whatever the
+    published set says (puts and deletes are idempotent)."""
 
     def __init__(self, etcd: Etcd, cluster: str, node: str, tier: str = "dram", flush_s: float = 0.05) -> None:
         self.etcd = etcd
@@ -80,8 +93,10 @@ class Publisher:
         self.tier = tier.encode()
         self.flush_s = flush_s
         self.depth_cap = SHALLOW   # the positions placed() needs: those below it choose anchors
-        self._pending: dict[bytes, bool] = {}   # key -> whether it should be published
+        self._pending: dict[bytes, bool] = {}    # key -> whether it should be published
+        self._inflight: dict[bytes, bool] = {}   # the transaction being written
         self._published: set[bytes] = set()
+        self._unsure: set[bytes] = set()
         self._lease = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -106,36 +121,37 @@ class Publisher:
         """Pages no longer readable here (their slots about to be reused)."""
         with self._cond:
             for k in keys:
-                if k in self._published or k in self._pending:
+                if k in self._pending or k in self._inflight or k in self._published or k in self._unsure:
                     self._pending[k] = False
 
     def set_lease(self, lease: int) -> None:
-        """The node's lease (0: none). A new lease: every anchor is put again under it (the
-        ones under the old lease left etcd with it)."""
+        """The node's lease (0: none). A new lease: every anchor still wanted is put again
+        under it (the ones under the old lease leave etcd with it; a put in flight under
+        the old lease is queued again when it returns)."""
         with self._cond:
             if lease == self._lease:
                 return
             self._lease = lease
             for k in self._published:
-                self._pending.setdefault(k, True)
+                if k not in self._inflight:
+                    self._pending.setdefault(k, True)
             self._published.clear()
             self._cond.notify()
 
     # -- the writer --------------------------------------------------------------------
-    def _batch(self) -> tuple[list[bytes], list[bytes], dict[bytes, bool], int]:
-        """Up to a transaction's worth of changes, deletes first (under the lock)."""
+    def _batch(self) -> tuple[list[bytes], list[bytes], int]:
+        """Up to a transaction's worth of changes, taken from pending into in flight (under the lock)."""
         deletes: list[bytes] = []
         puts: list[bytes] = []
-        taken: dict[bytes, bool] = {}
-        for k, want in list(self._pending.items()):
+        for k, want in list(itertools.islice(self._pending.items(), 4 * MAX_TXN_OPS)):
             if len(deletes) + len(puts) >= MAX_TXN_OPS:
                 break
             del self._pending[k]
-            if want == (k in self._published):
+            if k not in self._unsure and want == (k in self._published):
                 continue
-            taken[k] = want
+            self._inflight[k] = want
             (puts if want else deletes).append(k)
-        return puts, deletes, taken, self._lease
+        return puts, deletes, self._lease
 
     def _run(self) -> None:
         wait = 0.0
@@ -149,31 +165,24 @@ class Publisher:
                 if not (self._pending and self._lease):
                     wait = 0.0
                     continue
-                puts, deletes, taken, lease = self._batch()
+                puts, deletes, lease = self._batch()
             wait = 0.0
-            if not taken:
+            if not (puts or deletes):
                 continue
             try:
                 self.etcd.write([(anchor_key(self.prefix, k, self.node), self.tier) for k in puts],
                                 [anchor_key(self.prefix, k, self.node) for k in deletes], lease)
-            except (ClusterUnavailableError, ClusterRefusedError) as exc:
-                with self._cond:
-                    for k, want in taken.items():
-                        self._pending.setdefault(k, want)   # a newer change stays
-                    self.errors += 1
-                    away = isinstance(exc, ClusterUnavailableError)
-                    if away and not self.etcd_away:
-                        log.warning("tierkv: publishing anchors: etcd does not answer (%s); retrying", exc)
-                    elif not away:   # the lease gone: the membership registers again, then set_lease
-                        log.info("tierkv: publishing anchors: %s; waiting for the node's next lease", exc)
-                    self.etcd_away = away
+            except Exception as exc:   # noqa: BLE001 - whatever failed, the keys are retried
+                self._failed(exc)
                 wait = RETRY_S
                 continue
             with self._cond:
                 self.etcd_away = False
                 self.transactions += 1
-                if lease != self._lease:   # a new lease meanwhile: what this put is gone with the old one
-                    for k, want in taken.items():
+                done, self._inflight = self._inflight, {}
+                self._unsure.difference_update(done)
+                if lease != self._lease:   # a new lease meanwhile: these puts left with the old one
+                    for k, want in done.items():
                         if want:
                             self._pending.setdefault(k, True)
                     continue
@@ -182,17 +191,36 @@ class Publisher:
             if not self._pending:
                 wait = self.flush_s   # gather the next batch
 
+    def _failed(self, exc: Exception) -> None:
+        """A write that failed, or whose outcome is unknown: its keys are unsure, queued
+        again unless the store said something newer."""
+        with self._cond:
+            done, self._inflight = self._inflight, {}
+            for k, want in done.items():
+                self._unsure.add(k)
+                self._pending.setdefault(k, want)
+            self.errors += 1
+            away = isinstance(exc, ClusterUnavailableError)
+            if away and not self.etcd_away:
+                log.warning("tierkv: publishing anchors: etcd does not answer (%s); retrying", exc)
+            elif isinstance(exc, ClusterRefusedError):   # the lease gone: the membership registers again
+                log.info("tierkv: publishing anchors: %s; waiting for the node's next lease", exc)
+            elif not away:
+                log.error("tierkv: publishing anchors failed: %r; retrying", exc)
+            self.etcd_away = away
+
     def stats(self) -> dict[str, int | bool]:
         with self._cond:
-            return {"anchors": len(self._published), "pending": len(self._pending), "transactions": self.transactions,
-                    "errors": self.errors, "etcd_away": self.etcd_away}
+            return {"anchors": len(self._published), "pending": len(self._pending) + len(self._inflight),
+                    "transactions": self.transactions, "errors": self.errors, "etcd_away": self.etcd_away}
 
     def flushed(self, timeout_s: float) -> bool:
-        """Wait until nothing is pending; whether that happened within ``timeout_s``."""
+        """Wait until nothing is pending or in flight under a lease; whether that happened
+        within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._cond:
-                if not self._pending and self._lease:
+                if not self._pending and not self._inflight and self._lease:
                     return True
             time.sleep(0.01)
         return False
@@ -292,9 +320,13 @@ class Directory:
         self.prefix = pages_prefix(check_name(cluster, "cluster.name"))
         self.check_s = check_s
         self._table = AnchorTable()
+        self._stray: set[bytes] = set()   # keys under the prefix that are not anchors (counted, ignored)
+        self._revision = 0                # the newest revision the listing or the watch delivered
+        self._resume = False              # the watch ended (not compacted): watch again from _revision
         self._lock = threading.Condition()
         self.stale = True
         self.relists = 0
+        self.rewatches = 0
         self._generation = 0
         self._cancel: Callable[[], None] | None = None
         self._closed = False
@@ -320,22 +352,35 @@ class Directory:
             return None
 
     def _list_and_watch(self) -> None:
-        revision, kvs = self.etcd.get_prefix(self.prefix, keys_only=True)
-        table = AnchorTable()
+        """List every anchor (in pages, at one revision) and watch from there (only start()
+        and the checking thread call it)."""
+        revision, kvs = self.etcd.get_prefix_paged(self.prefix, keys_only=True)
+        table, stray = AnchorTable(), set()
         for kv in kvs:
-            self._add(table, kv)
+            parsed = self._parse(kv.key)
+            if parsed is None:
+                stray.add(kv.key)
+            else:
+                table.add(parsed[0], parsed[1], kv.lease)
+        with self._lock:
+            if self._closed:
+                return
+            self._table, self._stray, self._revision, self.stale, self._resume = table, stray, revision, False, False
+            self.relists += 1
+            self._lock.notify_all()
+        self._watch(revision + 1)
+
+    def _watch(self, start: int) -> None:
+        """Watch from revision ``start`` under a new generation (the old watch's calls are ignored)."""
         with self._lock:
             if self._closed:
                 return
             old, self._cancel = self._cancel, None
             self._generation += 1
             generation = self._generation
-            self._table, self.stale = table, False
-            self.relists += 1
-            self._lock.notify_all()
         if old is not None:
             threading.Thread(target=old, name="tierkv-directory-unwatch", daemon=True).start()
-        cancel = self.etcd.watch_prefix(self.prefix, revision + 1, lambda evs: self._events(generation, evs),
+        cancel = self.etcd.watch_prefix(self.prefix, start, lambda evs: self._events(generation, evs),
                                         lambda exc: self._broken(generation, exc))
         with self._lock:
             current = self._generation == generation and not self._closed
@@ -344,56 +389,72 @@ class Directory:
         if not current:
             cancel()
 
-    def _add(self, table: AnchorTable, kv: KeyValue) -> None:
-        parsed = self._parse(kv.key)
-        if parsed is not None:
-            table.add(parsed[0], parsed[1], kv.lease)
-
     def _events(self, generation: int, events: list[Event]) -> None:
-        with self._lock:
-            if self._closed or generation != self._generation:
-                return
-            for ev in events:
-                if not ev.deleted:
-                    self._add(self._table, ev.kv)
-                    continue
-                parsed = self._parse(ev.kv.key)
-                if parsed is not None:
-                    self._table.remove(*parsed)
-            self._lock.notify_all()
+        # In chunks: a node's lease ending deletes all its anchors in one response, and
+        # routing (holders) must not wait for all of it.
+        for i in range(0, len(events), EVENT_CHUNK):
+            with self._lock:
+                if self._closed or generation != self._generation:
+                    return
+                for ev in events[i:i + EVENT_CHUNK]:
+                    self._revision = max(self._revision, ev.kv.mod_revision)
+                    parsed = self._parse(ev.kv.key)
+                    if parsed is None:
+                        if ev.deleted:
+                            self._stray.discard(ev.kv.key)
+                        else:
+                            self._stray.add(ev.kv.key)
+                    elif ev.deleted:
+                        self._table.remove(*parsed)
+                    else:
+                        self._table.add(parsed[0], parsed[1], ev.kv.lease)
+                self._lock.notify_all()
 
     def _broken(self, generation: int, error: Exception | None) -> None:
         with self._lock:
             if self._closed or generation != self._generation:
                 return
-            self.stale = True
-        log.info("tierkv: the page directory's watch ended (%s); listing again", error)
+            if "compact" in str(error):   # the revisions after ours are gone: list again
+                self.stale = True
+            else:                         # idle, reset, etcd restarted: watch on from where it stopped
+                self._resume = True
+        log.info("tierkv: the page directory's watch ended (%s); %s", error,
+                 "listing again" if self.stale else "watching on from the last revision seen")
 
     def _check(self) -> None:
+        """Every ``check_s`` (or 20 times a count's duration, if longer): is etcd there,
+        and does it hold as many keys as the listing and the watch gave?"""
         differed = False
+        wait = self.check_s
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._closed, timeout=self.check_s)
+                self._lock.wait_for(lambda: self._closed, timeout=wait)
                 if self._closed:
                     return
-                stale = self.stale
+                stale, resume, revision = self.stale, self._resume, self._revision
             try:
+                if resume and not stale:
+                    self.rewatches += 1
+                    with self._lock:
+                        self._resume = False
+                    self._watch(revision + 1)
+                t0 = time.monotonic()
                 count, _rev = self.etcd.count_prefix(self.prefix)
+                wait = max(self.check_s, 20 * (time.monotonic() - t0))
+                with self._lock:
+                    same = count == self._table.count + len(self._stray)
+                if stale or (not same and differed):
+                    self._list_and_watch()
+                    differed = False
+                else:
+                    differed = not same
             except (ClusterUnavailableError, ClusterRefusedError):
                 with self._lock:
                     self.stale = True
-                continue
-            with self._lock:
-                same = count == self._table.count
-            if stale or (not same and differed):
-                try:
-                    self._list_and_watch()
-                except (ClusterUnavailableError, ClusterRefusedError):
-                    with self._lock:
-                        self.stale = True
-                differed = False
-            else:
-                differed = not same
+            except Exception:   # noqa: BLE001 - the directory must go on being checked
+                log.exception("tierkv: checking the page directory failed")
+                with self._lock:
+                    self.stale = True
 
     def holders(self, keys: Sequence[bytes], epochs: dict[str, int] | None = None) -> dict[str, int]:
         """For a chain's ``keys`` (from its first page): each member holding one of its

@@ -40,6 +40,9 @@ WATCH_IDLE_S = 10.0
 
 #: The most operations one transaction may hold (etcd's default ``--max-txn-ops``).
 MAX_TXN_OPS = 128
+#: Keys per request of a paged listing (:meth:`Etcd.get_prefix_paged`): each page's answer
+#: must come within the call's deadline.
+LIST_PAGE = 10_000
 
 INSTALL_HINT = "pip install 'tierkv[cluster]' (etcd3gw), and an etcd 3.4+ server (Debian: apt-get install etcd-server)"
 
@@ -148,6 +151,27 @@ class Etcd:
         rep = self._call("/kv/range", body)
         revision = int(rep.get("header", {}).get("revision", 0))
         return revision, [_kv(kv) for kv in rep.get("kvs", [])]
+
+    def get_prefix_paged(self, prefix: bytes, keys_only: bool = False,
+                         page: int = LIST_PAGE) -> tuple[int, list[KeyValue]]:
+        """Every key under ``prefix``, in requests of ``page`` keys, all read at the first
+        request's revision (a listing too large for one answer within the deadline); and
+        that revision. A revision compacted meanwhile is a ClusterRefusedError."""
+        end, start, revision, out = prefix_end(prefix), prefix, 0, []
+        while True:
+            body: dict[str, Any] = {"key": _b64(start), "range_end": _b64(end), "limit": str(page)}
+            if keys_only:
+                body["keys_only"] = True
+            if revision:
+                body["revision"] = str(revision)
+            rep = self._call("/kv/range", body)
+            if not revision:
+                revision = int(rep.get("header", {}).get("revision", 0))
+            kvs = [_kv(kv) for kv in rep.get("kvs", [])]
+            out.extend(kvs)
+            if not rep.get("more") or not kvs:
+                return revision, out
+            start = kvs[-1].key + b"\0"
 
     def get(self, key: bytes) -> KeyValue | None:
         rep = self._call("/kv/range", {"key": _b64(key)})

@@ -118,8 +118,9 @@ class Membership:
         self.node = ""
         self.etcd_away = False
         self.registrations = 0
-        #: Called with each lease this node registers under (on the registering thread;
-        #: must not block): the page directory's publisher puts its anchors under it.
+        #: Called with each lease this node registers under, and 0 when it is found gone
+        #: (on the registering thread; must not block): the page directory's publisher
+        #: puts its anchors under it.
         self.on_lease: list[Callable[[int], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -175,6 +176,9 @@ class Membership:
                 log.info("tierkv: revoking lease %x: %s (it expires within %d s)", lease, exc, self.ttl_s)
             raise
         log.info("tierkv: node %s joined cluster %s (lease %x, ttl %d s)", self.node, self.cluster, lease, self.ttl_s)
+        self._tell_lease(lease)
+
+    def _tell_lease(self, lease: int) -> None:
         for listener in list(self.on_lease):
             try:
                 listener(lease)
@@ -215,6 +219,7 @@ class Membership:
                                     "than %d s); registering again", self.node, self.ttl_s)
                         with self._lock:
                             self.lease = 0
+                        self._tell_lease(0)
                     self._register(first=False)
                 if self.etcd_away:
                     log.warning("tierkv: etcd answers again; node %s is a member of cluster %s", self.node,

@@ -91,7 +91,7 @@ class Peering:
         # Tenant tags are kept only where a principal may see one tenant's pages.
         self._tagging = bool(cfg.tenant_secrets)
         self._request: tuple[bytes, int] | None = None    # the placing request's key blob and tag
-        self._request_keys: set[bytes] | None = None      # its keys, made on its first placement
+        self._request_keys: dict[bytes, int] | None = None   # its keys' positions, made on its first placement
         endpoint = cfg.serve_endpoint()
         if endpoint is not None:
             dram = next((t for t in manager.tiers if isinstance(t, DramTier)), None)
@@ -138,7 +138,7 @@ class Peering:
     def placing(self, blob: bytes, salt: bytes) -> Iterator[None]:
         """Pages the store places meanwhile that are among ``blob``'s keys belong to the
         tenant of ``salt`` (the request's): so they are tagged, for tenant principals."""
-        if not self._tagging or self.server is None:
+        if self.server is None or not (self._tagging or self._publisher is not None):
             yield
             return
         self._request, self._request_keys = (blob, tenant_tag(salt)), None
@@ -152,11 +152,26 @@ class Peering:
             return None
         if self._request is None:
             return [UNKNOWN_TENANT] * len(keys)
-        blob, tag = self._request
-        if self._request_keys is None:
-            self._request_keys = set(split_keys(blob))
-        mine = self._request_keys
+        _blob, tag = self._request
+        mine = self._request_positions()
         return [tag if k in mine else UNKNOWN_TENANT for k in keys]
+
+    def _request_positions(self) -> dict[bytes, int]:
+        """The placing request's keys and their positions in its chain."""
+        assert self._request is not None
+        if self._request_keys is None:
+            self._request_keys = {k: i for i, k in enumerate(split_keys(self._request[0]))}
+        return self._request_keys
+
+    def _positions(self, keys: list[PageKey], cap: int) -> list[int]:
+        """Each placed page's position in its chain, where below ``cap``, else -1: from the
+        placing request (which knows them), else by walking the parent links."""
+        if self._request is not None:
+            where = self._request_positions()
+            got = [where.get(k, -1) for k in keys]
+            if all(p >= 0 for p in got):
+                return [p if p < cap else -1 for p in got]
+        return self._manager.shallow_depths(keys, cap).tolist()  # type: ignore[no-any-return]
 
     def _on_event(self, event: str, tier: TierId, keys: list[PageKey], slots: list[int]) -> None:
         if self.server is None or tier != self._served:
@@ -166,7 +181,7 @@ class Peering:
             self._generation += 1
             self.server.store.seal(keys, slots, self._generation, self._page_bytes, self._tags(keys))
             if publisher is not None:   # announced after the bytes are readable here
-                publisher.placed(keys, self._manager.shallow_depths(keys, publisher.depth_cap).tolist())
+                publisher.placed(keys, self._positions(keys, publisher.depth_cap))
         else:
             if publisher is not None:
                 publisher.removed(keys)
@@ -353,6 +368,9 @@ class Peering:
                 return
             peers = {ep: self._peers.get(ep) for ep in want}
             gone = [t for ep, t in self._peers.items() if ep not in peers and t is not None]
+            # Readers go without the lock: whatever list of peers they hold, each of its
+            # members is in _cluster (never taken for a static peer, whose connect blocks).
+            self._cluster = self._cluster | set(cluster)
             self._peers = peers   # a new dict: iterations over the old one are not disturbed
             self._cluster = set(cluster)
             for table in (self._next_try, self._quiet_until):

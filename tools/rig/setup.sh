@@ -22,7 +22,7 @@ quiet_pip() { grep -v 'is ignored: it is neither a file nor a directory' || true
 # ---- Debian packages (apt-get update only when something is missing) ----
 # busybox-static: virtme-ng builds its initramfs from it (boot fails without it).
 PKGS="qemu-system-x86 kmod iproute2 nvme-cli ibverbs-utils ibverbs-providers rdma-core
-      python3-pyverbs python3-nvme python3-venv busybox-static"
+      python3-pyverbs python3-nvme python3-venv busybox-static etcd-server"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q 'install ok installed' || missing="$missing $p"
