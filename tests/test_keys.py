@@ -179,6 +179,14 @@ def test_partial_last_page_has_no_key() -> None:
     ([[1, 2], [3, 4]], "one-dimensional"),
     ([1 << 70], "integers"),
     (torch.tensor([1.5, 2.5]), "integers"),
+    (np.array([3, -1], np.int64), r"\[-1, 3\]"),               # each width's own check
+    (np.array([3, 1 << 32], np.int64), "4294967296"),
+    (np.array([1 << 63], np.uint64), "9223372036854775808"),
+    (np.array([3, -1], ">i8"), r"\[-1, 3\]"),
+    (np.array([3, 1 << 32], ">u8"), "4294967296"),
+    (np.array([3, -1], np.int32), r"\[-1, 3\]"),
+    (np.array([3, -1], np.int8), r"\[-1, 3\]"),
+    (torch.tensor([3, -1]), r"\[-1, 3\]"),
 ])
 def test_bad_tokens_raise_input_error(bad: object, match: str) -> None:
     with pytest.raises(InputError, match=match):

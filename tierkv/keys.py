@@ -90,10 +90,22 @@ def as_token_array(tokens: Tokens) -> np.ndarray:
         raise InputError(f"tokens must be one-dimensional, got shape {tuple(arr.shape)}")
     if arr.size == 0:
         return np.zeros(0, dtype="<u4")
-    if arr.dtype.kind not in "iu":
+    kind, size = arr.dtype.kind, arr.dtype.itemsize
+    if kind not in "iu":
         raise InputError(f"tokens must be integers, got dtype {arr.dtype}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi > _MAX_TOKEN:
+    # One pass where one suffices: unsigned ids of 4 bytes or fewer are all valid; signed
+    # ones of 4 bytes or fewer need only a minimum; 8-byte ones are checked as unsigned
+    # (a negative id reads as one past 2**63, so past the largest id either way).
+    if kind == "u" and size <= 4:
+        bad = False
+    elif size <= 4:
+        bad = int(arr.min()) < 0
+    elif arr.dtype.isnative:
+        bad = int(arr.view(np.uint64).max()) > _MAX_TOKEN
+    else:
+        bad = int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN
+    if bad:
+        lo, hi = int(arr.min()), int(arr.max())
         raise InputError(f"token ids must lie in [0, {_MAX_TOKEN}], got values in [{lo}, {hi}]")
     return np.ascontiguousarray(arr, dtype="<u4")
 
