@@ -969,13 +969,16 @@ class BlockManager:
     def still_placed(self, placed: Sequence[tuple[PageKey, TierId, int]]) -> list[bool]:
         """Whether each reserved placement still holds its slot (nothing dropped the page
         or its copy there since it was planned)."""
+        if not placed:
+            return []
         t = self.table
-        rows = rows_of(t.core.find(b"".join(k for k, _, _ in placed))) if placed else np.zeros(0, np.int32)
-        out = []
-        for r, (_, name, slot) in zip(rows.tolist(), placed):
-            lvl = self.levels[name]
-            out.append(r >= 0 and int(t.slot[lvl, r]) - 1 == slot)
-        return out
+        keys, names, slots = zip(*placed)
+        rows = rows_of(t.core.find(b"".join(keys))).astype(np.int64)
+        one = names.count(names[0]) == len(names)
+        lvls = (np.full(len(placed), self.levels[names[0]], np.int64) if one
+                else np.array([self.levels[name] for name in names], np.int64))
+        held = t.slot[lvls, np.maximum(rows, 0)].astype(np.int64) - 1
+        return ((rows >= 0) & (held == np.array(slots, np.int64))).tolist()  # type: ignore[no-any-return]
 
     def drop_orphans(self, keys: Sequence[PageKey]) -> int:
         """Forget those of ``keys`` whose parent no tier holds any more (it left while their

@@ -14,7 +14,6 @@ import mmap
 import os
 import sys
 import threading
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -100,9 +99,10 @@ class DramTier(Tier):
         super().__init__(num_slots, slot_bytes, name=name)
         self._prefault: Prefault | None = None
         self._copy_lock = threading.Lock()
-        self._copies: dict[int, list[int]] = {}   # running copies: token -> the slots they use
-        self._busy: Counter[int] = Counter()      # slot -> running copies that use it
-        self._held: set[int] = set()              # freed while busy: reusable once not
+        self._copies: dict[int, np.ndarray] = {}   # running copies: token -> the slots they use
+        self._busy = np.zeros(num_slots, np.int32)   # slot -> running copies that use it
+        self._nbusy = 0                              # running copies
+        self._held: set[int] = set()                 # freed while busy: reusable once not
         # Copy (and lend) tokens start at random: a borrower holding a token of a former
         # tier (a restarted daemon's) never names one of this tier's lends by chance.
         self._next_copy = int.from_bytes(os.urandom(8), "little") >> 2
@@ -130,11 +130,13 @@ class DramTier(Tier):
     def begin_copy(self, slots: Sequence[int]) -> int:
         """Register a copy of ``slots`` about to run without the store's lock (call it with
         the lock still held); returns its token for :meth:`end_copy`."""
+        used = np.asarray(slots, np.int64)
         with self._copy_lock:
             token = self._next_copy
             self._next_copy += 1
-            self._copies[token] = list(slots)
-            self._busy.update(slots)
+            self._copies[token] = used
+            np.add.at(self._busy, used, 1)
+            self._nbusy += 1
             return token
 
     def lent(self, token: int) -> bool:
@@ -145,12 +147,12 @@ class DramTier(Tier):
     def end_copy(self, token: int) -> None:
         """The copy ``token`` is done: its slots that were freed meanwhile become free."""
         with self._copy_lock:
-            slots = self._copies.pop(token)
-            self._busy.subtract(slots)
-            release = []
-            for slot in set(slots):
-                if self._busy[slot] <= 0:
-                    del self._busy[slot]
+            used = self._copies.pop(token)
+            np.subtract.at(self._busy, used, 1)
+            self._nbusy -= 1
+            release: list[int] = []
+            if self._held:
+                for slot in np.unique(used[self._busy[used] <= 0]).tolist():
                     if slot in self._held:
                         self._held.discard(slot)
                         release.append(slot)
@@ -159,11 +161,11 @@ class DramTier(Tier):
 
     def free(self, slots: Sequence[int]) -> None:
         with self._copy_lock:
-            if self._busy:
-                busy = [s for s in slots if self._busy.get(s, 0) > 0]
-                if busy:
-                    self._held.update(busy)
-                    slots = [s for s in slots if self._busy.get(s, 0) <= 0]
+            if self._nbusy:
+                taken = self._busy[np.asarray(slots, np.int64)] > 0
+                if taken.any():
+                    self._held.update(s for s, t in zip(slots, taken.tolist()) if t)
+                    slots = [s for s, t in zip(slots, taken.tolist()) if not t]
         if slots:
             super().free(slots)
 
