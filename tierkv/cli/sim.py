@@ -67,6 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sp.add_argument("--json", action="store_true", help="print one JSON object only: the workload and the results")
     sp.add_argument("--plot", metavar="PNG", help="draw hit rate against capacity per policy (matplotlib)")
     sp.set_defaults(handler=run)
+    from tierkv.cli import dualpath
+
+    dualpath.add_parser(sp.add_subparsers(dest="sim_command", required=False, metavar="{dualpath}"))
     return sp
 
 
