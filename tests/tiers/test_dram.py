@@ -13,7 +13,7 @@ import pytest
 import tierkv.tiers.aligned as aligned
 import tierkv.tiers.dram as dram
 from tierkv.config import DramConfig, config_from_dict
-from tierkv.errors import CapacityError
+from tierkv.errors import CapacityError, InputError
 
 
 def test_a_tier_that_does_not_fit_in_memory_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,3 +146,20 @@ def test_a_cgroup_limit_bounds_the_memory_available(tmp_path: Path, monkeypatch:
                                                                                "9223372036854771712\n")
     host = aligned.memory_available()
     assert host is not None and host > 5 << 20      # no limit: the host's MemAvailable
+
+
+def test_copies_outside_the_lock_refuse_slots_out_of_range_before_counting_them() -> None:
+
+    tier = dram.DramTier(4, 4096)
+    try:
+        with pytest.raises(InputError, match="slot 4 out of range"):
+            tier.begin_copy([1, 4])
+        with pytest.raises(InputError, match="slot -1 out of range"):
+            tier.begin_copy([-1])
+        token = tier.begin_copy([3])           # nothing of the refused copies was counted
+        with pytest.raises(InputError, match="slot -1 out of range"):
+            tier.free([-1])                    # not taken for the busy last slot
+        tier.end_copy(token)
+        assert tier.held_back == 0 and not tier.lent(token)
+    finally:
+        tier.close()

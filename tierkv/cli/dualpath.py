@@ -14,10 +14,18 @@ import argparse
 import json
 
 from tierkv.cli.exits import EXIT_OK
+from tierkv.cli.sim import DEFAULT_POLICIES
 from tierkv.errors import InputError
 
 #: The policies (``tierkv.dualpath.scheduler.POLICIES``, spelled out to keep imports light).
 POLICY_CHOICES = ("pe-only", "shorter-queue", "split")
+#: ``tierkv sim``'s own options (flag, dest, default): given before ``dualpath`` they would
+#: be ignored, so they are refused.
+SIM_OPTIONS: tuple[tuple[str, str, object], ...] = (("--trace", "trace", None), ("--synthetic-requests", "synthetic_requests", None),
+               ("--seed", "seed", None), ("--mix", "mix", None), ("--limit", "limit", None),
+               ("--capacity", "capacity", None), ("--tiers", "tiers", []), ("--policy", "policy", DEFAULT_POLICIES),
+               ("--no-promote", "no_promote", False), ("--cache-partial", "cache_partial", False),
+               ("--json", "json", False), ("--plot", "plot", None))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -58,10 +66,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     dp.add_argument("--think-s", type=float, default=d.think_s, metavar="S", help="mean think time between turns")
     dp.add_argument("--duration-s", type=float, default=d.duration_s, metavar="S", help="simulated seconds measured")
     dp.add_argument("--warmup-s", type=float, default=d.warmup_s, metavar="S", help="simulated seconds before")
-    dp.add_argument("--seed", type=int, default=d.seed, help="the sessions' seed (default 0)")
-    dp.add_argument("--policy", metavar="LIST", default=",".join(POLICY_CHOICES),
+    # Own names for the options ``tierkv sim`` also has: its values must not overwrite these.
+    dp.add_argument("--seed", dest="dp_seed", type=int, default=d.seed, help="the sessions' seed (default 0)")
+    dp.add_argument("--policy", dest="dp_policy", metavar="LIST", default=",".join(POLICY_CHOICES),
                     help="comma-separated, from " + ", ".join(POLICY_CHOICES) + " (pe-only always runs: the baseline)")
-    dp.add_argument("--json", action="store_true", help="print one JSON object: config and results")
+    dp.add_argument("--json", dest="dp_json", action="store_true", help="print one JSON object: config and results")
     dp.set_defaults(handler=run)
     return dp
 
@@ -69,7 +78,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
 def run(args: argparse.Namespace) -> int:
     from tierkv.dualpath.sim import DualPathConfig, run_dualpath
 
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    given = [flag for flag, dest, default in SIM_OPTIONS if getattr(args, dest, default) != default]
+    if given:
+        raise InputError(f"{', '.join(given)}: an option of tierkv sim's policy simulation, not of 'sim dualpath' "
+                         "(put dualpath's options after the word dualpath)")
+    policies = [p.strip() for p in args.dp_policy.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICY_CHOICES]
     if unknown or not policies:
         raise InputError(f"--policy: unknown {', '.join(unknown) or '(empty)'}; expected from {', '.join(POLICY_CHOICES)}")
@@ -80,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
         prefill_s_per_token=args.prefill_us_per_token / 1e6, decode_s_per_token=args.decode_ms_per_token / 1e3,
         output_tokens=args.output_tokens, sessions=args.sessions, start_tokens=args.start_tokens,
         turn_tokens=args.turn_tokens, turns=args.turns, hit_rate=args.hit_rate, think_s=args.think_s,
-        duration_s=args.duration_s, warmup_s=args.warmup_s, seed=args.seed)
+        duration_s=args.duration_s, warmup_s=args.warmup_s, seed=args.dp_seed)
     out = run_dualpath(cfg, policies)
-    if args.json:
+    if args.dp_json:
         print(json.dumps(out))
         return EXIT_OK
     from rich.console import Console

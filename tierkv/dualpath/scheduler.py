@@ -3,7 +3,7 @@ engine's (then forwarded over the compute network), or both.
 
 A :class:`Side` is what a node reports: the bytes queued on its storage NIC, that NIC's
 read rate, and (for a decode node) the rate at which it can forward to the prefill node
-over the compute network. :func:`choose_reads` answers with :class:`Read` s (a side and a
+over the compute network and what that link already carries. :func:`choose_reads` answers with :class:`Read` s (a side and a
 range of the request's pages) by policy:
 
 - ``pe-only``: the prefill side reads everything (today's systems);
@@ -40,11 +40,16 @@ class Side:
     read_bytes_s: float
     forward_bytes_s: float = float("inf")
     holds: bool = True
+    forward_queued_bytes: float = 0.0
 
     def finish_s(self, nbytes: float) -> float:
-        """When it would have read (and forwarded) ``nbytes`` more, from now."""
+        """When it would have read (and forwarded) ``nbytes`` more, from now: a decode
+        side forwards as it reads, so its part ends when the slower of its read and its
+        link (with what the link already carries) is done."""
         read = (self.queued_bytes + nbytes) / self.read_bytes_s
-        return read + (nbytes / self.forward_bytes_s if self.forward_bytes_s != float("inf") else 0.0)
+        if self.forward_bytes_s == float("inf"):
+            return read
+        return max(read, (self.forward_queued_bytes + nbytes) / self.forward_bytes_s)
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,9 @@ def choose_reads(policy: str, pages: int, page_bytes: int, prefill: Side, decode
     helpers = [d for d in decode if d.holds]
     if policy == "pe-only" or not helpers:
         if not prefill.holds:
-            raise InputError("no side holds the request's pages: neither the prefill node nor a decode node")
+            raise InputError("the prefill node does not hold the request's pages, and pe-only reads nowhere else"
+                             if helpers else
+                             "no side holds the request's pages: neither the prefill node nor a decode node")
         return [Read(prefill.name, 0, pages)]
     best = min(helpers, key=lambda d: (d.finish_s(nbytes), d.name))
     if not prefill.holds:

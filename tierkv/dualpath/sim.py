@@ -12,11 +12,14 @@ The model (docs/dualpath.md):
   prefill engine (one request at a time, in the order their loads end), then
   ``output_tokens`` decoded at ``decode_s_per_token`` on a decode engine (batched: not
   contended), then a think time (exponential, mean ``think_s``) before the next turn; a
-  session of ``turns`` turns is followed by a fresh one.
+  session of ``turns`` turns is followed by a fresh one. The sessions start at random
+  ages (as if running for a while, their caches warm), so the measurement sees a steady
+  state rather than a wave of first turns.
 - Loads are chosen by :func:`tierkv.dualpath.scheduler.choose_reads` from the queues
-  the simulator holds: ``pe-only``, ``shorter-queue`` (the paper's) or ``split`` (ours). A
-  decode engine's part crosses the compute link after it is read, pipelined in
-  ``chunks`` pieces (the link carries it while the NIC reads; it ends one piece after).
+  the simulator holds (each NIC's bytes left, each compute link's backlog): ``pe-only``,
+  ``shorter-queue`` (the paper's) or ``split`` (ours). A decode engine's part crosses the
+  compute link as it is read, in ``chunks`` pieces (the link carries it while the NIC
+  reads; it ends one piece after the read at best).
 
 Measured over ``duration_s`` after ``warmup_s``: turns completed per second, prompt tokens
 served per second (the throughput compared across policies), time to first token (load + queueing + prefill), the storage NICs' utilization
@@ -37,6 +40,9 @@ from typing import Any
 
 from tierkv.dualpath.scheduler import POLICIES, Read, Side, choose_reads
 from tierkv.errors import InputError
+
+#: Events at one simulated instant after which a run is taken as stuck (InputError).
+STUCK_EVENTS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -80,8 +86,11 @@ class DualPathConfig:
                 raise InputError(f"{flag} must be a {'positive number' if positive else 'number >= 0'}, got {v!r}")
         if isinstance(self.hit_rate, bool) or not isinstance(self.hit_rate, (int, float)) or not 0 <= self.hit_rate <= 1:
             raise InputError(f"--hit-rate must lie in [0, 1], got {self.hit_rate!r}")
-        if self.sessions > 100_000 or self.prefill + self.decode > 4096:
-            raise InputError("at most 100,000 sessions and 4,096 engines")
+        if self.sessions > 100_000 or self.prefill + self.decode > 1024:
+            raise InputError("at most 100,000 sessions and 1,024 engines")
+        if self.prefill_s_per_token == 0 and self.output_tokens * self.decode_s_per_token == 0 and self.think_s == 0:
+            raise InputError("a turn would take no time (no prefill, decode or think time): the simulated clock "
+                             "could not advance; give --prefill-us-per-token, --decode-ms-per-token or --think-s")
         return self
 
     @property
@@ -101,8 +110,14 @@ class _Clock:
         heapq.heappush(self._heap, (max(t, self.now), next(self._seq), fn))
 
     def run(self, until: float) -> None:
+        same = 0   # events without the clock moving: a model that cannot advance is an error, not a hang
         while self._heap and self._heap[0][0] <= until:
-            self.now, _, fn = heapq.heappop(self._heap)
+            t, _, fn = heapq.heappop(self._heap)
+            same = same + 1 if t == self.now else 0
+            if same > STUCK_EVENTS:
+                raise InputError(f"the simulation stopped advancing at {t:.6g} s ({STUCK_EVENTS:,} events at one "
+                                 "instant): give turns some time (think, decode or prefill) or shorter runs")
+            self.now = t
             fn()
         self.now = until
 
@@ -120,6 +135,8 @@ class _Nics:
         self._version = 0
 
     def queued(self, i: int) -> float:
+        """Bytes left to read on NIC ``i``, now."""
+        self._advance()
         return sum(job[0] for job in self.queues[i])
 
     def add(self, i: int, nbytes: float, on_done: Callable[[], None]) -> None:
@@ -155,8 +172,10 @@ class _Nics:
             return
         self._advance()
         finished = []
-        for i, q in enumerate(self.queues):   # done: under a byte, or under a nanosecond's worth
-            while q and q[0][0] <= max(1.0, self.rates[i] * 1e-9):
+        now = self.clock.now
+        for i, q in enumerate(self.queues):   # done: under a byte, a nanosecond's worth, or a clock step
+            while q and (q[0][0] <= max(1.0, self.rates[i] * 1e-9)
+                         or (self.rates[i] > 0 and now + q[0][0] / self.rates[i] == now)):
                 self.read[i] += q[0][0]
                 finished.append(q.popleft()[1])
         self._schedule()
@@ -199,8 +218,9 @@ def simulate(cfg: DualPathConfig, policy: str) -> dict[str, Any]:
         p = min(range(cfg.prefill), key=lambda i: (in_flight[i], i))
         in_flight[p] += 1
         prefill_side = Side(f"p{p}", nics.queued(p), cfg.storage_nic_bytes_s)
+        backlog = max(0.0, link_free[p] - clock.now) * cfg.compute_link_bytes_s
         decode_sides = [Side(f"d{d}", nics.queued(cfg.prefill + d), cfg.storage_nic_bytes_s,
-                             cfg.compute_link_bytes_s) for d in range(cfg.decode)]
+                             cfg.compute_link_bytes_s, forward_queued_bytes=backlog) for d in range(cfg.decode)]
         reads = choose_reads(policy, pages, cfg.page_bytes, prefill_side, decode_sides)
         waiting = [len(reads)]
 
@@ -252,13 +272,16 @@ def simulate(cfg: DualPathConfig, policy: str) -> dict[str, Any]:
 
         nics.add(cfg.prefill + d, nbytes, read_done)
 
-    def start_session(session_rng: random.Random) -> None:
-        context = max(cfg.turn_tokens, int(cfg.start_tokens * session_rng.uniform(0.5, 1.5)))
-        turn(session_rng, 0, 0, context)
+    def start_session(session_rng: random.Random, age: int = 0) -> None:
+        """A session from its first turn, or (at the start, for a steady state from the
+        first second) as if ``age`` turns were behind it, its cache warm."""
+        context = max(cfg.turn_tokens, int(cfg.start_tokens * session_rng.uniform(0.5, 1.5))) + age * cfg.turn_tokens
+        turn(session_rng, age, context - cfg.turn_tokens if age else 0, context)
 
-    for s in range(cfg.sessions):   # staggered starts, each session with a generator of its own
+    for s in range(cfg.sessions):   # each session with a generator of its own, at a random age
         srng = random.Random(rng.getrandbits(64))
-        clock.at(rng.uniform(0, max(cfg.think_s, 1.0)), lambda srng=srng: start_session(srng))  # type: ignore[misc]
+        age = rng.randrange(cfg.turns)
+        clock.at(rng.uniform(0, max(cfg.think_s, 1.0)), lambda srng=srng, age=age: start_session(srng, age))  # type: ignore[misc]
 
     clock.run(cfg.warmup_s)
     nics._advance()

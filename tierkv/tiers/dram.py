@@ -131,6 +131,8 @@ class DramTier(Tier):
         """Register a copy of ``slots`` about to run without the store's lock (call it with
         the lock still held); returns its token for :meth:`end_copy`."""
         used = np.asarray(slots, np.int64)
+        if len(used) and (used.min() < 0 or used.max() >= self.num_slots):
+            self._check_slots(used.tolist())   # names the slot out of range
         with self._copy_lock:
             token = self._next_copy
             self._next_copy += 1
@@ -162,6 +164,7 @@ class DramTier(Tier):
     def free(self, slots: Sequence[int]) -> None:
         with self._copy_lock:
             if self._nbusy:
+                self._check_slots(slots)
                 taken = self._busy[np.asarray(slots, np.int64)] > 0
                 if taken.any():
                     self._held.update(s for s, t in zip(slots, taken.tolist()) if t)
