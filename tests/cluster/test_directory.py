@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tierkv.cluster import directory as D
-from tierkv.cluster.directory import ANCHOR_EVERY, SHALLOW, Directory, Publisher, anchor_positions, is_anchor
+from tierkv.cluster.directory import ANCHOR_EVERY, SHALLOW, Directory, anchor_positions, is_anchor
+from tierkv.cluster.publisher import Publisher
 from tierkv.cluster.etcd import Etcd
 from tierkv.cluster.local import LocalEtcd
 from tierkv.errors import ClusterUnavailableError

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,21 @@ def child(tmp_path: Path, sock_dir: Path, etcd: str, name: str, host: str, prefi
     return Daemon(config, tmp_path / f"{name}.log", prefix=prefix or ()).start(60)
 
 
+@contextlib.contextmanager
+def a_and_b(tmp_path: Path, sock_dir: Path, host: str = "127.0.0.1", b_host: str = "127.0.0.1",
+            prefix: list[str] | None = None) -> Iterator[tuple[NodeService, Daemon]]:
+    """A real etcd on ``host``, node a in this process, node b a daemon of its own (in a
+    network namespace with ``prefix``); stopped in reverse order whatever happens."""
+    with contextlib.ExitStack() as stack:
+        etcd = LocalEtcd(tmp_path / "etcd", host=host).start()
+        stack.callback(etcd.stop)
+        a = in_process(tmp_path, sock_dir, etcd.endpoint, "a", host=host)
+        stack.callback(a.close)
+        b = child(tmp_path, sock_dir, etcd.endpoint, "b", b_host, prefix=prefix)
+        stack.callback(b.stop)
+        yield a, b
+
+
 def bounded_lookup(store: NodeService, tokens: np.ndarray) -> int:
     """A lookup through the node's store, which must answer within a second whatever the cluster does."""
     t0 = time.monotonic()
@@ -89,14 +105,7 @@ def member(remote: RemoteStore) -> bool:
 @needs_etcd
 def test_a_node_partitioned_away_is_forgotten_within_its_lease_and_taken_back(
         netns: NetNs, tmp_path: Path, sock_dir: Path) -> None:
-    etcd = LocalEtcd(tmp_path / "etcd", host=netns.host_ip).start()
-    stack = contextlib.ExitStack()
-    a: NodeService | None = None
-    b: Daemon | None = None
-    try:
-        a = in_process(tmp_path, sock_dir, etcd.endpoint, "a", host=netns.host_ip)
-        b = child(tmp_path, sock_dir, etcd.endpoint, "b", netns.ns_ip, prefix=netns.exec)
-        remote = stack.enter_context(connect(b.socket))
+    with a_and_b(tmp_path, sock_dir, netns.host_ip, netns.ns_ip, netns.exec) as (a, b), connect(b.socket) as remote:
         x, y, z = prompt(1), prompt(2), prompt(3)
         data = page_data(5, PAGES)
         remote.put(x, data)
@@ -132,23 +141,11 @@ def test_a_node_partitioned_away_is_forgotten_within_its_lease_and_taken_back(
         assert wait_for(lambda: [h for h, _ in route(keys_of(z))] == [netns.ns_ip], 15)   # put while away
         assert wait_for(lambda: bounded_lookup(a, y) == PAGES, 15)
         assert checked_get(a, y, data, 3.0) == PAGES
-    finally:
-        stack.close()
-        if b is not None:
-            b.stop()
-        if a is not None:
-            a.close()
-        etcd.stop()
 
 
 @needs_etcd
 def test_a_killed_node_is_skipped_at_once_and_forgotten_within_its_lease(tmp_path: Path, sock_dir: Path) -> None:
-    etcd = LocalEtcd(tmp_path / "etcd").start()
-    a: NodeService | None = None
-    b: Daemon | None = None
-    try:
-        a = in_process(tmp_path, sock_dir, etcd.endpoint, "a")
-        b = child(tmp_path, sock_dir, etcd.endpoint, "b", "127.0.0.1")
+    with a_and_b(tmp_path, sock_dir) as (a, b):
         y = prompt(2)
         data = page_data(6, PAGES)
         with connect(b.socket) as remote:
@@ -167,12 +164,6 @@ def test_a_killed_node_is_skipped_at_once_and_forgotten_within_its_lease(tmp_pat
             time.sleep(0.1)
         assert rounds > 0 and a._cluster._route(keys_of(y)) == []
         assert wait_for(lambda: a.store.fetch_peers() == [], 2)   # told by the members' watch, a stream of its own
-    finally:
-        if b is not None:
-            b.stop()
-        if a is not None:
-            a.close()
-        etcd.stop()
 
 
 @needs_etcd

@@ -5,8 +5,8 @@
 - :mod:`~tierkv.cluster.members`: a node's registration under a lease
   (:class:`~tierkv.cluster.members.Membership`) and the members as a node sees them
   (:class:`~tierkv.cluster.members.NodeView`);
-- :mod:`~tierkv.cluster.directory`: the page directory (each node's anchors, published
-  under its lease; every member's, followed by a watch);
+- :mod:`~tierkv.cluster.directory`: the page directory (every member's anchors, followed
+  by a watch), and :mod:`~tierkv.cluster.publisher`: a node's own, published under its lease;
 - :mod:`~tierkv.cluster.routing`: routing hints (:func:`best_nodes`,
   :class:`~tierkv.cluster.routing.Router`: the members holding the most leading pages of a
   prompt);

@@ -14,7 +14,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from tierkv.cluster.directory import Directory, Publisher
+from tierkv.cluster.directory import Directory
+from tierkv.cluster.publisher import Publisher
 from tierkv.cluster.etcd import Etcd
 from tierkv.cluster.members import Membership, NodeRecord, NodeView, default_node_name, layout_digest
 from tierkv.config import StoreConfig

@@ -62,7 +62,7 @@ Route = Callable[[Sequence[PageKey]], "list[Endpoint] | None"]
 
 
 class Publishing(Protocol):
-    """What the page directory's publisher is told (:class:`tierkv.cluster.directory.Publisher`):
+    """What the page directory's publisher is told (:class:`tierkv.cluster.publisher.Publisher`):
     pages placed, with their positions in their chains where below ``depth_cap`` (else -1),
     and pages removed."""
 
