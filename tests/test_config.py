@@ -222,7 +222,7 @@ BOOL_FIELDS = _fields("bool")
 
 def test_the_bool_fields_are_all_here() -> None:
     assert sorted(f"{t}.{k}" for t, k in BOOL_FIELDS) == [
-        "store.persist_on_close", "store.promote_on_hit", "tiers.dram.prefault", "tiers.nvme.format",
+        "peers.helper", "store.persist_on_close", "store.promote_on_hit", "tiers.dram.prefault", "tiers.nvme.format",
         "tiers.nvme.o_direct", "tiers.nvmeof.disconnect_on_close", "tiers.nvmeof.format", "tiers.nvmeof.o_direct"]
 
 
@@ -230,10 +230,12 @@ def test_the_bool_fields_are_all_here() -> None:
 @pytest.mark.parametrize("value", ["false", "true", "yes", "no", "", 0, 1, 0.0, None])
 def test_booleans_must_be_booleans(table: str, key: str, value: object) -> None:
     """``persist_on_close = "false"`` is a non-empty string, so truthy: it was accepted and pages persisted."""
+    # A helper must serve: the endpoint it is asked on.
+    needs = {"serve": "127.0.0.1:0", "secret_file": "/x"} if (table, key) == ("peers", "helper") else {}
     with pytest.raises(ConfigError, match=rf"{key} must be true or false, got {re.escape(repr(value))}"):
-        config_from_dict(_config_with(table, **{key: value}))
+        config_from_dict(_config_with(table, **{key: value}, **needs))
     for ok in (True, False):
-        cfg = config_from_dict(_config_with(table, **{key: ok}))
+        cfg = config_from_dict(_config_with(table, **{key: ok}, **needs))
         assert getattr(cfg if table == "store" else getattr(cfg, table.split(".")[-1]), key) is ok
 
 

@@ -263,6 +263,14 @@ class PeersConfig:
     pages. A serving node accepts the cluster's secret and, in ``tenant_secrets`` (tenant
     name -> secret file), secrets that each let their holder read only that tenant's
     pages. A read names the key of every page it wants; slot numbers alone return nothing.
+
+    DualPath (``tierkv.dualpath``, docs/dualpath.md): ``helpers`` lists other nodes'
+    ``serve`` endpoints that may read pages for this one from the storage peers they reach
+    and push them here, into a landing zone of ``landing_pages`` slots served at
+    ``landing = "host:port"``; ``dualpath`` is the policy that divides each fetch between
+    this node's own reads and a helper ("pe-only", "shorter-queue" or "split"). A node
+    with ``helper = true`` accepts such requests (from the cluster's principal) on its
+    ``serve`` endpoint.
     """
 
     serve: str | None = None
@@ -272,6 +280,11 @@ class PeersConfig:
     secret_file: str | None = None
     tenant: str | None = None
     tenant_secrets: Mapping[str, str] = field(default_factory=dict)
+    helpers: tuple[str, ...] = ()
+    landing: str | None = None
+    landing_pages: int = 256
+    dualpath: str = "split"
+    helper: bool = False
 
     def __post_init__(self) -> None:
         if self.serve is not None:
@@ -300,6 +313,31 @@ class PeersConfig:
             raise ConfigError("peers.tenant_secrets must map tenant names to secret files, got "
                               f"{self.tenant_secrets!r}")
         object.__setattr__(self, "tenant_secrets", {k: os.fspath(v) for k, v in self.tenant_secrets.items()})
+        if isinstance(self.helpers, str) or not isinstance(self.helpers, (list, tuple)):
+            raise ConfigError(f"peers.helpers must be a list of 'host:port', got {self.helpers!r}")
+        object.__setattr__(self, "helpers", tuple(self.helpers))
+        for i, addr in enumerate(self.helpers):
+            _endpoint(addr, f"peers.helpers[{i}]")
+        if self.landing is not None:
+            _endpoint(self.landing, "peers.landing")
+        _check_int(self.landing_pages, "peers.landing_pages", 1, 1 << 20)
+        if self.dualpath not in ("pe-only", "shorter-queue", "split"):
+            raise ConfigError(f"peers.dualpath must be pe-only, shorter-queue or split, got {self.dualpath!r}")
+        _check_bool(self.helper, "peers.helper")
+        if self.helpers and self.landing is None:
+            raise ConfigError("peers.helpers needs peers.landing = \"host:port\", where the helpers push the pages "
+                              "they read for this node")
+        if self.helpers and self.tenant is not None:
+            raise ConfigError("peers.helpers: a helper pushes for the cluster's principal only; this node's "
+                              f"principal is tenant {self.tenant!r}")
+        if self.helper and self.serve is None:
+            raise ConfigError("peers.helper = true needs peers.serve, the endpoint other nodes ask for help on")
+
+    def landing_endpoint(self) -> tuple[str, int] | None:
+        return _endpoint(self.landing, "peers.landing") if self.landing is not None else None
+
+    def helper_endpoints(self) -> list[tuple[str, int]]:
+        return [_endpoint(a, "peers.helpers") for a in self.helpers]
 
     def serve_endpoint(self) -> tuple[str, int] | None:
         return _endpoint(self.serve, "peers.serve") if self.serve is not None else None

@@ -39,8 +39,9 @@ from tierkv.tiers.dram import DramTier
 META_DTYPE = np.dtype([("slot", "<u4"), ("generation", "<u8"), ("length", "<u4"), ("checksum", "<u8")])
 assert META_DTYPE.itemsize == 24
 Method = Callable[[bytes, Scope], bytes]
-#: Calls a connection scoped to one tenant may not make (they reach every slot).
-CLUSTER_ONLY = frozenset({"rdma-connect"})
+#: Calls a connection scoped to one tenant may not make (they reach every slot, or read
+#: for another node: DualPath's push).
+CLUSTER_ONLY = frozenset({"rdma-connect", "push"})
 
 
 class SlotStore:

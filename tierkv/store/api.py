@@ -124,7 +124,7 @@ class Store:
         self._peering: Peering | None = None
         if config.peers is not None and not read_only:
             try:
-                self._peering = Peering(config.peers, self._manager, self.layout.page_bytes)
+                self._peering = Peering(config.peers, self._manager, self.layout.page_bytes, self._load_for_push)
             except BaseException:
                 self.close()
                 raise
@@ -481,6 +481,27 @@ class Store:
         self._counters.events["pages_hit"] += loaded
         return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
 
+    def _load_for_push(self, chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes) -> int:
+        """DualPath's helper (:mod:`tierkv.dualpath.push`): load ``chain[start:]`` (up to the
+        rows of ``rows``) for another node, from this store's tiers and then its peers, into
+        ``rows``; how many leading pages. The pages are not kept here (this store need not
+        hold their prefix), promoted or counted as this store's hits."""
+        with self._lock:
+            self._check_open()
+            keys = list(chain[start:start + rows.shape[0]])
+            lead = self._lead(b"".join(keys), len(keys))
+            got = 0
+            if len(lead):
+                below = bool((lead.levels != 0).any())   # read into the store's own aligned rows, then copied
+                dst = self._private_rows(len(lead), rows.shape[1]) if below else rows
+                got = self._transfers.read(lead, dst)
+                if below:
+                    rows[:got] = dst[:got]
+            if got == len(lead) < len(keys) and self._peering is not None:
+                got += self._peering.fetch(chain[:start + len(keys)], start + got, rows[got:], salt, dualpath=False)
+            self._counters.events["pages_loaded_for_peers"] += got
+            return got
+
     def _read_layered(self, lead: Lead, dst: np.ndarray, out: np.ndarray | None, landed: np.ndarray) -> int:
         """Read ``lead`` into ``dst`` a layer at a time across its pages, announcing each in
         ``landed``; ``out``: the caller's rows, when ``dst`` is the store's own (each layer
@@ -715,7 +736,8 @@ class Store:
     def stats(self) -> StoreStats:
         """A snapshot of the per-tier and store-wide counters."""
         with self._lock:
-            return self._counters.snapshot(self._manager.tiers)
+            dualpath = self._peering.dualpath_stats() if self._peering is not None else None
+            return self._counters.snapshot(self._manager.tiers, dualpath)
 
     def flush(self) -> None:
         """A durability barrier: every page that a ``put`` (or an eviction) had written to a

@@ -42,6 +42,8 @@ from tierkv.errors import ConfigError, TierKVError
 from tierkv.keys import PageKey, split_keys, tenant_salt
 from tierkv.net.auth import CLUSTER, UNKNOWN_TENANT, Credential, ServerAuth, load_secret, tenant_tag
 from tierkv.store.manager import BlockManager
+from tierkv.dualpath.loads import Loads
+from tierkv.dualpath.push import Helper, Landing, Loader
 from tierkv.net import NetConfig, PeerServer, connect
 from tierkv.net.transport import CallResult
 from tierkv.net.wire import MAX_LOOKUP_KEYS, decode_metas, encode_keys
@@ -76,7 +78,7 @@ class Publishing(Protocol):
 class Peering:
     """This store's peer server (if it serves) and its clients (if it fetches)."""
 
-    def __init__(self, cfg: PeersConfig, manager: BlockManager, page_bytes: int) -> None:
+    def __init__(self, cfg: PeersConfig, manager: BlockManager, page_bytes: int, loader: Loader | None = None) -> None:
         self.cfg = cfg
         assert cfg.secret_file is not None, "PeersConfig requires it with serve or fetch"
         secret = load_secret(cfg.secret_file, "[peers] secret_file")
@@ -113,6 +115,22 @@ class Peering:
                                      accept_writes=False, auth=ServerAuth(principals), keyed=True)
             self._served = dram.name
             manager.listeners.append(self._on_event)
+        # DualPath (tierkv.dualpath): reading for other nodes, and having them read for this one.
+        self._helper: Helper | None = None
+        if cfg.helper and self.server is not None:
+            if loader is None:
+                raise ConfigError("[peers] helper = true: this store cannot load pages for others")
+            self._helper = Helper(loader, page_bytes, self._net, cfg.transport)
+            self.server.store.methods["push"] = self._helper.handle
+        self._loads: Loads | None = None
+        landing = cfg.landing_endpoint()
+        if cfg.helpers and landing is not None:
+            if landing[0] in ("0.0.0.0", "::", ""):
+                raise ConfigError(f"[peers] landing = {cfg.landing!r}: helpers connect to this address, so it must "
+                                  "be one of this node's, not a wildcard")
+            zone = Landing(landing[0], landing[1], cfg.landing_pages, page_bytes, self._net, secret,
+                           rdma=cfg.transport == "rdma")
+            self._loads = Loads(cfg.dualpath, cfg.helper_endpoints(), zone, self._net)
         # The peers fetched from, and their connections, shared by fetches (under the store's
         # lock) and lookups (without it) under this lock; connects run on threads of their own.
         self._lock = threading.Lock()
@@ -196,13 +214,17 @@ class Peering:
         self._route = route
 
     # -- fetching ----------------------------------------------------------------------
-    def fetch(self, chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes) -> int:
+    def fetch(self, chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes, *,
+              dualpath: bool = True) -> int:
         """Load the leading pages of ``chain[start:]`` (a prompt's keys from its first page,
         of the tenant of ``salt``) that some peer holds into ``rows``; returns how many. A
         node whose principal is one tenant's asks peers only for that tenant's pages.
 
         Stops at the first page no reachable peer returns intact. Never raises for a peer's
-        failure: an unreachable or slow peer is a miss within ``timeout_s``.
+        failure: an unreachable or slow peer is a miss within ``timeout_s``. With
+        ``[peers] helpers``, the pages a peer holds are divided between this node's reads
+        and a helper's push (:mod:`tierkv.dualpath.loads`); ``dualpath=False`` (a helper
+        loading for another node) reads them all here.
         """
         if self._own_tag is not None and tenant_tag(salt) != self._own_tag:
             return 0
@@ -221,15 +243,34 @@ class Peering:
                 lead = next((i for i, m in enumerate(metas) if m is None), len(metas))
                 if lead == 0:
                     continue
-                res = tier.fetch_remote([m for m in metas[:lead] if m is not None], rows[got:got + lead],
-                                        list(keys[got:got + lead]))
+                held = [m for m in metas[:lead] if m is not None]
+                part = list(keys[got:got + lead])
+
+                def own(first: int, stop: int, dst: np.ndarray) -> int:
+                    res = tier.fetch_remote(held[first:stop], dst, part[first:stop])
+                    return next((i for i, ok in enumerate(res.ok) if not ok), len(res.ok))
+
+                if self._loads is not None and dualpath:
+                    n = self._loads.fetch(chain, start + got, lead, rows[got:got + lead], salt, own)
+                else:
+                    n = own(0, lead, rows[got:got + lead])
             except TierKVError as exc:
                 log.warning("peer %s:%d failed (%s); its pages are misses for now", ep[0], ep[1], exc)
                 self._drop(ep, tier)
                 continue
-            n = next((i for i, ok in enumerate(res.ok) if not ok), len(res.ok))
             got += n
         return got
+
+    def dualpath_stats(self) -> dict[str, dict[str, float]] | None:
+        """What DualPath did here (``loads``: fetches divided with helpers, and
+        ``rates_bytes_s``: each side's measured rate; ``helper``: pushes served for
+        others), or None where it is not configured."""
+        out: dict[str, dict[str, float]] = {}
+        if self._loads is not None:
+            out["loads"], out["rates_bytes_s"] = self._loads.stats(), self._loads.rates()
+        if self._helper is not None:
+            out["helper"] = self._helper.stats()
+        return out or None
 
     def lookup(self, chain: Sequence[PageKey], start: int, salt: bytes | None) -> int:
         """How many of the leading ``chain[start:]`` a :meth:`fetch` would find on the peers: each
@@ -400,8 +441,12 @@ class Peering:
             self._peers = dict.fromkeys(self._peers)
         for tier in tiers:
             tier.close()
+        if self._loads is not None:
+            self._loads.close()
         if self.server is not None:
             self.server.close()
+        if self._helper is not None:   # after the server: no push is served past this
+            self._helper.close()
 
 
 def _within(fut: Future[PeerDramTier | None], deadline: float) -> PeerDramTier | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -60,6 +60,11 @@ class StoreStats:
     promotions: int
     corrupt_pages: int
     peer_pages: int = 0  # pages get loaded from other nodes ([peers] fetch)
+    #: DualPath ([peers] helpers / helper): this node's divided fetches
+    #: (:meth:`tierkv.dualpath.loads.Loads.stats`) under ``loads`` and each side's measured
+    #: rate under ``rates_bytes_s``, the pushes it served for others under ``helper``;
+    #: empty where neither is configured.
+    dualpath: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def misses(self) -> int:
@@ -92,7 +97,7 @@ class Counters:
         self.tier_written: Counter[str] = Counter()
         self.tier_io_s: defaultdict[str, float] = defaultdict(float)
 
-    def snapshot(self, tiers: Sequence[Tier]) -> StoreStats:
+    def snapshot(self, tiers: Sequence[Tier], dualpath: dict[str, dict[str, float]] | None = None) -> StoreStats:
         """The counters as a :class:`StoreStats`, with each tier's occupancy and state now."""
         stats: dict[str, TierStats] = {
             t.name: TierStats(t.name, t.kind.value, self.tier_hits[t.name], t.num_slots, t.num_slots - t.num_free,
@@ -103,7 +108,7 @@ class Counters:
         ev = self.events
         return StoreStats(stats, dict(self.moved), dict(self.moved_s), ev["lookups"], ev["pages_requested"],
                           ev["pages_hit"], ev["pages_stored"], ev["pages_dropped"], ev["evictions"],
-                          ev["promotions"], ev["corrupt_pages"], self.tier_hits["peer"])
+                          ev["promotions"], ev["corrupt_pages"], self.tier_hits["peer"], dualpath or {})
 
     def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float, src_read: bool = True) -> None:
         """Count a transfer between a tier pair and the wall time it took. ``src_read=False``:

@@ -1,0 +1,280 @@
+"""DualPath's second path in the store: a helper node reads pages for another node and
+pushes them into that node's landing zone.
+
+The node that wants pages (the *requester*, a prefill node) keeps a :class:`Landing`: a
+small DRAM buffer of its own served by a peer server that accepts writes from the
+cluster's principal only. It reserves landing slots, each with a fresh generation, and
+asks a *helper* (a decode node, ``[peers] helper = true``) by a ``push`` call to read a
+run of a prompt's pages from the storage it reaches and write them there. The helper
+(:class:`Helper`) loads them in chunks from its own tiers and storage peers (never
+keeping them: it holds no prefix of theirs) and writes each chunk as it is loaded through
+its peer transport, so loading and forwarding overlap: over RDMA, one-sided writes into
+the landing server's registered staging (the same credits and send window as every
+write), over TCP inline. The landing server checks each page against the checksum the
+helper computed as it arrives; the requester then takes a page only where its slot holds
+the generation it reserved, and checks its bytes once more as it copies them out. A page
+that did not arrive is a miss, which the requester reads itself.
+
+Control (the ``push`` call and its answer) goes over TCP: an RDMA server answers calls
+on its progress thread, which a push of many pages must not hold. The answer says how
+many leading pages were stored and how many bytes the helper still has queued for
+others, which the requester's scheduler counts (:mod:`tierkv.dualpath.loads`).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierkv.errors import TierKVError
+from tierkv.keys import KEY_BYTES, PageKey
+from tierkv.net import NetConfig, PeerServer, connect
+from tierkv.net.auth import CLUSTER, ServerAuth
+from tierkv.net.transport import Transport, WriteResult
+from tierkv.net.wire import EMPTY_GENERATION, ProtocolError, WriteStatus, page_checksum
+from tierkv.tiers.aligned import aligned_empty
+from tierkv.tiers.dram import DramTier
+
+log = logging.getLogger(__name__)
+Endpoint = tuple[str, int]
+#: A helper loads and forwards a push in chunks of about this many bytes, so that the
+#: write of one chunk overlaps the load of the next.
+CHUNK_BYTES = 2 << 20
+#: Pushes a helper serves at once; more are answered at once with nothing stored (the
+#: requester reads those pages itself), so pushes cannot take every server worker.
+MAX_PUSHES = 2
+_REQ = struct.Struct("<HIIH")     # landing host length, landing port, pages, salt length
+_ANSWER = struct.Struct("<Id")    # leading pages stored, bytes still queued at the helper
+#: Loads the pages ``chain[start:start + len(rows)]`` into ``rows`` (the requester's
+#: tenant ``salt``): how many leading ones it found.
+Loader = Callable[[Sequence[PageKey], int, np.ndarray, bytes], int]
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """Push the pages of ``chain[start:]`` into ``slots`` of the landing server at
+    ``landing``, as ``generations``; ``salt``: the requesting tenant's."""
+
+    landing: Endpoint
+    chain: tuple[PageKey, ...]
+    start: int
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+    salt: bytes
+
+    def encode(self) -> bytes:
+        host = self.landing[0].encode()
+        n = len(self.chain)
+        return b"".join([_REQ.pack(len(host), self.landing[1], n, len(self.salt)), host, self.salt,
+                         struct.pack("<I", self.start), *self.chain,
+                         np.asarray(self.slots, "<u4").tobytes(), np.asarray(self.generations, "<u8").tobytes()])
+
+    @classmethod
+    def decode(cls, body: bytes) -> PushRequest:
+        if len(body) < _REQ.size:
+            raise ProtocolError(f"a push request of {len(body)} bytes is shorter than its header")
+        hl, port, n, sl = _REQ.unpack_from(body)
+        at = _REQ.size
+        host, salt = body[at:at + hl].decode(errors="replace"), body[at + hl:at + hl + sl]
+        at += hl + sl
+        if len(body) < at + 4:
+            raise ProtocolError("a push request ends before its start")
+        (start,) = struct.unpack_from("<I", body, at)
+        at += 4
+        if n > 1 << 24 or start > n:
+            raise ProtocolError(f"a push request names {n} keys and starts at {start}")
+        pages = n - start
+        want = at + n * KEY_BYTES + pages * 12
+        if len(body) != want:
+            raise ProtocolError(f"a push request of {n} keys, {pages} pushed, is {want} bytes, got {len(body)}")
+        chain = tuple(PageKey(body[at + i * KEY_BYTES:at + (i + 1) * KEY_BYTES]) for i in range(n))
+        at += n * KEY_BYTES
+        slots = tuple(np.frombuffer(body, "<u4", pages, at).tolist())
+        gens = tuple(np.frombuffer(body, "<u8", pages, at + 4 * pages).tolist())
+        if any(g == EMPTY_GENERATION for g in gens):
+            raise ProtocolError("a push request names generation 0")
+        return cls((host, port), chain, start, slots, gens, salt)
+
+
+def encode_answer(stored: int, queued_bytes: float) -> bytes:
+    return _ANSWER.pack(stored, queued_bytes)
+
+
+def decode_answer(body: bytes) -> tuple[int, float]:
+    if len(body) != _ANSWER.size:
+        raise ProtocolError(f"a push answer is {_ANSWER.size} bytes, got {len(body)}")
+    stored, queued = _ANSWER.unpack(body)
+    return int(stored), float(queued)
+
+
+class Landing:
+    """Where helpers push pages for this node: ``pages`` slots of ``page_bytes`` served at
+    ``host:port`` to the cluster's principal (``secret``), writable by it."""
+
+    def __init__(self, host: str, port: int, pages: int, page_bytes: int, net: NetConfig, secret: bytes,
+                 rdma: bool) -> None:
+        self.tier = DramTier(pages, page_bytes, name="landing")
+        self.server = PeerServer(self.tier, host, port, net, rdma=rdma, accept_writes=True,
+                                 auth=ServerAuth({CLUSTER: (secret, None)}))
+        self.address: Endpoint = (host, self.server.address[1])
+        self.page_bytes = page_bytes
+        self._lock = threading.Lock()
+        self._free = list(range(pages - 1, -1, -1))
+        self._last_gen = 0
+
+    def take(self, n: int) -> tuple[list[int], list[int]]:
+        """Up to ``n`` free slots, and a fresh generation for each (never one used before)."""
+        with self._lock:
+            k = min(n, len(self._free))
+            slots = [self._free.pop() for _ in range(k)]
+            first = max(self._last_gen + 1, time.time_ns())
+            self._last_gen = first + k - 1
+        return slots, list(range(first, first + k))
+
+    def collect(self, slots: Sequence[int], generations: Sequence[int], rows: np.ndarray) -> int:
+        """Copy the pages that landed in ``slots`` (as ``generations``) into ``rows``: how
+        many leading ones arrived whole."""
+        store = self.server.store
+        buf = self.tier.buffer
+        for i, (s, g) in enumerate(zip(slots, generations)):
+            m = store.meta(s)
+            if m.generation != g or m.length != rows.shape[1]:
+                return i
+            rows[i] = buf[s, :m.length]
+            if page_checksum(rows[i].data) != m.checksum:   # rewritten while copied: not this page
+                return i
+        return len(slots)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The slots are free again. A helper's late write into one carries an older
+        generation than the next push's, so it can never be taken for that push's page."""
+        with self._lock:
+            self._free.extend(slots)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class Helper:
+    """Serves ``push`` calls: loads the pages asked for through ``loader`` and writes them
+    into the requester's landing server over ``transport`` ("tcp" or "rdma")."""
+
+    def __init__(self, loader: Loader, page_bytes: int, net: NetConfig, transport: str) -> None:
+        self._loader = loader
+        self._page_bytes = page_bytes
+        self._net = net
+        self._transport = transport
+        self._lock = threading.Lock()
+        self._links: dict[Endpoint, Transport] = {}
+        self._slots = threading.BoundedSemaphore(MAX_PUSHES)
+        self._queued = 0.0          # bytes of the pushes being served
+        self._closed = False
+        self.pushes = self.pages_pushed = self.busy = self.failed = 0
+
+    def handle(self, body: bytes, scope: object) -> bytes:
+        """A ``push`` call (the cluster's principal only; the server refuses it to others)."""
+        req = PushRequest.decode(body)
+        pages = len(req.slots)
+        if not self._slots.acquire(blocking=False):
+            with self._lock:
+                self.busy += 1
+                queued = self._queued
+            return encode_answer(0, queued)
+        nbytes = pages * self._page_bytes
+        with self._lock:
+            queued = self._queued
+            self._queued += nbytes
+        try:
+            stored = self._push(req)
+        finally:
+            self._slots.release()
+            with self._lock:
+                self._queued -= nbytes
+                self.pushes += 1
+                self.pages_pushed += stored
+        return encode_answer(stored, queued)
+
+    def _push(self, req: PushRequest) -> int:
+        pages = len(req.slots)
+        chunk = max(1, CHUNK_BYTES // self._page_bytes)
+        rows = aligned_empty(pages * self._page_bytes).reshape(pages, self._page_bytes)
+        link = self._link(req.landing)
+        if link is None:
+            return 0
+        writes: list[tuple[int, Future[WriteResult]]] = []
+        loaded = 0
+        try:
+            while loaded < pages:
+                n = min(chunk, pages - loaded)
+                got = self._loader(req.chain, req.start + loaded, rows[loaded:loaded + n], req.salt)
+                if got:
+                    writes.append((got, link.write(req.slots[loaded:loaded + got], req.generations[loaded:loaded + got],
+                                                   rows[loaded:loaded + got])))
+                loaded += got
+                if got < n:
+                    break
+        finally:
+            stored, short = 0, False
+            for n, fut in writes:   # wait for every write, so none reads ``rows`` after this returns
+                try:
+                    res = fut.result(timeout=self._net.timeout_s * 2 + 1)
+                except (TimeoutError, TierKVError) as exc:
+                    res = WriteResult((WriteStatus.FAILED,) * n, error=str(exc))
+                ok = next((i for i, st in enumerate(res.statuses)
+                           if st not in (WriteStatus.STORED, WriteStatus.DUPLICATE)), n)
+                if not short:   # only the leading run counts: what landed after a gap is not used
+                    stored += ok
+                    short = ok < n
+                if res.error:
+                    self._drop(req.landing, link)
+        if short:
+            with self._lock:
+                self.failed += 1
+        return stored
+
+    def _link(self, ep: Endpoint) -> Transport | None:
+        with self._lock:
+            link = self._links.get(ep)
+            if link is not None or self._closed:
+                return link
+        try:
+            link = connect(ep[0], ep[1], self._transport, self._net)  # type: ignore[arg-type]
+        except TierKVError as exc:
+            log.warning("landing %s:%d unreachable (%s); the push is a miss", ep[0], ep[1], exc)
+            return None
+        with self._lock:
+            if self._closed:
+                link.close()
+                return None
+            old = self._links.setdefault(ep, link)
+        if old is not link:
+            link.close()
+        return old
+
+    def _drop(self, ep: Endpoint, link: Transport) -> None:
+        with self._lock:
+            if self._links.get(ep) is link:
+                del self._links[ep]
+            else:
+                return
+        link.close()
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"pushes": self.pushes, "pages_pushed": self.pages_pushed, "busy": self.busy,
+                    "failed": self.failed, "queued_bytes": self._queued}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close()
