@@ -39,7 +39,7 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                                     "'codec' the lossless KV codec against zipnn and zstd on real KV pages, "
                                     "'scale' the page table's memory and time per page at node scale against a dict.")
     bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale", "serve", "vllm",
-                                                          "cluster"),
+                                                          "cluster", "dualpath"),
                     default="store",
                     help="what to measure ('codec-store': an NVMe tier with codec none vs lossless; "
                          "'net': peer page fetches and incast over TCP, and RDMA where a device exists; "
@@ -49,7 +49,9 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                          "vLLM's ExampleConnector, tierkv from DRAM and from NVMe, "
                          "engines interleaved (tools/install_vllm.sh; about 4 minutes); "
                          "'cluster': a local etcd and --nodes node daemons: pages published to the directory per s, "
-                         "cross-node lookup p50/p99, etcd bytes per page, failover after a SIGKILL (about a minute))")
+                         "cross-node lookup p50/p99, etcd bytes per page, failover after a SIGKILL (about a minute); "
+                         "'dualpath': storage, prefill and decode node daemons in network namespaces, each storage "
+                         "NIC shaped by tc: load throughput of pe-only, shorter-queue and split (root; about 20 s))")
     bp.add_argument("--kv", metavar="FILE.safetensors", help="codec, codec-store: KV tensors layerNN.k/.v "
                     f"[kv_heads, tokens, head_dim], or a folder of such files (default: ${KV_ENV}, else "
                     "../shared/data/kv beside the tierkv checkout)")
@@ -61,6 +63,10 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
     bp.add_argument("--nodes", type=int, default=None, metavar="N", help="cluster: node daemons (2-16; default 3)")
     bp.add_argument("--lease", type=int, default=None, metavar="S", help="cluster: the nodes' lease in seconds "
                     "(default 10; 3 with --quick)")
+    bp.add_argument("--requests", type=int, default=None, metavar="N", help="dualpath: prompts loaded per policy "
+                    "(default 12; 4 with --quick)")
+    bp.add_argument("--storage-mbit", type=float, default=None, metavar="R", help="dualpath: each storage NIC's "
+                    "rate in Mbit/s (default 400)")
     bp.add_argument("--dir", metavar="DIR", help="directory for the files of the store, codec-store and scale "
                     "suites (default: a temporary one; codec and net write none)")
     bp.add_argument("--runs", type=int, default=None, metavar="N", help="repetitions per measurement")
@@ -73,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--runs must be >= 1, got {args.runs}")
     if args.page_tokens < 1:
         raise InputError(f"--page-tokens must be >= 1, got {args.page_tokens}")
-    if args.pages is not None and args.suite not in ("scale", "cluster"):
-        raise InputError(f"--pages is for the scale and cluster suites, not {args.suite}")
+    if args.pages is not None and args.suite not in ("scale", "cluster", "dualpath"):
+        raise InputError(f"--pages is for the scale, cluster and dualpath suites, not {args.suite}")
+    if (args.requests is not None or args.storage_mbit is not None) and args.suite != "dualpath":
+        raise InputError(f"--requests and --storage-mbit are for the dualpath suite, not {args.suite}")
     if (args.nodes is not None or args.lease is not None) and args.suite != "cluster":
         raise InputError(f"--nodes and --lease are for the cluster suite, not {args.suite}")
     if args.suite == "scale":
@@ -87,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_scale(check_pages(args.pages) if args.pages is not None else default, where=args.dir)
     elif args.suite == "cluster":
         result = _cluster(args)
+    elif args.suite == "dualpath":
+        result = _dualpath(args)
     elif args.suite == "vllm":
         result = _vllm(args)
     elif args.suite == "serve":
@@ -144,6 +154,28 @@ def _cluster(args: argparse.Namespace) -> dict[str, object]:
     return run_cluster_bench(nodes=nodes, pages=pages, lookups=200 if args.quick else 1000, lease_ttl_s=lease,
                              where=args.dir, step=None if args.json else
                              lambda what: print(f"cluster: {what}", file=sys.stderr, flush=True))
+
+
+def _dualpath(args: argparse.Namespace) -> dict[str, object]:
+    import sys
+
+    from tierkv.bench.dualpath import run_dualpath_bench
+    from tierkv.bench.scale import check_pages
+
+    if args.runs is not None:
+        raise InputError("--runs is not for the dualpath suite: --requests says how many prompts each policy loads")
+    requests = args.requests if args.requests is not None else (4 if args.quick else 12)
+    if not 1 <= requests <= 10_000:
+        raise InputError(f"--requests must be 1 to 10,000, got {requests}")
+    pages = check_pages(args.pages) if args.pages is not None else (32 if args.quick else 128)
+    if pages > 4096:
+        raise InputError(f"--pages is pages per prompt here, at most 4,096, got {pages}")
+    mbit = 400.0 if args.storage_mbit is None else args.storage_mbit
+    if not 1 <= mbit <= 100_000:
+        raise InputError(f"--storage-mbit must be 1 to 100,000, got {mbit:g}")
+    return run_dualpath_bench(requests=requests, pages=pages, storage_mbit=mbit, where=args.dir,
+                              step=None if args.json else
+                              lambda what: print(f"dualpath: {what}", file=sys.stderr, flush=True))
 
 
 def _vllm(args: argparse.Namespace) -> dict[str, object]:
@@ -377,6 +409,27 @@ def cluster_tables(r: Mapping[str, object]) -> Iterator[Table]:
                                                       f"{_cell(r.get('failover_wrong'))}", "-", "0, 0")])
 
 
+def dualpath_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    policies = _map(r.get("policies"))
+    rows = []
+    for name in ("pe-only", "shorter-queue", "split"):
+        p = _map(policies.get(name))
+        rate = p.get("load_bytes_s")
+        rows.append((name, p.get("seconds"), f"{rate / 1e6:.1f}" if isinstance(rate, (int, float)) else "-",
+                     p.get("throughput_vs_pe_only"), p.get("prefill_bytes_fraction"), p.get("pages_fallback"),
+                     p.get("pages_missed")))
+    yield _table(f"DualPath in network namespaces: {_cell(r.get('requests'))} prompts of "
+                 f"{_cell(r.get('pages_per_request'))} pages of {_size(r.get('page_bytes'))} per policy, storage NICs "
+                 f"{_cell(r.get('storage_mbit'))} Mbit/s, compute link unshaped",
+                 ("policy", "seconds", "MB/s", "vs pe-only", "prefill share of bytes", "fallback pages", "missed"),
+                 rows)
+    yield _table("targets", ("measurement", "value", "target"), [
+        ("split / pe-only", r.get("split_vs_pe_only"), ">= 1.6"),
+        ("split: prefill share of bytes", r.get("split_prefill_bytes_fraction"), "0.4-0.6"),
+        ("pe-only / one storage NIC's rate", r.get("pe_only_vs_one_nic"), "-"),
+        ("pages with wrong bytes", r.get("mismatches"), "0")])
+
+
 def vllm_tables(r: Mapping[str, object]) -> Iterator[Table]:
     modes = _map(r.get("modes"))
 
@@ -412,4 +465,5 @@ def _ratio(a: object, b: object) -> float | None:
 #: Each suite's tables, by suite name.
 TABLES: dict[str, Callable[[Mapping[str, object]], Iterable[Table]]] = {
     "store": store_tables, "codec": codec_tables, "codec-store": codec_store_tables, "net": net_tables,
-    "scale": scale_tables, "serve": serve_tables, "vllm": vllm_tables, "cluster": cluster_tables}
+    "scale": scale_tables, "serve": serve_tables, "vllm": vllm_tables, "cluster": cluster_tables,
+    "dualpath": dualpath_tables}

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 Endpoint = tuple[str, int]
 SELF = "self"
 #: The rate both sides are taken to have before one is measured (bytes/s): equal, so that
-#: a first split is even, and measured rates take over after a fetch or two.
+#: a first split is even; a side's first measurement replaces it.
 INITIAL_BYTES_S = 1e9
 EWMA = 0.3          # weight of the newest measurement in a side's rate
 RETRY_S = 5.0       # a helper that could not be reached is asked again after this long
@@ -47,6 +47,7 @@ OwnRead = Callable[[int, int, np.ndarray], int]
 class _HelperState:
     ep: Endpoint
     rate: float = INITIAL_BYTES_S
+    measured: bool = False          # whether ``rate`` is measured yet (else the initial guess)
     reported_queue: float = 0.0     # what it said it had queued for others, with its last answer
     asked: float = 0.0              # bytes this node has asked of it and not had answered
     link: Transport | None = None
@@ -85,6 +86,7 @@ class Loads:
         self._lock = threading.Lock()
         self._helpers = {ep: _HelperState(ep) for ep in helpers}
         self._own_rate = INITIAL_BYTES_S
+        self._own_measured = False
         self._own_queue = 0.0
         self._stats = LoadStats()
         self._closed = False
@@ -143,7 +145,9 @@ class Loads:
             with self._lock:
                 self._own_queue -= nbytes
                 if got and seconds > 0:
-                    self._own_rate = (1 - EWMA) * self._own_rate + EWMA * got * rows.shape[1] / seconds
+                    self._own_rate = _average(self._own_rate if self._own_measured else None,
+                                              got * rows.shape[1] / seconds)
+                    self._own_measured = True
                 self._stats.pages_self += got
         return got
 
@@ -197,7 +201,8 @@ class Loads:
         with self._lock:
             state.reported_queue = queued
             if got and seconds > 0:
-                state.rate = (1 - EWMA) * state.rate + EWMA * got * page_bytes / seconds
+                state.rate = _average(state.rate if state.measured else None, got * page_bytes / seconds)
+                state.measured = True
             self._stats.pages_helpers += got
         return got
 
@@ -246,6 +251,11 @@ class Loads:
         for link in links:
             link.close()
         self.landing.close()
+
+
+def _average(before: float | None, now: float) -> float:
+    """A side's rate after a measurement of ``now``: the first one replaces the guess."""
+    return now if before is None else (1 - EWMA) * before + EWMA * now
 
 
 def _name(ep: Endpoint) -> str:
