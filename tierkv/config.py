@@ -318,8 +318,9 @@ class PeersConfig:
         object.__setattr__(self, "helpers", tuple(self.helpers))
         for i, addr in enumerate(self.helpers):
             _endpoint(addr, f"peers.helpers[{i}]")
-        if self.landing is not None:
-            _endpoint(self.landing, "peers.landing")
+        if self.landing is not None and _endpoint(self.landing, "peers.landing")[0] in ("0.0.0.0", "::", "*"):
+            raise ConfigError(f"peers.landing = {self.landing!r}: helpers connect to this address, so it must be "
+                              "one of this node's, not a wildcard")
         _check_int(self.landing_pages, "peers.landing_pages", 1, 1 << 20)
         if self.dualpath not in ("pe-only", "shorter-queue", "split"):
             raise ConfigError(f"peers.dualpath must be pe-only, shorter-queue or split, got {self.dualpath!r}")
@@ -332,6 +333,9 @@ class PeersConfig:
                               f"principal is tenant {self.tenant!r}")
         if self.helper and self.serve is None:
             raise ConfigError("peers.helper = true needs peers.serve, the endpoint other nodes ask for help on")
+        if self.helper and self.tenant is not None:
+            raise ConfigError("peers.helper = true: pushes are asked by the cluster's principal, which a node whose "
+                              f"principal is tenant {self.tenant!r} does not accept")
 
     def landing_endpoint(self) -> tuple[str, int] | None:
         return _endpoint(self.landing, "peers.landing") if self.landing is not None else None

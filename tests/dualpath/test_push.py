@@ -6,8 +6,10 @@ is refused costs time, never pages."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +18,16 @@ import pytest
 from tests.conftest import PB, page_data
 from tests.store.test_peering import config, prompt, secret_file
 from tierkv.config import PeersConfig
-from tierkv.dualpath.push import Landing, PushRequest, decode_answer
+from tierkv.cluster.local import free_port
+from tierkv.dualpath import push
+from tierkv.dualpath.push import Helper, Landing, Loader, PushRequest, decode_answer
 from tierkv.errors import ConfigError, TierUnavailableError
-from tierkv.keys import split_keys
+from tierkv.keys import PageKey, split_keys
 from tierkv.net import Credential, NetConfig, connect
 from tierkv.net.auth import CLUSTER, load_secret
-from tierkv.net.wire import WriteStatus
+from tierkv.net.server import SlotStore
+from tierkv.net.wire import Call, ProtocolError, WriteStatus
+from tierkv.tiers.dram import DramTier
 from tierkv.store.api import Store
 
 PAGES = 24
@@ -108,6 +114,11 @@ def test_a_helper_that_lacks_the_pages_leaves_them_to_this_node(tmp_path: Path, 
         loads = p.stats().dualpath["loads"]
         assert loads["pages_helpers"] == 0 and loads["pages_fallback"] > 0
         assert loads["pages_self"] == PAGES
+        # A helper that delivered nothing is left alone for a while: the next fetch does not wait on it.
+        storage.put(prompt(13, PAGES), page_data(13, PAGES))
+        n, out, want = load(p, 13)
+        assert n == PAGES and np.array_equal(out, want)
+        assert d.stats().dualpath["helper"]["pushes"] == 1
 
 
 def test_a_small_landing_zone_leaves_the_rest_to_this_node(tmp_path: Path, storage: Store) -> None:
@@ -125,7 +136,7 @@ def test_only_the_clusters_principal_may_ask_for_a_push(tmp_path: Path, storage:
         host, port = d.peer_address or ("", 0)
         net = NetConfig(timeout_s=2.0, credential=Credential("tenant:acme", load_secret(tenant, "test")))
         keys = split_keys(b"\x01" * 16 * 2)
-        body = PushRequest(("127.0.0.1", 1), tuple(keys), 0, (0, 1), (5, 6), b"acme").encode()
+        body = PushRequest(("127.0.0.1", 1), tuple(keys), 0, (0, 1), (5, 6), b"acme", 1000).encode()
         with connect(host, port, "tcp", net) as t:
             res = t.call("push", body).result(timeout=5)
         assert not res.ok and b"principal" in res.body
@@ -186,8 +197,151 @@ def test_dualpath_settings_are_checked(tmp_path: Path, kw: dict[str, object], ma
         PeersConfig(transport="tcp", secret_file=secret_file(tmp_path), **kw)  # type: ignore[arg-type]
 
 
-def test_a_wildcard_landing_address_is_refused(tmp_path: Path, storage: Store) -> None:
-    peers = PeersConfig(fetch=(addr(storage),), helpers=("127.0.0.1:1",), landing="0.0.0.0:0", transport="tcp",
-                        secret_file=secret_file(tmp_path))
+def test_a_wildcard_landing_address_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="wildcard"):
+        PeersConfig(helpers=("127.0.0.1:1",), landing="0.0.0.0:0", transport="tcp", secret_file=secret_file(tmp_path))
+
+
+def test_a_landing_that_cannot_listen_is_a_config_error_and_leaks_no_server(tmp_path: Path, storage: Store) -> None:
+    taken, serve = socket.socket(), free_port()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        peers = PeersConfig(serve=f"127.0.0.1:{serve}", fetch=(addr(storage),), helpers=("127.0.0.1:1",),
+                            landing=f"127.0.0.1:{taken.getsockname()[1]}", transport="tcp",
+                            secret_file=secret_file(tmp_path))
+        with pytest.raises(ConfigError, match="cannot listen"):
+            Store.open(config(tmp_path / "p", peers))
+        with socket.socket() as again:   # the serve endpoint was closed with the failed store
+            again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            again.bind(("127.0.0.1", serve))
+    finally:
+        taken.close()
+
+
+def test_a_node_cannot_be_its_own_helper(tmp_path: Path, storage: Store) -> None:
+    port = free_port()
+    peers = PeersConfig(serve=f"127.0.0.1:{port}", fetch=(addr(storage),), helpers=(f"127.0.0.1:{port}",),
+                        landing="127.0.0.1:0", helper=True, transport="tcp", secret_file=secret_file(tmp_path))
+    with pytest.raises(ConfigError, match="own serve address"):
         Store.open(config(tmp_path / "p", peers))
+
+
+def test_two_nodes_that_are_each_others_helper_do_not_stall_each_other(tmp_path: Path, storage: Store) -> None:
+    """Each holds its lock while it waits on the other's push; a push waits for the
+    other's lock only briefly, finds nothing, and each node reads its pages itself."""
+    for seed in (20, 21):
+        storage.put(prompt(seed, PAGES), page_data(seed, PAGES))
+    ports = free_port(), free_port()
+    nodes = []
+    for i in range(2):
+        peers = PeersConfig(serve=f"127.0.0.1:{ports[i]}", fetch=(addr(storage),), helper=True,
+                            helpers=(f"127.0.0.1:{ports[1 - i]}",), landing="127.0.0.1:0", transport="tcp",
+                            timeout_s=5.0, secret_file=secret_file(tmp_path))
+        nodes.append(Store.open(config(tmp_path / f"n{i}", peers, dram_pages=64, nvme_pages=64)))
+    try:
+        results: list[tuple[int, bool, float]] = []
+
+        def one(i: int) -> None:
+            began = time.monotonic()
+            n, out, want = load(nodes[i], 20 + i)
+            results.append((n, bool(np.array_equal(out, want)), time.monotonic() - began))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(r[:2] for r in results) == [(PAGES, True)] * 2
+        assert max(r[2] for r in results) < 4.0, results   # not the push's whole budget (3.75 s) or more
+    finally:
+        for s in nodes:
+            s.close()
+
+
+def _fill(chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes, deadline: float) -> int:
+    for i in range(rows.shape[0]):
+        rows[i] = (start + i) % 251
+    return rows.shape[0]
+
+
+def _helper_and_zone(tmp_path: Path, loader: Loader, pages: int = 8) -> tuple[Helper, Landing, NetConfig]:
+    secret = load_secret(secret_file(tmp_path), "test")
+    net = NetConfig(timeout_s=2.0, credential=Credential(CLUSTER, secret))
+    return Helper(loader, PB, net, "tcp"), Landing("127.0.0.1", 0, pages, PB, net, secret, rdma=False), net
+
+
+def test_a_helper_whose_loader_fails_answers_nothing_stored(tmp_path: Path) -> None:
+    def broken(chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes, deadline: float) -> int:
+        raise ValueError("a tier fell over")
+
+    helper, zone, _ = _helper_and_zone(tmp_path, broken)
+    try:
+        slots, gens = zone.take(4)
+        body = PushRequest(zone.address, tuple(split_keys(b"\x02" * 16 * 4)), 0, tuple(slots), tuple(gens), b"",
+                           1000).encode()
+        assert decode_answer(helper.handle(body, None)) == (0, 0.0)
+        assert helper.stats()["failed"] == 1
+        # A working loader: every page lands, as the generation reserved.
+        helper._loader = _fill
+        assert decode_answer(helper.handle(body, None))[0] == 4
+        rows = np.zeros((4, PB), np.uint8)
+        assert zone.collect(slots, gens, rows) == 4 and all((rows[i] == i % 251).all() for i in range(4))
+    finally:
+        helper.close()
+        zone.close()
+
+
+def test_a_push_stops_at_its_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(push, "CHUNK_BYTES", 2 * PB)   # 2 pages a chunk
+    calls = []
+
+    def slow(chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes, deadline: float) -> int:
+        calls.append(start)
+        time.sleep(0.3)
+        return _fill(chain, start, rows, salt, deadline)
+
+    helper, zone, _ = _helper_and_zone(tmp_path, slow)
+    try:
+        slots, gens = zone.take(8)
+        body = PushRequest(zone.address, tuple(split_keys(b"\x03" * 16 * 8)), 0, tuple(slots), tuple(gens), b"",
+                           100).encode()
+        stored, _ = decode_answer(helper.handle(body, None))
+        assert calls == [0] and stored <= 2     # one chunk begun before the deadline, none after
+    finally:
+        helper.close()
+        zone.close()
+
+
+def test_a_helper_keeps_a_bounded_number_of_landing_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Helper, "MAX_LINKS", 2)
+    helper, first, net = _helper_and_zone(tmp_path, _fill)
+    zones = [first] + [Landing("127.0.0.1", 0, 8, PB, net, load_secret(secret_file(tmp_path), "t"), rdma=False)
+                       for _ in range(3)]
+    try:
+        for zone in zones:
+            slots, gens = zone.take(2)
+            body = PushRequest(zone.address, tuple(split_keys(b"\x04" * 32)), 0, tuple(slots), tuple(gens), b"",
+                               1000).encode()
+            assert decode_answer(helper.handle(body, None))[0] == 2
+        assert helper.stats()["links"] == 2
+    finally:
+        helper.close()
+        for zone in zones:
+            zone.close()
+
+
+@pytest.mark.parametrize("landing, why", [(("127.0.0.1", 0), "port"), (("", 7), "host"),
+                                          (("h\u00e9te", 7), "ASCII")])
+def test_push_requests_with_bad_landings_do_not_decode(landing: tuple[str, int], why: str) -> None:
+    body = PushRequest(landing, tuple(split_keys(b"\x05" * 16)), 0, (0,), (1,), b"", 1000).encode()
+    with pytest.raises(ProtocolError, match=why):
+        PushRequest.decode(body)
+
+
+def test_push_is_never_served_on_an_rdma_progress_thread(tmp_path: Path) -> None:
+    store = SlotStore(DramTier(2, PB))
+    store.methods["push"] = lambda body, scope: b"served"
+    assert store.call(Call("push", b"")).ok
+    refused = store.call(Call("push", b""), inline=True)
+    assert not refused.ok and b"TCP only" in refused.body

@@ -46,6 +46,18 @@ def test_split_divides_the_pages_so_both_sides_finish_together() -> None:
     assert choose_reads("split", 1000, PB, p, d) == [Read("d0", 0, 1000)]
 
 
+def test_a_side_whose_latency_outweighs_its_share_gets_none() -> None:
+    p = Side("p0", 0, GB)
+    # 100 pages of 1 MiB take 0.1 s here; asking the decode side costs 0.2 s before a byte moves.
+    assert choose_reads("split", 100, PB, p, [Side("d0", 0, GB, latency_s=0.2)]) == [Read("p0", 0, 100)]
+    assert choose_reads("shorter-queue", 100, PB, p, [Side("d0", 0, 10 * GB, latency_s=0.2)]) == [Read("p0", 0, 100)]
+    # A small one still pays where the request is long: the split moves past the even point.
+    reads = choose_reads("split", 1000, PB, p, [Side("d0", 0, GB, latency_s=0.1)])
+    assert [r.side for r in reads] == ["p0", "d0"] and 540 <= reads[0].stop <= 560
+    with pytest.raises(InputError, match="latency"):
+        choose_reads("split", 10, PB, p, [Side("d0", 0, GB, latency_s=-1.0)])
+
+
 def test_a_side_that_lacks_the_pages_is_never_chosen() -> None:
     p, d = sides(pq=100 * GB, dholds=False)
     for policy in ("pe-only", "shorter-queue", "split"):

@@ -9,10 +9,12 @@ pair of its own (its *storage NIC*), whose storage side sends at most ``--storag
 (a token bucket); the prefill and decode nodes are joined by a third, unshaped pair (the
 *compute link*). The driver, in this namespace, asks the prefill node (through its Unix
 socket) for ``--requests`` prompts of ``--pages`` pages each, one after another, every
-prompt new to it, and checks every page's bytes; that is done once per policy
-(``pe-only``, ``shorter-queue``, ``split``), each with a fresh prefill node, in the same
-run. Reported per policy: the load throughput and its ratio to ``pe-only``, the share of
-the bytes the prefill node read itself, and pages a helper failed to deliver.
+prompt new to it (a fresh prefill node per policy and round: the decode node keeps
+nothing it forwards), and checks every page's bytes; policies (``pe-only``,
+``shorter-queue``, ``split``) take turns, ``rounds`` times, in the same run. Reported per
+policy: the load throughput over all its rounds and its ratio to ``pe-only`` (also per
+round), the share of the bytes the prefill node read itself, and pages a helper failed
+to deliver.
 """
 
 from __future__ import annotations
@@ -43,12 +45,12 @@ def _layout(page_kib: int) -> dict[str, object]:
             "tokens_per_page": 16}
 
 
-def _tokens(policy: int, request: int, pages: int) -> np.ndarray:
-    return np.arange(pages * 16, dtype=np.int64) + (policy * 100_003 + request) * 1_000_003 % 40_000_000
+def _tokens(request: int, pages: int) -> np.ndarray:
+    return np.arange(pages * 16, dtype=np.int64) + request * 1_000_003 % 40_000_000
 
 
-def _data(policy: int, request: int, pages: int, page_bytes: int) -> np.ndarray:
-    return np.random.default_rng(policy * 10_007 + request).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
+def _data(request: int, pages: int, page_bytes: int) -> np.ndarray:
+    return np.random.default_rng(request).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
 
 
 def _config(where: Path, socks: Path, name: str, layout: dict[str, object], dram_bytes: int,
@@ -64,19 +66,57 @@ def _config(where: Path, socks: Path, name: str, layout: dict[str, object], dram
     return path
 
 
-def run_dualpath_bench(requests: int = 24, pages: int = 32, page_kib: int = 64, storage_mbit: float = 400.0,
-                       where: str | None = None, step: Callable[[str], None] | None = None) -> dict[str, Any]:
+def _run(nets: Namespaces, ns: str, work: Path, socks: Path, name: str, layout: dict[str, object], dram: int,
+         requests: int, pages: int, page_bytes: int, peers: dict[str, object]) -> tuple[dict[str, Any], int]:
+    """One policy's run: a fresh prefill node in ``ns`` loads prompt 0 (untimed: it
+    connects to its peers), then prompts 1..requests, each checked; (its figures, prompts
+    with wrong bytes)."""
+    from tierkv.serve.client import connect
+
+    prefill = Daemon(_config(work, socks, name, layout, dram, peers), work / f"{name}.log", prefix=nets.exec(ns)).start()
+    wrong = short = 0
+    try:
+        with connect(prefill.socket) as client:
+            out = np.empty((pages, page_bytes), np.uint8)
+            for r in range(requests + 1):
+                if r == 1:
+                    before = client.stats().dualpath.get("loads", {})
+                    began = time.perf_counter()
+                got = client.get(_tokens(r, pages), out)
+                short += pages - got.pages if r else 0
+                wrong += int(not np.array_equal(out[:got.pages], _data(r, pages, page_bytes)[:got.pages]))
+            seconds = time.perf_counter() - began
+            stats = client.stats().dualpath
+    finally:
+        prefill.stop()
+    loads = {k: v - before.get(k, 0) for k, v in stats.get("loads", {}).items()}
+    return {
+        "seconds": round(seconds, 4),
+        "pages_loaded": requests * pages - short,
+        "pages_missed": short,
+        "pages_self": int(loads.get("pages_self", 0)),
+        "pages_helpers": int(loads.get("pages_helpers", 0)),
+        "pages_fallback": int(loads.get("pages_fallback", 0)),
+        "helper_errors": int(loads.get("helper_errors", 0)),
+        "rates_bytes_s": {k: round(v) for k, v in stats.get("rates_bytes_s", {}).items()},
+        "latency_ms": {k: round(v * 1e3, 2) for k, v in stats.get("latency_s", {}).items()},
+    }, wrong
+
+
+def run_dualpath_bench(requests: int = 12, pages: int = 128, page_kib: int = 64, storage_mbit: float = 400.0,
+                       rounds: int = 3, where: str | None = None,
+                       step: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the benchmark (module docstring); ``step`` is told each phase as it starts."""
     from tierkv.serve.client import connect
 
-    if requests < 1 or pages < 1:
-        raise ValueError(f"--requests and --pages must be >= 1, got {requests} and {pages}")
+    if requests < 1 or pages < 1 or rounds < 1:
+        raise ValueError(f"--requests, --pages and --runs must be >= 1, got {requests}, {pages} and {rounds}")
     if page_kib < LAYER_KIB or page_kib % LAYER_KIB:
         raise ValueError(f"--page-kib must be a multiple of {LAYER_KIB}, got {page_kib}")
     say = step or (lambda _what: None)
     layout = _layout(page_kib)
     page_bytes = page_kib << 10
-    per_policy = (requests + 1) * pages * page_bytes   # one warm-up request each
+    per_run = (requests + 1) * pages * page_bytes + (64 << 20)   # one warm-up request each
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-dualpath-", dir=where) as tmp, ExitStack() as stack:
         work = Path(tmp)
         # Unix socket paths are short (107 bytes): theirs is a folder of its own in the system's temp dir.
@@ -95,7 +135,7 @@ def run_dualpath_bench(requests: int = 24, pages: int = 32, page_kib: int = 64, 
         nets.shape(s_ns, s_p_dev, storage_mbit)
         nets.shape(s_ns, s_d_dev, storage_mbit)
         common = {"transport": "tcp", "timeout_s": 30.0, "secret_file": str(secret)}
-        storage_cfg = _config(work, socks, "storage", layout, int(per_policy * len(POLICIES) * 1.25) + (64 << 20),
+        storage_cfg = _config(work, socks, "storage", layout, int(per_run * 1.25),
                               {"serve": f"0.0.0.0:{STORAGE_PORT}", **common})
         decode_cfg = _config(work, socks, "decode", layout, 64 << 20,
                              {"serve": f"{d_c_ip}:{HELPER_PORT}", "fetch": [f"{s_d_ip}:{STORAGE_PORT}"], "helper": True,
@@ -105,59 +145,50 @@ def run_dualpath_bench(requests: int = 24, pages: int = 32, page_kib: int = 64, 
         stack.callback(storage.stop)
         decode = Daemon(decode_cfg, work / "decode.log", prefix=nets.exec(d_ns)).start()
         stack.callback(decode.stop)
-        say(f"putting {len(POLICIES) * (requests + 1) * pages:,} pages of {page_kib} KiB into the storage node")
+        say(f"putting {(requests + 1) * pages:,} pages of {page_kib} KiB into the storage node")
         with connect(storage.socket) as client:
-            for i in range(len(POLICIES)):
-                for r in range(requests + 1):
-                    client.put(_tokens(i, r, pages), _data(i, r, pages, page_bytes))
-        results: dict[str, dict[str, Any]] = {}
+            for r in range(requests + 1):
+                client.put(_tokens(r, pages), _data(r, pages, page_bytes))
+        runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in POLICIES}
         wrong = 0
-        for i, policy in enumerate(POLICIES):
-            say(f"{policy}: a fresh prefill node, {requests} requests of {pages} pages")
-            prefill_cfg = _config(work, socks, f"prefill-{policy}", layout, per_policy + (64 << 20),
-                                  {"fetch": [f"{s_p_ip}:{STORAGE_PORT}"], "helpers": [f"{d_c_ip}:{HELPER_PORT}"],
-                                   "landing": f"{p_c_ip}:{LANDING_PORT}", "landing_pages": pages,
-                                   "dualpath": policy, **common})
-            prefill = Daemon(prefill_cfg, work / f"prefill-{policy}.log", prefix=nets.exec(p_ns)).start()
-            try:
-                with connect(prefill.socket) as client:
-                    out = np.empty((pages, page_bytes), np.uint8)
-                    short = 0
-                    for r in range(requests + 1):
-                        if r == 1:   # the first request connects to the peers: not timed
-                            before = client.stats().dualpath.get("loads", {})
-                            began = time.perf_counter()
-                        got = client.get(_tokens(i, r, pages), out)
-                        short += pages - got.pages
-                        wrong += int(not np.array_equal(out[:got.pages], _data(i, r, pages, page_bytes)[:got.pages]))
-                    seconds = time.perf_counter() - began
-                    stats = client.stats().dualpath
-            finally:
-                prefill.stop()
-            loads = {k: v - before.get(k, 0) for k, v in stats.get("loads", {}).items()}
-            total = loads.get("pages_self", 0) + loads.get("pages_helpers", 0)
-            loaded = requests * pages - short
-            results[policy] = {
+        for k in range(rounds):
+            for policy in POLICIES:
+                say(f"round {k + 1} of {rounds}, {policy}: a fresh prefill node, {requests} requests of {pages} pages")
+                run, bad = _run(nets, p_ns, work, socks, f"prefill-{k}-{policy}", layout, per_run, requests, pages,
+                                page_bytes, {"fetch": [f"{s_p_ip}:{STORAGE_PORT}"], "helpers": [f"{d_c_ip}:{HELPER_PORT}"],
+                                             "landing": f"{p_c_ip}:{LANDING_PORT}", "landing_pages": pages,
+                                             "dualpath": policy, **common})
+                runs[policy].append(run)
+                wrong += bad
+        results: dict[str, dict[str, Any]] = {}
+        for name, each in runs.items():
+            seconds = sum(r["seconds"] for r in each)
+            loaded = sum(r["pages_loaded"] for r in each)
+            self_pages = sum(r["pages_self"] for r in each)
+            total = self_pages + sum(r["pages_helpers"] for r in each)
+            results[name] = {
                 "seconds": round(seconds, 4),
                 "pages_loaded": loaded,
-                "pages_missed": short,
+                "pages_missed": sum(r["pages_missed"] for r in each),
                 "load_bytes_s": round(loaded * page_bytes / seconds),
-                "prefill_bytes_fraction": round(loads.get("pages_self", 0) / total, 4) if total else None,
-                "pages_fallback": int(loads.get("pages_fallback", 0)),
-                "helper_errors": int(loads.get("helper_errors", 0)),
-                "rates_bytes_s": {k: round(v) for k, v in stats.get("rates_bytes_s", {}).items()},
+                "prefill_bytes_fraction": round(self_pages / total, 4) if total else None,
+                "pages_fallback": sum(r["pages_fallback"] for r in each),
+                "helper_errors": sum(r["helper_errors"] for r in each),
+                "rounds": each,
             }
-        base = results["pe-only"]["load_bytes_s"]
+        base = results["pe-only"]
         for res in results.values():
-            res["throughput_vs_pe_only"] = round(res["load_bytes_s"] / base, 3) if base else None
+            res["throughput_vs_pe_only"] = round(res["load_bytes_s"] / base["load_bytes_s"], 3)
+            res["throughput_vs_pe_only_rounds"] = [round(base["rounds"][k]["seconds"] / r["seconds"], 3)
+                                                   for k, r in enumerate(res["rounds"])]
         nic = storage_mbit * 1e6 / 8
         return {
-            "requests": requests, "pages_per_request": pages, "page_bytes": page_bytes,
+            "requests": requests, "pages_per_request": pages, "page_bytes": page_bytes, "rounds": rounds,
             "storage_mbit": storage_mbit, "storage_nic_bytes_s": round(nic),
             "policies": results,
             "split_vs_pe_only": results["split"]["throughput_vs_pe_only"],
             "shorter_queue_vs_pe_only": results["shorter-queue"]["throughput_vs_pe_only"],
             "split_prefill_bytes_fraction": results["split"]["prefill_bytes_fraction"],
-            "pe_only_vs_one_nic": round(base / nic, 3),
+            "pe_only_vs_one_nic": round(base["load_bytes_s"] / nic, 3),
             "mismatches": wrong,
         }

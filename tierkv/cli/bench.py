@@ -51,7 +51,8 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                          "'cluster': a local etcd and --nodes node daemons: pages published to the directory per s, "
                          "cross-node lookup p50/p99, etcd bytes per page, failover after a SIGKILL (about a minute); "
                          "'dualpath': storage, prefill and decode node daemons in network namespaces, each storage "
-                         "NIC shaped by tc: load throughput of pe-only, shorter-queue and split (root; about 20 s))")
+                         "NIC shaped by tc: load throughput of pe-only, shorter-queue and split, --runs rounds "
+                         "(root; about a minute))")
     bp.add_argument("--kv", metavar="FILE.safetensors", help="codec, codec-store: KV tensors layerNN.k/.v "
                     f"[kv_heads, tokens, head_dim], or a folder of such files (default: ${KV_ENV}, else "
                     "../shared/data/kv beside the tierkv checkout)")
@@ -162,8 +163,7 @@ def _dualpath(args: argparse.Namespace) -> dict[str, object]:
     from tierkv.bench.dualpath import run_dualpath_bench
     from tierkv.bench.scale import check_pages
 
-    if args.runs is not None:
-        raise InputError("--runs is not for the dualpath suite: --requests says how many prompts each policy loads")
+    rounds = args.runs if args.runs is not None else (1 if args.quick else 3)
     requests = args.requests if args.requests is not None else (4 if args.quick else 12)
     if not 1 <= requests <= 10_000:
         raise InputError(f"--requests must be 1 to 10,000, got {requests}")
@@ -173,7 +173,7 @@ def _dualpath(args: argparse.Namespace) -> dict[str, object]:
     mbit = 400.0 if args.storage_mbit is None else args.storage_mbit
     if not 1 <= mbit <= 100_000:
         raise InputError(f"--storage-mbit must be 1 to 100,000, got {mbit:g}")
-    return run_dualpath_bench(requests=requests, pages=pages, storage_mbit=mbit, where=args.dir,
+    return run_dualpath_bench(requests=requests, pages=pages, storage_mbit=mbit, rounds=rounds, where=args.dir,
                               step=None if args.json else
                               lambda what: print(f"dualpath: {what}", file=sys.stderr, flush=True))
 
@@ -418,8 +418,9 @@ def dualpath_tables(r: Mapping[str, object]) -> Iterator[Table]:
         rows.append((name, p.get("seconds"), f"{rate / 1e6:.1f}" if isinstance(rate, (int, float)) else "-",
                      p.get("throughput_vs_pe_only"), p.get("prefill_bytes_fraction"), p.get("pages_fallback"),
                      p.get("pages_missed")))
-    yield _table(f"DualPath in network namespaces: {_cell(r.get('requests'))} prompts of "
-                 f"{_cell(r.get('pages_per_request'))} pages of {_size(r.get('page_bytes'))} per policy, storage NICs "
+    yield _table(f"DualPath in network namespaces: {_cell(r.get('rounds'))} rounds of {_cell(r.get('requests'))} "
+                 f"prompts of {_cell(r.get('pages_per_request'))} pages of {_size(r.get('page_bytes'))} per policy, "
+                 "storage NICs "
                  f"{_cell(r.get('storage_mbit'))} Mbit/s, compute link unshaped",
                  ("policy", "seconds", "MB/s", "vs pe-only", "prefill share of bytes", "fallback pages", "missed"),
                  rows)

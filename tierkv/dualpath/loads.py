@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,10 +36,12 @@ log = logging.getLogger(__name__)
 Endpoint = tuple[str, int]
 SELF = "self"
 #: The rate both sides are taken to have before one is measured (bytes/s): equal, so that
-#: a first split is even; a side's first measurement replaces it.
+#: a first split is even; measured transfers replace it.
 INITIAL_BYTES_S = 1e9
-EWMA = 0.3          # weight of the newest measurement in a side's rate
+SPREAD = 0.3        # sizes that spread this much (deviation over mean) tell latency from rate; less is noise
 RETRY_S = 5.0       # a helper that could not be reached is asked again after this long
+IDLE_S = 1.0        # a helper that delivered nothing (busy, or it lacks the pages) is left alone this long
+PUSH_BUDGET = 0.75  # of timeout_s: how long a helper may take to answer a push
 #: Reads this node's own part: ``(first, stop, rows)`` -> how many leading pages arrived.
 OwnRead = Callable[[int, int, np.ndarray], int]
 
@@ -46,9 +49,9 @@ OwnRead = Callable[[int, int, np.ndarray], int]
 @dataclass
 class _HelperState:
     ep: Endpoint
-    rate: float = INITIAL_BYTES_S
-    measured: bool = False          # whether ``rate`` is measured yet (else the initial guess)
+    fit: _Fit = field(default_factory=lambda: _Fit())
     reported_queue: float = 0.0     # what it said it had queued for others, with its last answer
+    answered_at: float = 0.0        # when (time.monotonic())
     asked: float = 0.0              # bytes this node has asked of it and not had answered
     link: Transport | None = None
     next_try: float = 0.0
@@ -85,8 +88,7 @@ class Loads:
         self._net = net
         self._lock = threading.Lock()
         self._helpers = {ep: _HelperState(ep) for ep in helpers}
-        self._own_rate = INITIAL_BYTES_S
-        self._own_measured = False
+        self._own_fit = _Fit()
         self._own_queue = 0.0
         self._stats = LoadStats()
         self._closed = False
@@ -127,9 +129,14 @@ class Loads:
         now = time.monotonic()
         with self._lock:
             self._stats.fetches += 1
-            prefill = Side(SELF, self._own_queue, self._own_rate)
-            decode = [Side(_name(h.ep), h.reported_queue + h.asked, h.rate, holds=now >= h.next_try)
-                      for h in self._helpers.values()]
+            latency, rate = self._own_fit.estimate(self._stats.fetches)
+            prefill = Side(SELF, self._own_queue, rate, latency_s=latency)
+            decode = []
+            for h in self._helpers.values():
+                latency, rate = h.fit.estimate(self._stats.fetches)
+                # What it reported queued for others has drained at its rate since.
+                queued = max(0.0, h.reported_queue - rate * (now - h.answered_at))
+                decode.append(Side(_name(h.ep), queued + h.asked, rate, holds=now >= h.next_try, latency_s=latency))
         return choose_reads(self.policy, pages, page_bytes, prefill, decode)
 
     def _own(self, own: OwnRead, first: int, stop: int, rows: np.ndarray) -> int:
@@ -145,9 +152,7 @@ class Loads:
             with self._lock:
                 self._own_queue -= nbytes
                 if got and seconds > 0:
-                    self._own_rate = _average(self._own_rate if self._own_measured else None,
-                                              got * rows.shape[1] / seconds)
-                    self._own_measured = True
+                    self._own_fit.add(got * rows.shape[1], seconds, self._stats.fetches)
                 self._stats.pages_self += got
         return got
 
@@ -157,7 +162,9 @@ class Loads:
         link = self._link(state)
         if link is None:
             return None
-        req = PushRequest(self.landing.address, tuple(chain), start, tuple(slots), tuple(gens), salt)
+        # The helper answers within this budget, before the call's own deadline (timeout_s) ends it.
+        req = PushRequest(self.landing.address, tuple(chain), start, tuple(slots), tuple(gens), salt,
+                          max(1, int(self._net.timeout_s * PUSH_BUDGET * 1e3)))
         push = _Push(len(slots) * page_bytes, time.perf_counter())
         with self._lock:
             state.asked += push.nbytes
@@ -199,10 +206,11 @@ class Loads:
         got = self.landing.collect(slots[:stored], gens[:stored], rows[:stored])
         seconds = (push.done_at or time.perf_counter()) - push.began
         with self._lock:
-            state.reported_queue = queued
+            state.reported_queue, state.answered_at = queued, time.monotonic()
+            if not got:   # busy, or it cannot reach the pages: this node reads them for a while
+                state.next_try = state.answered_at + IDLE_S
             if got and seconds > 0:
-                state.rate = _average(state.rate if state.measured else None, got * page_bytes / seconds)
-                state.measured = True
+                state.fit.add(got * page_bytes, seconds, self._stats.fetches)
             self._stats.pages_helpers += got
         return got
 
@@ -237,10 +245,13 @@ class Loads:
         with self._lock:
             return {k: float(v) for k, v in self._stats.__dict__.items()}
 
-    def rates(self) -> dict[str, float]:
-        """Each side's measured rate (bytes/s): this node's own reads (``self``) and each helper's."""
+    def rates(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Each side's estimated rate (bytes/s) and latency (s): this node's own reads
+        (``self``) and each helper's."""
         with self._lock:
-            return {SELF: self._own_rate, **{_name(h.ep): h.rate for h in self._helpers.values()}}
+            now = self._stats.fetches
+            sides = {SELF: self._own_fit.estimate(now), **{_name(h.ep): h.fit.estimate(now) for h in self._helpers.values()}}
+        return {k: r for k, (_, r) in sides.items()}, {k: lat for k, (lat, _) in sides.items()}
 
     def close(self) -> None:
         with self._lock:
@@ -253,9 +264,44 @@ class Loads:
         self.landing.close()
 
 
-def _average(before: float | None, now: float) -> float:
-    """A side's rate after a measurement of ``now``: the first one replaces the guess."""
-    return now if before is None else (1 - EWMA) * before + EWMA * now
+class _Fit:
+    """A side's cost model, ``seconds = latency + bytes / rate``, fitted by least squares
+    to its last ``WINDOW`` transfers. Until sizes differ enough to tell the two apart, the
+    latency stays where it was (0 at first) and the rate is what the transfers averaged
+    past it. Before any transfer, and once the newest is ``FORGET`` fetches old (a side the
+    policy stopped choosing on one bad measurement is then tried again), the rate is the
+    initial guess."""
+
+    WINDOW = 16
+    FORGET = 32
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
+        self._latency = 0.0
+        self._last = 0
+
+    def add(self, nbytes: float, seconds: float, tick: int) -> None:
+        """A transfer of ``nbytes`` that took ``seconds``, at fetch number ``tick``."""
+        self._samples.append((nbytes, seconds))
+        self._last = tick
+
+    def estimate(self, tick: int) -> tuple[float, float]:
+        """(latency seconds, rate bytes/s) at fetch number ``tick``."""
+        if self._samples and tick - self._last > self.FORGET:
+            self._samples.clear()
+            self._latency = 0.0
+        n = len(self._samples)
+        if not n:
+            return 0.0, INITIAL_BYTES_S
+        mb = sum(b for b, _ in self._samples) / n
+        ms = sum(t for _, t in self._samples) / n
+        var = sum((b - mb) ** 2 for b, _ in self._samples) / n
+        if n >= 3 and var > (SPREAD * mb) ** 2:
+            slope = sum((b - mb) * (t - ms) for b, t in self._samples) / n / var
+            if slope > 0:
+                self._latency = min(max(ms - slope * mb, 0.0), ms)
+        busy = ms - self._latency
+        return self._latency, mb / busy if busy > 0 else mb / ms
 
 
 def _name(ep: Endpoint) -> str:

@@ -50,17 +50,20 @@ CHUNK_BYTES = 2 << 20
 #: Pushes a helper serves at once; more are answered at once with nothing stored (the
 #: requester reads those pages itself), so pushes cannot take every server worker.
 MAX_PUSHES = 2
-_REQ = struct.Struct("<HIIH")     # landing host length, landing port, pages, salt length
-_ANSWER = struct.Struct("<Id")    # leading pages stored, bytes still queued at the helper
+_REQ = struct.Struct("<HHIHI")    # landing host length, landing port, pages, salt length, budget in ms
+_ANSWER = struct.Struct("<Id")    # leading pages stored, bytes queued at the helper for others
+MAX_HOST_BYTES = 255
 #: Loads the pages ``chain[start:start + len(rows)]`` into ``rows`` (the requester's
-#: tenant ``salt``): how many leading ones it found.
-Loader = Callable[[Sequence[PageKey], int, np.ndarray, bytes], int]
+#: tenant ``salt``) unless ``deadline`` (``time.monotonic()``) passes first, waiting for
+#: nothing past it: how many leading ones it found.
+Loader = Callable[[Sequence[PageKey], int, np.ndarray, bytes, float], int]
 
 
 @dataclass(frozen=True)
 class PushRequest:
     """Push the pages of ``chain[start:]`` into ``slots`` of the landing server at
-    ``landing``, as ``generations``; ``salt``: the requesting tenant's."""
+    ``landing``, as ``generations``, within ``budget_ms`` of its arrival (the requester
+    stops waiting then); ``salt``: the requesting tenant's."""
 
     landing: Endpoint
     chain: tuple[PageKey, ...]
@@ -68,21 +71,30 @@ class PushRequest:
     slots: tuple[int, ...]
     generations: tuple[int, ...]
     salt: bytes
+    budget_ms: int
 
     def encode(self) -> bytes:
         host = self.landing[0].encode()
         n = len(self.chain)
-        return b"".join([_REQ.pack(len(host), self.landing[1], n, len(self.salt)), host, self.salt,
+        return b"".join([_REQ.pack(len(host), self.landing[1], n, len(self.salt), self.budget_ms), host, self.salt,
                          struct.pack("<I", self.start), *self.chain,
                          np.asarray(self.slots, "<u4").tobytes(), np.asarray(self.generations, "<u8").tobytes()])
 
     @classmethod
     def decode(cls, body: bytes) -> PushRequest:
+        """The request in ``body``; ProtocolError for anything else."""
         if len(body) < _REQ.size:
             raise ProtocolError(f"a push request of {len(body)} bytes is shorter than its header")
-        hl, port, n, sl = _REQ.unpack_from(body)
+        hl, port, n, sl, budget = _REQ.unpack_from(body)
         at = _REQ.size
-        host, salt = body[at:at + hl].decode(errors="replace"), body[at + hl:at + hl + sl]
+        if not 0 < hl <= MAX_HOST_BYTES or not 0 < port:
+            raise ProtocolError(f"a push request's landing must be a host of 1-{MAX_HOST_BYTES} bytes and a port "
+                                f"of 1-65535, got {hl} bytes and port {port}")
+        try:
+            host = body[at:at + hl].decode("ascii")
+        except UnicodeDecodeError:
+            raise ProtocolError("a push request's landing host is not an ASCII name or address") from None
+        salt = body[at + hl:at + hl + sl]
         at += hl + sl
         if len(body) < at + 4:
             raise ProtocolError("a push request ends before its start")
@@ -100,7 +112,7 @@ class PushRequest:
         gens = tuple(np.frombuffer(body, "<u8", pages, at + 4 * pages).tolist())
         if any(g == EMPTY_GENERATION for g in gens):
             raise ProtocolError("a push request names generation 0")
-        return cls((host, port), chain, start, slots, gens, salt)
+        return cls((host, port), chain, start, slots, gens, salt, budget)
 
 
 def encode_answer(stored: int, queued_bytes: float) -> bytes:
@@ -164,7 +176,12 @@ class Landing:
 
 class Helper:
     """Serves ``push`` calls: loads the pages asked for through ``loader`` and writes them
-    into the requester's landing server over ``transport`` ("tcp" or "rdma")."""
+    into the requester's landing server over ``transport`` ("tcp" or "rdma"). Its links to
+    landing servers are kept while used: one unused for ``LINK_IDLE_S`` is closed, and at
+    most ``MAX_LINKS`` are kept (the least recently used goes)."""
+
+    LINK_IDLE_S = 60.0
+    MAX_LINKS = 16
 
     def __init__(self, loader: Loader, page_bytes: int, net: NetConfig, transport: str) -> None:
         self._loader = loader
@@ -172,36 +189,46 @@ class Helper:
         self._net = net
         self._transport = transport
         self._lock = threading.Lock()
-        self._links: dict[Endpoint, Transport] = {}
+        self._links: dict[Endpoint, tuple[Transport, float]] = {}   # -> (link, last used), oldest first
         self._slots = threading.BoundedSemaphore(MAX_PUSHES)
         self._queued = 0.0          # bytes of the pushes being served
         self._closed = False
         self.pushes = self.pages_pushed = self.busy = self.failed = 0
 
     def handle(self, body: bytes, scope: object) -> bytes:
-        """A ``push`` call (the cluster's principal only; the server refuses it to others)."""
+        """A ``push`` call (the cluster's principal only; the server refuses it to others).
+        Answers how many leading pages landed and the bytes other pushes have queued here
+        now; a push that fails for any reason stored what it stored, never an error."""
         req = PushRequest.decode(body)
-        pages = len(req.slots)
+        deadline = time.monotonic() + req.budget_ms / 1e3
+        nbytes = len(req.slots) * self._page_bytes
         if not self._slots.acquire(blocking=False):
             with self._lock:
                 self.busy += 1
-                queued = self._queued
-            return encode_answer(0, queued)
-        nbytes = pages * self._page_bytes
+                return encode_answer(0, self._queued)
         with self._lock:
-            queued = self._queued
             self._queued += nbytes
+        stored = 0
         try:
-            stored = self._push(req)
+            stored = self._push(req, deadline)
+        except TierKVError as exc:   # the store closing, a tier failing: pages the requester reads itself
+            log.warning("tierkv: a push to %s:%d failed: %s", req.landing[0], req.landing[1], exc)
+            with self._lock:
+                self.failed += 1
+        except Exception:   # noqa: BLE001 - so is anything else, which must not cut the requester's connection
+            log.exception("tierkv: a push to %s:%d failed", req.landing[0], req.landing[1])
+            with self._lock:
+                self.failed += 1
         finally:
             self._slots.release()
             with self._lock:
                 self._queued -= nbytes
                 self.pushes += 1
                 self.pages_pushed += stored
+                queued = self._queued
         return encode_answer(stored, queued)
 
-    def _push(self, req: PushRequest) -> int:
+    def _push(self, req: PushRequest, deadline: float) -> int:
         pages = len(req.slots)
         chunk = max(1, CHUNK_BYTES // self._page_bytes)
         rows = aligned_empty(pages * self._page_bytes).reshape(pages, self._page_bytes)
@@ -211,9 +238,9 @@ class Helper:
         writes: list[tuple[int, Future[WriteResult]]] = []
         loaded = 0
         try:
-            while loaded < pages:
+            while loaded < pages and time.monotonic() < deadline:
                 n = min(chunk, pages - loaded)
-                got = self._loader(req.chain, req.start + loaded, rows[loaded:loaded + n], req.salt)
+                got = self._loader(req.chain, req.start + loaded, rows[loaded:loaded + n], req.salt, deadline)
                 if got:
                     writes.append((got, link.write(req.slots[loaded:loaded + got], req.generations[loaded:loaded + got],
                                                    rows[loaded:loaded + got])))
@@ -221,18 +248,23 @@ class Helper:
                 if got < n:
                     break
         finally:
+            # Each write resolves within the transport's deadline; past the push's own, the
+            # requester has stopped waiting, and what lands after counts for nothing.
             stored, short = 0, False
-            for n, fut in writes:   # wait for every write, so none reads ``rows`` after this returns
+            for n, fut in writes:
                 try:
-                    res = fut.result(timeout=self._net.timeout_s * 2 + 1)
-                except (TimeoutError, TierKVError) as exc:
-                    res = WriteResult((WriteStatus.FAILED,) * n, error=str(exc))
+                    res = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                    lost = res.error is not None   # the link failed (a slow one is only late)
+                except TimeoutError:
+                    res, lost = WriteResult((WriteStatus.FAILED,) * n, error="past the push's deadline"), False
+                except TierKVError as exc:
+                    res, lost = WriteResult((WriteStatus.FAILED,) * n, error=str(exc)), True
                 ok = next((i for i, st in enumerate(res.statuses)
                            if st not in (WriteStatus.STORED, WriteStatus.DUPLICATE)), n)
                 if not short:   # only the leading run counts: what landed after a gap is not used
                     stored += ok
                     short = ok < n
-                if res.error:
+                if lost:
                     self._drop(req.landing, link)
         if short:
             with self._lock:
@@ -240,41 +272,59 @@ class Helper:
         return stored
 
     def _link(self, ep: Endpoint) -> Transport | None:
+        now = time.monotonic()
         with self._lock:
-            link = self._links.get(ep)
-            if link is not None or self._closed:
-                return link
+            if self._closed:
+                return None
+            idle = [e for e, (_, used) in self._links.items() if now - used > self.LINK_IDLE_S and e != ep]
+            stale = [self._links.pop(e)[0] for e in idle]
+            got = self._links.pop(ep, None)
+            if got is not None and not getattr(got[0], "connected", True):
+                stale.append(got[0])   # its landing went away (a requester restarted there): connect afresh
+                got = None
+            if got is not None:
+                self._links[ep] = (got[0], now)   # to the end: the most recently used
+        for old in stale:
+            old.close()
+        if got is not None:
+            return got[0]
         try:
             link = connect(ep[0], ep[1], self._transport, self._net)  # type: ignore[arg-type]
-        except TierKVError as exc:
+        except (TierKVError, OSError, ValueError) as exc:
             log.warning("landing %s:%d unreachable (%s); the push is a miss", ep[0], ep[1], exc)
             return None
         with self._lock:
             if self._closed:
                 link.close()
                 return None
-            old = self._links.setdefault(ep, link)
-        if old is not link:
+            other = self._links.get(ep)
+            if other is None:
+                self._links[ep] = (link, now)
+                extra = [self._links.pop(e)[0] for e in list(self._links)[:max(0, len(self._links) - self.MAX_LINKS)]]
+        if other is not None:
             link.close()
-        return old
+            return other[0]
+        for old in extra:
+            old.close()
+        return link
 
     def _drop(self, ep: Endpoint, link: Transport) -> None:
         with self._lock:
-            if self._links.get(ep) is link:
-                del self._links[ep]
-            else:
+            got = self._links.get(ep)
+            if got is None or got[0] is not link:
                 return
+            del self._links[ep]
         link.close()
 
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {"pushes": self.pushes, "pages_pushed": self.pages_pushed, "busy": self.busy,
-                    "failed": self.failed, "queued_bytes": self._queued}
+                    "failed": self.failed, "queued_bytes": self._queued, "links": len(self._links)}
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            links = list(self._links.values())
+            links = [link for link, _ in self._links.values()]
             self._links.clear()
         for link in links:
             link.close()

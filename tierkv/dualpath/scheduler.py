@@ -2,8 +2,9 @@
 engine's (then forwarded over the compute network), or both.
 
 A :class:`Side` is what a node reports: the bytes queued on its storage NIC, that NIC's
-read rate, and (for a decode node) the rate at which it can forward to the prefill node
-over the compute network and what that link already carries. :func:`choose_reads` answers with :class:`Read` s (a side and a
+read rate, what asking it costs whatever the size (its latency), and (for a decode node)
+the rate at which it can forward to the prefill node over the compute network and what
+that link already carries. :func:`choose_reads` answers with :class:`Read` s (a side and a
 range of the request's pages) by policy:
 
 - ``pe-only``: the prefill side reads everything (today's systems);
@@ -41,15 +42,17 @@ class Side:
     forward_bytes_s: float = float("inf")
     holds: bool = True
     forward_queued_bytes: float = 0.0
+    latency_s: float = 0.0
 
     def finish_s(self, nbytes: float) -> float:
         """When it would have read (and forwarded) ``nbytes`` more, from now: a decode
         side forwards as it reads, so its part ends when the slower of its read and its
-        link (with what the link already carries) is done."""
+        link (with what the link already carries) is done; ``latency_s`` is what asking
+        it costs whatever the size (a round trip, a helper's own work)."""
         read = (self.queued_bytes + nbytes) / self.read_bytes_s
-        if self.forward_bytes_s == float("inf"):
-            return read
-        return max(read, (self.forward_queued_bytes + nbytes) / self.forward_bytes_s)
+        if self.forward_bytes_s != float("inf"):
+            read = max(read, (self.forward_queued_bytes + nbytes) / self.forward_bytes_s)
+        return self.latency_s + read
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ def choose_reads(policy: str, pages: int, page_bytes: int, prefill: Side, decode
     for side in (prefill, *decode):
         if side.read_bytes_s <= 0 or side.forward_bytes_s <= 0:
             raise InputError(f"side {side.name!r} reports a rate of 0 or less")
+        if not side.latency_s >= 0:
+            raise InputError(f"side {side.name!r} reports a latency below 0 (or not a number)")
     nbytes = pages * page_bytes
     helpers = [d for d in decode if d.holds]
     if policy == "pe-only" or not helpers:

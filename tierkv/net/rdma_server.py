@@ -204,7 +204,7 @@ class RdmaServer:
                 kind = Kind.STAGE if isinstance(got, Stage) else Kind.WRITE_ACK
                 c.reply(kind, header.channel, header.seq, got.encode())
             elif header.kind == Kind.CALL and isinstance(body, Call):
-                c.reply(Kind.REPLY, header.channel, header.seq, self.store.call(body).encode())
+                c.reply(Kind.REPLY, header.channel, header.seq, self.store.call(body, inline=True).encode())
             else:
                 raise ProtocolError(f"unexpected {header.kind.name} over RDMA")
         if len(c.free_sends) < c.depth // 2:

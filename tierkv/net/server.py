@@ -42,6 +42,9 @@ Method = Callable[[bytes, Scope], bytes]
 #: Calls a connection scoped to one tenant may not make (they reach every slot, or read
 #: for another node: DualPath's push).
 CLUSTER_ONLY = frozenset({"rdma-connect", "push"})
+#: Calls that wait on other nodes (DualPath's push): served over TCP only, never on the
+#: RDMA server's progress thread, which every QP of the node waits on.
+TCP_ONLY = frozenset({"push"})
 
 
 class SlotStore:
@@ -190,7 +193,10 @@ class SlotStore:
             self.tier.buffer[slot, :len(data)] = np.frombuffer(data, dtype=np.uint8)
             return self._set_meta(PageMeta(slot, generation, len(data), actual), actual)
 
-    def call(self, call: Call, scope: Scope = None) -> Reply:
+    def call(self, call: Call, scope: Scope = None, *, inline: bool = False) -> Reply:
+        """Answer a control call; ``inline``: on a thread that must not wait (RDMA's progress)."""
+        if inline and call.method in TCP_ONLY:
+            return Reply(False, f"{call.method} is served over TCP only".encode())
         if scope is not None and call.method in CLUSTER_ONLY:
             return Reply(False, f"{call.method} is for the cluster's principal; this connection may see one "
                                 "tenant's pages".encode())

@@ -71,6 +71,10 @@ UNLOCKED_COPY_BYTES = 1 << 20
 #: (checked, promoted, then copied out); one such buffer up to this size is kept.
 PRIVATE_ROWS_BYTES = 128 << 20
 
+#: How long a DualPath push waits for this store's lock (held by a get of its own, or by
+#: one waiting on this node's own push to the requester) before it finds nothing here.
+PUSH_LOCK_WAIT_S = 0.25
+
 
 @dataclass
 class _Begun:
@@ -481,12 +485,18 @@ class Store:
         self._counters.events["pages_hit"] += loaded
         return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
 
-    def _load_for_push(self, chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes) -> int:
+    def _load_for_push(self, chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes,
+                       deadline: float) -> int:
         """DualPath's helper (:mod:`tierkv.dualpath.push`): load ``chain[start:]`` (up to the
         rows of ``rows``) for another node, from this store's tiers and then its peers, into
         ``rows``; how many leading pages. The pages are not kept here (this store need not
-        hold their prefix), promoted or counted as this store's hits."""
-        with self._lock:
+        hold their prefix), promoted or counted as this store's hits. Waits for the store's
+        lock at most ``PUSH_LOCK_WAIT_S`` and never past ``deadline``, then finds nothing:
+        two nodes each waiting on the other's push with their locks held (each the
+        other's helper) cost that wait, not a deadlock until the deadline."""
+        if not self._lock.acquire(timeout=max(0.0, min(PUSH_LOCK_WAIT_S, deadline - time.monotonic()))):
+            return 0
+        try:
             self._check_open()
             keys = list(chain[start:start + rows.shape[0]])
             lead = self._lead(b"".join(keys), len(keys))
@@ -501,6 +511,8 @@ class Store:
                 got += self._peering.fetch(chain[:start + len(keys)], start + got, rows[got:], salt, dualpath=False)
             self._counters.events["pages_loaded_for_peers"] += got
             return got
+        finally:
+            self._lock.release()
 
     def _read_layered(self, lead: Lead, dst: np.ndarray, out: np.ndarray | None, landed: np.ndarray) -> int:
         """Read ``lead`` into ``dst`` a layer at a time across its pages, announcing each in

@@ -117,20 +117,13 @@ class Peering:
             manager.listeners.append(self._on_event)
         # DualPath (tierkv.dualpath): reading for other nodes, and having them read for this one.
         self._helper: Helper | None = None
-        if cfg.helper and self.server is not None:
-            if loader is None:
-                raise ConfigError("[peers] helper = true: this store cannot load pages for others")
-            self._helper = Helper(loader, page_bytes, self._net, cfg.transport)
-            self.server.store.methods["push"] = self._helper.handle
         self._loads: Loads | None = None
-        landing = cfg.landing_endpoint()
-        if cfg.helpers and landing is not None:
-            if landing[0] in ("0.0.0.0", "::", ""):
-                raise ConfigError(f"[peers] landing = {cfg.landing!r}: helpers connect to this address, so it must "
-                                  "be one of this node's, not a wildcard")
-            zone = Landing(landing[0], landing[1], cfg.landing_pages, page_bytes, self._net, secret,
-                           rdma=cfg.transport == "rdma")
-            self._loads = Loads(cfg.dualpath, cfg.helper_endpoints(), zone, self._net)
+        try:
+            self._set_up_dualpath(cfg, loader, page_bytes, secret)
+        except BaseException:
+            if self.server is not None:   # Store's cleanup never sees a Peering that failed to be made
+                self.server.close()
+            raise
         # The peers fetched from, and their connections, shared by fetches (under the store's
         # lock) and lookups (without it) under this lock; connects run on threads of their own.
         self._lock = threading.Lock()
@@ -146,6 +139,28 @@ class Peering:
         # asked which members hold a prompt's pages.
         self._publisher: Publishing | None = None
         self._route: Route | None = None
+
+    def _set_up_dualpath(self, cfg: PeersConfig, loader: Loader | None, page_bytes: int, secret: bytes) -> None:
+        # Only "rdma" moves pushes by RDMA, on both sides: a landing server listens on RDMA
+        # only then, so a helper must not pick it by itself ("auto").
+        kind = "rdma" if cfg.transport == "rdma" else "tcp"
+        if cfg.helper and self.server is not None:
+            if loader is None:
+                raise ConfigError("[peers] helper = true: this store cannot load pages for others")
+            self._helper = Helper(loader, page_bytes, self._net, kind)
+            self.server.store.methods["push"] = self._helper.handle
+        landing = cfg.landing_endpoint()
+        if not cfg.helpers or landing is None:
+            return
+        helpers = cfg.helper_endpoints()
+        if self.address is not None and self.address in helpers:
+            raise ConfigError(f"[peers] helpers names this node's own serve address {cfg.serve!r}: a node cannot "
+                              "read for itself")
+        try:
+            zone = Landing(landing[0], landing[1], cfg.landing_pages, page_bytes, self._net, secret, rdma=kind == "rdma")
+        except OSError as exc:
+            raise ConfigError(f"[peers] landing = {cfg.landing!r}: cannot listen there: {exc}") from None
+        self._loads = Loads(cfg.dualpath, helpers, zone, self._net)
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -263,11 +278,12 @@ class Peering:
 
     def dualpath_stats(self) -> dict[str, dict[str, float]] | None:
         """What DualPath did here (``loads``: fetches divided with helpers, and
-        ``rates_bytes_s``: each side's measured rate; ``helper``: pushes served for
-        others), or None where it is not configured."""
+        ``rates_bytes_s`` and ``latency_s``: each side's cost as measured; ``helper``:
+        pushes served for others), or None where it is not configured."""
         out: dict[str, dict[str, float]] = {}
         if self._loads is not None:
-            out["loads"], out["rates_bytes_s"] = self._loads.stats(), self._loads.rates()
+            out["loads"] = self._loads.stats()
+            out["rates_bytes_s"], out["latency_s"] = self._loads.rates()
         if self._helper is not None:
             out["helper"] = self._helper.stats()
         return out or None

@@ -62,7 +62,7 @@ class StoreStats:
     peer_pages: int = 0  # pages get loaded from other nodes ([peers] fetch)
     #: DualPath ([peers] helpers / helper): this node's divided fetches
     #: (:meth:`tierkv.dualpath.loads.Loads.stats`) under ``loads`` and each side's measured
-    #: rate under ``rates_bytes_s``, the pushes it served for others under ``helper``;
+    #: cost under ``rates_bytes_s`` and ``latency_s``, the pushes it served for others under ``helper``;
     #: empty where neither is configured.
     dualpath: dict[str, dict[str, float]] = field(default_factory=dict)
 
