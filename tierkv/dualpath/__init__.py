@@ -10,6 +10,11 @@ over the (faster) compute network, and picks the side per request.
   paper's per-request choice by the shorter read queue, and ours, a split of one
   request's pages between the two sides so both finish together; never a node that lacks
   the pages.
+- :mod:`~tierkv.dualpath.push`: the second path in the store: a helper node reads pages
+  for another and pushes them into its landing zone (``[peers] helper``, ``landing``).
+- :mod:`~tierkv.dualpath.loads`: the requesting node divides each fetch from storage
+  peers between its own reads and a helper's push, by the scheduler, from each side's
+  measured cost (``[peers] helpers``, ``dualpath``).
 - :mod:`~tierkv.dualpath.sim`: a seeded discrete-event simulator of P prefill and D
   decode engines under a multi-turn agent workload (``tierkv sim dualpath``,
   docs/dualpath.md).
