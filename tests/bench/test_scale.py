@@ -78,7 +78,7 @@ def test_bad_pages_is_one_line_and_exit_2(pages: str, shown: str, tmp_path: Path
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "store", "--pages", "10"], "--pages is for the scale and cluster suites, not store"),
+    (["bench", "store", "--pages", "10"], "--pages is for the scale, cluster and dualpath suites, not store"),
     (["bench", "scale", "--pages", "10", "--runs", "2"], "--runs is not for the scale suite"),
 ])
 def test_options_of_other_suites_are_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -225,6 +225,16 @@ def test_a_node_cannot_be_its_own_helper(tmp_path: Path, storage: Store) -> None
                         landing="127.0.0.1:0", helper=True, transport="tcp", secret_file=secret_file(tmp_path))
     with pytest.raises(ConfigError, match="own serve address"):
         Store.open(config(tmp_path / "p", peers))
+    # Under another of its addresses it cannot be told by the config: it answers its own push at once.
+    storage.put(prompt(30, PAGES), page_data(30, PAGES))
+    peers = PeersConfig(serve=f"0.0.0.0:{port}", fetch=(addr(storage),), helpers=(f"127.0.0.1:{port}",),
+                        landing="127.0.0.1:0", helper=True, transport="tcp", secret_file=secret_file(tmp_path))
+    with Store.open(config(tmp_path / "q", peers, dram_pages=64, nvme_pages=64)) as p:
+        began = time.monotonic()
+        n, out, want = load(p, 30)
+        assert n == PAGES and np.array_equal(out, want)
+        assert time.monotonic() - began < 1.0   # no wait for its own lock
+        assert p.stats().dualpath["helper"]["own"] == 1
 
 
 def test_two_nodes_that_are_each_others_helper_do_not_stall_each_other(tmp_path: Path, storage: Store) -> None:

@@ -10,6 +10,7 @@ come from a 10.x.0.0/16 that no interface here uses yet.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from typing import Self
 from tierkv.errors import ConfigError
 
 ROOT = ""   # the namespace this process runs in
+_INSTANCES = itertools.count()
 
 
 class NetnsError(ConfigError):
@@ -43,7 +45,8 @@ class Namespaces:
         missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
         if missing:
             raise NetnsError(f"{' and '.join(missing)} not found (Debian: apt-get install iproute2)")
-        self.prefix = prefix or f"tkv{os.getpid() % 100000}"
+        # Unique per instance (two in one process, or a pid reused): device names stay within 15 characters.
+        self.prefix = prefix or f"tkv{os.getpid() % 10000}{next(_INSTANCES) % 100}"
         used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=10).stdout
         self.octet = next((o for o in (16 + (os.getpid() + i) % 200 for i in range(200)) if f" 10.{o}." not in used),
                           None)
@@ -56,8 +59,8 @@ class Namespaces:
     def add(self, name: str) -> str:
         """Make namespace ``name`` (its loopback up); its full name."""
         full = self.prefix + name
+        self._names.append(full)   # recorded first: made by a command that then timed out, it is still deleted
         _run("ip", "netns", "add", full)
-        self._names.append(full)
         _run("ip", "-n", full, "link", "set", "lo", "up")
         return full
 
@@ -75,8 +78,8 @@ class Namespaces:
         ends = []
         for i, ns in enumerate((a, b)):
             ends.append((f"{self.prefix}l{k}{'ab'[i]}"[:15], f"10.{self.octet}.{k}.{i + 1}", ns))
+        self._devs.append((ROOT, ends[0][0]))   # deleting one end deletes the pair; recorded first, as above
         _run("ip", "link", "add", ends[0][0], "type", "veth", "peer", "name", ends[1][0])
-        self._devs.append((ROOT, ends[0][0]))   # deleting one end deletes the pair
         for i, (dev, ip, ns) in enumerate(ends):
             if ns != ROOT:
                 _run("ip", "link", "set", dev, "netns", ns)

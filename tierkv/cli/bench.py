@@ -428,7 +428,7 @@ def dualpath_tables(r: Mapping[str, object]) -> Iterator[Table]:
         ("split / pe-only", r.get("split_vs_pe_only"), ">= 1.6"),
         ("split: prefill share of bytes", r.get("split_prefill_bytes_fraction"), "0.4-0.6"),
         ("pe-only / one storage NIC's rate", r.get("pe_only_vs_one_nic"), "-"),
-        ("pages with wrong bytes", r.get("mismatches"), "0")])
+        ("prompts with wrong bytes", r.get("mismatches"), "0")])
 
 
 def vllm_tables(r: Mapping[str, object]) -> Iterator[Table]:

@@ -82,8 +82,11 @@ class LoadStats:
 class Loads:
     """Divides fetches between this node and its ``helpers`` by ``policy``."""
 
-    def __init__(self, policy: str, helpers: Sequence[Endpoint], landing: Landing, net: NetConfig) -> None:
+    def __init__(self, policy: str, helpers: Sequence[Endpoint], landing: Landing, net: NetConfig,
+                 node_id: int = 0) -> None:
         self.policy = policy
+        self.node_id = node_id
+        self.waiting = 0   # fetches waiting on a helper's answer now (a helper loader of this node's checks)
         self.landing = landing
         self._net = net
         self._lock = threading.Lock()
@@ -164,7 +167,7 @@ class Loads:
             return None
         # The helper answers within this budget, before the call's own deadline (timeout_s) ends it.
         req = PushRequest(self.landing.address, tuple(chain), start, tuple(slots), tuple(gens), salt,
-                          max(1, int(self._net.timeout_s * PUSH_BUDGET * 1e3)))
+                          max(1, int(self._net.timeout_s * PUSH_BUDGET * 1e3)), self.node_id)
         push = _Push(len(slots) * page_bytes, time.perf_counter())
         with self._lock:
             state.asked += push.nbytes
@@ -187,6 +190,8 @@ class Loads:
                 page_bytes: int) -> int:
         """What the helper's push delivered into ``rows``."""
         assert push.call is not None
+        with self._lock:
+            self.waiting += 1
         try:
             res = push.call.result(timeout=self._net.timeout_s * 2 + 1)
             if not res.ok:
@@ -203,6 +208,9 @@ class Loads:
                 self._stats.helper_errors += 1
             self._drop(state)
             return 0
+        finally:
+            with self._lock:
+                self.waiting -= 1
         got = self.landing.collect(slots[:stored], gens[:stored], rows[:stored])
         seconds = (push.done_at or time.perf_counter()) - push.began
         with self._lock:
@@ -266,22 +274,26 @@ class Loads:
 
 class _Fit:
     """A side's cost model, ``seconds = latency + bytes / rate``, fitted by least squares
-    to its last ``WINDOW`` transfers. Until sizes differ enough to tell the two apart, the
-    latency stays where it was (0 at first) and the rate is what the transfers averaged
-    past it. Before any transfer, and once the newest is ``FORGET`` fetches old (a side the
-    policy stopped choosing on one bad measurement is then tried again), the rate is the
-    initial guess."""
+    to its last ``WINDOW`` transfers while their sizes spread enough (by ``SPREAD`` of
+    their mean) to tell latency from rate; otherwise the latency is 0 and the rate what
+    the transfers averaged. The rate is at most the fastest transfer's. A side's first
+    transfer (it connects) is not counted; before any, and once the newest is ``FORGET``
+    fetches old (a side the policy stopped choosing on one bad measurement is then tried
+    again), the rate is the initial guess."""
 
     WINDOW = 16
     FORGET = 32
 
     def __init__(self) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
-        self._latency = 0.0
+        self._first = True
         self._last = 0
 
     def add(self, nbytes: float, seconds: float, tick: int) -> None:
         """A transfer of ``nbytes`` that took ``seconds``, at fetch number ``tick``."""
+        if self._first:
+            self._first = False
+            return
         self._samples.append((nbytes, seconds))
         self._last = tick
 
@@ -289,7 +301,6 @@ class _Fit:
         """(latency seconds, rate bytes/s) at fetch number ``tick``."""
         if self._samples and tick - self._last > self.FORGET:
             self._samples.clear()
-            self._latency = 0.0
         n = len(self._samples)
         if not n:
             return 0.0, INITIAL_BYTES_S
@@ -298,10 +309,11 @@ class _Fit:
         var = sum((b - mb) ** 2 for b, _ in self._samples) / n
         if n >= 3 and var > (SPREAD * mb) ** 2:
             slope = sum((b - mb) * (t - ms) for b, t in self._samples) / n / var
-            if slope > 0:
-                self._latency = min(max(ms - slope * mb, 0.0), ms)
-        busy = ms - self._latency
-        return self._latency, mb / busy if busy > 0 else mb / ms
+            latency = ms - slope * mb
+            if slope > 0 and 0 <= latency < min(t for _, t in self._samples):
+                # No faster than the fastest transfer past its latency (a slope near 0 is noise).
+                return latency, min(1 / slope, max(b / (t - latency) for b, t in self._samples))
+        return 0.0, mb / ms
 
 
 def _name(ep: Endpoint) -> str:

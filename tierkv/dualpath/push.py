@@ -50,7 +50,7 @@ CHUNK_BYTES = 2 << 20
 #: Pushes a helper serves at once; more are answered at once with nothing stored (the
 #: requester reads those pages itself), so pushes cannot take every server worker.
 MAX_PUSHES = 2
-_REQ = struct.Struct("<HHIHI")    # landing host length, landing port, pages, salt length, budget in ms
+_REQ = struct.Struct("<HHIHIQ")   # landing host length, landing port, pages, salt length, budget in ms, requester
 _ANSWER = struct.Struct("<Id")    # leading pages stored, bytes queued at the helper for others
 MAX_HOST_BYTES = 255
 #: Loads the pages ``chain[start:start + len(rows)]`` into ``rows`` (the requester's
@@ -63,7 +63,8 @@ Loader = Callable[[Sequence[PageKey], int, np.ndarray, bytes, float], int]
 class PushRequest:
     """Push the pages of ``chain[start:]`` into ``slots`` of the landing server at
     ``landing``, as ``generations``, within ``budget_ms`` of its arrival (the requester
-    stops waiting then); ``salt``: the requesting tenant's."""
+    stops waiting then); ``salt``: the requesting tenant's; ``requester``: the asking
+    node's id (a node that reaches itself under another address answers at once)."""
 
     landing: Endpoint
     chain: tuple[PageKey, ...]
@@ -72,11 +73,13 @@ class PushRequest:
     generations: tuple[int, ...]
     salt: bytes
     budget_ms: int
+    requester: int = 0
 
     def encode(self) -> bytes:
         host = self.landing[0].encode()
         n = len(self.chain)
-        return b"".join([_REQ.pack(len(host), self.landing[1], n, len(self.salt), self.budget_ms), host, self.salt,
+        return b"".join([_REQ.pack(len(host), self.landing[1], n, len(self.salt), self.budget_ms, self.requester),
+                         host, self.salt,
                          struct.pack("<I", self.start), *self.chain,
                          np.asarray(self.slots, "<u4").tobytes(), np.asarray(self.generations, "<u8").tobytes()])
 
@@ -85,7 +88,7 @@ class PushRequest:
         """The request in ``body``; ProtocolError for anything else."""
         if len(body) < _REQ.size:
             raise ProtocolError(f"a push request of {len(body)} bytes is shorter than its header")
-        hl, port, n, sl, budget = _REQ.unpack_from(body)
+        hl, port, n, sl, budget, requester = _REQ.unpack_from(body)
         at = _REQ.size
         if not 0 < hl <= MAX_HOST_BYTES or not 0 < port:
             raise ProtocolError(f"a push request's landing must be a host of 1-{MAX_HOST_BYTES} bytes and a port "
@@ -112,7 +115,7 @@ class PushRequest:
         gens = tuple(np.frombuffer(body, "<u8", pages, at + 4 * pages).tolist())
         if any(g == EMPTY_GENERATION for g in gens):
             raise ProtocolError("a push request names generation 0")
-        return cls((host, port), chain, start, slots, gens, salt, budget)
+        return cls((host, port), chain, start, slots, gens, salt, budget, requester)
 
 
 def encode_answer(stored: int, queued_bytes: float) -> bytes:
@@ -183,8 +186,9 @@ class Helper:
     LINK_IDLE_S = 60.0
     MAX_LINKS = 16
 
-    def __init__(self, loader: Loader, page_bytes: int, net: NetConfig, transport: str) -> None:
+    def __init__(self, loader: Loader, page_bytes: int, net: NetConfig, transport: str, node_id: int = 0) -> None:
         self._loader = loader
+        self._node_id = node_id
         self._page_bytes = page_bytes
         self._net = net
         self._transport = transport
@@ -193,13 +197,17 @@ class Helper:
         self._slots = threading.BoundedSemaphore(MAX_PUSHES)
         self._queued = 0.0          # bytes of the pushes being served
         self._closed = False
-        self.pushes = self.pages_pushed = self.busy = self.failed = 0
+        self.pushes = self.pages_pushed = self.busy = self.failed = self.own = 0
 
     def handle(self, body: bytes, scope: object) -> bytes:
         """A ``push`` call (the cluster's principal only; the server refuses it to others).
         Answers how many leading pages landed and the bytes other pushes have queued here
         now; a push that fails for any reason stored what it stored, never an error."""
         req = PushRequest.decode(body)
+        if self._node_id and req.requester == self._node_id:   # this node, under another of its addresses
+            with self._lock:
+                self.own += 1
+                return encode_answer(0, self._queued)
         deadline = time.monotonic() + req.budget_ms / 1e3
         nbytes = len(req.slots) * self._page_bytes
         if not self._slots.acquire(blocking=False):
@@ -319,7 +327,7 @@ class Helper:
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {"pushes": self.pushes, "pages_pushed": self.pages_pushed, "busy": self.busy,
-                    "failed": self.failed, "queued_bytes": self._queued, "links": len(self._links)}
+                    "failed": self.failed, "own": self.own, "queued_bytes": self._queued, "links": len(self._links)}
 
     def close(self) -> None:
         with self._lock:

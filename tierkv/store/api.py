@@ -71,9 +71,8 @@ UNLOCKED_COPY_BYTES = 1 << 20
 #: (checked, promoted, then copied out); one such buffer up to this size is kept.
 PRIVATE_ROWS_BYTES = 128 << 20
 
-#: How long a DualPath push waits for this store's lock (held by a get of its own, or by
-#: one waiting on this node's own push to the requester) before it finds nothing here.
-PUSH_LOCK_WAIT_S = 0.25
+#: How often a DualPath push waiting for this store's lock looks again at why it waits.
+PUSH_LOCK_POLL_S = 0.02
 
 
 @dataclass
@@ -491,11 +490,13 @@ class Store:
         rows of ``rows``) for another node, from this store's tiers and then its peers, into
         ``rows``; how many leading pages. The pages are not kept here (this store need not
         hold their prefix), promoted or counted as this store's hits. Waits for the store's
-        lock at most ``PUSH_LOCK_WAIT_S`` and never past ``deadline``, then finds nothing:
-        two nodes each waiting on the other's push with their locks held (each the
-        other's helper) cost that wait, not a deadlock until the deadline."""
-        if not self._lock.acquire(timeout=max(0.0, min(PUSH_LOCK_WAIT_S, deadline - time.monotonic()))):
-            return 0
+        lock until ``deadline``, but finds nothing at once where the lock's holder is a
+        get of this node's waiting on a helper's push (two nodes that are each other's
+        helper, each waiting on the other's push with its lock held)."""
+        while not self._lock.acquire(timeout=PUSH_LOCK_POLL_S):
+            peering = self._peering
+            if time.monotonic() >= deadline or (peering is not None and peering.awaiting_push()):
+                return 0
         try:
             self._check_open()
             keys = list(chain[start:start + rows.shape[0]])
@@ -508,7 +509,8 @@ class Store:
                 if below:
                     rows[:got] = dst[:got]
             if got == len(lead) < len(keys) and self._peering is not None:
-                got += self._peering.fetch(chain[:start + len(keys)], start + got, rows[got:], salt, dualpath=False)
+                got += self._peering.fetch(chain[:start + len(keys)], start + got, rows[got:], salt, dualpath=False,
+                                           deadline=deadline)
             self._counters.events["pages_loaded_for_peers"] += got
             return got
         finally:

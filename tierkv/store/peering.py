@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -116,6 +117,7 @@ class Peering:
             self._served = dram.name
             manager.listeners.append(self._on_event)
         # DualPath (tierkv.dualpath): reading for other nodes, and having them read for this one.
+        self.node_id = int.from_bytes(os.urandom(8), "little") | 1   # tells a helper it was asked by itself
         self._helper: Helper | None = None
         self._loads: Loads | None = None
         try:
@@ -147,7 +149,7 @@ class Peering:
         if cfg.helper and self.server is not None:
             if loader is None:
                 raise ConfigError("[peers] helper = true: this store cannot load pages for others")
-            self._helper = Helper(loader, page_bytes, self._net, kind)
+            self._helper = Helper(loader, page_bytes, self._net, kind, self.node_id)
             self.server.store.methods["push"] = self._helper.handle
         landing = cfg.landing_endpoint()
         if not cfg.helpers or landing is None:
@@ -160,7 +162,7 @@ class Peering:
             zone = Landing(landing[0], landing[1], cfg.landing_pages, page_bytes, self._net, secret, rdma=kind == "rdma")
         except OSError as exc:
             raise ConfigError(f"[peers] landing = {cfg.landing!r}: cannot listen there: {exc}") from None
-        self._loads = Loads(cfg.dualpath, helpers, zone, self._net)
+        self._loads = Loads(cfg.dualpath, helpers, zone, self._net, self.node_id)
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -230,7 +232,7 @@ class Peering:
 
     # -- fetching ----------------------------------------------------------------------
     def fetch(self, chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes, *,
-              dualpath: bool = True) -> int:
+              dualpath: bool = True, deadline: float | None = None) -> int:
         """Load the leading pages of ``chain[start:]`` (a prompt's keys from its first page,
         of the tenant of ``salt``) that some peer holds into ``rows``; returns how many. A
         node whose principal is one tenant's asks peers only for that tenant's pages.
@@ -239,18 +241,24 @@ class Peering:
         failure: an unreachable or slow peer is a miss within ``timeout_s``. With
         ``[peers] helpers``, the pages a peer holds are divided between this node's reads
         and a helper's push (:mod:`tierkv.dualpath.loads`); ``dualpath=False`` (a helper
-        loading for another node) reads them all here.
+        loading for another node) reads them all here. With a ``deadline``
+        (``time.monotonic()``), a peer is asked only if connected by then, and none once it
+        has passed (each one asked still has ``timeout_s``).
         """
         if self._own_tag is not None and tenant_tag(salt) != self._own_tag:
             return 0
         keys = chain[start:]
         got = 0
         for ep in self._asked(chain):
-            if got == len(keys):
+            if got == len(keys) or (deadline is not None and time.monotonic() >= deadline):
                 break
             # A peer the cluster named is asked once connected (connecting runs in the
             # background): an address etcd published that does not answer must not stall gets.
-            tier = self._connected_now(ep) if ep in self._cluster else self._client(ep)
+            if deadline is not None:   # connected, or connecting by the deadline
+                fut = self._client_future(ep)
+                tier = _within(fut, deadline) if fut is not None else None
+            else:
+                tier = self._connected_now(ep) if ep in self._cluster else self._client(ep)
             if tier is None:
                 continue
             try:
@@ -275,6 +283,11 @@ class Peering:
                 continue
             got += n
         return got
+
+    def awaiting_push(self) -> bool:
+        """Whether a fetch of this node's is waiting on a helper's answer now (holding the
+        store's lock: a push asked of this node meanwhile may be the one it waits on)."""
+        return self._loads is not None and self._loads.waiting > 0
 
     def dualpath_stats(self) -> dict[str, dict[str, float]] | None:
         """What DualPath did here (``loads``: fetches divided with helpers, and
