@@ -1,0 +1,147 @@
+"""Moving cached keys to new positions (tierkv.splice.rope): exact against a fresh prefill
+of the edited text where the maths says it must be (the first layer's keys do not depend
+on context), in a real transformers Llama (random weights, built from a config: nothing
+downloaded); both pairing conventions against the rotation written out; the store's page
+layouts; bad input refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tierkv.errors import InputError
+from tierkv.layout import KVLayout
+from tierkv.splice.rope import Convention, Rope, from_float32, move_tokens, to_float32
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+HEADS, DIM, TPP = 2, 32, 16
+
+
+@pytest.fixture(scope="module")
+def llama() -> object:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=HEADS, max_position_embeddings=4096)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def prefill(model: object, tokens: object) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each layer's (keys, values) as ``[tokens, heads, head_dim]`` float32."""
+    with torch.no_grad():
+        cache = model(tokens, use_cache=True).past_key_values   # type: ignore[operator]
+    return [(layer.keys[0].permute(1, 0, 2).numpy(), layer.values[0].permute(1, 0, 2).numpy())
+            for layer in cache.layers]
+
+
+def pages(kv: list[tuple[np.ndarray, np.ndarray]], layout: KVLayout) -> np.ndarray:
+    """The store's pages ``[n, page_bytes]`` of the first whole pages of ``kv``."""
+    n = kv[0][0].shape[0] // TPP
+    arr = np.zeros((n, *layout.page_shape), np.float32)
+    for layer, (k, v) in enumerate(kv):
+        arr[:, layer, 0] = k[:n * TPP].reshape(n, TPP, HEADS, DIM)
+        arr[:, layer, 1] = v[:n * TPP].reshape(n, TPP, HEADS, DIM)
+    return from_float32(arr, layout.dtype).view(np.uint8).reshape(n, layout.page_bytes)
+
+
+def as_float(raw: np.ndarray, layout: KVLayout) -> np.ndarray:
+    width = 4 if layout.dtype.value == "fp32" else 2
+    return to_float32(raw.view(f"<u{width}").reshape(raw.shape[0], *layout.page_shape), layout.dtype)
+
+
+def test_the_first_layers_keys_move_exactly_across_a_deletion(llama: object) -> None:
+    tokens = torch.randint(0, 1000, (1, 2048), generator=torch.Generator().manual_seed(1))
+    old = prefill(llama, tokens)
+    s, e = 300, 556                                      # 256 tokens deleted
+    fresh = prefill(llama, torch.cat([tokens[:, :s], tokens[:, e:]], 1))
+    rope = Rope.from_model(llama)
+    assert rope.rope_type == "default" and rope.rotary_dim == DIM
+    moved = rope.move(old[0][0][e:], np.arange(e, 2048), np.arange(s, 2048 - (e - s)))
+    assert np.abs(moved - fresh[0][0][s:]).max() <= 1e-6 * max(1.0, np.abs(fresh[0][0]).max())
+    assert np.abs(old[0][0][e:] - fresh[0][0][s:]).max() > 0.1          # unmoved keys are wrong there
+    # A later layer attended to the deleted span: moved, it is close, not exact (a derived page).
+    later = rope.move(old[1][0][e:], np.arange(e, 2048), np.arange(s, 2048 - (e - s)))
+    assert np.abs(later - fresh[1][0][s:]).max() > 1e-4
+
+
+@pytest.mark.parametrize("dtype, tol", [("fp32", 1e-6), ("bf16", 1.6e-2), ("fp16", 2e-3)])
+def test_pages_move_across_page_boundaries(llama: object, dtype: str, tol: float) -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=HEADS, head_dim=DIM, dtype=dtype, tokens_per_page=TPP)
+    tokens = torch.randint(0, 1000, (1, 512), generator=torch.Generator().manual_seed(2))
+    s, e = 100, 237                                      # 137 deleted: rows cross page boundaries
+    edited = torch.cat([tokens[:, :s], tokens[:, e:]], 1)
+    n = edited.shape[1] // TPP * TPP
+    old = pages(prefill(llama, tokens), layout)
+    fresh = pages(prefill(llama, edited[:, :n]), layout)
+    dst = np.zeros_like(fresh)
+    src_t, dst_t = np.arange(e, e + n - s), np.arange(s, n)
+    move_tokens(old, src_t, src_t, dst, dst_t, dst_t, layout, Rope.from_model(llama))
+    got, want = as_float(dst, layout), as_float(fresh, layout)
+    k_got = got[:, 0, 0].reshape(-1, HEADS, DIM)[s:n]
+    k_want = want[:, 0, 0].reshape(-1, HEADS, DIM)[s:n]
+    assert np.abs(k_got - k_want).max() <= tol * max(1.0, np.abs(k_want).max())
+    # Values carry no position: bit for bit the old token's, whatever the dtype.
+    v_got = dst.view(np.uint8).reshape(dst.shape[0], -1)
+    old_v = as_float(old, layout)[:, 0, 1].reshape(-1, HEADS, DIM)[e:e + n - s]
+    assert np.array_equal(got[:, 0, 1].reshape(-1, HEADS, DIM)[s:n], old_v) and v_got.shape == dst.shape
+    assert not dst.reshape(dst.shape[0], -1)[: s // TPP].any()       # rows not named are not written
+
+
+@pytest.mark.parametrize("convention", ["half", "interleaved"])
+def test_both_pairings_against_the_rotation_written_out(convention: Convention) -> None:
+    rng = np.random.default_rng(3)
+    rope = Rope.from_theta(10000.0, 16, rotary_dim=12, convention=convention)   # partial: 4 channels unrotated
+    k = rng.standard_normal((5, 3, 16)).astype(np.float32)
+    old, new = np.array([0, 3, 9, 100, 7]), np.array([4, 0, 9, 1000, 70])
+    got = rope.move(k, old, new)
+    inv = (1.0 / np.float32(10000.0) ** (np.arange(0, 12, 2, dtype=np.float32) / np.float32(12))).astype(np.float32)
+
+    def angle(p: int, i: int) -> float:   # as the model computes it: float32 position times float32 frequency
+        return float(np.float32(np.float32(p) * inv[i]))
+
+    pairs = [(i, i + 6) for i in range(6)] if convention == "half" else [(2 * i, 2 * i + 1) for i in range(6)]
+    want = k.astype(np.float64).copy()
+    for t in range(5):
+        for i, (a, b) in enumerate(pairs):
+            th = angle(new[t], i) - angle(old[t], i)
+            want[t, :, a] = k[t, :, a] * np.cos(th) - k[t, :, b] * np.sin(th)
+            want[t, :, b] = k[t, :, b] * np.cos(th) + k[t, :, a] * np.sin(th)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.array_equal(got[..., 12:], k[..., 12:])
+    back = rope.move(got, new, old)                       # there and back: the identity
+    np.testing.assert_allclose(back, k, atol=2e-5)
+
+
+def test_scaled_frequencies_come_from_the_model(llama: object) -> None:
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1,
+                                   rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    rope = Rope.from_model(model)
+    plain = Rope.from_theta(10000.0, 32)
+    assert rope.rope_type == "linear"
+    np.testing.assert_allclose(rope.inv_freq, plain.inv_freq / 4, rtol=1e-6)
+
+
+def test_bad_input_is_refused() -> None:
+    rope = Rope.from_theta(10000.0, 8)
+    k = np.zeros((2, 1, 8), np.float32)
+    with pytest.raises(InputError, match="one old and one new position"):
+        rope.move(k, np.array([0]), np.array([1, 2]))
+    with pytest.raises(InputError, match="whole numbers"):
+        rope.move(k, np.array([0.5, 1.0]), np.array([1, 2]))
+    with pytest.raises(InputError, match="keys must be"):
+        rope.move(np.zeros((2, 1, 6), np.float32), np.array([0, 1]), np.array([1, 2]))
+    with pytest.raises(InputError, match="sequence's length"):
+        Rope(np.ones(4, np.float32), 8, rope_type="dynamic")
+    with pytest.raises(InputError, match="convention"):
+        Rope(np.ones(4, np.float32), 8, convention="sideways")  # type: ignore[arg-type]
+    latent = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bf16", tokens_per_page=4, kind="latent")
+    page = np.zeros((1, latent.page_bytes), np.uint8)
+    with pytest.raises(InputError, match="standard K\\+V"):
+        move_tokens(page, np.array([0]), np.array([0]), page, np.array([1]), np.array([1]), latent, rope)
+    fp8 = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="fp8_e4m3", tokens_per_page=4)
+    page = np.zeros((1, fp8.page_bytes), np.uint8)
+    with pytest.raises(InputError, match="bf16, fp16 or fp32"):
+        move_tokens(page, np.array([0]), np.array([0]), page, np.array([1]), np.array([1]), fp8, rope)
