@@ -144,6 +144,18 @@ def _chain_keys_py(tokens: np.ndarray, tokens_per_page: int, namespace: bytes) -
     return bytes(out)
 
 
+def derived_seed(previous: bytes) -> bytes:
+    """The chain seed of *derived* pages (moved by a splice, :mod:`tierkv.splice`) that
+    follow the page whose key is ``previous`` (or the namespace digest, at a prompt's
+    start): derived page ``j`` of a prompt is keyed by continuing the chain from this
+    seed, so it names the whole prompt's tokens and the exact page it follows, and can
+    never be taken for an exact page (that would take a different 16-byte input than
+    any exact key's: no exact chain step hashes 33 bytes)."""
+    if len(previous) != KEY_BYTES:
+        raise InputError(f"a derived chain follows a {KEY_BYTES}-byte key, got {len(previous)} bytes")
+    return xxhash.xxh3_128_digest(b"tierkv-derived\0v1" + previous)
+
+
 def split_keys(blob: bytes) -> list[PageKey]:
     """The 16-byte keys of a :func:`chain_keys` result, in page order."""
     return [PageKey(blob[i:i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]

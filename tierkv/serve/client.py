@@ -472,8 +472,11 @@ class RemoteStore:
     def _pages_of(self, toks: np.ndarray) -> int:
         return len(toks) // self.layout.tokens_per_page
 
-    def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True) -> LookupResult:
-        """As :meth:`Store.lookup <tierkv.store.api.Store.lookup>`."""
+    def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True,
+               accept: str = "exact") -> LookupResult:
+        """As :meth:`Store.lookup <tierkv.store.api.Store.lookup>` (exact pages only: derived
+        ones are not served through the daemon yet)."""
+        _exact_only(accept, "lookup")
         self._check_open()
         toks, salt = as_token_array(tokens), tenant_salt(tenant)
         head = P.LOOKUP_REQ.pack(bool(count))
@@ -489,11 +492,12 @@ class RemoteStore:
         return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]))
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
-            requested: int | None = None, landed: np.ndarray | None = None) -> GetResult:
+            requested: int | None = None, landed: np.ndarray | None = None, accept: str = "exact") -> GetResult:
         """As :meth:`Store.get <tierkv.store.api.Store.get>`. ``landed``: a record from
         :meth:`landing_record`, which the daemon updates as the layers of the pages land
         in ``out`` (which must then lie in a :meth:`page_buffer`), for a consumer on
         another thread that uses the first layers while the last are read."""
+        _exact_only(accept, "get")
         self._check_open()
         toks, salt = as_token_array(tokens), tenant_salt(tenant)
         if isinstance(out, (list, tuple)):
@@ -695,3 +699,9 @@ class RemoteStore:
 def connect(socket_path: str | os.PathLike[str] | Path, *, timeout_s: float = 60.0) -> RemoteStore:
     """A client of the daemon listening at ``socket_path``."""
     return RemoteStore(socket_path, timeout_s=timeout_s)
+
+
+def _exact_only(accept: str, what: str) -> None:
+    if accept != "exact":
+        raise InputError(f"{what}(accept={accept!r}): derived pages (tierkv.splice) are served by an in-process "
+                         "store only for now; through a daemon, accept='exact'")

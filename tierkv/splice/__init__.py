@@ -8,7 +8,9 @@ deleted span when it was computed, so beyond the first layer it is an approximat
 such pages are *derived*, never served where exact pages were asked for.
 
 Built so far (issue 25): :mod:`~tierkv.splice.rope`, the rotation over the store's page
-layout, exact against a fresh prefill where the maths says it must be. The store's
-``splice`` / ``truncate`` / ``insert``, the request policy and the integrations are
-next (docs/splice.md).
+layout, exact against a fresh prefill where the maths says it must be, and
+:mod:`~tierkv.splice.ops`, the store's splice (``Store.splice``: deletions, replacements
+and insertions) storing derived pages that only ``accept="derived"`` gets and lookups
+return. The integrations' edit directive and ``tierkv bench splice`` are next
+(docs/splice.md).
 """

@@ -32,8 +32,8 @@ from tierkv.errors import ConfigError, InputError, StoreClosedError, TierIOError
 from tierkv.store.index_check import mark_clean
 from tierkv.store.index_image import write_image
 from tierkv.store.index_scan import RecordArrays
-from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest, split_keys,
-                         tenant_salt)
+from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, derived_seed, namespace_digest,
+                         split_keys, tenant_salt)
 from tierkv.layout import KVLayout
 from tierkv.store.opening import open_store_parts, release_dir
 from tierkv.store.pages import PageBatch, PageSource, Rows, page_list, page_rows
@@ -55,6 +55,8 @@ from tierkv.store.validate import GET_LIST_MESSAGE, check_requested, check_unfil
 
 if TYPE_CHECKING:
     from tierkv.serve.client import RemoteStore
+    from tierkv.splice.ops import SpliceResult
+    from tierkv.splice.rope import Rope
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ UNLOCKED_COPY_BYTES = 1 << 20
 #: Gets of pages from tiers below DRAM read them into a buffer of the store's own first
 #: (checked, promoted, then copied out); one such buffer up to this size is kept.
 PRIVATE_ROWS_BYTES = 128 << 20
+
+#: What a get or lookup may return: exact pages only, or derived ones (moved by a splice) after them.
+ACCEPT = ("exact", "derived")
 
 #: How often a DualPath push waiting for this store's lock looks again at why it waits.
 PUSH_LOCK_POLL_S = 0.02
@@ -231,7 +236,8 @@ class Store:
         return Lead(blob[:n * KEY_BYTES], np.full(n, self._manager.levels[tier.name], dtype=np.uint8), slots, sums)
 
     # -- the API ---------------------------------------------------------------------------
-    def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True) -> LookupResult:
+    def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True,
+               accept: str = "exact") -> LookupResult:
         """How many leading full pages of ``tokens`` the store can serve, and from which tiers.
 
         Reads no page. The pages cached here are found in the index (no I/O). Where
@@ -241,10 +247,26 @@ class Store:
         the store's lock, and one that is not connected, down or slower than
         :data:`tierkv.store.peering.LOOKUP_TIMEOUT_S` (50 ms) is a miss, never an error.
         A store without peers asks nobody. ``count=False`` leaves it out of
-        ``stats().lookups`` (bookkeeping, not an engine's query).
+        ``stats().lookups`` (bookkeeping, not an engine's query). ``accept="derived"``:
+        the run goes on with derived pages where the exact ones end (as :meth:`get`
+        would load them; here only, not on peers), counted in the result's ``derived``.
         """
+        if accept not in ACCEPT:
+            raise InputError(f"lookup(accept=...) must be one of {', '.join(ACCEPT)}, got {accept!r}")
         self._check_open()
-        return self._lookup(self._keys(tokens, tenant), tenant, count)   # keys hashed without the lock
+        blob = self._keys(tokens, tenant)   # hashed without the lock
+        res = self._lookup(blob, tenant, count)
+        if accept == "exact" or res.cached_pages == res.total_pages:
+            return res
+        dblob = self._derived_blob(tokens, tenant, blob, res.cached_pages)
+        with self._lock:
+            self._check_open()
+            m = self._manager
+            levels = (self._lead(dblob, len(dblob) // KEY_BYTES).levels.tobytes() if self.read_only
+                      else m.resident.prefix_values(dblob))
+        n = res.cached_pages + len(levels)
+        return LookupResult(n, n * self.layout.tokens_per_page, res.total_pages,
+                            res.tier_ranks + levels.translate(m.kind_ranks), derived=len(levels))
 
     def lookup_keys(self, keys: bytes, *, count: bool = True) -> LookupResult:
         """:meth:`lookup` of a prompt given as its page keys (16 bytes each, back to back, as
@@ -276,8 +298,23 @@ class Store:
         return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
-            requested: int | None = None, landed: np.ndarray | None = None) -> GetResult:
+            requested: int | None = None, landed: np.ndarray | None = None, accept: str = "exact") -> GetResult:
         """Load the leading cached pages of ``tokens`` into ``out`` (up to its length).
+
+        ``accept="derived"``: where the exact pages end, go on with *derived* pages (moved
+        there by :meth:`splice`: an approximation beyond the first layer, docs/splice.md);
+        the result's ``derived`` says how many. The default, ``"exact"``, never returns one.
+        """
+        if accept not in ACCEPT:
+            raise InputError(f"get(accept=...) must be one of {', '.join(ACCEPT)}, got {accept!r}")
+        if accept == "derived" and landed is not None:
+            raise InputError("get(accept='derived') loads whole pages: it takes no landing record")
+        res = self._get_exact(tokens, out, tenant, requested=requested, landed=landed)
+        return res if accept == "exact" else self._get_derived(tokens, out, tenant, res)
+
+    def _get_exact(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
+                   requested: int | None = None, landed: np.ndarray | None = None) -> GetResult:
+        """:meth:`get` of exact pages only.
 
         Stops at the first page that is not cached or fails verification. Only the
         first ``pages`` rows of the result hold pages; rows past them may have been
@@ -483,6 +520,78 @@ class Store:
         self._counters.events["pages_requested"] += requested
         self._counters.events["pages_hit"] += loaded
         return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
+
+    # -- derived pages (tierkv.splice) ----------------------------------------------------
+    def _derived_blob(self, tokens: Tokens, tenant: str | bytes, blob: bytes, first: int) -> bytes:
+        """The derived keys of ``tokens``' pages from ``first`` on (``blob``: its exact keys)."""
+        salt = tenant_salt(tenant)
+        previous = blob[(first - 1) * KEY_BYTES:first * KEY_BYTES] if first else self._namespaces[salt]
+        tpp = self.layout.tokens_per_page
+        return chain_keys(as_token_array(tokens)[first * tpp:], tpp, derived_seed(previous))
+
+    def _get_derived(self, tokens: Tokens, out: PageBatch, tenant: str | bytes, res: GetResult) -> GetResult:
+        """``res`` (an exact get into ``out``) continued with derived pages."""
+        with self._lock:
+            self._check_open()
+            blob = self._keys(tokens, tenant)
+            rows = page_rows(out, self.layout, "get(out=...)", len(blob) // KEY_BYTES)
+            first = res.pages
+            if first >= rows.shape[0]:
+                return res
+            lead = self._lead(self._derived_blob(tokens, tenant, blob, first), rows.shape[0] - first)
+            if not len(lead):
+                return res
+            got = self._read_lead(lead, rows[first:])
+            self._counters.events["derived_pages"] += got
+            n = first + got
+            kinds = tuple(map(self._kinds.__getitem__, lead.levels[:got].tolist()))
+            return GetResult(n, n * self.layout.tokens_per_page, res.tiers + kinds, derived=got)
+
+    def _read_lead(self, lead: Lead, rows: np.ndarray) -> int:
+        """Read ``lead`` into ``rows`` (through the store's own rows where a page comes from
+        below DRAM, checked there first, as any get); how many leading pages. Lock held."""
+        below = bool((lead.levels != 0).any())
+        dst = self._private_rows(len(lead), rows.shape[1]) if below else rows
+        got = self._transfers.read(lead, dst)
+        if below:
+            rows[:got] = dst[:got]
+        return got
+
+    def _read_exact(self, tokens: Tokens, tenant: str | bytes, first: int, rows: np.ndarray) -> int:
+        """The exact pages ``first ..`` of ``tokens`` into ``rows`` (for :meth:`splice`: the
+        cached rows a moved suffix comes from), as far as they are cached; how many."""
+        with self._lock:
+            self._check_open()
+            blob = self._keys(tokens, tenant)
+            lead = self._lead(blob[first * KEY_BYTES:], rows.shape[0])
+            return self._read_lead(lead, rows) if len(lead) else 0
+
+    def _put_derived(self, tokens: Tokens, tenant: str | bytes, first: int, rows: np.ndarray) -> int:
+        """Store ``rows[i]`` as derived page ``first + i`` of ``tokens`` (for :meth:`splice`);
+        how many were new. Their parents are the exact pages before ``first``."""
+        with self._lock:
+            self._check_open()
+            if self.read_only:
+                raise InputError(f"the store at {self._dir} was opened read-only; splice needs the writer")
+            blob = self._keys(tokens, tenant)
+            keys = split_keys(blob[:first * KEY_BYTES] + self._derived_blob(tokens, tenant, blob, first))
+            with self._placing(blob, tenant):
+                _stored, new = self._store(keys, rows, first)
+            return new
+
+    def splice(self, tokens: Tokens, start: int, end: int, replacement: Tokens, *, rope: Rope,
+               tenant: str | bytes = "") -> SpliceResult:
+        """An agent's edit of a cached prompt: ``tokens[start:end]`` replaced by
+        ``replacement`` (empty: a deletion; ``start == end``: an insertion). The pages
+        wholly past the edit are moved from the cached ones to their new positions, keys
+        rotated by ``rope`` (the model's, :meth:`Rope.from_model`), and stored as
+        *derived* pages of the edited prompt, which only ``get(accept="derived")`` and
+        ``lookup(accept="derived")`` return. The pages before the edit keep their keys;
+        the engine prefills the tokens between them and the derived pages as usual
+        (:attr:`SpliceResult.prefill_from` to ``prefill_to``) and puts them. See
+        :func:`tierkv.splice.ops.splice`."""
+        from tierkv.splice.ops import splice
+        return splice(self, tokens, start, end, replacement, rope=rope, tenant=tenant)
 
     def _load_for_push(self, chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes,
                        deadline: float) -> int:

@@ -21,6 +21,7 @@ class LookupResult:
     cached_tokens: int
     total_pages: int
     tier_ranks: bytes = field(repr=False)
+    derived: int = 0   # of them, derived pages (lookup(accept="derived") only), the last ones
 
     @property
     def tiers(self) -> tuple[TierKind, ...]:
@@ -38,6 +39,7 @@ class GetResult:
     pages: int
     tokens: int
     tiers: tuple[TierKind, ...]
+    derived: int = 0   # of them, derived pages (moved by a splice; get(accept="derived") only), the last ones
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,127 @@
+"""The store's splice (tierkv.splice.ops) on real stores (DRAM and an NVMe tier of O_DIRECT
+files) with a real transformers Llama (random weights, from a config): the pages past an
+edit are moved from the cached ones, their first layer's keys exact against a fresh
+prefill of the edited text; derived pages are returned only when asked for, never to an
+exact lookup or get, never to another tenant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierkv.config import DramConfig, NvmeConfig, StoreConfig
+from tierkv.errors import InputError
+from tierkv.layout import KVLayout
+from tierkv.splice.rope import Rope, to_float32
+from tierkv.store.api import Store
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+HEADS, DIM, TPP, LAYERS = 2, 32, 16, 2
+LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype="fp32", tokens_per_page=TPP)
+
+
+@pytest.fixture(scope="module")
+def llama() -> object:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+                                   num_attention_heads=4, num_key_value_heads=HEADS, max_position_embeddings=4096)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def kv_pages(model: object, tokens: np.ndarray) -> np.ndarray:
+    """The model's KV of ``tokens`` as the store's pages (whole pages only), fp32."""
+    with torch.no_grad():
+        cache = model(torch.from_numpy(tokens.astype(np.int64))[None], use_cache=True).past_key_values  # type: ignore[operator]
+    n = tokens.size // TPP
+    arr = np.zeros((n, *LAYOUT.page_shape), np.float32)
+    for layer, c in enumerate(cache.layers):
+        arr[:, layer, 0] = c.keys[0].permute(1, 0, 2).numpy()[:n * TPP].reshape(n, TPP, HEADS, DIM)
+        arr[:, layer, 1] = c.values[0].permute(1, 0, 2).numpy()[:n * TPP].reshape(n, TPP, HEADS, DIM)
+    return arr.view(np.uint8).reshape(n, LAYOUT.page_bytes)
+
+
+def layer0_keys(pages: np.ndarray) -> np.ndarray:
+    arr = to_float32(pages.view(np.uint32).reshape(pages.shape[0], *LAYOUT.page_shape), LAYOUT.dtype)
+    return arr[:, 0, 0].reshape(-1, HEADS, DIM)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> object:
+    cfg = StoreConfig(path=str(tmp_path / "s"), model_id="llama-test", layout=LAYOUT,
+                      dram=DramConfig(24 * LAYOUT.page_bytes), nvme=NvmeConfig(128 * LAYOUT.page_bytes), policy="lru")
+    with Store.open(cfg) as s:
+        yield s
+
+
+@pytest.mark.parametrize("start, end, replacement", [
+    (100, 237, 0),      # 137 tokens deleted: rows cross page boundaries
+    (96, 160, 0),       # 64 deleted: whole pages
+    (100, 140, 40),     # 40 replaced by 40 others: same positions, different context
+    (100, 100, 21),     # 21 inserted
+])
+def test_a_splice_moves_the_suffix_and_serves_it_only_when_asked(llama: object, store: Store, start: int, end: int,
+                                                                  replacement: int) -> None:
+    rng = np.random.default_rng(start + end + replacement)
+    old = rng.integers(0, 1000, 640).astype(np.uint32)
+    store.put(old, kv_pages(llama, old))
+    rep = rng.integers(0, 1000, replacement).astype(np.uint32)
+    res = store.splice(old, start, end, rep, rope=Rope.from_model(llama))
+    new = res.tokens
+    assert np.array_equal(new, np.concatenate([old[:start], rep, old[end:]]))
+    assert res.prefill_from == start // TPP * TPP and res.first_derived == -(-(start + replacement) // TPP)
+    assert res.derived == new.size // TPP - res.first_derived and res.stored == res.derived > 0
+    fresh = kv_pages(llama, new)
+    # Exact gets and lookups never see a derived page: the edited prompt is cached up to the edit.
+    assert store.lookup(new).cached_pages == start // TPP
+    out = np.zeros((new.size // TPP, LAYOUT.page_bytes), np.uint8)
+    assert store.get(new, out).pages == start // TPP
+    # The engine prefills the replacement and the page it ends in, and puts them (exact pages).
+    store.put(new[:res.prefill_to], fresh[:res.first_derived])
+    assert store.lookup(new).cached_pages == res.first_derived
+    look = store.lookup(new, accept="derived")
+    assert look.cached_pages == new.size // TPP and look.derived == res.derived
+    got = store.get(new, out, accept="derived")
+    assert got.pages == new.size // TPP and got.derived == res.derived
+    a = res.first_derived * TPP
+    assert np.abs(layer0_keys(out)[a:] - layer0_keys(fresh)[a:]).max() <= 1e-5   # the first layer: exact
+    assert store.stats().derived_pages == res.derived
+    # Another tenant's prompt of the same tokens has none of them.
+    assert store.lookup(new, "other", accept="derived").cached_pages == 0
+
+
+def test_values_move_bit_for_bit_and_only_cached_rows_are_moved(llama: object, store: Store) -> None:
+    rng = np.random.default_rng(9)
+    old = rng.integers(0, 1000, 480).astype(np.uint32)
+    pages = kv_pages(llama, old)
+    store.put(old[:320], pages[:20])                       # the prompt cached up to token 320 only
+    res = store.splice(old, 50, 90, np.zeros(0, np.uint32), rope=Rope.from_model(llama))
+    # New page j's rows come from old tokens j*16 + 40 ..: cached while below 320.
+    assert res.first_derived == 4 and res.derived == (320 - 40) // TPP - 4
+    store.put(res.tokens[:res.prefill_to], kv_pages(llama, res.tokens)[:res.first_derived])
+    out = np.zeros((res.tokens.size // TPP, LAYOUT.page_bytes), np.uint8)
+    got = store.get(res.tokens, out, accept="derived")
+    assert got.pages == res.first_derived + res.derived
+    moved = out[res.first_derived:got.pages].view(np.float32).reshape(-1, *LAYOUT.page_shape)[:, :, 1]
+    src = pages.view(np.float32).reshape(-1, *LAYOUT.page_shape)[:, :, 1]           # values [page, layer, tpp, H, D]
+    src_tokens = src.transpose(0, 2, 1, 3, 4).reshape(-1, LAYERS, HEADS, DIM)
+    moved_tokens = moved.transpose(0, 2, 1, 3, 4).reshape(-1, LAYERS, HEADS, DIM)
+    first = res.first_derived * TPP
+    assert np.array_equal(moved_tokens, src_tokens[first + 40:first + 40 + moved_tokens.shape[0]])
+
+
+def test_bad_splices_are_refused(llama: object, store: Store) -> None:
+    old = np.arange(64, dtype=np.uint32)
+    rope = Rope.from_model(llama)
+    with pytest.raises(InputError, match="start <= end"):
+        store.splice(old, 10, 5, [], rope=rope)
+    with pytest.raises(InputError, match="start <= end"):
+        store.splice(old, 0, 65, [], rope=rope)
+    with pytest.raises(InputError, match="token index"):
+        store.splice(old, 1.5, 5, [], rope=rope)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="accept"):
+        store.get(old, np.zeros((4, LAYOUT.page_bytes), np.uint8), accept="approximate")
+    assert store.splice(old, 10, 20, [], rope=rope).derived == 0          # nothing of it cached: nothing moved

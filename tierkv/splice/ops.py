@@ -1,0 +1,91 @@
+"""The store's splice: an edited prompt's pages past the edit, moved from the cached ones.
+
+For ``tokens`` with ``tokens[start:end]`` replaced by ``replacement`` (``delta = len(replacement)
+- (end - start)`` positions of shift), the edited prompt's pages are in three parts:
+
+- pages ``[0, start // P)`` (``P`` tokens a page): before the edit, the same tokens at the
+  same positions: their exact keys are unchanged and they stay cached as they are;
+- tokens ``[start // P * P, first * P)``: the replacement, and the rest of the page it ends
+  in: the engine prefills them (``prefill_from``, ``prefill_to``) as usual, exact pages;
+- pages ``[first, ...)`` with ``first = ceil((start + len(replacement)) / P)``: wholly moved
+  suffix. Each token of them is the token ``delta`` positions earlier in the cached prompt:
+  its rows are copied from the cached pages (across page boundaries when ``delta`` is not
+  a multiple of ``P``), keys rotated by ``delta`` positions (:mod:`tierkv.splice.rope`), and
+  stored as *derived* pages under keys of their own (:func:`tierkv.keys.derived_seed`), as
+  far as the cached prompt's exact pages reach.
+
+A derived page is never returned where exact ones were asked for (``accept="exact"``, the
+default), and keys are salted per tenant, so tenants never share one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tierkv.errors import InputError
+from tierkv.keys import Tokens, as_token_array
+from tierkv.splice.rope import Rope, move_tokens
+from tierkv.tiers.aligned import aligned_empty
+
+if TYPE_CHECKING:
+    from tierkv.store.api import Store
+
+
+@dataclass(frozen=True)
+class SpliceResult:
+    """What a splice made: the edited prompt's ``tokens``; ``prefill_from`` to ``prefill_to``
+    (token indices) are what the engine prefills and puts as exact pages; derived pages
+    ``first_derived`` to ``first_derived + derived`` were moved (``stored`` of them new
+    here); ``delta``: the positions they moved by."""
+
+    tokens: np.ndarray
+    prefill_from: int
+    prefill_to: int
+    first_derived: int
+    derived: int
+    stored: int
+    delta: int
+
+
+def splice(store: Store, tokens: Tokens, start: int, end: int, replacement: Tokens, *, rope: Rope,
+           tenant: str | bytes = "") -> SpliceResult:
+    """:meth:`tierkv.store.api.Store.splice` (module docstring)."""
+    old = as_token_array(tokens)
+    rep = as_token_array(replacement)
+    for name, v in (("start", start), ("end", end)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise InputError(f"splice: {name} must be a token index, got {v!r}")
+    if not 0 <= start <= end <= old.size:
+        raise InputError(f"splice: need 0 <= start <= end <= {old.size} (the prompt's tokens), got {start} and {end}")
+    layout = store.layout
+    tpp = layout.tokens_per_page
+    new = np.concatenate([old[:start], rep, old[end:]])
+    delta = int(rep.size) - (end - start)
+    edit_end = start + int(rep.size)                   # the first token past the replacement, edited
+    first = -(-edit_end // tpp)                        # the first page wholly past it
+    # The cached prompt's exact pages, as far as they reach: the rows the moved pages come from.
+    cached = store.lookup(old, tenant, count=False).cached_pages
+    new_pages = new.size // tpp
+    # Derived page j's token t comes from old token j*tpp + t - delta: all of it cached.
+    last = min(new_pages, (cached * tpp + delta) // tpp)
+    result = SpliceResult(new, start // tpp * tpp, min(first * tpp, new.size), first, 0, 0, delta)
+    if last <= first:   # nothing wholly past the edit is cached
+        return result
+    src_first_token = first * tpp - delta
+    src_pages = range(src_first_token // tpp, (last * tpp - 1 - delta) // tpp + 1)
+    src = aligned_empty(len(src_pages) * layout.page_bytes).reshape(len(src_pages), layout.page_bytes)
+    got = src_pages.start + store._read_exact(old[:src_pages.stop * tpp], tenant, src_pages.start, src)
+    if got < src_pages.stop:   # evicted since the lookup: as far as the rows are here
+        last = min(last, (got * tpp + delta) // tpp)
+        if last <= first:
+            return result
+    n = last - first
+    dst = aligned_empty(n * layout.page_bytes).reshape(n, layout.page_bytes)
+    new_idx = np.arange(first * tpp, last * tpp)
+    old_idx = new_idx - delta
+    move_tokens(src, old_idx - src_pages.start * tpp, old_idx, dst, new_idx - first * tpp, new_idx, layout, rope)
+    stored = store._put_derived(new[:last * tpp], tenant, first, dst)
+    return SpliceResult(new, result.prefill_from, result.prefill_to, first, n, stored, delta)
