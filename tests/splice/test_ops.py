@@ -125,3 +125,32 @@ def test_bad_splices_are_refused(llama: object, store: Store) -> None:
     with pytest.raises(InputError, match="accept"):
         store.get(old, np.zeros((4, LAYOUT.page_bytes), np.uint8), accept="approximate")
     assert store.splice(old, 10, 20, [], rope=rope).derived == 0          # nothing of it cached: nothing moved
+
+
+def test_a_splices_own_reads_are_not_hits_and_a_reader_cannot_splice(llama: object, store: Store,
+                                                                      tmp_path: Path) -> None:
+    old = np.random.default_rng(3).integers(0, 1000, 320).astype(np.uint32)
+    store.put(old, kv_pages(llama, old))
+    before = store.stats()
+    res = store.splice(old, 40, 80, np.zeros(0, np.uint32), rope=Rope.from_model(llama))
+    assert res.derived > 0 and res.stored == res.derived
+    after = store.stats()
+    assert after.pages_hit == before.pages_hit and after.pages_requested == before.pages_requested
+    assert {n: t.hits for n, t in after.tiers.items()} == {n: t.hits for n, t in before.tiers.items()}
+    store.close()
+    cfg = StoreConfig(path=str(tmp_path / "s"), model_id="llama-test", layout=LAYOUT,
+                      dram=DramConfig(24 * LAYOUT.page_bytes), nvme=NvmeConfig(128 * LAYOUT.page_bytes), policy="lru")
+    with Store.open(cfg, read_only=True) as reader:
+        with pytest.raises(InputError, match="read-only; splice needs the writer"):
+            reader.splice(old, 40, 80, [], rope=Rope.from_model(llama))
+
+
+def test_truncate_and_insert_are_splices(llama: object, store: Store) -> None:
+    old = np.random.default_rng(4).integers(0, 1000, 320).astype(np.uint32)
+    store.put(old, kv_pages(llama, old))
+    rope = Rope.from_model(llama)
+    cut = store.truncate(old, 33, 70, rope=rope)
+    assert np.array_equal(cut.tokens, np.concatenate([old[:33], old[70:]])) and cut.delta == -37 and cut.derived > 0
+    ins = np.arange(5, dtype=np.uint32)
+    added = store.insert(old, 100, ins, rope=rope)
+    assert np.array_equal(added.tokens, np.concatenate([old[:100], ins, old[100:]])) and added.delta == 5

@@ -145,3 +145,42 @@ def test_bad_input_is_refused() -> None:
     page = np.zeros((1, fp8.page_bytes), np.uint8)
     with pytest.raises(InputError, match="bf16, fp16 or fp32"):
         move_tokens(page, np.array([0]), np.array([0]), page, np.array([1]), np.array([1]), fp8, rope)
+
+
+def _first_layer_error(model: object, rope: Rope) -> float:
+    tokens = torch.randint(0, 100, (1, 96), generator=torch.Generator().manual_seed(5))
+    old = prefill(model, tokens)
+    fresh = prefill(model, torch.cat([tokens[:, :20], tokens[:, 50:]], 1))
+    moved = rope.move(old[0][0][50:], np.arange(50, 96), np.arange(20, 66))
+    return float(np.abs(moved - fresh[0][0][20:]).max())
+
+
+def test_the_pairing_is_the_model_types(llama: object) -> None:
+    """Cohere pairs channels interleaved: taken for "half", its keys would be moved wrongly."""
+    cfg = transformers.CohereConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(4)
+    cohere = transformers.CohereForCausalLM(cfg).eval()
+    rope = Rope.from_model(cohere)
+    assert rope.convention == "interleaved"
+    assert _first_layer_error(cohere, rope) <= 1e-5
+    assert _first_layer_error(cohere, Rope.from_model(cohere, "half")) > 1e-2   # the other pairing: wrong
+
+
+def test_models_it_cannot_move_exactly_are_refused() -> None:
+    smol3 = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
+        vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1)).eval()
+    with pytest.raises(InputError, match="layers without RoPE"):
+        Rope.from_model(smol3)
+    gemma3 = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32)).eval()
+    with pytest.raises(InputError, match="per layer type|no rotary|rotary embeddings"):
+        Rope.from_model(gemma3)
+    dynamic = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})).eval()
+    with pytest.raises(InputError, match="dynamic"):
+        Rope.from_model(dynamic)

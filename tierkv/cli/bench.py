@@ -39,7 +39,7 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                                     "'codec' the lossless KV codec against zipnn and zstd on real KV pages, "
                                     "'scale' the page table's memory and time per page at node scale against a dict.")
     bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale", "serve", "vllm",
-                                                          "cluster", "dualpath"),
+                                                          "cluster", "dualpath", "splice"),
                     default="store",
                     help="what to measure ('codec-store': an NVMe tier with codec none vs lossless; "
                          "'net': peer page fetches and incast over TCP, and RDMA where a device exists; "
@@ -52,7 +52,10 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                          "cross-node lookup p50/p99, etcd bytes per page, failover after a SIGKILL (about a minute); "
                          "'dualpath': storage, prefill and decode node daemons in network namespaces, each storage "
                          "NIC shaped by tc: load throughput of pe-only, shorter-queue and split, --runs rounds "
-                         "(root; about a minute))")
+                         "(root; about a minute); "
+                         "'splice': SmolLM2-135M: time to first token after a 256-token deletion, re-prefilled vs "
+                         "spliced, first-layer key error, greedy agreement and NLL delta, and tokens reused on an "
+                         "agent trace with edits (about a minute))")
     bp.add_argument("--kv", metavar="FILE.safetensors", help="codec, codec-store: KV tensors layerNN.k/.v "
                     f"[kv_heads, tokens, head_dim], or a folder of such files (default: ${KV_ENV}, else "
                     "../shared/data/kv beside the tierkv checkout)")
@@ -98,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         result = _cluster(args)
     elif args.suite == "dualpath":
         result = _dualpath(args)
+    elif args.suite == "splice":
+        result = _splice(args)
     elif args.suite == "vllm":
         result = _vllm(args)
     elif args.suite == "serve":
@@ -176,6 +181,23 @@ def _dualpath(args: argparse.Namespace) -> dict[str, object]:
     return run_dualpath_bench(requests=requests, pages=pages, storage_mbit=mbit, rounds=rounds, where=args.dir,
                               step=None if args.json else
                               lambda what: print(f"dualpath: {what}", file=sys.stderr, flush=True))
+
+
+def _splice(args: argparse.Namespace) -> dict[str, object]:
+    import sys
+
+    from tierkv.bench.splice import run_splice_bench
+    from tierkv.integrations import smollm2
+
+    missing = smollm2.missing_requirements()
+    if missing:
+        raise InputError(f"the splice benchmark runs SmolLM2-135M: it needs {', '.join(missing)} "
+                         f"({smollm2.INSTALL_HINT})")
+    runs = args.runs if args.runs is not None else (1 if args.quick else 3)
+    kw = dict(context=512, delete=128, generate=8, continuation=16, sessions=2, turns=5) if args.quick else {}
+    return run_splice_bench(runs=runs, where=args.dir, **kw,  # type: ignore[arg-type]
+                            step=None if args.json else
+                            lambda what: print(f"splice: {what}", file=sys.stderr, flush=True))
 
 
 def _vllm(args: argparse.Namespace) -> dict[str, object]:
@@ -431,6 +453,25 @@ def dualpath_tables(r: Mapping[str, object]) -> Iterator[Table]:
         ("prompts with wrong bytes", r.get("mismatches"), "0")])
 
 
+def splice_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    yield _table(f"SmolLM2-135M, a {_cell(r.get('context'))}-token context with {_cell(r.get('delete'))} tokens "
+                 "deleted mid-context (fp32, CPU)", ("measurement", "value", "target"), [
+        ("time to first token, re-prefill s", r.get("ttft_s_reprefill"), "-"),
+        ("time to first token, splice s", r.get("ttft_s_splice"), "-"),
+        ("re-prefill / splice", r.get("ttft_reprefill_vs_splice"), ">= 3"),
+        ("tokens prefilled: re-prefill / splice", f"{_cell(r.get('prefilled_tokens_reprefill'))} / "
+                                                  f"{_cell(r.get('prefilled_tokens_splice'))}", "-"),
+        ("first layer's key max abs error", r.get("layer0_key_max_abs_err"), "<= 1e-4"),
+        ("greedy agreement (positions; leading run)", f"{_cell(r.get('greedy_agreement'))}; "
+                                                      f"{_cell(r.get('greedy_leading_agreement'))}", "reported"),
+        ("NLL delta, nats per token (splice - re-prefill)", r.get("nll_delta"), "reported")])
+    yield _table(f"agent trace: {_cell(r.get('trace_sessions'))} sessions, {_cell(r.get('trace_edits'))} edits",
+                 ("measurement", "value", "target"), [
+        ("tokens reused, exact pages", r.get("tokens_reused_exact"), "-"),
+        ("tokens reused, exact and derived pages", r.get("tokens_reused_splice"), "-"),
+        ("gain, points of the cached context", r.get("reuse_gain_points"), ">= 30")])
+
+
 def vllm_tables(r: Mapping[str, object]) -> Iterator[Table]:
     modes = _map(r.get("modes"))
 
@@ -467,4 +508,4 @@ def _ratio(a: object, b: object) -> float | None:
 TABLES: dict[str, Callable[[Mapping[str, object]], Iterable[Table]]] = {
     "store": store_tables, "codec": codec_tables, "codec-store": codec_store_tables, "net": net_tables,
     "scale": scale_tables, "serve": serve_tables, "vllm": vllm_tables, "cluster": cluster_tables,
-    "dualpath": dualpath_tables}
+    "dualpath": dualpath_tables, "splice": splice_tables}

@@ -33,6 +33,8 @@ from tierkv.integrations.adapter import OffloadScheduler
 from tierkv.integrations.worker import OffloadWorker, TransferResult
 from tierkv.keys import Tokens, as_token_array
 from tierkv.layout import DType, KVLayout, LayoutKind
+from tierkv.splice.ops import SpliceResult
+from tierkv.splice.rope import Rope
 
 try:
     from transformers import DynamicCache
@@ -81,6 +83,7 @@ class LoadedPrefix:
     tokens: int
     tokens_per_tier: dict[str, int]
     seconds: float
+    derived_tokens: int = 0   # of them, from derived pages (load(accept="derived")), the last ones
 
 
 @dataclass(frozen=True)
@@ -182,13 +185,22 @@ class TierKVCache:
         self._device = next(model.parameters()).device
         self._requests = itertools.count(1)
         self._request: str | None = None        # the last load's request: its save is the same request
+        self._model = model
+        self._rope: Rope | None = None          # the model's rotary embedding, for splices
 
-    def load(self, tokens: Tokens) -> LoadedPrefix:
+    def load(self, tokens: Tokens, *, accept: str = "exact") -> LoadedPrefix:
         """A DynamicCache holding the longest cached prefix of ``tokens`` (whole pages).
 
         At least the last token is left for the model to process. Pages that fail to
         load (a miss, a checksum failure) shorten the prefix; they are never wrong data.
+        ``accept="derived"``: where the exact pages end, go on with derived pages (moved
+        there by :meth:`splice`; an approximation past the first layer, docs/splice.md);
+        ``LoadedPrefix.derived_tokens`` says how many.
         """
+        if accept == "derived":
+            return self._load_derived(tokens)
+        if accept != "exact":
+            raise InputError(f"load(accept=...) must be 'exact' or 'derived', got {accept!r}")
         t0 = time.perf_counter()
         arr = as_token_array(tokens)
         cache = DynamicCache()
@@ -210,6 +222,40 @@ class TierKVCache:
             for layer in range(self.layout.num_layers):
                 cache.update(keys[layer][:, :, :n].to(self._device), values[layer][:, :, :n].to(self._device), layer)
         return LoadedPrefix(cache, n, dict(result.tokens_per_tier), time.perf_counter() - t0)
+
+    def splice(self, tokens: Tokens, start: int, end: int, replacement: Tokens) -> SpliceResult:
+        """An edit directive: ``tokens[start:end]`` (cached) became ``replacement``. The
+        pages past the edit are moved into derived pages (:meth:`Store.splice
+        <tierkv.store.api.Store.splice>`, with this model's rotary embedding); the model
+        prefills ``SpliceResult.prefill_from`` to ``prefill_to`` of the edited prompt as
+        usual (:meth:`load`, then the model, then :meth:`save`), after which
+        ``load(edited, accept="derived")`` holds all of it but its last partial page."""
+        if self._rope is None:
+            self._rope = Rope.from_model(self._model)
+        return self.store.splice(tokens, start, end, replacement, rope=self._rope, tenant=self._salt)
+
+    def _load_derived(self, tokens: Tokens) -> LoadedPrefix:
+        t0 = time.perf_counter()
+        arr = as_token_array(tokens)
+        tpp = self.layout.tokens_per_page
+        pages = max(0, (arr.size - 1) // tpp)   # the last token is left for the model
+        cache = DynamicCache()
+        if not pages:
+            return LoadedPrefix(cache, 0, {}, time.perf_counter() - t0)
+        buf = torch.empty((pages, *self.layout.page_shape), dtype=self._dtype)
+        res = self.store.get(arr[:pages * tpp], buf, self._salt, accept="derived")
+        n = res.pages * tpp
+        if n:
+            shape = (1, self.layout.num_kv_heads, n, self.layout.head_dim)
+            keys = [torch.empty(shape, dtype=self._dtype) for _ in range(self.layout.num_layers)]
+            values = [torch.empty(shape, dtype=self._dtype) for _ in range(self.layout.num_layers)]
+            CacheBlocks(keys, values, tpp).scatter(buf[:res.pages], range(res.pages))
+            for layer in range(self.layout.num_layers):
+                cache.update(keys[layer].to(self._device), values[layer].to(self._device), layer)
+        per_tier: dict[str, int] = {}
+        for kind in res.tiers:
+            per_tier[kind.value] = per_tier.get(kind.value, 0) + tpp
+        return LoadedPrefix(cache, n, per_tier, time.perf_counter() - t0, derived_tokens=res.derived * tpp)
 
     def save(self, cache: DynamicCache, tokens: Tokens) -> SavedPrefix:
         """Store the full pages of ``cache``; ``tokens`` are the ids whose KV it holds, in order.

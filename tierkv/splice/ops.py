@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 class SpliceResult:
     """What a splice made: the edited prompt's ``tokens``; ``prefill_from`` to ``prefill_to``
     (token indices) are what the engine prefills and puts as exact pages; derived pages
-    ``first_derived`` to ``first_derived + derived`` were moved (``stored`` of them new
-    here); ``delta``: the positions they moved by."""
+    ``first_derived`` to ``first_derived + derived`` were moved, and the leading ``stored``
+    of them are held by the store now (fewer where it had no room); ``delta``: the
+    positions they moved by."""
 
     tokens: np.ndarray
     prefill_from: int

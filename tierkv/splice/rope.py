@@ -35,6 +35,12 @@ from tierkv.layout import DType, KVLayout, LayoutKind, PageOrder
 Convention = Literal["half", "interleaved"]
 #: Scalings whose frequencies change with the sequence's length.
 POSITION_DEPENDENT = frozenset({"dynamic", "longrope"})
+#: Rope types (transformers' names) whose frequencies are fixed: a moved key is a rotation.
+STATIC_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+#: Model types whose rotary pairs are interleaved (``2i``, ``2i+1``) in transformers.
+INTERLEAVED_TYPES = frozenset({"cohere", "gptj"})
+#: Model types with layers that use no RoPE (told by ``layer_types``, not ``no_rope_layers``).
+MIXED_ROPE_LAYERS = frozenset({"cohere2", "llama4", "llama4_text"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,24 +81,48 @@ class Rope:
         return cls(inv.astype(np.float32), head_dim, convention)
 
     @classmethod
-    def from_model(cls, model: Any, convention: Convention = "half") -> Rope:
-        """The rotary embedding a transformers model uses: its ``rotary_emb`` module's
-        ``inv_freq`` (scaling applied) and its config's head size and ``rope_type``."""
-        rotary = None
-        for name, module in model.named_modules():
-            if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
-                rotary = module
-                break
-        if rotary is None:
-            raise InputError("the model has no rotary embedding module (a 'rotary_emb' with 'inv_freq'): "
-                             "it does not use RoPE, or not as transformers' Llama-family models do")
+    def from_model(cls, model: Any, convention: Convention | None = None) -> Rope:
+        """The rotary embedding a transformers model's decoder uses: its ``rotary_emb``
+        module's ``inv_freq`` (scaling applied) and its config's head size and
+        ``rope_type``. ``convention``: the pairing, by default what the model type is
+        known to use (``interleaved`` for Cohere and GPT-J, ``half`` otherwise).
+
+        Refused with InputError, rather than moved wrongly: models where some layers use
+        no RoPE (``no_rope_layers``, Cohere2, Llama 4) or where layer types have rotary
+        embeddings of their own (Gemma 3, Olmo 3), and rope types not known to be a
+        fixed rotation per position (:data:`STATIC_TYPES`)."""
         config = getattr(model, "config", None)
         text = getattr(config, "text_config", None) or config
         if text is None:
-            raise InputError("the model has no config to read its head size from")
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        rope_type = getattr(rotary, "rope_type", "default")
-        return cls(rotary.inv_freq.detach().to("cpu").float().numpy(), int(head_dim), convention, str(rope_type))
+            raise InputError("the model has no config to read its rotary embedding from")
+        model_type = str(getattr(text, "model_type", ""))
+        if getattr(text, "no_rope_layers", None) is not None or model_type in MIXED_ROPE_LAYERS:
+            raise InputError(f"{model_type or 'this model'} has layers without RoPE: moving its cached keys would "
+                             "rotate those wrongly; splices are not supported for it yet")
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        found = [(name, m) for name, m in decoder.named_modules()
+                 if name.split(".")[-1] == "rotary_emb" and hasattr(m, "inv_freq")]
+        if not found:
+            per_type = [name for name, m in decoder.named_modules() if name.split(".")[-1] == "rotary_emb"]
+            raise InputError("the model's decoder has rotary embeddings per layer type (different frequencies by "
+                             "layer), not supported yet" if per_type else
+                             "the model's decoder has no rotary embedding module (a 'rotary_emb' with 'inv_freq'): "
+                             "it does not use RoPE, or not as transformers' Llama-family models do")
+        if len(found) > 1:
+            raise InputError(f"the model's decoder has {len(found)} rotary embeddings "
+                             f"({', '.join(n for n, _ in found)}): which one its layers use is not known here")
+        rotary = found[0][1]
+        rope_type = str(getattr(rotary, "rope_type", "default"))
+        if rope_type not in STATIC_TYPES:
+            raise InputError(f"rope_type {rope_type!r} is not known to be a fixed rotation per position "
+                             f"(known: {', '.join(sorted(STATIC_TYPES))}); splices are not supported for it")
+        try:
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        except (AttributeError, TypeError, ValueError) as exc:   # transformers' own config errors included
+            raise InputError(f"cannot read the model's head size from its config: {exc}") from None
+        if convention is None:
+            convention = "interleaved" if model_type in INTERLEAVED_TYPES else "half"
+        return cls(rotary.inv_freq.detach().to("cpu").float().numpy(), int(head_dim), convention, rope_type)
 
     # -- moving keys ------------------------------------------------------------------------
     def angles(self, positions: np.ndarray) -> np.ndarray:

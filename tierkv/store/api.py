@@ -262,8 +262,13 @@ class Store:
         with self._lock:
             self._check_open()
             m = self._manager
-            levels = (self._lead(dblob, len(dblob) // KEY_BYTES).levels.tobytes() if self.read_only
-                      else m.resident.prefix_values(dblob))
+            if self.read_only:
+                levels = self._lead(dblob, len(dblob) // KEY_BYTES).levels.tobytes()
+            else:
+                levels = m.resident.prefix_values(dblob)
+                down = m.unavailable_levels()
+                if down:  # as for exact pages: those whose fastest copy is on a degraded tier are misses
+                    levels = levels[:next((i for i, v in enumerate(levels) if v in down), len(levels))]
         n = res.cached_pages + len(levels)
         return LookupResult(n, n * self.layout.tokens_per_page, res.total_pages,
                             res.tier_ranks + levels.translate(m.kind_ranks), derived=len(levels))
@@ -547,12 +552,13 @@ class Store:
             kinds = tuple(map(self._kinds.__getitem__, lead.levels[:got].tolist()))
             return GetResult(n, n * self.layout.tokens_per_page, res.tiers + kinds, derived=got)
 
-    def _read_lead(self, lead: Lead, rows: np.ndarray) -> int:
+    def _read_lead(self, lead: Lead, rows: np.ndarray, *, serve: bool = True) -> int:
         """Read ``lead`` into ``rows`` (through the store's own rows where a page comes from
-        below DRAM, checked there first, as any get); how many leading pages. Lock held."""
+        below DRAM, checked there first, as any get); how many leading pages. ``serve=False``:
+        the store's own read, not counted as served. Lock held."""
         below = bool((lead.levels != 0).any())
         dst = self._private_rows(len(lead), rows.shape[1]) if below else rows
-        got = self._transfers.read(lead, dst)
+        got = self._transfers.read(lead, dst, serve=serve)
         if below:
             rows[:got] = dst[:got]
         return got
@@ -564,20 +570,19 @@ class Store:
             self._check_open()
             blob = self._keys(tokens, tenant)
             lead = self._lead(blob[first * KEY_BYTES:], rows.shape[0])
-            return self._read_lead(lead, rows) if len(lead) else 0
+            return self._read_lead(lead, rows, serve=False) if len(lead) else 0
 
     def _put_derived(self, tokens: Tokens, tenant: str | bytes, first: int, rows: np.ndarray) -> int:
         """Store ``rows[i]`` as derived page ``first + i`` of ``tokens`` (for :meth:`splice`);
-        how many were new. Their parents are the exact pages before ``first``."""
+        how many of them the store holds now. Their parents are the exact pages before ``first``."""
         with self._lock:
-            self._check_open()
-            if self.read_only:
-                raise InputError(f"the store at {self._dir} was opened read-only; splice needs the writer")
+            self._check_splice_writer()
             blob = self._keys(tokens, tenant)
-            keys = split_keys(blob[:first * KEY_BYTES] + self._derived_blob(tokens, tenant, blob, first))
-            with self._placing(blob, tenant):
-                _stored, new = self._store(keys, rows, first)
-            return new
+            chain = blob[:first * KEY_BYTES] + self._derived_blob(tokens, tenant, blob, first)
+            with self._placing(chain, tenant):   # tagged with the tenant, as any page of its request
+                self._store(split_keys(chain), rows, first)
+            held = self._manager.held(chain[first * KEY_BYTES:])
+            return next((i for i, h in enumerate(held) if not h), len(held))
 
     def splice(self, tokens: Tokens, start: int, end: int, replacement: Tokens, *, rope: Rope,
                tenant: str | bytes = "") -> SpliceResult:
@@ -591,7 +596,16 @@ class Store:
         (:attr:`SpliceResult.prefill_from` to ``prefill_to``) and puts them. See
         :func:`tierkv.splice.ops.splice`."""
         from tierkv.splice.ops import splice
+        self._check_splice_writer()
         return splice(self, tokens, start, end, replacement, rope=rope, tenant=tenant)
+
+    def truncate(self, tokens: Tokens, start: int, end: int, *, rope: Rope, tenant: str | bytes = "") -> SpliceResult:
+        """:meth:`splice` deleting ``tokens[start:end]`` (history trimmed, a tool output dropped)."""
+        return self.splice(tokens, start, end, np.zeros(0, np.uint32), rope=rope, tenant=tenant)
+
+    def insert(self, tokens: Tokens, at: int, inserted: Tokens, *, rope: Rope, tenant: str | bytes = "") -> SpliceResult:
+        """:meth:`splice` inserting ``inserted`` before ``tokens[at]``."""
+        return self.splice(tokens, at, at, inserted, rope=rope, tenant=tenant)
 
     def _load_for_push(self, chain: Sequence[PageKey], start: int, rows: np.ndarray, salt: bytes,
                        deadline: float) -> int:
@@ -850,6 +864,11 @@ class Store:
         with self._lock:
             self._check_writable_open()
             return self._pins.release(owner)
+
+    def _check_splice_writer(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise InputError(f"the store at {self._dir} was opened read-only; splice needs the writer")
 
     def _check_writable_open(self) -> None:
         self._check_open()
