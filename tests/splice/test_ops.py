@@ -154,3 +154,33 @@ def test_truncate_and_insert_are_splices(llama: object, store: Store) -> None:
     ins = np.arange(5, dtype=np.uint32)
     added = store.insert(old, 100, ins, rope=rope)
     assert np.array_equal(added.tokens, np.concatenate([old[:100], ins, old[100:]])) and added.delta == 5
+
+
+def test_a_daemons_clients_splice_and_get_derived_pages(llama: object, tmp_path: Path, sock_dir: Path) -> None:
+    """The same through ``tierkv serve``: the rotary embedding travels with the request."""
+    from tierkv.serve.daemon import NodeService
+
+    cfg = StoreConfig(path=str(tmp_path / "d"), model_id="llama-test", layout=LAYOUT,
+                      dram=DramConfig(64 * LAYOUT.page_bytes), policy="lru")
+    svc = NodeService(cfg, sock_dir / "d.sock").start()
+    try:
+        with Store.connect(sock_dir / "d.sock") as remote:
+            old = np.random.default_rng(6).integers(0, 1000, 320).astype(np.uint32)
+            remote.put(old, kv_pages(llama, old), "acme")
+            res = remote.splice(old, 40, 80, np.zeros(0, np.uint32), rope=Rope.from_model(llama), tenant="acme")
+            assert res.derived > 0 and res.stored == res.derived
+            fresh = kv_pages(llama, res.tokens)
+            remote.put(res.tokens[:res.prefill_to], fresh[:res.first_derived], "acme")
+            assert remote.lookup(res.tokens, "acme").cached_pages == res.first_derived     # exact: none derived
+            look = remote.lookup(res.tokens, "acme", accept="derived")
+            assert look.derived == res.derived and look.cached_pages == res.first_derived + res.derived
+            out = np.zeros((res.tokens.size // TPP, LAYOUT.page_bytes), np.uint8)
+            got = remote.get(res.tokens, out, "acme", accept="derived")
+            assert got.derived == res.derived and got.pages == look.cached_pages
+            a = res.first_derived * TPP
+            n = got.pages * TPP
+            assert np.abs(layer0_keys(out)[a:n] - layer0_keys(fresh)[a:n]).max() <= 1e-5
+            assert remote.get(res.tokens, out, "acme").derived == 0
+            assert remote.lookup(res.tokens, "other", accept="derived").cached_pages == 0
+    finally:
+        svc.close()

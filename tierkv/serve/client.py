@@ -38,6 +38,8 @@ import numpy as np
 
 from tierkv import errors
 from tierkv.errors import InputError, StoreClosedError, StoreUnavailableError, TierKVError
+from tierkv.splice.ops import SpliceResult
+from tierkv.splice.rope import Rope
 from tierkv.keys import KEY_BYTES, Tokens, as_token_array, chain_keys, namespace_digest, tenant_salt
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
@@ -474,13 +476,13 @@ class RemoteStore:
 
     def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True,
                accept: str = "exact") -> LookupResult:
-        """As :meth:`Store.lookup <tierkv.store.api.Store.lookup>` (exact pages only: derived
-        ones are not served through the daemon yet)."""
-        _exact_only(accept, "lookup")
+        """As :meth:`Store.lookup <tierkv.store.api.Store.lookup>`."""
+        derived = _derived(accept, "lookup")
         self._check_open()
         toks, salt = as_token_array(tokens), tenant_salt(tenant)
-        head = P.LOOKUP_REQ.pack(bool(count))
-        if len(toks) > P.INLINE_TOKENS and self._hello is not None and self._hello.get("every_tenant"):
+        head = P.LOOKUP_REQ.pack((P.FLAG_COUNT if count else 0) | (P.FLAG_DERIVED if derived else 0))
+        if (len(toks) > P.INLINE_TOKENS and not derived and self._hello is not None
+                and self._hello.get("every_tenant")):
             # A long prompt, on a connection that may use every tenant: its keys are hashed
             # here and the daemon only scans them (a client limited to some tenants sends
             # tokens, so that it cannot name another tenant's pages by their keys).
@@ -488,16 +490,18 @@ class RemoteStore:
             reply = self._request(P.Op.LOOKUP_KEYS, lambda conn, _s, _o: conn.tokens(b"", keys, head, KEY_BYTES))
         else:
             reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.tokens(salt, toks, head))
-        n, ntok, total = P.LOOKUP_REP.unpack_from(reply)
-        return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]))
+        n, ntok, total, nderived = P.LOOKUP_REP.unpack_from(reply)
+        return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]), derived=nderived)
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
             requested: int | None = None, landed: np.ndarray | None = None, accept: str = "exact") -> GetResult:
         """As :meth:`Store.get <tierkv.store.api.Store.get>`. ``landed``: a record from
         :meth:`landing_record`, which the daemon updates as the layers of the pages land
         in ``out`` (which must then lie in a :meth:`page_buffer`), for a consumer on
-        another thread that uses the first layers while the last are read."""
-        _exact_only(accept, "get")
+        another thread that uses the first layers while the last are read (exact pages only)."""
+        derived = _derived(accept, "get")
+        if derived and landed is not None:
+            raise InputError("get(accept='derived') loads whole pages: it takes no landing record")
         self._check_open()
         toks, salt = as_token_array(tokens), tenant_salt(tenant)
         if isinstance(out, (list, tuple)):
@@ -524,14 +528,29 @@ class RemoteStore:
                 conn.register(rseg)
                 return conn.tokens(salt, toks, P.GET_LAYERED_REQ.pack(seg, off, want, asked, rseg.id, roff))
             reply = self._request(P.Op.GET_LAYERED, build_layered, rows=rows, fill=True, n_rows=want)
-            pages, ntok = P.GET_REP.unpack_from(reply)
-            return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])))
+            return _get_result(reply)
 
         def build(conn: _Conn, seg: int, off: int) -> bytes:
-            return conn.tokens(salt, toks, P.GET_REQ.pack(seg, off, want, asked))
+            return conn.tokens(salt, toks, P.GET_REQ.pack(seg, off, want, asked, P.FLAG_DERIVED if derived else 0))
         reply = self._request(P.Op.GET, build, rows=rows, fill=True, n_rows=want)
-        pages, ntok = P.GET_REP.unpack_from(reply)
-        return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])))
+        return _get_result(reply)
+
+    def splice(self, tokens: Tokens, start: int, end: int, replacement: Tokens, *, rope: Rope,
+               tenant: str | bytes = "") -> SpliceResult:
+        """As :meth:`Store.splice <tierkv.store.api.Store.splice>`: the daemon moves the pages."""
+        self._check_open()
+        toks, salt = as_token_array(tokens), tenant_salt(tenant)
+        rep = as_token_array(replacement)
+        for name, v in (("start", start), ("end", end)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise InputError(f"splice: {name} must be a token index, got {v!r}")
+        kind = rope.rope_type.encode()
+        head = b"".join([P.SPLICE_REQ.pack(int(start), int(end), rope.head_dim, rope.inv_freq.size,
+                                           rope.convention == "interleaved", len(kind)),
+                         rope.inv_freq.astype("<f4").tobytes(), kind, P.SPLICE_LEN.pack(rep.size), rep.tobytes()])
+        reply = self._request(P.Op.SPLICE, lambda conn, _s, _o: conn.tokens(salt, toks, head))
+        pf, pt, first, derived, stored, delta = P.SPLICE_REP.unpack_from(reply)
+        return SpliceResult(np.concatenate([toks[:start], rep, toks[end:]]), pf, pt, first, derived, stored, delta)
 
     # -- pages lent in place ----------------------------------------------------------
     def dram_pool(self) -> np.ndarray:
@@ -701,7 +720,12 @@ def connect(socket_path: str | os.PathLike[str] | Path, *, timeout_s: float = 60
     return RemoteStore(socket_path, timeout_s=timeout_s)
 
 
-def _exact_only(accept: str, what: str) -> None:
-    if accept != "exact":
-        raise InputError(f"{what}(accept={accept!r}): derived pages (tierkv.splice) are served by an in-process "
-                         "store only for now; through a daemon, accept='exact'")
+def _derived(accept: str, what: str) -> bool:
+    if accept not in ("exact", "derived"):
+        raise InputError(f"{what}(accept=...) must be one of exact, derived, got {accept!r}")
+    return accept == "derived"
+
+
+def _get_result(reply: bytes | memoryview) -> GetResult:
+    pages, ntok, nderived = P.GET_REP.unpack_from(reply)
+    return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])), derived=nderived)

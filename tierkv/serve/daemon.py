@@ -52,7 +52,7 @@ from tierkv.serve import protocol as P
 from tierkv.serve.access import Access, Grant
 from tierkv.serve.segments import SegmentBudget, Segments
 from tierkv.store import landed
-from tierkv.store.api import Store
+from tierkv.store.api import LookupResult, Store
 from tierkv.store.opening import SERVED_FILE
 
 log = logging.getLogger(__name__)
@@ -399,25 +399,27 @@ class NodeService:
         if op == P.Op.UNREGISTER:
             return segments.unregister(body)
         if op == P.Op.LOOKUP:
-            (count,) = _unpack(P.LOOKUP_REQ, body)
+            (flags,) = _unpack(P.LOOKUP_REQ, body)
             salt, tokens = self._tokens(body, P.LOOKUP_REQ.size, segments, grant)
-            found = s.lookup(tokens, salt, count=bool(count))
-            return P.LOOKUP_REP.pack(found.cached_pages, found.cached_tokens, found.total_pages) + found.tier_ranks
+            found = s.lookup(tokens, salt, count=bool(flags & P.FLAG_COUNT), accept=_accept(flags))
+            return _lookup_reply(found)
         if op == P.Op.LOOKUP_KEYS:
             if grant.salts is not None:
                 raise AccessDeniedError("a lookup by page keys needs a connection whose user may use every tenant; "
                                         "send tokens")
-            (count,) = _unpack(P.LOOKUP_REQ, body)
+            (flags,) = _unpack(P.LOOKUP_REQ, body)
+            if flags & P.FLAG_DERIVED:
+                raise InputError("a lookup by page keys finds exact pages only; send tokens for derived ones")
             _, keys = self._tokens(body, P.LOOKUP_REQ.size, segments, grant, item=KEY_BYTES)
-            found = s.lookup_keys(keys.tobytes(), count=bool(count))
-            return P.LOOKUP_REP.pack(found.cached_pages, found.cached_tokens, found.total_pages) + found.tier_ranks
+            found = s.lookup_keys(keys.tobytes(), count=bool(flags & P.FLAG_COUNT))
+            return _lookup_reply(found)
         if op == P.Op.GET:
-            seg, off, rows, requested = _unpack(P.GET_REQ, body)
+            seg, off, rows, requested, flags = _unpack(P.GET_REQ, body)
             salt, tokens = self._tokens(body, P.GET_REQ.size, segments, grant)
             out = segments.rows(seg, off, rows, s.layout.page_bytes)
-            g = s.get(tokens, out, salt, requested=None if requested < 0 else requested)
+            g = s.get(tokens, out, salt, requested=None if requested < 0 else requested, accept=_accept(flags))
             del out
-            return P.GET_REP.pack(g.pages, g.tokens) + bytes(k.rank for k in g.tiers)
+            return P.GET_REP.pack(g.pages, g.tokens, g.derived) + bytes(k.rank for k in g.tiers)
         if op == P.Op.GET_LAYERED:   # layer by layer, each announced in the client's landing record
             seg, off, rows, requested, lseg, loff = _unpack(P.GET_LAYERED_REQ, body)
             salt, tokens = self._tokens(body, P.GET_LAYERED_REQ.size, segments, grant)
@@ -425,7 +427,9 @@ class NodeService:
             record = segments.words(lseg, loff, landed.WORDS)
             g = s.get(tokens, out, salt, requested=None if requested < 0 else requested, landed=record)
             del out, record
-            return P.GET_REP.pack(g.pages, g.tokens) + bytes(k.rank for k in g.tiers)
+            return P.GET_REP.pack(g.pages, g.tokens, g.derived) + bytes(k.rank for k in g.tiers)
+        if op == P.Op.SPLICE:
+            return self._splice(s, body, segments, grant)
         if op in (P.Op.DRAM_POOL, P.Op.LEND, P.Op.END_LEND):
             return self._lending(op, body, segments, grant, info)
         if op == P.Op.PUT:
@@ -521,6 +525,28 @@ class NodeService:
         except TierKVError:   # the store closed meanwhile: its pins are gone with it
             pass
 
+    def _splice(self, s: Store, body: memoryview, segments: Segments, grant: Grant) -> bytes:
+        """A client's :meth:`Store.splice`, the model's rotary embedding sent with it."""
+        from tierkv.splice.rope import Rope
+
+        start, end, head_dim, nfreq, interleaved, nname = _unpack(P.SPLICE_REQ, body)
+        at = P.SPLICE_REQ.size
+        if len(body) < at + 4 * nfreq + nname + P.SPLICE_LEN.size:
+            raise InputError("a splice request ends before its rotary embedding")
+        inv = np.frombuffer(body, "<f4", nfreq, at).copy()
+        at += 4 * nfreq
+        rope_type = bytes(body[at:at + nname]).decode(errors="replace")
+        at += nname
+        (nrep,) = P.SPLICE_LEN.unpack_from(body, at)
+        at += P.SPLICE_LEN.size
+        if len(body) < at + 4 * nrep:
+            raise InputError("a splice request ends before its replacement's tokens")
+        replacement = np.frombuffer(body, "<u4", nrep, at).copy()
+        salt, tokens = self._tokens(body, at + 4 * nrep, segments, grant)
+        rope = Rope(inv, head_dim, "interleaved" if interleaved else "half", rope_type)
+        r = s.splice(tokens, start, end, replacement, rope=rope, tenant=salt)
+        return P.SPLICE_REP.pack(r.prefill_from, r.prefill_to, r.first_derived, r.derived, r.stored, r.delta)
+
     def _tokens(self, body: memoryview, at: int, segments: Segments,
                 grant: Grant, item: int = 4) -> tuple[bytes, np.ndarray]:
         """The salt (one the connection's user may use) and tokens of a token op: inline,
@@ -575,3 +601,12 @@ def _unpack(fmt: struct.Struct, body: memoryview) -> tuple[int, ...]:
     if len(body) < fmt.size:
         raise P.ProtocolError(f"a request of {len(body)} bytes is shorter than its {fmt.size}-byte header")
     return fmt.unpack_from(body)
+
+
+def _accept(flags: int) -> str:
+    return "derived" if flags & P.FLAG_DERIVED else "exact"
+
+
+def _lookup_reply(found: LookupResult) -> bytes:
+    return P.LOOKUP_REP.pack(found.cached_pages, found.cached_tokens, found.total_pages, found.derived) + \
+        found.tier_ranks

@@ -28,8 +28,8 @@ from enum import IntEnum
 from tierkv.errors import InputError
 
 #: Bumped on any incompatible change; HELLO refuses a mismatch. 2: UNREGISTER. 3: GET_LAYERED, DRAM_POOL,
-#: LEND, END_LEND.
-VERSION = 3
+#: LEND, END_LEND. 4: derived pages (accept="derived") on LOOKUP and GET, counted in their replies.
+VERSION = 4
 
 HEADER = struct.Struct("<IHH")
 #: The largest body either side accepts. Bodies are small: page bytes and long prompts
@@ -41,8 +41,9 @@ SALT_LEN = struct.Struct("<H")
 class Op(IntEnum):
     HELLO = 1      # JSON both ways: {"version", "pid"} -> {"version", "layout", "model_id", "pid"}
     SEGMENT = 2    # <QQ segment id, bytes; the memfd in SCM_RIGHTS -> empty
-    LOOKUP = 3     # <B count, salt, tokens -> <QQQ cached pages, cached tokens, total pages + tier ranks
-    GET = 4        # <QQQq segment, offset, rows, requested (-1: rows), salt, tokens -> <QQ pages, tokens + ranks
+    LOOKUP = 3     # <B flags, salt, tokens -> <QQQQ cached pages, cached tokens, total pages, derived + tier ranks
+    GET = 4        # <QQQqB segment, offset, rows, requested (-1: rows), flags, salt, tokens -> <QQQ pages, tokens,
+                   # derived + ranks
     PUT = 5        # <QQQQB segment, offset, rows, unfilled, announce, salt, tokens -> <QQQ stored, present, dropped
     PREFETCH = 6   # salt, tokens -> <Q pages in the fastest tier
     PIN = 7        # salt, tokens -> <Q pages pinned
@@ -58,6 +59,9 @@ class Op(IntEnum):
                       # that may use every tenant (the pool holds every tenant's pages)
     LEND = 16         # <QqB want, requested, whole, salt, tokens -> <QQqQ pages, tokens, lend token, pool id + <u4 slot per page
     END_LEND = 17     # <q lend token -> empty (a connection's lends end with it)
+    SPLICE = 18       # <QQIIBB start, end, head_dim, frequencies, pairing, rope type, then the frequencies (<f4),
+                      # the rope type's name, the replacement's tokens (<u4 each, SPLICE_LEN), salt, tokens
+                      # -> <QQQQQq prefill_from, prefill_to, first_derived, derived, stored, delta
 
 
 class Status(IntEnum):
@@ -65,11 +69,16 @@ class Status(IntEnum):
     ERROR = 1
 
 
-LOOKUP_REQ = struct.Struct("<B")
-LOOKUP_REP = struct.Struct("<QQQ")
-GET_REQ = struct.Struct("<QQQq")
-GET_REP = struct.Struct("<QQ")
-GET_LAYERED_REQ = struct.Struct("<QQQqQQ")
+LOOKUP_REQ = struct.Struct("<B")      # flags: FLAG_COUNT, FLAG_DERIVED
+LOOKUP_REP = struct.Struct("<QQQQ")   # pages, tokens, total pages, derived pages; then a rank per page
+GET_REQ = struct.Struct("<QQQqB")     # segment, offset, rows, requested (-1: none), flags: FLAG_DERIVED
+GET_REP = struct.Struct("<QQQ")       # pages, tokens, derived pages; then a rank per page
+SPLICE_REQ = struct.Struct("<QQIIBB")  # start, end, head_dim, n frequencies, interleaved, len(rope type name)
+SPLICE_LEN = struct.Struct("<Q")       # replacement tokens
+SPLICE_REP = struct.Struct("<QQQQQq")
+#: Flags of LOOKUP_REQ and GET_REQ.
+FLAG_COUNT, FLAG_DERIVED = 1, 2
+GET_LAYERED_REQ = struct.Struct("<QQQqQQ")   # exact pages only
 POOL_REP = struct.Struct("<QQQ")
 LEND_REQ = struct.Struct("<QqB")
 LEND_REP = struct.Struct("<QQqQ")
