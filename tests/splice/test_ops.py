@@ -72,7 +72,9 @@ def test_a_splice_moves_the_suffix_and_serves_it_only_when_asked(llama: object, 
     res = store.splice(old, start, end, rep, rope=Rope.from_model(llama))
     new = res.tokens
     assert np.array_equal(new, np.concatenate([old[:start], rep, old[end:]]))
-    assert res.prefill_from == start // TPP * TPP and res.first_derived == -(-(start + replacement) // TPP)
+    first = start // TPP if not replacement else -(-(start + replacement) // TPP)   # a deletion: the edit's page
+    assert res.prefill_from == start // TPP * TPP and res.first_derived == first
+    assert res.prefill_to == first * TPP and (replacement or res.prefill_to == res.prefill_from)
     assert res.derived == new.size // TPP - res.first_derived and res.stored == res.derived > 0
     fresh = kv_pages(llama, new)
     # Exact gets and lookups never see a derived page: the edited prompt is cached up to the edit.
@@ -99,8 +101,9 @@ def test_values_move_bit_for_bit_and_only_cached_rows_are_moved(llama: object, s
     pages = kv_pages(llama, old)
     store.put(old[:320], pages[:20])                       # the prompt cached up to token 320 only
     res = store.splice(old, 50, 90, np.zeros(0, np.uint32), rope=Rope.from_model(llama))
-    # New page j's rows come from old tokens j*16 + 40 ..: cached while below 320.
-    assert res.first_derived == 4 and res.derived == (320 - 40) // TPP - 4
+    # A deletion: derived pages from the edit's page (3); new token i >= 50 is old token
+    # i + 40, cached while below 320.
+    assert res.first_derived == 3 and res.derived == (320 - 40) // TPP - 3
     store.put(res.tokens[:res.prefill_to], kv_pages(llama, res.tokens)[:res.first_derived])
     out = np.zeros((res.tokens.size // TPP, LAYOUT.page_bytes), np.uint8)
     got = store.get(res.tokens, out, accept="derived")
@@ -109,8 +112,9 @@ def test_values_move_bit_for_bit_and_only_cached_rows_are_moved(llama: object, s
     src = pages.view(np.float32).reshape(-1, *LAYOUT.page_shape)[:, :, 1]           # values [page, layer, tpp, H, D]
     src_tokens = src.transpose(0, 2, 1, 3, 4).reshape(-1, LAYERS, HEADS, DIM)
     moved_tokens = moved.transpose(0, 2, 1, 3, 4).reshape(-1, LAYERS, HEADS, DIM)
-    first = res.first_derived * TPP
-    assert np.array_equal(moved_tokens, src_tokens[first + 40:first + 40 + moved_tokens.shape[0]])
+    new_idx = np.arange(res.first_derived * TPP, res.first_derived * TPP + moved_tokens.shape[0])
+    old_idx = np.where(new_idx < 50, new_idx, new_idx + 40)
+    assert np.array_equal(moved_tokens, src_tokens[old_idx])
 
 
 def test_bad_splices_are_refused(llama: object, store: Store) -> None:

@@ -7,9 +7,8 @@ Two parts, one run:
   prefilled and saved in a store. A tool output of ``--delete`` tokens in its middle is
   then dropped, and the first token of the edited context is produced two ways: an
   honest re-prefill (the exact pages before the edit loaded, everything after prefilled)
-  and a splice (``TierKVCache.splice``: the pages after the edit moved, the tokens between
-  them prefilled and saved, then everything loaded with ``accept="derived"``, the last
-  partial page prefilled). Reported: ``ttft_s_reprefill``, ``ttft_s_splice`` (each the
+  and a splice (``TierKVCache.splice``: the pages from the edit's on moved, then everything
+  loaded with ``accept="derived"``, the last partial page prefilled). Reported: ``ttft_s_reprefill``, ``ttft_s_splice`` (each the
   median of ``--runs``, the splice's store work included), ``layer0_key_max_abs_err`` (the
   derived keys of the first layer against the re-prefill's), ``greedy_agreement`` (of
   ``--generate`` greedy tokens from each cache, the share equal position by position, and
@@ -113,9 +112,10 @@ def model_part(where: Path, context: int, delete: int, generate: int, continuati
             ttft_re.append(time.perf_counter() - t0)
             t0 = time.perf_counter()          # splice: move, prefill the edit's pages, load it all
             res = tkv.splice(old, s, e, np.zeros(0, np.int64))
-            pre = tkv.load(new[:res.prefill_to])
-            mid = forward(pre.cache, new[pre.tokens:res.prefill_to])
-            tkv.save(mid.past_key_values, new[:res.prefill_to])
+            if res.prefill_to > res.prefill_from:   # a replacement: its pages prefilled first (none for a deletion)
+                pre = tkv.load(new[:res.prefill_to])
+                mid = forward(pre.cache, new[pre.tokens:res.prefill_to])
+                tkv.save(mid.past_key_values, new[:res.prefill_to])
             full = tkv.load(new, accept="derived")
             sp_out = forward(full.cache, new[full.tokens:])
             ttft_sp.append(time.perf_counter() - t0)

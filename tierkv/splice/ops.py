@@ -7,12 +7,16 @@ For ``tokens`` with ``tokens[start:end]`` replaced by ``replacement`` (``delta =
   same positions: their exact keys are unchanged and they stay cached as they are;
 - tokens ``[start // P * P, first * P)``: the replacement, and the rest of the page it ends
   in: the engine prefills them (``prefill_from``, ``prefill_to``) as usual, exact pages;
-- pages ``[first, ...)`` with ``first = ceil((start + len(replacement)) / P)``: wholly moved
-  suffix. Each token of them is the token ``delta`` positions earlier in the cached prompt:
-  its rows are copied from the cached pages (across page boundaries when ``delta`` is not
-  a multiple of ``P``), keys rotated by ``delta`` positions (:mod:`tierkv.splice.rope`), and
-  stored as *derived* pages under keys of their own (:func:`tierkv.keys.derived_seed`), as
-  far as the cached prompt's exact pages reach.
+  none for a deletion;
+- pages ``[first, ...)`` with ``first = ceil((start + len(replacement)) / P)`` (for a
+  deletion, ``start // P``: the page the edit is in): no replacement token in them. Each
+  token past the edit is the token ``delta`` positions earlier in the cached prompt, each
+  before it the same token in place: rows copied from the cached pages (across page
+  boundaries when ``delta`` is not a multiple of ``P``), keys rotated by ``delta``
+  positions (:mod:`tierkv.splice.rope`), and stored as *derived* pages under keys of their
+  own (:func:`tierkv.keys.derived_seed`), as far as the cached prompt's exact pages reach.
+  So a deletion needs no prefill but the prompt's last partial page: an engine that
+  loads only a prefix (vLLM) takes the exact pages and the derived ones as one run.
 
 A derived page is never returned where exact ones were asked for (``accept="exact"``, the
 default), and keys are salted per tenant, so tenants never share one.
@@ -66,16 +70,19 @@ def splice(store: Store, tokens: Tokens, start: int, end: int, replacement: Toke
     new = np.concatenate([old[:start], rep, old[end:]])
     delta = int(rep.size) - (end - start)
     edit_end = start + int(rep.size)                   # the first token past the replacement, edited
-    first = -(-edit_end // tpp)                        # the first page wholly past it
+    # The first page holding no replacement token: every row of it is cached (before the
+    # edit, in place; after it, moved). For a deletion, the page the edit is in.
+    first = start // tpp if not rep.size else -(-edit_end // tpp)
     # The cached prompt's exact pages, as far as they reach: the rows the moved pages come from.
     cached = store.lookup(old, tenant, count=False).cached_pages
     new_pages = new.size // tpp
-    # Derived page j's token t comes from old token j*tpp + t - delta: all of it cached.
+    # Derived page j's token i = j*tpp + t comes from old token i (before the edit) or
+    # i - delta (after it): all of it cached.
     last = min(new_pages, (cached * tpp + delta) // tpp)
     result = SpliceResult(new, start // tpp * tpp, min(first * tpp, new.size), first, 0, 0, delta)
     if last <= first:   # nothing wholly past the edit is cached
         return result
-    src_first_token = first * tpp - delta
+    src_first_token = first * tpp if first * tpp < start else first * tpp - delta
     src_pages = range(src_first_token // tpp, (last * tpp - 1 - delta) // tpp + 1)
     src = aligned_empty(len(src_pages) * layout.page_bytes).reshape(len(src_pages), layout.page_bytes)
     got = src_pages.start + store._read_exact(old[:src_pages.stop * tpp], tenant, src_pages.start, src)
@@ -86,7 +93,7 @@ def splice(store: Store, tokens: Tokens, start: int, end: int, replacement: Toke
     n = last - first
     dst = aligned_empty(n * layout.page_bytes).reshape(n, layout.page_bytes)
     new_idx = np.arange(first * tpp, last * tpp)
-    old_idx = new_idx - delta
+    old_idx = np.where(new_idx < start, new_idx, new_idx - delta)
     move_tokens(src, old_idx - src_pages.start * tpp, old_idx, dst, new_idx - first * tpp, new_idx, layout, rope)
     stored = store._put_derived(new[:last * tpp], tenant, first, dst)
     return SpliceResult(new, result.prefill_from, result.prefill_to, first, n, stored, delta)

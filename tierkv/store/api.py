@@ -588,13 +588,13 @@ class Store:
                tenant: str | bytes = "") -> SpliceResult:
         """An agent's edit of a cached prompt: ``tokens[start:end]`` replaced by
         ``replacement`` (empty: a deletion; ``start == end``: an insertion). The pages
-        wholly past the edit are moved from the cached ones to their new positions, keys
-        rotated by ``rope`` (the model's, :meth:`Rope.from_model`), and stored as
-        *derived* pages of the edited prompt, which only ``get(accept="derived")`` and
-        ``lookup(accept="derived")`` return. The pages before the edit keep their keys;
-        the engine prefills the tokens between them and the derived pages as usual
-        (:attr:`SpliceResult.prefill_from` to ``prefill_to``) and puts them. See
-        :func:`tierkv.splice.ops.splice`."""
+        past the edit (for a deletion, from the page it is in) are moved from the cached
+        ones to their new positions, keys rotated by ``rope`` (the model's,
+        :meth:`Rope.from_model`), and stored as *derived* pages of the edited prompt,
+        which only ``get(accept="derived")`` and ``lookup(accept="derived")`` return. The
+        pages before the edit keep their keys; the engine prefills the tokens between them
+        and the derived pages as usual (:attr:`SpliceResult.prefill_from` to
+        ``prefill_to``; none for a deletion) and puts them. See :func:`tierkv.splice.ops.splice`."""
         from tierkv.splice.ops import splice
         self._check_splice_writer()
         return splice(self, tokens, start, end, replacement, rope=rope, tenant=tenant)
