@@ -184,3 +184,20 @@ def test_models_it_cannot_move_exactly_are_refused() -> None:
         num_key_value_heads=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})).eval()
     with pytest.raises(InputError, match="dynamic"):
         Rope.from_model(dynamic)
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "default", "rope_theta": 100000.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "rope_theta": 10000.0},
+])
+def test_a_config_alone_gives_the_models_frequencies(rope_parameters: dict[str, object]) -> None:
+    """For a process that splices through a daemon: no weights loaded, the same rotation."""
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384,
+                                   rope_parameters=rope_parameters)
+    from_config, from_model = Rope.from_config(cfg), Rope.from_model(transformers.LlamaForCausalLM(cfg))
+    assert from_config.rope_type == from_model.rope_type == rope_parameters["rope_type"]
+    assert np.array_equal(from_config.inv_freq, from_model.inv_freq)
+    assert (from_config.head_dim, from_config.convention) == (from_model.head_dim, from_model.convention)

@@ -91,38 +91,27 @@ class Rope:
         no RoPE (``no_rope_layers``, Cohere2, Llama 4) or where layer types have rotary
         embeddings of their own (Gemma 3, Olmo 3), and rope types not known to be a
         fixed rotation per position (:data:`STATIC_TYPES`)."""
-        config = getattr(model, "config", None)
-        text = getattr(config, "text_config", None) or config
-        if text is None:
-            raise InputError("the model has no config to read its rotary embedding from")
-        model_type = str(getattr(text, "model_type", ""))
-        if getattr(text, "no_rope_layers", None) is not None or model_type in MIXED_ROPE_LAYERS:
-            raise InputError(f"{model_type or 'this model'} has layers without RoPE: moving its cached keys would "
-                             "rotate those wrongly; splices are not supported for it yet")
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        found = [(name, m) for name, m in decoder.named_modules()
-                 if name.split(".")[-1] == "rotary_emb" and hasattr(m, "inv_freq")]
-        if not found:
-            per_type = [name for name, m in decoder.named_modules() if name.split(".")[-1] == "rotary_emb"]
-            raise InputError("the model's decoder has rotary embeddings per layer type (different frequencies by "
-                             "layer), not supported yet" if per_type else
-                             "the model's decoder has no rotary embedding module (a 'rotary_emb' with 'inv_freq'): "
-                             "it does not use RoPE, or not as transformers' Llama-family models do")
-        if len(found) > 1:
-            raise InputError(f"the model's decoder has {len(found)} rotary embeddings "
-                             f"({', '.join(n for n, _ in found)}): which one its layers use is not known here")
-        rotary = found[0][1]
-        rope_type = str(getattr(rotary, "rope_type", "default"))
-        if rope_type not in STATIC_TYPES:
-            raise InputError(f"rope_type {rope_type!r} is not known to be a fixed rotation per position "
-                             f"(known: {', '.join(sorted(STATIC_TYPES))}); splices are not supported for it")
+        rotary, text, model_type = _rotary_of(model)
+        return _rope(rotary, text, model_type, convention)
+
+    @classmethod
+    def from_config(cls, config: Any, convention: Convention | None = None) -> Rope:
+        """:meth:`from_model` from a transformers config (``AutoConfig.from_pretrained`` of
+        the model's folder) without its weights: the model is laid out on the meta device
+        and only its rotary embedding made for real, so its frequencies are computed as
+        the model computes them. For a process that splices through a daemon and never
+        loads the model."""
         try:
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        except (AttributeError, TypeError, ValueError) as exc:   # transformers' own config errors included
-            raise InputError(f"cannot read the model's head size from its config: {exc}") from None
-        if convention is None:
-            convention = "interleaved" if model_type in INTERLEAVED_TYPES else "half"
-        return cls(rotary.inv_freq.detach().to("cpu").float().numpy(), int(head_dim), convention, rope_type)
+            import torch
+            from transformers import AutoModelForCausalLM
+        except ImportError as exc:
+            raise InputError(f"Rope.from_config needs torch and transformers ({exc})") from None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        rotary, text, model_type = _rotary_of(model)
+        with torch.device("cpu"):
+            real = type(rotary)(text)
+        return _rope(real, text, model_type, convention)
 
     # -- moving keys ------------------------------------------------------------------------
     def angles(self, positions: np.ndarray) -> np.ndarray:
@@ -164,6 +153,46 @@ class Rope:
             out[..., 0:r:2] = x1 * cos - x2 * sin
             out[..., 1:r:2] = x2 * cos + x1 * sin
         return out
+
+
+def _rotary_of(model: Any) -> tuple[Any, Any, str]:
+    """The decoder's one rotary embedding module, the text config, and the model type;
+    InputError for what :meth:`Rope.from_model` refuses."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    if text is None:
+        raise InputError("the model has no config to read its rotary embedding from")
+    model_type = str(getattr(text, "model_type", ""))
+    if getattr(text, "no_rope_layers", None) is not None or model_type in MIXED_ROPE_LAYERS:
+        raise InputError(f"{model_type or 'this model'} has layers without RoPE: moving its cached keys would "
+                         "rotate those wrongly; splices are not supported for it yet")
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    found = [(name, m) for name, m in decoder.named_modules()
+             if name.split(".")[-1] == "rotary_emb" and hasattr(m, "inv_freq")]
+    if not found:
+        per_type = [name for name, _ in decoder.named_modules() if name.split(".")[-1] == "rotary_emb"]
+        raise InputError("the model's decoder has rotary embeddings per layer type (different frequencies by "
+                         "layer), not supported yet" if per_type else
+                         "the model's decoder has no rotary embedding module (a 'rotary_emb' with 'inv_freq'): "
+                         "it does not use RoPE, or not as transformers' Llama-family models do")
+    if len(found) > 1:
+        raise InputError(f"the model's decoder has {len(found)} rotary embeddings "
+                         f"({', '.join(n for n, _ in found)}): which one its layers use is not known here")
+    return found[0][1], text, model_type
+
+
+def _rope(rotary: Any, text: Any, model_type: str, convention: Convention | None) -> Rope:
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if rope_type not in STATIC_TYPES:
+        raise InputError(f"rope_type {rope_type!r} is not known to be a fixed rotation per position "
+                         f"(known: {', '.join(sorted(STATIC_TYPES))}); splices are not supported for it")
+    try:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    except (AttributeError, TypeError, ValueError) as exc:   # transformers' own config errors included
+        raise InputError(f"cannot read the model's head size from its config: {exc}") from None
+    if convention is None:
+        convention = "interleaved" if model_type in INTERLEAVED_TYPES else "half"
+    return Rope(rotary.inv_freq.detach().to("cpu").float().numpy(), int(head_dim), convention, rope_type)
 
 
 # -- on the store's pages ---------------------------------------------------------------------
