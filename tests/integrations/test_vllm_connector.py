@@ -265,6 +265,45 @@ def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: Remote
     b.close()
 
 
+def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(store: RemoteStore) -> None:
+    """An agent dropped a span of a cached prompt and spliced it through the daemon; the
+    request that accepts derived pages loads the exact and the moved pages as one prefix
+    (got whole, never lent), the same bytes the store's own derived get returns; one that
+    does not loads only the pages before the edit."""
+    from tierkv.splice.rope import Rope
+
+    old = prompt(6.5, seed=21)
+    src = engine_caches(7)
+    a = ConnectorWorker(store, CpuPagedKV(engine_caches(8), store.layout), max_pages=8)
+    pa = ConnectorPlanner(store, N)
+    pa.allocated("a", old, len(old), "", [0, 1, 2, 3, 4, 5, 6], 0)
+    step(a, pa.plan([("a", [0, 1, 2, 3, 4, 5, 6], 0)], [], {"a": len(old)}), write=src, caches=a.kv.layers)
+    a.drain()
+    a.close()
+    res = store.splice(np.array(old, np.uint32), 20, 45, np.zeros(0, np.uint32), rope=Rope.from_theta(10000.0, D))
+    new = [int(t) for t in res.tokens]                    # 6.5 * 16 - 25 = 79 tokens: 4 whole pages and a part
+    assert res.first_derived == 1 and res.derived == 3 and res.stored == 3
+    pb = ConnectorPlanner(store, N)
+    assert pb.matched("x", new, "", 0) == N               # exact only: the page before the edit
+    assert pb.matched("b", new, "", 0, accept="derived") == 4 * N
+    pb.allocated("b", new, len(new), "", [9, 8, 7, 6, 5], 4 * N)
+    plan = pb.plan([("b", [9, 8, 7, 6, 5], 4 * N)], [], {"b": len(new) - 4 * N})
+    (job,) = plan.loads
+    assert job.accept == "derived" and not job.lend and early.decode(encode(job)[4:])[0].accept == "derived"
+    b_caches = engine_caches(9)
+    b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout), max_pages=8)
+    step(b, plan)
+    assert b.load_errors() == set() and b.counters.loaded_tokens == 4 * N
+    want = np.zeros((4, store.layout.page_bytes), np.uint8)
+    assert store.get(np.array(new[:4 * N], np.uint32), want, accept="derived").derived == 3
+    got = torch.zeros(4, store.layout.page_bytes, dtype=torch.uint8)
+    loaded = CpuPagedKV(b_caches, store.layout)
+    for layer in range(L):
+        loaded.gather(layer, [9, 8, 7, 6], loaded.pages(got))
+    assert np.array_equal(got.numpy(), want)
+    b.close()
+
+
 def test_pages_not_all_in_dram_are_got_layer_by_layer_not_lent(store: RemoteStore, daemon: NodeService) -> None:
     toks = prompt(4.5, seed=13)
     src = engine_caches(13)

@@ -139,7 +139,7 @@ def test_bad_input_is_refused() -> None:
         Rope(np.ones(4, np.float32), 8, convention="sideways")  # type: ignore[arg-type]
     latent = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bf16", tokens_per_page=4, kind="latent")
     page = np.zeros((1, latent.page_bytes), np.uint8)
-    with pytest.raises(InputError, match="standard K\\+V"):
+    with pytest.raises(InputError, match="needs K\\+V pages"):
         move_tokens(page, np.array([0]), np.array([0]), page, np.array([1]), np.array([1]), latent, rope)
     fp8 = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="fp8_e4m3", tokens_per_page=4)
     page = np.zeros((1, fp8.page_bytes), np.uint8)
@@ -201,3 +201,46 @@ def test_a_config_alone_gives_the_models_frequencies(rope_parameters: dict[str, 
     assert from_config.rope_type == from_model.rope_type == rope_parameters["rope_type"]
     assert np.array_equal(from_config.inv_freq, from_model.inv_freq)
     assert (from_config.head_dim, from_config.convention) == (from_model.head_dim, from_model.convention)
+
+
+def test_pages_in_vllms_cpu_order_move_as_standard_ones() -> None:
+    """vLLM's CPU block order (per head: K transposed [head_dim, tokens], then V [tokens,
+    head_dim]), packed here element by element from its definition, moves as the standard
+    order does."""
+    layers, heads, dim, tpp = 2, 2, 8, 4
+    std = KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype="fp32", tokens_per_page=tpp)
+    cpu = KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype="fp32", tokens_per_page=tpp,
+                   page_order="vllm_cpu")
+    rng = np.random.default_rng(8)
+    k, v = rng.standard_normal((2, 3 * tpp, layers, heads, dim)).astype(np.float32)   # [token, layer, head, dim]
+
+    def pack(order: str, kk: np.ndarray, vv: np.ndarray) -> np.ndarray:
+        n = kk.shape[0] // tpp
+        out = np.zeros((n, layers * heads * 2 * tpp * dim), np.float32)
+        for t in range(kk.shape[0]):
+            for layer in range(layers):
+                for h in range(heads):
+                    for d in range(dim):
+                        p, r = divmod(t, tpp)
+                        if order == "std":
+                            base = ((layer * 2) * tpp + r) * heads * dim + h * dim + d
+                            out[p, base] = kk[t, layer, h, d]
+                            out[p, base + tpp * heads * dim] = vv[t, layer, h, d]
+                        else:
+                            head = (layer * heads + h) * 2 * tpp * dim
+                            out[p, head + d * tpp + r] = kk[t, layer, h, d]
+                            out[p, head + tpp * dim + r * dim + d] = vv[t, layer, h, d]
+        return out.view(np.uint8)
+
+    rope = Rope.from_theta(10000.0, dim)
+    src_t, dst_t = np.arange(3, 9), np.arange(1, 7)          # rows across page boundaries
+    results = []
+    for order, layout in (("std", std), ("cpu", cpu)):
+        src, dst = pack(order, k, v), pack(order, np.zeros_like(k[:2 * tpp]), np.zeros_like(v[:2 * tpp]))
+        move_tokens(src, src_t, src_t, dst, dst_t, dst_t - 1, layout, rope)
+        results.append(dst)
+    moved_k = rope.move(k[3:9], src_t, dst_t - 1)
+    want_k, want_v = np.zeros_like(k[:2 * tpp]), np.zeros_like(v[:2 * tpp])
+    want_k[1:7], want_v[1:7] = moved_k, v[3:9]
+    assert np.array_equal(results[0], pack("std", want_k, want_v))
+    assert np.array_equal(results[1], pack("cpu", want_k, want_v))

@@ -224,9 +224,8 @@ def move_tokens(src: np.ndarray, src_tokens: np.ndarray, src_positions: np.ndarr
     tokens_per_page``, row ``t % tokens_per_page``), cached at ``src_positions[i]``, becomes
     token ``dst_tokens[i]`` of ``dst`` at ``dst_positions[i]``: its keys rotated by
     :meth:`Rope.move`, its values copied bit for bit. Standard K+V pages only."""
-    if layout.kind is not LayoutKind.KV or layout.page_order is not PageOrder.STANDARD:
-        raise InputError(f"moving tokens needs standard K+V pages, not {layout.kind.value} pages in "
-                         f"{layout.page_order.value} order")
+    if layout.kind is not LayoutKind.KV:
+        raise InputError(f"moving tokens needs K+V pages, not {layout.kind.value} pages")
     if layout.dtype not in _RAW:
         raise InputError(f"moving tokens needs bf16, fp16 or fp32 pages, not {layout.dtype.value}")
     if layout.head_dim != rope.head_dim:
@@ -238,6 +237,9 @@ def move_tokens(src: np.ndarray, src_tokens: np.ndarray, src_positions: np.ndarr
             raise InputError(f"{name} must be [pages, {layout.page_bytes}] uint8, got {pages.dtype} {pages.shape}")
         views.append(pages.view(_RAW[layout.dtype]).reshape(pages.shape[0], *layout.page_shape))
     sv, dv = views
+    cpu = layout.page_order is PageOrder.VLLM_CPU
+    if cpu:   # moved in the standard order, then packed back (every row of dst: those not named unchanged)
+        sv, dv = _standard(sv, layout), _standard(dv, layout)
     s_idx, d_idx = np.asarray(src_tokens, np.int64), np.asarray(dst_tokens, np.int64)
     if s_idx.shape != d_idx.shape or s_idx.ndim != 1:
         raise InputError(f"src_tokens and dst_tokens must be 1-D and alike, got {s_idx.shape} and {d_idx.shape}")
@@ -253,6 +255,29 @@ def move_tokens(src: np.ndarray, src_tokens: np.ndarray, src_positions: np.ndarr
     moved = rope.move(to_float32(np.ascontiguousarray(keys), layout.dtype), src_positions, dst_positions)
     dv[dp, :, 0, dr] = from_float32(moved, layout.dtype)
     dv[dp, :, 1, dr] = values
+    if cpu:
+        views[1][...] = _vllm_cpu(dv, layout)
+
+
+def _standard(v: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """Pages in vLLM's CPU order (``[n, layers, heads, tokens, 2 * head_dim]``: per head, K
+    transposed ``[head_dim, tokens]`` then V ``[tokens, head_dim]``) as a standard-order copy
+    ``[n, layers, 2, tokens, heads, head_dim]``."""
+    n, layers, heads, tpp, dim = v.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \
+        layout.head_dim
+    flat = v.reshape(n, layers, heads, 2 * tpp * dim)
+    k = flat[..., :tpp * dim].reshape(n, layers, heads, dim, tpp).transpose(0, 1, 4, 2, 3)
+    val = flat[..., tpp * dim:].reshape(n, layers, heads, tpp, dim).transpose(0, 1, 3, 2, 4)
+    return np.ascontiguousarray(np.stack([k, val], axis=2))
+
+
+def _vllm_cpu(std: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """:func:`_standard` undone: ``[n, layers, heads, tokens, 2 * head_dim]``."""
+    n, layers, heads, tpp, dim = std.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \
+        layout.head_dim
+    k = std[:, :, 0].transpose(0, 1, 3, 4, 2).reshape(n, layers, heads, dim * tpp)      # [n, L, H, D, tpp]
+    val = std[:, :, 1].transpose(0, 1, 3, 2, 4).reshape(n, layers, heads, tpp * dim)    # [n, L, H, tpp, D]
+    return np.concatenate([k, val], axis=-1).reshape(n, layers, heads, tpp, 2 * dim)
 
 
 _RAW = {DType.FP32: np.uint32, DType.FP16: np.uint16, DType.BF16: np.uint16}

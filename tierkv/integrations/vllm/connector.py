@@ -232,7 +232,7 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         n = self._planner().matched(request.request_id, request.prompt_token_ids or [], request.cache_salt or "",
-                                    num_computed_tokens)
+                                    num_computed_tokens, _accept(request))
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -267,3 +267,10 @@ class TierKVConnector(KVConnectorBase_V1):
                 print(f"tierkv worker counters: {json.dumps(dataclasses.asdict(self.worker.counters))}",
                       file=sys.stderr, flush=True)
         self.store.close()
+
+
+def _accept(request: Request) -> str:
+    """What a request accepts: ``kv_transfer_params={"tierkv_accept": "derived"}`` for a
+    prompt the client spliced (docs/splice.md), else exact pages only."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return "derived" if isinstance(params, dict) and params.get("tierkv_accept") == "derived" else "exact"

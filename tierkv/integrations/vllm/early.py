@@ -63,7 +63,8 @@ def encode(job: LoadJob) -> bytes:
     """``job`` as one frame (with when it was sent, ``time.monotonic()``: one clock per machine)."""
     head = json.dumps({"sent": time.monotonic(), "serial": job.serial, "origin": job.origin, "req_id": job.req_id,
                        "tenant": job.tenant, "skip": job.skip,
-                       "block_ids": list(job.block_ids), "requested": job.requested, "lend": job.lend}).encode()
+                       "block_ids": list(job.block_ids), "requested": job.requested, "lend": job.lend,
+                       "accept": job.accept}).encode()
     tokens = np.ascontiguousarray(job.tokens, dtype="<u4").tobytes()
     body = _LEN.pack(len(head)) + head + tokens
     return _LEN.pack(len(body)) + body
@@ -79,7 +80,8 @@ def decode(body: bytes) -> tuple[LoadJob, float]:
         raise ValueError(f"{len(raw)} bytes of tokens is not a whole number of uint32")
     job = LoadJob(str(head["req_id"]), str(head["tenant"]), np.frombuffer(raw, dtype="<u4").copy(),
                   int(head["skip"]), tuple(int(b) for b in head["block_ids"]), int(head["requested"]),
-                  lend=bool(head["lend"]), serial=int(head["serial"]), origin=int(head["origin"]))
+                  lend=bool(head["lend"]), serial=int(head["serial"]), origin=int(head["origin"]),
+                  accept="derived" if head.get("accept") == "derived" else "exact")
     return job, float(head["sent"])
 
 

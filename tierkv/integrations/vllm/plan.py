@@ -58,7 +58,9 @@ class LoadJob:
     that cannot cover them is a round trip the load waits for). ``serial``: the planner's
     number for the job, by which a plan names a load the worker may have started early
     (:mod:`tierkv.integrations.vllm.early`); ``origin``: the planner's random number (a
-    note from another planner is not this one's).
+    note from another planner is not this one's). ``accept``: ``"derived"`` for a request
+    that accepts derived pages after the exact ones (spliced, docs/splice.md): got whole,
+    never lent or layered.
     """
 
     req_id: str
@@ -70,6 +72,7 @@ class LoadJob:
     lend: bool = True
     serial: int = 0
     origin: int = 0
+    accept: str = "exact"
 
     @property
     def end(self) -> int:
@@ -142,6 +145,7 @@ class ConnectorPlanner:
         self._loads: list[LoadJob] = []
         self._local_hits: dict[str, int] = {}   # vLLM's own hit per request, from matched()
         self._in_dram: dict[str, int] = {}      # leading pages the lookup found in DRAM, per request
+        self._accept: dict[str, str] = {}       # requests that accept derived pages (their kv_transfer_params)
         self._down = False
 
     # -- store calls that must not fail the engine -------------------------------------
@@ -156,17 +160,24 @@ class ConnectorPlanner:
         self._down = True
 
     # -- the four calls ---------------------------------------------------------------
-    def matched(self, req_id: str, tokens: Sequence[int], tenant: str, num_computed: int) -> int:
-        """Tokens beyond ``num_computed`` (vLLM's own prefix-cache hit) the store can load.
+    def matched(self, req_id: str, tokens: Sequence[int], tenant: str, num_computed: int,
+                accept: str = "exact") -> int:
+        """Tokens beyond ``num_computed`` (vLLM's own prefix-cache hit) the store can load;
+        ``accept="derived"``: derived pages after the exact ones count (a spliced prompt).
 
         The hit is remembered for :meth:`allocated`: vLLM sets the request's
         ``num_computed_tokens`` only after it has called ``update_state_after_alloc``."""
         self._local_hits[req_id] = num_computed
+        if accept == "derived":
+            self._accept[req_id] = accept
+        else:
+            self._accept.pop(req_id, None)
         usable = (len(tokens) - 1) // self.block_size
         if not self.load or usable <= 0 or num_computed >= usable * self.block_size:
             return 0
         try:
-            res = self.store.lookup(as_token_array(list(tokens[:usable * self.block_size])), tenant, count=False)
+            res = self.store.lookup(as_token_array(list(tokens[:usable * self.block_size])), tenant, count=False,
+                                    accept=accept)
         except TierKVError as exc:
             self._failed("a lookup", exc)
             return 0
@@ -182,6 +193,7 @@ class ConnectorPlanner:
         ``tokens``: the request's tokens, prompt first, as a live list the engine extends."""
         num_computed = self._local_hits.pop(req_id, 0)
         in_dram = self._in_dram.pop(req_id, None)   # None: no lookup seen (try a lend, as ever)
+        accept = self._accept.pop(req_id, "exact")
         req = self._requests.get(req_id)
         if req is None:
             req = self._requests[req_id] = _Request(tenant, tokens, prompt_len)
@@ -213,7 +225,8 @@ class ConnectorPlanner:
         # already counted them, and the worker reports their blocks for recompute.
         self._serial += 1
         job = LoadJob(req_id, tenant, prefix, skip, tuple(req.block_ids[skip:end]), usable,
-                      lend=in_dram is None or in_dram >= end, serial=self._serial, origin=self.origin)
+                      lend=accept == "exact" and (in_dram is None or in_dram >= end), serial=self._serial,
+                      origin=self.origin, accept=accept)
         self._loads.append(job)
         req.stored = max(req.stored, end)
         if self.announce is not None:

@@ -503,8 +503,9 @@ class ConnectorWorker:
         """Pages of ``load``'s job the store served into its buffer (0 on a store error)."""
         job = load.job
         try:
+            exact = job.accept == "exact"   # derived pages come whole, from an ordinary get
             res = self.store.get(job.tokens, load.buf[:job.end], job.tenant, requested=max(job.requested, job.end),
-                                 landed=load.record)
+                                 landed=load.record if exact else None, accept=job.accept)
         except TierKVError as exc:
             log.warning("tierkv: loading %d pages for %s failed (%s); vLLM recomputes them",
                         len(job.block_ids), job.req_id, exc)
