@@ -14,7 +14,7 @@ import pytest
 
 from tierkv.errors import ConfigError, InputError
 from tierkv.integrations.vllm.demo import SYSTEM, chat_spec
-from tierkv.integrations.vllm.session import LAYOUT, Daemon, VllmEnv, find_vllm, run_chat, store_config
+from tierkv.integrations.vllm.session import LAYOUT, SERVED_NAME, Daemon, VllmEnv, find_vllm, run_chat, store_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,3 +111,64 @@ def test_with_vllms_own_prefix_cache_loads_go_past_its_hit(env: VllmEnv, tmp_pat
     assert [r["tokens_loaded"] for r in got] == [256, 1024]   # the short prompt: 2 pages, all from tierkv
     assert [r["tokens_loaded"] for r in ref] == [0, 256]      # vLLM's own cache alone: the 2 shared pages
     assert got[1]["answer_ids"] == ref[1]["answer_ids"] and got[0]["answer_ids"] == ref[0]["answer_ids"]
+
+
+SPLICED = r"""
+import json, sys
+import numpy as np
+from transformers import AutoConfig
+from vllm import SamplingParams
+from tierkv.integrations.vllm.demo import SYSTEM
+from tierkv.integrations.vllm.run import _await_stored, _engine
+from tierkv.serve.client import RemoteStore
+from tierkv.splice.rope import Rope
+
+
+def main() -> None:
+    model, served, sock = sys.argv[1:4]
+    llm = _engine(model, served, sock, 4096, {"save_generated": False})
+    ids = list(llm.get_tokenizer().encode((SYSTEM + " ") * 40, add_special_tokens=False))[:1100]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    _await_stored(sock, ids, 128)
+    s, e = 300, 500                                     # the agent drops 200 tokens of its context
+    with RemoteStore(sock) as store:
+        res = store.splice(np.array(ids, np.uint32), s, e, [], rope=Rope.from_config(AutoConfig.from_pretrained(model)))
+    new = ids[:s] + ids[e:]
+    derived = SamplingParams(temperature=0.0, max_tokens=8, extra_args={"kv_transfer_params": {"tierkv_accept": "derived"}})
+    spliced = llm.generate([{"prompt_token_ids": new}], derived, use_tqdm=False)[0]
+    exact = llm.generate([{"prompt_token_ids": new}], greedy, use_tqdm=False)[0]
+    print(json.dumps({"first_derived": res.first_derived, "derived": res.derived, "new": len(new),
+                      "spliced": spliced.num_cached_tokens, "exact": exact.num_cached_tokens,
+                      "spliced_answer": list(spliced.outputs[0].token_ids), "exact_answer": list(exact.outputs[0].token_ids)}))
+
+
+if __name__ == "__main__":   # vLLM starts its engine core in a spawned process
+    main()
+"""
+
+
+def test_a_request_that_accepts_derived_pages_loads_a_spliced_prompt(env: VllmEnv, tmp_path: Path) -> None:
+    """In a real engine: a 1,100-token prompt is served and stored; the agent drops 200
+    tokens of it and splices through the daemon; the edited prompt, sent with
+    ``tierkv_accept: derived``, loads the exact pages before the edit and the derived ones
+    after (as far as the stored prompt reaches), where a request without it loads the
+    exact pages only. vLLM runs on both."""
+    cfg = tmp_path / "store.toml"
+    cfg.write_text(store_config(tmp_path / "store"))
+    with Daemon(cfg, tmp_path / "daemon.log") as d:
+        script = tmp_path / "spliced.py"
+        script.write_text(SPLICED)
+        out = subprocess.run([env.python, str(script), env.model, SERVED_NAME, d.socket], capture_output=True,
+                             text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"first_derived"')]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    got = json.loads(lines[-1])
+    page = int(LAYOUT["tokens_per_page"])  # type: ignore[call-overload]
+    cached = (1100 - 1) // page                                         # what the first request stored
+    assert got["first_derived"] == 300 // page                          # a deletion: from the edit's page
+    assert got["derived"] == (cached * page - 200) // page - got["first_derived"]   # as far as those reach
+    assert got["spliced"] == (got["first_derived"] + got["derived"]) * page   # exact, then derived: one run
+    assert got["exact"] == 300 // page * page                           # the exact page before the edit only
+    assert len(got["spliced_answer"]) == len(got["exact_answer"]) == 8
