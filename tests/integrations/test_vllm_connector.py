@@ -301,6 +301,11 @@ def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(
     for layer in range(L):
         loaded.gather(layer, [9, 8, 7, 6], loaded.pages(got))
     assert np.array_equal(got.numpy(), want)
+    # What the request computes after derived pages attended to an approximation: never saved.
+    later = pb.plan([], [("b", None, False, 4 * N)], {"b": len(new) - 4 * N + 40})
+    assert later.saves == []
+    pb.finished("b")
+    assert pb._accept == {} and pb.pending() == 0
     b.close()
 
 

@@ -188,3 +188,24 @@ def test_a_daemons_clients_splice_and_get_derived_pages(llama: object, tmp_path:
             assert remote.lookup(res.tokens, "other", accept="derived").cached_pages == 0
     finally:
         svc.close()
+
+
+def test_a_deletion_reads_only_the_pages_its_rows_come_from(llama: object, store: Store,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The span removed is not read (a history trim may drop most of a prompt), and an
+    edit that changes nothing stores nothing."""
+    old = np.random.default_rng(12).integers(0, 1000, 640).astype(np.uint32)
+    store.put(old, kv_pages(llama, old))
+    reads: list[tuple[int, int]] = []
+    real = store._read_exact
+
+    def spy(tokens: np.ndarray, tenant: str | bytes, first: int, rows: np.ndarray) -> int:
+        reads.append((first, rows.shape[0]))
+        return real(tokens, tenant, first, rows)
+
+    monkeypatch.setattr(store, "_read_exact", spy)
+    res = store.truncate(old, 40, 520, rope=Rope.from_model(llama))   # 480 of 640 tokens dropped
+    assert res.first_derived == 2 and res.derived == 8 and res.stored == 8
+    assert reads == [(2, 1), (32, 8)]                  # the edit's page, then pages 32-39: none of 3-31
+    reads.clear()
+    assert store.splice(old, 100, 100, [], rope=Rope.from_model(llama)).derived == 0 and reads == []

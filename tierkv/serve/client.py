@@ -545,6 +545,11 @@ class RemoteStore:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise InputError(f"splice: {name} must be a token index, got {v!r}")
         kind = rope.rope_type.encode()
+        if len(kind) > 0xFF:
+            raise InputError(f"splice: a rope type's name is at most 255 bytes, got {len(kind)}")
+        if rep.nbytes > 4 * P.INLINE_TOKENS:
+            raise InputError(f"splice: a replacement of at most {P.INLINE_TOKENS:,} tokens goes through a daemon, "
+                             f"got {rep.size:,}")
         head = b"".join([P.SPLICE_REQ.pack(int(start), int(end), rope.head_dim, rope.inv_freq.size,
                                            rope.convention == "interleaved", len(kind)),
                          rope.inv_freq.astype("<f4").tobytes(), kind, P.SPLICE_LEN.pack(rep.size), rep.tobytes()])

@@ -80,20 +80,31 @@ def splice(store: Store, tokens: Tokens, start: int, end: int, replacement: Toke
     # i - delta (after it): all of it cached.
     last = min(new_pages, (cached * tpp + delta) // tpp)
     result = SpliceResult(new, start // tpp * tpp, min(first * tpp, new.size), first, 0, 0, delta)
-    if last <= first:   # nothing wholly past the edit is cached
+    if last <= first or (start == end and not rep.size):   # nothing past the edit cached; or no edit at all
         return result
-    src_first_token = first * tpp if first * tpp < start else first * tpp - delta
-    src_pages = range(src_first_token // tpp, (last * tpp - 1 - delta) // tpp + 1)
-    src = aligned_empty(len(src_pages) * layout.page_bytes).reshape(len(src_pages), layout.page_bytes)
-    got = src_pages.start + store._read_exact(old[:src_pages.stop * tpp], tenant, src_pages.start, src)
-    if got < src_pages.stop:   # evicted since the lookup: as far as the rows are here
-        last = min(last, (got * tpp + delta) // tpp)
-        if last <= first:
-            return result
-    n = last - first
-    dst = aligned_empty(n * layout.page_bytes).reshape(n, layout.page_bytes)
+    # The cached pages the derived rows come from: the edit's own page (its rows before
+    # the edit, for a deletion) and those from the first moved row on, not the span removed.
     new_idx = np.arange(first * tpp, last * tpp)
     old_idx = np.where(new_idx < start, new_idx, new_idx - delta)
-    move_tokens(src, old_idx - src_pages.start * tpp, old_idx, dst, new_idx - first * tpp, new_idx, layout, rope)
+    pages = np.unique(old_idx // tpp)
+    runs = np.split(pages, np.flatnonzero(np.diff(pages) > 1) + 1)
+    src = aligned_empty(pages.size * layout.page_bytes).reshape(pages.size, layout.page_bytes)
+    at = 0
+    for run in runs:
+        got = store._read_exact(old[:(int(run[-1]) + 1) * tpp], tenant, int(run[0]), src[at:at + run.size])
+        if got < run.size:   # evicted since the lookup: as far as the rows are here
+            missing = int(run[0]) + got
+            bad = np.flatnonzero(old_idx // tpp >= missing)
+            last = min(last, first + (int(bad[0]) // tpp if bad.size else last - first))
+            break
+        at += run.size
+    if last <= first:
+        return result
+    n = last - first
+    new_idx, old_idx = new_idx[:n * tpp], old_idx[:n * tpp]
+    row_of = {int(p): i for i, p in enumerate(pages)}
+    src_rows = np.array([row_of[int(p)] for p in old_idx // tpp], np.int64) * tpp + old_idx % tpp
+    dst = aligned_empty(n * layout.page_bytes).reshape(n, layout.page_bytes)
+    move_tokens(src, src_rows, old_idx, dst, new_idx - first * tpp, new_idx, layout, rope)
     stored = store._put_derived(new[:last * tpp], tenant, first, dst)
     return SpliceResult(new, result.prefill_from, result.prefill_to, first, n, stored, delta)

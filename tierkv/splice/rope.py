@@ -106,8 +106,13 @@ class Rope:
             from transformers import AutoModelForCausalLM
         except ImportError as exc:
             raise InputError(f"Rope.from_config needs torch and transformers ({exc})") from None
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(text_config)
+        except (ValueError, KeyError, RuntimeError, TypeError) as exc:   # a model type transformers cannot build
+            raise InputError(f"cannot lay out a {getattr(text_config, 'model_type', '?')} model from its config "
+                             f"({exc}); use Rope.from_model with the loaded model") from None
         rotary, text, model_type = _rotary_of(model)
         with torch.device("cpu"):
             real = type(rotary)(text)

@@ -129,6 +129,8 @@ class TierKVConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         _check_engine(vllm_config, kv_cache_config)
         self.block_size = int(vllm_config.cache_config.block_size)
+        self._prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True))
+        self._warned_derived = False
         self.max_pages = math.ceil(int(vllm_config.model_config.max_model_len) / self.block_size)
         self.store = RemoteStore(_socket_path(extra), timeout_s=float(extra.get("connect_timeout_s", 30)))
         try:
@@ -231,15 +233,40 @@ class TierKVConnector(KVConnectorBase_V1):
         return self.planner
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        n = self._planner().matched(request.request_id, request.prompt_token_ids or [], request.cache_salt or "",
-                                    num_computed_tokens, _accept(request))
+        accept, tenant = self._accept(request)
+        n = self._planner().matched(request.request_id, request.prompt_token_ids or [], tenant,
+                                    num_computed_tokens, accept)
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         # Not request.num_computed_tokens: vLLM sets it only after this call (the planner
         # kept vLLM's own prefix-cache hit from get_num_new_matched_tokens).
         self._planner().allocated(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                                  request.cache_salt or "", blocks.get_block_ids()[0], num_external_tokens)
+                                  self._accept(request)[1], blocks.get_block_ids()[0], num_external_tokens)
+
+    def _accept(self, request: Request) -> tuple[str, str]:
+        """What a request accepts, and its tierkv tenant. ``kv_transfer_params={"tierkv_accept":
+        "derived"}``: derived pages after the exact ones (a prompt the client spliced,
+        docs/splice.md); the tenant is the ``cache_salt``, as for every request. With
+        vLLM's own prefix cache on, the blocks it loads would serve later requests of the
+        same tokens and salt that asked for exact pages: so there a derived request must
+        carry a ``cache_salt`` of its own and name its tierkv tenant in
+        ``"tierkv_tenant"``; one that does not is served exact pages only (logged once)."""
+        salt = request.cache_salt or ""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if not isinstance(params, dict) or params.get("tierkv_accept") != "derived":
+            return "exact", salt
+        if not self._prefix_caching:
+            return "derived", str(params.get("tierkv_tenant", salt))
+        tenant = params.get("tierkv_tenant")
+        if isinstance(tenant, str) and tenant != salt:
+            return "derived", tenant
+        if not self._warned_derived:
+            self._warned_derived = True
+            log.warning("tierkv: a request asked for derived pages with vLLM's prefix cache on but no cache_salt of "
+                        "its own (and tierkv_tenant naming its tenant): served exact pages only, so that vLLM's "
+                        "cache never hands them to requests that asked for exact ones")
+        return "exact", salt
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         cd = scheduler_output.scheduled_cached_reqs
@@ -268,9 +295,3 @@ class TierKVConnector(KVConnectorBase_V1):
                       file=sys.stderr, flush=True)
         self.store.close()
 
-
-def _accept(request: Request) -> str:
-    """What a request accepts: ``kv_transfer_params={"tierkv_accept": "derived"}`` for a
-    prompt the client spliced (docs/splice.md), else exact pages only."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    return "derived" if isinstance(params, dict) and params.get("tierkv_accept") == "derived" else "exact"

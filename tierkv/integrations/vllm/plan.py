@@ -126,6 +126,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     stored: int = 0              # leading pages known to be in the store (loaded or saved)
     pinned: np.ndarray | None = None   # the prefix pinned for the load, unpinned when it ends
+    derived: bool = False        # it loaded derived pages: what it computes attended to them, never saved
 
 
 class ConnectorPlanner:
@@ -198,6 +199,7 @@ class ConnectorPlanner:
         if req is None:
             req = self._requests[req_id] = _Request(tenant, tokens, prompt_len)
         req.block_ids = list(block_ids)
+        req.derived = req.derived or accept == "derived"
         usable = (prompt_len - 1) // self.block_size
         whole = as_token_array(list(tokens[:usable * self.block_size]))
         if num_external <= 0:
@@ -264,7 +266,9 @@ class ConnectorPlanner:
             computed = min(computed, req.prompt_len)
         full = min(computed, len(req.tokens)) // self.block_size
         full = min(full, len(req.block_ids))
-        if not self.save or full <= req.stored:
+        # A request that accepted derived pages computes over an approximation: its pages,
+        # stored under exact keys, would be served to requests that asked for exact ones.
+        if not self.save or req.derived or full <= req.stored:
             return
         tokens = as_token_array(list(req.tokens[:full * self.block_size]))
         out.saves.append(SaveJob(req_id, req.tenant, tokens, req.stored, tuple(req.block_ids[:full])))
@@ -274,6 +278,7 @@ class ConnectorPlanner:
         """The request ended (any reason): unpin what its load pinned and forget it."""
         self._local_hits.pop(req_id, None)
         self._in_dram.pop(req_id, None)
+        self._accept.pop(req_id, None)
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._unpin(req)
