@@ -576,7 +576,7 @@ class Store:
         """Store ``rows[i]`` as derived page ``first + i`` of ``tokens`` (for :meth:`splice`);
         how many of them the store holds now. Their parents are the exact pages before ``first``."""
         with self._lock:
-            self._check_splice_writer()
+            self._check_writable_open("splice needs")
             blob = self._keys(tokens, tenant)
             chain = blob[:first * KEY_BYTES] + self._derived_blob(tokens, tenant, blob, first)
             with self._placing(chain, tenant):   # tagged with the tenant, as any page of its request
@@ -596,7 +596,7 @@ class Store:
         and the derived pages as usual (:attr:`SpliceResult.prefill_from` to
         ``prefill_to``; none for a deletion) and puts them. See :func:`tierkv.splice.ops.splice`."""
         from tierkv.splice.ops import splice
-        self._check_splice_writer()
+        self._check_writable_open("splice needs")
         return splice(self, tokens, start, end, replacement, rope=rope, tenant=tenant)
 
     def truncate(self, tokens: Tokens, start: int, end: int, *, rope: Rope, tenant: str | bytes = "") -> SpliceResult:
@@ -624,13 +624,7 @@ class Store:
             self._check_open()
             keys = list(chain[start:start + rows.shape[0]])
             lead = self._lead(b"".join(keys), len(keys))
-            got = 0
-            if len(lead):
-                below = bool((lead.levels != 0).any())   # read into the store's own aligned rows, then copied
-                dst = self._private_rows(len(lead), rows.shape[1]) if below else rows
-                got = self._transfers.read(lead, dst)
-                if below:
-                    rows[:got] = dst[:got]
+            got = self._read_lead(lead, rows) if len(lead) else 0
             if got == len(lead) < len(keys) and self._peering is not None:
                 got += self._peering.fetch(chain[:start + len(keys)], start + got, rows[got:], salt, dualpath=False,
                                            deadline=deadline)
@@ -865,15 +859,10 @@ class Store:
             self._check_writable_open()
             return self._pins.release(owner)
 
-    def _check_splice_writer(self) -> None:
+    def _check_writable_open(self, what: str = "pin/unpin need") -> None:
         self._check_open()
         if self.read_only:
-            raise InputError(f"the store at {self._dir} was opened read-only; splice needs the writer")
-
-    def _check_writable_open(self) -> None:
-        self._check_open()
-        if self.read_only:
-            raise InputError("pin/unpin need the writer; this store was opened read-only")
+            raise InputError(f"{what} the writer; the store at {self._dir} was opened read-only")
 
     def stats(self) -> StoreStats:
         """A snapshot of the per-tier and store-wide counters."""
