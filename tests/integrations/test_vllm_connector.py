@@ -309,6 +309,28 @@ def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(
     b.close()
 
 
+@pytest.mark.parametrize("salt, params, prefix_caching, want", [
+    ("t", None, True, ("exact", "t")),                                         # an ordinary request
+    ("t", {"tierkv_accept": "exact"}, False, ("exact", "t")),
+    ("t", {"tierkv_accept": "derived"}, False, ("derived", "t")),              # no vLLM cache to leak into
+    ("own", {"tierkv_accept": "derived", "tierkv_tenant": "t"}, False, ("derived", "t")),
+    ("own", {"tierkv_accept": "derived", "tierkv_tenant": "t"}, True, ("derived", "t")),
+    ("t", {"tierkv_accept": "derived"}, True, None),                           # its blocks would serve exact requests
+    ("t", {"tierkv_accept": "derived", "tierkv_tenant": "t"}, True, None),     # a salt that is not its own
+    ("", {"tierkv_accept": "derived", "tierkv_tenant": ""}, True, None),
+    ("own", {"tierkv_accept": "derived", "tierkv_tenant": 7}, True, None),     # a tenant that is not a name
+    ("t", ["tierkv_accept", "derived"], True, ("exact", "t")),                 # not a dict: nothing asked
+])
+def test_a_request_gets_derived_pages_only_where_vllms_cache_cannot_pass_them_on(
+        salt: str, params: object, prefix_caching: bool, want: tuple[str, str] | None) -> None:
+    """With vLLM's prefix cache on, blocks a request loaded serve later requests of the same
+    tokens and cache_salt: a derived request needs a salt of its own (and names its tierkv
+    tenant), or it is served exact pages only (None)."""
+    from tierkv.integrations.vllm.connector import request_accept
+
+    assert request_accept(salt, params, prefix_caching) == want
+
+
 def test_pages_not_all_in_dram_are_got_layer_by_layer_not_lent(store: RemoteStore, daemon: NodeService) -> None:
     toks = prompt(4.5, seed=13)
     src = engine_caches(13)

@@ -71,9 +71,10 @@ def test_a_user_uses_only_the_tenants_it_is_given(service: NodeService) -> None:
                 out = np.zeros((2, PB), np.uint8)
                 assert s.get(t, out, "acme").pages == 2 and np.array_equal(out, pages_of(t))
                 assert s.lookup(t, "").cached_pages == 2
+                assert s.origins(t, "acme") == []   # its own tenant's: none derived
                 for call in (lambda: s.lookup(t, "globex"), lambda: s.get(t, out, "globex"),
                              lambda: s.put(t, pages_of(t), "globex"), lambda: s.pin(t, "globex"),
-                             lambda: s.prefetch(t, b"globex").result()):
+                             lambda: s.prefetch(t, b"globex").result(), lambda: s.origins(t, "globex")):
                     with pytest.raises(AccessDeniedError, match="may not use tenant 'globex'"):
                         call()
                 long = np.concatenate([t, np.arange(10_000)])   # past the inline limit: sent as tokens

@@ -13,40 +13,14 @@ import pytest
 
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.errors import InputError
-from tierkv.layout import KVLayout
-from tierkv.splice.rope import Rope, to_float32
+from tierkv.splice.rope import Rope
 from tierkv.store.api import Store
+from tierkv.store import derived
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-HEADS, DIM, TPP, LAYERS = 2, 32, 16, 2
-LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype="fp32", tokens_per_page=TPP)
-
-
-@pytest.fixture(scope="module")
-def llama() -> object:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
-                                   num_attention_heads=4, num_key_value_heads=HEADS, max_position_embeddings=4096)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def kv_pages(model: object, tokens: np.ndarray) -> np.ndarray:
-    """The model's KV of ``tokens`` as the store's pages (whole pages only), fp32."""
-    with torch.no_grad():
-        cache = model(torch.from_numpy(tokens.astype(np.int64))[None], use_cache=True).past_key_values  # type: ignore[operator]
-    n = tokens.size // TPP
-    arr = np.zeros((n, *LAYOUT.page_shape), np.float32)
-    for layer, c in enumerate(cache.layers):
-        arr[:, layer, 0] = c.keys[0].permute(1, 0, 2).numpy()[:n * TPP].reshape(n, TPP, HEADS, DIM)
-        arr[:, layer, 1] = c.values[0].permute(1, 0, 2).numpy()[:n * TPP].reshape(n, TPP, HEADS, DIM)
-    return arr.view(np.uint8).reshape(n, LAYOUT.page_bytes)
-
-
-def layer0_keys(pages: np.ndarray) -> np.ndarray:
-    arr = to_float32(pages.view(np.uint32).reshape(pages.shape[0], *LAYOUT.page_shape), LAYOUT.dtype)
-    return arr[:, 0, 0].reshape(-1, HEADS, DIM)
+from tests.splice.llama import DIM, HEADS, LAYERS, LAYOUT, TPP, kv_pages, layer0_keys  # noqa: E402
 
 
 @pytest.fixture
@@ -197,13 +171,13 @@ def test_a_deletion_reads_only_the_pages_its_rows_come_from(llama: object, store
     old = np.random.default_rng(12).integers(0, 1000, 640).astype(np.uint32)
     store.put(old, kv_pages(llama, old))
     reads: list[tuple[int, int]] = []
-    real = store._read_exact
+    real = derived.read_exact
 
-    def spy(tokens: np.ndarray, tenant: str | bytes, first: int, rows: np.ndarray) -> int:
+    def spy(s: Store, tokens: np.ndarray, tenant: str | bytes, first: int, rows: np.ndarray) -> int:
         reads.append((first, rows.shape[0]))
-        return real(tokens, tenant, first, rows)
+        return real(s, tokens, tenant, first, rows)
 
-    monkeypatch.setattr(store, "_read_exact", spy)
+    monkeypatch.setattr(derived, "read_exact", spy)
     res = store.truncate(old, 40, 520, rope=Rope.from_model(llama))   # 480 of 640 tokens dropped
     assert res.first_derived == 2 and res.derived == 8 and res.stored == 8
     assert reads == [(2, 1), (32, 8)]                  # the edit's page, then pages 32-39: none of 3-31

@@ -24,7 +24,7 @@ def test_a_tier_is_named_after_its_kind_unless_named(tmp_path: Path) -> None:
         assert (b.name, b.kind) == ("nvme-b", TierKind.NVME)
 
 
-@pytest.mark.parametrize("bad", ["", "Nvme", "2nd", "nvme b", "caller", "x" * 33, "nvme->dram"])
+@pytest.mark.parametrize("bad", ["", "Nvme", "2nd", "nvme b", "caller", "meta", "x" * 33, "nvme->dram"])
 def test_bad_tier_names_are_refused(tmp_path: Path, bad: str) -> None:
     with pytest.raises(InputError, match="tier name"):
         tier_id(bad)

@@ -44,6 +44,7 @@ from tierkv.keys import KEY_BYTES, Tokens, as_token_array, chain_keys, namespace
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
 from tierkv.store import landed as landed_words
+from tierkv.store.derived import Origin
 from tierkv.store.landed import check_record
 from tierkv.store.pages import PageBatch, PageList, PageSource, page_list, page_rows
 from tierkv.store.results import GetResult, Lent, LookupResult, PutResult, _KIND_BY_RANK
@@ -557,6 +558,26 @@ class RemoteStore:
         pf, pt, first, derived, stored, delta = P.SPLICE_REP.unpack_from(reply)
         return SpliceResult(np.concatenate([toks[:start], rep, toks[end:]]), pf, pt, first, derived, stored, delta)
 
+    def origins(self, tokens: Tokens, tenant: str | bytes = "") -> list[Origin | None]:
+        """As :meth:`Store.origins <tierkv.store.api.Store.origins>`."""
+        self._check_open()
+        toks, salt = as_token_array(tokens), tenant_salt(tenant)
+        found: list[Origin | None] = []
+        total = -1
+        for _ in range(_ORIGINS_TRIES * (1 + len(toks) // P.ORIGINS_PER_REPLY)):
+            # A reply carries at most ORIGINS_PER_REPLY; where the count changes between
+            # replies (a splice or an eviction meanwhile), the pages are asked for again.
+            head = P.ORIGINS_REQ.pack(len(found), P.ORIGINS_PER_REPLY)
+            doc = json.loads(bytes(self._request(P.Op.ORIGINS, lambda conn, _s, _o: conn.tokens(salt, toks, head))))
+            if total not in (-1, doc["total"]):
+                found, total = [], -1
+                continue
+            total, part = doc["total"], doc["origins"]
+            found += [Origin.from_dict(d) if d is not None else None for d in part]
+            if not part or len(found) >= total:
+                return found[:total]
+        raise TierKVError(f"the derived pages' origins kept changing while {_ORIGINS_TRIES} reads of them ran")
+
     # -- pages lent in place ----------------------------------------------------------
     def dram_pool(self) -> np.ndarray:
         """The daemon's DRAM tier, mapped read-only here: ``uint8 [slots, page_bytes]``,
@@ -723,6 +744,10 @@ class RemoteStore:
 def connect(socket_path: str | os.PathLike[str] | Path, *, timeout_s: float = 60.0) -> RemoteStore:
     """A client of the daemon listening at ``socket_path``."""
     return RemoteStore(socket_path, timeout_s=timeout_s)
+
+
+#: Reads of a prompt's origins a client starts before it gives up on a store that keeps changing them.
+_ORIGINS_TRIES = 3
 
 
 def _derived(accept: str, what: str) -> bool:

@@ -430,6 +430,13 @@ class NodeService:
             return P.GET_REP.pack(g.pages, g.tokens, g.derived) + bytes(k.rank for k in g.tiers)
         if op == P.Op.SPLICE:
             return self._splice(s, body, segments, grant)
+        if op == P.Op.ORIGINS:
+            skip, limit = _unpack(P.ORIGINS_REQ, body)
+            salt, tokens = self._tokens(body, P.ORIGINS_REQ.size, segments, grant)
+            origins = s.origins(tokens, salt)
+            part = origins[skip:skip + min(limit, P.ORIGINS_PER_REPLY)]
+            return json.dumps({"total": len(origins),
+                               "origins": [o.to_dict() if o is not None else None for o in part]}).encode()
         if op in (P.Op.DRAM_POOL, P.Op.LEND, P.Op.END_LEND):
             return self._lending(op, body, segments, grant, info)
         if op == P.Op.PUT:

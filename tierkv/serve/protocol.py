@@ -29,7 +29,8 @@ from tierkv.errors import InputError
 
 #: Bumped on any incompatible change; HELLO refuses a mismatch. 2: UNREGISTER. 3: GET_LAYERED, DRAM_POOL,
 #: LEND, END_LEND. 4: derived pages (accept="derived") on LOOKUP and GET, counted in their replies.
-VERSION = 4
+#: 5: ORIGINS.
+VERSION = 5
 
 HEADER = struct.Struct("<IHH")
 #: The largest body either side accepts. Bodies are small: page bytes and long prompts
@@ -62,6 +63,8 @@ class Op(IntEnum):
     SPLICE = 18       # <QQIIBB start, end, head_dim, frequencies, pairing, rope type, then the frequencies (<f4),
                       # the rope type's name, the replacement's tokens (<u4 each, SPLICE_LEN), salt, tokens
                       # -> <QQQQQq prefill_from, prefill_to, first_derived, derived, stored, delta
+    ORIGINS = 19      # <QQ skip, limit, salt, tokens -> JSON {"total", "origins": [Origin.to_dict or null, at
+                      # most ORIGINS_PER_REPLY of them, from the skip-th derived page on]}
 
 
 class Status(IntEnum):
@@ -75,6 +78,9 @@ GET_REQ = struct.Struct("<QQQqB")     # segment, offset, rows, requested (-1: no
 GET_REP = struct.Struct("<QQQ")       # pages, tokens, derived pages; then a rank per page
 SPLICE_REQ = struct.Struct("<QQIIBB")  # start, end, head_dim, n frequencies, interleaved, len(rope type name)
 SPLICE_LEN = struct.Struct("<Q")       # replacement tokens
+ORIGINS_REQ = struct.Struct("<QQ")
+#: Origins per ORIGINS reply (each a few hundred bytes of JSON: well inside MAX_BODY).
+ORIGINS_PER_REPLY = 1024
 SPLICE_REP = struct.Struct("<QQQQQq")
 #: Flags of LOOKUP_REQ and GET_REQ.
 FLAG_COUNT, FLAG_DERIVED = 1, 2

@@ -19,7 +19,9 @@ For ``tokens`` with ``tokens[start:end]`` replaced by ``replacement`` (``delta =
   loads only a prefix (vLLM) takes the exact pages and the derived ones as one run.
 
 A derived page is never returned where exact ones were asked for (``accept="exact"``, the
-default), and keys are salted per tenant, so tenants never share one.
+default), and keys are salted per tenant, so tenants never share one. Each one's origin
+(the edit, ``delta``, the cached pages its rows come from) is recorded before it is
+stored (:class:`tierkv.store.derived.Origin`, ``Store.origins``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from tierkv.errors import InputError
 from tierkv.keys import Tokens, as_token_array
 from tierkv.splice.rope import Rope, move_tokens
+from tierkv.store import derived
 from tierkv.tiers.aligned import aligned_empty
 
 if TYPE_CHECKING:
@@ -91,7 +94,7 @@ def splice(store: Store, tokens: Tokens, start: int, end: int, replacement: Toke
     src = aligned_empty(pages.size * layout.page_bytes).reshape(pages.size, layout.page_bytes)
     at = 0
     for run in runs:
-        got = store._read_exact(old[:(int(run[-1]) + 1) * tpp], tenant, int(run[0]), src[at:at + run.size])
+        got = derived.read_exact(store, old[:(int(run[-1]) + 1) * tpp], tenant, int(run[0]), src[at:at + run.size])
         if got < run.size:   # evicted since the lookup: as far as the rows are here
             missing = int(run[0]) + got
             bad = np.flatnonzero(old_idx // tpp >= missing)
@@ -106,5 +109,7 @@ def splice(store: Store, tokens: Tokens, start: int, end: int, replacement: Toke
     src_rows = np.array([row_of[int(p)] for p in old_idx // tpp], np.int64) * tpp + old_idx % tpp
     dst = aligned_empty(n * layout.page_bytes).reshape(n, layout.page_bytes)
     move_tokens(src, src_rows, old_idx, dst, new_idx - first * tpp, new_idx, layout, rope)
-    stored = store._put_derived(new[:last * tpp], tenant, first, dst)
+    mode = "truncate" if not rep.size else "insert" if start == end else "replace"
+    origins = derived.origins_of(mode, delta, start, end, first, old_idx, store._keys(old, tenant), tpp)
+    stored = derived.put_derived(store, new[:last * tpp], tenant, first, dst, origins)
     return SpliceResult(new, result.prefill_from, result.prefill_to, first, n, stored, delta)

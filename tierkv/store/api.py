@@ -32,11 +32,13 @@ from tierkv.errors import ConfigError, InputError, StoreClosedError, TierIOError
 from tierkv.store.index_check import mark_clean
 from tierkv.store.index_image import write_image
 from tierkv.store.index_scan import RecordArrays
-from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, derived_seed, namespace_digest,
+from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest,
                          split_keys, tenant_salt)
 from tierkv.layout import KVLayout
 from tierkv.store.opening import open_store_parts, release_dir
 from tierkv.store.pages import PageBatch, PageSource, Rows, page_list, page_rows
+from tierkv.store import derived
+from tierkv.store.derived import Origin, Provenance
 from tierkv.store.peering import Peering, Publishing, Route
 from tierkv.store.pins import PinLedger
 from tierkv.store.landed import LAYERS, PAGES, check_record, layer_groups, publish, reset
@@ -130,12 +132,13 @@ class Store:
                                     read_only=read_only)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_PREFETCH_THREAD)
         self._peering: Peering | None = None
-        if config.peers is not None and not read_only:
-            try:
+        try:
+            self._provenance = Provenance(self._index, self._manager.held, read_only=read_only)
+            if config.peers is not None and not read_only:
                 self._peering = Peering(config.peers, self._manager, self.layout.page_bytes, self._load_for_push)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def open(cls, config: StoreConfig | str | os.PathLike[str], *, read_only: bool = False) -> Store:
@@ -154,12 +157,15 @@ class Store:
         return RemoteStore(socket_path, timeout_s=timeout_s)
 
     # -- keys ----------------------------------------------------------------------------
-    def _keys(self, tokens: Tokens, tenant: str | bytes) -> bytes:
-        salt = tenant_salt(tenant)
+    def _namespace(self, salt: bytes) -> bytes:
+        """The chain seed of a tenant's pages (its salt's): this store's model and layout."""
         ns = self._namespaces.get(salt)
         if ns is None:
             ns = self._namespaces[salt] = namespace_digest(self.config.model_id, self.layout, salt)
-        return chain_keys(as_token_array(tokens), self.layout.tokens_per_page, ns)
+        return ns
+
+    def _keys(self, tokens: Tokens, tenant: str | bytes) -> bytes:
+        return chain_keys(as_token_array(tokens), self.layout.tokens_per_page, self._namespace(tenant_salt(tenant)))
 
     @property
     def peer_address(self) -> tuple[str, int] | None:
@@ -258,20 +264,13 @@ class Store:
         res = self._lookup(blob, tenant, count)
         if accept == "exact" or res.cached_pages == res.total_pages:
             return res
-        dblob = self._derived_blob(tokens, tenant, blob, res.cached_pages)
+        dblob = derived.derived_blob(self, tokens, tenant, blob, res.cached_pages)
         with self._lock:
             self._check_open()
-            m = self._manager
-            if self.read_only:
-                levels = self._lead(dblob, len(dblob) // KEY_BYTES).levels.tobytes()
-            else:
-                levels = m.resident.prefix_values(dblob)
-                down = m.unavailable_levels()
-                if down:  # as for exact pages: those whose fastest copy is on a degraded tier are misses
-                    levels = levels[:next((i for i, v in enumerate(levels) if v in down), len(levels))]
+            levels = derived.derived_levels(self, dblob)
         n = res.cached_pages + len(levels)
         return LookupResult(n, n * self.layout.tokens_per_page, res.total_pages,
-                            res.tier_ranks + levels.translate(m.kind_ranks), derived=len(levels))
+                            res.tier_ranks + levels.translate(self._manager.kind_ranks), derived=len(levels))
 
     def lookup_keys(self, keys: bytes, *, count: bool = True) -> LookupResult:
         """:meth:`lookup` of a prompt given as its page keys (16 bytes each, back to back, as
@@ -315,7 +314,10 @@ class Store:
         if accept == "derived" and landed is not None:
             raise InputError("get(accept='derived') loads whole pages: it takes no landing record")
         res = self._get_exact(tokens, out, tenant, requested=requested, landed=landed)
-        return res if accept == "exact" else self._get_derived(tokens, out, tenant, res)
+        if accept == "exact":
+            return res
+        rows = page_rows(out, self.layout, "get(out=...)", len(as_token_array(tokens)) // self.layout.tokens_per_page)
+        return derived.get_derived(self, tokens, rows, tenant, res)
 
     def _get_exact(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
                    requested: int | None = None, landed: np.ndarray | None = None) -> GetResult:
@@ -526,32 +528,6 @@ class Store:
         self._counters.events["pages_hit"] += loaded
         return GetResult(loaded, loaded * self.layout.tokens_per_page, tiers)
 
-    # -- derived pages (tierkv.splice) ----------------------------------------------------
-    def _derived_blob(self, tokens: Tokens, tenant: str | bytes, blob: bytes, first: int) -> bytes:
-        """The derived keys of ``tokens``' pages from ``first`` on (``blob``: its exact keys)."""
-        salt = tenant_salt(tenant)
-        previous = blob[(first - 1) * KEY_BYTES:first * KEY_BYTES] if first else self._namespaces[salt]
-        tpp = self.layout.tokens_per_page
-        return chain_keys(as_token_array(tokens)[first * tpp:], tpp, derived_seed(previous))
-
-    def _get_derived(self, tokens: Tokens, out: PageBatch, tenant: str | bytes, res: GetResult) -> GetResult:
-        """``res`` (an exact get into ``out``) continued with derived pages."""
-        with self._lock:
-            self._check_open()
-            blob = self._keys(tokens, tenant)
-            rows = page_rows(out, self.layout, "get(out=...)", len(blob) // KEY_BYTES)
-            first = res.pages
-            if first >= rows.shape[0]:
-                return res
-            lead = self._lead(self._derived_blob(tokens, tenant, blob, first), rows.shape[0] - first)
-            if not len(lead):
-                return res
-            got = self._read_lead(lead, rows[first:])
-            self._counters.events["derived_pages"] += got
-            n = first + got
-            kinds = tuple(map(self._kinds.__getitem__, lead.levels[:got].tolist()))
-            return GetResult(n, n * self.layout.tokens_per_page, res.tiers + kinds, derived=got)
-
     def _read_lead(self, lead: Lead, rows: np.ndarray, *, serve: bool = True) -> int:
         """Read ``lead`` into ``rows`` (through the store's own rows where a page comes from
         below DRAM, checked there first, as any get); how many leading pages. ``serve=False``:
@@ -562,27 +538,6 @@ class Store:
         if below:
             rows[:got] = dst[:got]
         return got
-
-    def _read_exact(self, tokens: Tokens, tenant: str | bytes, first: int, rows: np.ndarray) -> int:
-        """The exact pages ``first ..`` of ``tokens`` into ``rows`` (for :meth:`splice`: the
-        cached rows a moved suffix comes from), as far as they are cached; how many."""
-        with self._lock:
-            self._check_open()
-            blob = self._keys(tokens, tenant)
-            lead = self._lead(blob[first * KEY_BYTES:], rows.shape[0])
-            return self._read_lead(lead, rows, serve=False) if len(lead) else 0
-
-    def _put_derived(self, tokens: Tokens, tenant: str | bytes, first: int, rows: np.ndarray) -> int:
-        """Store ``rows[i]`` as derived page ``first + i`` of ``tokens`` (for :meth:`splice`);
-        how many of them the store holds now. Their parents are the exact pages before ``first``."""
-        with self._lock:
-            self._check_writable_open("splice needs")
-            blob = self._keys(tokens, tenant)
-            chain = blob[:first * KEY_BYTES] + self._derived_blob(tokens, tenant, blob, first)
-            with self._placing(chain, tenant):   # tagged with the tenant, as any page of its request
-                self._store(split_keys(chain), rows, first)
-            held = self._manager.held(chain[first * KEY_BYTES:])
-            return next((i for i, h in enumerate(held) if not h), len(held))
 
     def splice(self, tokens: Tokens, start: int, end: int, replacement: Tokens, *, rope: Rope,
                tenant: str | bytes = "") -> SpliceResult:
@@ -598,6 +553,14 @@ class Store:
         from tierkv.splice.ops import splice
         self._check_writable_open("splice needs")
         return splice(self, tokens, start, end, replacement, rope=rope, tenant=tenant)
+
+    def origins(self, tokens: Tokens, tenant: str | bytes = "") -> list[Origin | None]:
+        """Where each derived page of ``tokens`` came from (:class:`~tierkv.store.derived.Origin`:
+        the splice, the positions moved, the cached pages its rows were copied from), for
+        the pages ``lookup(tokens, tenant, accept="derived")`` counts as derived, in
+        order; None for one whose origin was not recorded. Reads no page."""
+        self._check_open()
+        return derived.origins(self, tokens, tenant)
 
     def truncate(self, tokens: Tokens, start: int, end: int, *, rope: Rope, tenant: str | bytes = "") -> SpliceResult:
         """:meth:`splice` deleting ``tokens[start:end]`` (history trimmed, a tool output dropped)."""

@@ -54,6 +54,8 @@ _EXTENT = struct.Struct("<QI")
 MAX_EXTENTS = MAX_PAGE_BLOCKS
 _SEAL = struct.Struct("<Q")  # xxh3-64 of key + record: catches bytes flipped in the LMDB file
 _NO_PARENT = bytes(KEY_BYTES)
+#: The database of derived pages' origins (``:`` is in no tier's name, so no tier's database).
+ORIGINS_DB = b"derived:origins"
 log = logging.getLogger(__name__)
 MAP_SIZE = 1 << 36  # address space only: LMDB files grow sparsely
 
@@ -96,7 +98,7 @@ def _open_env(path: Path, read_only: bool) -> lmdb.Environment:
             return env
         old_umask = os.umask(0o077)  # index files are 0600: they name every cached prefix
         try:
-            env = lmdb.open(key, map_size=MAP_SIZE, max_dbs=8, subdir=True, readonly=read_only,
+            env = lmdb.open(key, map_size=MAP_SIZE, max_dbs=16, subdir=True, readonly=read_only,
                             lock=True, sync=True, metasync=True, create=not read_only)
         except lmdb.Error as exc:
             if _damaged(exc):
@@ -188,6 +190,12 @@ class PersistentIndex:
         try:
             self._meta = self._env.open_db(b"meta", create=not read_only)
             self._dbs = {name: self._env.open_db(name.encode(), create=not read_only) for name in tier_names}
+            # Derived pages' origins (tierkv.store.derived); a reader of an index written
+            # before there were any finds none.
+            try:
+                self._origins: lmdb._Database | None = self._env.open_db(ORIGINS_DB, create=not read_only)
+            except lmdb.NotFoundError:
+                self._origins = None
         except BaseException:
             _close_env(self._env)  # a damaged env must not stay cached for the next open
             raise
@@ -350,6 +358,43 @@ class PersistentIndex:
                             txn.put(key, rec.pack(), db=db)
         except lmdb.Error as exc:
             raise TierIOError(f"store index group commit ({', '.join(ops)}) failed: {exc}") from None
+
+    # -- derived pages' origins (tierkv.store.derived) ----------------------------------------
+    def origins(self, keys: Iterable[bytes] | None = None) -> list[tuple[bytes, bytes]]:
+        """Sealed origin records (key, value), of ``keys`` (those there are) or every one;
+        [] where the index has no such database (a reader of an older index)."""
+        if self._origins is None:
+            return []
+        try:
+            with self._env.begin(db=self._origins) as txn:
+                if keys is None:
+                    return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+                return [(bytes(k), bytes(v)) for k in keys if (v := txn.get(k)) is not None]
+        except lmdb.Error as exc:
+            raise TierIOError(f"reading derived pages' origins failed: {exc}") from None
+
+    def clear_origins(self) -> None:
+        """Forget every origin record (the database could not be read)."""
+        if self._origins is not None and not self._read_only:
+            try:
+                with self._env.begin(write=True) as txn:
+                    txn.drop(self._origins, delete=False)
+            except lmdb.Error as exc:
+                raise TierIOError(f"clearing derived pages' origins failed: {exc}") from None
+
+    def write_origins(self, put: Iterable[tuple[bytes, bytes]] = (), delete: Iterable[bytes] = ()) -> None:
+        """One durable transaction of origin records (never grouped: a splice's origins are
+        committed before its pages, whose records may wait for a window); TierIOError."""
+        if self._origins is None or self._read_only:
+            raise ConfigError("a read-only index records no origins")
+        try:
+            with self._env.begin(db=self._origins, write=True) as txn:
+                for key in delete:
+                    txn.delete(key)
+                for key, value in put:
+                    txn.put(key, value)
+        except lmdb.Error as exc:
+            raise TierIOError(f"recording derived pages' origins failed: {exc}") from None
 
     def adopt(self, tier: str, valid: Callable[[IndexRecord], bool]) -> tuple[list[IndexRecord], int]:
         """Every record of a tier that decodes and passes ``valid``; the rest are deleted

@@ -152,7 +152,8 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
                 # before this writer commits anything.
                 if imaged and index.unsealed > 0:
                     log.warning("%d index records fail their seals; the index is walked, not loaded from its "
-                                "image, and those pages are misses", index.unsealed)
+                                "image, and those pages are misses (derived pages' origins: forgotten)",
+                                index.unsealed)
                 elif imaged:
                     image = read_image(store_dir, index.store_id(), index.last_txnid())
                 drop_image(store_dir)

@@ -74,8 +74,9 @@ class TierKind(enum.Enum):
 # which is what every store written before tiers had names used, so those reopen unchanged.
 TierId = NewType("TierId", str)
 _TIER_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
-# Not a tier's name: the end of a "src->dst" pair that stands for a caller's buffers.
-_RESERVED_NAMES = frozenset({"caller"})
+# Not a tier's name: the end of a "src->dst" pair that stands for a caller's buffers, and
+# the index's database of store metadata (a tier's records would land in it).
+_RESERVED_NAMES = frozenset({"caller", "meta"})
 
 
 def tier_id(name: str) -> TierId:

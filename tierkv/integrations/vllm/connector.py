@@ -79,6 +79,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+
+def request_accept(salt: str, params: object, prefix_caching: bool) -> tuple[str, str] | None:
+    """What a request with ``cache_salt`` ``salt`` and ``kv_transfer_params`` ``params``
+    accepts, and its tierkv tenant; None where it asked for derived pages and may not
+    have them (then it is served exact pages only). ``{"tierkv_accept": "derived"}``:
+    derived pages after the exact ones (a prompt the client spliced, docs/splice.md); the
+    tenant is the ``cache_salt``, as for every request. With vLLM's own prefix cache on
+    (``prefix_caching``), the blocks a request loads serve later requests of the same
+    tokens and salt, which may have asked for exact pages: so there a derived request
+    must carry a ``cache_salt`` of its own and name its tierkv tenant in
+    ``"tierkv_tenant"`` (a string other than its salt)."""
+    if not isinstance(params, dict) or params.get("tierkv_accept") != "derived":
+        return "exact", salt
+    if not prefix_caching:
+        return "derived", str(params.get("tierkv_tenant", salt))
+    tenant = params.get("tierkv_tenant")
+    if isinstance(tenant, str) and tenant != salt:
+        return "derived", tenant
+    return None
+
 class TierKVMetadata(KVConnectorMetadata):
     """One step's plan, pickled from the scheduler to the workers."""
 
@@ -245,28 +265,18 @@ class TierKVConnector(KVConnectorBase_V1):
                                   self._accept(request)[1], blocks.get_block_ids()[0], num_external_tokens)
 
     def _accept(self, request: Request) -> tuple[str, str]:
-        """What a request accepts, and its tierkv tenant. ``kv_transfer_params={"tierkv_accept":
-        "derived"}``: derived pages after the exact ones (a prompt the client spliced,
-        docs/splice.md); the tenant is the ``cache_salt``, as for every request. With
-        vLLM's own prefix cache on, the blocks it loads would serve later requests of the
-        same tokens and salt that asked for exact pages: so there a derived request must
-        carry a ``cache_salt`` of its own and name its tierkv tenant in
-        ``"tierkv_tenant"``; one that does not is served exact pages only (logged once)."""
-        salt = request.cache_salt or ""
-        params = getattr(request, "kv_transfer_params", None) or {}
-        if not isinstance(params, dict) or params.get("tierkv_accept") != "derived":
-            return "exact", salt
-        if not self._prefix_caching:
-            return "derived", str(params.get("tierkv_tenant", salt))
-        tenant = params.get("tierkv_tenant")
-        if isinstance(tenant, str) and tenant != salt:
-            return "derived", tenant
+        """What a request accepts, and its tierkv tenant (:func:`request_accept`); a
+        request refused derived pages is logged, once."""
+        got = request_accept(request.cache_salt or "", getattr(request, "kv_transfer_params", None),
+                             self._prefix_caching)
+        if got is not None:
+            return got
         if not self._warned_derived:
             self._warned_derived = True
             log.warning("tierkv: a request asked for derived pages with vLLM's prefix cache on but no cache_salt of "
                         "its own (and tierkv_tenant naming its tenant): served exact pages only, so that vLLM's "
                         "cache never hands them to requests that asked for exact ones")
-        return "exact", salt
+        return "exact", request.cache_salt or ""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         cd = scheduler_output.scheduled_cached_reqs
