@@ -14,7 +14,7 @@ import pytest
 
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.errors import TierIOError
-from tierkv.keys import namespace_digest, page_keys, tenant_salt
+from tierkv.keys import PageKey, namespace_digest, page_keys, tenant_salt
 from tierkv.serve import protocol as P
 from tierkv.splice.rope import Rope
 from tierkv.store import derived
@@ -90,7 +90,9 @@ def test_origins_survive_a_restart_with_their_pages(llama: object, tmp_path: Pat
         assert len(before) == res.derived > 0
         assert store._index is not None and len(store._index.origins()) == res.derived
         stray = [bytes([i]) * 16 for i in range(5)]      # origins of pages never stored
-        store._index.write_origins(put=[(k, before[0].pack(k)) for k in stray])
+        one = before[0]
+        assert one is not None
+        store._index.write_origins(put=[(k, one.pack(k)) for k in stray])
     with Store.open(cfg) as store:
         assert store.lookup(res.tokens, accept="derived").derived == res.derived
         assert store.origins(res.tokens) == before
@@ -112,7 +114,7 @@ def test_origins_are_recorded_before_their_pages_and_go_with_a_failed_splice(
         real = store._store
         seen: list[int] = []
 
-        def check(keys: list[bytes], rows: np.ndarray, first: int) -> None:
+        def check(keys: list[PageKey], rows: np.ndarray, first: int) -> None:
             assert store._index is not None
             recorded = {k for k, _ in store._index.origins(keys[first:])}   # read back from LMDB
             assert recorded == set(keys[first:])
