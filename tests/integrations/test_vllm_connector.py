@@ -320,6 +320,9 @@ def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(
     ("", {"tierkv_accept": "derived", "tierkv_tenant": ""}, True, None),
     ("own", {"tierkv_accept": "derived", "tierkv_tenant": 7}, True, None),     # a tenant that is not a name
     ("t", ["tierkv_accept", "derived"], True, ("exact", "t")),                 # not a dict: nothing asked
+    ("t", {"tierkv_edit": {"start": 1}}, False, ("derived", "t")),             # an edit implies derived pages
+    ("t", {"tierkv_edit": {"start": 1}, "tierkv_accept": "exact"}, False, ("exact", "t")),   # unless told otherwise
+    ("t", {"tierkv_edit": {"start": 1}}, True, None),                          # the same prefix-cache rule
 ])
 def test_a_request_gets_derived_pages_only_where_vllms_cache_cannot_pass_them_on(
         salt: str, params: object, prefix_caching: bool, want: tuple[str, str] | None) -> None:
@@ -329,6 +332,150 @@ def test_a_request_gets_derived_pages_only_where_vllms_cache_cannot_pass_them_on
     from tierkv.integrations.vllm.connector import request_accept
 
     assert request_accept(salt, params, prefix_caching) == want
+
+
+def test_an_edit_named_on_the_request_is_spliced_once_and_its_derived_pages_loaded(
+        store: RemoteStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The planner splices the cached prompt a ``tierkv_edit`` directive names (once per
+    request, however often vLLM asks), then counts the derived pages as for a spliced
+    prompt; a bad directive, or no rotary embedding, is logged and the request served
+    exact pages, never an error into vLLM."""
+    from tierkv.splice.rope import Rope
+
+    old = prompt(6.5, seed=23)
+    a = ConnectorWorker(store, CpuPagedKV(engine_caches(8), store.layout), max_pages=8)
+    pa = ConnectorPlanner(store, N)
+    pa.allocated("a", old, len(old), "", [0, 1, 2, 3, 4, 5, 6], 0)
+    step(a, pa.plan([("a", [0, 1, 2, 3, 4, 5, 6], 0)], [], {"a": len(old)}), write=engine_caches(7),
+         caches=a.kv.layers)
+    a.drain()
+    a.close()
+    new = old[:20] + old[45:]                               # 25 tokens dropped at 20
+    directive = {"start": 20, "removed": old[20:45], "inserted": 0}
+    made: list[int] = []
+
+    def rope() -> Rope:
+        made.append(1)
+        return Rope.from_theta(10000.0, D)
+    pb = ConnectorPlanner(store, N, rope=rope)
+    splices: list[int] = []
+    real = store.splice
+    monkeypatch.setattr(store, "splice", lambda *a, **k: splices.append(1) or real(*a, **k))
+    assert pb.matched("b", new, "", 0, accept="derived", edit=directive) == 4 * N
+    assert pb.matched("b", new, "", 0, accept="derived", edit=directive) == 4 * N   # vLLM asks again: no splice
+    assert splices == [1] and made == [1]
+    found = store.origins(np.array(new, np.uint32))
+    assert [(o.page, o.mode, o.delta) for o in found if o is not None] == [(1, "truncate", -25), (2, "truncate", -25),
+                                                                          (3, "truncate", -25)]
+    pb.finished("b")
+    assert pb._edited == set()
+    # An exact request does not splice; a bad directive and a missing rope are logged, not raised.
+    assert pb.matched("c", new, "", 0, accept="exact", edit=directive) == N and splices == [1]
+    with caplog.at_level("WARNING", logger="tierkv.integrations.vllm.plan"):
+        assert pb.matched("d", new, "", 0, accept="derived", edit={"start": -1}) == 4 * N   # spliced earlier
+        assert "start must be a token count" in caplog.text
+        bare = ConnectorPlanner(store, N)
+        other = old[:30] + old[50:]
+        assert bare.matched("e", other, "", 0, accept="derived",
+                            edit={"start": 30, "removed": old[30:50], "inserted": 0}) == N
+        assert "without the model's rotary embedding" in caplog.text
+        def unreadable() -> Rope:
+            raise RuntimeError("no such model type")   # what a config transformers cannot build may raise
+        broken = ConnectorPlanner(store, N, rope=unreadable)
+        assert broken.matched("f", other, "", 0, accept="derived",
+                              edit={"start": 30, "removed": old[30:50], "inserted": 0}) == N
+        assert "rotary embedding cannot be read" in caplog.text
+    assert splices == [1]
+
+
+def test_a_derived_request_with_vllms_own_hit_saves_nothing(store: RemoteStore) -> None:
+    """With vLLM's prefix cache on, a derived request's own cache_salt may hold blocks an
+    earlier derived request loaded: a request that starts from such a hit saves nothing,
+    even where it loads nothing from tierkv or only exact pages."""
+    toks = prompt(4.5, seed=31)
+    put_pages(store, toks[:3 * N])
+    pb = ConnectorPlanner(store, N)
+    for num_computed, num_external in ((4 * N, 0), (N, 2 * N)):
+        rid = f"r{num_computed}"
+        pb.matched(rid, toks, "", num_computed, accept="derived")
+        blocks = [5, 6, 7, 8, 9]
+        pb.allocated(rid, toks, len(toks), "", blocks, num_external)
+        plan = pb.plan([(rid, blocks, num_computed + num_external)], [], {rid: len(toks) - num_computed - num_external})
+        assert plan.saves == [], (num_computed, num_external)
+        assert all(j.accept == "derived" for j in plan.loads)
+        pb.finished(rid)
+    # The same without vLLM's hit: exact pages loaded, the rest computed and saved.
+    pb.matched("x", toks, "", 0, accept="derived")
+    pb.allocated("x", toks, len(toks), "", [5, 6, 7, 8, 9], 3 * N)
+    plan = pb.plan([("x", [5, 6, 7, 8, 9], 3 * N)], [], {"x": len(toks) - 3 * N})
+    assert [j.accept for j in plan.loads] == ["exact"] and plan.saves and plan.saves[0].first == 3
+    pb.finished("x")
+
+
+def test_a_replacement_named_on_the_request_loads_exact_pages_and_saves_what_it_computes(store: RemoteStore) -> None:
+    """A replacement's derived pages start after the pages vLLM must compute (it loads a
+    prefix only): the request loads the exact pages before the edit, and what it computes
+    from there is exact, so it is saved (a request that loaded derived pages saves nothing)."""
+    from tierkv.splice.rope import Rope
+
+    old = prompt(6.5, seed=29)
+    a = ConnectorWorker(store, CpuPagedKV(engine_caches(8), store.layout), max_pages=8)
+    pa = ConnectorPlanner(store, N)
+    pa.allocated("a", old, len(old), "", [0, 1, 2, 3, 4, 5, 6], 0)
+    step(a, pa.plan([("a", [0, 1, 2, 3, 4, 5, 6], 0)], [], {"a": len(old)}), write=engine_caches(7),
+         caches=a.kv.layers)
+    a.drain()
+    a.close()
+    new = old[:20] + [7, 7, 7, 7, 7, 7, 7, 7, 7, 7] + old[30:]    # 10 tokens replaced by 10 others at 20
+    pb = ConnectorPlanner(store, N, rope=lambda: Rope.from_theta(10000.0, D))
+    directive = {"start": 20, "removed": old[20:30], "inserted": 10}
+    assert pb.matched("r", new, "", 0, accept="derived", edit=directive) == N   # the page before the edit
+    derived = store.lookup(np.array(new, np.uint32), accept="derived")
+    assert derived.cached_pages == 1 and derived.derived == 0   # derived pages from page 2: not reached yet
+    blocks = [9, 8, 7, 6, 5, 4, 3]
+    pb.allocated("r", new, len(new), "", blocks, N)
+    plan = pb.plan([("r", blocks, N)], [], {"r": len(new) - N})
+    (job,) = plan.loads
+    assert job.accept == "exact" and job.end == 1
+    assert plan.saves and plan.saves[0].first == 1        # computed over exact pages only: stored
+    pb.finished("r")
+
+
+@pytest.mark.parametrize("directive, prompt_len, message", [
+    ([1, 2], 10, "must be"),
+    ({"begin": 1}, 10, "must be"),
+    ({"start": 1, "removed": [1], "inserted": 0, "extra": 1}, 10, "must be"),
+    ({"start": True, "removed": [1]}, 10, "start must be a token count"),
+    ({"start": 1, "inserted": -2, "removed": [1]}, 10, "inserted must be a token count"),
+    ({"start": 1, "removed": "abc"}, 10, "removed must be a list"),
+    ({"start": 1, "removed": [1, -1]}, 10, "removed must be a list"),
+    ({"start": 1, "removed": [1, 1 << 32]}, 10, "removed must be a list"),
+    ({"start": 8, "removed": [], "inserted": 3}, 10, "passes the prompt's 10 tokens"),
+    ({"start": 3}, 10, "removes or inserts something"),
+    ({"start": 1, "removed": [[1], [1, 2]]}, 10, "removed must be a list"),      # ragged: numpy refuses it
+    ({"start": 1, "removed": [1, [2]]}, 10, "removed must be a list"),
+    ({"start": 1, "removed": [[1, 2]]}, 10, "removed must be a list"),
+    ({"start": 1, "removed": [1.5]}, 10, "removed must be a list"),
+    ({"start": 1, "removed": None}, 10, "removed must be a list"),
+    ({"start": 1, "removed": [10 ** 30]}, 10, "removed must be a list"),
+    ({"start": None, "removed": [1]}, 10, "start must be a token count"),
+    ({"start": 1.0, "removed": [1]}, 10, "start must be a token count"),
+])
+def test_a_bad_edit_directive_says_what_was_expected(directive: object, prompt_len: int, message: str) -> None:
+    from tierkv.integrations.vllm.edits import Edit
+
+    with pytest.raises(InputError, match=message):
+        Edit.parse(directive, prompt_len)
+
+
+def test_an_edit_rebuilds_the_cached_prompt() -> None:
+    from tierkv.integrations.vllm.edits import Edit
+
+    new = [1, 2, 7, 8, 9, 5, 6]                  # [3, 4] replaced by [7, 8, 9] at 2
+    e = Edit.parse({"start": 2, "removed": [3, 4], "inserted": 3}, len(new))
+    assert e.cached_prompt(new).tolist() == [1, 2, 3, 4, 5, 6] and e.replacement(new).tolist() == [7, 8, 9]
+    d = Edit.parse({"start": 2, "removed": [3, 4]}, 4)   # a deletion: inserted defaults to 0
+    assert d.cached_prompt([1, 2, 5, 6]).tolist() == [1, 2, 3, 4, 5, 6] and d.replacement([1, 2, 5, 6]).size == 0
 
 
 def test_pages_not_all_in_dram_are_got_layer_by_layer_not_lent(store: RemoteStore, daemon: NodeService) -> None:

@@ -138,9 +138,19 @@ def main() -> None:
     derived = SamplingParams(temperature=0.0, max_tokens=8, extra_args={"kv_transfer_params": {"tierkv_accept": "derived"}})
     spliced = llm.generate([{"prompt_token_ids": new}], derived, use_tqdm=False)[0]
     exact = llm.generate([{"prompt_token_ids": new}], greedy, use_tqdm=False)[0]
+    # Another edit, named on the request itself: the connector splices it.
+    s2, e2 = 600, 700
+    edited = ids[:s2] + ids[e2:]
+    directive = {"tierkv_edit": {"start": s2, "removed": ids[s2:e2], "inserted": 0}}
+    by_directive = llm.generate([{"prompt_token_ids": edited}], SamplingParams(
+        temperature=0.0, max_tokens=8, extra_args={"kv_transfer_params": directive}), use_tqdm=False)[0]
+    with RemoteStore(sock) as store:
+        origins = [o.to_dict() for o in store.origins(edited) if o is not None]
     print(json.dumps({"first_derived": res.first_derived, "derived": res.derived, "new": len(new),
                       "spliced": spliced.num_cached_tokens, "exact": exact.num_cached_tokens,
-                      "spliced_answer": list(spliced.outputs[0].token_ids), "exact_answer": list(exact.outputs[0].token_ids)}))
+                      "spliced_answer": list(spliced.outputs[0].token_ids), "exact_answer": list(exact.outputs[0].token_ids),
+                      "directive": by_directive.num_cached_tokens, "directive_answer": list(by_directive.outputs[0].token_ids),
+                      "directive_origins": origins}))
 
 
 if __name__ == "__main__":   # vLLM starts its engine core in a spawned process
@@ -153,7 +163,8 @@ def test_a_request_that_accepts_derived_pages_loads_a_spliced_prompt(env: VllmEn
     tokens of it and splices through the daemon; the edited prompt, sent with
     ``tierkv_accept: derived``, loads the exact pages before the edit and the derived ones
     after (as far as the stored prompt reaches), where a request without it loads the
-    exact pages only. vLLM runs on both."""
+    exact pages only. Then an edit named on the request (``tierkv_edit``), which the
+    connector splices itself. vLLM runs on all of them."""
     cfg = tmp_path / "store.toml"
     cfg.write_text(store_config(tmp_path / "store"))
     with Daemon(cfg, tmp_path / "daemon.log") as d:
@@ -172,3 +183,9 @@ def test_a_request_that_accepts_derived_pages_loads_a_spliced_prompt(env: VllmEn
     assert got["spliced"] == (got["first_derived"] + got["derived"]) * page   # exact, then derived: one run
     assert got["exact"] == 300 // page * page                           # the exact page before the edit only
     assert len(got["spliced_answer"]) == len(got["exact_answer"]) == 8
+    # The edit named on the request (tierkv_edit: 100 tokens dropped at 600): the connector
+    # spliced it and loaded the exact pages before the edit's page and the derived after.
+    first, moved = 600 // page, (cached * page - 100) // page - 600 // page
+    assert got["directive"] == (first + moved) * page and len(got["directive_answer"]) == 8
+    assert [(o["page"], o["mode"], o["delta"], o["start"], o["end"]) for o in got["directive_origins"]] == [
+        (first + i, "truncate", -100, 600, 700) for i in range(moved)]

@@ -66,6 +66,7 @@ from tierkv.integrations.vllm.early import EarlyListener, EarlySender, channel_a
 from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan
 from tierkv.integrations.vllm.transfer import DEFAULT_BUFFERS, ConnectorWorker
 from tierkv.serve.client import RemoteStore
+from tierkv.splice.rope import Rope
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,8 +90,11 @@ def request_accept(salt: str, params: object, prefix_caching: bool) -> tuple[str
     (``prefix_caching``), the blocks a request loads serve later requests of the same
     tokens and salt, which may have asked for exact pages: so there a derived request
     must carry a ``cache_salt`` of its own and name its tierkv tenant in
-    ``"tierkv_tenant"`` (a string other than its salt)."""
-    if not isinstance(params, dict) or params.get("tierkv_accept") != "derived":
+    ``"tierkv_tenant"`` (a string other than its salt). An edit directive
+    (``"tierkv_edit"``, :mod:`tierkv.integrations.vllm.edits`) implies ``"derived"``
+    unless ``"tierkv_accept"`` says otherwise."""
+    if not isinstance(params, dict) or params.get("tierkv_accept", "derived" if "tierkv_edit" in params else None) \
+            != "derived":
         return "exact", salt
     if not prefix_caching:
         return "derived", str(params.get("tierkv_tenant", salt))
@@ -173,7 +177,8 @@ class TierKVConnector(KVConnectorBase_V1):
             self.planner = ConnectorPlanner(self.store, self.block_size, load=bool(extra.get("load", True)),
                                             save=bool(extra.get("save", True)),
                                             save_generated=bool(extra.get("save_generated", True)),
-                                            announce=self._sender.send if self._sender is not None else None)
+                                            announce=self._sender.send if self._sender is not None else None,
+                                            rope=lambda: Rope.from_config(vllm_config.model_config.hf_config))
 
     def _check_store(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
         served = vllm_config.model_config.served_model_name
@@ -254,8 +259,10 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         accept, tenant = self._accept(request)
+        params = getattr(request, "kv_transfer_params", None)
+        edit = params.get("tierkv_edit") if isinstance(params, dict) else None
         n = self._planner().matched(request.request_id, request.prompt_token_ids or [], tenant,
-                                    num_computed_tokens, accept)
+                                    num_computed_tokens, accept, edit)
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

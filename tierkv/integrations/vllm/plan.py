@@ -9,7 +9,9 @@ Per request:
 
 1. :meth:`ConnectorPlanner.matched` (vLLM's ``get_num_new_matched_tokens``): the
    leading full pages the store holds, never the whole prompt (vLLM must compute the
-   last token), minus what vLLM's own prefix cache already holds. No side effects.
+   last token), minus what vLLM's own prefix cache already holds. No side effects but
+   one: a request with an edit directive has the cached prompt spliced for it first,
+   once (:mod:`tierkv.integrations.vllm.edits`).
 2. :meth:`ConnectorPlanner.allocated` (``update_state_after_alloc``): pins the pages to
    load, so no policy evicts them before the worker copies them (they stay pinned until
    the request finishes), and records a :class:`LoadJob` for the next plan. A request
@@ -38,9 +40,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tierkv.errors import TierKVError
+from tierkv.errors import InputError, StoreUnavailableError, TierKVError
+from tierkv.integrations.vllm.edits import Edit
 from tierkv.keys import as_token_array
 from tierkv.serve.client import RemoteStore
+from tierkv.splice.rope import Rope
 from tierkv.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
@@ -132,10 +136,13 @@ class _Request:
 class ConnectorPlanner:
     """The scheduler half over a connection to the node's store (any thread; vLLM uses one).
     ``announce``: called with each load job as soon as it is made (the early channel's
-    send), before the plan that carries it."""
+    send), before the plan that carries it. ``rope``: makes the model's rotary embedding,
+    for requests with an edit directive (called once, at the first; None: edits are not
+    spliced)."""
 
     def __init__(self, store: RemoteStore, block_size: int, *, load: bool = True, save: bool = True,
-                 save_generated: bool = True, announce: Callable[[LoadJob], object] | None = None) -> None:
+                 save_generated: bool = True, announce: Callable[[LoadJob], object] | None = None,
+                 rope: Callable[[], Rope] | None = None) -> None:
         self.store = store
         self.announce = announce
         self._serial = 0
@@ -147,6 +154,11 @@ class ConnectorPlanner:
         self._local_hits: dict[str, int] = {}   # vLLM's own hit per request, from matched()
         self._in_dram: dict[str, int] = {}      # leading pages the lookup found in DRAM, per request
         self._accept: dict[str, str] = {}       # requests that accept derived pages (their kv_transfer_params)
+        self._edited: set[str] = set()          # requests whose edit directive was taken (spliced or refused)
+        self._exact: dict[str, int] = {}        # leading exact pages the lookup found, per request
+        self._make_rope = rope
+        self._rope: Rope | None = None
+        self._rope_error: str | None = None
         self._down = False
 
     # -- store calls that must not fail the engine -------------------------------------
@@ -162,12 +174,17 @@ class ConnectorPlanner:
 
     # -- the four calls ---------------------------------------------------------------
     def matched(self, req_id: str, tokens: Sequence[int], tenant: str, num_computed: int,
-                accept: str = "exact") -> int:
+                accept: str = "exact", edit: object = None) -> int:
         """Tokens beyond ``num_computed`` (vLLM's own prefix-cache hit) the store can load;
         ``accept="derived"``: derived pages after the exact ones count (a spliced prompt).
+        ``edit``: the request's ``tierkv_edit`` directive (:class:`Edit`), spliced for
+        it first where it accepts derived pages, the first time it is asked about.
 
         The hit is remembered for :meth:`allocated`: vLLM sets the request's
         ``num_computed_tokens`` only after it has called ``update_state_after_alloc``."""
+        if edit is not None and accept == "derived" and self.load and req_id not in self._edited:
+            self._edited.add(req_id)
+            self._splice(req_id, tokens, tenant, edit)
         self._local_hits[req_id] = num_computed
         if accept == "derived":
             self._accept[req_id] = accept
@@ -185,7 +202,41 @@ class ConnectorPlanner:
         self._ok()
         found, dram = res.cached_pages, TierKind.DRAM.rank
         self._in_dram[req_id] = next((i for i, r in enumerate(res.tier_ranks) if r != dram), found)
+        self._exact[req_id] = found - res.derived
         return max(0, min(found, usable) * self.block_size - num_computed)
+
+    def _splice(self, req_id: str, tokens: Sequence[int], tenant: str, directive: object) -> None:
+        """Splice the cached prompt ``directive`` names into the derived pages of ``tokens``
+        (never raises: a bad directive or a store error is logged and the request served
+        without it)."""
+        try:
+            edit = Edit.parse(directive, len(tokens))
+            res = self.store.splice(edit.cached_prompt(tokens), edit.start, edit.start + edit.removed.size,
+                                    edit.replacement(tokens), rope=self._model_rope(), tenant=tenant)
+        except StoreUnavailableError as exc:
+            self._failed("a splice", exc)
+            return
+        except Exception as exc:   # noqa: BLE001 - a bad directive, a model or page it cannot move: never into vLLM
+            log.warning("tierkv: request %s's edit is not spliced: %s", req_id, exc)
+            return
+        self._ok()
+        log.debug("tierkv: request %s spliced: %d derived pages from page %d (%d stored)", req_id, res.derived,
+                  res.first_derived, res.stored)
+
+    def _model_rope(self) -> Rope:
+        """The model's rotary embedding, made at the first edit; InputError where it cannot
+        be (remembered: not tried again for every request)."""
+        if self._rope is None:
+            if self._rope_error is None:
+                try:
+                    if self._make_rope is None:
+                        raise InputError("this connector was made without the model's rotary embedding")
+                    self._rope = self._make_rope()
+                except Exception as exc:   # noqa: BLE001 - whatever it is, it must not reach vLLM
+                    self._rope_error = f"the model's rotary embedding cannot be read: {exc}"
+            if self._rope is None:
+                raise InputError(str(self._rope_error))
+        return self._rope
 
     def allocated(self, req_id: str, tokens: Sequence[int], prompt_len: int, tenant: str, block_ids: Sequence[int],
                   num_external: int) -> None:
@@ -195,11 +246,14 @@ class ConnectorPlanner:
         num_computed = self._local_hits.pop(req_id, 0)
         in_dram = self._in_dram.pop(req_id, None)   # None: no lookup seen (try a lend, as ever)
         accept = self._accept.pop(req_id, "exact")
+        exact = self._exact.pop(req_id, 0)
         req = self._requests.get(req_id)
         if req is None:
             req = self._requests[req_id] = _Request(tenant, tokens, prompt_len)
         req.block_ids = list(block_ids)
-        req.derived = req.derived or accept == "derived"
+        # vLLM's own prefix-cache hit, under a derived request's own cache_salt, may hold
+        # derived KV an earlier request of that salt loaded: such a request saves nothing.
+        req.derived = req.derived or (accept == "derived" and num_computed > 0)
         usable = (prompt_len - 1) // self.block_size
         whole = as_token_array(list(tokens[:usable * self.block_size]))
         if num_external <= 0:
@@ -213,6 +267,11 @@ class ConnectorPlanner:
             return
         skip = num_computed // self.block_size
         end = (num_computed + num_external) // self.block_size
+        # Only a load that reaches past the exact pages takes derived ones (a replacement's
+        # derived pages start after pages vLLM computes): what the rest computes is exact then.
+        if accept == "derived" and end <= exact and not num_computed:
+            accept = "exact"
+        req.derived = req.derived or accept == "derived"
         prefix = whole[:end * self.block_size]
         try:
             pinned = self.store.pin(prefix, tenant)
@@ -279,6 +338,8 @@ class ConnectorPlanner:
         self._local_hits.pop(req_id, None)
         self._in_dram.pop(req_id, None)
         self._accept.pop(req_id, None)
+        self._exact.pop(req_id, None)
+        self._edited.discard(req_id)
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._unpin(req)
