@@ -10,6 +10,7 @@ import socket
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -360,7 +361,10 @@ def test_an_edit_named_on_the_request_is_spliced_once_and_its_derived_pages_load
     pb = ConnectorPlanner(store, N, rope=rope)
     splices: list[int] = []
     real = store.splice
-    monkeypatch.setattr(store, "splice", lambda *a, **k: splices.append(1) or real(*a, **k))
+    def counted(*args: Any, **kw: Any) -> Any:
+        splices.append(1)
+        return real(*args, **kw)
+    monkeypatch.setattr(store, "splice", counted)
     assert pb.matched("b", new, "", 0, accept="derived", edit=directive) == 4 * N
     assert pb.matched("b", new, "", 0, accept="derived", edit=directive) == 4 * N   # vLLM asks again: no splice
     assert splices == [1] and made == [1]
