@@ -58,3 +58,13 @@ def sock_dir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="tkv-", dir="/tmp"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def llama() -> object:
+    """A small transformers Llama (random weights, from a config) for the splice and lossy
+    tests (tests/splice/llama.py); skipped where torch or transformers is missing."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.splice.llama import make_llama
+    return make_llama()

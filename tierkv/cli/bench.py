@@ -39,7 +39,7 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                                     "'codec' the lossless KV codec against zipnn and zstd on real KV pages, "
                                     "'scale' the page table's memory and time per page at node scale against a dict.")
     bp.add_argument("suite", nargs="?", choices=("store", "codec", "codec-store", "net", "scale", "serve", "vllm",
-                                                          "cluster", "dualpath", "splice"),
+                                                          "cluster", "dualpath", "splice", "lossy"),
                     default="store",
                     help="what to measure ('codec-store': an NVMe tier with codec none vs lossless; "
                          "'net': peer page fetches and incast over TCP, and RDMA where a device exists; "
@@ -55,7 +55,9 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                          "(root; about a minute); "
                          "'splice': SmolLM2-135M: time to first token after a 256-token deletion, re-prefilled vs "
                          "spliced, first-layer key error, greedy agreement and NLL delta, and tokens reused on an "
-                         "agent trace with edits (about a minute))")
+                         "agent trace with edits (about a minute); "
+                         "'lossy': SmolLM2-135M: NLL and top-1 agreement of a cache coded lossy at --budgets bits "
+                         "an element, rate-distortion vs uniform allocation, and its bytes vs BF16 (a few minutes))")
     bp.add_argument("--kv", metavar="FILE.safetensors", help="codec, codec-store: KV tensors layerNN.k/.v "
                     f"[kv_heads, tokens, head_dim], or a folder of such files (default: ${KV_ENV}, else "
                     "../shared/data/kv beside the tierkv checkout)")
@@ -74,6 +76,8 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
     bp.add_argument("--dir", metavar="DIR", help="directory for the files of the store, codec-store and scale "
                     "suites (default: a temporary one; codec and net write none)")
     bp.add_argument("--runs", type=int, default=None, metavar="N", help="repetitions per measurement")
+    bp.add_argument("--budgets", metavar="B,B,...", help="lossy: average bits per element to code at "
+                    "(default 2.5,3,4,8; 2.5,4 with --quick)")
     bp.set_defaults(handler=run)
     return bp
 
@@ -87,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--pages is for the scale, cluster and dualpath suites, not {args.suite}")
     if (args.requests is not None or args.storage_mbit is not None) and args.suite != "dualpath":
         raise InputError(f"--requests and --storage-mbit are for the dualpath suite, not {args.suite}")
+    if args.budgets is not None and args.suite != "lossy":
+        raise InputError(f"--budgets is for the lossy suite, not {args.suite}")
     if (args.nodes is not None or args.lease is not None) and args.suite != "cluster":
         raise InputError(f"--nodes and --lease are for the cluster suite, not {args.suite}")
     if args.suite == "scale":
@@ -103,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         result = _dualpath(args)
     elif args.suite == "splice":
         result = _splice(args)
+    elif args.suite == "lossy":
+        result = _lossy(args)
     elif args.suite == "vllm":
         result = _vllm(args)
     elif args.suite == "serve":
@@ -198,6 +206,32 @@ def _splice(args: argparse.Namespace) -> dict[str, object]:
     return run_splice_bench(runs=runs, where=args.dir, **kw,  # type: ignore[arg-type]
                             step=None if args.json else
                             lambda what: print(f"splice: {what}", file=sys.stderr, flush=True))
+
+
+def _lossy(args: argparse.Namespace) -> dict[str, object]:
+    import sys
+
+    from tierkv.bench.lossy import DEFAULT_BUDGETS, run_lossy_bench
+    from tierkv.integrations import smollm2
+
+    missing = smollm2.missing_requirements()
+    if missing:
+        raise InputError(f"the lossy benchmark runs SmolLM2-135M: it needs {', '.join(missing)} "
+                         f"({smollm2.INSTALL_HINT})")
+    if args.runs is not None:
+        raise InputError("--runs is not for the lossy suite: its figures are deterministic")
+    budgets: tuple[float, ...] = (2.5, 4.0) if args.quick else DEFAULT_BUDGETS
+    if args.budgets is not None:
+        try:
+            budgets = tuple(float(b) for b in args.budgets.split(","))
+        except ValueError:
+            raise InputError(f"--budgets must be numbers separated by commas, got {args.budgets!r}") from None
+        if not budgets or not all(1.0 <= b <= 16.0 for b in budgets):
+            raise InputError(f"--budgets must each be 1 to 16 bits per element, got {args.budgets!r}")
+    kw = dict(context=512, continuation=32, generate=16) if args.quick else {}
+    return run_lossy_bench(budgets, **kw,  # type: ignore[arg-type]
+                           say=(lambda _m: None) if args.json else
+                           lambda what: print(f"lossy: {what}", file=sys.stderr, flush=True))
 
 
 def _vllm(args: argparse.Namespace) -> dict[str, object]:
@@ -472,6 +506,23 @@ def splice_tables(r: Mapping[str, object]) -> Iterator[Table]:
         ("gain, points of the cached context", r.get("reuse_gain_points"), ">= 30")])
 
 
+def lossy_tables(r: Mapping[str, object]) -> Iterator[Table]:
+    budgets = r.get("budgets")
+    rows = []
+    if isinstance(budgets, list):
+        for i, b in enumerate(budgets):
+            def at(name: str) -> object:
+                v = r.get(name)
+                return v[i] if isinstance(v, list) and i < len(v) else None
+            rows.append((b, at("delta_nll"), at("no_evict_delta_nll"), at("uniform_delta_nll"), at("agreement"),
+                         at("no_evict_agreement"), at("uniform_agreement"), at("bytes_ratio"), at("kept_fraction")))
+    yield _table(f"SmolLM2-135M, {_cell(r.get('context_tokens'))}-token prompt in {_cell(r.get('page_tokens'))}-token "
+                 f"pages, lossless NLL {_cell(r.get('nll_lossless'))} nats/token (targets: delta NLL <= 0.05 at 4 bits; "
+                 "rate-distortion below uniform at 2.5)",
+                 ("bits/element", "delta NLL", "no eviction", "uniform", "top-1 agreement", "no eviction",
+                  "uniform", "bytes vs BF16", "tokens kept"), rows)
+
+
 def vllm_tables(r: Mapping[str, object]) -> Iterator[Table]:
     modes = _map(r.get("modes"))
 
@@ -508,4 +559,4 @@ def _ratio(a: object, b: object) -> float | None:
 TABLES: dict[str, Callable[[Mapping[str, object]], Iterable[Table]]] = {
     "store": store_tables, "codec": codec_tables, "codec-store": codec_store_tables, "net": net_tables,
     "scale": scale_tables, "serve": serve_tables, "vllm": vllm_tables, "cluster": cluster_tables,
-    "dualpath": dualpath_tables, "splice": splice_tables}
+    "dualpath": dualpath_tables, "splice": splice_tables, "lossy": lossy_tables}

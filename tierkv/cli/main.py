@@ -21,7 +21,8 @@ from tierkv.cli.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsagePar
 from tierkv.errors import ConfigError, InputError, LayoutError, TierKVError
 
 #: Subcommands in the order ``--help`` lists them: module names under ``tierkv.cli``.
-COMMANDS = ("replay", "bench", "sim", "plan", "demo", "serve", "status", "cluster", "rig", "doctor", "format")
+COMMANDS = ("replay", "bench", "sim", "plan", "demo", "serve", "status", "cluster", "rig", "doctor", "format",
+            "calibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

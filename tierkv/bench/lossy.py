@@ -1,0 +1,128 @@
+"""``tierkv bench lossy``: what lossy pages cost in quality, on SmolLM2-135M (transformers, CPU).
+
+A held text (tierkv's own module docstrings, ``--context`` tokens, so nothing is
+downloaded) is prefilled; its KV, rounded to BF16 as the store holds it, is cut into
+pages of ``--page-tokens`` tokens, each coded at every budget (average bits per element,
+headers and parameters included) twice: with the rate-distortion allocation
+(:func:`tierkv.lossy.alloc.allocate`: importance from the scoring pass, sensitivities
+from a calibration measured in the same run on *another* text), the same keeping every
+token (``evict=False``: what an engine with paged attention can use) and the uniform
+one (:func:`~tierkv.lossy.alloc.uniform`), through the lossy format and back. Each
+decoded cache then predicts the text that follows (``--continuation`` tokens,
+teacher-forced NLL per token) and the lossless cache's greedy continuation
+(``--generate`` tokens, teacher-forced top-1 agreement). Reported per budget:
+``delta_nll``, ``no_evict_delta_nll`` and ``uniform_delta_nll`` (nats per token over the
+lossless BF16 cache), ``agreement``, ``no_evict_agreement`` and ``uniform_agreement``, ``bytes_ratio`` (blob bytes over the BF16
+pages') and ``kept_fraction`` (tokens not evicted).
+"""
+
+from __future__ import annotations
+
+import ast
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import tierkv
+from tierkv.lossy.alloc import allocate, uniform
+from tierkv.lossy.format import decode, encode
+
+DEFAULT_BUDGETS = (2.5, 3.0, 4.0, 8.0)
+
+
+def docstring_text(first_half: bool) -> str:
+    """tierkv's module docstrings, in path order: the first half of the modules (the
+    calibration text) or the second (the held text)."""
+    root = Path(tierkv.__file__).parent
+    files = sorted(root.rglob("*.py"))
+    half = files[:len(files) // 2] if first_half else files[len(files) // 2:]
+    docs = []
+    for f in half:
+        try:
+            doc = ast.get_docstring(ast.parse(f.read_text()))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        if doc:
+            docs.append(doc)
+    return "\n\n".join(docs)
+
+
+def code_cache(kv: np.ndarray, budget: float, page_tokens: int, mode: str, importance: Any,
+               calibration: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """``kv`` ([L, 2, N, H, D]) coded page by page at ``budget`` through the lossy format
+    and decoded: the decoded KV, which tokens are kept, and the blobs' bytes."""
+    from tierkv.lossy.alloc import Importance
+
+    out = np.zeros_like(kv)
+    kept = np.zeros(kv.shape[2], bool)
+    size = 0
+    for p in range(0, kv.shape[2], page_tokens):
+        sl = slice(p, p + page_tokens)
+        page = kv[:, :, sl]
+        if mode in ("rd", "rd_keep"):
+            imp = Importance(importance.a2[:, :, sl], importance.qe)
+            alloc = allocate(page, budget, imp, calibration, evict=mode == "rd")
+        else:
+            alloc = uniform(page.shape, budget)
+        blob = encode(page, alloc, "bf16", budget)
+        dec = decode(blob)
+        out[:, :, sl] = dec.page
+        kept[sl] = dec.kept
+        size += len(blob)
+    return out, kept, size
+
+
+def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1024, continuation: int = 128,
+                    generate: int = 64, page_tokens: int = 128,
+                    say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    from tierkv.integrations import smollm2
+    from tierkv.lossy import scoring
+
+    if context % page_tokens:
+        raise ValueError(f"--context must be whole pages of --page-tokens ({page_tokens}), got {context}")
+    t0 = time.perf_counter()
+    say("loading SmolLM2-135M (fp32)")
+    lm = smollm2.load("fp32")
+    model, tok = lm.model, lm.tokenizer
+    cal_ids = np.array(tok.encode(docstring_text(True), add_special_tokens=False), np.int64)
+    held_ids = np.array(tok.encode(docstring_text(False), add_special_tokens=False), np.int64)
+    need = context + continuation
+    if cal_ids.size < need or held_ids.size < need:
+        raise ValueError(f"tierkv's docstrings hold {cal_ids.size} and {held_ids.size} tokens; the bench needs {need}")
+    say("calibrating per-layer sensitivities on the first half of tierkv's docstrings")
+    cal = scoring.calibrate(model, cal_ids[:context], cal_ids[context:need], model_id=smollm2.MODEL_ID,
+                            page_tokens=page_tokens)
+    say(f"prefilling and scoring {context} tokens of the held text")
+    prompt, follow = held_ids[:context], held_ids[context:need]
+    pre = scoring.prefill(model, prompt)
+    kv = pre.kv
+    L, _, N, H, D = kv.shape
+    all_kept = np.ones(N, bool)
+    first = int(pre.last_logits.argmax())
+    gen = scoring.greedy(model, kv, first, generate + 1)
+    nll_ref = scoring.nll(model, kv, all_kept, np.concatenate([prompt[-1:], follow]))
+    bf16_bytes = kv.size * 2
+    rows: dict[str, list[Any]] = {k: [] for k in (
+        "delta_nll", "agreement", "bytes_ratio", "kept_fraction",
+        "no_evict_delta_nll", "no_evict_agreement", "no_evict_bytes_ratio",
+        "uniform_delta_nll", "uniform_agreement", "uniform_bytes_ratio")}
+    prefixes = {"rd": "", "rd_keep": "no_evict_", "uniform": "uniform_"}
+    for budget in budgets:
+        for mode, pre_ in prefixes.items():
+            say(f"budget {budget} bits per element, {mode} allocation")
+            dec, kept, size = code_cache(kv, budget, page_tokens, mode, pre.importance, cal)
+            d_nll = scoring.nll(model, dec, kept, np.concatenate([prompt[-1:], follow])) - nll_ref
+            agree = scoring.agreement(model, dec, kept, gen)
+            rows[pre_ + "delta_nll"].append(round(d_nll, 4))
+            rows[pre_ + "agreement"].append(round(agree, 4))
+            rows[pre_ + "bytes_ratio"].append(round(size / bf16_bytes, 4))
+            if mode == "rd":
+                rows["kept_fraction"].append(round(float(kept.mean()), 4))
+    return {"model": smollm2.MODEL_ID, "context_tokens": context, "continuation_tokens": continuation,
+            "generated_tokens": generate, "page_tokens": page_tokens, "budgets": list(budgets),
+            "nll_lossless": round(nll_ref, 4), **rows,
+            "calibration_key": [round(x, 6) for x in cal.key], "calibration_value": [round(x, 6) for x in cal.value],
+            "seconds": round(time.perf_counter() - t0, 1)}
