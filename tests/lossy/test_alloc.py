@@ -70,6 +70,21 @@ def test_rd_beats_uniform_on_the_distortion_it_models_and_evicts_the_unattended(
     assert allocate(x, 2.5, imp, evict=False).kept.all()
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 69, 3, 2), (3, 2, 127, 1, 33), (1, 2, 200, 2, 5), (2, 2, 17, 2, 64)])
+def test_odd_shapes_fit_the_budget_to_the_bit(shape: tuple[int, ...]) -> None:
+    """Code streams are padded to bytes: odd token and channel counts must still fit."""
+    rng = np.random.default_rng(sum(shape))
+    for seed in range(20):
+        x = rng.standard_normal(shape).astype(np.float32)
+        for budget in (3.0, 5.0, 9.5):
+            for evict in (True, False):
+                try:
+                    a = allocate(x, budget, evict=evict)
+                except InputError:      # a budget below what this small page needs at its narrowest
+                    continue
+                assert size_bits(a, shape[3], shape[4]) <= budget * x.size, (seed, budget, evict)
+
+
 def test_a_budget_below_the_narrowest_coding_is_refused() -> None:
     with pytest.raises(InputError, match="below uniform 2-bit"):
         uniform(page().shape, 1.0)

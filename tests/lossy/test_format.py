@@ -99,3 +99,71 @@ def test_only_float_pages_of_the_right_shape() -> None:
         encode(page(), mixed(), "fp8_e4m3", 4.0)
     with pytest.raises(InputError, match="layers, 2, tokens"):
         encode(page()[:, :1], mixed(), "fp32", 4.0)
+
+
+def _forge(blob: bytes, **fields: int) -> bytes:
+    """``blob`` with header fields changed and its checksum made right again (xxh3 is no MAC)."""
+    import struct
+
+    import xxhash
+
+    from tierkv.lossy import format as F
+    names = ["magic", "version", "dtype", "layers", "tokens", "heads", "dim", "kept", "budget", "plen", "reserved"]
+    vals = dict(zip(names, F._HEADER.unpack_from(blob)))
+    vals.update(fields)
+    head = F._HEADER.pack(*(vals[n] for n in names))
+    payload = blob[F.HEADER_BYTES:F.HEADER_BYTES + vals["plen"]] if "payload" not in fields else b""
+    seed = xxhash.xxh3_64_intdigest(head)
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload, seed=seed)) + payload
+
+
+def test_blobs_with_a_valid_checksum_but_wrong_insides_are_refused() -> None:
+    import struct
+
+    import xxhash
+
+    from tierkv.lossy import format as F
+    blob = encode(page(), mixed(), "fp32", 4.0)
+    # A header naming a page too large to allocate, before anything is allocated for it.
+    with pytest.raises(CorruptPageError, match="names a page of"):
+        decode(_forge(blob, tokens=1 << 20, layers=1 << 10))
+    with pytest.raises(CorruptPageError, match="names a page of"):
+        decode(_forge(blob, dim=0))
+    # A payload longer than its sections, and a bitmap with padding bits set.
+    head = bytearray(blob[:F._HEADER.size])
+    payload = blob[F.HEADER_BYTES:] + b"\0\0"
+    struct.pack_into("<I", head, 28, len(payload))
+    seed = xxhash.xxh3_64_intdigest(bytes(head))
+    longer = bytes(head) + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload, seed=seed)) + payload
+    with pytest.raises(CorruptPageError, match="past its last section"):
+        decode(longer)
+    small = np.random.default_rng(3).standard_normal((1, 2, 5, 1, 4)).astype(np.float32)
+    b5 = bytearray(encode(small, Allocation(np.full((1, 1, 4), 4), np.full((1, 5), 4)), "fp32", 8.0))
+    b5[F.HEADER_BYTES] |= 0x80                                       # bit 7 of a 5-token bitmap: padding
+    seed = xxhash.xxh3_64_intdigest(bytes(b5[:F._HEADER.size]))
+    b5[F._HEADER.size:F.HEADER_BYTES] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b5[F.HEADER_BYTES:]),
+                                                                                    seed=seed))
+    with pytest.raises(CorruptPageError, match="padding"):
+        decode(bytes(b5))
+    # Trailing bytes past the payload (whole blocks read back from a tier) are fine.
+    assert np.array_equal(decode(blob + bytes(100)).page, decode(blob).page)
+
+
+def test_values_float16_cannot_hold_are_coded_wide_or_refused() -> None:
+    from tierkv.lossy.alloc import allocate
+
+    x = page(4) * 0.1
+    x[1, 0, 5, 1, 3] = 1e6                      # one key beyond float16's range
+    x[2, 1, 7, 0, 2] = -7e4                     # one value below it
+    with pytest.raises(InputError, match="beyond float16's"):
+        encode(x, Allocation(np.full((L, H, D), 4), np.full((L, T), 4)), "fp32", 4.0)
+    a = allocate(x, 12.0, evict=False)
+    # 1e6 over 3 or 15 steps passes float16's largest scale, over 255 does not; -7e4 is below float16 itself.
+    assert a.key_bits[1, 1, 3] in (8, 16) and a.value_bits[2, 7] == 16
+    d = decode(encode(x, a, "fp32", 12.0))
+    assert np.isfinite(d.page).all() and abs(d.page[1, 0, 5, 1, 3] - 1e6) < 1e4 and abs(d.page[2, 1, 7, 0, 2] + 7e4) < 1e3
+    bad = page()
+    bad[0, 0, 0, 0, 0] = np.nan
+    for call in (lambda: encode(bad, mixed(), "fp32", 4.0), lambda: allocate(bad, 4.0)):
+        with pytest.raises(InputError, match="finite values only"):
+            call()

@@ -61,3 +61,32 @@ def test_calibration_measures_every_layer(llama: object) -> None:
     cal = scoring.calibrate(llama, tokens(4, 128), tokens(5, 16), model_id="tiny", page_tokens=64)
     assert cal.model_id == "tiny" and len(cal.key) == len(cal.value) == LAYERS
     assert all(np.isfinite(x) and x >= 0 for x in cal.key + cal.value) and max(cal.value) > 0
+
+
+def test_importance_follows_each_query_head_to_its_kv_head(llama: object) -> None:
+    """a2 by hand: query head i reads KV head i // group; a token in the window is averaged
+    over the queries that can see it."""
+    import torch
+
+    toks, window = tokens(6), 16
+    pre = scoring.prefill(llama, toks, window=window)
+    ids = torch.from_numpy(toks)[None]
+    before = llama.config._attn_implementation  # type: ignore[attr-defined]
+    llama.set_attn_implementation("eager")  # type: ignore[attr-defined]
+    try:
+        with torch.no_grad():
+            head = llama(ids[:, :N - window], use_cache=True)  # type: ignore[operator]
+            att = llama(ids[:, N - window:], past_key_values=head.past_key_values,  # type: ignore[operator]
+                        output_attentions=True).attentions
+    finally:
+        llama.set_attn_implementation(before)  # type: ignore[attr-defined]
+    qheads = att[0].shape[1]
+    group = qheads // HEADS
+    for layer in range(LAYERS):
+        a = att[layer][0].float().numpy() ** 2                  # [qheads, window, N]
+        for h in range(HEADS):
+            mine = [i for i in range(qheads) if i // group == h]
+            for t in (0, N // 2, N - window, N - 3, N - 1):
+                seen = min(window, N - t)
+                want = a[mine][:, -seen:, t].sum() / (len(mine) * seen)
+                assert np.isclose(pre.importance.a2[layer, h, t], want, rtol=1e-4), (layer, h, t)

@@ -103,7 +103,7 @@ def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1
     all_kept = np.ones(N, bool)
     first = int(pre.last_logits.argmax())
     gen = scoring.greedy(model, kv, first, generate + 1)
-    nll_ref = scoring.nll(model, kv, all_kept, np.concatenate([prompt[-1:], follow]))
+    nll_ref = scoring.nll(model, kv, all_kept, follow)
     bf16_bytes = kv.size * 2
     rows: dict[str, list[Any]] = {k: [] for k in (
         "delta_nll", "agreement", "bytes_ratio", "kept_fraction",
@@ -114,7 +114,7 @@ def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1
         for mode, pre_ in prefixes.items():
             say(f"budget {budget} bits per element, {mode} allocation")
             dec, kept, size = code_cache(kv, budget, page_tokens, mode, pre.importance, cal)
-            d_nll = scoring.nll(model, dec, kept, np.concatenate([prompt[-1:], follow])) - nll_ref
+            d_nll = scoring.nll(model, dec, kept, follow) - nll_ref
             agree = scoring.agreement(model, dec, kept, gen)
             rows[pre_ + "delta_nll"].append(round(d_nll, 4))
             rows[pre_ + "agreement"].append(round(agree, 4))

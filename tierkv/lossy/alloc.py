@@ -104,12 +104,15 @@ def _tables(page: np.ndarray, imp: Importance, cal: Calibration) -> _Tables:
     vals = page[:, 1]                                          # [L, T, H, D]
     vdev = ((vals - vals.mean(axis=1, keepdims=True)) ** 2).sum(axis=-1).transpose(0, 2, 1)   # [L, H, T]
     weight = imp.a2 * vdev                                     # [L, H, T]
-    dv = np.stack([sv * (imp.a2.transpose(0, 2, 1) * ((roundtrip(vals, b) - vals) ** 2).sum(axis=-1)).sum(axis=-1)
-                   for b in _QWIDTHS])                          # [4, L, T]
-    dk = np.stack([sk * imp.qe / D * (((roundtrip(keys, b) - keys) ** 2) * weight[:, :, None, :]).sum(axis=-1)
-                   for b in BITS])                              # [5, L, H, D]
+    with np.errstate(invalid="ignore", over="ignore"):
+        dv = np.stack([sv * (imp.a2.transpose(0, 2, 1) * ((roundtrip(vals, b) - vals) ** 2).sum(axis=-1)).sum(axis=-1)
+                       for b in _QWIDTHS])                      # [4, L, T]
+        dk = np.stack([sk * imp.qe / D * (((roundtrip(keys, b) - keys) ** 2) * weight[:, :, None, :]).sum(axis=-1)
+                       for b in BITS])                          # [5, L, H, D]
     devict = (sv * weight.sum(axis=1)).sum(axis=0)             # [T]
-    return _Tables(dv, dk, devict)
+    # A width whose parameters float16 cannot hold has infinite error (never chosen), also
+    # where its weight is 0 (inf * 0).
+    return _Tables(np.nan_to_num(dv, nan=np.inf), np.nan_to_num(dk, nan=np.inf), devict)
 
 
 def _choose(t: _Tables, lam: float, kept_tokens: int, heads: int, dim: int, evict: bool) -> Allocation:
@@ -137,6 +140,10 @@ def allocate(page: np.ndarray, budget: float, importance: Importance | None = No
     ``evict=False`` keeps every token (for engines that cannot drop one). InputError where
     the budget is below what the format needs at its narrowest."""
     L, _, T, H, D = page.shape
+    if not np.isfinite(page).all():
+        raise InputError("a lossy page codes finite values only; this page holds NaN or infinity")
+    if min(L, T, H, D) < 1:
+        raise InputError(f"a page has at least one of everything, got shape {page.shape}")
     imp = importance if importance is not None else Importance.flat(L, T, H, D)
     imp.check(L, T, H, D)
     cal = calibration if calibration is not None else Calibration.neutral(L)
@@ -174,8 +181,10 @@ def allocate(page: np.ndarray, budget: float, importance: Importance | None = No
 
 def _fill(a: Allocation, t: _Tables, limit: float, heads: int, dim: int) -> Allocation:
     """``a`` with groups moved one width up, most distortion saved per bit first, while the
-    blob still fits ``limit`` bits (what the bisection left: widths are discrete)."""
-    slack = limit - size_bits(a, heads, dim)
+    blob still fits ``limit`` bits (what the bisection left: widths are discrete). Each
+    code stream is padded to a byte, which moving groups between streams changes: 32 bits
+    are held back for that, and the result is checked against the exact size."""
+    slack = limit - size_bits(a, heads, dim) - 32
     kept = a.kept
     n = int(kept.sum())
     if slack <= 0 or not n:
@@ -204,7 +213,8 @@ def _fill(a: Allocation, t: _Tables, limit: float, heads: int, dim: int) -> Allo
             else:
                 vb[at] = up[int(vb[at])]
             slack -= cost
-    return Allocation(kb, vb)
+    filled = Allocation(kb, vb)
+    return filled if size_bits(filled, heads, dim) <= limit else a
 
 
 def uniform(page_shape: tuple[int, ...], budget: float) -> Allocation:

@@ -28,7 +28,9 @@ order: float16 ``lo`` and ``scale`` at 2, 4, 8 bits, the float16 mean at 0, noth
 16); value parameters (per (layer, kept token, head) at 2, 4, 8 bits); then four code
 streams, 2-, 4-, 8- and 16-bit, each the codes of every group at that width in the same
 order (keys before values), LSB first, padded to a byte. Decoding checks the magic,
-version, geometry and length, then the checksum, before it reads anything else.
+version, geometry (at most :data:`MAX_PAGE_ELEMENTS`) and length, then the checksum,
+before it reads anything else, and refuses sections that do not fill the payload
+exactly or a bitmap with padding set; bytes past the payload are ignored.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import numpy as np
 import xxhash
 
 from tierkv.errors import CorruptPageError, InputError
-from tierkv.lossy.quant import BITS, codes, from_bf16_bits, params, to_bf16_bits
+from tierkv.lossy.quant import BITS, codes, finite, from_bf16_bits, mean16, params, to_bf16_bits
 
 MAGIC = b"TL"
 VERSION = 1
@@ -48,6 +50,9 @@ _HEADER = struct.Struct("<2sBBIIIIIfI8s")
 HEADER_BYTES = _HEADER.size + 8
 _DTYPES = {"bf16": 1, "fp16": 2, "fp32": 3}
 _INDEX = {b: i for i, b in enumerate(BITS)}
+#: The most elements a page may have (a blob's header naming more is refused before
+#: anything is allocated for it): 2**27, 512 MiB as float32.
+MAX_PAGE_ELEMENTS = 1 << 27
 
 
 @dataclass(frozen=True)
@@ -127,10 +132,15 @@ def _groups(groups: np.ndarray, widths: np.ndarray, streams: dict[int, list[np.n
         if b == 16:
             streams[16].append(to_bf16_bits(g).reshape(-1))
         elif b == 0:
-            par[sel, 0] = g.mean(axis=-1).astype(np.float16) if g.shape[-1] else np.float16(0)
+            mean = mean16(g)
+            if not finite(mean).all():
+                raise InputError("a group's mean is beyond float16's range: code it at 16 bits, not 0")
+            par[sel, 0] = mean
             npar[sel] = 1
         else:
             lo, scale = params(g, b)
+            if not finite(lo, scale).all():
+                raise InputError(f"a group's range is beyond float16's: code it at 16 bits, not {b}")
             par[sel, 0], par[sel, 1] = lo, scale
             npar[sel] = 2
             streams[b].append(codes(g, b, lo, scale).reshape(-1))
@@ -147,8 +157,13 @@ def encode(page: np.ndarray, alloc: Allocation, dtype: str, budget: float) -> by
     if page.ndim != 5 or page.shape[1] != 2:
         raise InputError(f"a page is [layers, 2, tokens, heads, dim], got shape {page.shape}")
     L, _, T, H, D = page.shape
+    if min(L, T, H, D) < 1 or page.size > MAX_PAGE_ELEMENTS:
+        raise InputError(f"a page has 1 to {MAX_PAGE_ELEMENTS:,} elements in every dimension's 1 or more, "
+                         f"got shape {page.shape}")
     alloc.check(L, T, H, D)
     page = np.asarray(page, np.float32)
+    if not np.isfinite(page).all():
+        raise InputError("a lossy page codes finite values only; this page holds NaN or infinity")
     idx = np.flatnonzero(alloc.kept)
     keys = page[:, 0][:, idx].transpose(0, 2, 3, 1).reshape(L * H * D, idx.size)   # per (layer, head, channel)
     vals = page[:, 1][:, idx].reshape(-1, D)                                 # per (layer, kept token, head)
@@ -190,6 +205,8 @@ def header(blob: bytes | memoryview) -> tuple[int, int, int, int, int, int, floa
     magic, version, dt, L, T, H, D, kept, budget, plen, _ = _HEADER.unpack_from(blob)
     if magic != MAGIC or version != VERSION or dt not in _DTYPES.values():
         raise CorruptPageError(f"not a lossy page of format {VERSION} (magic {magic!r}, version {version}, dtype {dt})")
+    if min(L, T, H, D) < 1 or 2 * L * T * H * D > MAX_PAGE_ELEMENTS:
+        raise CorruptPageError(f"a lossy page's header names a page of {L}x2x{T}x{H}x{D} elements")
     if kept > T or len(blob) < HEADER_BYTES + plen:
         raise CorruptPageError(f"a lossy page's header says {kept} of {T} tokens kept, {plen} payload bytes; "
                                f"the blob has {len(blob) - HEADER_BYTES}")
@@ -204,7 +221,7 @@ def decode(blob: bytes | memoryview) -> Decoded:
     if _checksum(bytes(mv[:_HEADER.size]), payload) != int.from_bytes(mv[_HEADER.size:HEADER_BYTES], "little"):
         raise CorruptPageError("a lossy page fails its checksum")
     try:
-        return _decode(payload, L, T, H, D, n, budget)
+        return _decode(payload, L, T, H, D, n, budget)   # trailing bytes past the payload are ignored (whole blocks)
     except (ValueError, IndexError) as exc:   # lengths the checksum vouched for but the header does not fit
         raise CorruptPageError(f"a lossy page does not parse: {exc}") from None
 
@@ -221,9 +238,10 @@ def _decode(payload: memoryview, L: int, T: int, H: int, D: int, n: int, budget:
         return part
 
     bits = np.array(BITS)
-    kept = np.unpackbits(np.frombuffer(take(-(-T // 8)), np.uint8), count=T, bitorder="little").astype(bool)
-    if int(kept.sum()) != n:
-        raise ValueError(f"the bitmap keeps {int(kept.sum())} tokens, the header {n}")
+    bitmap = np.unpackbits(np.frombuffer(take(-(-T // 8)), np.uint8), bitorder="little").astype(bool)
+    kept = bitmap[:T]
+    if int(bitmap.sum()) != n or int(kept.sum()) != n:
+        raise ValueError(f"the bitmap keeps {int(kept.sum())} tokens (padding {int(bitmap[T:].sum())}), the header {n}")
     kw = bits[np.frombuffer(take(L * H * D), np.uint8)]
     vtok = bits[np.frombuffer(take(L * n), np.uint8)].reshape(L, n)
     vw = np.repeat(vtok.reshape(-1), H)
@@ -235,6 +253,8 @@ def _decode(payload: memoryview, L: int, T: int, H: int, D: int, n: int, budget:
     counts = {b: int((kw == b).sum()) * n + int((vw == b).sum()) * D for b in (2, 4, 8, 16)}
     streams = {b: _unpack(take(_stream_bytes(counts[b], b)), counts[b], b) for b in (2, 4, 8, 16)}
     used = {b: 0 for b in streams}
+    if at != len(payload):
+        raise ValueError(f"{len(payload) - at} payload bytes past its last section")
     keys = _ungroup(kw, kpar, n, streams, used)
     vals = _ungroup(vw, vpar, D, streams, used)
     page = np.zeros((L, 2, T, H, D), np.float32)

@@ -40,15 +40,34 @@ def from_bf16_bits(b: np.ndarray) -> np.ndarray:
 
 
 def params(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """``lo`` and ``scale`` (float16, as stored) of each group of ``x`` at ``bits`` in {2, 4, 8}."""
-    lo = x.min(axis=-1).astype(np.float16)
+    """``lo`` and ``scale`` (float16, as stored) of each group of ``x`` at ``bits`` in {2, 4, 8};
+    infinite where a group's range is beyond float16's (:func:`finite` tells)."""
+    low = x.min(axis=-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        lo = low.astype(np.float16)
+        lo = np.where(lo.astype(np.float32) > low, np.nextafter(lo, np.float16(-np.inf)), lo).astype(np.float16)
     hi = x.max(axis=-1)
-    scale = ((hi - lo.astype(np.float32)) / np.float32(2 ** bits - 1)).astype(np.float16)
-    # A scale that float16 rounds to 0 (a flat group, or one below float16's range) decodes
-    # every element to lo; one that rounds down is nudged up so the top code still reaches hi.
-    scale = np.where(scale.astype(np.float32) * np.float32(2 ** bits - 1) + lo.astype(np.float32) < hi,
-                     np.nextafter(scale, np.float16(np.inf)), scale).astype(np.float16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = ((hi - lo.astype(np.float32)) / np.float32(2 ** bits - 1)).astype(np.float16)
+        # A scale that float16 rounds to 0 (a flat group, or one below float16's range) decodes
+        # every element to lo; one that rounds down is nudged up so the top code still reaches hi.
+        scale = np.where(scale.astype(np.float32) * np.float32(2 ** bits - 1) + lo.astype(np.float32) < hi,
+                         np.nextafter(scale, np.float16(np.inf)), scale).astype(np.float16)
     return lo, scale
+
+
+def finite(*arrays: np.ndarray) -> np.ndarray:
+    """Where every one of the stored parameters ``arrays`` is finite (a group float16 can code)."""
+    out = np.ones(np.shape(arrays[0]), bool)
+    for a in arrays:
+        out &= np.isfinite(a.astype(np.float32))
+    return out
+
+
+def mean16(x: np.ndarray) -> np.ndarray:
+    """Each group's mean as stored at width 0 (float16; infinite beyond its range)."""
+    with np.errstate(over="ignore"):
+        return x.mean(axis=-1).astype(np.float16)
 
 
 def codes(x: np.ndarray, bits: int, lo: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -69,12 +88,17 @@ def roundtrip(x: np.ndarray, bits: int) -> np.ndarray:
     if bits == 16:
         return from_bf16_bits(to_bf16_bits(x))
     if bits == 0:
-        mean = x.mean(axis=-1).astype(np.float16).astype(np.float32)
+        mean = mean16(x).astype(np.float32)
         return np.broadcast_to(mean[..., None], x.shape).copy()
     lo, scale = params(x, bits)
-    return dequantize(codes(x, bits, lo, scale), lo, scale)
+    ok = finite(lo, scale)
+    if ok.all():
+        return dequantize(codes(x, bits, lo, scale), lo, scale)
+    lo, scale = np.where(ok, lo, 0).astype(np.float16), np.where(ok, scale, 0).astype(np.float16)
+    return np.where(ok[..., None], dequantize(codes(x, bits, lo, scale), lo, scale), np.float32(np.inf))
 
 
 def errors(x: np.ndarray, widths: tuple[int, ...] = BITS[1:]) -> np.ndarray:
-    """The squared error of each group of ``x`` at each width: ``[len(widths), *x.shape[:-1]]``."""
+    """The squared error of each group of ``x`` at each width: ``[len(widths), *x.shape[:-1]]``
+    (infinite where the width cannot code the group: its range is beyond float16's)."""
     return np.stack([((roundtrip(x, b) - x) ** 2).sum(axis=-1) for b in widths])

@@ -83,9 +83,13 @@ def prefill(model: Any, tokens: np.ndarray, *, window: int = 64, dtype: str = "b
         for h in hooks:
             h.remove()
     a2 = np.zeros((L, H, N))
+    # Per token, the mean over the queries that can see it (causal: a token inside the
+    # window is seen by the window's queries from its own on) and over its KV head's
+    # query heads (query head i reads KV head i // group).
+    seen = np.minimum(window, N - np.arange(N)).astype(np.float64)
     for layer, att in enumerate(scored.attentions):                      # [1, qheads, window, N]
         p = att[0].float().numpy() ** 2
-        a2[layer] = p.reshape(H, group, window, N).mean(axis=(1, 2))
+        a2[layer] = p.reshape(H, group, window, N).sum(axis=(1, 2)) / (group * seen)
     q = np.stack([c[0, -window:].float().numpy() for c in captured[-L:]])   # [L, window, qheads * D]
     q2 = (q.reshape(L, window, H, group, D) ** 2).mean(axis=(1, 3))       # [L, H, D]
     half = D // 2                                                        # rotary pairs (c, c + D/2) share energy
