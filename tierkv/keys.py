@@ -15,10 +15,12 @@ keys (compiled, or a Python fallback with the same contract).
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Sequence
 from typing import NewType, Protocol
 
 import numpy as np
+
 import xxhash
 
 from tierkv.errors import InputError
@@ -154,6 +156,16 @@ def derived_seed(previous: bytes) -> bytes:
     if len(previous) != KEY_BYTES:
         raise InputError(f"a derived chain follows a {KEY_BYTES}-byte key, got {len(previous)} bytes")
     return xxhash.xxh3_128_digest(b"tierkv-derived\0v1" + previous)
+
+
+def lossy_seed(namespace: bytes, budget: float) -> bytes:
+    """The chain seed of *lossy* pages (:mod:`tierkv.lossy`) coded at ``budget`` bits an
+    element, of the tenant whose namespace digest is ``namespace``: lossy page ``i`` of a
+    prompt is keyed by the chain over its first ``i + 1`` pages from this seed, so no
+    exact or derived key, and no other budget's, can equal it."""
+    if len(namespace) != KEY_BYTES:
+        raise InputError(f"a lossy chain starts from a {KEY_BYTES}-byte namespace, got {len(namespace)} bytes")
+    return xxhash.xxh3_128_digest(b"tierkv-lossy\0v1" + struct.pack("<d", float(budget)) + namespace)
 
 
 def split_keys(blob: bytes) -> list[PageKey]:

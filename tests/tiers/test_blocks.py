@@ -183,3 +183,40 @@ def test_a_rewrite_that_needs_more_blocks_than_are_free_changes_nothing(tmp_path
         back = np.ones((5, PB), np.uint8)
         t.read(handles, back)
         assert not back.any()
+
+
+def lossy_rows(n: int, seed: int = 0) -> np.ndarray:
+    """Rows as a store holds lossy pages: a lossy blob at 2.5 bits an element, then zeros."""
+    from tierkv.lossy.alloc import allocate
+    from tierkv.lossy.format import encode
+
+    rng = np.random.default_rng(seed)
+    out = np.zeros((n, PB), np.uint8)
+    for i in range(n):
+        page = rng.standard_normal(LAYOUT.page_shape).astype(np.float32)
+        blob = encode(page, allocate(page, 4.0), "bf16", 4.0)
+        out[i, :len(blob)] = np.frombuffer(blob, np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("mode", [CodecMode.LOSSLESS, CodecMode.AUTO])
+def test_lossy_rows_are_stored_as_their_blob_whatever_the_codec_chooses(tmp_path: Path, mode: CodecMode) -> None:
+    blocks = NvmeTier(tmp_path / "blocks.dat", 8 * BPP, ALIGN)
+    with BlockPageTier(blocks, 8, PB, CodecChoice(mode, Codec(LAYOUT))) as t:
+        rows = np.concatenate([lossy_rows(3), smooth_pages(1, 4), np.random.default_rng(5).integers(
+            0, 256, (1, PB), dtype=np.uint8)])
+        # A row that starts like a lossy page but has bytes after its blob: stored as any page.
+        forged = lossy_rows(1, 9)
+        forged[0, -1] = 7
+        rows = np.concatenate([rows, forged])
+        handles = t.allocate(len(rows))
+        t.write(handles, rows)
+        used = [sum(c for _, c in t.extents(h) or ()) for h in handles]
+        assert used[:3] == [1, 1, 1]                     # 4 bits of 16: a quarter of the page's 4 blocks
+        assert used[4] == BPP                            # random bytes raw (the forged row: as the codec chooses)
+        back = np.zeros_like(rows)
+        t.read(handles, back)
+        np.testing.assert_array_equal(back, rows)
+        wide = np.zeros((len(rows), BPP * ALIGN), np.uint8)
+        t.read(handles[:3], wide[:3])
+        np.testing.assert_array_equal(wide[:3], rows[:3])

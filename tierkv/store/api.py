@@ -37,7 +37,7 @@ from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys,
 from tierkv.layout import KVLayout
 from tierkv.store.opening import open_store_parts, release_dir
 from tierkv.store.pages import PageBatch, PageSource, Rows, page_list, page_rows
-from tierkv.store import derived
+from tierkv.store import derived, lossy_pages
 from tierkv.store.derived import Origin, Provenance
 from tierkv.store.peering import Peering, Publishing, Route
 from tierkv.store.pins import PinLedger
@@ -56,6 +56,7 @@ from tierkv.store.transfer import Transfers, gather_rows
 from tierkv.store.validate import GET_LIST_MESSAGE, check_requested, check_unfilled
 
 if TYPE_CHECKING:
+    from tierkv.lossy.alloc import Calibration, Importance
     from tierkv.serve.client import RemoteStore
     from tierkv.splice.ops import SpliceResult
     from tierkv.splice.rope import Rope
@@ -243,7 +244,7 @@ class Store:
 
     # -- the API ---------------------------------------------------------------------------
     def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True,
-               accept: str = "exact") -> LookupResult:
+               accept: str = "exact", accept_lossy: float | None = None) -> LookupResult:
         """How many leading full pages of ``tokens`` the store can serve, and from which tiers.
 
         Reads no page. The pages cached here are found in the index (no I/O). Where
@@ -256,21 +257,35 @@ class Store:
         ``stats().lookups`` (bookkeeping, not an engine's query). ``accept="derived"``:
         the run goes on with derived pages where the exact ones end (as :meth:`get`
         would load them; here only, not on peers), counted in the result's ``derived``.
+        ``accept_lossy=budget``: the same with lossy pages coded at that budget
+        (:meth:`put_lossy`), counted in ``lossy``.
         """
-        if accept not in ACCEPT:
-            raise InputError(f"lookup(accept=...) must be one of {', '.join(ACCEPT)}, got {accept!r}")
+        budget = self._accepting(accept, accept_lossy, "lookup")
         self._check_open()
         blob = self._keys(tokens, tenant)   # hashed without the lock
         res = self._lookup(blob, tenant, count)
-        if accept == "exact" or res.cached_pages == res.total_pages:
+        if (accept == "exact" and budget is None) or res.cached_pages == res.total_pages:
             return res
-        dblob = derived.derived_blob(self, tokens, tenant, blob, res.cached_pages)
+        more = (derived.derived_blob(self, tokens, tenant, blob, res.cached_pages) if budget is None else
+                lossy_pages.lossy_blob(self, tokens, tenant, budget)[res.cached_pages * KEY_BYTES:])
         with self._lock:
             self._check_open()
-            levels = derived.derived_levels(self, dblob)
+            levels = derived.derived_levels(self, more)
         n = res.cached_pages + len(levels)
         return LookupResult(n, n * self.layout.tokens_per_page, res.total_pages,
-                            res.tier_ranks + levels.translate(self._manager.kind_ranks), derived=len(levels))
+                            res.tier_ranks + levels.translate(self._manager.kind_ranks),
+                            derived=len(levels) if budget is None else 0, lossy=len(levels) if budget is not None else 0)
+
+    @staticmethod
+    def _accepting(accept: str, accept_lossy: float | None, what: str) -> float | None:
+        """Check a call's ``accept`` and ``accept_lossy``; the lossy budget or None."""
+        if accept not in ACCEPT:
+            raise InputError(f"{what}(accept=...) must be one of {', '.join(ACCEPT)}, got {accept!r}")
+        if accept_lossy is None:
+            return None
+        if accept != "exact":
+            raise InputError(f"{what}: accept={accept!r} and accept_lossy= cannot be asked together")
+        return lossy_pages.check_budget(accept_lossy, f"{what}(accept_lossy=...)")
 
     def lookup_keys(self, keys: bytes, *, count: bool = True) -> LookupResult:
         """:meth:`lookup` of a prompt given as its page keys (16 bytes each, back to back, as
@@ -302,22 +317,39 @@ class Store:
         return LookupResult(n, n * self.layout.tokens_per_page, total, ranks)
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
-            requested: int | None = None, landed: np.ndarray | None = None, accept: str = "exact") -> GetResult:
+            requested: int | None = None, landed: np.ndarray | None = None, accept: str = "exact",
+            accept_lossy: float | None = None) -> GetResult:
         """Load the leading cached pages of ``tokens`` into ``out`` (up to its length).
 
         ``accept="derived"``: where the exact pages end, go on with *derived* pages (moved
         there by :meth:`splice`: an approximation beyond the first layer, docs/splice.md);
-        the result's ``derived`` says how many. The default, ``"exact"``, never returns one.
+        the result's ``derived`` says how many. ``accept_lossy=budget``: go on with *lossy*
+        pages coded at that budget (:meth:`put_lossy`, docs/lossy.md), decoded into
+        ``out``; the result's ``lossy`` says how many and ``evicted`` which of their tokens
+        the coding dropped. The defaults never return either.
         """
-        if accept not in ACCEPT:
-            raise InputError(f"get(accept=...) must be one of {', '.join(ACCEPT)}, got {accept!r}")
-        if accept == "derived" and landed is not None:
-            raise InputError("get(accept='derived') loads whole pages: it takes no landing record")
+        budget = self._accepting(accept, accept_lossy, "get")
+        if (accept == "derived" or budget is not None) and landed is not None:
+            raise InputError("get(accept='derived' or accept_lossy=...) loads whole pages: it takes no landing record")
         res = self._get_exact(tokens, out, tenant, requested=requested, landed=landed)
-        if accept == "exact":
+        if accept == "exact" and budget is None:
             return res
         rows = page_rows(out, self.layout, "get(out=...)", len(as_token_array(tokens)) // self.layout.tokens_per_page)
+        if budget is not None:
+            return lossy_pages.get_lossy(self, tokens, rows, tenant, res, budget)
         return derived.get_derived(self, tokens, rows, tenant, res)
+
+    def put_lossy(self, tokens: Tokens, pages: PageSource, budget: float, tenant: str | bytes = "", *,
+                  importance: Importance | None = None, calibration: Calibration | None = None,
+                  evict: bool = True) -> PutResult:
+        """Store ``pages`` (exact KV of ``tokens``' full pages, as :meth:`put` takes them)
+        coded lossy at ``budget`` bits an element (docs/lossy.md): allocated by
+        :func:`tierkv.lossy.alloc.allocate` with ``importance`` (a2 ``[layers, heads,
+        tokens]`` over the pages' tokens, qe ``[layers, heads, head_dim]``; flat where None),
+        the model's ``calibration`` and ``evict`` (False keeps every token). They go under
+        keys of their own: only ``get``/``lookup`` with ``accept_lossy=budget`` return
+        them, never an exact call, another budget or another tenant."""
+        return lossy_pages.put_lossy(self, tokens, pages, tenant, budget, importance, calibration, evict)
 
     def _get_exact(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
                    requested: int | None = None, landed: np.ndarray | None = None) -> GetResult:

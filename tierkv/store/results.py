@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tierkv.tiers.base import TierKind
 
 _KIND_BY_RANK = {kind.rank: kind for kind in TierKind}
@@ -22,6 +24,7 @@ class LookupResult:
     total_pages: int
     tier_ranks: bytes = field(repr=False)
     derived: int = 0   # of them, derived pages (lookup(accept="derived") only), the last ones
+    lossy: int = 0     # of them, lossy pages (lookup(accept_lossy=...) only), the last ones
 
     @property
     def tiers(self) -> tuple[TierKind, ...]:
@@ -40,6 +43,11 @@ class GetResult:
     tokens: int
     tiers: tuple[TierKind, ...]
     derived: int = 0   # of them, derived pages (moved by a splice; get(accept="derived") only), the last ones
+    lossy: int = 0     # of them, lossy pages (get(accept_lossy=...) only), the last ones
+    #: With lossy pages: ``bool [pages, tokens_per_page]``, the tokens their coding evicted
+    #: (their rows in the caller's buffer are zero; an engine drops them, keeping the
+    #: positions of those after). None otherwise.
+    evicted: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ class StoreStats:
     #: empty where neither is configured.
     dualpath: dict[str, dict[str, float]] = field(default_factory=dict)
     derived_pages: int = 0   # derived pages gets returned (accept="derived": moved by a splice, docs/splice.md)
+    lossy_pages: int = 0     # lossy pages gets returned (accept_lossy=: coded at a budget, docs/lossy.md)
 
     @property
     def misses(self) -> int:
@@ -110,7 +111,7 @@ class Counters:
         return StoreStats(stats, dict(self.moved), dict(self.moved_s), ev["lookups"], ev["pages_requested"],
                           ev["pages_hit"], ev["pages_stored"], ev["pages_dropped"], ev["evictions"],
                           ev["promotions"], ev["corrupt_pages"], self.tier_hits["peer"], dualpath or {},
-                          derived_pages=ev["derived_pages"])
+                          derived_pages=ev["derived_pages"], lossy_pages=ev["lossy_pages"])
 
     def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float, src_read: bool = True) -> None:
         """Count a transfer between a tier pair and the wall time it took. ``src_read=False``:

@@ -11,7 +11,10 @@ re-places each page in exactly the blocks its blob needs, lowest run first, so
 compressed pages pack together and the tier holds more pages than its raw capacity.
 
 A page is stored coded exactly when it takes fewer blocks than a raw page; otherwise
-raw, so coded-or-raw follows from the extents and no flag is needed. Reads move only
+raw, so coded-or-raw follows from the extents and no flag is needed. A lossy page's row
+(:mod:`tierkv.store.lossy_pages`: a lossy blob, ``TL``, then zeros) is stored as its
+blob alone, whatever the codec choice: its blocks start ``TL`` where a coded page's
+start ``TK``, and reading them back puts the zeros after it again, bit for bit. Reads move only
 a page's blocks and decode them; a blob that does not decode raises
 :class:`UndecodablePageError` naming the rows, after every other row is filled, so
 the store serves those pages as misses and never wrong bytes (the store then checks
@@ -48,6 +51,26 @@ class UndecodablePageError(TierIOError):
     def __init__(self, message: str, rows: tuple[int, ...]) -> None:
         super().__init__(message)
         self.rows = rows
+
+
+#: How a lossy page's blob starts (:mod:`tierkv.lossy.format`); a coded page's starts ``TK``.
+LOSSY_MAGIC = b"TL"
+
+
+def lossy_length(row: np.ndarray) -> int:
+    """The length of the lossy blob ``row`` holds (it starts :data:`LOSSY_MAGIC`, its header
+    says a payload that fits, and every byte after it is zero); 0 for any other row."""
+    if row.shape[0] < 48 or row[:2].tobytes() != LOSSY_MAGIC:
+        return 0
+    from tierkv.errors import CorruptPageError
+    from tierkv.lossy.format import HEADER_BYTES, header
+
+    try:
+        plen = header(row.tobytes())[-1]
+    except CorruptPageError:
+        return 0
+    length = HEADER_BYTES + plen
+    return length if length < row.shape[0] and not row[length:].any() else 0
 
 
 def to_extents(blocks: Sequence[int]) -> Extents:
@@ -204,7 +227,8 @@ class BlockPageTier(Tier):
         self._retired.clear()  # the blocks of freed pages may be overwritten from here on
         sizes: np.ndarray | None = None
         staged = None
-        if width == self.page_bytes and self.choice.compress(src):
+        lossy = [lossy_length(src[i]) for i in range(n)] if width == self.page_bytes else [0] * n
+        if width == self.page_bytes and not all(lossy) and self.choice.compress(src):
             assert self.choice.codec is not None
             staged = aligned_empty(n * self._stride).reshape(n, self._stride)
             sizes = self.choice.codec.encode_into(src, staged)
@@ -212,6 +236,7 @@ class BlockPageTier(Tier):
             need = [min(bpp, -(-int(s) // ALIGN)) for s in sizes]
         else:
             need = [bpp] * n
+        need = [min(k, -(-length // ALIGN)) if length else k for k, length in zip(need, lossy)]
         with self._lock:
             have = [extent_blocks(self._pages[h]) for h in slots]
         if have != need:  # coded pages shrink their reservation; a rewritten handle may grow back
@@ -219,10 +244,10 @@ class BlockPageTier(Tier):
         with self._lock:
             exts = [self._pages[h] for h in slots]
         blocks = [b for e in exts for b in block_list(e)]
-        if staged is None and width == self.slot_bytes:
+        if staged is None and not any(lossy) and width == self.slot_bytes:
             packed = src.reshape(n * bpp, ALIGN)  # raw pages of whole blocks: straight from the caller
         else:
-            packed = self._pack(src, staged, sizes, need)
+            packed = self._pack(src, staged, sizes, need, lossy)
         start = time.perf_counter()
         self.blocks.write(blocks, packed)
         self.choice.meter.note(Direction.WRITE, packed.nbytes, time.perf_counter() - start)
@@ -240,13 +265,15 @@ class BlockPageTier(Tier):
                 self._pages[h] = to_extents(self.blocks.allocate(k, contiguous=True))
 
     def _pack(self, src: np.ndarray, staged: np.ndarray | None, sizes: np.ndarray | None,
-              need: list[int]) -> np.ndarray:
+              need: list[int], lossy: list[int]) -> np.ndarray:
         """One buffer of whole blocks, page after page; tails zeroed so no stale bytes reach the medium."""
         packed = aligned_empty(sum(need) * ALIGN)
         off = 0
         bpp = self.blocks_per_page
         for i, k in enumerate(need):
-            if k < bpp:
+            if lossy[i] and k < bpp:
+                row, length = src[i], lossy[i]
+            elif k < bpp:
                 assert staged is not None and sizes is not None
                 row, length = staged[i], int(sizes[i])
             else:
@@ -275,7 +302,11 @@ class BlockPageTier(Tier):
         blobs: list[np.ndarray] = []
         off = 0
         for i, c in enumerate(counts):
-            if c < bpp:
+            if c < bpp and flat[off:off + 2].tobytes() == LOSSY_MAGIC:   # a lossy page's blob: then zeros
+                size = min(c * ALIGN, width)
+                dst[i, :size] = flat[off:off + size]
+                dst[i, size:] = 0
+            elif c < bpp:
                 coded.append(i)
                 blobs.append(flat[off:off + c * ALIGN])
             else:
