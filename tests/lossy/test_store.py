@@ -125,3 +125,52 @@ def test_layouts_lossy_pages_cannot_code_are_refused(tmp_path: Path) -> None:
     with Store.open(cfg) as s:
         with pytest.raises(InputError, match="below what this page needs at its narrowest"):   # a 48-byte header
             s.put_lossy(np.arange(4, dtype=np.uint32), np.zeros((1, tiny.page_bytes), np.uint8), 8.0)
+
+
+def test_through_a_daemon_clients_code_and_decode(tmp_path: Path, sock_dir: Path) -> None:
+    """A daemon's client codes its pages and decodes what it gets (the daemon moves blobs):
+    the same rows as in-process; a client limited to some tenants, and rows that are no
+    lossy blobs of this store's pages, are refused."""
+    from tierkv.serve import protocol as P
+    from tierkv.serve.daemon import NodeService
+
+    toks, raw = tokens(6), pages(6)
+    svc = NodeService(config(tmp_path / "d"), sock_dir / "d.sock").start()
+    try:
+        with Store.connect(sock_dir / "d.sock") as remote:
+            remote.put(toks[:TPP], raw[:1], "acme")
+            r = remote.put_lossy(toks, raw, 4.0, "acme")
+            assert (r.stored, r.already_present) == (N, 0)
+            assert remote.lookup(toks, "acme").cached_pages == 1
+            look = remote.lookup(toks, "acme", accept_lossy=4.0)
+            assert (look.cached_pages, look.lossy) == (N, N - 1)
+            assert remote.lookup(toks, "other", accept_lossy=4.0).cached_pages == 0
+            out = np.zeros((N, PB), np.uint8)
+            got = remote.get(toks, out, "acme", accept_lossy=4.0)
+            assert (got.pages, got.lossy) == (N, N - 1)
+            want, evicted = expected(raw, 4.0)
+            assert np.array_equal(out[0], raw[0]) and np.array_equal(out[1:], want[1:])
+            assert got.evicted is not None and np.array_equal(got.evicted[1:], evicted[1:])
+            inproc = np.zeros_like(out)
+            assert svc.store.get(toks, inproc, "acme", accept_lossy=4.0).lossy == N - 1
+            assert np.array_equal(inproc, out)
+            with pytest.raises(InputError, match="cannot be asked together"):
+                remote.lookup(toks, "acme", accept="derived", accept_lossy=4.0)
+            # Rows that are no lossy blobs of this store's pages at this budget are refused by
+            # the daemon, whatever a client sends.
+            conn = remote._acquire()
+            other = tokens(7)
+            for row, budget, message in ((raw[0], 4.0, "not a lossy page's blob"),
+                                         (remote_rows(raw[:1], 3.0)[0], 4.0, "at 3.0 bits")):
+                scratch, view = conn.scratch_rows(1, PB)
+                view[0] = row
+                with pytest.raises(InputError, match=message):
+                    conn.call(P.Op.PUT, conn.tokens(b"", other, P.PUT_REQ.pack(scratch.id, 0, 1, 0, 1, budget)))
+            assert remote.lookup(other, accept_lossy=4.0).cached_pages == 0
+    finally:
+        svc.close()
+
+
+def remote_rows(raw: np.ndarray, budget: float) -> np.ndarray:
+    from tierkv.store.lossy_pages import code_rows
+    return code_rows(LAYOUT, raw, len(raw), budget, None, None, True, "test")

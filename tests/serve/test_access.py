@@ -82,7 +82,7 @@ def test_a_user_uses_only_the_tenants_it_is_given(service: NodeService) -> None:
                 assert s._hello is not None and s._hello["every_tenant"] is False
                 conn = s._acquire()   # asking by keys, which could name any tenant's pages, is refused
                 with pytest.raises(AccessDeniedError, match="needs a connection whose user may use every tenant"):
-                    conn.call(P.Op.LOOKUP_KEYS, P.token_body(b"", bytes(32), P.LOOKUP_REQ.pack(1)))
+                    conn.call(P.Op.LOOKUP_KEYS, P.token_body(b"", bytes(32), P.LOOKUP_REQ.pack(1, 0.0)))
                 return str(s.lookup(t, "acme").cached_pages)
         assert as_user(NOBODY, nobody) == "2"
         assert root.stats().lookups == 3   # the refused lookups never reached the store

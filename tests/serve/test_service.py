@@ -272,7 +272,7 @@ def test_an_unsealed_segment_and_a_segment_overrun_are_refused(service: NodeServ
         scratch, _ = conn.scratch_rows(1, PB)
         with pytest.raises(InputError, match="run past page segment"):   # 2 pages into a 1-page... segment
             conn.call(P.Op.PUT, P.token_body(b"", t.astype("<u4").tobytes(),
-                                             P.PUT_REQ.pack(scratch.id, scratch.size - PB, 2, 0, 1)))
+                                             P.PUT_REQ.pack(scratch.id, scratch.size - PB, 2, 0, 1, 0.0)))
         assert client.lookup(t).cached_pages == 0
     finally:
         client.close()

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,12 +44,16 @@ from tierkv.keys import KEY_BYTES, Tokens, as_token_array, chain_keys, namespace
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
 from tierkv.store import landed as landed_words
+from tierkv.store import lossy_pages
 from tierkv.store.derived import Origin
 from tierkv.store.landed import check_record
 from tierkv.store.pages import PageBatch, PageList, PageSource, page_list, page_rows
 from tierkv.store.results import GetResult, Lent, LookupResult, PutResult, _KIND_BY_RANK
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.validate import GET_LIST_MESSAGE, check_requested, check_unfilled
+
+if TYPE_CHECKING:
+    from tierkv.lossy.alloc import Calibration, Importance
 
 #: Segment ids: a connection's scratch and token segments keep theirs as they grow (the
 #: daemon replaces the mapping), page buffers take fresh ones.
@@ -476,13 +480,14 @@ class RemoteStore:
         return len(toks) // self.layout.tokens_per_page
 
     def lookup(self, tokens: Tokens, tenant: str | bytes = "", *, count: bool = True,
-               accept: str = "exact") -> LookupResult:
+               accept: str = "exact", accept_lossy: float | None = None) -> LookupResult:
         """As :meth:`Store.lookup <tierkv.store.api.Store.lookup>`."""
         derived = _derived(accept, "lookup")
+        budget = _lossy(accept_lossy, derived, "lookup")
         self._check_open()
         toks, salt = as_token_array(tokens), tenant_salt(tenant)
-        head = P.LOOKUP_REQ.pack((P.FLAG_COUNT if count else 0) | (P.FLAG_DERIVED if derived else 0))
-        if (len(toks) > P.INLINE_TOKENS and not derived and self._hello is not None
+        head = P.LOOKUP_REQ.pack((P.FLAG_COUNT if count else 0) | (P.FLAG_DERIVED if derived else 0), budget)
+        if (len(toks) > P.INLINE_TOKENS and not derived and not budget and self._hello is not None
                 and self._hello.get("every_tenant")):
             # A long prompt, on a connection that may use every tenant: its keys are hashed
             # here and the daemon only scans them (a client limited to some tenants sends
@@ -491,18 +496,21 @@ class RemoteStore:
             reply = self._request(P.Op.LOOKUP_KEYS, lambda conn, _s, _o: conn.tokens(b"", keys, head, KEY_BYTES))
         else:
             reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.tokens(salt, toks, head))
-        n, ntok, total, nderived = P.LOOKUP_REP.unpack_from(reply)
-        return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]), derived=nderived)
+        n, ntok, total, nderived, nlossy = P.LOOKUP_REP.unpack_from(reply)
+        return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]), derived=nderived, lossy=nlossy)
 
     def get(self, tokens: Tokens, out: PageBatch, tenant: str | bytes = "", *,
-            requested: int | None = None, landed: np.ndarray | None = None, accept: str = "exact") -> GetResult:
-        """As :meth:`Store.get <tierkv.store.api.Store.get>`. ``landed``: a record from
+            requested: int | None = None, landed: np.ndarray | None = None, accept: str = "exact",
+            accept_lossy: float | None = None) -> GetResult:
+        """As :meth:`Store.get <tierkv.store.api.Store.get>` (lossy pages come as stored and
+        are decoded here, in the client's process). ``landed``: a record from
         :meth:`landing_record`, which the daemon updates as the layers of the pages land
         in ``out`` (which must then lie in a :meth:`page_buffer`), for a consumer on
         another thread that uses the first layers while the last are read (exact pages only)."""
         derived = _derived(accept, "get")
-        if derived and landed is not None:
-            raise InputError("get(accept='derived') loads whole pages: it takes no landing record")
+        budget = _lossy(accept_lossy, derived, "get")
+        if (derived or budget) and landed is not None:
+            raise InputError("get(accept='derived' or accept_lossy=...) loads whole pages: it takes no landing record")
         self._check_open()
         toks, salt = as_token_array(tokens), tenant_salt(tenant)
         if isinstance(out, (list, tuple)):
@@ -532,9 +540,33 @@ class RemoteStore:
             return _get_result(reply)
 
         def build(conn: _Conn, seg: int, off: int) -> bytes:
-            return conn.tokens(salt, toks, P.GET_REQ.pack(seg, off, want, asked, P.FLAG_DERIVED if derived else 0))
+            return conn.tokens(salt, toks, P.GET_REQ.pack(seg, off, want, asked, P.FLAG_DERIVED if derived else 0,
+                                                          budget))
         reply = self._request(P.Op.GET, build, rows=rows, fill=True, n_rows=want)
-        return _get_result(reply)
+        res = _get_result(reply)
+        if not res.lossy:
+            return res
+        first = res.pages - res.lossy
+        n, evicted = lossy_pages.decode_rows(self.layout, rows, first, res.lossy, budget)
+        total = first + n
+        return GetResult(total, total * self.layout.tokens_per_page, res.tiers[:total], lossy=n,
+                         evicted=evicted if n else None)
+
+    def put_lossy(self, tokens: Tokens, pages: PageSource, budget: float, tenant: str | bytes = "", *,
+                  importance: Importance | None = None, calibration: Calibration | None = None,
+                  evict: bool = True) -> PutResult:
+        """As :meth:`Store.put_lossy <tierkv.store.api.Store.put_lossy>`: the pages are coded
+        here, in the client's process, and the daemon stores the blobs."""
+        self._check_open()
+        toks, salt = as_token_array(tokens), tenant_salt(tenant)
+        rows = lossy_pages.code_rows(self.layout, pages, self._pages_of(toks), budget, importance, calibration,
+                                     evict, "put_lossy")
+        k = rows.shape[0]
+
+        def build(conn: _Conn, seg: int, off: int) -> bytes:
+            return conn.tokens(salt, toks, P.PUT_REQ.pack(seg, off, k, 0, True, float(budget)))
+        reply = self._request(P.Op.PUT, build, rows=rows, n_rows=k)
+        return PutResult(*P.PUT_REP.unpack_from(reply))
 
     def splice(self, tokens: Tokens, start: int, end: int, replacement: Tokens, *, rope: Rope,
                tenant: str | bytes = "") -> SpliceResult:
@@ -663,7 +695,7 @@ class RemoteStore:
         k = rows.shape[0]
 
         def build(conn: _Conn, seg: int, off: int) -> bytes:
-            return conn.tokens(salt, toks, P.PUT_REQ.pack(seg, off, k, unfilled, bool(announce)))
+            return conn.tokens(salt, toks, P.PUT_REQ.pack(seg, off, k, unfilled, bool(announce), 0.0))
         reply = self._request(P.Op.PUT, build, rows=rows, n_rows=k)
         return PutResult(*P.PUT_REP.unpack_from(reply))
 
@@ -756,6 +788,16 @@ def _derived(accept: str, what: str) -> bool:
     return accept == "derived"
 
 
+def _lossy(accept_lossy: float | None, derived: bool, what: str) -> float:
+    """A call's lossy budget as sent (0.0: none); InputError as the store gives it."""
+    if accept_lossy is None:
+        return 0.0
+    if derived:
+        raise InputError(f"{what}: accept='derived' and accept_lossy= cannot be asked together")
+    return lossy_pages.check_budget(accept_lossy, f"{what}(accept_lossy=...)")
+
+
 def _get_result(reply: bytes | memoryview) -> GetResult:
-    pages, ntok, nderived = P.GET_REP.unpack_from(reply)
-    return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])), derived=nderived)
+    pages, ntok, nderived, nlossy = P.GET_REP.unpack_from(reply)
+    return GetResult(pages, ntok, tuple(_KIND_BY_RANK[r] for r in bytes(reply[P.GET_REP.size:])), derived=nderived,
+                     lossy=nlossy)

@@ -51,7 +51,7 @@ from tierkv.layout import PageOrder
 from tierkv.serve import protocol as P
 from tierkv.serve.access import Access, Grant
 from tierkv.serve.segments import SegmentBudget, Segments
-from tierkv.store import landed
+from tierkv.store import landed, lossy_pages
 from tierkv.store.api import LookupResult, Store
 from tierkv.store.opening import SERVED_FILE
 
@@ -399,27 +399,35 @@ class NodeService:
         if op == P.Op.UNREGISTER:
             return segments.unregister(body)
         if op == P.Op.LOOKUP:
-            (flags,) = _unpack(P.LOOKUP_REQ, body)
+            flags, budget = _unpack(P.LOOKUP_REQ, body)
             salt, tokens = self._tokens(body, P.LOOKUP_REQ.size, segments, grant)
-            found = s.lookup(tokens, salt, count=bool(flags & P.FLAG_COUNT), accept=_accept(flags))
+            found = s.lookup(tokens, salt, count=bool(flags & P.FLAG_COUNT), accept=_accept(flags),
+                             accept_lossy=budget or None)
             return _lookup_reply(found)
         if op == P.Op.LOOKUP_KEYS:
             if grant.salts is not None:
                 raise AccessDeniedError("a lookup by page keys needs a connection whose user may use every tenant; "
                                         "send tokens")
-            (flags,) = _unpack(P.LOOKUP_REQ, body)
-            if flags & P.FLAG_DERIVED:
-                raise InputError("a lookup by page keys finds exact pages only; send tokens for derived ones")
+            flags, budget = _unpack(P.LOOKUP_REQ, body)
+            if flags & P.FLAG_DERIVED or budget:
+                raise InputError("a lookup by page keys finds exact pages only; send tokens for derived or lossy ones")
             _, keys = self._tokens(body, P.LOOKUP_REQ.size, segments, grant, item=KEY_BYTES)
             found = s.lookup_keys(keys.tobytes(), count=bool(flags & P.FLAG_COUNT))
             return _lookup_reply(found)
         if op == P.Op.GET:
-            seg, off, rows, requested, flags = _unpack(P.GET_REQ, body)
+            seg, off, rows, requested, flags, budget = _unpack(P.GET_REQ, body)
             salt, tokens = self._tokens(body, P.GET_REQ.size, segments, grant)
             out = segments.rows(seg, off, rows, s.layout.page_bytes)
-            g = s.get(tokens, out, salt, requested=None if requested < 0 else requested, accept=_accept(flags))
+            if budget:   # lossy pages go to the client as stored: it decodes them
+                lossy_pages.check_budget(budget, "get(accept_lossy=...)")
+                if flags & P.FLAG_DERIVED:
+                    raise InputError("get: accept='derived' and accept_lossy= cannot be asked together")
+                g = lossy_pages.get_lossy_raw(s, tokens, out, salt, s.get(
+                    tokens, out, salt, requested=None if requested < 0 else requested), budget)
+            else:
+                g = s.get(tokens, out, salt, requested=None if requested < 0 else requested, accept=_accept(flags))
             del out
-            return P.GET_REP.pack(g.pages, g.tokens, g.derived) + bytes(k.rank for k in g.tiers)
+            return P.GET_REP.pack(g.pages, g.tokens, g.derived, g.lossy) + bytes(k.rank for k in g.tiers)
         if op == P.Op.GET_LAYERED:   # layer by layer, each announced in the client's landing record
             seg, off, rows, requested, lseg, loff = _unpack(P.GET_LAYERED_REQ, body)
             salt, tokens = self._tokens(body, P.GET_LAYERED_REQ.size, segments, grant)
@@ -427,7 +435,7 @@ class NodeService:
             record = segments.words(lseg, loff, landed.WORDS)
             g = s.get(tokens, out, salt, requested=None if requested < 0 else requested, landed=record)
             del out, record
-            return P.GET_REP.pack(g.pages, g.tokens, g.derived) + bytes(k.rank for k in g.tiers)
+            return P.GET_REP.pack(g.pages, g.tokens, g.derived, g.lossy) + bytes(k.rank for k in g.tiers)
         if op == P.Op.SPLICE:
             return self._splice(s, body, segments, grant)
         if op == P.Op.ORIGINS:
@@ -440,10 +448,14 @@ class NodeService:
         if op in (P.Op.DRAM_POOL, P.Op.LEND, P.Op.END_LEND):
             return self._lending(op, body, segments, grant, info)
         if op == P.Op.PUT:
-            seg, off, rows, unfilled, announce = _unpack(P.PUT_REQ, body)
+            seg, off, rows, unfilled, announce, budget = _unpack(P.PUT_REQ, body)
             salt, tokens = self._tokens(body, P.PUT_REQ.size, segments, grant)
             src = segments.rows(seg, off, rows, s.layout.page_bytes)
-            r = s.put(tokens, src, salt, announce=bool(announce), unfilled=unfilled)
+            if budget:   # rows its client coded lossy (put_lossy)
+                lossy_pages.check_rows(s.layout, src, lossy_pages.check_budget(budget, "put_lossy"), "put_lossy")
+                r = lossy_pages.put_coded(s, tokens, src, salt, budget)
+            else:
+                r = s.put(tokens, src, salt, announce=bool(announce), unfilled=unfilled)
             del src
             return P.PUT_REP.pack(r.stored, r.already_present, r.dropped)
         if op in (P.Op.PREFETCH, P.Op.PIN, P.Op.UNPIN):
@@ -615,5 +627,6 @@ def _accept(flags: int) -> str:
 
 
 def _lookup_reply(found: LookupResult) -> bytes:
-    return P.LOOKUP_REP.pack(found.cached_pages, found.cached_tokens, found.total_pages, found.derived) + \
+    return P.LOOKUP_REP.pack(found.cached_pages, found.cached_tokens, found.total_pages, found.derived,
+                             found.lossy) + \
         found.tier_ranks

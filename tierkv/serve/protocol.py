@@ -29,8 +29,8 @@ from tierkv.errors import InputError
 
 #: Bumped on any incompatible change; HELLO refuses a mismatch. 2: UNREGISTER. 3: GET_LAYERED, DRAM_POOL,
 #: LEND, END_LEND. 4: derived pages (accept="derived") on LOOKUP and GET, counted in their replies.
-#: 5: ORIGINS.
-VERSION = 5
+#: 5: ORIGINS. 6: lossy pages (a budget on LOOKUP, GET and PUT; lossy counts in the replies).
+VERSION = 6
 
 HEADER = struct.Struct("<IHH")
 #: The largest body either side accepts. Bodies are small: page bytes and long prompts
@@ -72,10 +72,10 @@ class Status(IntEnum):
     ERROR = 1
 
 
-LOOKUP_REQ = struct.Struct("<B")      # flags: FLAG_COUNT, FLAG_DERIVED
-LOOKUP_REP = struct.Struct("<QQQQ")   # pages, tokens, total pages, derived pages; then a rank per page
-GET_REQ = struct.Struct("<QQQqB")     # segment, offset, rows, requested (-1: none), flags: FLAG_DERIVED
-GET_REP = struct.Struct("<QQQ")       # pages, tokens, derived pages; then a rank per page
+LOOKUP_REQ = struct.Struct("<Bd")     # flags: FLAG_COUNT, FLAG_DERIVED; the lossy budget accepted (0: none)
+LOOKUP_REP = struct.Struct("<QQQQQ")  # pages, tokens, total pages, derived pages, lossy pages; then a rank per page
+GET_REQ = struct.Struct("<QQQqBd")    # segment, offset, rows, requested (-1: none), flags: FLAG_DERIVED, lossy budget
+GET_REP = struct.Struct("<QQQQ")      # pages, tokens, derived pages, lossy pages (their blobs, as stored); ranks
 SPLICE_REQ = struct.Struct("<QQIIBB")  # start, end, head_dim, n frequencies, interleaved, len(rope type name)
 SPLICE_LEN = struct.Struct("<Q")       # replacement tokens
 ORIGINS_REQ = struct.Struct("<QQ")
@@ -89,7 +89,7 @@ POOL_REP = struct.Struct("<QQQ")
 LEND_REQ = struct.Struct("<QqB")
 LEND_REP = struct.Struct("<QQqQ")
 END_LEND_REQ = struct.Struct("<q")
-PUT_REQ = struct.Struct("<QQQQB")
+PUT_REQ = struct.Struct("<QQQQBd")   # segment, offset, rows, unfilled, announce, lossy budget (0: exact pages)
 PUT_REP = struct.Struct("<QQQ")
 COUNT = struct.Struct("<Q")
 SEGMENT_REQ = struct.Struct("<QQ")

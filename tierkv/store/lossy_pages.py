@@ -26,7 +26,7 @@ import numpy as np
 
 from tierkv.errors import CorruptPageError, InputError
 from tierkv.keys import KEY_BYTES, Tokens, as_token_array, chain_keys, lossy_seed, split_keys, tenant_salt
-from tierkv.layout import LayoutKind, PageOrder
+from tierkv.layout import KVLayout, LayoutKind, PageOrder
 from tierkv.lossy.quant import from_bf16_bits, to_bf16_bits
 from tierkv.store.pages import PageSource, page_list, page_rows
 from tierkv.store.results import GetResult, PutResult
@@ -46,8 +46,7 @@ def check_budget(budget: object, what: str) -> float:
     return float(budget)
 
 
-def _check_layout(store: Store, what: str) -> str:
-    lay = store.layout
+def _layout_dtype(lay: KVLayout, what: str) -> str:
     if lay.kind is not LayoutKind.KV or lay.page_order is not PageOrder.STANDARD or lay.dtype.value not in _DTYPES:
         raise InputError(f"{what}: lossy pages need a K/V layout of bf16, fp16 or fp32 pages in the standard order; "
                          f"this store's is {lay.kind.value}, {lay.page_order.value}, {lay.dtype.value}")
@@ -79,78 +78,129 @@ def from_float(page: np.ndarray, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(page, np.float32).view(np.uint8).reshape(-1)
 
 
-def put_lossy(store: Store, tokens: Tokens, pages: PageSource, tenant: str | bytes, budget: float,
-              importance: Importance | None, calibration: Calibration | None, evict: bool) -> PutResult:
-    """:meth:`Store.put_lossy <tierkv.store.api.Store.put_lossy>` (module docstring)."""
+def code_rows(layout: KVLayout, pages: PageSource, n_max: int, budget: float, importance: Importance | None,
+              calibration: Calibration | None, evict: bool, what: str) -> np.ndarray:
+    """``pages`` (exact, at most ``n_max``) coded lossy at ``budget``: rows ``uint8 [n,
+    page_bytes]`` of a blob each, then zeros. Pure: a daemon's clients code their own."""
     from tierkv.lossy.alloc import Importance, allocate
     from tierkv.lossy.format import encode
 
-    budget = check_budget(budget, "put_lossy")
-    dtype = _check_layout(store, "put_lossy")
-    lay = store.layout
-    tpp = lay.tokens_per_page
-    blob = lossy_blob(store, tokens, tenant, budget)
-    keys = split_keys(blob)
-    src = (page_list(pages, lay, "put_lossy(pages=...)", len(keys)) if isinstance(pages, (list, tuple)) else
-           page_rows(pages, lay, "put_lossy(pages=...)", len(keys), lists=True))  # type: ignore[arg-type]
+    budget = check_budget(budget, what)
+    dtype = _layout_dtype(layout, what)
+    tpp = layout.tokens_per_page
+    src = (page_list(pages, layout, f"{what}(pages=...)", n_max) if isinstance(pages, (list, tuple)) else
+           page_rows(pages, layout, f"{what}(pages=...)", n_max, lists=True))  # type: ignore[arg-type]
     n = src.shape[0]
     if importance is not None and importance.a2.shape[2] < n * tpp:
-        raise InputError(f"put_lossy: the importance covers {importance.a2.shape[2]} tokens, the pages {n * tpp}")
-    out = np.zeros((n, lay.page_bytes), np.uint8)
-    shape = lay.page_shape
+        raise InputError(f"{what}: the importance covers {importance.a2.shape[2]} tokens, the pages {n * tpp}")
+    out = np.zeros((n, layout.page_bytes), np.uint8)
     for i in range(n):
-        page = to_float(np.asarray(src[i]).reshape(1, -1), dtype, shape)[0]
+        page = to_float(np.asarray(src[i]).reshape(1, -1), dtype, layout.page_shape)[0]
         imp = None if importance is None else Importance(importance.a2[:, :, i * tpp:(i + 1) * tpp], importance.qe)
         coded = encode(page, allocate(page, budget, imp, calibration, evict=evict), dtype, budget)
-        assert len(coded) < lay.page_bytes   # the budget counts every byte, and is under 16 bits an element
+        assert len(coded) < layout.page_bytes   # the budget counts every byte, and is under 16 bits an element
         out[i, :len(coded)] = np.frombuffer(coded, np.uint8)
+    return out
+
+
+def check_rows(layout: KVLayout, rows: np.ndarray, budget: float, what: str) -> None:
+    """InputError unless every row is a lossy blob of ``layout``'s pages at ``budget``,
+    then zeros (what :func:`code_rows` makes; a daemon checks what its clients send)."""
+    from tierkv.lossy.format import header
+    from tierkv.tiers.blocks import lossy_length
+
+    lay = layout
+    want = (lay.num_layers, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim)
+    for i in range(rows.shape[0]):
+        if not lossy_length(rows[i]):
+            raise InputError(f"{what}: row {i} is not a lossy page's blob followed by zeros")
+        _, L, T, H, D, _, got, _ = header(rows[i].tobytes())
+        if (L, T, H, D) != want or got != np.float32(budget):
+            raise InputError(f"{what}: row {i} codes a {L}x{T}x{H}x{D} page at {got} bits, this store's pages are "
+                             f"{'x'.join(map(str, want))} and the budget {budget}")
+
+
+def put_lossy(store: Store, tokens: Tokens, pages: PageSource, tenant: str | bytes, budget: float,
+              importance: Importance | None, calibration: Calibration | None, evict: bool) -> PutResult:
+    """:meth:`Store.put_lossy <tierkv.store.api.Store.put_lossy>` (module docstring)."""
+    n_max = len(as_token_array(tokens)) // store.layout.tokens_per_page
+    rows = code_rows(store.layout, pages, n_max, budget, importance, calibration, evict, "put_lossy")
+    return put_coded(store, tokens, rows, tenant, budget)
+
+
+def put_coded(store: Store, tokens: Tokens, rows: np.ndarray, tenant: str | bytes, budget: float) -> PutResult:
+    """Store rows :func:`code_rows` made under ``tokens``' lossy keys at ``budget``."""
+    blob = lossy_blob(store, tokens, tenant, check_budget(budget, "put_lossy"))
+    keys = split_keys(blob)
+    n = rows.shape[0]
+    if n > len(keys):
+        raise InputError(f"put_lossy: {n} pages given but the tokens hold only {len(keys)} full pages")
     with store._lock:
         store._check_writable_open("put_lossy needs")
         with store._placing(blob, tenant):
-            stored, new = store._store(keys[:n], out, 0)
+            stored, new = store._store(keys[:n], rows, 0)
     return PutResult(stored, n - new, new - stored)
 
 
-def lossy_levels(store: Store, lblob: bytes) -> bytes:
-    """The levels of the leading cached lossy pages of ``lblob`` (lock held)."""
-    from tierkv.store.derived import derived_levels
-    return derived_levels(store, lblob)   # the same walk: cached, and not on a degraded tier
-
-
-def get_lossy(store: Store, tokens: Tokens, rows: np.ndarray, tenant: str | bytes, res: GetResult,
-              budget: float) -> GetResult:
-    """``res`` (an exact get into ``rows``) continued with lossy pages at ``budget``,
-    decoded into ``rows`` (takes the lock)."""
-    from tierkv.lossy.format import decode
-
-    dtype = _check_layout(store, "get(accept_lossy=...)")
-    first = res.pages
+def read_lossy(store: Store, tokens: Tokens, rows: np.ndarray, tenant: str | bytes, first: int,
+               budget: float) -> tuple[int, tuple[int, ...]]:
+    """Read the lossy pages at ``budget`` from page ``first`` on into ``rows[first:]``, as
+    stored (blobs; takes the lock): how many, and each one's level."""
+    _layout_dtype(store.layout, "get(accept_lossy=...)")
     if first >= rows.shape[0]:
-        return res
-    lay = store.layout
-    tpp = lay.tokens_per_page
+        return 0, ()
     lblob = lossy_blob(store, tokens, tenant, budget)
     with store._lock:
         store._check_open()
         lead = store._lead(lblob[first * KEY_BYTES:], rows.shape[0] - first)
         if not len(lead):
-            return res
-        raw = np.zeros((len(lead), lay.page_bytes), np.uint8)
-        got = store._read_lead(lead, raw)
-    evicted = np.zeros((first + got, tpp), bool)
-    n = 0
-    for i in range(got):
+            return 0, ()
+        got = store._read_lead(lead, rows[first:])
+        store._counters.events["lossy_pages"] += got
+    return got, tuple(lead.levels[:got].tolist())
+
+
+def decode_rows(layout: KVLayout, rows: np.ndarray, first: int, n: int, budget: float) -> tuple[int, np.ndarray]:
+    """Decode the lossy blobs in ``rows[first:first + n]`` in place into pages of the
+    layout's dtype: how many decoded (a blob that does not, or is of another geometry or
+    budget, ends the run) and ``evicted`` ``bool [first + that, tokens_per_page]``."""
+    from tierkv.lossy.format import decode
+
+    dtype = _layout_dtype(layout, "get(accept_lossy=...)")
+    evicted = np.zeros((first + n, layout.tokens_per_page), bool)
+    done = 0
+    for i in range(first, first + n):
         try:
-            dec = decode(memoryview(raw[i]))
-        except CorruptPageError:   # checked as a page, yet not a lossy one: a miss from here
+            dec = decode(rows[i].tobytes())
+        except CorruptPageError:
             break
-        if dec.page.shape != lay.page_shape or dec.budget != budget:
+        if dec.page.shape != layout.page_shape or dec.budget != np.float32(budget):
             break
-        rows[first + i] = from_float(dec.page, dtype)
-        evicted[first + i] = ~dec.kept
-        n += 1
-    with store._lock:
-        store._counters.events["lossy_pages"] += n
-    total = first + n
-    kinds = tuple(map(store._kinds.__getitem__, lead.levels[:n].tolist()))
-    return GetResult(total, total * tpp, res.tiers + kinds, lossy=n, evicted=evicted[:total] if n else None)
+        rows[i] = from_float(dec.page, dtype)
+        evicted[i] = ~dec.kept
+        done += 1
+    return done, evicted[:first + done]
+
+
+def get_lossy_raw(store: Store, tokens: Tokens, rows: np.ndarray, tenant: str | bytes, res: GetResult,
+                  budget: float) -> GetResult:
+    """``res`` continued with lossy pages at ``budget`` read into ``rows`` as stored (a
+    daemon's: its client decodes them, :func:`decode_rows`)."""
+    got, levels = read_lossy(store, tokens, rows, tenant, res.pages, budget)
+    total = res.pages + got
+    return GetResult(total, total * store.layout.tokens_per_page,
+                     res.tiers + tuple(map(store._kinds.__getitem__, levels)), lossy=got)
+
+
+def get_lossy(store: Store, tokens: Tokens, rows: np.ndarray, tenant: str | bytes, res: GetResult,
+              budget: float) -> GetResult:
+    """``res`` (an exact get into ``rows``) continued with lossy pages at ``budget``,
+    decoded into ``rows``."""
+    got, levels = read_lossy(store, tokens, rows, tenant, res.pages, budget)
+    if not got:
+        return res
+    n, evicted = decode_rows(store.layout, rows, res.pages, got, budget)
+    total = res.pages + n
+    kinds = tuple(map(store._kinds.__getitem__, levels[:n]))
+    return GetResult(total, total * store.layout.tokens_per_page, res.tiers + kinds, lossy=n,
+                     evicted=evicted if n else None)
