@@ -54,8 +54,22 @@ def test_deepseek_fp8_codec_and_overrides(capsys: pytest.CaptureFixture[str]) ->
     tiers = {t["tier"]: t for t in doc["tiers"]}  # type: ignore[union-attr]
     assert set(tiers) == {"hbm", "dram", "nvmeof"}
     assert tiers["dram"]["capacity_bytes"] == 2 * 100 * 10**9
-    assert tiers["dram"]["stored_bytes_per_token"] == pytest.approx(61 * 576 * 0.65)
+    # The store codes pages on its NVMe and NVMe-oF tiers only: DRAM holds them whole.
+    assert tiers["dram"]["stored_bytes_per_token"] == 61 * 576
+    assert tiers["nvmeof"]["stored_bytes_per_token"] == pytest.approx(61 * 576 * 0.65)
     assert [v["label"] for v in doc["variants"]] == ["fp8_e4m3", "fp8_e4m3+codec 0.65"]  # type: ignore[union-attr]
+
+
+def test_lossy_pages_are_planned_as_a_variant_on_the_coding_tiers(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json(capsys, ["--model", "llama-3.1-8b", "--lossy-bits", "4", "--synthetic", "200", "--json"])
+    assert doc["lossy_bits"] == 4.0
+    variants = {v["label"]: v for v in doc["variants"]}  # type: ignore[union-attr]
+    lossy, plain = variants["bf16+lossy 4 bits"], variants["bf16"]
+    assert lossy["codec_ratio"] == 0.25
+    # NVMe holds four times the tokens; DRAM (whole pages) the same.
+    assert lossy["capacity_tokens"]["nvme"] == pytest.approx(4 * plain["capacity_tokens"]["nvme"], rel=1e-6)
+    assert lossy["capacity_tokens"]["dram"] == plain["capacity_tokens"]["dram"]
+    assert lossy["hit_rate"] >= plain["hit_rate"]
 
 
 def test_params_workload_and_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,6 +125,9 @@ def _bad_profile(tmp_path: Path) -> str:
     ([*SMALL, "--nvme", "lots"], "cannot parse 'lots'"),
     ([*SMALL, "--kv-dtype", "int3"], "unknown KV dtype 'int3'"),
     ([*SMALL, "--codec-ratio", "1.5"], "--codec-ratio must be a finite number in [0.01, 1], got 1.5"),
+    ([*SMALL, "--lossy-bits", "16"], "--lossy-bits must be bits an element, at least 1 and under 16"),
+    ([*SMALL, "--lossy-bits", "nan"], "--lossy-bits must be bits an element"),
+    ([*SMALL, "--kv-dtype", "fp8_e4m3", "--lossy-bits", "4"], "lossy pages code bf16, fp16 or fp32 KV"),
     ([*SMALL, "--tokens-per-page", "0"], "--tokens-per-page must be >= 1"),
     ([*SMALL, "--turns", "3"], "--turns describe a --params workload"),
     ([*SMALL, "--hardware", "nope"], "hardware profile 'nope'"),

@@ -63,7 +63,9 @@ def add_parser(subparsers: "argparse._SubParsersAction[Any]") -> argparse.Argume
     h.add_argument("--no-attention-term", action="store_true", help="recompute time linear in tokens (drop "
                    "the quadratic attention FLOPs)")
     h.add_argument("--codec-ratio", type=float, default=1.0, metavar="R", help="lossless codec's compressed/raw "
-                   "ratio for tiers below HBM (default 1.0 = off; ~0.65 measured on BF16)")
+                   "ratio for the NVMe and NVMe-oF tiers (default 1.0 = off; ~0.65 measured on BF16)")
+    h.add_argument("--lossy-bits", type=float, metavar="B", help="also plan lossy pages at B bits an element "
+                   "(1 to under 16; bf16, fp16 or fp32 KV; docs/lossy.md) as a variant")
     w = p.add_argument_group("workload (default: the built-in synthetic mix)")
     wx = w.add_mutually_exclusive_group()
     wx.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (512-token blocks)")
@@ -94,6 +96,17 @@ def add_parser(subparsers: "argparse._SubParsersAction[Any]") -> argparse.Argume
     return p
 
 
+def _lossy_bits(bits: float | None, dtype: DType) -> float | None:
+    """``--lossy-bits``, checked: InputError naming what is expected."""
+    if bits is None:
+        return None
+    if not math.isfinite(bits) or not 1.0 <= bits < 16.0:
+        raise InputError(f"--lossy-bits must be bits an element, at least 1 and under 16, got {bits:g}")
+    if dtype.itemsize < 2:
+        raise InputError(f"--lossy-bits: lossy pages code bf16, fp16 or fp32 KV, not {dtype.value}")
+    return float(bits)
+
+
 def run(args: argparse.Namespace) -> int:
     """Handler of ``tierkv plan``; raises InputError/ConfigError/LayoutError for bad input."""
     from tierkv.plan.hardware import load_profile
@@ -112,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         target = Target(args.target_hit_rate, args.target_ttft_s, args.ttft_percentile)
     requests, label = _workload(args)
     req = PlanRequest(model=model, profile=profile, kv_dtype=dtype, tokens_per_page=args.tokens_per_page,
-                      codec_ratio=args.codec_ratio, prefill_tokens_s=args.prefill_tokens_s, tp=args.tp,
+                      codec_ratio=args.codec_ratio, lossy_bits=_lossy_bits(args.lossy_bits, dtype),
+                      prefill_tokens_s=args.prefill_tokens_s, tp=args.tp,
                       attention_term=not args.no_attention_term, request_rate_per_s=args.request_rate, target=target,
                       workload=label)
     plan = make_plan(req, requests, progress=True)

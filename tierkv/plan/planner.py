@@ -40,6 +40,7 @@ class PlanRequest:
     kv_dtype: DType = DType.BF16
     tokens_per_page: int = 16
     codec_ratio: float = 1.0
+    lossy_bits: float | None = None   # also plan lossy pages at this many bits an element (docs/lossy.md)
     prefill_tokens_s: float | None = None
     tp: int | None = None
     attention_term: bool = True
@@ -139,16 +140,20 @@ def _variants(req: PlanRequest, prof: ReuseProfile, dep: Deployment, prefill: Pr
     ratio = req.codec_ratio if req.codec_ratio < 1 else REFERENCE_CODEC_RATIO
     dtypes = [req.kv_dtype] + ([DType.FP8_E4M3] if req.kv_dtype.itemsize > 1 else [])
     out = []
-    for dtype in dtypes:
-        for r in (1.0, ratio):
-            layout = req.model.layout(dtype, req.tokens_per_page)
-            tiers = resolve_tiers(req.profile, layout, dep, r)
-            ev = evaluate(prof, tiers, prefill)
-            label = dtype.value + ("" if r == 1.0 else f"+codec {r:g}")
-            out.append(Variant(label, dtype, r, layout.token_bytes, ev.hit_rate,
-                               float(ev.ttft_s.mean()) if ev.ttft_s.size else 0.0, ev.ttft_percentile_s(90),
-                               tuple(t.capacity_tokens for t in tiers),
-                               tuple(crossover_tokens(t.load, prefill, req.model.max_context_tokens) for t in tiers)))
+    runs = [(dtype, r, dtype.value + ("" if r == 1.0 else f"+codec {r:g}")) for dtype in dtypes for r in (1.0, ratio)]
+    if req.lossy_bits is not None and req.kv_dtype.itemsize > 1:
+        # Lossy pages (docs/lossy.md): a blob of the budget's bits an element, headers and
+        # parameters included, stored whole on the tiers that code pages.
+        runs.append((req.kv_dtype, req.lossy_bits / (8 * req.kv_dtype.itemsize),
+                     f"{req.kv_dtype.value}+lossy {req.lossy_bits:g} bits"))
+    for dtype, r, label in runs:
+        layout = req.model.layout(dtype, req.tokens_per_page)
+        tiers = resolve_tiers(req.profile, layout, dep, r)
+        ev = evaluate(prof, tiers, prefill)
+        out.append(Variant(label, dtype, r, layout.token_bytes, ev.hit_rate,
+                           float(ev.ttft_s.mean()) if ev.ttft_s.size else 0.0, ev.ttft_percentile_s(90),
+                           tuple(t.capacity_tokens for t in tiers),
+                           tuple(crossover_tokens(t.load, prefill, req.model.max_context_tokens) for t in tiers)))
     return tuple(out)
 
 

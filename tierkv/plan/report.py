@@ -38,6 +38,7 @@ def to_dict(plan: Plan) -> dict[str, JSONValue]:
         "page_bytes": layout.page_bytes,
         "block_tokens": BLOCK_TOKENS,
         "codec_ratio": req.codec_ratio,
+        "lossy_bits": req.lossy_bits,
         "hardware": {"profile": req.profile.name, "nodes": cluster.nodes, "disaggregated": cluster.disaggregated,
                      "prefill_nodes": cluster.prefill_nodes, "decode_nodes": cluster.decode_nodes,
                      "instance_gpus": dep.instance_gpus, "instances_per_node": dep.instances_per_node,

@@ -4,7 +4,8 @@ A node-local tier's capacity and bandwidth are multiplied by the nodes that hold
 if cache-aware routing pooled them (Mooncake's store does; per-node caches without such
 routing hit less): HBM by the nodes that prefill (on a disaggregated cluster the decode
 nodes' HBM runs requests), DRAM and NVMe by every node. A shared tier (NVMe-oF) is the
-pool as given. The codec's ratio shrinks what every tier below HBM stores and moves.
+pool as given. The codec's ratio shrinks what the NVMe and NVMe-oF tiers store and move
+(the tiers the store codes pages on; DRAM holds whole pages).
 Called by :mod:`tierkv.plan.planner` and :mod:`tierkv.plan.recommend`.
 """
 
@@ -83,9 +84,15 @@ def deployment(model: ModelSpec, profile: HardwareProfile, instance_gpus: int) -
                       gpu.count % instance_gpus)
 
 
+#: The tiers whose pages the store codes (tierkv.tiers.blocks): only their bytes shrink.
+CODED_KINDS = frozenset({TierKind.NVME, TierKind.NVMEOF})
+
+
 def resolve_tiers(profile: HardwareProfile, layout: KVLayout, dep: Deployment,
                   codec_ratio: float = 1.0) -> tuple[ResolvedTier, ...]:
-    """The profile's tiers for the whole cluster, fastest first."""
+    """The profile's tiers for the whole cluster, fastest first. ``codec_ratio`` shrinks
+    what the NVMe and NVMe-oF tiers store and move: the tiers the store codes pages on
+    (a block tier, lossless or lossy pages alike); HBM and DRAM hold whole pages."""
     if not 0 < codec_ratio <= 1:
         raise ConfigError(f"codec ratio must be in (0, 1] (compressed / raw bytes), got {codec_ratio}")
     cluster, gpu = profile.cluster, profile.gpu
@@ -102,7 +109,8 @@ def resolve_tiers(profile: HardwareProfile, layout: KVLayout, dep: Deployment,
             continue
         assert spec.capacity_bytes is not None  # only HBM may be "auto"
         nodes = 1 if spec.shared else cluster.nodes
-        out.append(ResolvedTier(spec.kind, spec.capacity_bytes * nodes, layout.token_bytes * codec_ratio,
+        ratio = codec_ratio if spec.kind in CODED_KINDS else 1.0
+        out.append(ResolvedTier(spec.kind, spec.capacity_bytes * nodes, layout.token_bytes * ratio,
                                 spec.bandwidth_bytes_s * nodes, spec.request_bandwidth_bytes_s, spec.latency_s,
                                 spec.cost_per_gib, nodes))
     return tuple(out)
