@@ -174,3 +174,26 @@ def test_through_a_daemon_clients_code_and_decode(tmp_path: Path, sock_dir: Path
 def remote_rows(raw: np.ndarray, budget: float) -> np.ndarray:
     from tierkv.store.lossy_pages import code_rows
     return code_rows(LAYOUT, raw, len(raw), budget, None, None, True, "test")
+
+
+def test_demotion_moves_lossy_and_exact_pages_together_to_a_coding_tier(tmp_path: Path) -> None:
+    """DRAM of two pages over a coding NVMe tier: lossy pages at 12 bits (whose blobs the
+    codec could pack tighter) and exact ones go down together, and every one reads back as
+    put (tests/tiers/test_blocks.py holds the mixed batch a review found cut short)."""
+    cfg = StoreConfig(path=str(tmp_path / "s"), model_id="lossy-test", layout=LAYOUT, dram=DramConfig(2 * PB),
+                      nvme=NvmeConfig(32 * PB, codec="lossless"), policy="lru")
+    def sparse(seed: int) -> np.ndarray:   # mostly zeros: the codec packs such a row tighter than its blob
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal(LAYOUT.page_shape)
+        return from_float(np.where(rng.random(x.shape) < 0.05, np.round(x * 2) / 4, 0).astype(np.float32), "bf16")
+    smooth = np.stack([sparse(i) for i in range(N)])
+    toks, other = tokens(10), tokens(11)
+    with Store.open(cfg) as s:
+        s.put(toks[:TPP], smooth[:1])
+        s.put_lossy(toks, smooth, 12.0)
+        s.put(other, pages(11))                      # pushes everything above down to NVMe
+        out = np.zeros((N, PB), np.uint8)
+        got = s.get(toks, out, accept_lossy=12.0)
+        assert (got.pages, got.lossy) == (N, N - 1)
+        assert np.array_equal(out[0], smooth[0]) and np.array_equal(out[1:], expected(smooth, 12.0)[0][1:])
+        assert s.get(other, np.zeros((N, PB), np.uint8)).pages == N

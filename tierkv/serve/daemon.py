@@ -451,7 +451,8 @@ class NodeService:
             seg, off, rows, unfilled, announce, budget = _unpack(P.PUT_REQ, body)
             salt, tokens = self._tokens(body, P.PUT_REQ.size, segments, grant)
             src = segments.rows(seg, off, rows, s.layout.page_bytes)
-            if budget:   # rows its client coded lossy (put_lossy)
+            if budget:   # rows its client coded lossy (put_lossy): copied, so what is checked is what is stored
+                src = np.array(src)
                 lossy_pages.check_rows(s.layout, src, lossy_pages.check_budget(budget, "put_lossy"), "put_lossy")
                 r = lossy_pages.put_coded(s, tokens, src, salt, budget)
             else:

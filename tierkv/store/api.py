@@ -276,15 +276,16 @@ class Store:
                             res.tier_ranks + levels.translate(self._manager.kind_ranks),
                             derived=len(levels) if budget is None else 0, lossy=len(levels) if budget is not None else 0)
 
-    @staticmethod
-    def _accepting(accept: str, accept_lossy: float | None, what: str) -> float | None:
-        """Check a call's ``accept`` and ``accept_lossy``; the lossy budget or None."""
+    def _accepting(self, accept: str, accept_lossy: float | None, what: str) -> float | None:
+        """Check a call's ``accept`` and ``accept_lossy`` (and that this store's layout can
+        have lossy pages) before anything is read; the lossy budget or None."""
         if accept not in ACCEPT:
             raise InputError(f"{what}(accept=...) must be one of {', '.join(ACCEPT)}, got {accept!r}")
         if accept_lossy is None:
             return None
         if accept != "exact":
             raise InputError(f"{what}: accept={accept!r} and accept_lossy= cannot be asked together")
+        lossy_pages._layout_dtype(self.layout, f"{what}(accept_lossy=...)")
         return lossy_pages.check_budget(accept_lossy, f"{what}(accept_lossy=...)")
 
     def lookup_keys(self, keys: bytes, *, count: bool = True) -> LookupResult:

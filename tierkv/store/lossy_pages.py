@@ -40,8 +40,8 @@ _DTYPES = ("bf16", "fp16", "fp32")
 
 def check_budget(budget: object, what: str) -> float:
     """``budget`` as bits an element: a number from 1 up to (not including) 16; InputError."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) \
-            or not 1.0 <= float(budget) < 16.0:
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(budget) or not 1.0 <= float(budget) < 16.0:
         raise InputError(f"{what}: a lossy budget is bits an element, at least 1 and under 16, got {budget!r}")
     return float(budget)
 

@@ -66,7 +66,7 @@ class StoreStats:
     #: empty where neither is configured.
     dualpath: dict[str, dict[str, float]] = field(default_factory=dict)
     derived_pages: int = 0   # derived pages gets returned (accept="derived": moved by a splice, docs/splice.md)
-    lossy_pages: int = 0     # lossy pages gets returned (accept_lossy=: coded at a budget, docs/lossy.md)
+    lossy_pages: int = 0     # lossy pages read for gets (accept_lossy=: coded at a budget, docs/lossy.md)
 
     @property
     def misses(self) -> int:

@@ -227,16 +227,19 @@ class BlockPageTier(Tier):
         self._retired.clear()  # the blocks of freed pages may be overwritten from here on
         sizes: np.ndarray | None = None
         staged = None
+        # Lossy rows are stored as their blob; the codec codes the others (and only they
+        # count in its measured ratio).
         lossy = [lossy_length(src[i]) for i in range(n)] if width == self.page_bytes else [0] * n
-        if width == self.page_bytes and not all(lossy) and self.choice.compress(src):
+        plain = [i for i in range(n) if not lossy[i]]
+        need = [min(bpp, -(-length // ALIGN)) if length else bpp for length in lossy]
+        sub = src if len(plain) == n else src[plain]
+        if width == self.page_bytes and plain and self.choice.compress(sub):
             assert self.choice.codec is not None
-            staged = aligned_empty(n * self._stride).reshape(n, self._stride)
-            sizes = self.choice.codec.encode_into(src, staged)
-            self.choice.observe(src.nbytes, int(sizes.sum()))
-            need = [min(bpp, -(-int(s) // ALIGN)) for s in sizes]
-        else:
-            need = [bpp] * n
-        need = [min(k, -(-length // ALIGN)) if length else k for k, length in zip(need, lossy)]
+            staged = aligned_empty(len(plain) * self._stride).reshape(len(plain), self._stride)
+            sizes = self.choice.codec.encode_into(sub, staged)
+            self.choice.observe(sub.nbytes, int(sizes.sum()))
+            for j, i in enumerate(plain):
+                need[i] = min(bpp, -(-int(sizes[j]) // ALIGN))
         with self._lock:
             have = [extent_blocks(self._pages[h]) for h in slots]
         if have != need:  # coded pages shrink their reservation; a rewritten handle may grow back
@@ -247,7 +250,7 @@ class BlockPageTier(Tier):
         if staged is None and not any(lossy) and width == self.slot_bytes:
             packed = src.reshape(n * bpp, ALIGN)  # raw pages of whole blocks: straight from the caller
         else:
-            packed = self._pack(src, staged, sizes, need, lossy)
+            packed = self._pack(src, staged, sizes, need, lossy, plain)
         start = time.perf_counter()
         self.blocks.write(blocks, packed)
         self.choice.meter.note(Direction.WRITE, packed.nbytes, time.perf_counter() - start)
@@ -265,17 +268,19 @@ class BlockPageTier(Tier):
                 self._pages[h] = to_extents(self.blocks.allocate(k, contiguous=True))
 
     def _pack(self, src: np.ndarray, staged: np.ndarray | None, sizes: np.ndarray | None,
-              need: list[int], lossy: list[int]) -> np.ndarray:
-        """One buffer of whole blocks, page after page; tails zeroed so no stale bytes reach the medium."""
+              need: list[int], lossy: list[int], plain: list[int]) -> np.ndarray:
+        """One buffer of whole blocks, page after page; tails zeroed so no stale bytes reach
+        the medium. ``staged[j]`` (``sizes[j]`` bytes) codes row ``plain[j]``."""
         packed = aligned_empty(sum(need) * ALIGN)
         off = 0
         bpp = self.blocks_per_page
+        coded = {i: j for j, i in enumerate(plain)}
         for i, k in enumerate(need):
             if lossy[i] and k < bpp:
                 row, length = src[i], lossy[i]
             elif k < bpp:
                 assert staged is not None and sizes is not None
-                row, length = staged[i], int(sizes[i])
+                row, length = staged[coded[i]], int(sizes[coded[i]])
             else:
                 row, length = src[i], src.shape[1]
             packed[off:off + length] = row[:length]
