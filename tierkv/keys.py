@@ -158,14 +158,17 @@ def derived_seed(previous: bytes) -> bytes:
     return xxhash.xxh3_128_digest(b"tierkv-derived\0v1" + previous)
 
 
-def lossy_seed(namespace: bytes, budget: float) -> bytes:
-    """The chain seed of *lossy* pages (:mod:`tierkv.lossy`) coded at ``budget`` bits an
-    element, of the tenant whose namespace digest is ``namespace``: lossy page ``i`` of a
-    prompt is keyed by the chain over its first ``i + 1`` pages from this seed, so no
-    exact or derived key, and no other budget's, can equal it."""
-    if len(namespace) != KEY_BYTES:
-        raise InputError(f"a lossy chain starts from a {KEY_BYTES}-byte namespace, got {len(namespace)} bytes")
-    return xxhash.xxh3_128_digest(b"tierkv-lossy\0v1" + struct.pack("<d", float(budget)) + namespace)
+def lossy_keys(blob: bytes, budget: float) -> bytes:
+    """The keys of *lossy* pages (:mod:`tierkv.lossy`) coded at ``budget`` bits an element,
+    from the exact keys ``blob`` of the same pages: each one hashed with the budget, so it
+    names the same prefix, model and tenant, no exact or derived key (nor another budget's)
+    can equal it, and a page's lossy key follows from its exact key alone (what a tier that
+    converts pages as they are demoted needs)."""
+    if len(blob) % KEY_BYTES:
+        raise InputError(f"lossy keys come from {KEY_BYTES}-byte keys, got {len(blob)} bytes")
+    tag = b"tierkv-lossy\0v1" + struct.pack("<d", float(budget))
+    digest = xxhash.xxh3_128_digest
+    return b"".join(digest(tag + blob[i:i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES))
 
 
 def split_keys(blob: bytes) -> list[PageKey]:

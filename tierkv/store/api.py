@@ -32,7 +32,7 @@ from tierkv.errors import ConfigError, InputError, StoreClosedError, TierIOError
 from tierkv.store.index_check import mark_clean
 from tierkv.store.index_image import write_image
 from tierkv.store.index_scan import RecordArrays
-from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, namespace_digest,
+from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, lossy_keys, namespace_digest,
                          split_keys, tenant_salt)
 from tierkv.layout import KVLayout
 from tierkv.store.opening import open_store_parts, release_dir
@@ -267,7 +267,7 @@ class Store:
         if (accept == "exact" and budget is None) or res.cached_pages == res.total_pages:
             return res
         more = (derived.derived_blob(self, tokens, tenant, blob, res.cached_pages) if budget is None else
-                lossy_pages.lossy_blob(self, tokens, tenant, budget)[res.cached_pages * KEY_BYTES:])
+                lossy_keys(blob[res.cached_pages * KEY_BYTES:], budget))
         with self._lock:
             self._check_open()
             levels = derived.derived_levels(self, more)

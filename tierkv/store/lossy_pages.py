@@ -2,9 +2,9 @@
 
 :meth:`Store.put_lossy <tierkv.store.api.Store.put_lossy>` codes a prompt's pages at a
 budget (average bits an element, :mod:`tierkv.lossy`) and stores each blob as a page:
-the blob at the start of a page-sized row, zeros after it. Their keys chain from
-:func:`tierkv.keys.lossy_seed` (the tenant's namespace and the budget), so no exact
-lookup or get, no other budget and no other tenant ever sees one.
+the blob at the start of a page-sized row, zeros after it. Their keys are the exact
+keys hashed with the budget (:func:`tierkv.keys.lossy_keys`), so no exact lookup or get,
+no other budget and no other tenant ever sees one.
 ``get(..., accept_lossy=budget)`` goes on with them where the exact pages end, decodes
 each into the caller's row (values in the layout's dtype; an evicted token's rows zero,
 named in :attr:`GetResult.evicted <tierkv.store.results.GetResult.evicted>`), and
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tierkv.errors import CorruptPageError, InputError
-from tierkv.keys import KEY_BYTES, Tokens, as_token_array, chain_keys, lossy_seed, split_keys, tenant_salt
+from tierkv.keys import KEY_BYTES, Tokens, as_token_array, lossy_keys, split_keys
 from tierkv.layout import KVLayout, LayoutKind, PageOrder
 from tierkv.lossy.quant import from_bf16_bits, to_bf16_bits
 from tierkv.store.pages import PageSource, page_list, page_rows
@@ -53,10 +53,9 @@ def _layout_dtype(lay: KVLayout, what: str) -> str:
     return str(lay.dtype.value)
 
 
-def lossy_blob(store: Store, tokens: Tokens, tenant: str | bytes, budget: float) -> bytes:
-    """The lossy keys of ``tokens``' pages at ``budget``."""
-    seed = lossy_seed(store._namespace(tenant_salt(tenant)), budget)
-    return chain_keys(as_token_array(tokens), store.layout.tokens_per_page, seed)
+def lossy_blob(store: Store, tokens: Tokens, tenant: str | bytes, budget: float, first: int = 0) -> bytes:
+    """The lossy keys of ``tokens``' pages from page ``first`` on, at ``budget``."""
+    return lossy_keys(store._keys(tokens, tenant)[first * KEY_BYTES:], budget)
 
 
 def to_float(rows: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -149,10 +148,10 @@ def read_lossy(store: Store, tokens: Tokens, rows: np.ndarray, tenant: str | byt
     _layout_dtype(store.layout, "get(accept_lossy=...)")
     if first >= rows.shape[0]:
         return 0, ()
-    lblob = lossy_blob(store, tokens, tenant, budget)
+    lblob = lossy_blob(store, tokens, tenant, budget, first)
     with store._lock:
         store._check_open()
-        lead = store._lead(lblob[first * KEY_BYTES:], rows.shape[0] - first)
+        lead = store._lead(lblob, rows.shape[0] - first)
         if not len(lead):
             return 0, ()
         got = store._read_lead(lead, rows[first:])
