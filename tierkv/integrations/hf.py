@@ -35,6 +35,7 @@ from tierkv.keys import Tokens, as_token_array
 from tierkv.layout import DType, KVLayout, LayoutKind
 from tierkv.splice.ops import SpliceResult
 from tierkv.splice.rope import Rope
+from tierkv.lossy.alloc import Calibration, Importance
 
 try:
     from transformers import DynamicCache
@@ -84,6 +85,11 @@ class LoadedPrefix:
     tokens_per_tier: dict[str, int]
     seconds: float
     derived_tokens: int = 0   # of them, from derived pages (load(accept="derived")), the last ones
+    lossy_tokens: int = 0     # of them, from lossy pages (load(accept_lossy=...)), the last ones
+    #: Of those, evicted by their coding: the cache holds ``tokens - evicted_tokens``
+    #: entries, and the model must run what follows at positions from ``tokens`` on
+    #: (``position_ids``), not from the cache's length.
+    evicted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -188,17 +194,22 @@ class TierKVCache:
         self._model = model
         self._rope: Rope | None = None          # the model's rotary embedding, for splices
 
-    def load(self, tokens: Tokens, *, accept: str = "exact") -> LoadedPrefix:
+    def load(self, tokens: Tokens, *, accept: str = "exact", accept_lossy: float | None = None) -> LoadedPrefix:
         """A DynamicCache holding the longest cached prefix of ``tokens`` (whole pages).
 
         At least the last token is left for the model to process. Pages that fail to
         load (a miss, a checksum failure) shorten the prefix; they are never wrong data.
         ``accept="derived"``: where the exact pages end, go on with derived pages (moved
         there by :meth:`splice`; an approximation past the first layer, docs/splice.md);
-        ``LoadedPrefix.derived_tokens`` says how many.
+        ``LoadedPrefix.derived_tokens`` says how many. ``accept_lossy=budget``: the same
+        with lossy pages (:meth:`save_lossy`, docs/lossy.md); tokens their coding evicted
+        are left out of the cache (``LoadedPrefix.evicted_tokens``): run what follows with
+        ``position_ids`` from ``LoadedPrefix.tokens`` on.
         """
-        if accept == "derived":
-            return self._load_derived(tokens)
+        if accept == "derived" or accept_lossy is not None:
+            if accept == "derived" and accept_lossy is not None:
+                raise InputError("load: accept='derived' and accept_lossy= cannot be asked together")
+            return self._load_derived(tokens, accept_lossy)
         if accept != "exact":
             raise InputError(f"load(accept=...) must be 'exact' or 'derived', got {accept!r}")
         t0 = time.perf_counter()
@@ -234,7 +245,29 @@ class TierKVCache:
             self._rope = Rope.from_model(self._model)
         return self.store.splice(tokens, start, end, replacement, rope=self._rope, tenant=self._salt)
 
-    def _load_derived(self, tokens: Tokens) -> LoadedPrefix:
+    def save_lossy(self, cache: DynamicCache, tokens: Tokens, budget: float, *, importance: Importance | None = None,
+                   calibration: Calibration | None = None, evict: bool = True) -> SavedPrefix:
+        """Store the full pages of ``cache`` coded lossy at ``budget`` bits an element
+        (:meth:`Store.put_lossy <tierkv.store.api.Store.put_lossy>`; ``importance`` over
+        the cache's tokens, e.g. :func:`tierkv.lossy.scoring.prefill`'s): only
+        ``load(..., accept_lossy=budget)`` returns them. Never save a cache that was
+        loaded lossy (exact keys would hold an approximation)."""
+        t0 = time.perf_counter()
+        arr = as_token_array(tokens)
+        keys, values = _cache_tensors(cache, self.layout.num_layers)
+        seq = keys[0].shape[2] if keys else 0
+        if arr.size < seq:
+            raise InputError(f"save_lossy: the cache holds {seq} tokens but only {arr.size} token ids were given")
+        tpp = self.layout.tokens_per_page
+        n_pages = seq // tpp
+        pages = torch.empty((n_pages, *self.layout.page_shape), dtype=self._dtype)
+        CacheBlocks([k.to("cpu", self._dtype) for k in keys], [v.to("cpu", self._dtype) for v in values],
+                    tpp).gather(range(n_pages), pages)
+        res = self.store.put_lossy(arr[:n_pages * tpp], pages, budget, self._salt, importance=importance,
+                                   calibration=calibration, evict=evict)
+        return SavedPrefix(res.stored, (res.stored + res.already_present) * tpp, time.perf_counter() - t0)
+
+    def _load_derived(self, tokens: Tokens, budget: float | None = None) -> LoadedPrefix:
         t0 = time.perf_counter()
         arr = as_token_array(tokens)
         tpp = self.layout.tokens_per_page
@@ -243,19 +276,31 @@ class TierKVCache:
         if not pages:
             return LoadedPrefix(cache, 0, {}, time.perf_counter() - t0)
         buf = torch.empty((pages, *self.layout.page_shape), dtype=self._dtype)
-        res = self.store.get(arr[:pages * tpp], buf, self._salt, accept="derived")
+        if budget is None:
+            res = self.store.get(arr[:pages * tpp], buf, self._salt, accept="derived")
+        else:
+            res = self.store.get(arr[:pages * tpp], buf, self._salt, accept_lossy=budget)
         n = res.pages * tpp
+        evicted = 0
         if n:
             shape = (1, self.layout.num_kv_heads, n, self.layout.head_dim)
             keys = [torch.empty(shape, dtype=self._dtype) for _ in range(self.layout.num_layers)]
             values = [torch.empty(shape, dtype=self._dtype) for _ in range(self.layout.num_layers)]
             CacheBlocks(keys, values, tpp).scatter(buf[:res.pages], range(res.pages))
+            keep = None
+            if res.evicted is not None and res.evicted.any():   # tokens the coding dropped leave the cache
+                keep = torch.from_numpy(~res.evicted.reshape(-1)[:n])
+                evicted = int(res.evicted.sum())
             for layer in range(self.layout.num_layers):
-                cache.update(keys[layer].to(self._device), values[layer].to(self._device), layer)
+                k, v = keys[layer], values[layer]
+                if keep is not None:
+                    k, v = k[:, :, keep], v[:, :, keep]
+                cache.update(k.to(self._device), v.to(self._device), layer)
         per_tier: dict[str, int] = {}
         for kind in res.tiers:
             per_tier[kind.value] = per_tier.get(kind.value, 0) + tpp
-        return LoadedPrefix(cache, n, per_tier, time.perf_counter() - t0, derived_tokens=res.derived * tpp)
+        return LoadedPrefix(cache, n, per_tier, time.perf_counter() - t0, derived_tokens=res.derived * tpp,
+                            lossy_tokens=res.lossy * tpp, evicted_tokens=evicted)
 
     def save(self, cache: DynamicCache, tokens: Tokens) -> SavedPrefix:
         """Store the full pages of ``cache``; ``tokens`` are the ids whose KV it holds, in order.
