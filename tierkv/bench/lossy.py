@@ -1,13 +1,15 @@
 """``tierkv bench lossy``: what lossy pages cost in quality, on SmolLM2-135M (transformers, CPU).
 
-A held text (tierkv's own module docstrings, ``--context`` tokens, so nothing is
-downloaded) is prefilled; its KV, rounded to BF16 as the store holds it, is cut into
+A held text (docstrings of Python's standard library, :data:`HELD_MODULES`,
+``--context`` tokens, so nothing is downloaded and the text is the same on every
+machine) is prefilled; its KV, rounded to BF16 as the store holds it, is cut into
 pages of ``--page-tokens`` tokens, each coded at every budget (average bits per element,
 headers and parameters included) twice: with the rate-distortion allocation
 (:func:`tierkv.lossy.alloc.allocate`: importance from the scoring pass, sensitivities
 from a calibration measured in the same run on *another* text), the same keeping every
 token (``evict=False``: what an engine with paged attention can use) and the uniform
-one (:func:`~tierkv.lossy.alloc.uniform`), through the lossy format and back. Each
+one (:func:`~tierkv.lossy.alloc.uniform`), stored in a DRAM store as lossy pages
+(one tenant per allocation) and got back through it (``get(..., accept_lossy=budget)``). Each
 decoded cache then predicts the text that follows (``--continuation`` tokens,
 teacher-forced NLL per token) and the lossless cache's greedy continuation
 (``--generate`` tokens, teacher-forced top-1 agreement). Reported per budget:
@@ -19,6 +21,8 @@ pages') and ``kept_fraction`` (tokens not evicted).
 from __future__ import annotations
 
 import ast
+import sysconfig
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,24 +30,32 @@ from typing import Any
 
 import numpy as np
 
-import tierkv
+from tierkv.config import DramConfig, StoreConfig
+from tierkv.layout import KVLayout
 from tierkv.lossy.alloc import allocate, uniform
-from tierkv.lossy.format import decode, encode
+from tierkv.lossy.format import encode
+from tierkv.store.api import Store
 
 DEFAULT_BUDGETS = (2.5, 3.0, 4.0, 8.0)
 
 
+#: Modules of Python's standard library whose docstrings are the texts (stable for a
+#: Python version, installed everywhere tierkv runs, nothing downloaded): calibration, held.
+CALIBRATION_MODULES = ("socketserver.py", "statistics.py", "argparse.py", "json/__init__.py")
+HELD_MODULES = ("http/client.py", "pydoc.py", "unittest/__init__.py", "heapq.py", "io.py", "ssl.py", "sched.py",
+                "uuid.py", "urllib/parse.py", "doctest.py")
+
+
 def docstring_text(first_half: bool) -> str:
-    """tierkv's module docstrings, in path order: the first half of the modules (the
-    calibration text) or the second (the held text)."""
-    root = Path(tierkv.__file__).parent
-    files = sorted(root.rglob("*.py"))
-    half = files[:len(files) // 2] if first_half else files[len(files) // 2:]
+    """The docstrings of :data:`CALIBRATION_MODULES` (``first_half``) or
+    :data:`HELD_MODULES`, joined: English prose about code, the same on every machine
+    with this Python version (tierkv's own docstrings change with every commit)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
-    for f in half:
+    for name in CALIBRATION_MODULES if first_half else HELD_MODULES:
         try:
-            doc = ast.get_docstring(ast.parse(f.read_text()))
-        except (SyntaxError, UnicodeDecodeError):
+            doc = ast.get_docstring(ast.parse((root / name).read_text()))
+        except (OSError, SyntaxError, UnicodeDecodeError):
             continue
         if doc:
             docs.append(doc)
@@ -51,16 +63,20 @@ def docstring_text(first_half: bool) -> str:
 
 
 def code_cache(kv: np.ndarray, budget: float, page_tokens: int, mode: str, importance: Any,
-               calibration: Any) -> tuple[np.ndarray, np.ndarray, int]:
-    """``kv`` ([L, 2, N, H, D]) coded page by page at ``budget`` through the lossy format
-    and decoded: the decoded KV, which tokens are kept, and the blobs' bytes."""
+               calibration: Any, store: Any, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``kv`` ([L, 2, N, H, D], BF16 values) coded page by page at ``budget`` with the
+    ``mode``'s allocation, stored in ``store`` as lossy pages of ``prompt`` (a tenant per
+    mode) and got back through it (``accept_lossy``): the decoded KV, which tokens are
+    kept, and the blobs' bytes."""
     from tierkv.lossy.alloc import Importance
+    from tierkv.store.lossy_pages import put_coded, to_float
+    from tierkv.tiers.blocks import lossy_length
 
-    out = np.zeros_like(kv)
-    kept = np.zeros(kv.shape[2], bool)
-    size = 0
-    for p in range(0, kv.shape[2], page_tokens):
-        sl = slice(p, p + page_tokens)
+    L, _, N, H, D = kv.shape
+    n = N // page_tokens
+    rows = np.zeros((n, store.layout.page_bytes), np.uint8)
+    for i in range(n):
+        sl = slice(i * page_tokens, (i + 1) * page_tokens)
         page = kv[:, :, sl]
         if mode in ("rd", "rd_keep"):
             imp = Importance(importance.a2[:, :, sl], importance.qe)
@@ -68,14 +84,20 @@ def code_cache(kv: np.ndarray, budget: float, page_tokens: int, mode: str, impor
         else:
             alloc = uniform(page.shape, budget)
         blob = encode(page, alloc, "bf16", budget)
-        dec = decode(blob)
-        out[:, :, sl] = dec.page
-        kept[sl] = dec.kept
-        size += len(blob)
-    return out, kept, size
+        rows[i, :len(blob)] = np.frombuffer(blob, np.uint8)
+    size = sum(lossy_length(r) for r in rows)
+    tenant = f"bench-{mode}"
+    put_coded(store, prompt, rows, tenant, budget)
+    out = np.zeros_like(rows)
+    got = store.get(prompt, out, tenant, accept_lossy=budget)
+    if got.lossy != n or got.evicted is None:
+        raise RuntimeError(f"the store returned {got.lossy} of {n} lossy pages")
+    pages = to_float(out, "bf16", store.layout.page_shape)            # [n, L, 2, T, H, D]
+    dec = pages.transpose(1, 2, 0, 3, 4, 5).reshape(L, 2, N, H, D)
+    return dec, ~got.evicted.reshape(-1), size
 
 
-def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1024, continuation: int = 128,
+def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1024, continuation: int = 256,
                     generate: int = 64, page_tokens: int = 128,
                     say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     from tierkv.integrations import smollm2
@@ -91,8 +113,9 @@ def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1
     held_ids = np.array(tok.encode(docstring_text(False), add_special_tokens=False), np.int64)
     need = context + continuation
     if cal_ids.size < need or held_ids.size < need:
-        raise ValueError(f"tierkv's docstrings hold {cal_ids.size} and {held_ids.size} tokens; the bench needs {need}")
-    say("calibrating per-layer sensitivities on the first half of tierkv's docstrings")
+        raise ValueError(f"the calibration and held texts are {cal_ids.size} and {held_ids.size} tokens; the bench "
+                         f"needs {need} of each")
+    say("calibrating per-layer sensitivities on the calibration text")
     cal = scoring.calibrate(model, cal_ids[:context], cal_ids[context:need], model_id=smollm2.MODEL_ID,
                             page_tokens=page_tokens)
     say(f"prefilling and scoring {context} tokens of the held text")
@@ -105,22 +128,27 @@ def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1
     gen = scoring.greedy(model, kv, first, generate + 1)
     nll_ref = scoring.nll(model, kv, all_kept, follow)
     bf16_bytes = kv.size * 2
+    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="bf16", tokens_per_page=page_tokens)
+    where = tempfile.TemporaryDirectory(prefix="tierkv-bench-lossy-")
+    store = Store.open(StoreConfig(path=where.name, model_id=smollm2.MODEL_ID, layout=layout,
+                                   dram=DramConfig(N // page_tokens * layout.page_bytes), policy="lru"))
     rows: dict[str, list[Any]] = {k: [] for k in (
         "delta_nll", "agreement", "bytes_ratio", "kept_fraction",
         "no_evict_delta_nll", "no_evict_agreement", "no_evict_bytes_ratio",
         "uniform_delta_nll", "uniform_agreement", "uniform_bytes_ratio")}
     prefixes = {"rd": "", "rd_keep": "no_evict_", "uniform": "uniform_"}
-    for budget in budgets:
-        for mode, pre_ in prefixes.items():
-            say(f"budget {budget} bits per element, {mode} allocation")
-            dec, kept, size = code_cache(kv, budget, page_tokens, mode, pre.importance, cal)
-            d_nll = scoring.nll(model, dec, kept, follow) - nll_ref
-            agree = scoring.agreement(model, dec, kept, gen)
-            rows[pre_ + "delta_nll"].append(round(d_nll, 4))
-            rows[pre_ + "agreement"].append(round(agree, 4))
-            rows[pre_ + "bytes_ratio"].append(round(size / bf16_bytes, 4))
-            if mode == "rd":
-                rows["kept_fraction"].append(round(float(kept.mean()), 4))
+    with where, store:
+        for budget in budgets:
+            for mode, pre_ in prefixes.items():
+                say(f"budget {budget} bits per element, {mode} allocation, through a store")
+                dec, kept, size = code_cache(kv, budget, page_tokens, mode, pre.importance, cal, store, prompt)
+                d_nll = scoring.nll(model, dec, kept, follow) - nll_ref
+                agree = scoring.agreement(model, dec, kept, gen)
+                rows[pre_ + "delta_nll"].append(round(d_nll, 4))
+                rows[pre_ + "agreement"].append(round(agree, 4))
+                rows[pre_ + "bytes_ratio"].append(round(size / bf16_bytes, 4))
+                if mode == "rd":
+                    rows["kept_fraction"].append(round(float(kept.mean()), 4))
     return {"model": smollm2.MODEL_ID, "context_tokens": context, "continuation_tokens": continuation,
             "generated_tokens": generate, "page_tokens": page_tokens, "budgets": list(budgets),
             "nll_lossless": round(nll_ref, 4), **rows,

