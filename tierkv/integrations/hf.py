@@ -209,7 +209,7 @@ class TierKVCache:
         if accept == "derived" or accept_lossy is not None:
             if accept == "derived" and accept_lossy is not None:
                 raise InputError("load: accept='derived' and accept_lossy= cannot be asked together")
-            return self._load_derived(tokens, accept_lossy)
+            return self._load_beyond_exact(tokens, accept_lossy)
         if accept != "exact":
             raise InputError(f"load(accept=...) must be 'exact' or 'derived', got {accept!r}")
         t0 = time.perf_counter()
@@ -267,7 +267,7 @@ class TierKVCache:
                                    calibration=calibration, evict=evict)
         return SavedPrefix(res.stored, (res.stored + res.already_present) * tpp, time.perf_counter() - t0)
 
-    def _load_derived(self, tokens: Tokens, budget: float | None = None) -> LoadedPrefix:
+    def _load_beyond_exact(self, tokens: Tokens, budget: float | None = None) -> LoadedPrefix:
         t0 = time.perf_counter()
         arr = as_token_array(tokens)
         tpp = self.layout.tokens_per_page

@@ -285,7 +285,7 @@ class Store:
             return None
         if accept != "exact":
             raise InputError(f"{what}: accept={accept!r} and accept_lossy= cannot be asked together")
-        lossy_pages._layout_dtype(self.layout, f"{what}(accept_lossy=...)")
+        lossy_pages.layout_dtype(self.layout, f"{what}(accept_lossy=...)")
         return lossy_pages.check_budget(accept_lossy, f"{what}(accept_lossy=...)")
 
     def lookup_keys(self, keys: bytes, *, count: bool = True) -> LookupResult:

@@ -46,7 +46,8 @@ def check_budget(budget: object, what: str) -> float:
     return float(budget)
 
 
-def _layout_dtype(lay: KVLayout, what: str) -> str:
+def layout_dtype(lay: KVLayout, what: str) -> str:
+    """The dtype name of ``lay``'s pages; InputError where lossy pages cannot code them."""
     if lay.kind is not LayoutKind.KV or lay.page_order is not PageOrder.STANDARD or lay.dtype.value not in _DTYPES:
         raise InputError(f"{what}: lossy pages need a K/V layout of bf16, fp16 or fp32 pages in the standard order; "
                          f"this store's is {lay.kind.value}, {lay.page_order.value}, {lay.dtype.value}")
@@ -85,7 +86,7 @@ def code_rows(layout: KVLayout, pages: PageSource, n_max: int, budget: float, im
     from tierkv.lossy.format import encode
 
     budget = check_budget(budget, what)
-    dtype = _layout_dtype(layout, what)
+    dtype = layout_dtype(layout, what)
     tpp = layout.tokens_per_page
     src = (page_list(pages, layout, f"{what}(pages=...)", n_max) if isinstance(pages, (list, tuple)) else
            page_rows(pages, layout, f"{what}(pages=...)", n_max, lists=True))  # type: ignore[arg-type]
@@ -145,7 +146,7 @@ def read_lossy(store: Store, tokens: Tokens, rows: np.ndarray, tenant: str | byt
                budget: float) -> tuple[int, tuple[int, ...]]:
     """Read the lossy pages at ``budget`` from page ``first`` on into ``rows[first:]``, as
     stored (blobs; takes the lock): how many, and each one's level."""
-    _layout_dtype(store.layout, "get(accept_lossy=...)")
+    layout_dtype(store.layout, "get(accept_lossy=...)")
     if first >= rows.shape[0]:
         return 0, ()
     lblob = lossy_blob(store, tokens, tenant, budget, first)
@@ -165,7 +166,7 @@ def decode_rows(layout: KVLayout, rows: np.ndarray, first: int, n: int, budget: 
     budget, ends the run) and ``evicted`` ``bool [first + that, tokens_per_page]``."""
     from tierkv.lossy.format import decode
 
-    dtype = _layout_dtype(layout, "get(accept_lossy=...)")
+    dtype = layout_dtype(layout, "get(accept_lossy=...)")
     evicted = np.zeros((first + n, layout.tokens_per_page), bool)
     done = 0
     for i in range(first, first + n):

@@ -80,7 +80,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 def request_accept(salt: str, params: object, prefix_caching: bool) -> tuple[str, str] | None:
     """What a request with ``cache_salt`` ``salt`` and ``kv_transfer_params`` ``params``
     accepts, and its tierkv tenant; None where it asked for derived pages and may not
@@ -102,6 +101,7 @@ def request_accept(salt: str, params: object, prefix_caching: bool) -> tuple[str
     if isinstance(tenant, str) and tenant != salt:
         return "derived", tenant
     return None
+
 
 class TierKVMetadata(KVConnectorMetadata):
     """One step's plan, pickled from the scheduler to the workers."""
