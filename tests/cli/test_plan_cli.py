@@ -128,6 +128,7 @@ def _bad_profile(tmp_path: Path) -> str:
     ([*SMALL, "--lossy-bits", "16"], "--lossy-bits must be bits an element, at least 1 and under 16"),
     ([*SMALL, "--lossy-bits", "nan"], "--lossy-bits must be bits an element"),
     ([*SMALL, "--kv-dtype", "fp8_e4m3", "--lossy-bits", "4"], "lossy pages code bf16, fp16 or fp32 KV"),
+    (["--model", "deepseek-v3", "--synthetic", "50", "--lossy-bits", "4"], "lossy pages code K/V layouts"),
     ([*SMALL, "--tokens-per-page", "0"], "--tokens-per-page must be >= 1"),
     ([*SMALL, "--turns", "3"], "--turns describe a --params workload"),
     ([*SMALL, "--hardware", "nope"], "hardware profile 'nope'"),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tierkv.config import DramConfig, StoreConfig
+from tierkv.errors import InputError
 from tierkv.store.api import Store
 
 torch = pytest.importorskip("torch")
@@ -58,3 +59,21 @@ def test_lossy_pages_through_the_transformers_cache(llama: object, tmp_path: Pat
         assert low.tokens == 4 * TPP and 0 < low.evicted_tokens < low.tokens
         assert low.cache.get_seq_length() == low.tokens - low.evicted_tokens
         assert np.isfinite(logits_after(llama, low.cache, follow, low.tokens)).all()
+        # A cache loaded lossy (then extended by the model) is never saved, exact or lossy.
+        for save in (lambda: tkv.save(low.cache, ids), lambda: tkv.save_lossy(low.cache, ids, 4.0)):
+            with pytest.raises(InputError, match="loaded with derived or lossy pages"):
+                save()
+        with pytest.raises(InputError, match="must be 'exact' or 'derived'"):
+            tkv.load(prompt, accept="bogus", accept_lossy=4.0)
+
+
+def test_save_lossy_stores_the_leading_pages_that_fit(llama: object, tmp_path: Path) -> None:
+    layout = model_layout(llama, TPP)  # type: ignore[arg-type]
+    cfg = StoreConfig(path=str(tmp_path / "s"), model_id="llama-test", layout=layout,
+                      dram=DramConfig(2 * layout.page_bytes))
+    prompt = np.random.default_rng(2).integers(0, 1000, 4 * TPP).astype(np.int64)
+    with torch.no_grad():
+        full = llama(torch.from_numpy(prompt)[None], use_cache=True)  # type: ignore[operator]
+    with Store.open(cfg) as store:
+        saved = TierKVCache(store, llama).save_lossy(full.past_key_values, prompt, 8.0)  # type: ignore[arg-type]
+        assert (saved.pages_stored, saved.tokens) == (2, 2 * TPP)

@@ -21,6 +21,7 @@ pages') and ``kept_fraction`` (tokens not evicted).
 from __future__ import annotations
 
 import ast
+import platform
 import sysconfig
 import tempfile
 import time
@@ -55,10 +56,10 @@ def docstring_text(first_half: bool) -> str:
     for name in CALIBRATION_MODULES if first_half else HELD_MODULES:
         try:
             doc = ast.get_docstring(ast.parse((root / name).read_text()))
-        except (OSError, SyntaxError, UnicodeDecodeError):
-            continue
-        if doc:
-            docs.append(doc)
+        except (OSError, SyntaxError, UnicodeDecodeError) as exc:
+            raise ValueError(f"the lossy benchmark's text is Python's {name} docstring, which cannot be read here "
+                             f"({exc}): its figures would not compare with others'") from None
+        docs.append(doc or "")
     return "\n\n".join(docs)
 
 
@@ -149,7 +150,7 @@ def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1
                 rows[pre_ + "bytes_ratio"].append(round(size / bf16_bytes, 4))
                 if mode == "rd":
                     rows["kept_fraction"].append(round(float(kept.mean()), 4))
-    return {"model": smollm2.MODEL_ID, "context_tokens": context, "continuation_tokens": continuation,
+    return {"model": smollm2.MODEL_ID, "python": platform.python_version(), "context_tokens": context, "continuation_tokens": continuation,
             "generated_tokens": generate, "page_tokens": page_tokens, "budgets": list(budgets),
             "nll_lossless": round(nll_ref, 4), **rows,
             "calibration_key": [round(x, 6) for x in cal.key], "calibration_value": [round(x, 6) for x in cal.value],

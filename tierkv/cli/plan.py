@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tierkv.cli.checks import check_plot
 from tierkv.cli.exits import EXIT_OK
 from tierkv.errors import InputError
-from tierkv.layout import DType
+from tierkv.layout import DType, LayoutKind
 from tierkv.units import parse_size
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def add_parser(subparsers: "argparse._SubParsersAction[Any]") -> argparse.Argume
     return p
 
 
-def _lossy_bits(bits: float | None, dtype: DType) -> float | None:
+def _lossy_bits(bits: float | None, dtype: DType, kind: LayoutKind) -> float | None:
     """``--lossy-bits``, checked: InputError naming what is expected."""
     if bits is None:
         return None
@@ -104,6 +104,8 @@ def _lossy_bits(bits: float | None, dtype: DType) -> float | None:
         raise InputError(f"--lossy-bits must be bits an element, at least 1 and under 16, got {bits:g}")
     if dtype.itemsize < 2:
         raise InputError(f"--lossy-bits: lossy pages code bf16, fp16 or fp32 KV, not {dtype.value}")
+    if kind is not LayoutKind.KV:
+        raise InputError(f"--lossy-bits: lossy pages code K/V layouts; this model's KV is {kind.value} (MLA)")
     return float(bits)
 
 
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         target = Target(args.target_hit_rate, args.target_ttft_s, args.ttft_percentile)
     requests, label = _workload(args)
     req = PlanRequest(model=model, profile=profile, kv_dtype=dtype, tokens_per_page=args.tokens_per_page,
-                      codec_ratio=args.codec_ratio, lossy_bits=_lossy_bits(args.lossy_bits, dtype),
+                      codec_ratio=args.codec_ratio, lossy_bits=_lossy_bits(args.lossy_bits, dtype,
+                                                                              model.layout(dtype).kind),
                       prefill_tokens_s=args.prefill_tokens_s, tp=args.tp,
                       attention_term=not args.no_attention_term, request_rate_per_s=args.request_rate, target=target,
                       workload=label)

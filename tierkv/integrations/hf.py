@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -193,6 +194,9 @@ class TierKVCache:
         self._request: str | None = None        # the last load's request: its save is the same request
         self._model = model
         self._rope: Rope | None = None          # the model's rotary embedding, for splices
+        # Caches loaded with derived or lossy pages: an approximation, never saved (by identity:
+        # the model extends the same object in place).
+        self._approximate: weakref.WeakSet[DynamicCache] = weakref.WeakSet()
 
     def load(self, tokens: Tokens, *, accept: str = "exact", accept_lossy: float | None = None) -> LoadedPrefix:
         """A DynamicCache holding the longest cached prefix of ``tokens`` (whole pages).
@@ -206,12 +210,15 @@ class TierKVCache:
         are left out of the cache (``LoadedPrefix.evicted_tokens``): run what follows with
         ``position_ids`` from ``LoadedPrefix.tokens`` on.
         """
+        if accept not in ("exact", "derived"):
+            raise InputError(f"load(accept=...) must be 'exact' or 'derived', got {accept!r}")
         if accept == "derived" or accept_lossy is not None:
             if accept == "derived" and accept_lossy is not None:
                 raise InputError("load: accept='derived' and accept_lossy= cannot be asked together")
-            return self._load_beyond_exact(tokens, accept_lossy)
-        if accept != "exact":
-            raise InputError(f"load(accept=...) must be 'exact' or 'derived', got {accept!r}")
+            loaded = self._load_beyond_exact(tokens, accept_lossy)
+            if loaded.derived_tokens or loaded.lossy_tokens:
+                self._approximate.add(loaded.cache)
+            return loaded
         t0 = time.perf_counter()
         arr = as_token_array(tokens)
         cache = DynamicCache()
@@ -253,13 +260,14 @@ class TierKVCache:
         ``load(..., accept_lossy=budget)`` returns them. Never save a cache that was
         loaded lossy (exact keys would hold an approximation)."""
         t0 = time.perf_counter()
+        self._check_exact(cache, "save_lossy")
         arr = as_token_array(tokens)
         keys, values = _cache_tensors(cache, self.layout.num_layers)
         seq = keys[0].shape[2] if keys else 0
         if arr.size < seq:
             raise InputError(f"save_lossy: the cache holds {seq} tokens but only {arr.size} token ids were given")
         tpp = self.layout.tokens_per_page
-        n_pages = seq // tpp
+        n_pages = min(seq // tpp, self._capacity_pages())
         pages = torch.empty((n_pages, *self.layout.page_shape), dtype=self._dtype)
         CacheBlocks([k.to("cpu", self._dtype) for k in keys], [v.to("cpu", self._dtype) for v in values],
                     tpp).gather(range(n_pages), pages)
@@ -307,9 +315,12 @@ class TierKVCache:
 
         ``tokens`` may run past the cache (e.g. the last generated token, not yet
         processed); only the first ``cache.get_seq_length()`` count. A cache longer than
-        every tier together stores its leading pages that fit.
+        every tier together stores its leading pages that fit. A cache :meth:`load` filled
+        with derived or lossy pages is refused (InputError): it holds an approximation, and
+        with evicted tokens its entries no longer line up with ``tokens``.
         """
         t0 = time.perf_counter()
+        self._check_exact(cache, "save")
         arr = as_token_array(tokens)
         keys, values = _cache_tensors(cache, self.layout.num_layers)
         seq = keys[0].shape[2] if keys else 0
@@ -333,6 +344,11 @@ class TierKVCache:
             raise err(f"save: storing {len(spec.block_ids)} pages failed: {result.error}") from result.exception
         stored_tokens = self.store.lookup(arr[:seq], self._salt, count=False).cached_tokens
         return SavedPrefix(result.pages, stored_tokens, time.perf_counter() - t0)
+
+    def _check_exact(self, cache: DynamicCache, what: str) -> None:
+        if cache in self._approximate:
+            raise InputError(f"{what}: this cache was loaded with derived or lossy pages (an approximation); "
+                             "save only what the model computed from exact pages")
 
     def _capacity_pages(self) -> int:
         return sum(t.capacity_slots for t in self.store.stats().tiers.values())

@@ -52,7 +52,7 @@ def _curve(plan: Plan, ax: Axes) -> None:
     ax.plot(x, plan.curve_hit_rate, color="black", label="LRU prefix hit rate")
     start = 0.0
     for r in plan.tiers:
-        # Capacities in raw (uncompressed) bytes, so tiers below HBM stretch by 1 / codec ratio.
+        # Capacities in raw (uncompressed) bytes, so the NVMe tiers stretch by 1 / codec ratio.
         end = start + r.capacity_blocks * BLOCK_TOKENS * token_bytes
         if end > start:
             ax.axvspan(max(start, x[0]), end, alpha=0.15, color=_COLORS.get(r.tier.kind.value),

@@ -236,7 +236,7 @@ def _tier_table(plan: Plan, table_cls: type) -> Table:
 
 
 def _variant_table(plan: Plan, table_cls: type) -> Table:
-    t = _table(table_cls, f"KV dtype and codec below HBM (x-over: tokens, {'/'.join(_kinds(plan))})",
+    t = _table(table_cls, f"KV dtype and codec on NVMe (x-over: tokens, {'/'.join(_kinds(plan))})",
                ("variant", "B/token", "tokens", "hit", "TTFT mean", "p90", "x-over"))
     for v in plan.variants:
         cross = "/".join("never" if c is None else f"{c:,}" for c in v.crossover_tokens)
