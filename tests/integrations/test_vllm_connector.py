@@ -266,6 +266,17 @@ def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: Remote
     b.close()
 
 
+def serve_and_save(store: RemoteStore, tokens: list[int]) -> None:
+    """An engine computes ``tokens`` (7 blocks; KV of engine_caches(7)) and saves its pages."""
+    a = ConnectorWorker(store, CpuPagedKV(engine_caches(8), store.layout), max_pages=8)
+    pa = ConnectorPlanner(store, N)
+    pa.allocated("a", tokens, len(tokens), "", [0, 1, 2, 3, 4, 5, 6], 0)
+    step(a, pa.plan([("a", [0, 1, 2, 3, 4, 5, 6], 0)], [], {"a": len(tokens)}), write=engine_caches(7),
+         caches=a.kv.layers)
+    a.drain()
+    a.close()
+
+
 def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(store: RemoteStore) -> None:
     """An agent dropped a span of a cached prompt and spliced it through the daemon; the
     request that accepts derived pages loads the exact and the moved pages as one prefix
@@ -274,13 +285,7 @@ def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(
     from tierkv.splice.rope import Rope
 
     old = prompt(6.5, seed=21)
-    src = engine_caches(7)
-    a = ConnectorWorker(store, CpuPagedKV(engine_caches(8), store.layout), max_pages=8)
-    pa = ConnectorPlanner(store, N)
-    pa.allocated("a", old, len(old), "", [0, 1, 2, 3, 4, 5, 6], 0)
-    step(a, pa.plan([("a", [0, 1, 2, 3, 4, 5, 6], 0)], [], {"a": len(old)}), write=src, caches=a.kv.layers)
-    a.drain()
-    a.close()
+    serve_and_save(store, old)
     res = store.splice(np.array(old, np.uint32), 20, 45, np.zeros(0, np.uint32), rope=Rope.from_theta(10000.0, D))
     new = [int(t) for t in res.tokens]                    # 6.5 * 16 - 25 = 79 tokens: 4 whole pages and a part
     assert res.first_derived == 1 and res.derived == 3 and res.stored == 3
@@ -344,13 +349,7 @@ def test_an_edit_named_on_the_request_is_spliced_once_and_its_derived_pages_load
     from tierkv.splice.rope import Rope
 
     old = prompt(6.5, seed=23)
-    a = ConnectorWorker(store, CpuPagedKV(engine_caches(8), store.layout), max_pages=8)
-    pa = ConnectorPlanner(store, N)
-    pa.allocated("a", old, len(old), "", [0, 1, 2, 3, 4, 5, 6], 0)
-    step(a, pa.plan([("a", [0, 1, 2, 3, 4, 5, 6], 0)], [], {"a": len(old)}), write=engine_caches(7),
-         caches=a.kv.layers)
-    a.drain()
-    a.close()
+    serve_and_save(store, old)
     new = old[:20] + old[45:]                               # 25 tokens dropped at 20
     directive = {"start": 20, "removed": old[20:45], "inserted": 0}
     made: list[int] = []
@@ -423,13 +422,7 @@ def test_a_replacement_named_on_the_request_loads_exact_pages_and_saves_what_it_
     from tierkv.splice.rope import Rope
 
     old = prompt(6.5, seed=29)
-    a = ConnectorWorker(store, CpuPagedKV(engine_caches(8), store.layout), max_pages=8)
-    pa = ConnectorPlanner(store, N)
-    pa.allocated("a", old, len(old), "", [0, 1, 2, 3, 4, 5, 6], 0)
-    step(a, pa.plan([("a", [0, 1, 2, 3, 4, 5, 6], 0)], [], {"a": len(old)}), write=engine_caches(7),
-         caches=a.kv.layers)
-    a.drain()
-    a.close()
+    serve_and_save(store, old)
     new = old[:20] + [7, 7, 7, 7, 7, 7, 7, 7, 7, 7] + old[30:]    # 10 tokens replaced by 10 others at 20
     pb = ConnectorPlanner(store, N, rope=lambda: Rope.from_theta(10000.0, D))
     directive = {"start": 20, "removed": old[20:30], "inserted": 10}

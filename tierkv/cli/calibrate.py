@@ -21,6 +21,7 @@ from typing import Any
 
 from tierkv.cli.exits import EXIT_OK
 from tierkv.errors import ConfigError, InputError
+from tierkv.progress import task_progress
 
 
 def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParser:
@@ -95,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"the text is {ids.size} tokens; --tokens {args.tokens} and --continuation "
                          f"{args.continuation} need {need}")
     say(f"coding each of {model.config.num_hidden_layers} layers' keys and values at 2 bits")
-    cal = calibrate(model, ids[:args.tokens], ids[args.tokens:need], model_id=model_id, page_tokens=args.page_tokens)
+    with task_progress("calibrate", 2 * int(model.config.num_hidden_layers), enabled=not args.json) as step:
+        cal = calibrate(model, ids[:args.tokens], ids[args.tokens:need], model_id=model_id,
+                        page_tokens=args.page_tokens, step=step)
     cal.save(out)
     doc = {"out": str(out), "model_id": model_id, "layers": len(cal.key), "key": list(cal.key),
            "value": list(cal.value), "seconds": round(time.perf_counter() - t0, 1)}

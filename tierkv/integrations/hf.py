@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
@@ -260,14 +261,8 @@ class TierKVCache:
         ``load(..., accept_lossy=budget)`` returns them. Never save a cache that was
         loaded lossy (exact keys would hold an approximation)."""
         t0 = time.perf_counter()
-        self._check_exact(cache, "save_lossy")
-        arr = as_token_array(tokens)
-        keys, values = _cache_tensors(cache, self.layout.num_layers)
-        seq = keys[0].shape[2] if keys else 0
-        if arr.size < seq:
-            raise InputError(f"save_lossy: the cache holds {seq} tokens but only {arr.size} token ids were given")
+        arr, keys, values, n_pages = self._to_save(cache, tokens, "save_lossy")
         tpp = self.layout.tokens_per_page
-        n_pages = min(seq // tpp, self._capacity_pages())
         pages = torch.empty((n_pages, *self.layout.page_shape), dtype=self._dtype)
         CacheBlocks([k.to("cpu", self._dtype) for k in keys], [v.to("cpu", self._dtype) for v in values],
                     tpp).gather(range(n_pages), pages)
@@ -320,15 +315,10 @@ class TierKVCache:
         with evicted tokens its entries no longer line up with ``tokens``.
         """
         t0 = time.perf_counter()
-        self._check_exact(cache, "save")
-        arr = as_token_array(tokens)
-        keys, values = _cache_tensors(cache, self.layout.num_layers)
+        arr, keys, values, n_pages = self._to_save(cache, tokens, "save")
         seq = keys[0].shape[2] if keys else 0
-        if arr.size < seq:
-            raise InputError(f"save: the cache holds {seq} tokens but only {arr.size} token ids were given")
         if keys and keys[0].dtype != self._dtype:
             raise InputError(f"save: the cache holds {keys[0].dtype}, the store's layout {self.layout.dtype.value}")
-        n_pages = min(seq // self.layout.tokens_per_page, self._capacity_pages())
         request, self._request = self._request, None
         spec = self.scheduler.prepare_store(arr[:n_pages * self.layout.tokens_per_page], range(n_pages), self._salt,
                                             request_id=request)
@@ -345,10 +335,19 @@ class TierKVCache:
         stored_tokens = self.store.lookup(arr[:seq], self._salt, count=False).cached_tokens
         return SavedPrefix(result.pages, stored_tokens, time.perf_counter() - t0)
 
-    def _check_exact(self, cache: DynamicCache, what: str) -> None:
+    def _to_save(self, cache: DynamicCache, tokens: Tokens,
+                 what: str) -> tuple[np.ndarray, list[torch.Tensor], list[torch.Tensor], int]:
+        """What :meth:`save` and :meth:`save_lossy` store of ``cache``: its token ids, K and
+        V tensors per layer, and how many full pages (as many as the store holds)."""
         if cache in self._approximate:
             raise InputError(f"{what}: this cache was loaded with derived or lossy pages (an approximation); "
                              "save only what the model computed from exact pages")
+        arr = as_token_array(tokens)
+        keys, values = _cache_tensors(cache, self.layout.num_layers)
+        seq = keys[0].shape[2] if keys else 0
+        if arr.size < seq:
+            raise InputError(f"{what}: the cache holds {seq} tokens but only {arr.size} token ids were given")
+        return arr, keys, values, min(seq // self.layout.tokens_per_page, self._capacity_pages())
 
     def _capacity_pages(self) -> int:
         return sum(t.capacity_slots for t in self.store.stats().tiers.values())

@@ -15,6 +15,7 @@ torch and transformers are imported by the caller's model; nothing here download
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,9 +162,10 @@ def agreement(model: Any, kv: np.ndarray, kept: np.ndarray, generated: np.ndarra
 
 
 def calibrate(model: Any, tokens: np.ndarray, continuation: np.ndarray, *, model_id: str = "",
-              page_tokens: int = 128, dtype: str = "bf16") -> Calibration:
+              page_tokens: int = 128, dtype: str = "bf16", step: Callable[[], None] = lambda: None) -> Calibration:
     """Per-layer sensitivities of ``model`` (module docstring), measured on ``tokens``
-    (the prompt, whole pages of ``page_tokens``) and ``continuation``."""
+    (the prompt, whole pages of ``page_tokens``) and ``continuation``; ``step`` is called
+    after each of the ``2 x layers`` runs (a progress bar)."""
     pre = prefill(model, tokens, dtype=dtype)
     kv, imp = pre.kv, pre.importance
     L, _, N, H, D = kv.shape
@@ -188,4 +190,5 @@ def calibrate(model: Any, tokens: np.ndarray, continuation: np.ndarray, *, model
             lp = next_token_logprobs(model, noisy, kept, continuation)
             kl = float((np.exp(clean) * (clean - lp)).sum(axis=-1).mean())
             sens[kind].append(max(kl, 0.0) / max(float(predicted[layer]), 1e-30))
+            step()
     return Calibration(model_id, tuple(sens[0]), tuple(sens[1]))
