@@ -77,8 +77,19 @@ def _check_str(value: object, what: str, *, optional: bool = True, path: bool = 
 
 
 def _check_codec(cfg: NvmeConfig | NvmeofConfig, tier: str) -> None:
-    """Validate and normalise a tier's ``codec``, ``bandwidth_gbps``, ``o_direct`` and ``io_threads``."""
+    """Validate and normalise a tier's ``codec``, ``bandwidth_gbps``, ``o_direct``,
+    ``io_threads``, ``lossy_bits`` and ``lossy_calibration``."""
     object.__setattr__(cfg, "codec", CodecMode.parse(cfg.codec).value)
+    bits = cfg.lossy_bits
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not (bits == 0 or 1 <= bits < 16):
+        raise ConfigError(f"{tier}.lossy_bits must be a finite number of bits an element: 0 (exact pages), or at "
+                          f"least 1 and under 16, got {bits!r}")
+    if bits and cfg.codec == CodecMode.NONE.value:
+        raise ConfigError(f"{tier}.lossy_bits needs codec = \"lossless\" or \"auto\": the tier stores a "
+                          "lossy page's blob alone in 4 KiB blocks, which only a coding tier does")
+    _check_str(cfg.lossy_calibration, f"{tier}.lossy_calibration", path=True)
+    if cfg.lossy_calibration is not None and not cfg.lossy_bits:
+        raise ConfigError(f"{tier}.lossy_calibration is for a lossy tier: set {tier}.lossy_bits too")
     _check_number(cfg.bandwidth_gbps, f"{tier}.bandwidth_gbps", "GB/s (0: measure)", 0, MAX_GBPS)
     _check_bool(cfg.o_direct, f"{tier}.o_direct")
     _check_int(cfg.io_threads, f"{tier}.io_threads", 1, 256)
@@ -141,6 +152,13 @@ class NvmeConfig:
     a store takes only a missing path, an empty file, a blank medium, its own label (or that
     of an earlier store in its directory whose index was lost) and one ``tierkv format``
     marked; another store's label is refused either way (docs: configs/default.toml).
+
+    ``lossy_bits`` (opt-in; 0, the default, keeps pages exact): pages demoted into this
+    tier, or into one below it, are converted to lossy pages at that budget (average bits
+    an element, :mod:`tierkv.lossy`) in the background, and from then on are returned
+    only to gets that accept lossy pages at that budget (docs/lossy.md, "A lossy tier").
+    ``lossy_calibration``: a file ``tierkv calibrate`` wrote for the model, weighing each
+    layer's keys and values in the bit allocation (without one, every layer weighs alike).
     """
 
     capacity_bytes: int
@@ -150,11 +168,13 @@ class NvmeConfig:
     codec: str = "none"
     bandwidth_gbps: float = 0.0
     format: bool = False
+    lossy_bits: float = 0.0
+    lossy_calibration: str | None = None
 
     if TYPE_CHECKING:  # sizes may be given as "64GiB": the generated __init__ parses them
         def __init__(self, capacity_bytes: int | str, path: str | None = None, o_direct: bool = True,
                      io_threads: int = 4, codec: str = "none", bandwidth_gbps: float = 0.0,
-                     format: bool = False) -> None: ...
+                     format: bool = False, lossy_bits: float = 0.0, lossy_calibration: str | None = None) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvme.capacity_bytes"))
@@ -180,7 +200,8 @@ class NvmeofConfig:
     ``ctrl_loss_tmo_s``, ``reconnect_delay_s`` and ``fast_io_fail_tmo_s`` are passed to
     the kernel's connect (-1 for ctrl_loss_tmo_s: reconnect forever). DH-HMAC-CHAP secrets
     are read from files (``DHHC-1:...`` lines), never written in the config itself.
-    ``codec``, ``bandwidth_gbps`` and ``format`` are as for the NVMe tier.
+    ``codec``, ``bandwidth_gbps``, ``format``, ``lossy_bits`` and ``lossy_calibration``
+    are as for the NVMe tier.
     """
 
     capacity_bytes: int = 0
@@ -206,6 +227,8 @@ class NvmeofConfig:
     codec: str = "none"
     bandwidth_gbps: float = 0.0
     format: bool = False
+    lossy_bits: float = 0.0
+    lossy_calibration: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvmeof.capacity_bytes"))
@@ -512,6 +535,26 @@ class StoreConfig:
                 raise ConfigError(f"tiers.{name}.codec = {tier.codec!r} addresses pages in 4 KiB blocks, at most "
                                   f"{MAX_PAGE_BLOCKS} per page; pages of {self.layout.page_bytes} bytes need "
                                   f"codec = \"none\"")
+        self._check_lossy()
+
+    def _check_lossy(self) -> None:
+        """One lossy tier at most, with a tier above it, for pages lossy pages can code."""
+        lossy = [name for name, t in (("nvme", self.nvme), ("nvmeof", self.nvmeof)) if t is not None and t.lossy_bits]
+        if not lossy:
+            return
+        if len(lossy) > 1:
+            raise ConfigError("tiers.nvme.lossy_bits and tiers.nvmeof.lossy_bits are both set: one tier converts "
+                              "pages, and the tiers below it keep what it demotes")
+        above = [t for t in (self.hbm, self.dram, self.nvme if lossy[0] == "nvmeof" else None) if t is not None]
+        if not above:
+            raise ConfigError(f"tiers.{lossy[0]}.lossy_bits needs a tier above it: pages are converted as they are "
+                              "demoted into it, so a store of lossy tiers alone would never hold an exact page")
+        lay = self.layout
+        if lay.kind.value != "kv" or lay.page_order.value != "standard" or lay.dtype.value not in ("bf16", "fp16",
+                                                                                                    "fp32"):
+            raise ConfigError(f"tiers.{lossy[0]}.lossy_bits: lossy pages code K/V layouts of bf16, fp16 or fp32 "
+                              f"pages in the standard order; this layout is {lay.kind.value}, "
+                              f"{lay.page_order.value}, {lay.dtype.value}")
 
     def socket_path(self) -> Path:
         """Where ``tierkv serve`` listens: ``[serve] socket``, else ``tierkv.sock`` in the store's directory."""

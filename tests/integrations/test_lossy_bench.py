@@ -25,11 +25,16 @@ def test_the_quick_lossy_bench_reports_every_field() -> None:
     r = json.loads(out.stdout)
     assert r["budgets"] == [2.5, 4.0]
     for field in ("delta_nll", "agreement", "bytes_ratio", "kept_fraction", "no_evict_delta_nll",
+                  "tier_delta_nll", "tier_agreement", "tier_bytes_ratio",
                   "uniform_delta_nll", "uniform_agreement", "uniform_bytes_ratio"):
         assert len(r[field]) == 2, field
-    # Bytes: the budget over BF16's 16 bits (headers and parameters inside it).
+    # Bytes: the budget over BF16's 16 bits (headers and parameters inside it); the lossy
+    # tier's blocks round each page's blob up to 4 KiB.
     for ratio, budget in zip(r["bytes_ratio"] + r["uniform_bytes_ratio"], [2.5, 4.0] * 2):
         assert budget / 16 * 0.95 <= ratio <= budget / 16 + 1e-3
+    for ratio, budget in zip(r["tier_bytes_ratio"], [2.5, 4.0]):
+        assert budget / 16 * 0.95 <= ratio <= budget / 16 + 0.01
+    assert r["tier_delta_nll"][1] < r["uniform_delta_nll"][1]   # flat importance, calibrated: ahead of uniform
     assert r["delta_nll"][0] < r["uniform_delta_nll"][0]        # rate-distortion ahead at 2.5 bits
     assert r["delta_nll"][1] <= r["delta_nll"][0] + 0.02         # more bits, no more loss (beyond noise)
     assert r["uniform_delta_nll"][1] < r["uniform_delta_nll"][0]  # uniform: 4 bits lose less than 2.5
@@ -47,6 +52,8 @@ def test_calibrate_writes_a_file_the_allocation_reads(tmp_path: Path) -> None:
     cal = Calibration.load(tmp_path / "cal.json")
     assert doc["layers"] == len(cal.key) == len(cal.value) == 30 and cal.model_id.startswith("HuggingFaceTB/")
     assert max(cal.key) > 0 and max(cal.value) > 0
+    assert cal.query_energy is not None and doc["query_energy_shape"] == [30, 3, 64] == list(cal.query_energy.shape)
+    assert (cal.query_energy > 0).all()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -117,3 +117,26 @@ def test_a_layer_the_calibration_says_is_sensitive_gets_more_bits() -> None:
     t, n = _tables(x, imp, cal), _tables(x, imp, Calibration.neutral(L))
     assert np.allclose(t.dv[:, 3], 1000 * n.dv[:, 3]) and np.array_equal(t.dv[:, :3], n.dv[:, :3])
     assert np.array_equal(t.dk, n.dk)
+
+
+def test_a_calibrations_query_energy_stands_in_where_no_importance_comes(tmp_path: Path) -> None:
+    qe = np.ones((L, H, D))
+    qe[:, :, :4] = 1000.0                  # four channels the model's queries lean on
+    cal = Calibration("m", (1.0,) * L, (1.0,) * L, qe)
+    cal.save(tmp_path / "c.json")
+    back = Calibration.load(tmp_path / "c.json")
+    assert back == cal and back.query_energy is not None and np.allclose(back.query_energy, qe)
+    x = page(6)
+    a = allocate(x, 3.0, None, cal, evict=False)
+    assert a.key_bits[:, :, :4].mean() > a.key_bits[:, :, 4:].mean()
+    same = allocate(x, 3.0, Importance(Importance.flat(L, T, H, D).a2, qe), cal, evict=False)
+    blind = allocate(x, 3.0, None, Calibration("m", (1.0,) * L, (1.0,) * L), evict=False)
+    assert np.array_equal(a.key_bits, same.key_bits) and np.array_equal(a.value_bits, same.value_bits)
+    assert not np.array_equal(a.key_bits, blind.key_bits)
+    with pytest.raises(InputError, match=f"query energy is for {H + 1} heads"):
+        allocate(x, 3.0, None, Calibration("m", (1.0,) * L, (1.0,) * L, np.ones((L, H + 1, D))))
+    for bad in ("[[1, 2]]", "[[[-1]]]", '"x"'):
+        (tmp_path / "q.json").write_text('{"format": 1, "model_id": "m", "key": [1], "value": [1], '
+                                         f'"query_energy": {bad}}}')
+        with pytest.raises(ConfigError, match="query_energy|not a tierkv calibration"):
+            Calibration.load(tmp_path / "q.json")

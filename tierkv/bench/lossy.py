@@ -9,13 +9,17 @@ headers and parameters included) twice: with the rate-distortion allocation
 from a calibration measured in the same run on *another* text), the same keeping every
 token (``evict=False``: what an engine with paged attention can use) and the uniform
 one (:func:`~tierkv.lossy.alloc.uniform`), stored in a DRAM store as lossy pages
-(one tenant per allocation) and got back through it (``get(..., accept_lossy=budget)``). Each
+(one tenant per allocation) and got back through it (``get(..., accept_lossy=budget)``);
+and, as a lossy tier converts them (``tier_``: flat importance, the calibration, no
+eviction), put exact into a store whose NVMe tier sets ``lossy_bits`` to the budget,
+pushed down, converted there and got back the same way. Each
 decoded cache then predicts the text that follows (``--continuation`` tokens,
 teacher-forced NLL per token) and the lossless cache's greedy continuation
 (``--generate`` tokens, teacher-forced top-1 agreement). Reported per budget:
-``delta_nll``, ``no_evict_delta_nll`` and ``uniform_delta_nll`` (nats per token over the
-lossless BF16 cache), ``agreement``, ``no_evict_agreement`` and ``uniform_agreement``, ``bytes_ratio`` (blob bytes over the BF16
-pages') and ``kept_fraction`` (tokens not evicted).
+``delta_nll``, ``no_evict_delta_nll``, ``tier_delta_nll`` and ``uniform_delta_nll`` (nats
+per token over the lossless BF16 cache), the same ``agreement`` fields, ``bytes_ratio``
+(blob bytes over the BF16 pages'; ``tier_bytes_ratio``: the NVMe tier's used 4 KiB
+blocks) and ``kept_fraction`` (tokens not evicted).
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.config import DramConfig, StoreConfig
+from tierkv.config import DramConfig, NvmeConfig, StoreConfig
 from tierkv.layout import KVLayout
 from tierkv.lossy.alloc import allocate, uniform
 from tierkv.lossy.format import encode
 from tierkv.store.api import Store
+from tierkv.tiers.base import TierId
 
 DEFAULT_BUDGETS = (2.5, 3.0, 4.0, 8.0)
 
@@ -98,6 +103,38 @@ def code_cache(kv: np.ndarray, budget: float, page_tokens: int, mode: str, impor
     return dec, ~got.evicted.reshape(-1), size
 
 
+def through_a_lossy_tier(kv: np.ndarray, budget: float, layout: KVLayout, calibration: Any,
+                         prompt: np.ndarray, model_id: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """``kv`` put exact into a store of one DRAM page over an NVMe tier with ``lossy_bits
+    = budget``, pushed down, converted there and got back: as :func:`code_cache`, the
+    bytes being the tier's used blocks."""
+    from tierkv.store.lossy_pages import from_float, to_float
+
+    L, _, N, H, D = kv.shape
+    T = layout.tokens_per_page
+    n = N // T
+    pages = kv.reshape(L, 2, n, T, H, D).transpose(2, 0, 1, 3, 4, 5)
+    rows = np.stack([from_float(np.ascontiguousarray(p), "bf16") for p in pages])
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-lossy-tier-") as where:
+        cal_path = Path(where) / "calibration.json"
+        calibration.save(cal_path)
+        cfg = StoreConfig(path=where, model_id=model_id, layout=layout, dram=DramConfig(layout.page_bytes),
+                          nvme=NvmeConfig(2 * n * layout.page_bytes, codec="lossless", lossy_bits=budget,
+                                          lossy_calibration=str(cal_path)))
+        with Store.open(cfg) as store:
+            store.put(prompt, rows)
+            store.put(np.full(T, 1, np.int64), rows[:1])     # pushes the prompt's first page down
+            if store.wait_converted(600.0):
+                raise RuntimeError("the lossy tier did not convert the prompt's pages in 10 minutes")
+            out = np.zeros_like(rows)
+            got = store.get(prompt, out, accept_lossy=budget)
+            if got.lossy != n or got.evicted is None:
+                raise RuntimeError(f"the store returned {got.lossy} of {n} pages lossy")
+            size = store._manager.tier(TierId("nvme")).used_bytes   # type: ignore[attr-defined]  # a BlockPageTier
+    dec = to_float(out, "bf16", layout.page_shape).transpose(1, 2, 0, 3, 4, 5).reshape(L, 2, N, H, D)
+    return dec, ~got.evicted.reshape(-1), size
+
+
 def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1024, continuation: int = 256,
                     generate: int = 64, page_tokens: int = 128,
                     say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
@@ -136,13 +173,18 @@ def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1
     rows: dict[str, list[Any]] = {k: [] for k in (
         "delta_nll", "agreement", "bytes_ratio", "kept_fraction",
         "no_evict_delta_nll", "no_evict_agreement", "no_evict_bytes_ratio",
+        "tier_delta_nll", "tier_agreement", "tier_bytes_ratio",
         "uniform_delta_nll", "uniform_agreement", "uniform_bytes_ratio")}
-    prefixes = {"rd": "", "rd_keep": "no_evict_", "uniform": "uniform_"}
+    prefixes = {"rd": "", "rd_keep": "no_evict_", "tier": "tier_", "uniform": "uniform_"}
     with where, store:
         for budget in budgets:
             for mode, pre_ in prefixes.items():
-                say(f"budget {budget} bits per element, {mode} allocation, through a store")
-                dec, kept, size = code_cache(kv, budget, page_tokens, mode, pre.importance, cal, store, prompt)
+                if mode == "tier":
+                    say(f"budget {budget} bits per element, converted by a lossy NVMe tier")
+                    dec, kept, size = through_a_lossy_tier(kv, budget, layout, cal, prompt, smollm2.MODEL_ID)
+                else:
+                    say(f"budget {budget} bits per element, {mode} allocation, through a store")
+                    dec, kept, size = code_cache(kv, budget, page_tokens, mode, pre.importance, cal, store, prompt)
                 d_nll = scoring.nll(model, dec, kept, follow) - nll_ref
                 agree = scoring.agreement(model, dec, kept, gen)
                 rows[pre_ + "delta_nll"].append(round(d_nll, 4))

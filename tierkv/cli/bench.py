@@ -514,13 +514,14 @@ def lossy_tables(r: Mapping[str, object]) -> Iterator[Table]:
             def at(name: str) -> object:
                 v = r.get(name)
                 return v[i] if isinstance(v, list) and i < len(v) else None
-            rows.append((b, at("delta_nll"), at("no_evict_delta_nll"), at("uniform_delta_nll"), at("agreement"),
-                         at("no_evict_agreement"), at("uniform_agreement"), at("bytes_ratio"), at("kept_fraction")))
+            rows.append((b, at("delta_nll"), at("no_evict_delta_nll"), at("tier_delta_nll"), at("uniform_delta_nll"),
+                         at("agreement"), at("tier_agreement"), at("uniform_agreement"), at("bytes_ratio"),
+                         at("tier_bytes_ratio"), at("kept_fraction")))
     yield _table(f"SmolLM2-135M, {_cell(r.get('context_tokens'))}-token prompt in {_cell(r.get('page_tokens'))}-token "
                  f"pages, lossless NLL {_cell(r.get('nll_lossless'))} nats/token (targets: delta NLL <= 0.05 at 4 bits; "
                  "rate-distortion below uniform at 2.5)",
-                 ("bits/element", "delta NLL", "no eviction", "uniform", "top-1 agreement", "no eviction",
-                  "uniform", "bytes vs BF16", "tokens kept"), rows)
+                 ("bits/element", "delta NLL", "no eviction", "lossy tier", "uniform", "top-1 agreement",
+                  "lossy tier", "uniform", "bytes vs BF16", "lossy tier's", "tokens kept"), rows)
 
 
 def vllm_tables(r: Mapping[str, object]) -> Iterator[Table]:

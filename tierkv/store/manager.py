@@ -581,21 +581,23 @@ class BlockManager:
 
     # -- planning --------------------------------------------------------------------
     def plan_store(self, pages: Sequence[tuple[PageKey, PageKey | None]], nbytes: int,
-                   prefix: Sequence[PageKey] = ()) -> MovePlan:
+                   prefix: Sequence[PageKey] = (), *, first_level: int = 0, plan: MovePlan | None = None) -> MovePlan:
         """Reserve slots for new pages, fastest tier first, evicting as the policies say.
 
         ``prefix`` are the prompt's pages already cached: they are not evicted to make
         room for the new pages that extend them (that would leave those orphaned).
+        ``first_level``: the fastest tier the pages may go to (a lossy tier's
+        conversions); ``plan``: one to extend instead of a new one.
         """
-        total = sum(t.num_slots for t in self.tiers)
+        total = sum(t.num_slots for t in self.tiers[first_level:])
         if len(pages) > total:
             raise CapacityError(f"asked to store {len(pages)} pages; all tiers together hold {total}")
         if not 0 <= nbytes <= MAX_NBYTES:
             raise InputError(f"a page is 0 to {MAX_NBYTES} bytes long, got {nbytes}")
-        plan = MovePlan()
+        plan = MovePlan() if plan is None else plan
         protect = {k for k, _ in pages} | set(prefix)
         todo = list(pages)
-        for tier in self.tiers:
+        for tier in self.tiers[first_level:]:
             if not todo:
                 break
             if not tier.available:
@@ -1006,6 +1008,32 @@ class BlockManager:
         lvl = self.levels[name]
         ok[ok] = (t.where[rows[ok]] >> lvl) & 1 == 1
         return keys if ok.all() else take_keys(keys, ok)
+
+    def copy_at(self, key: PageKey, first_level: int) -> tuple[int, int, int, int] | None:
+        """(level, slot, incarnation, checksum) of ``key``'s fastest copy at ``first_level``
+        or below; None where it has none there."""
+        r = self._row(key)
+        if r < 0:
+            return None
+        t = self.table
+        w = int(t.where[r]) >> first_level << first_level
+        if not w:
+            return None
+        lvl = _lowest(w)
+        return lvl, int(t.slot[lvl, r]) - 1, int(t.gen[r]), int(t.checksum[r])
+
+    def can_drop_copy(self, key: PageKey, level: int) -> bool:
+        """Whether dropping ``key``'s copy at ``level`` strands nothing: another copy stays,
+        or no cached page names it as parent. Pinned pages are not dropped."""
+        r = self._row(key)
+        t = self.table
+        return r >= 0 and not t.pins[r] and (int(t.where[r]) != 1 << level or not t.nkids[r])
+
+    def drop_copy(self, key: PageKey, level: int, plan: MovePlan) -> None:
+        """Drop ``key``'s copy at ``level`` (held: :meth:`copy_at`) as an eviction without
+        a demotion; a persistent tier's delete rides in ``plan``."""
+        r = self._row(key)
+        self._evict_run([key], np.array([r], dtype=np.int32), self.tiers[level], plan)
 
     def forget(self, key: PageKey) -> None:
         """Drop a page from every tier (quarantine or failed read); frees its slots.

@@ -51,9 +51,12 @@ class StoreCollector:
             moved.add_metric([src, dst], nbytes)
         yield from (hits, used, cap, read, written, io_s, up, moved)
         for field in ("lookups", "pages_requested", "pages_hit", "pages_stored", "pages_dropped",
-                      "evictions", "promotions", "corrupt_pages", "peer_pages"):
+                      "evictions", "promotions", "corrupt_pages", "peer_pages", "derived_pages", "lossy_pages",
+                      "lossy_converted"):
             yield CounterMetricFamily(f"tierkv_{field}", f"Store-wide {field.replace('_', ' ')}",
                                       value=getattr(st, field))
+        yield GaugeMetricFamily("tierkv_lossy_pending", "Pages waiting for the lossy tier's conversion",
+                                value=st.lossy_pending)
 
 
 def start_exporter(store: Store, port: int, addr: str = "127.0.0.1") -> object:

@@ -67,6 +67,8 @@ class StoreStats:
     dualpath: dict[str, dict[str, float]] = field(default_factory=dict)
     derived_pages: int = 0   # derived pages gets returned (accept="derived": moved by a splice, docs/splice.md)
     lossy_pages: int = 0     # lossy pages read for gets (accept_lossy=: coded at a budget, docs/lossy.md)
+    lossy_converted: int = 0   # exact pages a lossy tier (lossy_bits) converted to lossy ones
+    lossy_pending: int = 0     # pages waiting for that conversion now
 
     @property
     def misses(self) -> int:
@@ -99,7 +101,8 @@ class Counters:
         self.tier_written: Counter[str] = Counter()
         self.tier_io_s: defaultdict[str, float] = defaultdict(float)
 
-    def snapshot(self, tiers: Sequence[Tier], dualpath: dict[str, dict[str, float]] | None = None) -> StoreStats:
+    def snapshot(self, tiers: Sequence[Tier], dualpath: dict[str, dict[str, float]] | None = None,
+                 lossy_pending: int = 0) -> StoreStats:
         """The counters as a :class:`StoreStats`, with each tier's occupancy and state now."""
         stats: dict[str, TierStats] = {
             t.name: TierStats(t.name, t.kind.value, self.tier_hits[t.name], t.num_slots, t.num_slots - t.num_free,
@@ -111,7 +114,8 @@ class Counters:
         return StoreStats(stats, dict(self.moved), dict(self.moved_s), ev["lookups"], ev["pages_requested"],
                           ev["pages_hit"], ev["pages_stored"], ev["pages_dropped"], ev["evictions"],
                           ev["promotions"], ev["corrupt_pages"], self.tier_hits["peer"], dualpath or {},
-                          derived_pages=ev["derived_pages"], lossy_pages=ev["lossy_pages"])
+                          derived_pages=ev["derived_pages"], lossy_pages=ev["lossy_pages"],
+                          lossy_converted=ev["lossy_converted"], lossy_pending=lossy_pending)
 
     def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float, src_read: bool = True) -> None:
         """Count a transfer between a tier pair and the wall time it took. ``src_read=False``:

@@ -140,6 +140,11 @@ class BlockPageTier(Tier):
     def stored_pages(self) -> int:
         return len(self._pages)
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the 4 KiB blocks pages hold (coded and lossy pages fewer than raw ones)."""
+        return (self.num_slots * self.blocks_per_page - self.blocks.num_free) * ALIGN
+
     def allocate(self, n: int, contiguous: bool = False) -> list[int]:
         """Reserve room for ``n`` raw pages (each in one run where possible); returns handles."""
         self._check_open()
