@@ -153,10 +153,10 @@ class NvmeConfig:
     of an earlier store in its directory whose index was lost) and one ``tierkv format``
     marked; another store's label is refused either way (docs: configs/default.toml).
 
-    ``lossy_bits`` (opt-in; 0, the default, keeps pages exact): pages demoted into this
-    tier, or into one below it, are converted to lossy pages at that budget (average bits
-    an element, :mod:`tierkv.lossy`) in the background, and from then on are returned
-    only to gets that accept lossy pages at that budget (docs/lossy.md, "A lossy tier").
+    ``lossy_bits`` (opt-in; 0, the default, keeps pages exact): exact pages that come
+    down into this tier are converted to lossy pages at that budget (average bits an
+    element, :mod:`tierkv.lossy`) in the background, and from then on are returned only
+    to gets that accept lossy pages at that budget (docs/lossy.md, "A lossy tier").
     ``lossy_calibration``: a file ``tierkv calibrate`` wrote for the model, weighing each
     layer's keys and values in the bit allocation (without one, every layer weighs alike).
     """
@@ -555,6 +555,14 @@ class StoreConfig:
             raise ConfigError(f"tiers.{lossy[0]}.lossy_bits: lossy pages code K/V layouts of bf16, fp16 or fp32 "
                               f"pages in the standard order; this layout is {lay.kind.value}, "
                               f"{lay.page_order.value}, {lay.dtype.value}")
+        from tierkv.lossy.format import min_budget
+
+        least = min_budget(lay.num_layers, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim)
+        bits = (self.nvme if lossy[0] == "nvme" else self.nvmeof).lossy_bits  # type: ignore[union-attr]
+        if bits < least:
+            raise ConfigError(f"tiers.{lossy[0]}.lossy_bits = {bits:g} is below what pages of this layout code at "
+                              f"keeping every token ({least:.3f} bits an element: headers, widths and parameters "
+                              f"count); a lossy tier keeps every token")
 
     def socket_path(self) -> Path:
         """Where ``tierkv serve`` listens: ``[serve] socket``, else ``tierkv.sock`` in the store's directory."""

@@ -20,7 +20,7 @@ from tierkv.lossy.format import decode, encode
 from tierkv.store.api import Store
 from tierkv.store.lossy_pages import from_float, to_float
 from tierkv.store.lossy_tier import PENDING_FILE
-from tierkv.tiers.base import TierId
+from tierkv.tiers.base import TierId, TierKind
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", tokens_per_page=64)
 TPP, PB = 64, LAYOUT.page_bytes
@@ -53,10 +53,12 @@ def converted(raw: np.ndarray, cal: Calibration | None = None, evict: bool = Fal
     return np.stack(out)
 
 
-def settle(s: Store, want: int = 0, timeout_s: float = 30.0) -> None:
+def settle(s: Store, timeout_s: float = 30.0) -> None:
+    """Until the tier has converted everything, kept-back pages included."""
     deadline = time.monotonic() + timeout_s
-    while s.wait_converted(1.0) != want or s.stats().lossy_pending != want:
-        assert time.monotonic() < deadline, f"{s.stats().lossy_pending} pages still wait for conversion"
+    while s.wait_converted(1.0) or s.stats().lossy_pending or s.stats().lossy_waiting:
+        st = s.stats()
+        assert time.monotonic() < deadline, f"{st.lossy_pending} pages queued, {st.lossy_waiting} kept back"
 
 
 def test_pages_that_come_down_are_converted_and_served_only_as_lossy(tmp_path: Path) -> None:
@@ -66,7 +68,7 @@ def test_pages_that_come_down_are_converted_and_served_only_as_lossy(tmp_path: P
         s.put(toks, raw)                 # 2 pages fit the DRAM tier, 6 go to the NVMe tier
         settle(s)
         st = s.stats()
-        assert (st.lossy_converted, st.lossy_pending) == (6, 0)
+        assert (st.lossy_converted, st.lossy_pending, st.lossy_waiting) == (6, 0, 0)
         assert s.lookup(toks).cached_pages == 2              # the exact pages end where DRAM's do
         look = s.lookup(toks, accept_lossy=BITS)
         assert (look.cached_pages, look.lossy) == (n, 6)
@@ -116,6 +118,8 @@ def test_pinned_pages_and_pages_with_cached_children_wait(tmp_path: Path) -> Non
             s.put(toks, raw)            # 0, 1 in DRAM; 2, 3 in the NVMe tier
             assert s.pin(toks) == n
         assert s.wait_converted(10.0) == 2
+        st = s.stats()
+        assert (st.lossy_pending, st.lossy_waiting) == (0, 2)
         assert s.lookup(toks).cached_pages == n
         s.unpin(toks)
         settle(s)                       # 3 first (a leaf), then 2, its children gone
@@ -168,6 +172,7 @@ def test_a_store_without_a_lossy_tier_converts_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kw, message", [
     ({"codec": "none"}, "needs codec"),
+    ({"lossy_bits": 1.4}, r"below what pages of this layout code at keeping every token \(1\.482"),
     ({"lossy_bits": 0.5}, "at least 1 and under 16"),
     ({"lossy_bits": 16}, "at least 1 and under 16"),
     ({"lossy_bits": "4"}, "at least 1 and under 16"),
@@ -299,8 +304,9 @@ def test_pages_the_lossy_tier_demotes_are_kept_below_as_they_are(tmp_path: Path)
         for toks, raw in prompts:
             s.put(toks, raw)
         # A page whose children went below unconverted waits (converting it would strand them).
-        waiting = s.wait_converted(30.0)
-        assert waiting == s.stats().lossy_pending and s.stats().lossy_converted > 0
+        left = s.wait_converted(30.0)
+        st = s.stats()
+        assert left == st.lossy_waiting and st.lossy_pending == 0 and st.lossy_converted > 0
         s._manager.check()
         for toks, raw in prompts:
             out = np.zeros((4, PB), np.uint8)
@@ -309,3 +315,87 @@ def test_pages_the_lossy_tier_demotes_are_kept_below_as_they_are(tmp_path: Path)
             assert np.array_equal(out[:k], raw[:k])
             assert np.array_equal(out[k:got.pages], converted(raw)[k:got.pages])
         assert s.stats().tiers["nvmeof"].used_slots > 0
+
+
+def test_a_long_prompt_put_straight_into_the_tier_converts_in_one_pass(tmp_path: Path) -> None:
+    """Its pages are queued children first, and a batch's children count as gone: one
+    batch a BATCH of pages, none kept back (a parent-first queue converted one level a
+    pass, each pass retrying every page kept back: quadratic)."""
+    from tierkv.store import lossy_tier
+
+    n = 120
+    toks, raw = tokens(12, n), pages(12, n)
+    batches = []
+    real = lossy_tier.Converter._batch
+
+    def counted(self: lossy_tier.Converter, keys: list[bytes], retry: bool) -> None:
+        batches.append(len(keys))
+        real(self, keys, retry)  # type: ignore[arg-type]
+
+    lossy_tier.Converter._batch = counted  # type: ignore[method-assign,assignment]
+    try:
+        with Store.open(StoreConfig(path=str(tmp_path / "s"), model_id="lossy-tier", layout=LAYOUT,
+                                    dram=DramConfig(2 * PB), nvme=NvmeConfig(2 * n * PB, codec="lossless",
+                                                                              lossy_bits=BITS))) as s:
+            s.put(toks, raw)
+            settle(s)
+            s._manager.check()
+            assert s.stats().lossy_converted == n - 2
+    finally:
+        lossy_tier.Converter._batch = real  # type: ignore[method-assign]
+    assert len(batches) == -(-(n - 2) // lossy_tier.BATCH), batches
+
+
+def test_derived_pages_are_left_as_they_are(tmp_path: Path) -> None:
+    from tierkv.splice.rope import Rope
+
+    toks, raw = tokens(13, 6), pages(13, 6)
+    with Store.open(config(tmp_path / "s", dram_pages=8, policy="lru")) as s:
+        s.put(toks, raw)
+        res = s.splice(toks, 20, 36, np.zeros(0, np.uint32), rope=Rope.from_theta(10000.0, 64))
+        before = s.lookup(res.tokens, accept="derived").derived
+        assert before > 0
+        for i in range(4):                       # pushes everything down into the lossy tier
+            s.put(tokens(50 + i, 4), pages(50 + i, 4))
+        s.wait_converted(30.0)
+        s._manager.check()
+        got = s.get(res.tokens, np.zeros((5, PB), np.uint8), accept="derived")
+        assert got.derived == before and set(got.tiers[-before:]) == {TierKind.NVME}   # in the lossy tier
+        assert s.stats().lossy_converted > 0
+        assert all(o is not None for o in s.origins(res.tokens)[-before:])
+
+
+def test_a_page_that_cannot_be_coded_stays_exact_and_its_parents_wait(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    toks, raw = tokens(14, 5), pages(14, 5)
+    raw[-1, :2] = (0xC0, 0x7F)                   # a bf16 NaN (0x7FC0) in the last page
+    with Store.open(config(tmp_path / "s")) as s:
+        s.put(toks, raw)                         # 2 in DRAM; 2, 3 wait on 4, which cannot be coded
+        assert s.wait_converted(10.0) == 2
+        st = s.stats()
+        assert (st.lossy_converted, st.lossy_pending, st.lossy_waiting) == (0, 0, 2)
+        out = np.zeros((5, PB), np.uint8)
+        assert s.get(toks, out).pages == 5 and np.array_equal(out, raw)   # all still exact
+    assert "cannot" in caplog.text or "finite" in caplog.text
+
+
+def test_close_with_the_lock_held_and_bad_timeouts(tmp_path: Path) -> None:
+    import threading
+
+    from tierkv.errors import InputError
+
+    s = Store.open(config(tmp_path / "s"))
+    with pytest.raises(InputError, match="timeout_s is seconds"):
+        s.wait_converted(float("nan"))
+    with pytest.raises(InputError, match="timeout_s is seconds"):
+        s.wait_converted(-1)
+
+    def close_locked() -> None:
+        with s._lock:
+            s.close()
+
+    t = threading.Thread(target=close_locked, daemon=True)
+    t.start()
+    t.join(30.0)
+    assert not t.is_alive(), "close() with the store's lock held hung"
+

@@ -302,6 +302,13 @@ def size_bits(alloc: Allocation, heads: int, dim: int) -> int:
     return 8 * (HEADER_BYTES + -(-T // 8) + kw.size + vt.size + par) + codes_bits
 
 
+def min_budget(layers: int, tokens: int, heads: int, dim: int) -> float:
+    """The fewest average bits an element a page of this geometry codes at keeping every
+    token: keys at width 0 (their channels' means), values at 2 bits."""
+    narrowest = Allocation(np.zeros((layers, heads, dim), np.int64), np.full((layers, tokens), 2, np.int64))
+    return size_bits(narrowest, heads, dim) / (layers * 2 * tokens * heads * dim)
+
+
 def quant_params(bits: int) -> int:
     """Parameter bytes per group at ``bits``."""
     return 0 if bits == 16 else 2 if bits == 0 else 4

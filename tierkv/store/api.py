@@ -867,13 +867,15 @@ class Store:
         """A snapshot of the per-tier and store-wide counters."""
         with self._lock:
             dualpath = self._peering.dualpath_stats() if self._peering is not None else None
-            pending = self._converter.pending if self._converter is not None else 0
-            return self._counters.snapshot(self._manager.tiers, dualpath, lossy_pending=pending)
+            conv = self._converter
+            return self._counters.snapshot(self._manager.tiers, dualpath,
+                                           lossy=(conv.pending, conv.waiting) if conv is not None else (0, 0))
 
     def wait_converted(self, timeout_s: float | None = None) -> int:
         """Wait until the lossy tier (``lossy_bits``, docs/lossy.md) has converted the pages
-        queued for it, or ``timeout_s`` passes; returns how many still wait (pages kept
-        back while cached children or pins need them exact included). 0 without one."""
+        queued for it, or ``timeout_s`` (seconds, None: no limit) passes; returns how many
+        are left, those kept back (cached children or pins need them exact) included.
+        0 without a lossy tier."""
         self._check_open()
         return self._converter.wait(timeout_s) if self._converter is not None else 0
 

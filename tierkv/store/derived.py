@@ -145,6 +145,10 @@ class Provenance:
     def __len__(self) -> int:
         return len(self._origins)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is a derived page's whose origin is recorded (a writer's)."""
+        return key in self._origins
+
     def record(self, keys: Sequence[bytes], origins: Sequence[Origin]) -> None:
         """Record ``origins[i]`` for derived page ``keys[i]`` (durable on return where the
         store has an index: call before the pages are stored); TierIOError if that fails."""

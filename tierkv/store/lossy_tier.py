@@ -1,40 +1,47 @@
-"""A lossy tier (issue 26): exact pages demoted into it are converted to lossy pages.
+"""A lossy tier (issue 26): exact pages that come down into it are converted to lossy pages.
 
 A persistent tier configured with ``lossy_bits`` (``[tiers.nvme]`` or ``[tiers.nvmeof]``)
 holds lossy pages (:mod:`tierkv.store.lossy_pages`) at that budget. Pages reach it as
 they always did (demoted from the tier above, or written there when the tiers above
-decline them) and as exact pages; every page published in that tier is queued, and a
-background thread converts the exact ones: under the store's lock it reads the
-page, without it codes it (:func:`~tierkv.store.lossy_pages.code_rows`: no attention
-statistics come with a demotion, so importance is flat over tokens and, where the tier's
-calibration measured it, the model's query energy per key channel; no token evicted,
-which needs them), and under the lock again, if the copy
-is still the one it read, drops the exact copy and places the blob under the page's
-lossy key (:func:`tierkv.keys.lossy_keys`, from the exact key alone) in the tier, in
-one plan (one index commit: after a crash either the exact record or the lossy one
-names the slot's bytes, and a record whose bytes were overwritten fails its checksum: a
-miss, never wrong data).
+decline them), exact; every page published in that tier is queued (a put's pages
+children first), and a background thread converts the exact ones, a batch at a time:
+under the store's lock it reads them, without it codes them
+(:func:`~tierkv.store.lossy_pages.code_rows`: no attention statistics come with a
+demotion, so importance is flat over tokens and, where the tier's calibration measured
+it, the model's query energy per key channel; no token evicted, which needs them), and
+under the lock again drops each exact copy that is still the one it read and places the
+blobs under the pages' lossy keys (:func:`tierkv.keys.lossy_keys`, from the exact key
+alone) in the tier, in one plan (one index commit: after a crash either the exact
+record or the lossy one names the slot's bytes, and a record whose bytes were
+overwritten fails its checksum: a miss, never wrong data).
 
 What is converted is gone for exact gets: a get that accepts lossy pages at the tier's
 budget reads them after the exact ones, as it reads pages :meth:`Store.put_lossy` stored.
 A converted page has no parent (its exact parent may still be cached above, and is
-converted in turn when it comes down); a page with cached children and no other copy
-waits until they are gone (converting it would strand them), as do pinned pages. Pages
-already lossy (put_lossy's, demoted) are recognised by their bytes and left as they are.
-Tiers below it take what it demotes as it is: lossy pages, and exact ones it had not
-converted yet (they stay exact: below, where a tier may not code, a lossy page need not
-be smaller).
+converted in turn when it comes down). A page with cached children and no other copy
+waits until they are gone (converting it would strand them; children converted in the
+same batch count as gone, and converting a page sends the ancestors waiting on it back
+to the queue), as do pinned pages and pages on a degraded tier: *kept back*, and retried
+every 2 s, then less often (up to every 64 s) while retries convert nothing. Pages
+already lossy (put_lossy's, come down) are recognised by their bytes, and derived pages
+(splices: their gets ask for derived keys, which a lossy key is not) by their recorded
+origins; both are left as they are, as is a page the format cannot code (non-finite
+values: logged). Tiers below take what it demotes as it is: lossy pages, and exact ones
+it had not converted yet (they stay exact: below, where a tier may not code, a lossy page
+need not be smaller).
 
 Conversion costs CPU (about 30-40 MB/s of BF16 pages a core, in numpy): under a steady
 stream of demotions faster than that the tier holds exact pages, served exact, until
 their turn. The queue is 16 bytes a page; a clean close saves it beside the index
 (``lossy-pending``) and the next open resumes it; after a crash, pages left in it stay
-exact. ``stats()`` counts ``lossy_converted`` and ``lossy_pending``.
+exact. ``stats()`` counts ``lossy_converted``, ``lossy_pending`` (queued or being
+converted) and ``lossy_waiting`` (kept back).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -61,8 +68,9 @@ _Read = tuple[PageKey, tuple[int, int, int, int], np.ndarray]
 
 #: Pages read, coded and placed at a time (the lock is released while they are coded).
 BATCH = 8
-#: Seconds between retries of pages kept back, where nothing else brings them back sooner.
+#: Seconds before pages kept back are retried, doubled (up to RETRY_MAX_S) while retries convert nothing.
 RETRY_S = 2.0
+RETRY_MAX_S = 64.0
 #: The file a clean close leaves the queue in, in the store's directory.
 PENDING_FILE = "lossy-pending"
 
@@ -131,10 +139,11 @@ class Converter:
         self.budget = budget
         self._cal = calibration
         self._queue = KeyQueue()     # to convert, oldest first
-        self._waiting = KeyQueue()   # kept back (cached children, pins, a degraded tier)
-        self._retry = KeyQueue()     # kept back, now retried: checked before they are read again
+        self._retry = KeyQueue()     # kept back, now retried: asked whether they can go before a read
+        self._waiting: dict[bytes, None] = {}   # kept back (cached children, pins, a degraded tier)
         self._own: set[bytes] = set()   # lossy keys being placed: not queued
-        self._busy = 0               # keys taken from the queue and not yet done with
+        self._busy = 0               # pages of the batch being converted
+        self._backoff = RETRY_S
         self._wake = threading.Condition(store._lock)
         self._stop = False
         self._m.listeners.append(self._on_event)
@@ -148,13 +157,22 @@ class Converter:
         if event == "placed" and self._m.levels[name] == self.level:
             mine = self._own
             with self._wake:   # the store's lock, which its caller holds
-                self._queue.extend([k for k in keys if k not in mine] if mine else keys)
+                # Children first: a put's pages come parents first, and a parent waits for its children.
+                self._queue.extend([k for k in reversed(keys) if k not in mine])
                 self._wake.notify_all()
 
     @property
     def pending(self) -> int:
-        """Pages queued or kept back (lock held)."""
-        return len(self._queue) + len(self._retry) + len(self._waiting) + self._busy
+        """Pages queued or being converted (lock held)."""
+        return len(self._queue) + len(self._retry) + self._busy
+
+    @property
+    def waiting(self) -> int:
+        """Pages kept back (lock held)."""
+        return len(self._waiting)
+
+    def _keep(self, key: bytes) -> None:
+        self._waiting[key] = None
 
     def _load(self) -> None:
         try:
@@ -169,7 +187,8 @@ class Converter:
 
     def save(self) -> None:
         """Leave the queue for the next open (at a clean close, the thread stopped)."""
-        keys = self._waiting.drain() + self._retry.drain() + self._queue.drain()
+        keys = self._retry.drain() + self._queue.drain() + b"".join(self._waiting)
+        self._waiting.clear()
         if not keys:
             return
         tmp = self._path.with_suffix(".tmp")
@@ -181,27 +200,37 @@ class Converter:
                         len(keys) // KEY_BYTES, exc)
 
     def stop(self) -> None:
-        """Stop the thread (the store's lock not held); pages it had taken go back first."""
+        """Stop the thread; joined unless the caller holds the store's lock (the thread
+        then ends when it next takes it, and finds the store closed)."""
+        held = self._store._lock._is_owned()  # type: ignore[attr-defined]
         with self._wake:
             self._stop = True
             self._wake.notify_all()
-        self._thread.join()
+        if not held:
+            self._thread.join()
 
     def wait(self, timeout_s: float | None) -> int:
-        """Until nothing is queued or being converted (or ``timeout_s``); pages left, those
-        kept back included (lock not held)."""
+        """Until nothing is queued or being converted (or ``timeout_s``); pages left,
+        those kept back included (lock not held)."""
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not math.isfinite(timeout_s) or timeout_s < 0):
+            raise InputError(f"wait_converted: timeout_s is seconds (a finite number >= 0) or None, got {timeout_s!r}")
         with self._wake:
             self._wake.wait_for(lambda: self._stop or not (len(self._queue) or len(self._retry) or self._busy),
                                 timeout_s)
-            return self.pending
+            return self.pending + self.waiting
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._wake:
                 if not self._wake.wait_for(lambda: self._stop or len(self._queue) > 0 or len(self._retry) > 0,
-                                           RETRY_S if len(self._waiting) else None):
-                    self._retry.extend(self._waiting.drain())   # an unpin, say, sends no event
+                                           self._backoff if self._waiting else None):
+                    # Kept back long enough (an unpin, say, sends no event): retried; less
+                    # often each time nothing converts in between.
+                    self._retry.extend(list(self._waiting))
+                    self._waiting.clear()
+                    self._backoff = min(2 * self._backoff, RETRY_MAX_S)
                     continue
                 if self._stop:
                     return
@@ -219,34 +248,54 @@ class Converter:
                     self._wake.notify_all()
 
     def _batch(self, keys: list[PageKey], retry: bool) -> None:
-        """Convert ``keys``; ``retry``: pages kept back before, so read and found exact
-        (or on a degraded tier): whether they can be dropped is asked before a read."""
+        """Convert ``keys``; ``retry``: pages kept back before (read and found exact, or on a
+        degraded tier): whether they can go is asked before a read."""
         store = self._store
         with store._lock:
             if self._stop or store._closed:
                 (self._retry if retry else self._queue).extend(keys)
                 return
             read = self._read(keys, retry)
+            self._busy = len(read)
         coded = self._code(read)
         with store._lock:
             if self._stop or store._closed:
                 self._queue.extend([k for k, _, _ in coded])
                 return
-            done = self._place(coded)
-            if done and len(self._waiting):   # progress may have freed pages kept back
-                self._retry.extend(self._waiting.drain())
+            if self._place(coded):
+                self._backoff = RETRY_S
+
+    def _children_first(self, keys: list[PageKey]) -> tuple[list[PageKey], dict[bytes, PageKey | None]]:
+        """``keys`` with each page before its ancestors among them, and each one's parent."""
+        parents: dict[bytes, PageKey | None] = {k: self._m.parent_of(k) for k in keys}
+        mine = set(keys)
+
+        def depth(k: bytes) -> int:
+            d, p = 0, parents[k]
+            while p is not None and p in mine and d < len(keys):
+                d, p = d + 1, parents.get(p)
+            return d
+
+        return sorted(keys, key=depth, reverse=True), parents
 
     def _read(self, keys: list[PageKey], retry: bool) -> list[_Read]:
-        """The exact copies at the tier or below that can be converted, read (lock held).
-        A page already lossy (put_lossy's, come down) is left out before it is asked
-        whether it could be dropped: it may have children (its lossy successors)."""
+        """The exact copies in the tier that can be converted, read, children first (lock
+        held). A page already lossy (put_lossy's, come down) is left out before it is
+        asked whether it could go: it may have children (its lossy successors)."""
         m, out = self._m, []
-        for key in keys:
+        order, parents = self._children_first(keys)
+        going: list[bytes] = []
+
+        def can_go(key: bytes) -> bool:   # its cached children all go in this batch
+            blocking = m.blocking_children(PageKey(key), self.level)
+            return blocking is not None and blocking == sum(parents[k] == key for k in going)
+
+        for key in order:
             at = m.copy_at(key, self.level)
-            if at is None or at[0] != self.level:
-                continue   # gone, or not in the tier now (it is queued again if it comes back)
-            if not m.tiers[at[0]].available or (retry and not m.can_drop_copy(key, at[0])):
-                self._waiting.extend([key])
+            if at is None or at[0] != self.level or key in self._store._provenance:
+                continue   # gone, not in the tier now (queued again if it comes back), or derived
+            if not m.tiers[at[0]].available or (retry and not can_go(key)):
+                self._keep(key)
                 continue
             row = np.empty((1, self._store.layout.page_bytes), np.uint8)
             lead = Lead(key, np.array([at[0]], np.uint8), [at[1]], [at[3]])
@@ -254,9 +303,10 @@ class Converter:
                 continue
             if lossy_length(row[0]):
                 continue   # put_lossy's page, come down: nothing to do
-            if not m.can_drop_copy(key, at[0]):
-                self._waiting.extend([key])
+            if not can_go(key):
+                self._keep(key)
                 continue
+            going.append(key)
             out.append((key, at, row))
         return out
 
@@ -270,28 +320,29 @@ class Converter:
                 out.append((key, at, code_rows(self._store.layout, row, 1, self.budget, None, self._cal, False,
                                                f"the lossy tier {self.name}")))
             except InputError as exc:   # a page lossy pages cannot code (non-finite values, say)
-                log.debug("page %s stays exact in the lossy tier: %s", key.hex(), exc)
+                log.warning("page %s stays exact in the lossy tier %s: %s", key.hex(), self.name, exc)
         return out
 
     def _place(self, coded: list[_Read]) -> int:
-        """Swap each still-current exact copy for its lossy page, in one plan (lock held);
-        how many."""
+        """Swap each still-current exact copy for its lossy page, children first, in one
+        plan (lock held); how many. The ancestors waiting on them are retried."""
         m, store = self._m, self._store
+        plan = MovePlan()
         items: list[tuple[PageKey, np.ndarray]] = []
+        ups: list[PageKey | None] = []
         for key, at, rows in coded:
             if m.copy_at(key, self.level) != at:
                 continue   # moved, dropped or written again while it was coded: queued again if it came back
-            if not m.can_drop_copy(key, at[0]):
-                self._waiting.extend([key])
+            if m.blocking_children(key, self.level) != 0:   # its children in this batch went first
+                self._keep(key)
                 continue
+            ups.append(m.parent_of(key))
+            m.drop_copy(key, self.level, plan)
             items.append((key, rows))
         if not items:
             return 0
-        plan = MovePlan()
-        lkeys = split_keys(lossy_keys(b"".join(k for k, _ in items), self.budget))
-        for key, _ in items:
-            m.drop_copy(key, self.level, plan)
         swapped = (plan.evicted, plan.dropped)   # the swaps, not evictions
+        lkeys = split_keys(lossy_keys(b"".join(k for k, _ in items), self.budget))
         new = [(lk, i) for i, (lk, held) in enumerate(zip(lkeys, m.held(b"".join(lkeys)))) if not held]
         rows = np.concatenate([items[i][1] for _, i in new]) if new else np.zeros((0, 0), np.uint8)
         self._own = {lk for lk, _ in new}   # its own pages are not queued
@@ -309,4 +360,18 @@ class Converter:
         plan.dropped -= swapped[1]
         store._count_plan(plan)
         store._counters.events["lossy_converted"] += placed + (len(items) - len(new))
+        self._wake_ancestors(ups)
         return len(items)
+
+    def _wake_ancestors(self, parents: list[PageKey | None]) -> None:
+        """Send the kept-back ancestors of converted pages (up to a batch each) to be retried."""
+        back: list[bytes] = []
+        for p in parents:
+            for _ in range(BATCH):
+                if p is None or p not in self._waiting:
+                    break
+                del self._waiting[p]
+                back.append(p)
+                p = self._m.parent_of(p)
+        if back:
+            self._retry.extend(back)

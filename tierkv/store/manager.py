@@ -1022,12 +1022,20 @@ class BlockManager:
         lvl = _lowest(w)
         return lvl, int(t.slot[lvl, r]) - 1, int(t.gen[r]), int(t.checksum[r])
 
-    def can_drop_copy(self, key: PageKey, level: int) -> bool:
-        """Whether dropping ``key``'s copy at ``level`` strands nothing: another copy stays,
-        or no cached page names it as parent. Pinned pages are not dropped."""
+    def blocking_children(self, key: PageKey, level: int) -> int | None:
+        """What keeps ``key``'s copy at ``level`` from being dropped: None where nothing may
+        (a pinned page, or one not held), else how many cached children it would strand
+        (0 where another copy stays, or it has none)."""
         r = self._row(key)
         t = self.table
-        return r >= 0 and not t.pins[r] and (int(t.where[r]) != 1 << level or not t.nkids[r])
+        if r < 0 or t.pins[r] or not int(t.where[r]) >> level & 1:
+            return None
+        return 0 if int(t.where[r]) != 1 << level else int(t.nkids[r])
+
+    def parent_of(self, key: PageKey) -> PageKey | None:
+        """The key of ``key``'s parent (None: a root, or not held)."""
+        r = self._row(key)
+        return self._parent_key(r) if r >= 0 else None
 
     def drop_copy(self, key: PageKey, level: int, plan: MovePlan) -> None:
         """Drop ``key``'s copy at ``level`` (held: :meth:`copy_at`) as an eviction without

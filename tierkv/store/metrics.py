@@ -55,8 +55,10 @@ class StoreCollector:
                       "lossy_converted"):
             yield CounterMetricFamily(f"tierkv_{field}", f"Store-wide {field.replace('_', ' ')}",
                                       value=getattr(st, field))
-        yield GaugeMetricFamily("tierkv_lossy_pending", "Pages waiting for the lossy tier's conversion",
+        yield GaugeMetricFamily("tierkv_lossy_pending", "Pages queued for the lossy tier's conversion",
                                 value=st.lossy_pending)
+        yield GaugeMetricFamily("tierkv_lossy_waiting", "Pages the lossy tier keeps back (children, pins)",
+                                value=st.lossy_waiting)
 
 
 def start_exporter(store: Store, port: int, addr: str = "127.0.0.1") -> object:

@@ -68,7 +68,8 @@ class StoreStats:
     derived_pages: int = 0   # derived pages gets returned (accept="derived": moved by a splice, docs/splice.md)
     lossy_pages: int = 0     # lossy pages read for gets (accept_lossy=: coded at a budget, docs/lossy.md)
     lossy_converted: int = 0   # exact pages a lossy tier (lossy_bits) converted to lossy ones
-    lossy_pending: int = 0     # pages waiting for that conversion now
+    lossy_pending: int = 0     # pages queued for that conversion, or being converted, now
+    lossy_waiting: int = 0     # pages it keeps back now (cached children or pins need them exact)
 
     @property
     def misses(self) -> int:
@@ -102,7 +103,7 @@ class Counters:
         self.tier_io_s: defaultdict[str, float] = defaultdict(float)
 
     def snapshot(self, tiers: Sequence[Tier], dualpath: dict[str, dict[str, float]] | None = None,
-                 lossy_pending: int = 0) -> StoreStats:
+                 lossy: tuple[int, int] = (0, 0)) -> StoreStats:
         """The counters as a :class:`StoreStats`, with each tier's occupancy and state now."""
         stats: dict[str, TierStats] = {
             t.name: TierStats(t.name, t.kind.value, self.tier_hits[t.name], t.num_slots, t.num_slots - t.num_free,
@@ -115,7 +116,7 @@ class Counters:
                           ev["pages_hit"], ev["pages_stored"], ev["pages_dropped"], ev["evictions"],
                           ev["promotions"], ev["corrupt_pages"], self.tier_hits["peer"], dualpath or {},
                           derived_pages=ev["derived_pages"], lossy_pages=ev["lossy_pages"],
-                          lossy_converted=ev["lossy_converted"], lossy_pending=lossy_pending)
+                          lossy_converted=ev["lossy_converted"], lossy_pending=lossy[0], lossy_waiting=lossy[1])
 
     def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float, src_read: bool = True) -> None:
         """Count a transfer between a tier pair and the wall time it took. ``src_read=False``:
