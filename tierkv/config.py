@@ -550,11 +550,9 @@ class StoreConfig:
             raise ConfigError(f"tiers.{lossy[0]}.lossy_bits needs a tier above it: pages are converted as they are "
                               "demoted into it, so a store of lossy tiers alone would never hold an exact page")
         lay = self.layout
-        if lay.kind.value != "kv" or lay.page_order.value != "standard" or lay.dtype.value not in ("bf16", "fp16",
-                                                                                                    "fp32"):
+        if lay.kind.value != "kv" or lay.dtype.value not in ("bf16", "fp16", "fp32"):
             raise ConfigError(f"tiers.{lossy[0]}.lossy_bits: lossy pages code K/V layouts of bf16, fp16 or fp32 "
-                              f"pages in the standard order; this layout is {lay.kind.value}, "
-                              f"{lay.page_order.value}, {lay.dtype.value}")
+                              f"pages; this layout is {lay.kind.value}, {lay.dtype.value}")
         from tierkv.lossy.format import min_budget
 
         least = min_budget(lay.num_layers, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim)

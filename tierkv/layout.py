@@ -20,6 +20,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tierkv.errors import LayoutError
 
 
@@ -170,3 +172,29 @@ class KVLayout:
         else:
             fields["page_order"] = self.page_order.value
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def to_standard_order(pages: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """Pages ``[n, *layout.page_shape]`` (any element type) as a standard-order copy
+    ``[n, layers, 2, tokens, heads, head_dim]``: from vLLM's CPU order (``[n, layers, heads,
+    tokens, 2 * head_dim]``: per head, K transposed ``[head_dim, tokens]`` then V ``[tokens,
+    head_dim]``), or the standard order itself. K/V layouts only."""
+    if layout.page_order is PageOrder.STANDARD:
+        return np.ascontiguousarray(pages.reshape(pages.shape[0], *layout.page_shape))
+    n, layers, heads, tpp, dim = pages.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \
+        layout.head_dim
+    flat = pages.reshape(n, layers, heads, 2 * tpp * dim)
+    k = flat[..., :tpp * dim].reshape(n, layers, heads, dim, tpp).transpose(0, 1, 4, 2, 3)
+    val = flat[..., tpp * dim:].reshape(n, layers, heads, tpp, dim).transpose(0, 1, 3, 2, 4)
+    return np.ascontiguousarray(np.stack([k, val], axis=2))
+
+
+def from_standard_order(std: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """:func:`to_standard_order` undone: ``[n, *layout.page_shape]``."""
+    if layout.page_order is PageOrder.STANDARD:
+        return np.ascontiguousarray(std.reshape(std.shape[0], *layout.page_shape))
+    n, layers, heads, tpp, dim = std.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \
+        layout.head_dim
+    k = std[:, :, 0].transpose(0, 1, 3, 4, 2).reshape(n, layers, heads, dim * tpp)      # [n, L, H, D, tpp]
+    val = std[:, :, 1].transpose(0, 1, 3, 2, 4).reshape(n, layers, heads, tpp * dim)    # [n, L, H, tpp, D]
+    return np.concatenate([k, val], axis=-1).reshape(n, layers, heads, tpp, 2 * dim)

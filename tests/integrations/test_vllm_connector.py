@@ -329,6 +329,13 @@ def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(
     ("t", {"tierkv_edit": {"start": 1}}, False, ("derived", "t")),             # an edit implies derived pages
     ("t", {"tierkv_edit": {"start": 1}, "tierkv_accept": "exact"}, False, ("exact", "t")),   # unless told otherwise
     ("t", {"tierkv_edit": {"start": 1}}, True, None),                          # the same prefix-cache rule
+    ("t", {"tierkv_accept": "lossy", "tierkv_lossy_bits": 4}, False, ("lossy:4.0", "t")),
+    ("own", {"tierkv_accept": "lossy", "tierkv_lossy_bits": 2.5, "tierkv_tenant": "t"}, True, ("lossy:2.5", "t")),
+    ("t", {"tierkv_accept": "lossy", "tierkv_lossy_bits": 4.0}, True, None),   # the same prefix-cache rule
+    ("t", {"tierkv_accept": "lossy"}, False, None),                            # no budget
+    ("t", {"tierkv_accept": "lossy", "tierkv_lossy_bits": "4"}, False, None),  # not a number
+    ("t", {"tierkv_accept": "lossy", "tierkv_lossy_bits": 16}, False, None),   # not a lossy budget
+    ("t", {"tierkv_accept": "lossy:4.0"}, False, ("exact", "t")),              # the internal spelling: nothing asked
 ])
 def test_a_request_gets_derived_pages_only_where_vllms_cache_cannot_pass_them_on(
         salt: str, params: object, prefix_caching: bool, want: tuple[str, str] | None) -> None:
@@ -338,6 +345,81 @@ def test_a_request_gets_derived_pages_only_where_vllms_cache_cannot_pass_them_on
     from tierkv.integrations.vllm.connector import request_accept
 
     assert request_accept(salt, params, prefix_caching) == want
+
+
+def lossy_prompt(store: RemoteStore, seed: int, bits: float, **kw: Any) -> tuple[list[int], np.ndarray]:
+    """A 6.5-page prompt whose first 2 pages are stored exact and all 6 lossy at ``bits``
+    (``kw``: put_lossy's importance, evict); its pages as put (the layout's order)."""
+    from tierkv.store.lossy_pages import from_float
+
+    toks = prompt(6.5, seed=seed)
+    x = np.random.default_rng(seed).standard_normal((6, *store.layout.page_shape)).astype(np.float32)
+    rows = np.stack([from_float(page, "bf16") for page in x])
+    store.put(np.array(toks[:2 * N], np.uint32), rows[:2])
+    store.put_lossy(np.array(toks[:6 * N], np.uint32), rows, bits, **kw)
+    return toks, rows
+
+
+def loaded_pages(caches: list[torch.Tensor], layout: KVLayout, blocks: list[int]) -> np.ndarray:
+    got = torch.zeros(len(blocks), layout.page_bytes, dtype=torch.uint8)
+    kv = CpuPagedKV(caches, layout)
+    for layer in range(L):
+        kv.gather(layer, blocks, kv.pages(got))
+    return got.numpy()
+
+
+def test_a_request_that_accepts_lossy_pages_loads_them_after_the_exact_ones(store: RemoteStore) -> None:
+    """Pages a lossy tier converted (here put lossy, keeping every token): a request that
+    accepts their budget loads the exact pages and the lossy ones after them as one
+    prefix (got whole, never lent), decoded as the store's own lossy get decodes them; one
+    that does not loads the exact pages only; what the request computes is never saved."""
+    from tierkv.integrations.vllm.plan import lossy_accept
+
+    toks, _ = lossy_prompt(store, 31, 8.0, evict=False)
+    pb = ConnectorPlanner(store, N)
+    assert pb.matched("x", toks, "", 0) == 2 * N
+    assert pb.matched("x", toks, "", 0, accept=lossy_accept(6.0)) == 2 * N      # another budget: not these
+    assert pb.matched("c", toks, "", 0, accept=lossy_accept(8.0)) == 6 * N
+    blocks = [9, 8, 7, 6, 5, 4, 3]
+    pb.allocated("c", toks, len(toks), "", blocks, 6 * N)
+    plan = pb.plan([("c", blocks, 6 * N)], [], {"c": len(toks) - 6 * N})
+    (job,) = plan.loads
+    assert job.accept == "lossy:8.0" and not job.lend and early.decode(encode(job)[4:])[0].accept == "lossy:8.0"
+    caches = engine_caches(9)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    step(w, plan)
+    assert w.load_errors() == set() and w.counters.loaded_tokens == 6 * N
+    want = np.zeros((6, store.layout.page_bytes), np.uint8)
+    assert store.get(np.array(toks[:6 * N], np.uint32), want, accept_lossy=8.0).lossy == 4
+    assert np.array_equal(loaded_pages(caches, store.layout, blocks[:6]), want)
+    later = pb.plan([], [("c", None, False, 6 * N)], {"c": len(toks) - 6 * N + 40})
+    assert later.saves == []
+    pb.finished("c")
+    pb.finished("x")
+    assert pb._accept == {}
+    w.close()
+
+
+def test_a_lossy_page_that_dropped_tokens_ends_the_load(store: RemoteStore) -> None:
+    """vLLM's paged attention cannot drop a token: a lossy page whose coding evicted some
+    (put_lossy with eviction, at 4 bits: below the 4.26 these pages need keeping every
+    token) ends the load there, and its blocks and those after are recomputed."""
+    from tierkv.integrations.vllm.plan import lossy_accept
+    from tierkv.lossy.format import min_budget
+
+    assert min_budget(L, N, H, D) > 4.0
+    toks, _ = lossy_prompt(store, 32, 4.0, evict=True)
+    got = store.get(np.array(toks[:6 * N], np.uint32), np.zeros((6, store.layout.page_bytes), np.uint8),
+                    accept_lossy=4.0)
+    assert got.lossy == 4 and got.evicted is not None and not got.evicted[:2].any() and got.evicted[2].any()
+    pb = ConnectorPlanner(store, N)
+    blocks = [9, 8, 7, 6, 5, 4, 3]
+    assert pb.matched("c", toks, "", 0, accept=lossy_accept(4.0)) == 6 * N
+    pb.allocated("c", toks, len(toks), "", blocks, 6 * N)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(9), store.layout), max_pages=8)
+    step(w, pb.plan([("c", blocks, 6 * N)], [], {"c": len(toks) - 6 * N}))
+    assert w.counters.loaded_tokens == 2 * N and w.load_errors() == set(blocks[2:6])
+    w.close()
 
 
 def test_an_edit_named_on_the_request_is_spliced_once_and_its_derived_pages_loaded(

@@ -189,3 +189,75 @@ def test_a_request_that_accepts_derived_pages_loads_a_spliced_prompt(env: VllmEn
     assert got["directive"] == (first + moved) * page and len(got["directive_answer"]) == 8
     assert [(o["page"], o["mode"], o["delta"], o["start"], o["end"]) for o in got["directive_origins"]] == [
         (first + i, "truncate", -100, 600, 700) for i in range(moved)]
+
+
+LOSSY = r"""
+import json, sys, time
+from vllm import SamplingParams
+from tierkv.integrations.vllm.demo import SYSTEM
+from tierkv.integrations.vllm.run import _engine
+from tierkv.serve.client import RemoteStore
+
+
+def main() -> None:
+    model, served, sock = sys.argv[1:4]
+    llm = _engine(model, served, sock, 4096, {"save_generated": False})
+    ids = list(llm.get_tokenizer().encode((SYSTEM + " ") * 40, add_special_tokens=False))[:1100]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    first = llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0]
+    want = (len(ids) - 1) // 128
+    deadline = time.monotonic() + 300
+    with RemoteStore(sock) as store:           # the pages land, and those in the NVMe tier are converted
+        while True:
+            st = store.stats()
+            if store.lookup(ids[:want * 128], count=False, accept_lossy=4.0).cached_pages == want \
+                    and not st.lossy_pending and not st.lossy_waiting:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not converted: {st.lossy_pending} queued, {st.lossy_waiting} kept back")
+            time.sleep(0.1)
+        exact_pages = store.lookup(ids[:want * 128], count=False).cached_pages
+        lossy_pages = store.lookup(ids[:want * 128], count=False, accept_lossy=4.0).lossy
+        converted = st.lossy_converted
+    accepts = {"kv_transfer_params": {"tierkv_accept": "lossy", "tierkv_lossy_bits": 4.0}}
+    lossy = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=8, extra_args=accepts),
+                         use_tqdm=False)[0]
+    time.sleep(2.0)                               # a save would have landed by now
+    with RemoteStore(sock) as store:
+        after = store.lookup(ids[:want * 128], count=False).cached_pages
+    exact = llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0]
+    print(json.dumps({"want": want, "exact_pages": exact_pages, "lossy_pages": lossy_pages, "converted": converted,
+                      "lossy": lossy.num_cached_tokens, "exact": exact.num_cached_tokens, "after": after,
+                      "first_answer": list(first.outputs[0].token_ids), "lossy_answer": list(lossy.outputs[0].token_ids),
+                      "exact_answer": list(exact.outputs[0].token_ids)}))
+
+
+if __name__ == "__main__":   # vLLM starts its engine core in a spawned process
+    main()
+"""
+
+
+def test_a_request_that_accepts_lossy_pages_loads_what_a_lossy_tier_converted(env: VllmEnv, tmp_path: Path) -> None:
+    """In a real engine, against a daemon whose NVMe tier converts what comes down into it
+    at 4 bits (its DRAM tier holds 2 pages): a 1,100-token prompt is served and stored, 6
+    of its 8 pages land in the NVMe tier and are converted (in vLLM's CPU page order);
+    the same prompt, sent with ``tierkv_accept: lossy`` at 4 bits, loads all 8 pages (2
+    exact, 6 lossy) and saves nothing it computed over them, where a request without it
+    loads the 2 exact ones. The lossy request's answer is reported, not compared (4 bits
+    without a calibration); the exact one's equals the first run's."""
+    cfg = tmp_path / "store.toml"
+    cfg.write_text(store_config(tmp_path / "store", dram="6MiB", nvme="64MiB", lossy_bits=4.0))
+    with Daemon(cfg, tmp_path / "daemon.log") as d:
+        script = tmp_path / "lossy.py"
+        script.write_text(LOSSY)
+        out = subprocess.run([env.python, str(script), env.model, SERVED_NAME, d.socket], capture_output=True,
+                             text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"want"')]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    got = json.loads(lines[-1])
+    page = int(LAYOUT["tokens_per_page"])  # type: ignore[call-overload]
+    assert got["want"] == 8 and (got["exact_pages"], got["lossy_pages"], got["converted"]) == (2, 6, 6)
+    assert got["lossy"] == 8 * page and got["exact"] == 2 * page and got["after"] == 2
+    assert len(got["lossy_answer"]) == len(got["exact_answer"]) == 8 and got["exact_answer"] == got["first_answer"]
+    print("lossy tier in vLLM: answers", got["first_answer"], got["lossy_answer"])

@@ -140,3 +140,21 @@ def test_a_calibrations_query_energy_stands_in_where_no_importance_comes(tmp_pat
                                          f'"query_energy": {bad}}}')
         with pytest.raises(ConfigError, match="query_energy|not a tierkv calibration"):
             Calibration.load(tmp_path / "q.json")
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 8, 7), (2, 512, 2, 7), (4, 16, 8, 128), (2, 1, 8, 128), (1, 7, 2, 64),
+                                   (1, 3, 1, 64), (2, 3, 2, 7), (30, 128, 3, 64)])
+def test_min_budget_is_the_floor_of_an_allocation_keeping_every_token(shape: tuple[int, int, int, int]) -> None:
+    """What a lossy tier's config checks its budget against: allocate(evict=False) fits
+    there and not below (the rate model once counted parameters eight times over, and
+    its floor was not this)."""
+    from tierkv.lossy.format import min_budget
+
+    layers, tokens, heads, dim = shape
+    floor = min_budget(layers, tokens, heads, dim)
+    x = np.random.default_rng(3).standard_normal((layers, 2, tokens, heads, dim)).astype(np.float32)
+    if floor * (1 + 1e-9) < 16:
+        allocate(x, floor * (1 + 1e-9), evict=False)
+    with pytest.raises(InputError, match="below what this page needs"):
+        allocate(x, floor * (1 - 1e-3), evict=False)
+

@@ -52,10 +52,11 @@ def test_lossy_pages_through_the_transformers_cache(llama: object, tmp_path: Pat
         a = logits_after(llama, got.cache, follow, got.tokens)
         b = logits_after(llama, ref.cache, follow, ref.tokens)
         assert np.abs(a - b).max() < 0.05 * np.abs(b).max()        # 8 bits: close to the exact cache
-        # 2.5 bits with the prompt's own importance: some tokens evicted, positions kept.
+        # 1.6 bits (below the 1.78 these pages need keeping every token) with the prompt's
+        # own importance: some tokens evicted, positions kept.
         pre = scoring.prefill(llama, prompt, window=32, dtype="fp32")
-        tkv.save_lossy(full.past_key_values, prompt, 2.5, importance=pre.importance)
-        low = tkv.load(np.concatenate([prompt, follow[:1]]), accept_lossy=2.5)
+        tkv.save_lossy(full.past_key_values, prompt, 1.6, importance=pre.importance)
+        low = tkv.load(np.concatenate([prompt, follow[:1]]), accept_lossy=1.6)
         assert low.tokens == 4 * TPP and 0 < low.evicted_tokens < low.tokens
         assert low.cache.get_seq_length() == low.tokens - low.evicted_tokens
         assert np.isfinite(logits_after(llama, low.cache, follow, low.tokens)).all()

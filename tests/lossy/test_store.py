@@ -118,7 +118,7 @@ def test_layouts_lossy_pages_cannot_code_are_refused(tmp_path: Path) -> None:
     fp8 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp8_e4m3", tokens_per_page=128)
     cfg = StoreConfig(path=str(tmp_path / "f"), model_id="m", layout=fp8, dram=DramConfig(8 * fp8.page_bytes))
     with Store.open(cfg) as s:
-        with pytest.raises(InputError, match="bf16, fp16 or fp32 pages in the standard order"):
+        with pytest.raises(InputError, match="a K/V layout of bf16, fp16 or fp32 pages"):
             s.put_lossy(tokens(5), np.zeros((N, fp8.page_bytes), np.uint8), 4.0)
     tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="bf16", tokens_per_page=4)
     cfg = StoreConfig(path=str(tmp_path / "t"), model_id="m", layout=tiny, dram=DramConfig(8 * tiny.page_bytes))

@@ -389,6 +389,7 @@ def test_close_with_the_lock_held_and_bad_timeouts(tmp_path: Path) -> None:
         s.wait_converted(float("nan"))
     with pytest.raises(InputError, match="timeout_s is seconds"):
         s.wait_converted(-1)
+    assert s.wait_converted(np.float32(1.0)) == s.wait_converted(np.int64(1)) == s.wait_converted(1e10) == 0  # type: ignore[arg-type]
 
     def close_locked() -> None:
         with s._lock:
@@ -398,4 +399,49 @@ def test_close_with_the_lock_held_and_bad_timeouts(tmp_path: Path) -> None:
     t.start()
     t.join(30.0)
     assert not t.is_alive(), "close() with the store's lock held hung"
+
+
+
+def test_pages_in_vllms_cpu_order_convert_as_the_same_pages_in_the_standard_order(tmp_path: Path) -> None:
+    from tierkv.layout import from_standard_order, to_standard_order
+
+    cpu = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", tokens_per_page=64, page_order="vllm_cpu")
+    n = 4
+    toks, std = tokens(15, n), pages(15, n)                 # standard-order pages
+    raw = from_standard_order(std.view(np.uint16).reshape(n, *LAYOUT.page_shape), cpu).reshape(n, -1).view(np.uint8)
+    cfg = StoreConfig(path=str(tmp_path / "s"), model_id="lossy-tier", layout=cpu, dram=DramConfig(2 * PB),
+                      nvme=NvmeConfig(64 * PB, codec="lossless", lossy_bits=BITS))
+    with Store.open(cfg) as s:
+        s.put(toks, raw)
+        settle(s)
+        out = np.zeros((n, PB), np.uint8)
+        got = s.get(toks, out, accept_lossy=BITS)
+        assert (got.pages, got.lossy) == (n, 2)
+        assert np.array_equal(out[:2], raw[:2])
+        back = to_standard_order(out.view(np.uint16).reshape(n, *cpu.page_shape), cpu).reshape(n, -1).view(np.uint8)
+        assert np.array_equal(back[2:], converted(std[2:]))   # the standard page's conversion, in its own order
+
+
+def test_pages_kept_back_are_retried_under_a_steady_stream_of_new_pages(tmp_path: Path) -> None:
+    """The retry runs on a clock of its own: new pages arriving more often than it is due
+    (every 0.4 s here) do not put it off."""
+    from tierkv.store import lossy_tier
+
+    toks, raw = tokens(16, 3), pages(16, 3)
+    with Store.open(config(tmp_path / "s", dram_pages=2)) as s:
+        with s._lock:
+            s.put(toks, raw)                   # 0, 1 in DRAM; 2 in the lossy tier, pinned
+            s.pin(toks)
+        assert s.wait_converted(10.0) == 1
+        s.unpin(toks)
+        deadline = time.monotonic() + lossy_tier.RETRY_S * 4
+        i = 0
+        while s.lookup(toks).cached_pages == 3:
+            assert time.monotonic() < deadline, "the page kept back was never retried"
+            s.put(tokens(100 + i, 1), pages(100 + i, 1))   # a stream of new pages, each pushing one down
+            i += 1
+            time.sleep(0.4)
+        s.wait_converted(10.0)   # page 2 converted (and those the stream pushed down after it)
+        look = s.lookup(toks, accept_lossy=BITS)
+        assert look.cached_pages == 3 and look.lossy >= 1 and s.stats().lossy_waiting == 0
 

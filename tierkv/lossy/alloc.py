@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from tierkv.errors import ConfigError, InputError
-from tierkv.lossy.format import Allocation, size_bits
+from tierkv.lossy.format import Allocation, quant_params, size_bits
 from tierkv.lossy.quant import BITS, roundtrip
 
 _QWIDTHS = (2, 4, 8, 16)
@@ -135,10 +135,10 @@ def _choose(t: _Tables, lam: float, kept_tokens: int, heads: int, dim: int, evic
     """The allocation minimizing distortion + ``lam`` x bits, the keys sized for
     ``kept_tokens`` (the previous round's count)."""
     n = max(kept_tokens, 1)
-    kcost = np.array([n * b + 8 * (0 if b == 16 else 16 if b == 0 else 32) for b in BITS], np.float64)
+    kcost = np.array([n * b + 8 * quant_params(b) for b in BITS], np.float64)
     kidx = np.argmin(t.dk + lam * kcost[:, None, None, None], axis=0)
     key_bits = np.array(BITS)[kidx]
-    vcost = np.array([heads * (dim * b + 8 * (0 if b == 16 else 32)) + 8 for b in _QWIDTHS], np.float64)
+    vcost = np.array([heads * (dim * b + 8 * quant_params(b)) + 8 for b in _QWIDTHS], np.float64)
     vj = t.dv + lam * vcost[:, None, None]
     vidx = np.argmin(vj, axis=0)
     value_bits = np.array(_QWIDTHS)[vidx]

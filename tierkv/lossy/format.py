@@ -304,8 +304,12 @@ def size_bits(alloc: Allocation, heads: int, dim: int) -> int:
 
 def min_budget(layers: int, tokens: int, heads: int, dim: int) -> float:
     """The fewest average bits an element a page of this geometry codes at keeping every
-    token: keys at width 0 (their channels' means), values at 2 bits."""
-    narrowest = Allocation(np.zeros((layers, heads, dim), np.int64), np.full((layers, tokens), 2, np.int64))
+    token: each key channel and each token's values at the width whose codes and
+    parameters cost least (a key channel's mean, 2-bit values; 16 bits where parameters
+    would cost more than they save: short heads, few tokens)."""
+    kb = min(BITS, key=lambda b: tokens * b + 8 * quant_params(b))
+    vb = min(BITS[1:], key=lambda b: heads * (dim * b + 8 * quant_params(b)))
+    narrowest = Allocation(np.full((layers, heads, dim), kb, np.int64), np.full((layers, tokens), vb, np.int64))
     return size_bits(narrowest, heads, dim) / (layers * 2 * tokens * heads * dim)
 
 

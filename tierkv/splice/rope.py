@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 
 from tierkv.errors import InputError
-from tierkv.layout import DType, KVLayout, LayoutKind, PageOrder
+from tierkv.layout import DType, KVLayout, LayoutKind, PageOrder, from_standard_order, to_standard_order
 
 Convention = Literal["half", "interleaved"]
 #: Scalings whose frequencies change with the sequence's length.
@@ -244,7 +244,7 @@ def move_tokens(src: np.ndarray, src_tokens: np.ndarray, src_positions: np.ndarr
     sv, dv = views
     cpu = layout.page_order is PageOrder.VLLM_CPU
     if cpu:   # moved in the standard order, then packed back (every row of dst: those not named unchanged)
-        sv, dv = _standard(sv, layout), _standard(dv, layout)
+        sv, dv = to_standard_order(sv, layout), to_standard_order(dv, layout)
     s_idx, d_idx = np.asarray(src_tokens, np.int64), np.asarray(dst_tokens, np.int64)
     if s_idx.shape != d_idx.shape or s_idx.ndim != 1:
         raise InputError(f"src_tokens and dst_tokens must be 1-D and alike, got {s_idx.shape} and {d_idx.shape}")
@@ -261,28 +261,7 @@ def move_tokens(src: np.ndarray, src_tokens: np.ndarray, src_positions: np.ndarr
     dv[dp, :, 0, dr] = from_float32(moved, layout.dtype)
     dv[dp, :, 1, dr] = values
     if cpu:
-        views[1][...] = _vllm_cpu(dv, layout)
-
-
-def _standard(v: np.ndarray, layout: KVLayout) -> np.ndarray:
-    """Pages in vLLM's CPU order (``[n, layers, heads, tokens, 2 * head_dim]``: per head, K
-    transposed ``[head_dim, tokens]`` then V ``[tokens, head_dim]``) as a standard-order copy
-    ``[n, layers, 2, tokens, heads, head_dim]``."""
-    n, layers, heads, tpp, dim = v.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \
-        layout.head_dim
-    flat = v.reshape(n, layers, heads, 2 * tpp * dim)
-    k = flat[..., :tpp * dim].reshape(n, layers, heads, dim, tpp).transpose(0, 1, 4, 2, 3)
-    val = flat[..., tpp * dim:].reshape(n, layers, heads, tpp, dim).transpose(0, 1, 3, 2, 4)
-    return np.ascontiguousarray(np.stack([k, val], axis=2))
-
-
-def _vllm_cpu(std: np.ndarray, layout: KVLayout) -> np.ndarray:
-    """:func:`_standard` undone: ``[n, layers, heads, tokens, 2 * head_dim]``."""
-    n, layers, heads, tpp, dim = std.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \
-        layout.head_dim
-    k = std[:, :, 0].transpose(0, 1, 3, 4, 2).reshape(n, layers, heads, dim * tpp)      # [n, L, H, D, tpp]
-    val = std[:, :, 1].transpose(0, 1, 3, 2, 4).reshape(n, layers, heads, tpp * dim)    # [n, L, H, tpp, D]
-    return np.concatenate([k, val], axis=-1).reshape(n, layers, heads, tpp, 2 * dim)
+        views[1][...] = from_standard_order(dv, layout)
 
 
 _RAW = {DType.FP32: np.uint32, DType.FP16: np.uint16, DType.BF16: np.uint16}

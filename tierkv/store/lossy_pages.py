@@ -13,8 +13,9 @@ checksum), and decoded only after the blob's own checksum passes.
 
 What this saves today: bytes on a tier that codes pages (``codec = "lossless"`` or
 ``"auto"`` on NVMe, NVMe-oF: the zeros after the blob cost nearly nothing there) and on
-the wire of such a tier; a DRAM slot still holds a whole page. Only standard-order
-(``page_order = "standard"``), K/V layouts of bf16, fp16 or fp32 pages.
+the wire of such a tier; a DRAM slot still holds a whole page. K/V layouts of bf16,
+fp16 or fp32 pages, in the standard order or vLLM's CPU order (``page_order =
+"vllm_cpu"``: coded as the same page in the standard order, decoded back into its own).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from tierkv.errors import CorruptPageError, InputError
 from tierkv.keys import KEY_BYTES, Tokens, as_token_array, lossy_keys, split_keys
-from tierkv.layout import KVLayout, LayoutKind, PageOrder
+from tierkv.layout import KVLayout, LayoutKind, from_standard_order, to_standard_order
 from tierkv.lossy.quant import from_bf16_bits, to_bf16_bits
 from tierkv.store.pages import PageSource, page_list, page_rows
 from tierkv.store.results import GetResult, PutResult
@@ -48,10 +49,15 @@ def check_budget(budget: object, what: str) -> float:
 
 def layout_dtype(lay: KVLayout, what: str) -> str:
     """The dtype name of ``lay``'s pages; InputError where lossy pages cannot code them."""
-    if lay.kind is not LayoutKind.KV or lay.page_order is not PageOrder.STANDARD or lay.dtype.value not in _DTYPES:
-        raise InputError(f"{what}: lossy pages need a K/V layout of bf16, fp16 or fp32 pages in the standard order; "
-                         f"this store's is {lay.kind.value}, {lay.page_order.value}, {lay.dtype.value}")
+    if lay.kind is not LayoutKind.KV or lay.dtype.value not in _DTYPES:
+        raise InputError(f"{what}: lossy pages need a K/V layout of bf16, fp16 or fp32 pages; this store's is "
+                         f"{lay.kind.value}, {lay.dtype.value}")
     return str(lay.dtype.value)
+
+
+def standard_shape(lay: KVLayout) -> tuple[int, int, int, int, int]:
+    """A K/V page's shape in the standard order, what lossy pages code."""
+    return (lay.num_layers, 2, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim)
 
 
 def lossy_blob(store: Store, tokens: Tokens, tenant: str | bytes, budget: float, first: int = 0) -> bytes:
@@ -95,7 +101,7 @@ def code_rows(layout: KVLayout, pages: PageSource, n_max: int, budget: float, im
         raise InputError(f"{what}: the importance covers {importance.a2.shape[2]} tokens, the pages {n * tpp}")
     out = np.zeros((n, layout.page_bytes), np.uint8)
     for i in range(n):
-        page = to_float(np.asarray(src[i]).reshape(1, -1), dtype, layout.page_shape)[0]
+        page = to_standard_order(to_float(np.asarray(src[i]).reshape(1, -1), dtype, layout.page_shape), layout)[0]
         imp = None if importance is None else Importance(importance.a2[:, :, i * tpp:(i + 1) * tpp], importance.qe)
         coded = encode(page, allocate(page, budget, imp, calibration, evict=evict), dtype, budget)
         assert len(coded) < layout.page_bytes   # the budget counts every byte, and is under 16 bits an element
@@ -174,9 +180,9 @@ def decode_rows(layout: KVLayout, rows: np.ndarray, first: int, n: int, budget: 
             dec = decode(rows[i].tobytes())
         except CorruptPageError:
             break
-        if dec.page.shape != layout.page_shape or dec.budget != np.float32(budget):
+        if dec.page.shape != standard_shape(layout) or dec.budget != np.float32(budget):
             break
-        rows[i] = from_float(dec.page, dtype)
+        rows[i] = from_float(from_standard_order(dec.page[None], layout)[0], dtype)
         evicted[i] = ~dec.kept
         done += 1
     return done, evicted[:first + done]

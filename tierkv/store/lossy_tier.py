@@ -22,13 +22,14 @@ converted in turn when it comes down). A page with cached children and no other 
 waits until they are gone (converting it would strand them; children converted in the
 same batch count as gone, and converting a page sends the ancestors waiting on it back
 to the queue), as do pinned pages and pages on a degraded tier: *kept back*, and retried
-every 2 s, then less often (up to every 64 s) while retries convert nothing. Pages
-already lossy (put_lossy's, come down) are recognised by their bytes, and derived pages
-(splices: their gets ask for derived keys, which a lossy key is not) by their recorded
-origins; both are left as they are, as is a page the format cannot code (non-finite
-values: logged). Tiers below take what it demotes as it is: lossy pages, and exact ones
-it had not converted yet (they stay exact: below, where a tier may not code, a lossy page
-need not be smaller).
+2 s later, then less often (up to every 64 s) while retries convert nothing, on a clock of
+their own (a steady stream of new pages does not put them off). Pages already lossy
+(put_lossy's, come down) are recognised by their bytes, and derived pages (splices:
+their gets ask for derived keys, which a lossy key is not) by their recorded origins;
+both are left as they are, as is a page the format cannot code (non-finite values:
+logged; its ancestors in the tier are kept back while it is cached). Tiers below take
+what it demotes as it is: lossy pages, and exact ones it had not converted yet (they stay
+exact: below, where a tier may not code, a lossy page need not be smaller).
 
 Conversion costs CPU (about 30-40 MB/s of BF16 pages a core, in numpy): under a steady
 stream of demotions faster than that the tier holds exact pages, served exact, until
@@ -42,8 +43,10 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -143,7 +146,9 @@ class Converter:
         self._waiting: dict[bytes, None] = {}   # kept back (cached children, pins, a degraded tier)
         self._own: set[bytes] = set()   # lossy keys being placed: not queued
         self._busy = 0               # pages of the batch being converted
+        self._inflight: list[PageKey] = []   # that batch's keys (saved at a close that does not wait for it)
         self._backoff = RETRY_S
+        self._retry_at: float | None = None   # when pages kept back are retried (monotonic clock)
         self._wake = threading.Condition(store._lock)
         self._stop = False
         self._m.listeners.append(self._on_event)
@@ -158,7 +163,11 @@ class Converter:
             mine = self._own
             with self._wake:   # the store's lock, which its caller holds
                 # Children first: a put's pages come parents first, and a parent waits for its children.
-                self._queue.extend([k for k in reversed(keys) if k not in mine])
+                fresh = [k for k in reversed(keys) if k not in mine]
+                self._queue.extend(fresh)
+                if self._waiting:
+                    for k in fresh:   # queued again: no longer kept back (counted once)
+                        self._waiting.pop(k, None)
                 self._wake.notify_all()
 
     @property
@@ -173,6 +182,8 @@ class Converter:
 
     def _keep(self, key: bytes) -> None:
         self._waiting[key] = None
+        if self._retry_at is None:
+            self._retry_at = time.monotonic() + self._backoff
 
     def _load(self) -> None:
         try:
@@ -187,7 +198,7 @@ class Converter:
 
     def save(self) -> None:
         """Leave the queue for the next open (at a clean close, the thread stopped)."""
-        keys = self._retry.drain() + self._queue.drain() + b"".join(self._waiting)
+        keys = b"".join(self._inflight) + self._retry.drain() + self._queue.drain() + b"".join(self._waiting)
         self._waiting.clear()
         if not keys:
             return
@@ -212,9 +223,12 @@ class Converter:
     def wait(self, timeout_s: float | None) -> int:
         """Until nothing is queued or being converted (or ``timeout_s``); pages left,
         those kept back included (lock not held)."""
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not math.isfinite(timeout_s) or timeout_s < 0):
-            raise InputError(f"wait_converted: timeout_s is seconds (a finite number >= 0) or None, got {timeout_s!r}")
+        if timeout_s is not None:
+            if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real) \
+                    or not math.isfinite(timeout_s) or timeout_s < 0:
+                raise InputError(f"wait_converted: timeout_s is seconds (a finite number >= 0) or None, "
+                                 f"got {timeout_s!r}")
+            timeout_s = min(float(timeout_s), threading.TIMEOUT_MAX)
         with self._wake:
             self._wake.wait_for(lambda: self._stop or not (len(self._queue) or len(self._retry) or self._busy),
                                 timeout_s)
@@ -224,19 +238,24 @@ class Converter:
     def _run(self) -> None:
         while True:
             with self._wake:
-                if not self._wake.wait_for(lambda: self._stop or len(self._queue) > 0 or len(self._retry) > 0,
-                                           self._backoff if self._waiting else None):
-                    # Kept back long enough (an unpin, say, sends no event): retried; less
+                self._wake.wait_for(lambda: self._stop or len(self._queue) > 0 or len(self._retry) > 0
+                                    or self._retry_due(), self._retry_in())
+                if self._stop:
+                    return
+                if self._retry_due():
+                    # Kept back long enough (an unpin, say, sends no event): retried, on a clock
+                    # of its own (a steady stream of new pages must not put it off); less
                     # often each time nothing converts in between.
                     self._retry.extend(list(self._waiting))
                     self._waiting.clear()
+                    self._retry_at = None
                     self._backoff = min(2 * self._backoff, RETRY_MAX_S)
+                if not (len(self._queue) or len(self._retry)):
                     continue
-                if self._stop:
-                    return
                 retry = len(self._retry) > 0
                 keys = list(dict.fromkeys((self._retry if retry else self._queue).take(BATCH)))  # queued twice: once
                 self._busy = len(keys)
+                self._inflight = keys
             try:
                 self._batch(keys, retry)
             except Exception:  # noqa: BLE001 - a failed batch costs its conversions, never the thread
@@ -245,7 +264,17 @@ class Converter:
             finally:
                 with self._wake:
                     self._busy = 0
+                    self._inflight = []
                     self._wake.notify_all()
+
+    def _retry_due(self) -> bool:
+        return self._retry_at is not None and bool(self._waiting) and time.monotonic() >= self._retry_at
+
+    def _retry_in(self) -> float | None:
+        """Seconds until pages kept back are due (None: none are)."""
+        if self._retry_at is None or not self._waiting:
+            return None
+        return max(0.0, self._retry_at - time.monotonic())
 
     def _batch(self, keys: list[PageKey], retry: bool) -> None:
         """Convert ``keys``; ``retry``: pages kept back before (read and found exact, or on a

@@ -59,14 +59,15 @@ except ImportError:   # importable without vLLM (docs, type checks); using it sa
         SCHEDULER = "scheduler"
 
 from tierkv.config import load_config
-from tierkv.errors import ConfigError, LayoutError
+from tierkv.errors import ConfigError, InputError, LayoutError
 from tierkv.integrations import MissingDependencyError
 from tierkv.integrations.vllm.blocks import KNOWN_CPU_KERNELS, CpuPagedKV
 from tierkv.integrations.vllm.early import EarlyListener, EarlySender, channel_address
-from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan
+from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan, lossy_accept
 from tierkv.integrations.vllm.transfer import DEFAULT_BUFFERS, ConnectorWorker
 from tierkv.serve.client import RemoteStore
 from tierkv.splice.rope import Rope
+from tierkv.store.lossy_pages import check_budget
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,24 +83,35 @@ log = logging.getLogger(__name__)
 
 def request_accept(salt: str, params: object, prefix_caching: bool) -> tuple[str, str] | None:
     """What a request with ``cache_salt`` ``salt`` and ``kv_transfer_params`` ``params``
-    accepts, and its tierkv tenant; None where it asked for derived pages and may not
-    have them (then it is served exact pages only). ``{"tierkv_accept": "derived"}``:
-    derived pages after the exact ones (a prompt the client spliced, docs/splice.md); the
-    tenant is the ``cache_salt``, as for every request. With vLLM's own prefix cache on
-    (``prefix_caching``), the blocks a request loads serve later requests of the same
-    tokens and salt, which may have asked for exact pages: so there a derived request
-    must carry a ``cache_salt`` of its own and name its tierkv tenant in
+    accepts, and its tierkv tenant; None where it asked for derived or lossy pages and may
+    not have them (then it is served exact pages only). ``{"tierkv_accept": "derived"}``:
+    derived pages after the exact ones (a prompt the client spliced, docs/splice.md);
+    ``{"tierkv_accept": "lossy", "tierkv_lossy_bits": 4.0}``: lossy pages coded at that
+    budget after them (a lossy tier's conversions, docs/lossy.md; a budget that is not one
+    is refused); the tenant is the ``cache_salt``, as for every request. With vLLM's own
+    prefix cache on (``prefix_caching``), the blocks a request loads serve later requests
+    of the same tokens and salt, which may have asked for exact pages: so there such a
+    request must carry a ``cache_salt`` of its own and name its tierkv tenant in
     ``"tierkv_tenant"`` (a string other than its salt). An edit directive
     (``"tierkv_edit"``, :mod:`tierkv.integrations.vllm.edits`) implies ``"derived"``
     unless ``"tierkv_accept"`` says otherwise."""
-    if not isinstance(params, dict) or params.get("tierkv_accept", "derived" if "tierkv_edit" in params else None) \
-            != "derived":
+    if not isinstance(params, dict):
+        return "exact", salt
+    kind = params.get("tierkv_accept", "derived" if "tierkv_edit" in params else None)
+    if kind == "lossy":
+        try:
+            accept = lossy_accept(check_budget(params.get("tierkv_lossy_bits"), "tierkv_lossy_bits"))
+        except InputError:
+            return None
+    elif kind == "derived":
+        accept = "derived"
+    else:
         return "exact", salt
     if not prefix_caching:
-        return "derived", str(params.get("tierkv_tenant", salt))
+        return accept, str(params.get("tierkv_tenant", salt))
     tenant = params.get("tierkv_tenant")
     if isinstance(tenant, str) and tenant != salt:
-        return "derived", tenant
+        return accept, tenant
     return None
 
 
@@ -280,9 +292,10 @@ class TierKVConnector(KVConnectorBase_V1):
             return got
         if not self._warned_derived:
             self._warned_derived = True
-            log.warning("tierkv: a request asked for derived pages with vLLM's prefix cache on but no cache_salt of "
-                        "its own (and tierkv_tenant naming its tenant): served exact pages only, so that vLLM's "
-                        "cache never hands them to requests that asked for exact ones")
+            log.warning("tierkv: a request asked for derived or lossy pages with vLLM's prefix cache on but no "
+                        "cache_salt of its own (and tierkv_tenant naming its tenant), or for lossy pages without a "
+                        "tierkv_lossy_bits of 1 to 16: served exact pages only, so that vLLM's cache never hands "
+                        "them to requests that asked for exact ones (logged once)")
         return "exact", request.cache_salt or ""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

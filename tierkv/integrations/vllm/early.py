@@ -38,7 +38,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tierkv.integrations.vllm.plan import LoadJob
+from tierkv.errors import InputError
+from tierkv.integrations.vllm.plan import LoadJob, store_accept
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,18 @@ def decode(body: bytes) -> tuple[LoadJob, float]:
     job = LoadJob(str(head["req_id"]), str(head["tenant"]), np.frombuffer(raw, dtype="<u4").copy(),
                   int(head["skip"]), tuple(int(b) for b in head["block_ids"]), int(head["requested"]),
                   lend=bool(head["lend"]), serial=int(head["serial"]), origin=int(head["origin"]),
-                  accept="derived" if head.get("accept") == "derived" else "exact")
+                  accept=_accept(head.get("accept")))
     return job, float(head["sent"])
+
+
+def _accept(value: object) -> str:
+    """A frame's ``accept``: what :func:`~tierkv.integrations.vllm.plan.store_accept`
+    takes, else "exact" (a job never takes more than it was planned with)."""
+    try:
+        store_accept(value)   # type: ignore[arg-type]
+    except (InputError, AttributeError, TypeError):
+        return "exact"
+    return str(value)
 
 
 class EarlySender:

@@ -49,6 +49,27 @@ from tierkv.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
 
+#: How a job's ``accept`` names lossy pages at a budget: ``"lossy:4.0"``.
+LOSSY = "lossy:"
+
+
+def lossy_accept(bits: float) -> str:
+    """The ``accept`` of a request that takes lossy pages coded at ``bits`` (its float's repr)."""
+    return f"{LOSSY}{float(bits)!r}"
+
+
+def store_accept(accept: str) -> dict[str, object]:
+    """The store call's keywords for an ``accept`` (``"exact"``, ``"derived"`` or a
+    :func:`lossy_accept`); InputError for anything else."""
+    if accept.startswith(LOSSY):
+        try:
+            return {"accept_lossy": float(accept[len(LOSSY):])}
+        except ValueError:
+            pass
+    elif accept in ("exact", "derived"):
+        return {"accept": accept}
+    raise InputError(f"a load accepts 'exact', 'derived' or '{LOSSY}BITS' pages, got {accept!r}")
+
 
 @dataclass(frozen=True)
 class LoadJob:
@@ -63,8 +84,9 @@ class LoadJob:
     number for the job, by which a plan names a load the worker may have started early
     (:mod:`tierkv.integrations.vllm.early`); ``origin``: the planner's random number (a
     note from another planner is not this one's). ``accept``: ``"derived"`` for a request
-    that accepts derived pages after the exact ones (spliced, docs/splice.md): got whole,
-    never lent or layered.
+    that accepts derived pages after the exact ones (spliced, docs/splice.md), or
+    ``"lossy:BITS"`` (:func:`lossy_accept`) for one that accepts lossy pages at that budget
+    after them (docs/lossy.md): got whole, never lent or layered.
     """
 
     req_id: str
@@ -153,7 +175,7 @@ class ConnectorPlanner:
         self._loads: list[LoadJob] = []
         self._local_hits: dict[str, int] = {}   # vLLM's own hit per request, from matched()
         self._in_dram: dict[str, int] = {}      # leading pages the lookup found in DRAM, per request
-        self._accept: dict[str, str] = {}       # requests that accept derived pages (their kv_transfer_params)
+        self._accept: dict[str, str] = {}       # requests that accept derived or lossy pages (kv_transfer_params)
         self._edited: set[str] = set()          # requests whose edit directive was taken (spliced or refused)
         self._exact: dict[str, int] = {}        # leading exact pages the lookup found, per request
         self._make_rope = rope
@@ -176,7 +198,8 @@ class ConnectorPlanner:
     def matched(self, req_id: str, tokens: Sequence[int], tenant: str, num_computed: int,
                 accept: str = "exact", edit: object = None) -> int:
         """Tokens beyond ``num_computed`` (vLLM's own prefix-cache hit) the store can load;
-        ``accept="derived"``: derived pages after the exact ones count (a spliced prompt).
+        ``accept="derived"``: derived pages after the exact ones count (a spliced prompt);
+        ``accept="lossy:BITS"``: lossy pages at that budget after them (a lossy tier's).
         ``edit``: the request's ``tierkv_edit`` directive (:class:`Edit`), spliced for
         it first where it accepts derived pages, the first time it is asked about.
 
@@ -186,7 +209,7 @@ class ConnectorPlanner:
             self._edited.add(req_id)
             self._splice(req_id, tokens, tenant, edit)
         self._local_hits[req_id] = num_computed
-        if accept == "derived":
+        if accept != "exact":
             self._accept[req_id] = accept
         else:
             self._accept.pop(req_id, None)
@@ -195,14 +218,14 @@ class ConnectorPlanner:
             return 0
         try:
             res = self.store.lookup(as_token_array(list(tokens[:usable * self.block_size])), tenant, count=False,
-                                    accept=accept)
+                                    **store_accept(accept))  # type: ignore[arg-type]
         except TierKVError as exc:
             self._failed("a lookup", exc)
             return 0
         self._ok()
         found, dram = res.cached_pages, TierKind.DRAM.rank
         self._in_dram[req_id] = next((i for i, r in enumerate(res.tier_ranks) if r != dram), found)
-        self._exact[req_id] = found - res.derived
+        self._exact[req_id] = found - res.derived - res.lossy
         return max(0, min(found, usable) * self.block_size - num_computed)
 
     def _splice(self, req_id: str, tokens: Sequence[int], tenant: str, directive: object) -> None:
@@ -251,9 +274,9 @@ class ConnectorPlanner:
         if req is None:
             req = self._requests[req_id] = _Request(tenant, tokens, prompt_len)
         req.block_ids = list(block_ids)
-        # vLLM's own prefix-cache hit, under a derived request's own cache_salt, may hold
-        # derived KV an earlier request of that salt loaded: such a request saves nothing.
-        req.derived = req.derived or (accept == "derived" and num_computed > 0)
+        # vLLM's own prefix-cache hit, under a derived (or lossy) request's own cache_salt,
+        # may hold KV an earlier request of that salt loaded so: such a request saves nothing.
+        req.derived = req.derived or (accept != "exact" and num_computed > 0)
         usable = (prompt_len - 1) // self.block_size
         whole = as_token_array(list(tokens[:usable * self.block_size]))
         if num_external <= 0:
@@ -267,11 +290,12 @@ class ConnectorPlanner:
             return
         skip = num_computed // self.block_size
         end = (num_computed + num_external) // self.block_size
-        # Only a load that reaches past the exact pages takes derived ones (a replacement's
-        # derived pages start after pages vLLM computes): what the rest computes is exact then.
-        if accept == "derived" and end <= exact and not num_computed:
+        # Only a load that reaches past the exact pages takes derived (or lossy) ones (a
+        # replacement's derived pages start after pages vLLM computes): what the rest
+        # computes is exact then.
+        if accept != "exact" and end <= exact and not num_computed:
             accept = "exact"
-        req.derived = req.derived or accept == "derived"
+        req.derived = req.derived or accept != "exact"
         prefix = whole[:end * self.block_size]
         try:
             pinned = self.store.pin(prefix, tenant)
@@ -325,8 +349,8 @@ class ConnectorPlanner:
             computed = min(computed, req.prompt_len)
         full = min(computed, len(req.tokens)) // self.block_size
         full = min(full, len(req.block_ids))
-        # A request that accepted derived pages computes over an approximation: its pages,
-        # stored under exact keys, would be served to requests that asked for exact ones.
+        # A request that accepted derived or lossy pages computes over an approximation: its
+        # pages, stored under exact keys, would be served to requests that asked for exact ones.
         if not self.save or req.derived or full <= req.stored:
             return
         tokens = as_token_array(list(req.tokens[:full * self.block_size]))

@@ -54,15 +54,18 @@ def find_vllm(python: str | None = None, model: str | None = None) -> VllmEnv:
 
 
 def store_config(path: Path, *, dram: str = "1GiB", nvme: str = "2GiB", promote: bool = True,
-                 o_direct: bool = True) -> str:
+                 o_direct: bool = True, lossy_bits: float = 0.0) -> str:
     """A daemon config for SmolLM2-135M at vLLM's block size, store at ``path``
     (``promote=False``: a hit on NVMe stays there, is not copied up to DRAM;
-    ``o_direct=False``: the NVMe tier reads and writes through the page cache)."""
+    ``o_direct=False``: the NVMe tier reads and writes through the page cache;
+    ``lossy_bits``: the NVMe tier converts the pages that come down into it to lossy
+    pages at that budget, docs/lossy.md)."""
     layout = "\n".join(f"{k} = {json.dumps(v)}" for k, v in LAYOUT.items())
+    lossy = f"codec = \"lossless\"\nlossy_bits = {float(lossy_bits)!r}\n" if lossy_bits else ""
     return (f"[store]\npath = {json.dumps(str(path))}\nmodel_id = {json.dumps(SERVED_NAME)}\n"
             f"persist_on_close = true\npromote_on_hit = {'true' if promote else 'false'}\n\n"
             f"[layout]\n{layout}\n\n[tiers.dram]\ncapacity_bytes = \"{dram}\"\n\n"
-            f"[tiers.nvme]\ncapacity_bytes = \"{nvme}\"\no_direct = {'true' if o_direct else 'false'}\n\n"
+            f"[tiers.nvme]\ncapacity_bytes = \"{nvme}\"\no_direct = {'true' if o_direct else 'false'}\n{lossy}\n"
             f"[serve]\nsocket = {json.dumps(str(path / 'tierkv.sock'))}\n")
 
 

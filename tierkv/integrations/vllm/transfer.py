@@ -49,7 +49,7 @@ import torch
 
 from tierkv.errors import TierKVError
 from tierkv.integrations.vllm.blocks import CpuPagedKV, runs
-from tierkv.integrations.vllm.plan import LoadJob, SaveJob, StepPlan
+from tierkv.integrations.vllm.plan import LoadJob, SaveJob, StepPlan, store_accept
 from tierkv.serve.client import RemoteStore
 from tierkv.store import landed
 from tierkv.store.results import Lent
@@ -503,14 +503,17 @@ class ConnectorWorker:
         """Pages of ``load``'s job the store served into its buffer (0 on a store error)."""
         job = load.job
         try:
-            exact = job.accept == "exact"   # derived pages come whole, from an ordinary get
+            exact = job.accept == "exact"   # derived and lossy pages come whole, from an ordinary get
             res = self.store.get(job.tokens, load.buf[:job.end], job.tenant, requested=max(job.requested, job.end),
-                                 landed=load.record if exact else None, accept=job.accept)
+                                 landed=load.record if exact else None,
+                                 **store_accept(job.accept))  # type: ignore[arg-type]
         except TierKVError as exc:
             log.warning("tierkv: loading %d pages for %s failed (%s); vLLM recomputes them",
                         len(job.block_ids), job.req_id, exc)
             return 0
         n = min(res.pages, job.end)
+        if res.evicted is not None and res.evicted[:n].any():   # paged attention cannot drop a token
+            n = int(np.flatnonzero(res.evicted[:n].any(axis=1))[0])
         self._saved(job.req_id, n)
         load.tiers = [kind.value for kind in res.tiers[:n]]
         return n
