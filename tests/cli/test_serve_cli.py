@@ -23,6 +23,7 @@ from tests.polling import wait_for
 from tests.serve.pagegen import pages_of, prompt
 from tierkv.cli.main import build_parser
 from tierkv.store.api import Store
+from tierkv.store.lossy_pages import from_float
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,6 +81,13 @@ def test_detached_daemon_status_and_sigterm(tmp_path: Path, sock_dir: Path) -> N
             assert st["stats"]["pages_hit"] == 3 and st["stats"]["tiers"]["dram"]["used_slots"] == 3
             shown = tierkv("status", "--socket", str(sock))
             assert shown.returncode == 0 and "hit rate 1.000" in shown.stdout and "clients" in shown.stdout
+            assert "approximate pages" not in shown.stdout
+            lossy = prompt(2, 2)                            # pages put lossy, got by a get that accepts them
+            x = np.random.default_rng(5).standard_normal((2, *LAYOUT.page_shape)).astype(np.float32)
+            client.put_lossy(lossy, np.stack([from_float(page, "bf16") for page in x]), 8.0)   # finite values
+            assert client.get(lossy, np.zeros((2, PB), np.uint8), accept_lossy=8.0).lossy == 2
+            shown = tierkv("status", "--socket", str(sock))
+            assert "approximate pages served: 0 derived, 2 lossy" in " ".join(shown.stdout.split()), shown.stdout
         again = tierkv("serve", "--config", str(cfg))   # the store is held: the second daemon says why
         assert again.returncode == 1 and f"use it through Store.connect('{sock}')" in again.stderr
     finally:

@@ -79,6 +79,12 @@ def _print_status(st: dict[str, Any]) -> None:
                       f"{t['occupancy']:.3f}", f"{t['hits']:,}", format_size(t["bytes_read"]),
                       format_size(t["bytes_written"]))
     console.print(tiers)
+    if stats.get("derived_pages") or stats.get("lossy_pages") or stats.get("lossy_converted") \
+            or stats.get("lossy_pending") or stats.get("lossy_waiting"):
+        console.print(f"approximate pages served: {stats.get('derived_pages', 0):,} derived, "
+                      f"{stats.get('lossy_pages', 0):,} lossy; the lossy tier converted "
+                      f"{stats.get('lossy_converted', 0):,}, {stats.get('lossy_pending', 0):,} queued, "
+                      f"{stats.get('lossy_waiting', 0):,} kept back")
     if "clients" in st:
         clients = Table(title="clients")
         for col in ("pid", "user", "connected s", "requests"):
