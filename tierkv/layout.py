@@ -20,9 +20,10 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from tierkv.errors import LayoutError
+
+if TYPE_CHECKING:   # numpy is imported where the order functions run: `tierkv --help` loads no numpy
+    import numpy as np
 
 
 class DType(enum.Enum):
@@ -179,6 +180,8 @@ def to_standard_order(pages: np.ndarray, layout: KVLayout) -> np.ndarray:
     ``[n, layers, 2, tokens, heads, head_dim]``: from vLLM's CPU order (``[n, layers, heads,
     tokens, 2 * head_dim]``: per head, K transposed ``[head_dim, tokens]`` then V ``[tokens,
     head_dim]``), or the standard order itself. K/V layouts only."""
+    import numpy as np
+
     if layout.page_order is PageOrder.STANDARD:
         return np.ascontiguousarray(pages.reshape(pages.shape[0], *layout.page_shape))
     n, layers, heads, tpp, dim = pages.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \
@@ -191,6 +194,8 @@ def to_standard_order(pages: np.ndarray, layout: KVLayout) -> np.ndarray:
 
 def from_standard_order(std: np.ndarray, layout: KVLayout) -> np.ndarray:
     """:func:`to_standard_order` undone: ``[n, *layout.page_shape]``."""
+    import numpy as np
+
     if layout.page_order is PageOrder.STANDARD:
         return np.ascontiguousarray(std.reshape(std.shape[0], *layout.page_shape))
     n, layers, heads, tpp, dim = std.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \

@@ -127,6 +127,8 @@ def _bad_profile(tmp_path: Path) -> str:
     ([*SMALL, "--codec-ratio", "1.5"], "--codec-ratio must be a finite number in [0.01, 1], got 1.5"),
     ([*SMALL, "--lossy-bits", "16"], "--lossy-bits must be bits an element, at least 1 and under 16"),
     ([*SMALL, "--lossy-bits", "nan"], "--lossy-bits must be bits an element"),
+    ([*SMALL, "--lossy-bits", "1.5"], "below what this model's pages of 16 tokens code at keeping every token (1.879"),
+    ([*SMALL, "--tokens-per-page", "1", "--lossy-bits", "4"], "pages of 1 tokens code at keeping every token (13.135"),
     ([*SMALL, "--kv-dtype", "fp8_e4m3", "--lossy-bits", "4"], "lossy pages code bf16, fp16 or fp32 KV"),
     (["--model", "deepseek-v3", "--synthetic", "50", "--lossy-bits", "4"], "lossy pages code K/V layouts"),
     ([*SMALL, "--tokens-per-page", "0"], "--tokens-per-page must be >= 1"),

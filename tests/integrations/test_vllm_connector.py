@@ -336,6 +336,8 @@ def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(
     ("t", {"tierkv_accept": "lossy", "tierkv_lossy_bits": "4"}, False, None),  # not a number
     ("t", {"tierkv_accept": "lossy", "tierkv_lossy_bits": 16}, False, None),   # not a lossy budget
     ("t", {"tierkv_accept": "lossy:4.0"}, False, ("exact", "t")),              # the internal spelling: nothing asked
+    ("", {"tierkv_accept": "lossy", "tierkv_lossy_bits": 4, "tierkv_tenant": "t"}, True, None),   # no salt: shared
+    ("", {"tierkv_accept": "derived", "tierkv_tenant": "t"}, True, None),
 ])
 def test_a_request_gets_derived_pages_only_where_vllms_cache_cannot_pass_them_on(
         salt: str, params: object, prefix_caching: bool, want: tuple[str, str] | None) -> None:
@@ -420,6 +422,45 @@ def test_a_lossy_page_that_dropped_tokens_ends_the_load(store: RemoteStore) -> N
     step(w, pb.plan([("c", blocks, 6 * N)], [], {"c": len(toks) - 6 * N}))
     assert w.counters.loaded_tokens == 2 * N and w.load_errors() == set(blocks[2:6])
     w.close()
+
+
+def test_a_page_that_dropped_tokens_inside_vllms_own_hit_does_not_end_the_load(store: RemoteStore) -> None:
+    """The get reads from page 0, but pages vLLM's own prefix cache holds are not copied:
+    tokens dropped there are none of the load's business (a review found the whole load
+    failed for them)."""
+    from tierkv.integrations.vllm.plan import lossy_accept
+    from tierkv.lossy.alloc import Importance
+    from tierkv.store.lossy_pages import from_float
+
+    toks = prompt(6.5, seed=33)
+    x = np.random.default_rng(33).standard_normal((6, *store.layout.page_shape)).astype(np.float32)
+    rows = np.stack([from_float(page, "bf16") for page in x])
+    store.put(np.array(toks[:2 * N], np.uint32), rows[:2])
+    a2 = np.full((L, H, 3 * N), 1e3)
+    a2[:, :, 2 * N:2 * N + 4] = 1e-9                         # a few of page 2's tokens: worthless
+    store.put_lossy(np.array(toks[:3 * N], np.uint32), rows[:3], 4.5, importance=Importance(a2, np.ones((L, H, D))))
+    store.put_lossy(np.array(toks[:6 * N], np.uint32), rows, 4.5, evict=False)   # pages 3..5 keep every token
+    got = store.get(np.array(toks[:6 * N], np.uint32), np.zeros((6, store.layout.page_bytes), np.uint8),
+                    accept_lossy=4.5)
+    assert got.evicted is not None and got.evicted[2].any() and not got.evicted[3:].any()
+    pb = ConnectorPlanner(store, N)
+    blocks = [9, 8, 7, 6, 5, 4, 3]
+    assert pb.matched("c", toks, "", 3 * N, accept=lossy_accept(4.5)) == 3 * N   # vLLM holds pages 0..2
+    pb.allocated("c", toks, len(toks), "", blocks, 3 * N)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(9), store.layout), max_pages=8)
+    step(w, pb.plan([("c", blocks, 3 * N)], [], {"c": len(toks) - 6 * N}))
+    assert w.counters.loaded_tokens == 3 * N and w.load_errors() == set()
+    w.close()
+
+
+def test_an_early_frame_must_match_its_planned_job_in_what_it_accepts() -> None:
+    from tierkv.integrations.vllm.plan import lossy_accept
+
+    job = LoadJob("r", "", np.arange(2 * N, dtype=np.uint32), 0, (1, 2), 2, lend=False, accept="exact")
+    assert job.same(dataclasses.replace(job)) and not job.same(dataclasses.replace(job, accept=lossy_accept(4.0)))
+    assert not job.same(dataclasses.replace(job, lend=True))
+    for bad in ("lossy:nan", "lossy:inf", "lossy:0.5", "lossy:99", "lossy:", "approx"):
+        assert early.decode(encode(dataclasses.replace(job, accept=bad))[4:])[0].accept == "exact"
 
 
 def test_an_edit_named_on_the_request_is_spliced_once_and_its_derived_pages_loaded(

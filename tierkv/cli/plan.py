@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tierkv.cli.checks import check_plot
 from tierkv.cli.exits import EXIT_OK
 from tierkv.errors import InputError
-from tierkv.layout import DType, LayoutKind
+from tierkv.layout import DType, KVLayout, LayoutKind
 from tierkv.units import parse_size
 
 if TYPE_CHECKING:
@@ -96,16 +96,24 @@ def add_parser(subparsers: "argparse._SubParsersAction[Any]") -> argparse.Argume
     return p
 
 
-def _lossy_bits(bits: float | None, dtype: DType, kind: LayoutKind) -> float | None:
-    """``--lossy-bits``, checked: InputError naming what is expected."""
+def _lossy_bits(bits: float | None, dtype: DType, layout: KVLayout) -> float | None:
+    """``--lossy-bits``, checked against ``layout`` (the planned pages): InputError naming
+    what is expected, below the floor a lossy tier's config refuses too."""
+    from tierkv.lossy.format import min_budget
+
     if bits is None:
         return None
     if not math.isfinite(bits) or not 1.0 <= bits < 16.0:
         raise InputError(f"--lossy-bits must be bits an element, at least 1 and under 16, got {bits:g}")
     if dtype.itemsize < 2:
         raise InputError(f"--lossy-bits: lossy pages code bf16, fp16 or fp32 KV, not {dtype.value}")
-    if kind is not LayoutKind.KV:
-        raise InputError(f"--lossy-bits: lossy pages code K/V layouts; this model's KV is {kind.value} (MLA)")
+    if layout.kind is not LayoutKind.KV:
+        raise InputError(f"--lossy-bits: lossy pages code K/V layouts; this model's KV is {layout.kind.value} (MLA)")
+    least = min_budget(layout.num_layers, layout.tokens_per_page, layout.num_kv_heads, layout.head_dim)
+    if bits < least:
+        raise InputError(f"--lossy-bits {bits:g} is below what this model's pages of {layout.tokens_per_page} tokens "
+                         f"code at keeping every token ({least:.3f} bits an element: headers, widths and "
+                         f"parameters count)")
     return float(bits)
 
 
@@ -127,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
         target = Target(args.target_hit_rate, args.target_ttft_s, args.ttft_percentile)
     requests, label = _workload(args)
     req = PlanRequest(model=model, profile=profile, kv_dtype=dtype, tokens_per_page=args.tokens_per_page,
-                      codec_ratio=args.codec_ratio, lossy_bits=_lossy_bits(args.lossy_bits, dtype,
-                                                                              model.layout(dtype).kind),
+                      codec_ratio=args.codec_ratio,
+                      lossy_bits=_lossy_bits(args.lossy_bits, dtype, model.layout(dtype, args.tokens_per_page)),
                       prefill_tokens_s=args.prefill_tokens_s, tp=args.tp,
                       attention_term=not args.no_attention_term, request_rate_per_s=args.request_rate, target=target,
                       workload=label)

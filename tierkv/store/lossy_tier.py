@@ -168,6 +168,8 @@ class Converter:
                 if self._waiting:
                     for k in fresh:   # queued again: no longer kept back (counted once)
                         self._waiting.pop(k, None)
+                    if not self._waiting:
+                        self._retry_at = None
                 self._wake.notify_all()
 
     @property
@@ -404,3 +406,5 @@ class Converter:
                 p = self._m.parent_of(p)
         if back:
             self._retry.extend(back)
+            if not self._waiting:
+                self._retry_at = None

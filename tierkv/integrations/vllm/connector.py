@@ -91,8 +91,10 @@ def request_accept(salt: str, params: object, prefix_caching: bool) -> tuple[str
     is refused); the tenant is the ``cache_salt``, as for every request. With vLLM's own
     prefix cache on (``prefix_caching``), the blocks a request loads serve later requests
     of the same tokens and salt, which may have asked for exact pages: so there such a
-    request must carry a ``cache_salt`` of its own and name its tierkv tenant in
-    ``"tierkv_tenant"`` (a string other than its salt). An edit directive
+    request must carry a ``cache_salt`` of its own (not empty: unsalted requests all share
+    one cache) and name its tierkv tenant in ``"tierkv_tenant"`` (a string other than its
+    salt). A salt is the caller's to keep to requests that accept the same pages (one
+    budget, or derived ones): vLLM's cache cannot tell them apart. An edit directive
     (``"tierkv_edit"``, :mod:`tierkv.integrations.vllm.edits`) implies ``"derived"``
     unless ``"tierkv_accept"`` says otherwise."""
     if not isinstance(params, dict):
@@ -110,7 +112,7 @@ def request_accept(salt: str, params: object, prefix_caching: bool) -> tuple[str
     if not prefix_caching:
         return accept, str(params.get("tierkv_tenant", salt))
     tenant = params.get("tierkv_tenant")
-    if isinstance(tenant, str) and tenant != salt:
+    if salt and isinstance(tenant, str) and tenant != salt:   # no salt: vLLM shares its cache with every unsalted request
         return accept, tenant
     return None
 

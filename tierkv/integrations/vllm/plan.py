@@ -45,6 +45,7 @@ from tierkv.integrations.vllm.edits import Edit
 from tierkv.keys import as_token_array
 from tierkv.serve.client import RemoteStore
 from tierkv.splice.rope import Rope
+from tierkv.store.lossy_pages import check_budget
 from tierkv.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ def store_accept(accept: str) -> dict[str, object]:
     :func:`lossy_accept`); InputError for anything else."""
     if accept.startswith(LOSSY):
         try:
-            return {"accept_lossy": float(accept[len(LOSSY):])}
-        except ValueError:
+            return {"accept_lossy": check_budget(float(accept[len(LOSSY):]), "a load's lossy budget")}
+        except (ValueError, InputError):
             pass
     elif accept in ("exact", "derived"):
         return {"accept": accept}
@@ -106,9 +107,10 @@ class LoadJob:
 
     def same(self, other: LoadJob) -> bool:
         """Whether ``other`` loads the same pages into the same blocks."""
-        return (self.origin, self.serial, self.req_id, self.tenant, self.skip, self.block_ids, self.requested) == (
-            other.origin, other.serial, other.req_id, other.tenant, other.skip, other.block_ids, other.requested
-        ) and np.array_equal(self.tokens, other.tokens)
+        return (self.origin, self.serial, self.req_id, self.tenant, self.skip, self.block_ids, self.requested,
+                self.accept, self.lend) == (
+            other.origin, other.serial, other.req_id, other.tenant, other.skip, other.block_ids, other.requested,
+            other.accept, other.lend) and np.array_equal(self.tokens, other.tokens)
 
 
 @dataclass(frozen=True)

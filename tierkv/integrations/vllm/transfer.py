@@ -512,8 +512,8 @@ class ConnectorWorker:
                         len(job.block_ids), job.req_id, exc)
             return 0
         n = min(res.pages, job.end)
-        if res.evicted is not None and res.evicted[:n].any():   # paged attention cannot drop a token
-            n = int(np.flatnonzero(res.evicted[:n].any(axis=1))[0])
+        if res.evicted is not None and res.evicted[job.skip:n].any():   # paged attention cannot drop a token
+            n = job.skip + int(np.flatnonzero(res.evicted[job.skip:n].any(axis=1))[0])   # (vLLM's own hit is not read)
         self._saved(job.req_id, n)
         load.tiers = [kind.value for kind in res.tiers[:n]]
         return n
