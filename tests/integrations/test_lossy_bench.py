@@ -63,10 +63,21 @@ def test_calibrate_writes_a_file_the_allocation_reads(tmp_path: Path) -> None:
     (["calibrate", "--model", "smollm2", "--out", "x.json", "--continuation", "0"], "--continuation must be"),
     (["bench", "lossy", "--budgets", "4,x"], "--budgets must be numbers"),
     (["bench", "lossy", "--budgets", "0.5"], "1 to 16 bits"),
-    (["bench", "codec", "--budgets", "4"], "--budgets is for the lossy suite"),
+    (["bench", "codec", "--budgets", "4"], "--budgets and --text are for the lossy suite"),
+    (["bench", "codec", "--text", "t.txt"], "--budgets and --text are for the lossy suite"),
+    (["bench", "lossy", "--text", "/no/such/text.txt"], "--text: cannot read /no/such/text.txt"),
 ])
 def test_bad_lossy_arguments_are_one_line_and_exit_2(argv: list[str], message: str, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "tierkv", *argv], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.skipif(demo_missing_reason() is not None, reason=str(demo_missing_reason()))
+def test_a_held_text_too_short_for_the_bench_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "short.txt").write_text("A few words of a held text.")
+    out = subprocess.run([sys.executable, "-m", "tierkv", "bench", "lossy", "--quick", "--text", "short.txt"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--text short.txt is" in out.stderr and "tokens; the bench needs 544" in out.stderr, out.stderr[-2000:]

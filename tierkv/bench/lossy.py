@@ -2,7 +2,8 @@
 
 A held text (docstrings of Python's standard library, :data:`HELD_MODULES`,
 ``--context`` tokens, so nothing is downloaded and the text is the same on every
-machine) is prefilled; its KV, rounded to BF16 as the store holds it, is cut into
+machine; ``--text FILE``: a text of the caller's, for a measurement on what the caller
+serves) is prefilled; its KV, rounded to BF16 as the store holds it, is cut into
 pages of ``--page-tokens`` tokens, each coded at every budget (average bits per element,
 headers and parameters included) twice: with the rate-distortion allocation
 (:func:`tierkv.lossy.alloc.allocate`: importance from the scoring pass, sensitivities
@@ -25,6 +26,7 @@ blocks) and ``kept_fraction`` (tokens not evicted).
 from __future__ import annotations
 
 import ast
+import hashlib
 import platform
 import sysconfig
 import tempfile
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig
+from tierkv.errors import InputError
 from tierkv.layout import KVLayout
 from tierkv.lossy.alloc import allocate, uniform
 from tierkv.lossy.format import encode
@@ -137,7 +140,10 @@ def through_a_lossy_tier(kv: np.ndarray, budget: float, layout: KVLayout, calibr
 
 def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1024, continuation: int = 256,
                     generate: int = 64, page_tokens: int = 128,
-                    say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+                    say: Callable[[str], None] = lambda _m: None, held_text: str | None = None,
+                    text_name: str = "") -> dict[str, Any]:
+    """The benchmark (module docstring); ``held_text``: another held text than the
+    standard library's docstrings (``text_name`` names it in the result)."""
     from tierkv.integrations import smollm2
     from tierkv.lossy import scoring
 
@@ -148,8 +154,12 @@ def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1
     lm = smollm2.load("fp32")
     model, tok = lm.model, lm.tokenizer
     cal_ids = np.array(tok.encode(docstring_text(True), add_special_tokens=False), np.int64)
-    held_ids = np.array(tok.encode(docstring_text(False), add_special_tokens=False), np.int64)
+    held = docstring_text(False) if held_text is None else held_text
+    held_ids = np.array(tok.encode(held, add_special_tokens=False), np.int64)
     need = context + continuation
+    if held_text is not None and held_ids.size < need:
+        raise InputError(f"--text {text_name} is {held_ids.size} tokens; the bench needs {need} (--context "
+                         f"{context} and a continuation of {continuation})")
     if cal_ids.size < need or held_ids.size < need:
         raise ValueError(f"the calibration and held texts are {cal_ids.size} and {held_ids.size} tokens; the bench "
                          f"needs {need} of each")
@@ -192,7 +202,10 @@ def run_lossy_bench(budgets: Sequence[float] = DEFAULT_BUDGETS, context: int = 1
                 rows[pre_ + "bytes_ratio"].append(round(size / bf16_bytes, 4))
                 if mode == "rd":
                     rows["kept_fraction"].append(round(float(kept.mean()), 4))
-    return {"model": smollm2.MODEL_ID, "python": platform.python_version(), "context_tokens": context, "continuation_tokens": continuation,
+    text = "stdlib docstrings" if held_text is None else \
+        f"{text_name} (sha256 {hashlib.sha256(held_text.encode()).hexdigest()[:12]})"
+    return {"model": smollm2.MODEL_ID, "python": platform.python_version(), "text": text,
+            "context_tokens": context, "continuation_tokens": continuation,
             "generated_tokens": generate, "page_tokens": page_tokens, "budgets": list(budgets),
             "nll_lossless": round(nll_ref, 4), **rows,
             "calibration_key": [round(x, 6) for x in cal.key], "calibration_value": [round(x, 6) for x in cal.value],

@@ -78,6 +78,9 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
     bp.add_argument("--runs", type=int, default=None, metavar="N", help="repetitions per measurement")
     bp.add_argument("--budgets", metavar="B,B,...", help="lossy: average bits per element to code at "
                     "(default 2.5,3,4,8; 2.5,4 with --quick)")
+    bp.add_argument("--text", metavar="FILE", help="lossy: the held text, a UTF-8 file of at least --context plus "
+                    "--continuation tokens (default: docstrings of Python's standard library; the calibration "
+                    "text stays those of other modules)")
     bp.set_defaults(handler=run)
     return bp
 
@@ -91,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--pages is for the scale, cluster and dualpath suites, not {args.suite}")
     if (args.requests is not None or args.storage_mbit is not None) and args.suite != "dualpath":
         raise InputError(f"--requests and --storage-mbit are for the dualpath suite, not {args.suite}")
-    if args.budgets is not None and args.suite != "lossy":
-        raise InputError(f"--budgets is for the lossy suite, not {args.suite}")
+    if (args.budgets is not None or args.text is not None) and args.suite != "lossy":
+        raise InputError(f"--budgets and --text are for the lossy suite, not {args.suite}")
     if (args.nodes is not None or args.lease is not None) and args.suite != "cluster":
         raise InputError(f"--nodes and --lease are for the cluster suite, not {args.suite}")
     if args.suite == "scale":
@@ -228,7 +231,15 @@ def _lossy(args: argparse.Namespace) -> dict[str, object]:
             raise InputError(f"--budgets must be numbers separated by commas, got {args.budgets!r}") from None
         if not budgets or not all(1.0 <= b <= 16.0 for b in budgets):
             raise InputError(f"--budgets must each be 1 to 16 bits per element, got {args.budgets!r}")
-    kw = dict(context=512, continuation=32, generate=16) if args.quick else {}
+    kw: dict[str, object] = dict(context=512, continuation=32, generate=16) if args.quick else {}
+    if args.text is not None:
+        from pathlib import Path
+
+        try:
+            kw["held_text"] = Path(args.text).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"--text: cannot read {args.text}: {exc}") from None
+        kw["text_name"] = args.text
     return run_lossy_bench(budgets, **kw,  # type: ignore[arg-type]
                            say=(lambda _m: None) if args.json else
                            lambda what: print(f"lossy: {what}", file=sys.stderr, flush=True))
@@ -517,7 +528,8 @@ def lossy_tables(r: Mapping[str, object]) -> Iterator[Table]:
             rows.append((b, at("delta_nll"), at("no_evict_delta_nll"), at("tier_delta_nll"), at("uniform_delta_nll"),
                          at("agreement"), at("tier_agreement"), at("uniform_agreement"), at("bytes_ratio"),
                          at("tier_bytes_ratio"), at("kept_fraction")))
-    yield _table(f"SmolLM2-135M, {_cell(r.get('context_tokens'))}-token prompt in {_cell(r.get('page_tokens'))}-token "
+    yield _table(f"SmolLM2-135M, {_cell(r.get('context_tokens'))}-token prompt of {_cell(r.get('text'))} in "
+                 f"{_cell(r.get('page_tokens'))}-token "
                  f"pages, lossless NLL {_cell(r.get('nll_lossless'))} nats/token (targets: delta NLL <= 0.05 at 4 bits; "
                  "rate-distortion below uniform at 2.5)",
                  ("bits/element", "delta NLL", "no eviction", "lossy tier", "uniform", "top-1 agreement",
