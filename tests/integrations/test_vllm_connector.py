@@ -277,6 +277,15 @@ def serve_and_save(store: RemoteStore, tokens: list[int]) -> None:
     a.close()
 
 
+def loaded_pages(caches: list[torch.Tensor], layout: KVLayout, blocks: list[int]) -> np.ndarray:
+    """What the engine blocks ``blocks`` hold, as store pages (uint8 rows)."""
+    got = torch.zeros(len(blocks), layout.page_bytes, dtype=torch.uint8)
+    kv = CpuPagedKV(caches, layout)
+    for layer in range(L):
+        kv.gather(layer, blocks, kv.pages(got))
+    return got.numpy()
+
+
 def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(store: RemoteStore) -> None:
     """An agent dropped a span of a cached prompt and spliced it through the daemon; the
     request that accepts derived pages loads the exact and the moved pages as one prefix
@@ -302,11 +311,7 @@ def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(
     assert b.load_errors() == set() and b.counters.loaded_tokens == 4 * N
     want = np.zeros((4, store.layout.page_bytes), np.uint8)
     assert store.get(np.array(new[:4 * N], np.uint32), want, accept="derived").derived == 3
-    got = torch.zeros(4, store.layout.page_bytes, dtype=torch.uint8)
-    loaded = CpuPagedKV(b_caches, store.layout)
-    for layer in range(L):
-        loaded.gather(layer, [9, 8, 7, 6], loaded.pages(got))
-    assert np.array_equal(got.numpy(), want)
+    assert np.array_equal(loaded_pages(b_caches, store.layout, [9, 8, 7, 6]), want)
     # What the request computes after derived pages attended to an approximation: never saved.
     later = pb.plan([], [("b", None, False, 4 * N)], {"b": len(new) - 4 * N + 40})
     assert later.saves == []
@@ -360,14 +365,6 @@ def lossy_prompt(store: RemoteStore, seed: int, bits: float, **kw: Any) -> tuple
     store.put(np.array(toks[:2 * N], np.uint32), rows[:2])
     store.put_lossy(np.array(toks[:6 * N], np.uint32), rows, bits, **kw)
     return toks, rows
-
-
-def loaded_pages(caches: list[torch.Tensor], layout: KVLayout, blocks: list[int]) -> np.ndarray:
-    got = torch.zeros(len(blocks), layout.page_bytes, dtype=torch.uint8)
-    kv = CpuPagedKV(caches, layout)
-    for layer in range(L):
-        kv.gather(layer, blocks, kv.pages(got))
-    return got.numpy()
 
 
 def test_a_request_that_accepts_lossy_pages_loads_them_after_the_exact_ones(store: RemoteStore) -> None:

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,6 +114,25 @@ def test_with_vllms_own_prefix_cache_loads_go_past_its_hit(env: VllmEnv, tmp_pat
     assert got[1]["answer_ids"] == ref[1]["answer_ids"] and got[0]["answer_ids"] == ref[0]["answer_ids"]
 
 
+def run_script(env: VllmEnv, tmp_path: Path, code: str, config: str, marker: str) -> dict[str, Any]:
+    """Run ``code`` (a script taking the model, its served name and a socket) in vLLM's
+    environment against a daemon of ``config``; the JSON line it printed that starts
+    with ``marker``."""
+    cfg = tmp_path / "store.toml"
+    cfg.write_text(config)
+    with Daemon(cfg, tmp_path / "daemon.log") as d:
+        script = tmp_path / "script.py"
+        script.write_text(code)
+        out = subprocess.run([env.python, str(script), env.model, SERVED_NAME, d.socket], capture_output=True,
+                             text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(marker)]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    got = json.loads(lines[-1])
+    assert isinstance(got, dict)
+    return got
+
+
 SPLICED = r"""
 import json, sys
 import numpy as np
@@ -165,17 +185,7 @@ def test_a_request_that_accepts_derived_pages_loads_a_spliced_prompt(env: VllmEn
     after (as far as the stored prompt reaches), where a request without it loads the
     exact pages only. Then an edit named on the request (``tierkv_edit``), which the
     connector splices itself. vLLM runs on all of them."""
-    cfg = tmp_path / "store.toml"
-    cfg.write_text(store_config(tmp_path / "store"))
-    with Daemon(cfg, tmp_path / "daemon.log") as d:
-        script = tmp_path / "spliced.py"
-        script.write_text(SPLICED)
-        out = subprocess.run([env.python, str(script), env.model, SERVED_NAME, d.socket], capture_output=True,
-                             text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"first_derived"')]
-    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
-    got = json.loads(lines[-1])
+    got = run_script(env, tmp_path, SPLICED, store_config(tmp_path / "store"), '{"first_derived"')
     page = int(LAYOUT["tokens_per_page"])  # type: ignore[call-overload]
     cached = (1100 - 1) // page                                         # what the first request stored
     assert got["first_derived"] == 300 // page                          # a deletion: from the edit's page
@@ -245,17 +255,8 @@ def test_a_request_that_accepts_lossy_pages_loads_what_a_lossy_tier_converted(en
     exact, 6 lossy) and saves nothing it computed over them, where a request without it
     loads the 2 exact ones. The lossy request's answer is reported, not compared (4 bits
     without a calibration); the exact one's equals the first run's."""
-    cfg = tmp_path / "store.toml"
-    cfg.write_text(store_config(tmp_path / "store", dram="6MiB", nvme="64MiB", lossy_bits=4.0))
-    with Daemon(cfg, tmp_path / "daemon.log") as d:
-        script = tmp_path / "lossy.py"
-        script.write_text(LOSSY)
-        out = subprocess.run([env.python, str(script), env.model, SERVED_NAME, d.socket], capture_output=True,
-                             text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith('{"want"')]
-    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
-    got = json.loads(lines[-1])
+    got = run_script(env, tmp_path, LOSSY, store_config(tmp_path / "store", dram="6MiB", nvme="64MiB", lossy_bits=4.0),
+                     '{"want"')
     page = int(LAYOUT["tokens_per_page"])  # type: ignore[call-overload]
     assert got["want"] == 8 and (got["exact_pages"], got["lossy_pages"], got["converted"]) == (2, 6, 6)
     assert got["lossy"] == 8 * page and got["exact"] == 2 * page and got["after"] == 2
