@@ -61,9 +61,11 @@ def roundtrip(codec: Codec, rows: np.ndarray) -> np.ndarray:
     return sizes
 
 
-@pytest.fixture(params=[True, False], ids=["simd", "scalar"])
-def simd(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """Runs a test with the SIMD paths allowed, then with the scalar ones only."""
+@pytest.fixture(params=[4, 3, 1, 0], ids=["gather", "search", "avx2", "scalar"])
+def simd(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Runs a test on each decoding path the CPU has: every SIMD path with the AVX-512
+    rANS symbols by gathers, then by the register search, then AVX2 and BMI2 without
+    AVX-512, then the scalar code alone (``_codec.set_simd``'s levels)."""
     if not native_available():
         pytest.skip("tierkv.codec._codec is not built")
     from tierkv.codec import _codec  # type: ignore[attr-defined]

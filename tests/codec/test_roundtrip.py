@@ -19,7 +19,7 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 @requires_native
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.value)
-def test_real_pages_round_trip(kv_layers: dict, dtype: DType, simd: bool) -> None:
+def test_real_pages_round_trip(kv_layers: dict, dtype: DType, simd: int) -> None:
     layout, rows = real_pages(kv_layers, dtype)
     with Codec(layout) as codec:
         sizes = roundtrip(codec, rows)
@@ -30,7 +30,7 @@ def test_real_pages_round_trip(kv_layers: dict, dtype: DType, simd: bool) -> Non
 @pytest.mark.parametrize("tokens", [65, 128, 512])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.value)
 def test_real_pages_of_more_than_64_tokens_round_trip(kv_layers: dict, dtype: DType, tokens: int,
-                                                      simd: bool) -> None:
+                                                      simd: int) -> None:
     """Signs are decoded 64 rows at a time; pages longer than that went wrong (a review)."""
     layout, rows = real_pages(kv_layers, dtype, tokens)
     if not len(rows):
@@ -43,7 +43,7 @@ def test_real_pages_of_more_than_64_tokens_round_trip(kv_layers: dict, dtype: DT
 @pytest.mark.parametrize("tokens, flip", [(65, 64), (129, 64), (200, 128), (512, 192), (100, 63), (100, 65)])
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16], ids=lambda d: d.value)
 def test_a_first_sign_flip_on_a_64_row_boundary_round_trips(dtype: DType, tokens: int, flip: int,
-                                                              simd: bool) -> None:
+                                                              simd: int) -> None:
     layout = KVLayout(1, 1, 64, dtype, tokens)
     x = np.abs(np.random.default_rng(1).standard_normal(layout.page_shape)).astype(np.float32) + 0.1
     x[0, 0, flip:, 0, 5] *= -1          # one channel positive until row ``flip``, negative after
@@ -159,7 +159,7 @@ def adversarial_pages(draw: st.DrawFn, native: bool) -> tuple[KVLayout, np.ndarr
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(adversarial_pages(native=True))
-def test_adversarial_pages_round_trip_native(simd: bool, case: tuple[KVLayout, np.ndarray]) -> None:
+def test_adversarial_pages_round_trip_native(simd: int, case: tuple[KVLayout, np.ndarray]) -> None:
     layout, rows = case
     with Codec(layout, native=True) as codec:
         size = int(roundtrip(codec, rows)[0])

@@ -176,9 +176,11 @@ done:
 
 PyDoc_STRVAR(set_simd_doc,
 "set_simd(level) -> None\n\n"
-"Which SIMD paths may run where the CPU has them: 2 (or True) all, 1 AVX2 and BMI2 but\n"
-"not AVX-512, 0 (or False) the scalar ones; all read and write the same bytes. For\n"
-"tests and comparisons: not meant to change while other threads code pages.");
+"Which SIMD paths may run where the CPU has them: 2 (or True) all (AVX-512 rANS symbols\n"
+"by gathers on AMD, by a register search elsewhere), 3 all with the search, 4 all with\n"
+"gathers, 1 AVX2 and BMI2 but not AVX-512, 0 (or False) the scalar ones; all read and\n"
+"write the same bytes. For tests and comparisons: not meant to change while other\n"
+"threads code pages.");
 
 static PyObject *
 set_simd_py(PyObject *self, PyObject *arg)
@@ -186,7 +188,7 @@ set_simd_py(PyObject *self, PyObject *arg)
     long level = PyLong_AsLong(arg);
     if (level == -1 && PyErr_Occurred())
         return NULL;
-    set_simd(level >= 2 || level == 1 ? (int)(level > 2 ? 2 : level) : 0);
+    set_simd(level >= 1 ? (int)(level > 4 ? 2 : level) : 0);
     if (level == 1 && PyBool_Check(arg))
         set_simd(2);   /* True means every path */
     Py_RETURN_NONE;

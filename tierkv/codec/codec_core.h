@@ -104,9 +104,17 @@ void scratch_trim(void);
  * the BMI2 unpacking of mid mantissa bits, and whether each may run here. */
 int have_avx2(void);
 int have_avx512(void);
-void set_simd(int allowed);   /* 2: all SIMD paths, 1: no AVX-512, 0: scalar only */
+void set_simd(int allowed);   /* 2: all SIMD paths (3: symbols by search, 4: by gathers), 1: no AVX-512, 0: scalar */
 size_t decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
-                          const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t rows, size_t chans);
+                          const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t nsyms);
+size_t decode_syms_gather(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint32_t *tab, int pbits,
+                          uint8_t *out, size_t nsyms);
+int have_avx512_vbmi(void);
+int use_gather(void);
+void assemble_16_consts(int w, uint8_t *perm, uint8_t *shift);
+size_t assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+                          const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                          size_t C, const Layout *lay, const Params *pr, uint32_t *res);
 size_t unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t k, int w, size_t C);
 uint32_t combine_16_avx2(uint16_t *out, const uint8_t *sym, const uint64_t *sw,
                          uint32_t kbit, const uint16_t *cmax, const uint16_t *mv, size_t C,

@@ -6,7 +6,8 @@
  * stream consumed exactly); it never reads or writes outside the blob, its scratch
  * and the destination row, whatever the input. A plane decodes in passes: channel
  * maxima and first sign flips, then every symbol of its rows (64 rANS lanes, sixteen at
- * a time with AVX-512 where the CPU has it), then its rows, assembled by codec_rows.c.
+ * a time with AVX-512 where the CPU has it, in 64-symbol chunks that may end mid-row),
+ * then its rows, assembled by codec_rows.c.
  * Declared in codec_core.h; called by _codec.c without the GIL.
  */
 #include "codec_dec.h"
@@ -139,15 +140,20 @@ channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint32_t *restri
     const uint32_t mask = (1u << pbits) - 1;
     const uint8_t *p = *pp, *const end = D->rans_end;
     uint32_t x[LANES];
-    if (D->avx512 && C % LANES == 0
-            && decode_syms_avx512(xs, pp, end, D->m.freq[ctx], D->m.start[ctx], D->m.alpha[ctx], pbits,
-                                  D->sym, 1, C) == 1) {
-        for (size_t c = 0; c < C; c++) out[c] = D->sym[c];
+    size_t c0 = 0;
+    if (D->gather && C % LANES == 0) {
+        c0 = decode_syms_gather(xs, &p, end, ensure_slots(D, ctx), pbits, D->sym, C);
+        for (size_t c = 0; c < c0; c++) out[c] = D->sym[c];
+    } else if (D->avx512 && C % LANES == 0) {
+        c0 = decode_syms_avx512(xs, &p, end, D->m.freq[ctx], D->m.start[ctx], D->m.alpha[ctx], pbits, D->sym, C);
+        for (size_t c = 0; c < c0; c++) out[c] = D->sym[c];
+    }
+    if (c0 == C) {
+        *pp = p;
         return;
     }
     const uint32_t *restrict tab = ensure_slots(D, ctx);
     memcpy(x, xs, sizeof(x));
-    size_t c0 = 0;
     for (; c0 + LANES <= C && end - p >= CHUNK_READ_BYTES; c0 += LANES) {
         for (int j = 0; j < LANES; j++) {
             uint32_t v = x[j];
@@ -197,28 +203,31 @@ decode_flips(Dec *D, uint32_t *x, const uint8_t **pp, int kc, uint32_t nrows)
 static void
 decode_symbols(Dec *D, uint32_t *xs, const uint8_t **pp, int kc, uint32_t nrows)
 {
-    const size_t C = D->lay->chans;
+    const size_t C = D->lay->chans, n = (size_t)nrows * C;
     const uint8_t *p = *pp, *const end = D->rans_end;
     uint32_t x[LANES];
-    uint32_t k = 0;
-    if (D->avx512 && C % LANES == 0)
-        k = (uint32_t)decode_syms_avx512(xs, &p, end, D->m.freq[CTX_MAIN(kc)], D->m.start[CTX_MAIN(kc)],
-                                         D->m.alpha[CTX_MAIN(kc)], PROB_BITS, D->sym, nrows, C);
-    const uint32_t *restrict tab = k < nrows ? ensure_slots(D, CTX_MAIN(kc)) : NULL;
+    size_t i = 0;   /* symbols decoded, row-major */
+    if (D->gather && C % LANES == 0)
+        i = decode_syms_gather(xs, &p, end, ensure_slots(D, CTX_MAIN(kc)), PROB_BITS, D->sym, n);
+    else if (D->avx512 && C % LANES == 0)
+        i = decode_syms_avx512(xs, &p, end, D->m.freq[CTX_MAIN(kc)], D->m.start[CTX_MAIN(kc)],
+                               D->m.alpha[CTX_MAIN(kc)], PROB_BITS, D->sym, n);
+    const uint32_t *restrict tab = i < n ? ensure_slots(D, CTX_MAIN(kc)) : NULL;
     memcpy(x, xs, sizeof(x));
-    for (; k < nrows; k++) {
-        uint8_t *restrict sym = D->sym + (size_t)k * C;
-        size_t c0 = 0;
+    while (i < n) {
+        uint8_t *restrict sym = D->sym + i - i % C;   /* the row's start */
+        size_t c0 = i % C;   /* a multiple of LANES: the vector paths stop at whole chunks */
         for (; c0 + LANES <= C && end - p >= CHUNK_READ_BYTES; c0 += LANES) {
             uint32_t s[LANES];
             for (int j = 0; j < LANES; j++) s[j] = get_sym(&x[j], tab, &p);
             for (int j = 0; j < LANES; j++) sym[c0 + j] = (uint8_t)s[j];
         }
         for (; c0 < C; c0 += LANES) {
-            int n = (int)(C - c0 < LANES ? C - c0 : LANES);
-            for (int j = 0; j < n; j++)
+            int m = (int)(C - c0 < LANES ? C - c0 : LANES);
+            for (int j = 0; j < m; j++)
                 sym[c0 + j] = (uint8_t)get_sym_checked(&x[j], tab, PROB_BITS, &p, end, &D->err);
         }
+        i += C - i % C;
     }
     memcpy(xs, x, sizeof(x));
     *pp = p;
@@ -331,6 +340,8 @@ new_dec(const Layout *lay)
     D->cmax8 = b; b += C;
     D->simd = have_avx2();
     D->avx512 = have_avx512();
+    D->vbmi = have_avx512_vbmi();
+    D->gather = use_gather();
     D->dup = b; b += pt;
     D->sym = b;
     return D;
@@ -344,6 +355,7 @@ decode_coded(const Layout *lay, const uint8_t *o, size_t plen, uint8_t *dst)
     if (plen < PAYLOAD_FIXED) return ERR_STRUCTURE;
     int rc = parse_params(D, o);
     if (rc) return rc;
+    if (D->vbmi && D->pr.mid <= 8) assemble_16_consts(D->pr.mid, D->perm, D->shift);
     uint64_t len[NSECTIONS], sum = PAYLOAD_FIXED + lay->planes;
     for (int i = 0; i < NSECTIONS; i++) sum += len[i] = rd_u32(o + 4 + 4 * i);
     if (sum != plen) return ERR_STRUCTURE;

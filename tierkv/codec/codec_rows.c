@@ -2,8 +2,9 @@
  * The decoder's row assembly: a plane's signs from their first flips and raw bits, the
  * fixed-width mid mantissa bits (with the tail that came back in the rANS states), and
  * each row put together from symbols, channel maxima, signs and mid bits, then patched
- * for escapes and lo exceptions. Called by codec_dec.c; the 16-bit rows go through the
- * AVX2 version in codec_simd.c where the CPU has it.
+ * for escapes and lo exceptions. Called by codec_dec.c; the 16-bit rows go through
+ * codec_simd.c's AVX-512 VBMI pass (mid bits and assembly in one) or its AVX2 assembly
+ * where the CPU has them.
  */
 #include "codec_dec.h"
 
@@ -211,11 +212,31 @@ absorb_tail(Dec *D, const uint32_t *x)
             D->err = ERR_STREAM;
             return;
         }
-        for (size_t i = 0; i < n; i++) {
-            size_t b = from + lo + i;
-            D->mid[b >> 3] |= (uint8_t)(((bits >> i) & 1) << (b & 7));
-        }
+        /* OR the n bits in at bit `from + lo`: at most 31 bits span five bytes */
+        size_t b = from + lo;
+        uint64_t v = (uint64_t)bits << (b & 7);
+        for (uint8_t *q = D->mid + (b >> 3); v; v >>= 8) *q++ |= (uint8_t)v;
     }
+}
+
+/* A 16-bit row by assemble_16_avx512 (whole chunks of 64 channels), the channels after
+ * the last chunk by the scalar combine; the row's mid bits start byte aligned (k0 * mid
+ * is a multiple of 8 when C is). */
+static uint32_t
+assemble_16_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, size_t k0, uint16_t *out)
+{
+    const Layout *lay = D->lay;
+    const size_t C = lay->chans;
+    const int w = D->pr.mid;
+    const uint64_t mask = (1ull << w) - 1;
+    uint16_t *mv = (uint16_t *)D->midv;
+    uint32_t res = 0;
+    size_t c = assemble_16_avx512(out, sym, sw, k & 63, D->cmax16, D->mid + k0 * (size_t)w / 8, D->perm, D->shift,
+                                  C, lay, &D->pr, &res);
+    for (size_t j = c; j < C; j++) mv[j] = (uint16_t)(bits_at(D->mid, D->mid_len, (k0 + j) * (size_t)w) & mask);
+    if (c < C) res |= combine_16(out + c, sym + c, sw + c, k & 63, D->cmax16 + c, mv + c, C - c, lay, &D->pr);
+    D->kmid += C;
+    return res;
 }
 
 /* Row k (the plane's k-th coded row) from its symbols: mid bits, signs, exponents. */
@@ -227,16 +248,20 @@ assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out)
     uint32_t res;
     const uint64_t *sw = D->sgw + (size_t)(k >> 6) * C;
     size_t k0 = D->kmid;
-    row_mids(D, D->midv, lay->itemsize);
-    if (lay->itemsize == 2 && D->simd)
-        res = combine_16_avx2((uint16_t *)out, sym, sw, k & 63, D->cmax16, (uint16_t *)D->midv, C,
-                              lay, &D->pr);
-    else if (lay->itemsize == 2)
-        res = combine_16((uint16_t *)out, sym, sw, k & 63, D->cmax16, (uint16_t *)D->midv, C, lay, &D->pr);
-    else if (lay->itemsize == 1)
-        res = combine_8(out, sym, sw, k & 63, D->cmax8, (uint8_t *)D->midv, C, lay, &D->pr);
-    else
-        res = combine_32((uint32_t *)out, sym, sw, k & 63, D->cmax, D->midv, C, lay, &D->pr);
+    if (lay->itemsize == 2 && D->vbmi && D->pr.mid <= 8 && C % 8 == 0) {
+        res = assemble_16_fused(D, sym, sw, k, k0, (uint16_t *)out);
+    } else {
+        row_mids(D, D->midv, lay->itemsize);
+        if (lay->itemsize == 2 && D->simd)
+            res = combine_16_avx2((uint16_t *)out, sym, sw, k & 63, D->cmax16, (uint16_t *)D->midv, C,
+                                  lay, &D->pr);
+        else if (lay->itemsize == 2)
+            res = combine_16((uint16_t *)out, sym, sw, k & 63, D->cmax16, (uint16_t *)D->midv, C, lay, &D->pr);
+        else if (lay->itemsize == 1)
+            res = combine_8(out, sym, sw, k & 63, D->cmax8, (uint8_t *)D->midv, C, lay, &D->pr);
+        else
+            res = combine_32((uint32_t *)out, sym, sw, k & 63, D->cmax, D->midv, C, lay, &D->pr);
+    }
     if (res & 1) D->err = ERR_STREAM;
     if (res & 2) patch_escapes(D, out, sym);
     if (D->exc_left) apply_lo_exceptions(D, out, k0);

@@ -1,16 +1,22 @@
 /*
- * SIMD paths, chosen at run time (have_avx512, have_avx2); the scalar code in
- * codec_dec.c, codec_rows.c and codec_scan.c does the same everywhere else, byte for byte:
+ * SIMD paths, chosen at run time (have_avx512, have_avx512_vbmi, use_gather, have_avx2);
+ * the scalar code in codec_dec.c, codec_rows.c and codec_scan.c does the same everywhere
+ * else, byte for byte:
  * - AVX-512F: rANS symbols, sixteen lanes a vector and four vectors in flight (the 64
- *   lanes of a chunk), so that their dependency chains overlap. The slot -> symbol
- *   lookup is a binary search over the context's cumulative frequencies in registers
- *   (permutes, not gathers, which microcode mitigations make slow on some hosts), and
- *   renormalisation expands the next words of the stream into the lanes that need one.
+ *   lanes of a chunk), so that their dependency chains overlap; renormalisation expands
+ *   the next words of the stream into the lanes that need one. The slot -> symbol
+ *   lookup either gathers from the context's slot table (on AMD) or runs a binary
+ *   search over the cumulative frequencies in registers (permutes: elsewhere, where
+ *   microcode mitigations make gathers slow).
+ * - AVX-512BW + VBMI: a row of 16-bit elements (bf16, fp16) in one pass, sixty-four
+ *   channels a step: the mid mantissa fields unpacked from the stream by a byte permute
+ *   and a multishift, the signs tested out of the channels' sign words, exponents and
+ *   hi bits from the symbols.
  * - BMI2: the fixed-width mid mantissa fields spread into bytes or 16-bit lanes (pdep)
  *   when decoding, and gathered from the elements (pext) when encoding.
- * - AVX2: the row assembly for 16-bit elements (bf16, fp16), sixteen elements in
- *   16-bit lanes, which GCC's vectoriser does not manage (C's integer promotion widens
- *   every shift to 32 bits).
+ * - AVX2: the row assembly for 16-bit elements where AVX-512 VBMI is missing, sixteen
+ *   elements in 16-bit lanes, which GCC's vectoriser does not manage (C's integer
+ *   promotion widens every shift to 32 bits).
  */
 #include "codec_core.h"
 
@@ -18,14 +24,31 @@
 #include <immintrin.h>
 
 /* -1: not asked yet. Threads racing here all store the same answer. */
-static int avx2_state = -1, avx512_state = -1;
+static int avx2_state = -1, avx512_state = -1, amd_state = -1;
 static int simd_allowed = 2;
 
-/* 2: every path the CPU has; 1: AVX2 and BMI2 but not AVX-512; 0: scalar only. */
+/* 2: every path the CPU has (rANS symbols by gathers on AMD, by the register search
+ * elsewhere); 3: the same with the search, 4: with gathers; 1: AVX2 and BMI2 but not
+ * AVX-512; 0: scalar only. */
 void
 set_simd(int allowed)
 {
     simd_allowed = allowed;
+}
+
+/* Whether AVX-512 symbol decoding gathers from the slot table: on AMD (Zen 4) a gather of
+ * sixteen is faster than the five-step search; on Intel the microcode mitigation of
+ * Gather Data Sampling makes gathers several times slower, so the search stays there. */
+int
+use_gather(void)
+{
+    if (!have_avx512()) return 0;
+    if (simd_allowed >= 3) return simd_allowed == 4;
+    if (amd_state < 0) {
+        __builtin_cpu_init();
+        amd_state = __builtin_cpu_is("amd");
+    }
+    return amd_state;
 }
 
 int
@@ -50,6 +73,21 @@ have_avx512(void)
     return avx512_state;
 }
 
+static int vbmi_state = -1;
+
+/* AVX-512 BW and VBMI (byte permutes and multishifts): the fused 16-bit row assembly. */
+int
+have_avx512_vbmi(void)
+{
+    if (simd_allowed < 2) return 0;
+    if (vbmi_state < 0) {
+        __builtin_cpu_init();
+        vbmi_state = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+            && __builtin_cpu_supports("avx512vbmi");
+    }
+    return vbmi_state;
+}
+
 /* Entry t of a table of 32 (wide: 64) entries held in two (four) registers. */
 __attribute__((target("avx512f"))) static inline __m512i
 lookup(int wide, __m512i t, const __m512i *tab)
@@ -60,30 +98,14 @@ lookup(int wide, __m512i t, const __m512i *tab)
     return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(t, _mm512_set1_epi32(32)), lo, hi);
 }
 
-/* One step of sixteen lanes: symbol rank by binary search over the cumulative
- * frequencies, state update, renormalisation from the words at *p. */
-__attribute__((target("avx512f"))) static inline __m512i
-step16(int wide, int first, __m512i x, const uint8_t **p, const __m512i *cum, const __m512i *fr,
-       __m512i smask, __m128i sh, __m512i *rank)
-{
-    __m512i slot = _mm512_and_si512(x, smask), k = _mm512_setzero_si512();
-    for (int step = first; step; step >>= 1) {
-        __m512i t = _mm512_add_epi32(k, _mm512_set1_epi32(step));
-        k = _mm512_mask_mov_epi32(k, _mm512_cmple_epu32_mask(lookup(wide, t, cum), slot), t);
-    }
-    __m512i f = lookup(wide, k, fr), st = lookup(wide, k, cum);
-    x = _mm512_add_epi32(_mm512_mullo_epi32(f, _mm512_srl_epi32(x, sh)), _mm512_sub_epi32(slot, st));
-    __mmask16 need = _mm512_cmplt_epu32_mask(x, _mm512_set1_epi32((int)RANS_L));
-    __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)*p));
-    *p += 2 * (size_t)__builtin_popcount((unsigned)need);
-    *rank = k;
-    return _mm512_mask_mov_epi32(x, need, _mm512_or_si512(_mm512_slli_epi32(x, 16),
-                                                          _mm512_maskz_expand_epi32(need, words)));
-}
-
-__attribute__((target("avx512f"))) static inline size_t
-decode_rows(int wide, int first, uint32_t *xs, const uint8_t **pp, const uint8_t *end, const int32_t *tabs,
-            int pbits, uint8_t *out, size_t rows, size_t chans)
+/* The next nsyms symbols of one context, sixty-four lanes a chunk as four vectors of
+ * sixteen, the symbol rank by a binary search over the cumulative frequencies in
+ * registers, each step taken for the four vectors together so that their chains
+ * overlap (`first` is a constant in each instantiation: the search unrolls).
+ * Renormalisation expands the next words of the stream into the lanes that need one. */
+__attribute__((target("avx512f"), always_inline)) static inline size_t
+search_syms(const int wide, const int first, uint32_t *xs, const uint8_t **pp, const uint8_t *end,
+            const int32_t *tabs, int pbits, uint8_t *out, size_t nsyms)
 {
     __m512i cum[4], fr[4], id[4];
     for (int i = 0; i < 4; i++) {
@@ -91,33 +113,51 @@ decode_rows(int wide, int first, uint32_t *xs, const uint8_t **pp, const uint8_t
         fr[i] = _mm512_loadu_si512(tabs + 64 + 16 * i);
         id[i] = _mm512_loadu_si512(tabs + 128 + 16 * i);
     }
-    const __m512i smask = _mm512_set1_epi32((1 << pbits) - 1);
+    const __m512i smask = _mm512_set1_epi32((1 << pbits) - 1), lim = _mm512_set1_epi32((int)RANS_L);
     const __m128i sh = _mm_cvtsi32_si128(pbits);
-    const size_t chunks = chans / LANES, row_bytes = chunks * 2 * LANES + 2 * LANES;
     const uint8_t *p = *pp;
-    __m512i x[LANES / 16], k[LANES / 16];
-    for (int v = 0; v < LANES / 16; v++) x[v] = _mm512_loadu_si512(xs + 16 * v);
+    __m512i x[4], k[4], slot[4];
+    for (int v = 0; v < 4; v++) x[v] = _mm512_loadu_si512(xs + 16 * v);
     size_t r = 0;
-    for (; r < rows && (size_t)(end - p) >= row_bytes; r++) {
-        for (size_t q = 0; q < chunks; q++, out += LANES) {
-            /* LANES / 16 vectors, so that their searches overlap */
-            for (int v = 0; v < LANES / 16; v++) x[v] = step16(wide, first, x[v], &p, cum, fr, smask, sh, &k[v]);
-            for (int v = 0; v < LANES / 16; v++)
-                _mm_storeu_si128((__m128i *)(out + 16 * v), _mm512_cvtepi32_epi8(lookup(wide, k[v], id)));
+    /* a chunk takes at most a word per lane; its last vector's 32-byte read starts at most
+     * 96 bytes in */
+    for (; r + LANES <= nsyms && (size_t)(end - p) >= 2 * LANES; r += LANES, out += LANES) {
+        for (int v = 0; v < 4; v++) {
+            slot[v] = _mm512_and_si512(x[v], smask);
+            k[v] = _mm512_setzero_si512();
         }
+        for (int step = first; step; step >>= 1)
+            for (int v = 0; v < 4; v++) {
+                __m512i t = _mm512_add_epi32(k[v], _mm512_set1_epi32(step));
+                k[v] = _mm512_mask_mov_epi32(k[v], _mm512_cmple_epu32_mask(lookup(wide, t, cum), slot[v]), t);
+            }
+        __mmask16 need[4];
+        for (int v = 0; v < 4; v++) {
+            __m512i f = lookup(wide, k[v], fr), st = lookup(wide, k[v], cum);
+            x[v] = _mm512_add_epi32(_mm512_mullo_epi32(f, _mm512_srl_epi32(x[v], sh)), _mm512_sub_epi32(slot[v], st));
+            need[v] = _mm512_cmplt_epu32_mask(x[v], lim);
+        }
+        for (int v = 0; v < 4; v++) {
+            __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+            p += 2 * (size_t)__builtin_popcount((unsigned)need[v]);
+            x[v] = _mm512_mask_mov_epi32(x[v], need[v], _mm512_or_si512(_mm512_slli_epi32(x[v], 16),
+                                                                        _mm512_maskz_expand_epi32(need[v], words)));
+        }
+        for (int v = 0; v < 4; v++)
+            _mm_storeu_si128((__m128i *)(out + 16 * v), _mm512_cvtepi32_epi8(lookup(wide, k[v], id)));
     }
-    for (int v = 0; v < LANES / 16; v++) _mm512_storeu_si512(xs + 16 * v, x[v]);
+    for (int v = 0; v < 4; v++) _mm512_storeu_si512(xs + 16 * v, x[v]);
     *pp = p;
     return r;
 }
 
-/* Decodes rows x chans symbols of one context (chans % LANES == 0) into out, row after
- * row, each sixteen lanes a vector; stops before a row whose words might run past end.
- * Returns the rows decoded (0 when the context has more than 64
- * symbols: the caller goes scalar). */
+/* The next nsyms symbols of one context (lane j decodes symbols j, j + 64, ...) into
+ * out by search_syms; stops before a chunk whose words might run past end. Returns the
+ * symbols decoded, a multiple of 64 (0 when the context has more than 64 symbols: the
+ * caller goes scalar). */
 __attribute__((target("avx512f"))) size_t
 decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
-                   const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t rows, size_t chans)
+                   const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t nsyms)
 {
     int32_t tabs[192];   /* cumulative, frequency, symbol; by rank among present symbols */
     int np = 0;
@@ -132,10 +172,138 @@ decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const u
         tabs[i] = 1 << pbits;
         tabs[64 + i] = tabs[128 + i] = 0;
     }
-    int first = 1;
-    while (first * 2 < np) first *= 2;
-    if (np > 32) return decode_rows(1, 32, xs, pp, end, tabs, pbits, out, rows, chans);
-    return decode_rows(0, first, xs, pp, end, tabs, pbits, out, rows, chans);
+    if (np > 32) return search_syms(1, 32, xs, pp, end, tabs, pbits, out, nsyms);
+    if (np > 16) return search_syms(0, 16, xs, pp, end, tabs, pbits, out, nsyms);
+    if (np > 8) return search_syms(0, 8, xs, pp, end, tabs, pbits, out, nsyms);
+    if (np > 4) return search_syms(0, 4, xs, pp, end, tabs, pbits, out, nsyms);
+    if (np > 2) return search_syms(0, 2, xs, pp, end, tabs, pbits, out, nsyms);
+    return search_syms(0, 1, xs, pp, end, tabs, pbits, out, nsyms);
+}
+
+/* The next nsyms symbols of one context (lane j decodes symbols j, j + 64, ...) through
+ * the context's slot table (sym | freq << 8 | bias << 20 per slot, as the scalar decoder
+ * reads it), sixteen lanes a gather, the four vectors of a 64-symbol chunk step by step
+ * so that their chains overlap. Stops before a chunk whose words might run past end;
+ * returns the symbols decoded (a multiple of 64). */
+__attribute__((target("avx512f,avx512bw"))) size_t
+decode_syms_gather(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint32_t *tab, int pbits,
+                   uint8_t *out, size_t nsyms)
+{
+    const __m512i smask = _mm512_set1_epi32((1 << pbits) - 1), fmask = _mm512_set1_epi32(0xFFF);
+    const __m512i lim = _mm512_set1_epi32((int)RANS_L);
+    const __m128i sh = _mm_cvtsi32_si128(pbits);
+    const uint8_t *p = *pp;
+    __m512i x0 = _mm512_loadu_si512(xs), x1 = _mm512_loadu_si512(xs + 16);
+    __m512i x2 = _mm512_loadu_si512(xs + 32), x3 = _mm512_loadu_si512(xs + 48);
+    size_t r = 0;
+#define TK_DEC(X, E)                                                                        \
+    X = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_and_si512(_mm512_srli_epi32(E, 8), fmask), \
+                                            _mm512_srl_epi32(X, sh)),                          \
+                         _mm512_srli_epi32(E, 20))
+#define TK_RENORM(X, N)                                                                     \
+    do {                                                                                    \
+        __m512i w_ = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));         \
+        p += 2 * (size_t)__builtin_popcount((unsigned)(N));                                 \
+        X = _mm512_mask_mov_epi32(X, N, _mm512_or_si512(_mm512_slli_epi32(X, 16),           \
+                                                         _mm512_maskz_expand_epi32(N, w_))); \
+    } while (0)
+    /* a chunk takes at most a word per lane; its last vector's 32-byte read starts at most
+     * 96 bytes in */
+    for (; r + LANES <= nsyms && (size_t)(end - p) >= 2 * LANES; r += LANES, out += LANES) {
+        {
+            __m512i e0 = _mm512_i32gather_epi32(_mm512_and_si512(x0, smask), (const void *)tab, 4);
+            __m512i e1 = _mm512_i32gather_epi32(_mm512_and_si512(x1, smask), (const void *)tab, 4);
+            __m512i e2 = _mm512_i32gather_epi32(_mm512_and_si512(x2, smask), (const void *)tab, 4);
+            __m512i e3 = _mm512_i32gather_epi32(_mm512_and_si512(x3, smask), (const void *)tab, 4);
+            TK_DEC(x0, e0);
+            TK_DEC(x1, e1);
+            TK_DEC(x2, e2);
+            TK_DEC(x3, e3);
+            __mmask16 n0 = _mm512_cmplt_epu32_mask(x0, lim), n1 = _mm512_cmplt_epu32_mask(x1, lim);
+            __mmask16 n2 = _mm512_cmplt_epu32_mask(x2, lim), n3 = _mm512_cmplt_epu32_mask(x3, lim);
+            TK_RENORM(x0, n0);
+            TK_RENORM(x1, n1);
+            TK_RENORM(x2, n2);
+            TK_RENORM(x3, n3);
+            __m512i s01 = _mm512_packus_epi32(_mm512_and_si512(e0, _mm512_set1_epi32(0xFF)),
+                                              _mm512_and_si512(e1, _mm512_set1_epi32(0xFF)));
+            __m512i s23 = _mm512_packus_epi32(_mm512_and_si512(e2, _mm512_set1_epi32(0xFF)),
+                                              _mm512_and_si512(e3, _mm512_set1_epi32(0xFF)));
+            /* packs interleave 128-bit lanes: e0 e1 e0 e1 ... per lane, fixed below */
+            __m512i b = _mm512_packus_epi16(s01, s23);
+            b = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), b);
+            _mm512_storeu_si512(out, b);
+        }
+    }
+#undef TK_DEC
+#undef TK_RENORM
+    _mm512_storeu_si512(xs, x0);
+    _mm512_storeu_si512(xs + 16, x1);
+    _mm512_storeu_si512(xs + 32, x2);
+    _mm512_storeu_si512(xs + 48, x3);
+    *pp = p;
+    return r;
+}
+
+/* The per-page constants of assemble_16_avx512 (mid width w <= 8): qword lane j of the
+ * permuted mid bytes holds bytes j*w.. of a group of 64 fields, and byte i of it the
+ * field at bit i*w (vpmultishiftqb). */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void
+assemble_16_consts(int w, uint8_t *perm, uint8_t *shift)
+{
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 8; i++) {
+            perm[8 * j + i] = (uint8_t)(j * w + i);
+            shift[8 * j + i] = (uint8_t)(i * w);
+        }
+}
+
+/* A row of 16-bit elements, sixty-four channels a step: mid bits unpacked from the
+ * stream (fields of w <= 8 bits from byte `mid`, whole rows being byte aligned), signs
+ * from bit kbit of each channel's sign word, exponents and hi bits from the symbols.
+ * Returns how many channels it assembled (a multiple of 64) and ORs into *res bit 0
+ * when a residual exceeds its channel maximum, bit 1 when the row holds escapes. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) size_t
+assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+                   const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                   size_t C, const Layout *lay, const Params *pr, uint32_t *res)
+{
+    const int w = pr->mid;
+    const __m512i vperm = _mm512_loadu_si512(perm), vshift = _mm512_loadu_si512(shift);
+    const __m512i wmask = _mm512_set1_epi8((char)((1u << w) - 1));
+    const __m512i himask = _mm512_set1_epi16((short)((1 << pr->hi) - 1));
+    const __m512i emask = _mm512_set1_epi16((short)((1 << lay->ebits) - 1));
+    const __m512i esc = _mm512_set1_epi16((short)pr->esc), bit = _mm512_set1_epi64((long long)(1ull << kbit));
+    const __m512i signbit = _mm512_set1_epi16((short)(1u << (lay->nbits - 1)));
+    const __m128i hi = _mm_cvtsi32_si128(pr->hi), mbits = _mm_cvtsi32_si128(lay->mbits);
+    const __m128i hshift = _mm_cvtsi32_si128(lay->mbits - pr->hi), midshift = _mm_cvtsi32_si128(pr->tz + pr->lo);
+    const __mmask64 need = w ? (__mmask64)(~0ull >> (64 - 8 * w)) : 0;
+    __mmask32 bad = 0, any_esc = 0;
+    size_t c = 0;
+    for (; c + 64 <= C; c += 64) {
+        __m512i mb = _mm512_maskz_loadu_epi8(need, mid + c / 8 * (size_t)w);
+        mb = _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, mb)), wmask);
+        __mmask64 sg = 0;
+        for (int q = 0; q < 8; q++)
+            sg |= (__mmask64)_mm512_test_epi64_mask(_mm512_loadu_si512(sw + c + 8 * q), bit) << (8 * q);
+        __m512i s8 = _mm512_loadu_si512(sym + c);
+        for (int h = 0; h < 2; h++) {
+            __m512i s = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(s8, 1) : _mm512_castsi512_si256(s8));
+            __m512i m = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(mb, 1) : _mm512_castsi512_si256(mb));
+            __m512i cm = _mm512_loadu_si512(cmax + c + 32 * h);
+            __m512i r = _mm512_srl_epi16(s, hi);
+            __mmask32 is_esc = _mm512_cmpeq_epi16_mask(s, esc);
+            bad |= _mm512_mask_cmpgt_epu16_mask((__mmask32)~is_esc, r, cm);
+            any_esc |= is_esc;
+            __m512i e = _mm512_sll_epi16(_mm512_and_si512(_mm512_sub_epi16(cm, r), emask), mbits);
+            __m512i v = _mm512_or_si512(e, _mm512_sll_epi16(_mm512_and_si512(s, himask), hshift));
+            v = _mm512_or_si512(v, _mm512_sll_epi16(m, midshift));
+            v = _mm512_mask_mov_epi16(v, (__mmask32)(sg >> (32 * h)), _mm512_or_si512(v, signbit));
+            _mm512_storeu_si512(out + c + 32 * h, v);
+        }
+    }
+    *res |= (uint32_t)(bad != 0) | (uint32_t)(any_esc != 0) << 1;
+    return c;
 }
 
 /* Mid fields k.. (w <= 7 bits each) as bytes (isz 1) or 16-bit lanes (isz 2), eight per
@@ -266,10 +434,10 @@ have_avx512(void)
 
 size_t
 decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
-                   const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t rows, size_t chans)
+                   const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t nsyms)
 {
     (void)xs; (void)pp; (void)end; (void)freq; (void)start; (void)alpha; (void)pbits; (void)out;
-    (void)rows; (void)chans;
+    (void)nsyms;
     return 0;
 }
 
@@ -284,6 +452,42 @@ size_t
 pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, int w)
 {
     (void)bw; (void)row; (void)isz; (void)C; (void)shift; (void)w;
+    return 0;
+}
+
+int
+have_avx512_vbmi(void)
+{
+    return 0;
+}
+
+int
+use_gather(void)
+{
+    return 0;
+}
+
+void
+assemble_16_consts(int w, uint8_t *perm, uint8_t *shift)
+{
+    (void)w; (void)perm; (void)shift;
+}
+
+size_t
+assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+                   const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                   size_t C, const Layout *lay, const Params *pr, uint32_t *res)
+{
+    (void)out; (void)sym; (void)sw; (void)kbit; (void)cmax; (void)mid; (void)perm; (void)shift; (void)C;
+    (void)lay; (void)pr; (void)res;
+    return 0;
+}
+
+size_t
+decode_syms_gather(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint32_t *tab, int pbits,
+                   uint8_t *out, size_t nsyms)
+{
+    (void)xs; (void)pp; (void)end; (void)tab; (void)pbits; (void)out; (void)nsyms;
     return 0;
 }
 
