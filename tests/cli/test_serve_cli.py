@@ -79,6 +79,9 @@ def test_detached_daemon_status_and_sigterm(tmp_path: Path, sock_dir: Path) -> N
             assert st["running"] and st["pid"] == pid and st["connections"] == 2   # the client and status
             assert [c["pid"] for c in st["clients"]] == [os.getpid(), st["clients"][1]["pid"]]
             assert st["stats"]["pages_hit"] == 3 and st["stats"]["tiers"]["dram"]["used_slots"] == 3
+            assert st["stats"]["tiers"]["dram"]["codec"] is None   # the codec choice travels with the stats
+            assert st["stats"]["tiers"]["nvme"]["codec"]["reason"] == "codec = none: pages are stored raw"
+            assert client.stats().tiers["nvme"].codec == st["stats"]["tiers"]["nvme"]["codec"]
             shown = tierkv("status", "--socket", str(sock))
             assert shown.returncode == 0 and "hit rate 1.000" in shown.stdout and "clients" in shown.stdout
             assert "approximate pages" not in shown.stdout

@@ -119,9 +119,40 @@ def test_auto_follows_the_bandwidth(tmp_path: Path, real: tuple[KVLayout, np.nda
     for gbps, coded in ((0.002, True), (10_000.0, False)):
         path = tmp_path / str(gbps)
         with Store.open(config(path, layout, nvme_pages=32, codec="auto", bandwidth_gbps=gbps)) as s:
+            assert s.stats().tiers["nvme"].codec == {
+                "mode": "auto", "coding": None, "reason": "auto: nothing stored yet", "ratio": None,
+                "encode_gbps": None, "decode_gbps": None, "write_gbps": gbps, "read_gbps": gbps}
             s.put(prompt(0, 32), rows)
+            choice = s.stats().tiers["nvme"].codec
+            json.dumps(s.stats().to_dict())   # the reason travels as JSON (tierkv status, the daemon)
         blocks = sum(sum(c for _, c in r.extents) for r in records(path))
         assert (blocks < 32 * bpp) is coded
+        # stats() says what auto chose and why, with the figures it weighed
+        assert choice is not None and choice["coding"] is coded and choice["mode"] == "auto"
+        assert choice["read_gbps"] == choice["write_gbps"] == gbps
+        figures = [choice[k] for k in ("ratio", "encode_gbps", "decode_gbps")]
+        assert all(isinstance(f, float) for f in figures), figures
+        assert 0.5 < float(figures[0]) < 0.75 and min(float(f) for f in figures) > 0   # type: ignore[arg-type]
+        reason = str(choice["reason"])
+        assert reason.startswith("auto, coded: faster both ways" if coded else "auto, raw: coding is not faster")
+        assert f"tier read {gbps:.2f}" in reason and "s/GiB coded vs" in reason
+
+
+def test_stats_name_each_tiers_codec(tmp_path: Path, real: tuple[KVLayout, np.ndarray]) -> None:
+    layout, rows = real
+    for mode in MODES:
+        with Store.open(config(tmp_path / mode, layout, nvme_pages=8, codec=mode, dram_pages=2)) as s:
+            s.put(prompt(0, 4), rows[:4])
+            tiers = s.stats().tiers
+        assert tiers["dram"].codec is None   # no codec at the DRAM tier
+        choice = tiers["nvme"].codec
+        assert choice is not None and choice["mode"] == mode
+        if mode == "none":
+            assert choice["coding"] is False and choice["reason"] == "codec = none: pages are stored raw"
+        elif mode == "lossless":
+            assert choice["coding"] is True and choice["reason"] == "codec = lossless: every page is coded"
+        else:   # no bandwidth hint: auto stores raw until it has measured the tier both ways
+            assert choice["coding"] is False and "until the tier's write and read bandwidth" in str(choice["reason"])
 
 
 def test_auto_decides_on_each_tiers_own_pages(tmp_path: Path, real: tuple[KVLayout, np.ndarray],

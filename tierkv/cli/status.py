@@ -79,6 +79,10 @@ def _print_status(st: dict[str, Any]) -> None:
                       f"{t['occupancy']:.3f}", f"{t['hits']:,}", format_size(t["bytes_read"]),
                       format_size(t["bytes_written"]))
     console.print(tiers)
+    for name, t in stats["tiers"].items():
+        codec = t.get("codec")
+        if codec and codec.get("mode") != "none":
+            console.print(f"{name} codec: {codec['reason']}", markup=False)
     if stats.get("derived_pages") or stats.get("lossy_pages") or stats.get("lossy_converted") \
             or stats.get("lossy_pending") or stats.get("lossy_waiting"):
         console.print(f"approximate pages served: {stats.get('derived_pages', 0):,} derived, "

@@ -83,6 +83,10 @@ class CodecChoice:
         self.meter = BandwidthMeter()
         self._ratio: float | None = None  # blob bytes over page bytes of this tier's pages
         self._raw_batches = 0
+        # The last auto decision: whether it coded, and the figures it weighed (None
+        # before the tier's bandwidth was known both ways).
+        self._coded: bool | None = None
+        self._weighed: tuple[CodecThroughput, float, float] | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -109,7 +113,10 @@ class CodecChoice:
             return self.mode is CodecMode.LOSSLESS
         assert self.codec is not None
         write_gbps, read_gbps = self.tier_gbps(Direction.WRITE), self.tier_gbps(Direction.READ)
-        if write_gbps is None or read_gbps is None or rows.shape[0] == 0:
+        if rows.shape[0] == 0:
+            return False
+        if write_gbps is None or read_gbps is None:
+            self._coded, self._weighed = False, None
             return False
         tp = codec_throughput(self.codec, rows)
         if self._ratio is None or self._raw_batches >= _RESAMPLE_BATCHES:
@@ -122,4 +129,44 @@ class CodecChoice:
         code = (should_compress(self.mode, mine, write_gbps, Direction.WRITE)
                 and should_compress(self.mode, mine, read_gbps, Direction.READ))
         self._raw_batches = 0 if code else self._raw_batches + 1
+        self._coded, self._weighed = code, (mine, write_gbps, read_gbps)
         return code
+
+    def describe(self) -> dict[str, object]:
+        """The tier's codec choice for ``stats()``: ``mode`` (its setting), ``coding``
+        (whether the pages it stores now are coded; None while ``auto`` has stored
+        nothing), ``reason`` (a sentence), and the figures ``auto`` weighed last:
+        ``ratio``, ``encode_gbps``, ``decode_gbps`` (the codec's measured speeds) and the
+        tier's ``write_gbps`` and ``read_gbps`` (measured, or the ``bandwidth_gbps``
+        hint); None where not known."""
+        out: dict[str, object] = {"mode": self.mode.value, "coding": None, "reason": "", "ratio": self._ratio,
+                                  "encode_gbps": None, "decode_gbps": None,
+                                  "write_gbps": self.tier_gbps(Direction.WRITE),
+                                  "read_gbps": self.tier_gbps(Direction.READ)}
+        if self.mode is CodecMode.NONE:
+            out.update(coding=False, reason="codec = none: pages are stored raw")
+        elif self.mode is CodecMode.LOSSLESS:
+            out.update(coding=True, reason="codec = lossless: every page is coded")
+        elif self._coded is None:
+            out["reason"] = "auto: nothing stored yet"
+        elif self._weighed is None:
+            out.update(coding=False, reason="auto: stored raw until the tier's write and read bandwidth are "
+                                            "measured (bandwidth_gbps sets them)")
+        else:
+            tp, write_gbps, read_gbps = self._weighed
+            out.update(coding=self._coded, ratio=tp.ratio, encode_gbps=tp.compress_gbps,
+                       decode_gbps=tp.decompress_gbps, write_gbps=write_gbps, read_gbps=read_gbps)
+            out["reason"] = _auto_reason(tp, write_gbps, read_gbps, self._coded)
+        return out
+
+
+def _auto_reason(tp: CodecThroughput, write_gbps: float, read_gbps: float, coded: bool) -> str:
+    """Why auto coded or not, in seconds per GiB of pages each way, coded vs raw."""
+    gib = 1 << 30
+    parts = []
+    for name, direction, gbps in (("read", Direction.READ, read_gbps), ("write", Direction.WRITE, write_gbps)):
+        parts.append(f"{name} {tp.seconds(gib, gbps, direction):.3f} s/GiB coded vs {gib / (gbps * 1e9):.3f} raw")
+    figures = (f"ratio {tp.ratio:.3f}, decode {tp.decompress_gbps:.2f} and encode {tp.compress_gbps:.2f} GB/s, "
+               f"tier read {read_gbps:.2f} and write {write_gbps:.2f} GB/s")
+    verdict = "coded: faster both ways" if coded else "raw: coding is not faster both ways"
+    return f"auto, {verdict} ({'; '.join(parts)}; {figures})"

@@ -38,6 +38,9 @@ class TierStats:
     bytes_written: int
     io_seconds: float
     state: str = "available"  # "degraded" while a fabric tier's namespace is unreachable
+    #: Block-addressed tiers (nvme, nvmeof): the codec choice and its reason
+    #: (:meth:`tierkv.store.coding.CodecChoice.describe`); None for the others.
+    codec: dict[str, object] | None = None
 
     @property
     def occupancy(self) -> float:
@@ -108,7 +111,7 @@ class Counters:
         stats: dict[str, TierStats] = {
             t.name: TierStats(t.name, t.kind.value, self.tier_hits[t.name], t.num_slots, t.num_slots - t.num_free,
                               t.slot_bytes, self.tier_read[t.name], self.tier_written[t.name], self.tier_io_s[t.name],
-                              "available" if t.available else "degraded")
+                              "available" if t.available else "degraded", t.codec_state())
             for t in tiers
         }
         ev = self.events

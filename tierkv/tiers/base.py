@@ -210,6 +210,11 @@ class Tier(abc.ABC):
         tier is unavailable while degraded (its pages are misses, nothing lands there)."""
         return not self._closed
 
+    def codec_state(self) -> dict[str, object] | None:
+        """The tier's codec choice and its reason for ``stats()`` (block-addressed tiers:
+        :meth:`tierkv.store.coding.CodecChoice.describe`); None where no codec applies."""
+        return None
+
     @property
     def num_free(self) -> int:
         return self._slots.num_free

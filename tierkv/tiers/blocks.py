@@ -132,6 +132,9 @@ class BlockPageTier(Tier):
     def available(self) -> bool:
         return not self._closed and self.blocks.available
 
+    def codec_state(self) -> dict[str, object] | None:
+        return self.choice.describe()
+
     @property
     def num_free(self) -> int:
         return self.blocks.num_free // self.blocks_per_page

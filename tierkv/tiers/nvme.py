@@ -261,6 +261,13 @@ class NvmeTier(Tier):
         if done != self.header_bytes:
             raise TierIOError(f"nvme tier {self.path}: short header write, {done} of {self.header_bytes} bytes")
 
+    def codec_state(self) -> dict[str, object] | None:
+        """A tier of whole-page slots stores pages raw (``codec = "none"``)."""
+        from tierkv.codec import CodecMode
+        from tierkv.store.coding import CodecChoice
+
+        return CodecChoice(CodecMode.NONE, None).describe()
+
     def fileno(self) -> int:
         """The backing file descriptor (for inspection; do not close it)."""
         return self._fd
