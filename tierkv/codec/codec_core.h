@@ -252,4 +252,8 @@ static inline void rans_put(uint32_t *x, uint8_t **pp, const EncSym *s)
     *x = (q << s->pbits) + (v - q * s->freq) + s->start;
 }
 
+/* codec_simd.c: the AVX-512 rANS encoder of one row's symbols (0 where it cannot run) */
+size_t encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
+                          int alpha, int pbits);
+
 #endif

@@ -54,9 +54,7 @@ decide_lo(Enc *E)
     int kmax = room < MAX_LO ? room : MAX_LO, best = 0;
     double best_saving = 0, n = (double)E->coded_elems;
     for (int k = 1; k <= kmax; k++) {
-        size_t nonzero = 0;
-        for (int v = 0; v < 256; v++)
-            if (v & ((1 << k) - 1)) nonzero += E->hist8[v];
+        uint64_t nonzero = E->lo_nonzero[k];
         double saving = k * n - (double)nonzero * LO_EXCEPTION_BITS - 32;
         if (saving > best_saving) {
             best_saving = saving;
@@ -153,11 +151,21 @@ write_dups(const Enc *E, uint8_t *out)
 
 /* Side or first-flip symbols of a plane, in reverse chunk order. */
 static void
-put_channel_syms(const Enc *E, uint32_t *x, uint8_t **p8, const EncSym *es, const uint8_t *s8,
-                 const uint32_t *s32)
+put_channel_syms(const Enc *E, uint32_t *x, uint8_t **p8, int ctx, const uint8_t *s8, const uint32_t *s32)
 {
+    const EncSym *es = E->es[ctx];
     const Layout *lay = E->lay;
     size_t C = lay->chans;
+    if (E->avx512 && C % LANES == 0) {
+        uint8_t *tmp = E->s0;                   /* C bytes, free once the planes are analysed */
+        if (!s8) {
+            for (size_t c = 0; c < C; c++) {
+                uint32_t s = s32[c] - 1;
+                tmp[c] = (uint8_t)(lay->flip_esc >= 0 && s >= (uint32_t)lay->flip_esc ? (uint32_t)lay->flip_esc : s);
+            }
+        }
+        if (encode_syms_avx512(x, p8, s8 ? s8 : tmp, C, es, E->m.alpha[ctx], E->m.pbits[ctx]) == C) return;
+    }
     for (size_t c0 = (C - 1) / LANES * LANES;; c0 -= LANES) {
         int n = (int)(C - c0 < LANES ? C - c0 : LANES);
         for (int j = n - 1; j >= 0; j--) {
@@ -190,14 +198,17 @@ write_rans(const Enc *E, uint8_t *end)
         for (size_t t = T; t-- > 0;) {
             if (E->dup[pp * T + t]) continue;
             const uint8_t *sym = E->sym + (pp * T + t) * C;
+            if (E->avx512 && C % LANES == 0
+                    && encode_syms_avx512(x, &p8, sym, C, main, E->m.alpha[CTX_MAIN(kc)], PROB_BITS) == C)
+                continue;
             for (size_t c0 = (C - 1) / LANES * LANES;; c0 -= LANES) {
                 int n = (int)(C - c0 < LANES ? C - c0 : LANES);
                 for (int j = n - 1; j >= 0; j--) rans_put(&x[j], &p8, &main[sym[c0 + j]]);
                 if (c0 == 0) break;
             }
         }
-        if (pr->sign_coded[kc]) put_channel_syms(E, x, &p8, E->es[CTX_FLIP(kc)], NULL, E->fpos + pp * C);
-        put_channel_syms(E, x, &p8, E->es[CTX_SIDE(kc)], E->side + pp * C, NULL);
+        if (pr->sign_coded[kc]) put_channel_syms(E, x, &p8, CTX_FLIP(kc), NULL, E->fpos + pp * C);
+        put_channel_syms(E, x, &p8, CTX_SIDE(kc), E->side + pp * C, NULL);
     }
     for (int j = LANES - 1; j >= 0; j--) {
         p8 -= 4;
@@ -259,12 +270,14 @@ new_enc(const Layout *lay, const uint8_t *src)
     E->lay = lay;
     E->src = src;
     memset(E->counts, 0, sizeof(E->counts));
-    memset(E->hist8, 0, sizeof(E->hist8));
+    memset(E->lo_nonzero, 0, sizeof(E->lo_nonzero));
     memset(E->flip_raw, 0, sizeof(E->flip_raw));
     memset(E->elems_kc, 0, sizeof(E->elems_kc));
     E->ndup = 0;
     E->coded_elems = 0;
     E->bmi2 = have_avx2();   /* AVX2 and BMI2 */
+    E->avx512 = have_avx512();
+    E->avx512bw = have_avx512_bw();
     return alloc_enc(E) == 0 ? E : NULL;
 }
 

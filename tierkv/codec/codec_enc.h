@@ -15,7 +15,7 @@ typedef struct {
     Model m;
     uint8_t levels[NCTX][256];
     uint32_t counts[NCTX][256];
-    uint32_t hist8[256];          /* low 8 mantissa bits above tz, for the lo decision */
+    uint64_t lo_nonzero[MAX_LO + 1];   /* [k]: coded elements whose k low bits above tz are not all zero */
     size_t nexc;                  /* elements whose lo bits are not zero */
     uint64_t flip_raw[2];         /* raw sign bits left per K/V class if signs are coded */
     uint64_t elems_kc[2];         /* coded elements per K/V class */
@@ -36,6 +36,8 @@ typedef struct {
     size_t rans_cap, esc_cap, sign_cap, mid_cap;
     uint32_t lane_tail[LANES];    /* mid tail bits each lane's initial state carries */
     int bmi2;                     /* pack_mids_bmi2 may run here */
+    int avx512;                   /* encode_syms_avx512 may run here */
+    int avx512bw;                 /* analyse_plane_16_avx512 may run here */
 } Enc;
 
 /* codec_scan.c */
@@ -44,5 +46,12 @@ int common_zero_bits(const Enc *E);
 void analyse_plane(Enc *E, size_t p);
 void write_streams(const Enc *E, BitWriter *esc, BitWriter *sign, BitWriter *mid);
 size_t take_mid_tail(Enc *E, uint8_t *mid, size_t total_bits);
+void plane_side(Enc *E, size_t p, int kc);
+void plane_flip_counts(Enc *E, size_t p, int kc);
+
+/* codec_simd.c */
+int have_avx512_bw(void);
+void analyse_plane_16_avx512(Enc *E, size_t p, int kc);
+size_t or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift);
 
 #endif

@@ -85,6 +85,17 @@ plane_maxima(Enc *E, size_t p, int kc, const int isz)
             cmax[c] = e > cmax[c] ? e : cmax[c];
         }
     }
+    plane_side(E, p, kc);
+}
+
+/* From the plane's channel maxima: its base (their most common value), the side
+ * symbols and their counts. */
+void
+plane_side(Enc *E, size_t p, int kc)
+{
+    const size_t C = E->lay->chans;
+    const uint32_t emask = (1u << E->lay->ebits) - 1;
+    const uint16_t *cmax = E->cmax + p * C;
     uint32_t hist[256] = {0};
     for (size_t c = 0; c < C; c++) hist[cmax[c]]++;
     int base = 0;
@@ -123,6 +134,16 @@ plane_flips(Enc *E, size_t p, int kc, const int isz)
         }
         k++;
     }
+    plane_flip_counts(E, p, kc);
+}
+
+/* The counts of the plane's first-flip symbols, and the raw sign bits coding them leaves. */
+void
+plane_flip_counts(Enc *E, size_t p, int kc)
+{
+    const Layout *lay = E->lay;
+    const size_t C = lay->chans;
+    const uint32_t n = E->nrows[p], *f = E->fpos + p * C;
     for (size_t c = 0; c < C; c++) {
         uint32_t sym = f[c] - 1;
         if (lay->flip_esc >= 0 && sym >= (uint32_t)lay->flip_esc) sym = (uint32_t)lay->flip_esc;
@@ -142,8 +163,9 @@ plane_symbols(Enc *E, size_t p, int kc, const int isz)
     const int mbits = lay->mbits, hshift = lay->mbits - pr->hi, hi = pr->hi, tz = pr->tz;
     const uint32_t restmask = (1u << hshift) - 1, mmask = (1u << mbits) - 1;
     const uint16_t *restrict cmax = E->cmax + p * C;
-    /* four histograms, so that runs of one symbol do not wait on each other's counts */
-    uint32_t cm[4][256] = {{0}}, h8[4][256] = {{0}};
+    /* four histograms, so that runs of one symbol do not wait on each other's counts;
+     * tzh counts the trailing zeros of the low 8 bits (8: all zero) */
+    uint32_t cm[4][256] = {{0}}, tzh[4][9] = {{0}};
     for (size_t t = 0; t < T; t++) {
         if (E->dup[p * T + t]) continue;
         const uint8_t *row = row_ptr(E, p, t);
@@ -156,21 +178,25 @@ plane_symbols(Enc *E, size_t p, int kc, const int isz)
             cm[c & 3][s]++;
             uint8_t lo8 = (uint8_t)(((m & restmask) >> tz) & 0xFF);
             lov[c] = lo8;
-            h8[c & 3][lo8]++;
+            tzh[c & 3][lo8 ? __builtin_ctz(lo8) : 8]++;
         }
         E->coded_elems += C;
         E->elems_kc[kc] += C;
     }
-    for (int i = 0; i < 256; i++) {
-        E->counts[CTX_MAIN(kc)][i] += cm[0][i] + cm[1][i] + cm[2][i] + cm[3][i];
-        E->hist8[i] += h8[0][i] + h8[1][i] + h8[2][i] + h8[3][i];
-    }
+    for (int i = 0; i < 256; i++) E->counts[CTX_MAIN(kc)][i] += cm[0][i] + cm[1][i] + cm[2][i] + cm[3][i];
+    /* an element's low k bits are not all zero when its trailing zeros number < k */
+    for (int k = 1; k <= MAX_LO; k++)
+        for (int z = 0; z < k; z++) E->lo_nonzero[k] += tzh[0][z] + tzh[1][z] + tzh[2][z] + tzh[3][z];
 }
 
 void
 analyse_plane(Enc *E, size_t p)
 {
     int kc = E->lay->nkc == 2 ? (int)(p & 1) : 0;
+    if (E->lay->itemsize == 2 && E->avx512bw && E->lay->chans % 32 == 0) {
+        analyse_plane_16_avx512(E, p, kc);
+        return;
+    }
     switch (E->lay->itemsize) {
     case 1: plane_maxima(E, p, kc, 1); plane_flips(E, p, kc, 1); plane_symbols(E, p, kc, 1); break;
     case 2: plane_maxima(E, p, kc, 2); plane_flips(E, p, kc, 2); plane_symbols(E, p, kc, 2); break;
@@ -200,7 +226,15 @@ plane_streams(const Enc *E, size_t p, BitWriter *esc, BitWriter *sign, BitWriter
         if (E->dup[p * T + t]) continue;
         const uint8_t *row = row_ptr(E, p, t);
         const uint8_t *sym = E->sym + (p * T + t) * C;
+        const uint64_t ones = 0x0101010101010101ull, escs = ones * (uint8_t)pr->esc;
         for (size_t c = 0; c < C; c++) {
+            if ((c & 7) == 0 && c + 8 <= C) {   /* skip 8 symbols at once when none escapes */
+                uint64_t z = rd_u64(sym + c) ^ escs;
+                if (((z - ones) & ~z & ones << 7) == 0) {
+                    c += 7;
+                    continue;
+                }
+            }
             if (sym[c] != pr->esc) continue;
             uint32_t v = load_elem(row + c * isz, isz);
             bw_put(esc, (v >> lay->mbits) & emask, lay->ebits);
@@ -221,7 +255,8 @@ plane_streams(const Enc *E, size_t p, BitWriter *esc, BitWriter *sign, BitWriter
         if (E->dup[p * T + t]) continue;
         const uint8_t *row = row_ptr(E, p, t);
         uint32_t *restrict wq = words + (size_t)(k >> 5) * C;
-        for (size_t c = 0; c < C; c++) wq[c] |= (load_elem(row + c * isz, isz) >> sshift) << (k & 31);
+        size_t c = isz == 2 && E->avx512bw ? or_signs_16_avx512(wq, row, C, k & 31) : 0;
+        for (; c < C; c++) wq[c] |= (load_elem(row + c * isz, isz) >> sshift) << (k & 31);
         k++;
     }
     for (size_t c = 0; c < C; c++) {
@@ -261,10 +296,11 @@ take_mid_tail(Enc *E, uint8_t *mid, size_t total_bits)
     size_t n = tail_bits((size_t)E->nrows[lay->planes - 1] * lay->chans * (size_t)E->pr.mid);
     size_t from = total_bits - n;
     memset(E->lane_tail, 0, sizeof(E->lane_tail));
-    for (size_t i = 0; i < n; i++) {
-        size_t b = from + i;
-        uint32_t bit = (mid[b >> 3] >> (b & 7)) & 1;
-        E->lane_tail[i / TAIL_BITS_PER_LANE] |= bit << (i % TAIL_BITS_PER_LANE);
+    for (size_t i = 0; i < n; i += TAIL_BITS_PER_LANE) {   /* 31 bits a lane, read a word at a time */
+        size_t b = from + i, nb = n - i < TAIL_BITS_PER_LANE ? n - i : TAIL_BITS_PER_LANE;
+        uint64_t v = 0;
+        for (size_t q = 0; q < 5 && (b >> 3) + q < (total_bits + 7) / 8; q++) v |= (uint64_t)mid[(b >> 3) + q] << (8 * q);
+        E->lane_tail[i / TAIL_BITS_PER_LANE] = (uint32_t)((v >> (b & 7)) & ((1ull << nb) - 1));
     }
     size_t len = (from + 7) / 8;
     if (from & 7) mid[from >> 3] &= (uint8_t)((1u << (from & 7)) - 1);

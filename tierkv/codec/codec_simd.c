@@ -18,7 +18,7 @@
  *   elements in 16-bit lanes, which GCC's vectoriser does not manage (C's integer
  *   promotion widens every shift to 32 bits).
  */
-#include "codec_core.h"
+#include "codec_enc.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -245,6 +245,183 @@ decode_syms_gather(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const u
     return r;
 }
 
+/* Entry i of a 64-entry table held in four registers (two when narrow). */
+__attribute__((target("avx512f"))) static inline __m512i
+table64(int wide, __m512i i, const __m512i *tab)
+{
+    return lookup(wide, i, tab);
+}
+
+/* rANS encoding of one row's symbols (nsyms, a multiple of 64; lane j takes symbols j,
+ * j + 64, ...) in the exact reverse of the decoder's order: chunks last to first, and
+ * in each the vectors of lanes 48-63, 32-47, 16-31, 0-15, each pushing the words its
+ * lanes shed below *pp in ascending lane order (a masked store of the compressed low
+ * halves). x / freq is exact in double precision (x < 2^32, freq <= 2^12: a quotient
+ * that is not an integer lies at least 2^-12 below the next one, far beyond the
+ * rounding of a double). Returns 0 when the context has more than 64 symbols (the
+ * caller goes scalar), else nsyms. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) size_t
+encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
+                   int alpha, int pbits)
+{
+    int32_t tabs[3][64];   /* freq, start, x_max - 1 (0xFFFFFFFF for 2^32: never sheds) */
+    if (alpha > 64) return 0;
+    memset(tabs, 0, sizeof(tabs));
+    for (int i = 0; i < alpha; i++) {   /* absent symbols: never looked up */
+        tabs[0][i] = (int32_t)es[i].freq;
+        tabs[1][i] = (int32_t)es[i].start;
+        tabs[2][i] = (int32_t)(uint32_t)(es[i].x_max - 1);
+    }
+    const int wide = alpha > 32;
+    __m512i fr[4], st[4], xm[4];
+    for (int i = 0; i < 4; i++) {
+        fr[i] = _mm512_loadu_si512(tabs[0] + 16 * i);
+        st[i] = _mm512_loadu_si512(tabs[1] + 16 * i);
+        xm[i] = _mm512_loadu_si512(tabs[2] + 16 * i);
+    }
+    const __m512i scale = _mm512_set1_epi32(1 << pbits), lo16 = _mm512_set1_epi32(0xFFFF);
+    uint8_t *p = *pp;
+    __m512i x[4];
+    for (int v = 0; v < 4; v++) x[v] = _mm512_loadu_si512(xs + 16 * v);
+    for (size_t c0 = nsyms; c0 > 0;) {
+        c0 -= LANES;
+        for (int v = 3; v >= 0; v--) {
+            __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(syms + c0 + 16 * v)));
+            __m512i f = table64(wide, s, fr), start = table64(wide, s, st), xmax1 = table64(wide, s, xm);
+            __mmask16 shed = _mm512_cmpgt_epu32_mask(x[v], xmax1);
+            unsigned n = (unsigned)__builtin_popcount((unsigned)shed);
+            __m256i words = _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(shed, _mm512_and_si512(x[v], lo16)));
+            p -= 2 * n;
+            _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), words);
+            __m512i y = _mm512_mask_srli_epi32(x[v], shed, x[v], 16);
+            __m512d fl = _mm512_cvtepu32_pd(_mm512_castsi512_si256(f));
+            __m512d fh = _mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(f, 1));
+            __m512d yl = _mm512_cvtepu32_pd(_mm512_castsi512_si256(y));
+            __m512d yh = _mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(y, 1));
+            __m256i ql = _mm512_cvttpd_epu32(_mm512_div_pd(yl, fl)), qh = _mm512_cvttpd_epu32(_mm512_div_pd(yh, fh));
+            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(ql), qh, 1);
+            /* x' = (q << pbits) + (y - q * f) + start = q * (2^pbits - f) + y + start */
+            x[v] = _mm512_add_epi32(_mm512_mullo_epi32(q, _mm512_sub_epi32(scale, f)), _mm512_add_epi32(y, start));
+        }
+    }
+    for (int v = 0; v < 4; v++) _mm512_storeu_si512(xs + 16 * v, x[v]);
+    *pp = p;
+    return nsyms;
+}
+
+static int bw_state = -1;
+
+/* AVX-512 BW and VL (16-bit lanes, masked 256-bit stores): the encoder's plane analysis. */
+int
+have_avx512_bw(void)
+{
+    if (simd_allowed < 2) return 0;
+    if (bw_state < 0) {
+        __builtin_cpu_init();
+        bw_state = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+            && __builtin_cpu_supports("avx512vl");
+    }
+    return bw_state;
+}
+
+/* codec_scan.c's plane_maxima, plane_flips and plane_symbols for 16-bit elements
+ * (chans % 32 == 0), with the same results: channel maxima 32 channels a step, first
+ * sign flips 16 a step, then per coded row its symbols and low bits 32 a step, the
+ * low-bit statistics by bit tests; the symbol histogram stays scalar (four tables). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void
+analyse_plane_16_avx512(Enc *E, size_t p, int kc)
+{
+    const Layout *lay = E->lay;
+    const Params *pr = &E->pr;
+    const size_t C = lay->chans, T = lay->tokens, rb = C * 2;
+    const uint16_t *plane = (const uint16_t *)(E->src + p * T * rb);
+    const uint8_t *dup = E->dup + p * T;
+    const __m512i emask = _mm512_set1_epi16((short)((1 << lay->ebits) - 1));
+    const __m128i mbits = _mm_cvtsi32_si128(lay->mbits);
+    uint16_t *cmax = E->cmax + p * C;
+    size_t first = 0;   /* the plane's first coded row (row 0 never repeats) */
+    for (size_t c = 0; c < C; c += 32) {
+        __m512i acc = _mm512_setzero_si512();
+        for (size_t t = 0; t < T; t++)
+            if (!dup[t])
+                acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(plane + t * C + c), mbits),
+                                                             emask));
+        _mm512_storeu_si512(cmax + c, acc);
+    }
+    plane_side(E, p, kc);
+
+    const uint32_t none = E->nrows[p];
+    uint32_t *f = E->fpos + p * C;
+    const __m256i sbit = _mm256_set1_epi16((short)0x8000);
+    for (size_t c = 0; c < C; c += 16) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(plane + first * C + c));
+        __m512i fv = _mm512_set1_epi32((int)none);
+        uint32_t k = 1;
+        for (size_t t = first + 1; t < T; t++) {
+            if (dup[t]) continue;
+            __mmask16 diff = _mm256_test_epi16_mask(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(plane + t * C + c)), v0),
+                                                    sbit);
+            __mmask16 open = _mm512_cmpeq_epi32_mask(fv, _mm512_set1_epi32((int)none));
+            fv = _mm512_mask_mov_epi32(fv, diff & open, _mm512_set1_epi32((int)k));
+            k++;
+        }
+        _mm512_storeu_si512(f + c, fv);
+    }
+    plane_flip_counts(E, p, kc);
+
+    const int hshift = lay->mbits - pr->hi;
+    const __m512i mmask = _mm512_set1_epi16((short)((1 << lay->mbits) - 1));
+    const __m512i rmax = _mm512_set1_epi16((short)lay->rmax), esc = _mm512_set1_epi16((short)pr->esc);
+    const __m512i restmask = _mm512_set1_epi16((short)((1 << hshift) - 1)), low8 = _mm512_set1_epi16(0xFF);
+    const __m128i hi = _mm_cvtsi32_si128(pr->hi), hs = _mm_cvtsi32_si128(hshift), tz = _mm_cvtsi32_si128(pr->tz);
+    __m512i kmask[MAX_LO + 1];
+    for (int k = 1; k <= MAX_LO; k++) kmask[k] = _mm512_set1_epi16((short)((1 << k) - 1));
+    uint64_t nonzero[MAX_LO + 1] = {0};
+    uint32_t cm[4][256] = {{0}};
+    for (size_t t = 0; t < T; t++) {
+        if (dup[t]) continue;
+        const uint16_t *row = plane + t * C;
+        uint8_t *sym = E->sym + (p * T + t) * C, *lov = E->lov + (p * T + t) * C;
+        for (size_t c = 0; c < C; c += 32) {
+            __m512i v = _mm512_loadu_si512(row + c);
+            __m512i e = _mm512_and_si512(_mm512_srl_epi16(v, mbits), emask), m = _mm512_and_si512(v, mmask);
+            __m512i r = _mm512_sub_epi16(_mm512_loadu_si512(cmax + c), e);
+            __m512i code = _mm512_or_si512(_mm512_sll_epi16(r, hi), _mm512_srl_epi16(m, hs));
+            __m512i sv = _mm512_mask_mov_epi16(esc, _mm512_cmplt_epu16_mask(r, rmax), code);
+            _mm256_storeu_si256((__m256i *)(sym + c), _mm512_cvtepi16_epi8(sv));
+            __m512i lo = _mm512_and_si512(_mm512_srl_epi16(_mm512_and_si512(m, restmask), tz), low8);
+            _mm256_storeu_si256((__m256i *)(lov + c), _mm512_cvtepi16_epi8(lo));
+            for (int k = 1; k <= MAX_LO; k++)
+                nonzero[k] += (uint64_t)__builtin_popcount(_mm512_test_epi16_mask(lo, kmask[k]));
+        }
+        for (size_t c = 0; c < C; c += 4) {
+            cm[0][sym[c]]++;
+            cm[1][sym[c + 1]]++;
+            cm[2][sym[c + 2]]++;
+            cm[3][sym[c + 3]]++;
+        }
+        E->coded_elems += C;
+        E->elems_kc[kc] += C;
+    }
+    for (int i = 0; i < 256; i++) E->counts[CTX_MAIN(kc)][i] += cm[0][i] + cm[1][i] + cm[2][i] + cm[3][i];
+    for (int k = 1; k <= MAX_LO; k++) E->lo_nonzero[k] += nonzero[k];
+}
+
+/* wq[c] |= (sign of row[c]) << shift for 16-bit elements, sixteen channels a step;
+ * returns how many channels it did (a multiple of 16). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) size_t
+or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
+{
+    const __m128i sh = _mm_cvtsi32_si128((int)shift);
+    size_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+        __m512i sg = _mm512_cvtepu16_epi32(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(row + 2 * c)), 15));
+        __m512i w = _mm512_loadu_si512(wq + c);
+        _mm512_storeu_si512(wq + c, _mm512_or_si512(w, _mm512_sll_epi32(sg, sh)));
+    }
+    return c;
+}
+
 /* The per-page constants of assemble_16_avx512 (mid width w <= 8): qword lane j of the
  * permuted mid bytes holds bytes j*w.. of a group of 64 fields, and byte i of it the
  * field at bit i*w (vpmultishiftqb). */
@@ -464,6 +641,33 @@ have_avx512_vbmi(void)
 int
 use_gather(void)
 {
+    return 0;
+}
+
+int
+have_avx512_bw(void)
+{
+    return 0;
+}
+
+size_t
+or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
+{
+    (void)wq; (void)row; (void)C; (void)shift;
+    return 0;
+}
+
+void
+analyse_plane_16_avx512(Enc *E, size_t p, int kc)
+{
+    (void)E; (void)p; (void)kc;
+}
+
+size_t
+encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
+                   int alpha, int pbits)
+{
+    (void)xs; (void)pp; (void)syms; (void)nsyms; (void)es; (void)alpha; (void)pbits;
     return 0;
 }
 
