@@ -177,10 +177,10 @@ done:
 PyDoc_STRVAR(set_simd_doc,
 "set_simd(level) -> None\n\n"
 "Which SIMD paths may run where the CPU has them: 2 (or True) all (AVX-512 rANS symbols\n"
-"by gathers on AMD, by a register search elsewhere), 3 all with the search, 4 all with\n"
-"gathers, 1 AVX2 and BMI2 but not AVX-512, 0 (or False) the scalar ones; all read and\n"
-"write the same bytes. For tests and comparisons: not meant to change while other\n"
-"threads code pages.");
+"partly by gathers on AMD, by a register search elsewhere), 3 all with the search\n"
+"alone, 4 all with gathers, 1 AVX2 and BMI2 but not AVX-512, 0 (or False) the scalar\n"
+"ones; all read and write the same bytes. For tests and comparisons: not meant to\n"
+"change while other threads code pages.");
 
 static PyObject *
 set_simd_py(PyObject *self, PyObject *arg)

@@ -106,9 +106,8 @@ int have_avx2(void);
 int have_avx512(void);
 void set_simd(int allowed);   /* 2: all SIMD paths (3: symbols by search, 4: by gathers), 1: no AVX-512, 0: scalar */
 size_t decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
-                          const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t nsyms);
-size_t decode_syms_gather(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint32_t *tab, int pbits,
-                          uint8_t *out, size_t nsyms);
+                          const uint16_t *start, int alpha, int pbits, const uint32_t *slots, uint8_t *out,
+                          size_t nsyms);
 int have_avx512_vbmi(void);
 int use_gather(void);
 void assemble_16_consts(int w, uint8_t *perm, uint8_t *shift);

@@ -141,11 +141,9 @@ channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint32_t *restri
     const uint8_t *p = *pp, *const end = D->rans_end;
     uint32_t x[LANES];
     size_t c0 = 0;
-    if (D->gather && C % LANES == 0) {
-        c0 = decode_syms_gather(xs, &p, end, ensure_slots(D, ctx), pbits, D->sym, C);
-        for (size_t c = 0; c < c0; c++) out[c] = D->sym[c];
-    } else if (D->avx512 && C % LANES == 0) {
-        c0 = decode_syms_avx512(xs, &p, end, D->m.freq[ctx], D->m.start[ctx], D->m.alpha[ctx], pbits, D->sym, C);
+    if (D->avx512 && C % LANES == 0) {
+        c0 = decode_syms_avx512(xs, &p, end, D->m.freq[ctx], D->m.start[ctx], D->m.alpha[ctx], pbits,
+                                D->gather ? ensure_slots(D, ctx) : NULL, D->sym, C);
         for (size_t c = 0; c < c0; c++) out[c] = D->sym[c];
     }
     if (c0 == C) {
@@ -207,11 +205,10 @@ decode_symbols(Dec *D, uint32_t *xs, const uint8_t **pp, int kc, uint32_t nrows)
     const uint8_t *p = *pp, *const end = D->rans_end;
     uint32_t x[LANES];
     size_t i = 0;   /* symbols decoded, row-major */
-    if (D->gather && C % LANES == 0)
-        i = decode_syms_gather(xs, &p, end, ensure_slots(D, CTX_MAIN(kc)), PROB_BITS, D->sym, n);
-    else if (D->avx512 && C % LANES == 0)
+    if (D->avx512 && C % LANES == 0)
         i = decode_syms_avx512(xs, &p, end, D->m.freq[CTX_MAIN(kc)], D->m.start[CTX_MAIN(kc)],
-                               D->m.alpha[CTX_MAIN(kc)], PROB_BITS, D->sym, n);
+                               D->m.alpha[CTX_MAIN(kc)], PROB_BITS, D->gather ? ensure_slots(D, CTX_MAIN(kc)) : NULL,
+                               D->sym, n);
     const uint32_t *restrict tab = i < n ? ensure_slots(D, CTX_MAIN(kc)) : NULL;
     memcpy(x, xs, sizeof(x));
     while (i < n) {

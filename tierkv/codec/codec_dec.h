@@ -26,7 +26,7 @@ typedef struct {
     int simd;                          /* combine_16_avx2 and unpack_mids_bmi2 may run here */
     int avx512;                        /* decode_syms_avx512 may run here */
     int vbmi;                          /* assemble_16_avx512 may run here */
-    int gather;                        /* symbols by decode_syms_gather */
+    int gather;                        /* decode_syms_avx512 may gather (use_gather) */
     uint8_t perm[64], shift[64];       /* assemble_16_avx512's constants for this page's mid width */
     uint8_t *sym;                      /* per plane: tokens x channels */
     const uint8_t *exc, *exc_end;      /* lo exceptions still to apply */

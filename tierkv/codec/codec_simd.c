@@ -5,9 +5,10 @@
  * - AVX-512F: rANS symbols, sixteen lanes a vector and four vectors in flight (the 64
  *   lanes of a chunk), so that their dependency chains overlap; renormalisation expands
  *   the next words of the stream into the lanes that need one. The slot -> symbol
- *   lookup either gathers from the context's slot table (on AMD) or runs a binary
- *   search over the cumulative frequencies in registers (permutes: elsewhere, where
- *   microcode mitigations make gathers slow).
+ *   lookup gathers from the context's slot table for three vectors of four and runs a
+ *   binary search over the cumulative frequencies in registers for the fourth (on AMD),
+ *   or searches for all four (elsewhere, where microcode mitigations make gathers
+ *   slow).
  * - AVX-512BW + VBMI: a row of 16-bit elements (bf16, fp16) in one pass, sixty-four
  *   channels a step: the mid mantissa fields unpacked from the stream by a byte permute
  *   and a multishift, the signs tested out of the channels' sign words, exponents and
@@ -20,6 +21,10 @@
  */
 #include "codec_enc.h"
 
+/* Vectors of a chunk that gather where gathers run (use_gather): three gathers and one
+ * search measured best on Zen 4 (1.70 GB/s vs 1.66 with two, 1.64 with four). */
+#define GATHERS 3
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
@@ -27,18 +32,19 @@
 static int avx2_state = -1, avx512_state = -1, amd_state = -1;
 static int simd_allowed = 2;
 
-/* 2: every path the CPU has (rANS symbols by gathers on AMD, by the register search
- * elsewhere); 3: the same with the search, 4: with gathers; 1: AVX2 and BMI2 but not
- * AVX-512; 0: scalar only. */
+/* 2: every path the CPU has (rANS symbols partly by gathers on AMD, by the register
+ * search elsewhere); 3: the same with the search alone, 4: with gathers; 1: AVX2 and
+ * BMI2 but not AVX-512; 0: scalar only. */
 void
 set_simd(int allowed)
 {
     simd_allowed = allowed;
 }
 
-/* Whether AVX-512 symbol decoding gathers from the slot table: on AMD (Zen 4) a gather of
- * sixteen is faster than the five-step search; on Intel the microcode mitigation of
- * Gather Data Sampling makes gathers several times slower, so the search stays there. */
+/* Whether AVX-512 symbol decoding gathers from the slot table: on AMD (Zen 4) gathers
+ * beside the five-step search are faster than the search alone (1.70 vs 1.60 GB/s a
+ * page); on Intel the microcode mitigation of Gather Data Sampling makes gathers
+ * several times slower, so the search stays alone there. */
 int
 use_gather(void)
 {
@@ -99,13 +105,16 @@ lookup(int wide, __m512i t, const __m512i *tab)
 }
 
 /* The next nsyms symbols of one context, sixty-four lanes a chunk as four vectors of
- * sixteen, the symbol rank by a binary search over the cumulative frequencies in
- * registers, each step taken for the four vectors together so that their chains
- * overlap (`first` is a constant in each instantiation: the search unrolls).
- * Renormalisation expands the next words of the stream into the lanes that need one. */
-__attribute__((target("avx512f"), always_inline)) static inline size_t
-search_syms(const int wide, const int first, uint32_t *xs, const uint8_t **pp, const uint8_t *end,
-            const int32_t *tabs, int pbits, uint8_t *out, size_t nsyms)
+ * sixteen. Vectors v < ngather look each slot up in the context's slot table (sym |
+ * freq << 8 | bias << 20, as the scalar decoder reads it) with a gather; the others
+ * find the symbol's rank by a binary search over the cumulative frequencies held in
+ * registers (permutes): the two use different units (loads, shuffles). Each step is taken for the four vectors together so that their
+ * chains overlap; `ngather`, `wide` and `first` are constants in each instantiation
+ * (the search unrolls). Renormalisation expands the next words of the stream into the
+ * lanes that need one, vector 0 first. */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline size_t
+syms_kernel(const int ngather, const int wide, const int first, uint32_t *xs, const uint8_t **pp,
+            const uint8_t *end, const uint32_t *slots, const int32_t *tabs, int pbits, uint8_t *out, size_t nsyms)
 {
     __m512i cum[4], fr[4], id[4];
     for (int i = 0; i < 4; i++) {
@@ -114,6 +123,7 @@ search_syms(const int wide, const int first, uint32_t *xs, const uint8_t **pp, c
         id[i] = _mm512_loadu_si512(tabs + 128 + 16 * i);
     }
     const __m512i smask = _mm512_set1_epi32((1 << pbits) - 1), lim = _mm512_set1_epi32((int)RANS_L);
+    const __m512i fmask = _mm512_set1_epi32(0xFFF), low8 = _mm512_set1_epi32(0xFF);
     const __m128i sh = _mm_cvtsi32_si128(pbits);
     const uint8_t *p = *pp;
     __m512i x[4], k[4], slot[4];
@@ -124,17 +134,25 @@ search_syms(const int wide, const int first, uint32_t *xs, const uint8_t **pp, c
     for (; r + LANES <= nsyms && (size_t)(end - p) >= 2 * LANES; r += LANES, out += LANES) {
         for (int v = 0; v < 4; v++) {
             slot[v] = _mm512_and_si512(x[v], smask);
-            k[v] = _mm512_setzero_si512();
+            k[v] = v < ngather ? _mm512_i32gather_epi32(slot[v], (const void *)slots, 4) : _mm512_setzero_si512();
         }
         for (int step = first; step; step >>= 1)
-            for (int v = 0; v < 4; v++) {
+            for (int v = ngather; v < 4; v++) {
                 __m512i t = _mm512_add_epi32(k[v], _mm512_set1_epi32(step));
                 k[v] = _mm512_mask_mov_epi32(k[v], _mm512_cmple_epu32_mask(lookup(wide, t, cum), slot[v]), t);
             }
         __mmask16 need[4];
         for (int v = 0; v < 4; v++) {
-            __m512i f = lookup(wide, k[v], fr), st = lookup(wide, k[v], cum);
-            x[v] = _mm512_add_epi32(_mm512_mullo_epi32(f, _mm512_srl_epi32(x[v], sh)), _mm512_sub_epi32(slot[v], st));
+            __m512i hi = _mm512_srl_epi32(x[v], sh);
+            if (v < ngather) {   /* k holds the slot's table entry */
+                x[v] = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_and_si512(_mm512_srli_epi32(k[v], 8), fmask), hi),
+                                        _mm512_srli_epi32(k[v], 20));
+                k[v] = _mm512_and_si512(k[v], low8);
+            } else {             /* k holds the symbol's rank */
+                __m512i f = lookup(wide, k[v], fr), st = lookup(wide, k[v], cum);
+                x[v] = _mm512_add_epi32(_mm512_mullo_epi32(f, hi), _mm512_sub_epi32(slot[v], st));
+                k[v] = lookup(wide, k[v], id);
+            }
             need[v] = _mm512_cmplt_epu32_mask(x[v], lim);
         }
         for (int v = 0; v < 4; v++) {
@@ -143,27 +161,22 @@ search_syms(const int wide, const int first, uint32_t *xs, const uint8_t **pp, c
             x[v] = _mm512_mask_mov_epi32(x[v], need[v], _mm512_or_si512(_mm512_slli_epi32(x[v], 16),
                                                                         _mm512_maskz_expand_epi32(need[v], words)));
         }
-        for (int v = 0; v < 4; v++)
-            _mm_storeu_si128((__m128i *)(out + 16 * v), _mm512_cvtepi32_epi8(lookup(wide, k[v], id)));
+        for (int v = 0; v < 4; v++) _mm_storeu_si128((__m128i *)(out + 16 * v), _mm512_cvtepi32_epi8(k[v]));
     }
     for (int v = 0; v < 4; v++) _mm512_storeu_si512(xs + 16 * v, x[v]);
     *pp = p;
     return r;
 }
 
-/* The next nsyms symbols of one context (lane j decodes symbols j, j + 64, ...) into
- * out by search_syms; stops before a chunk whose words might run past end. Returns the
- * symbols decoded, a multiple of 64 (0 when the context has more than 64 symbols: the
- * caller goes scalar). */
-__attribute__((target("avx512f"))) size_t
-decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
-                   const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t nsyms)
+/* The search's register tables of a context: cumulative frequency, frequency, symbol, by
+ * rank among the present symbols; returns their number (65: more than 64, no tables). */
+static int
+search_tables(const uint16_t *freq, const uint16_t *start, int alpha, int pbits, int32_t *tabs)
 {
-    int32_t tabs[192];   /* cumulative, frequency, symbol; by rank among present symbols */
     int np = 0;
     for (int i = 0; i < alpha; i++) {
         if (!freq[i]) continue;
-        if (np == 64) return 0;
+        if (np == 64) return 65;
         tabs[np] = start[i];
         tabs[64 + np] = freq[i];
         tabs[128 + np++] = i;
@@ -172,77 +185,31 @@ decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const u
         tabs[i] = 1 << pbits;
         tabs[64 + i] = tabs[128 + i] = 0;
     }
-    if (np > 32) return search_syms(1, 32, xs, pp, end, tabs, pbits, out, nsyms);
-    if (np > 16) return search_syms(0, 16, xs, pp, end, tabs, pbits, out, nsyms);
-    if (np > 8) return search_syms(0, 8, xs, pp, end, tabs, pbits, out, nsyms);
-    if (np > 4) return search_syms(0, 4, xs, pp, end, tabs, pbits, out, nsyms);
-    if (np > 2) return search_syms(0, 2, xs, pp, end, tabs, pbits, out, nsyms);
-    return search_syms(0, 1, xs, pp, end, tabs, pbits, out, nsyms);
+    return np;
 }
 
-/* The next nsyms symbols of one context (lane j decodes symbols j, j + 64, ...) through
- * the context's slot table (sym | freq << 8 | bias << 20 per slot, as the scalar decoder
- * reads it), sixteen lanes a gather, the four vectors of a 64-symbol chunk step by step
- * so that their chains overlap. Stops before a chunk whose words might run past end;
- * returns the symbols decoded (a multiple of 64). */
+#define TK_SEARCHES(NG, NP, ...)                                                  \
+    ((NP) > 32 ? syms_kernel(NG, 1, 32, __VA_ARGS__)                              \
+     : (NP) > 16 ? syms_kernel(NG, 0, 16, __VA_ARGS__)                            \
+     : (NP) > 8 ? syms_kernel(NG, 0, 8, __VA_ARGS__)                              \
+     : (NP) > 4 ? syms_kernel(NG, 0, 4, __VA_ARGS__)                              \
+     : (NP) > 2 ? syms_kernel(NG, 0, 2, __VA_ARGS__) : syms_kernel(NG, 0, 1, __VA_ARGS__))
+
+/* The next nsyms symbols of one context (lane j decodes symbols j, j + 64, ...) into
+ * out; stops before a chunk whose words might run past end. `slots` (the context's slot
+ * table, or NULL) allows gathers: then GATHERS of the four vectors gather and the others
+ * search (all gather where the context has over 64 symbols); without it all search.
+ * Returns the symbols decoded, a multiple of 64 (0 when neither can run: the caller
+ * goes scalar). */
 __attribute__((target("avx512f,avx512bw"))) size_t
-decode_syms_gather(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint32_t *tab, int pbits,
-                   uint8_t *out, size_t nsyms)
+decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
+                   const uint16_t *start, int alpha, int pbits, const uint32_t *slots, uint8_t *out, size_t nsyms)
 {
-    const __m512i smask = _mm512_set1_epi32((1 << pbits) - 1), fmask = _mm512_set1_epi32(0xFFF);
-    const __m512i lim = _mm512_set1_epi32((int)RANS_L);
-    const __m128i sh = _mm_cvtsi32_si128(pbits);
-    const uint8_t *p = *pp;
-    __m512i x0 = _mm512_loadu_si512(xs), x1 = _mm512_loadu_si512(xs + 16);
-    __m512i x2 = _mm512_loadu_si512(xs + 32), x3 = _mm512_loadu_si512(xs + 48);
-    size_t r = 0;
-#define TK_DEC(X, E)                                                                        \
-    X = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_and_si512(_mm512_srli_epi32(E, 8), fmask), \
-                                            _mm512_srl_epi32(X, sh)),                          \
-                         _mm512_srli_epi32(E, 20))
-#define TK_RENORM(X, N)                                                                     \
-    do {                                                                                    \
-        __m512i w_ = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));         \
-        p += 2 * (size_t)__builtin_popcount((unsigned)(N));                                 \
-        X = _mm512_mask_mov_epi32(X, N, _mm512_or_si512(_mm512_slli_epi32(X, 16),           \
-                                                         _mm512_maskz_expand_epi32(N, w_))); \
-    } while (0)
-    /* a chunk takes at most a word per lane; its last vector's 32-byte read starts at most
-     * 96 bytes in */
-    for (; r + LANES <= nsyms && (size_t)(end - p) >= 2 * LANES; r += LANES, out += LANES) {
-        {
-            __m512i e0 = _mm512_i32gather_epi32(_mm512_and_si512(x0, smask), (const void *)tab, 4);
-            __m512i e1 = _mm512_i32gather_epi32(_mm512_and_si512(x1, smask), (const void *)tab, 4);
-            __m512i e2 = _mm512_i32gather_epi32(_mm512_and_si512(x2, smask), (const void *)tab, 4);
-            __m512i e3 = _mm512_i32gather_epi32(_mm512_and_si512(x3, smask), (const void *)tab, 4);
-            TK_DEC(x0, e0);
-            TK_DEC(x1, e1);
-            TK_DEC(x2, e2);
-            TK_DEC(x3, e3);
-            __mmask16 n0 = _mm512_cmplt_epu32_mask(x0, lim), n1 = _mm512_cmplt_epu32_mask(x1, lim);
-            __mmask16 n2 = _mm512_cmplt_epu32_mask(x2, lim), n3 = _mm512_cmplt_epu32_mask(x3, lim);
-            TK_RENORM(x0, n0);
-            TK_RENORM(x1, n1);
-            TK_RENORM(x2, n2);
-            TK_RENORM(x3, n3);
-            __m512i s01 = _mm512_packus_epi32(_mm512_and_si512(e0, _mm512_set1_epi32(0xFF)),
-                                              _mm512_and_si512(e1, _mm512_set1_epi32(0xFF)));
-            __m512i s23 = _mm512_packus_epi32(_mm512_and_si512(e2, _mm512_set1_epi32(0xFF)),
-                                              _mm512_and_si512(e3, _mm512_set1_epi32(0xFF)));
-            /* packs interleave 128-bit lanes: e0 e1 e0 e1 ... per lane, fixed below */
-            __m512i b = _mm512_packus_epi16(s01, s23);
-            b = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), b);
-            _mm512_storeu_si512(out, b);
-        }
-    }
-#undef TK_DEC
-#undef TK_RENORM
-    _mm512_storeu_si512(xs, x0);
-    _mm512_storeu_si512(xs + 16, x1);
-    _mm512_storeu_si512(xs + 32, x2);
-    _mm512_storeu_si512(xs + 48, x3);
-    *pp = p;
-    return r;
+    int32_t tabs[192];
+    int np = search_tables(freq, start, alpha, pbits, tabs);
+    if (np > 64) return slots ? syms_kernel(4, 0, 1, xs, pp, end, slots, tabs, pbits, out, nsyms) : 0;
+    if (slots) return TK_SEARCHES(GATHERS, np, xs, pp, end, slots, tabs, pbits, out, nsyms);
+    return TK_SEARCHES(0, np, xs, pp, end, slots, tabs, pbits, out, nsyms);
 }
 
 /* Entry i of a 64-entry table held in four registers (two when narrow). */
@@ -611,9 +578,9 @@ have_avx512(void)
 
 size_t
 decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
-                   const uint16_t *start, int alpha, int pbits, uint8_t *out, size_t nsyms)
+                   const uint16_t *start, int alpha, int pbits, const uint32_t *slots, uint8_t *out, size_t nsyms)
 {
-    (void)xs; (void)pp; (void)end; (void)freq; (void)start; (void)alpha; (void)pbits; (void)out;
+    (void)xs; (void)pp; (void)end; (void)freq; (void)start; (void)alpha; (void)pbits; (void)slots; (void)out;
     (void)nsyms;
     return 0;
 }
@@ -687,13 +654,6 @@ assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32
     return 0;
 }
 
-size_t
-decode_syms_gather(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint32_t *tab, int pbits,
-                   uint8_t *out, size_t nsyms)
-{
-    (void)xs; (void)pp; (void)end; (void)tab; (void)pbits; (void)out; (void)nsyms;
-    return 0;
-}
 
 uint32_t
 combine_16_avx2(uint16_t *out, const uint8_t *sym, const uint64_t *sw,
