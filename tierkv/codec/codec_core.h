@@ -110,6 +110,8 @@ size_t decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, 
                           size_t nsyms);
 int have_avx512_vbmi(void);
 int use_gather(void);
+size_t plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
+                          uint32_t nrows, size_t C);
 void assemble_16_consts(int w, uint8_t *perm, uint8_t *shift);
 size_t assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
                           const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,

@@ -174,13 +174,26 @@ static void
 decode_side(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, int kc)
 {
     const Layout *lay = D->lay;
-    int base = D->base[p], emax = (1 << lay->ebits) - 1;
-    channel_syms(D, x, pp, CTX_SIDE(kc), D->cmax);
-    for (size_t c = 0; c < lay->chans; c++) {
-        int v = D->cmax[c] == SIDE_ALPHA - 1 ? (int)br_get(&D->esc, lay->ebits)
-                                             : base + (int)D->cmax[c] - SIDE_CENTER;
-        if (v < 0 || v > emax) D->err = ERR_STREAM;
-        D->cmax[c] = (uint32_t)(v & emax);
+    const int base = D->base[p], emax = (1 << lay->ebits) - 1;
+    const size_t C = lay->chans;
+    uint32_t *restrict cm = D->cmax;
+    uint16_t *restrict cm16 = D->cmax16;
+    uint8_t *restrict cm8 = D->cmax8;
+    channel_syms(D, x, pp, CTX_SIDE(kc), cm);
+    uint32_t bad = 0, esc = 0;
+    for (size_t c = 0; c < C; c++) {   /* vectorises; escaped channels are filled in below, in order */
+        uint32_t s = cm[c], v = (uint32_t)(base + (int)s - SIDE_CENTER);
+        esc |= s == SIDE_ALPHA - 1;
+        bad |= (s != SIDE_ALPHA - 1) & (v > (uint32_t)emax);   /* below 0 wraps above emax */
+        cm16[c] = (uint16_t)(v & (uint32_t)emax);
+    }
+    if (esc)
+        for (size_t c = 0; c < C; c++)
+            if (cm[c] == SIDE_ALPHA - 1) cm16[c] = (uint16_t)br_get(&D->esc, lay->ebits);
+    if (bad) D->err = ERR_STREAM;
+    for (size_t c = 0; c < C; c++) {
+        cm[c] = cm16[c];
+        cm8[c] = (uint8_t)cm16[c];
     }
 }
 
@@ -188,13 +201,20 @@ static void
 decode_flips(Dec *D, uint32_t *x, const uint8_t **pp, int kc, uint32_t nrows)
 {
     const Layout *lay = D->lay;
-    channel_syms(D, x, pp, CTX_FLIP(kc), D->fpos);
-    for (size_t c = 0; c < lay->chans; c++) {
-        uint32_t s = D->fpos[c];
-        if (lay->flip_esc >= 0 && s == (uint32_t)lay->flip_esc) s = br_get(&D->esc, bits_for((int)lay->tokens));
-        if (s >= nrows) D->err = ERR_STREAM;
-        D->fpos[c] = s + 1;
+    const size_t C = lay->chans;
+    uint32_t *restrict f = D->fpos;
+    channel_syms(D, x, pp, CTX_FLIP(kc), f);
+    if (lay->flip_esc >= 0) {   /* escapes (pages of more than 256 tokens) are read in order */
+        const int nb = bits_for((int)lay->tokens);
+        for (size_t c = 0; c < C; c++)
+            if (f[c] == (uint32_t)lay->flip_esc) f[c] = br_get(&D->esc, nb);
     }
+    uint32_t bad = 0;
+    for (size_t c = 0; c < C; c++) {   /* vectorises */
+        bad |= f[c] >= nrows;
+        f[c] += 1;
+    }
+    if (bad) D->err = ERR_STREAM;
 }
 
 /* Every main symbol of a plane's coded rows, row after row. */
@@ -239,10 +259,6 @@ decode_plane(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, uint8_t *plane)
     uint32_t nrows = 0;
     for (size_t t = 0; t < T; t++) nrows += !D->dup[p * T + t];
     decode_side(D, x, pp, p, kc);
-    for (size_t c = 0; c < C; c++) {
-        D->cmax16[c] = (uint16_t)D->cmax[c];
-        D->cmax8[c] = (uint8_t)D->cmax[c];
-    }
     if (coded) decode_flips(D, x, pp, kc, nrows);
     decode_symbols(D, x, pp, kc, nrows);
     if (p == lay->planes - 1) absorb_tail(D, x);

@@ -389,6 +389,46 @@ or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
     return c;
 }
 
+/* codec_rows.c's plane_signs for coded signs and nrows <= 56, eight channels a step:
+ * each channel's bit offset in the stream by a prefix sum of (1 + its raw rows), its
+ * word by a gather, its mask as the scalar code makes it. Stops before a group whose
+ * words would reach past the section's len bytes (the scalar code zero-pads those);
+ * returns the channels done and advances *ks past their bits. */
+__attribute__((target("avx512f"))) size_t
+plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
+                   uint32_t nrows, size_t C)
+{
+    const __m512i one = _mm512_set1_epi64(1), n = _mm512_set1_epi64(nrows), all = _mm512_set1_epi64((long long)((1ull << nrows) - 1));
+    const __m512i seven = _mm512_set1_epi64(7);
+    const __m512i up1 = _mm512_setr_epi64(0, 0, 1, 2, 3, 4, 5, 6), up2 = _mm512_setr_epi64(0, 0, 0, 1, 2, 3, 4, 5);
+    const __m512i up4 = _mm512_setr_epi64(0, 0, 0, 0, 0, 1, 2, 3), last = _mm512_set1_epi64(7);
+    size_t c = 0, k = *ks;
+    for (; c + 8 <= C; c += 8) {
+        __m512i fc = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(f + c)));
+        __m512i nraw = _mm512_sub_epi64(_mm512_sub_epi64(n, fc),
+                                        _mm512_maskz_mov_epi64(_mm512_cmplt_epu64_mask(fc, n), one));
+        __m512i inc = _mm512_add_epi64(nraw, one), sum = inc;   /* inclusive prefix sum of inc */
+        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFE, up1, sum));
+        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFC, up2, sum));
+        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xF0, up4, sum));
+        __m512i off = _mm512_add_epi64(_mm512_set1_epi64((long long)k), _mm512_sub_epi64(sum, inc));
+        size_t end = k + (size_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(_mm512_permutexvar_epi64(last, sum)));
+        if (((end >> 3) + 8) > len) break;   /* the last word read starts at most at byte end / 8 */
+        __m512i v = _mm512_srlv_epi64(_mm512_i64gather_epi64(_mm512_srli_epi64(off, 3), (const void *)sign, 1),
+                                      _mm512_and_si512(off, seven));
+        __m512i s0 = _mm512_and_si512(v, one);
+        __m512i raw = _mm512_and_si512(_mm512_srli_epi64(v, 1), _mm512_sub_epi64(_mm512_sllv_epi64(one, nraw), one));
+        __m512i head = _mm512_and_si512(_mm512_sub_epi64(_mm512_setzero_si512(), s0),
+                                        _mm512_sub_epi64(_mm512_sllv_epi64(one, fc), one));
+        __m512i w = _mm512_or_si512(head, _mm512_sllv_epi64(_mm512_xor_si512(s0, one), fc));
+        w = _mm512_or_si512(w, _mm512_sllv_epi64(raw, _mm512_add_epi64(fc, one)));
+        _mm512_storeu_si512(sw + c, _mm512_and_si512(w, all));
+        k = end;
+    }
+    *ks = k;
+    return c;
+}
+
 /* The per-page constants of assemble_16_avx512 (mid width w <= 8): qword lane j of the
  * permuted mid bytes holds bytes j*w.. of a group of 64 fields, and byte i of it the
  * field at bit i*w (vpmultishiftqb). */
@@ -614,6 +654,14 @@ use_gather(void)
 int
 have_avx512_bw(void)
 {
+    return 0;
+}
+
+size_t
+plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
+                   uint32_t nrows, size_t C)
+{
+    (void)sw; (void)f; (void)sign; (void)len; (void)ks; (void)nrows; (void)C;
     return 0;
 }
 
