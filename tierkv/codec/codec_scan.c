@@ -96,18 +96,36 @@ plane_side(Enc *E, size_t p, int kc)
     const size_t C = E->lay->chans;
     const uint32_t emask = (1u << E->lay->ebits) - 1;
     const uint16_t *cmax = E->cmax + p * C;
-    uint32_t hist[256] = {0};
-    for (size_t c = 0; c < C; c++) hist[cmax[c]]++;
-    int base = 0;
-    for (int v = 1; v <= (int)emask; v++)
-        if (hist[v] > hist[base]) base = v;
+    /* four histograms: most channels share a maximum, and one table's increments
+     * would wait on each other */
+    uint32_t hist[4][256] = {{0}};
+    uint32_t lo = emask, hi = 0;
+    size_t c = 0;
+    for (; c + 4 <= C; c += 4)
+        for (int j = 0; j < 4; j++) hist[j][cmax[c + j]]++;
+    for (; c < C; c++) hist[0][cmax[c]]++;
+    for (c = 0; c < C; c++) {
+        lo = cmax[c] < lo ? cmax[c] : lo;
+        hi = cmax[c] > hi ? cmax[c] : hi;
+    }
+    int base = 0;   /* the most common maximum, the smallest of equals */
+    uint32_t best = 0;
+    for (uint32_t v = lo; v <= hi && C; v++) {
+        uint32_t n = hist[0][v] + hist[1][v] + hist[2][v] + hist[3][v];
+        if (n > best) {
+            best = n;
+            base = (int)v;
+        }
+    }
     E->base[p] = (uint8_t)base;
-    for (size_t c = 0; c < C; c++) {
+    uint32_t n[4][SIDE_ALPHA] = {{0}};
+    for (c = 0; c < C; c++) {
         int d = (int)cmax[c] - base + SIDE_CENTER;
         uint8_t s = (d >= 0 && d < SIDE_ALPHA - 1) ? (uint8_t)d : SIDE_ALPHA - 1;
         E->side[p * C + c] = s;
-        E->counts[CTX_SIDE(kc)][s]++;
+        n[c & 3][s]++;
     }
+    for (int s = 0; s < SIDE_ALPHA; s++) E->counts[CTX_SIDE(kc)][s] += n[0][s] + n[1][s] + n[2][s] + n[3][s];
 }
 
 /* First sign flip of each channel over the plane's coded rows (nrows = none). */
@@ -144,12 +162,16 @@ plane_flip_counts(Enc *E, size_t p, int kc)
     const Layout *lay = E->lay;
     const size_t C = lay->chans;
     const uint32_t n = E->nrows[p], *f = E->fpos + p * C;
+    uint32_t h[4][FLIP_ALPHA_MAX] = {{0}};
+    uint64_t raw = 0;
     for (size_t c = 0; c < C; c++) {
         uint32_t sym = f[c] - 1;
         if (lay->flip_esc >= 0 && sym >= (uint32_t)lay->flip_esc) sym = (uint32_t)lay->flip_esc;
-        E->counts[CTX_FLIP(kc)][sym]++;
-        E->flip_raw[kc] += 1 + (f[c] < n ? n - 1 - f[c] : 0);
+        h[c & 3][sym]++;
+        raw += 1 + (f[c] < n ? n - 1 - f[c] : 0);
     }
+    E->flip_raw[kc] += raw;
+    for (int s = 0; s < lay->flip_alpha; s++) E->counts[CTX_FLIP(kc)][s] += h[0][s] + h[1][s] + h[2][s] + h[3][s];
 }
 
 /* Main symbols (exponent residual and hi bits) and the low-bit histogram. */

@@ -344,7 +344,7 @@ analyse_plane_16_avx512(Enc *E, size_t p, int kc)
     __m512i kmask[MAX_LO + 1];
     for (int k = 1; k <= MAX_LO; k++) kmask[k] = _mm512_set1_epi16((short)((1 << k) - 1));
     uint64_t nonzero[MAX_LO + 1] = {0};
-    uint32_t cm[4][256] = {{0}};
+    uint32_t cm[4][256] = {{0}};   /* four tables: a run of one symbol would wait on its own counts */
     for (size_t t = 0; t < T; t++) {
         if (dup[t]) continue;
         const uint16_t *row = plane + t * C;
@@ -518,7 +518,9 @@ unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t k, i
 }
 
 /* Mid fields of a row of 8- or 16-bit elements (bits shift.. shift+w-1 of each, w <= 7)
- * packed into the bit writer eight at a time by pext; returns how many it packed. */
+ * packed into the bit writer eight at a time by pext; returns how many it packed. Where
+ * the writer is at a byte boundary (rows of a multiple of 8 channels keep it there),
+ * eight fields are w whole bytes, stored straight into the stream. */
 __attribute__((target("bmi2"))) size_t
 pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, int w)
 {
@@ -526,6 +528,19 @@ pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, 
     const uint64_t m8 = 0x0101010101010101ull * f, m16 = 0x0001000100010001ull * f;
     size_t c = 0;
     if (w > 7) return 0;
+    if ((bw->n & 7) == 0 && !bw->overflow) {
+        for (; bw->n > 0; bw->n -= 8, bw->acc >>= 8) {   /* the pending whole bytes first */
+            if (bw->p >= bw->end) return 0;   /* nothing packed yet: the caller's bw_put reports it */
+            *bw->p++ = (uint8_t)bw->acc;
+        }
+        bw->acc = 0;
+        for (; c + 8 <= C && bw->end - bw->p >= 8; c += 8, bw->p += w) {
+            uint64_t v = isz == 1 ? _pext_u64(rd_u64(row + c), m8)
+                                  : _pext_u64(rd_u64(row + 2 * c), m16)
+                                        | _pext_u64(rd_u64(row + 2 * c + 8), m16) << (4 * w);
+            wr_u64(bw->p, v);   /* 8w <= 56 bits; the bytes above them are the next group's */
+        }
+    }
     for (; c + 8 <= C; c += 8) {
         if (isz == 1) {
             bw_put(bw, (uint32_t)_pext_u64(rd_u64(row + c), m8), 4 * w);   /* 8w bits: two puts */
