@@ -57,6 +57,12 @@ def test_bench_fields(kv_file: Path) -> None:
         assert key in result
     assert 0 < result["ratio"] <= 1.01  # type: ignore[operator]
     assert set(result["dtypes"]) == {"bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}  # type: ignore[arg-type]
+    # the threaded figures come from a batch of about 8 MB, with their scaling over one thread
+    pages, batch, pb = result["pages"], result["batch_pages"], result["page_bytes"]
+    assert isinstance(pages, int) and isinstance(batch, int) and isinstance(pb, int)
+    assert result["threads"] == 2 and batch % pages == 0 and (8 << 20) - pages * pb < batch * pb <= 8 << 20
+    for key in ("compress_gbps_threads", "decompress_gbps_threads", "compress_scaling", "decompress_scaling"):
+        assert isinstance(result[key], float) and result[key] > 0
     json.dumps(result)
     for key in KEYS[3:]:
         baseline = "zipnn" if key.startswith("zipnn") else "zstandard"
