@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,3 +33,82 @@ def test_cli_codec_store_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["bench", "codec-store", "--quick", "--json", "--dir", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"none", "lossless", "capacity_gain", "space_ratio", "put_ratio", "get_ratio"} <= set(out)
+    assert out["auto"]["mode"] == "auto" and out["auto"]["reason"].startswith("auto, ")
+    assert out["throttled"] == []
+
+
+def test_device_mbps_is_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("0", "-5", "fast", "300,"):
+        assert main(["bench", "codec-store", "--json", "--dir", str(tmp_path), "--device-mbps", bad]) == 2
+        assert "--device-mbps" in capsys.readouterr().err
+    assert main(["bench", "codec", "--device-mbps", "300"]) == 2
+    assert "--device-mbps is for the codec-store suite" in capsys.readouterr().err
+
+
+def _throttle_available(path: Path) -> str | None:
+    """Why the kernel's block throttle cannot run here (device_throttle's own refusal:
+    not root, no block device, no controller), or None."""
+    from tierkv.bench.throttle import device_throttle
+    from tierkv.errors import InputError
+
+    try:
+        with device_throttle(path, 10**9):
+            pass
+    except InputError as e:
+        return str(e)
+    return None
+
+
+def test_device_throttle_paces_o_direct_io_and_cleans_up(tmp_path: Path) -> None:
+    """The throttle the codec-store bench uses is the kernel's: O_DIRECT reads of 16 MiB
+    capped at 8 MB/s take most of two seconds (its first time slice lets under a MB
+    through), the cgroup accounts for them, and afterwards this process is back where it
+    was and the cgroup is gone."""
+    why = _throttle_available(tmp_path)
+    if why:
+        pytest.skip(why)
+    import mmap
+    import time
+
+    from tierkv.bench.throttle import device_throttle, throttled_bytes
+
+    size = 16 << 20
+    path = tmp_path / "blob"
+    buf = mmap.mmap(-1, size)   # page-aligned, as O_DIRECT wants
+    buf.write(os.urandom(size))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.pwrite(fd, buf, 0)
+        os.fsync(fd)
+        before = Path("/proc/self/cgroup").read_text()
+        with device_throttle(tmp_path, 8_000_000) as cap:
+            group = Path(str(cap["cgroup"]))
+            assert str(os.getpid()) in (group / "cgroup.procs").read_text().split()
+            t = time.monotonic()
+            assert os.preadv(fd, [buf], 0) == size
+            elapsed = time.monotonic() - t
+            if cap["version"] == 1:
+                assert throttled_bytes((group / "blkio.throttle.io_service_bytes").read_text(),
+                                       str(cap["device"])) >= size
+        assert elapsed > 1.2, f"16 MiB at 8 MB/s took {elapsed:.2f} s: the throttle did not pace the reads"
+        assert Path("/proc/self/cgroup").read_text() == before and not group.exists()
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+@requires_kv
+def test_codec_store_bench_on_a_throttled_disk(tmp_path: Path) -> None:
+    why = _throttle_available(tmp_path)
+    if why:
+        pytest.skip(why)
+    out = run_codec_store_bench(runs=1, where=str(tmp_path), copies=1, capacity_pages=8, device_mbps=[400])
+    runs = out["throttled"]
+    assert isinstance(runs, list) and len(runs) == 1
+    t: Any = runs[0]
+    assert t["device_mbps"] == 400 and t["pages"] * out["page_bytes"] >= 200e6   # half a second of raw reads
+    for codec in ("none", "lossless"):
+        assert t[codec]["put_gbps"] > 0 and t[codec]["get_gbps"] > 0
+    assert t["none"]["get_gbps"] < 0.6   # paced near 0.4 GB/s (the first slice's burst aside)
+    assert t["auto"]["mode"] == "auto" and t["auto"]["read_gbps"] < 0.6
+    json.dumps(out)

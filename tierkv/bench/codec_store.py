@@ -7,7 +7,10 @@ and get GB/s of raw page bytes (median of ``runs``; a put includes the fdatasync
 index commit, a get the checksum of every page), every page read back checked byte for
 byte; and capacity: how many raw-page equivalents of the tier the
 pages take, and how many pages a tier sized for ``capacity_pages`` raw pages holds
-before its first eviction. Called by the CLI; returns one JSON-ready dict.
+before its first eviction; what ``codec = "auto"`` chooses on this disk, and why; and,
+with ``device_mbps``, the same at each of those disk rates (the kernel's block throttle,
+:mod:`tierkv.bench.throttle`), which shows where coding makes reads faster. Called by
+the CLI; returns one JSON-ready dict.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +27,7 @@ from tierkv.store.api import Store
 from tierkv.bench import check_dir
 from tierkv.bench.codec import kv_pages, load_kv
 from tierkv.config import NvmeConfig, StoreConfig
+from tierkv.errors import InputError
 from tierkv.layout import DType, KVLayout
 from tierkv.tiers.aligned import round_up
 
@@ -73,13 +78,57 @@ def _capacity(layout: KVLayout, rows: np.ndarray, codec: str, capacity_pages: in
     return rows.shape[0]
 
 
+def _auto_choice(layout: KVLayout, rows: np.ndarray, where: str | None) -> dict[str, object]:
+    """What ``codec = "auto"`` (no bandwidth hint) decides here: a put and a get of half
+    the pages measure the tier both ways, then a put of the rest is decided on them."""
+    half = rows.shape[0] // 2
+    with tempfile.TemporaryDirectory(dir=where) as d, _store(d, layout, 2 * rows.shape[0], "auto") as s:
+        toks = _tokens(rows.shape[0], layout.tokens_per_page, 7)
+        first = toks[:half * layout.tokens_per_page]
+        s.put(first, rows[:half])
+        s.get(first, np.empty_like(rows[:half]))
+        s.put(toks, rows)
+        choice = s.stats().tiers["nvme"].codec
+    return dict(choice or {})
+
+
+def _throttled(layout: KVLayout, rows: np.ndarray, runs: int, where: str | None, mbps: float) -> dict[str, object]:
+    """Both codecs (and auto's choice) with this process's I/O on the disk under
+    ``where`` capped at ``mbps`` MB/s by the kernel (tierkv.bench.throttle)."""
+    from tierkv.bench.throttle import device_throttle
+
+    rate = int(mbps * 1e6)
+    # at least half a second of raw reads at the capped rate: the throttle's first time
+    # slice lets a burst through
+    reps = max(1, -(-rate // 2 // rows.nbytes))
+    batch = np.ascontiguousarray(np.tile(rows, (reps, 1)))
+    out: dict[str, object] = {"device_mbps": mbps, "pages": batch.shape[0]}
+    with device_throttle(where or tempfile.gettempdir(), rate) as cap:
+        out["device"] = cap["device"]
+        for codec in MODES:
+            out[codec] = _throughput(layout, batch, codec, runs, where)
+        out["auto"] = _auto_choice(layout, batch, where)
+    none, lossless = out["none"], out["lossless"]
+    assert isinstance(none, dict) and isinstance(lossless, dict)
+    out["put_ratio"] = lossless["put_gbps"] / none["put_gbps"]
+    out["get_ratio"] = lossless["get_gbps"] / none["get_gbps"]
+    return out
+
+
 def run_codec_store_bench(kv_path: str | Path | None = None, page_tokens: int = 16, runs: int = 3,
-                          where: str | None = None, copies: int = 8, capacity_pages: int = 16) -> dict[str, object]:
+                          where: str | None = None, copies: int = 8, capacity_pages: int = 16,
+                          device_mbps: Sequence[float] = ()) -> dict[str, object]:
     """Both codecs over the same pages in one run; ``copies`` tiles the file's pages.
-    ``where`` (``--dir``, None: a temporary directory) must be a writable directory."""
+    ``where`` (``--dir``, None: a temporary directory) must be a writable directory.
+    ``device_mbps`` adds, per rate, both codecs (and what ``auto`` chooses) on the same
+    disk capped at that many MB/s by the kernel's block throttle (``throttled``)."""
     check_dir(where)
+    for mbps in device_mbps:
+        if not mbps > 0:
+            raise InputError(f"--device-mbps: rates must be positive MB/s, got {mbps}")
     path, layers = load_kv(kv_path)
     layout, rows = kv_pages(layers, page_tokens, DType.BF16)
+    sample = rows
     rows = np.ascontiguousarray(np.tile(rows, (copies, 1)))
     out: dict[str, object] = {"kv_file": str(path), "page_bytes": layout.page_bytes, "pages": rows.shape[0],
                               "capacity_pages": capacity_pages}
@@ -93,4 +142,6 @@ def run_codec_store_bench(kv_path: str | Path | None = None, page_tokens: int = 
     out["space_ratio"] = lossless["raw_page_equivalents_used"] / none["raw_page_equivalents_used"]
     out["put_ratio"] = lossless["put_gbps"] / none["put_gbps"]
     out["get_ratio"] = lossless["get_gbps"] / none["get_gbps"]
+    out["auto"] = _auto_choice(layout, rows, where)
+    out["throttled"] = [_throttled(layout, sample, runs, where, mbps) for mbps in device_mbps]
     return out

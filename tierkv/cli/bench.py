@@ -75,6 +75,9 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
                     "rate in Mbit/s (default 400)")
     bp.add_argument("--dir", metavar="DIR", help="directory for the files of the store, codec-store and scale "
                     "suites (default: a temporary one; codec and net write none)")
+    bp.add_argument("--device-mbps", metavar="R,R,...", help="codec-store: also measure with this process's I/O "
+                    "on the disk under --dir capped at each rate in MB/s by the kernel's block throttle (root; a "
+                    "cgroup blkio or io controller): where coding makes reads faster")
     bp.add_argument("--runs", type=int, default=None, metavar="N", help="repetitions per measurement")
     bp.add_argument("--budgets", metavar="B,B,...", help="lossy: average bits per element to code at "
                     "(default 2.5,3,4,8; 2.5,4 with --quick)")
@@ -96,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--requests and --storage-mbit are for the dualpath suite, not {args.suite}")
     if (args.budgets is not None or args.text is not None) and args.suite != "lossy":
         raise InputError(f"--budgets and --text are for the lossy suite, not {args.suite}")
+    if args.device_mbps is not None and args.suite != "codec-store":
+        raise InputError(f"--device-mbps is for the codec-store suite, not {args.suite}")
     if (args.nodes is not None or args.lease is not None) and args.suite != "cluster":
         raise InputError(f"--nodes and --lease are for the cluster suite, not {args.suite}")
     if args.suite == "scale":
@@ -134,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         from tierkv.bench.codec_store import run_codec_store_bench
 
         result = run_codec_store_bench(kv_source(args.kv), args.page_tokens, args.runs or (1 if args.quick else 3),
-                                       where=args.dir, copies=2 if args.quick else 8)
+                                       where=args.dir, copies=2 if args.quick else 8,
+                                       device_mbps=_rates(args.device_mbps))
     else:
         from tierkv.bench.headline import run
 
@@ -376,6 +382,19 @@ def codec_tables(r: Mapping[str, object]) -> Iterator[Table]:
                      rows, caption=caption if what == "decompress" else None)
 
 
+def _rates(text: str | None) -> list[float]:
+    """``--device-mbps R,R,...`` as positive floats."""
+    if text is None:
+        return []
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise InputError(f"--device-mbps must be comma-separated MB/s, e.g. 300,600; got {text!r}") from None
+    if not rates or not all(r > 0 for r in rates):
+        raise InputError(f"--device-mbps rates must be positive MB/s, got {text!r}")
+    return rates
+
+
 def codec_store_tables(r: Mapping[str, object]) -> Iterator[Table]:
     cap = r.get("capacity_pages")
     rows: list[Sequence[object]] = [(m, *(_map(r.get(m)).get(k) for k in ("put_gbps", "get_gbps",
@@ -387,7 +406,17 @@ def codec_store_tables(r: Mapping[str, object]) -> Iterator[Table]:
                  ("codec", "put GB/s", "get GB/s", "space used", f"pages in {cap} slots"), rows,
                  caption=f"space used: slots per page (1 = uncoded); pages in {cap} slots: held by a tier sized "
                          f"for {cap} raw pages before its first eviction; every page read back checked; "
-                         f"{r.get('kv_file')}")
+                         f"{r.get('kv_file')}; auto: {_map(r.get('auto')).get('reason')}")
+    throttled = _maps(r.get("throttled"))
+    if throttled:
+        yield _table("the same disk capped by the kernel's block throttle",
+                     ("disk MB/s", "pages", "none put", "none get", "lossless put", "lossless get", "get lossless/none",
+                      "auto codes"),
+                     [(t.get("device_mbps"), t.get("pages"), _map(t.get("none")).get("put_gbps"),
+                       _map(t.get("none")).get("get_gbps"), _map(t.get("lossless")).get("put_gbps"),
+                       _map(t.get("lossless")).get("get_gbps"), t.get("get_ratio"), _map(t.get("auto")).get("coding"))
+                      for t in throttled],
+                     caption="GB/s of raw page bytes; auto: what codec = \"auto\" chose after measuring the capped disk")
 
 
 def net_tables(r: Mapping[str, object]) -> Iterator[Table]:
