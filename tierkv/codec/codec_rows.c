@@ -240,6 +240,24 @@ assemble_16_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, si
     return res;
 }
 
+/* The same for 8-bit rows (FP8). */
+static uint32_t
+assemble_8_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, size_t k0, uint8_t *out)
+{
+    const Layout *lay = D->lay;
+    const size_t C = lay->chans;
+    const int w = D->pr.mid;
+    const uint64_t mask = (1ull << w) - 1;
+    uint8_t *mv = (uint8_t *)D->midv;
+    uint32_t res = 0;
+    size_t c = assemble_8_avx512(out, sym, sw, k & 63, D->cmax8, D->mid + k0 * (size_t)w / 8, D->perm, D->shift,
+                                 C, lay, &D->pr, &res);
+    for (size_t j = c; j < C; j++) mv[j] = (uint8_t)(bits_at(D->mid, D->mid_len, (k0 + j) * (size_t)w) & mask);
+    if (c < C) res |= combine_8(out + c, sym + c, sw + c, k & 63, D->cmax8 + c, mv + c, C - c, lay, &D->pr);
+    D->kmid += C;
+    return res;
+}
+
 /* Row k (the plane's k-th coded row) from its symbols: mid bits, signs, exponents. */
 void
 assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out)
@@ -251,6 +269,8 @@ assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out)
     size_t k0 = D->kmid;
     if (lay->itemsize == 2 && D->vbmi && D->pr.mid <= 8 && C % 8 == 0) {
         res = assemble_16_fused(D, sym, sw, k, k0, (uint16_t *)out);
+    } else if (lay->itemsize == 1 && D->vbmi && C % 8 == 0) {
+        res = assemble_8_fused(D, sym, sw, k, k0, out);
     } else {
         row_mids(D, D->midv, lay->itemsize);
         if (lay->itemsize == 2 && D->simd)

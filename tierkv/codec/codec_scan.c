@@ -219,6 +219,10 @@ analyse_plane(Enc *E, size_t p)
         analyse_plane_16_avx512(E, p, kc);
         return;
     }
+    if (E->lay->itemsize == 1 && E->avx512bw && E->lay->chans % 64 == 0) {
+        analyse_plane_8_avx512(E, p, kc);
+        return;
+    }
     switch (E->lay->itemsize) {
     case 1: plane_maxima(E, p, kc, 1); plane_flips(E, p, kc, 1); plane_symbols(E, p, kc, 1); break;
     case 2: plane_maxima(E, p, kc, 2); plane_flips(E, p, kc, 2); plane_symbols(E, p, kc, 2); break;

@@ -429,6 +429,99 @@ plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t 
     return c;
 }
 
+/* Bytes shifted right (left) by n < 8: 16-bit shifts, then the bits that crossed from
+ * the neighbouring byte masked off. */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512i
+srl8(__m512i v, int n)
+{
+    return _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm512_set1_epi8((char)(0xFF >> n)));
+}
+
+__attribute__((target("avx512f,avx512bw"))) static inline __m512i
+sll8(__m512i v, int n)
+{
+    return _mm512_and_si512(_mm512_sll_epi16(v, _mm_cvtsi32_si128(n)), _mm512_set1_epi8((char)(0xFF << n)));
+}
+
+/* analyse_plane_16_avx512 for 8-bit elements (FP8, chans % 64 == 0): the same passes
+ * and results, sixty-four channels a step in bytes (first flips sixteen a step). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void
+analyse_plane_8_avx512(Enc *E, size_t p, int kc)
+{
+    const Layout *lay = E->lay;
+    const Params *pr = &E->pr;
+    const size_t C = lay->chans, T = lay->tokens;
+    const uint8_t *plane = E->src + p * T * C;
+    const uint8_t *dup = E->dup + p * T;
+    const __m512i emask = _mm512_set1_epi8((char)((1 << lay->ebits) - 1));
+    uint16_t *cmax = E->cmax + p * C;
+    for (size_t c = 0; c < C; c += 64) {
+        __m512i acc = _mm512_setzero_si512();
+        for (size_t t = 0; t < T; t++)
+            if (!dup[t]) acc = _mm512_max_epu8(acc, _mm512_and_si512(srl8(_mm512_loadu_si512(plane + t * C + c), lay->mbits),
+                                                                     emask));
+        _mm512_storeu_si512(cmax + c, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(acc)));
+        _mm512_storeu_si512(cmax + c + 32, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(acc, 1)));
+    }
+    plane_side(E, p, kc);
+
+    const uint32_t none = E->nrows[p];
+    uint32_t *f = E->fpos + p * C;
+    const __m128i sbit = _mm_set1_epi8((char)0x80);
+    for (size_t c = 0; c < C; c += 16) {
+        __m128i v0 = _mm_loadu_si128((const __m128i *)(plane + c));   /* row 0 never repeats */
+        __m512i fv = _mm512_set1_epi32((int)none);
+        uint32_t k = 1;
+        for (size_t t = 1; t < T; t++) {
+            if (dup[t]) continue;
+            __mmask16 diff = _mm_test_epi8_mask(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(plane + t * C + c)), v0), sbit);
+            __mmask16 open = _mm512_cmpeq_epi32_mask(fv, _mm512_set1_epi32((int)none));
+            fv = _mm512_mask_mov_epi32(fv, diff & open, _mm512_set1_epi32((int)k));
+            k++;
+        }
+        _mm512_storeu_si512(f + c, fv);
+    }
+    plane_flip_counts(E, p, kc);
+
+    const int hshift = lay->mbits - pr->hi;
+    const __m512i mmask = _mm512_set1_epi8((char)((1 << lay->mbits) - 1));
+    const __m512i rmax = _mm512_set1_epi8((char)lay->rmax), esc = _mm512_set1_epi8((char)pr->esc);
+    const __m512i restmask = _mm512_set1_epi8((char)((1 << hshift) - 1));
+    __m512i kmask[MAX_LO + 1];
+    for (int k = 1; k <= MAX_LO; k++) kmask[k] = _mm512_set1_epi8((char)((1 << k) - 1));
+    uint64_t nonzero[MAX_LO + 1] = {0};
+    uint32_t cm[4][256] = {{0}};
+    uint8_t cmax8[64];
+    for (size_t t = 0; t < T; t++) {
+        if (dup[t]) continue;
+        const uint8_t *row = plane + t * C;
+        uint8_t *sym = E->sym + (p * T + t) * C, *lov = E->lov + (p * T + t) * C;
+        for (size_t c = 0; c < C; c += 64) {
+            __m512i v = _mm512_loadu_si512(row + c);
+            _mm256_storeu_si256((__m256i *)cmax8, _mm512_cvtepi16_epi8(_mm512_loadu_si512(cmax + c)));
+            _mm256_storeu_si256((__m256i *)(cmax8 + 32), _mm512_cvtepi16_epi8(_mm512_loadu_si512(cmax + c + 32)));
+            __m512i e = _mm512_and_si512(srl8(v, lay->mbits), emask), m = _mm512_and_si512(v, mmask);
+            __m512i r = _mm512_sub_epi8(_mm512_loadu_si512(cmax8), e);
+            __m512i code = _mm512_or_si512(sll8(r, pr->hi), srl8(m, hshift));
+            _mm512_storeu_si512(sym + c, _mm512_mask_mov_epi8(esc, _mm512_cmplt_epu8_mask(r, rmax), code));
+            __m512i lo = srl8(_mm512_and_si512(m, restmask), pr->tz);
+            _mm512_storeu_si512(lov + c, lo);
+            for (int k = 1; k <= MAX_LO; k++)
+                nonzero[k] += (uint64_t)__builtin_popcountll(_mm512_test_epi8_mask(lo, kmask[k]));
+        }
+        for (size_t c = 0; c < C; c += 4) {
+            cm[0][sym[c]]++;
+            cm[1][sym[c + 1]]++;
+            cm[2][sym[c + 2]]++;
+            cm[3][sym[c + 3]]++;
+        }
+        E->coded_elems += C;
+        E->elems_kc[kc] += C;
+    }
+    for (int i = 0; i < 256; i++) E->counts[CTX_MAIN(kc)][i] += cm[0][i] + cm[1][i] + cm[2][i] + cm[3][i];
+    for (int k = 1; k <= MAX_LO; k++) E->lo_nonzero[k] += nonzero[k];
+}
+
 /* The per-page constants of assemble_16_avx512 (mid width w <= 8): qword lane j of the
  * permuted mid bytes holds bytes j*w.. of a group of 64 fields, and byte i of it the
  * field at bit i*w (vpmultishiftqb). */
@@ -485,6 +578,44 @@ assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32
             v = _mm512_mask_mov_epi16(v, (__mmask32)(sg >> (32 * h)), _mm512_or_si512(v, signbit));
             _mm512_storeu_si512(out + c + 32 * h, v);
         }
+    }
+    *res |= (uint32_t)(bad != 0) | (uint32_t)(any_esc != 0) << 1;
+    return c;
+}
+
+/* assemble_16_avx512 for 8-bit elements (FP8): sixty-four channels a step, all in bytes. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) size_t
+assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+                  const uint8_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                  size_t C, const Layout *lay, const Params *pr, uint32_t *res)
+{
+    const int w = pr->mid;
+    const __m512i vperm = _mm512_loadu_si512(perm), vshift = _mm512_loadu_si512(shift);
+    const __m512i wmask = _mm512_set1_epi8((char)((1u << w) - 1));
+    const __m512i himask = _mm512_set1_epi8((char)((1 << pr->hi) - 1));
+    const __m512i emask = _mm512_set1_epi8((char)((1 << lay->ebits) - 1));
+    const __m512i esc = _mm512_set1_epi8((char)pr->esc), bit = _mm512_set1_epi64((long long)(1ull << kbit));
+    const __m512i signbit = _mm512_set1_epi8((char)0x80);
+    const int hshift = lay->mbits - pr->hi, midshift = pr->tz + pr->lo;
+    const __mmask64 need = w ? (__mmask64)(~0ull >> (64 - 8 * w)) : 0;
+    __mmask64 bad = 0, any_esc = 0;
+    size_t c = 0;
+    for (; c + 64 <= C; c += 64) {
+        __m512i m = _mm512_maskz_loadu_epi8(need, mid + c / 8 * (size_t)w);
+        m = _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, m)), wmask);
+        __mmask64 sg = 0;
+        for (int q = 0; q < 8; q++)
+            sg |= (__mmask64)_mm512_test_epi64_mask(_mm512_loadu_si512(sw + c + 8 * q), bit) << (8 * q);
+        __m512i s = _mm512_loadu_si512(sym + c), cm = _mm512_loadu_si512(cmax + c);
+        __m512i r = srl8(s, pr->hi);
+        __mmask64 is_esc = _mm512_cmpeq_epi8_mask(s, esc);
+        bad |= _mm512_mask_cmpgt_epu8_mask(~is_esc, r, cm);
+        any_esc |= is_esc;
+        __m512i v = sll8(_mm512_and_si512(_mm512_sub_epi8(cm, r), emask), lay->mbits);
+        v = _mm512_or_si512(v, sll8(_mm512_and_si512(s, himask), hshift));
+        v = _mm512_or_si512(v, sll8(m, midshift));
+        v = _mm512_mask_mov_epi8(v, sg, _mm512_or_si512(v, signbit));
+        _mm512_storeu_si512(out + c, v);
     }
     *res |= (uint32_t)(bad != 0) | (uint32_t)(any_esc != 0) << 1;
     return c;
@@ -673,6 +804,16 @@ have_avx512_bw(void)
 }
 
 size_t
+assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+                  const uint8_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                  size_t C, const Layout *lay, const Params *pr, uint32_t *res)
+{
+    (void)out; (void)sym; (void)sw; (void)kbit; (void)cmax; (void)mid; (void)perm; (void)shift; (void)C;
+    (void)lay; (void)pr; (void)res;
+    return 0;
+}
+
+size_t
 plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
                    uint32_t nrows, size_t C)
 {
@@ -689,6 +830,12 @@ or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
 
 void
 analyse_plane_16_avx512(Enc *E, size_t p, int kc)
+{
+    (void)E; (void)p; (void)kc;
+}
+
+void
+analyse_plane_8_avx512(Enc *E, size_t p, int kc)
 {
     (void)E; (void)p; (void)kc;
 }
