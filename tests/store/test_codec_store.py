@@ -120,7 +120,7 @@ def test_auto_follows_the_bandwidth(tmp_path: Path, real: tuple[KVLayout, np.nda
         path = tmp_path / str(gbps)
         with Store.open(config(path, layout, nvme_pages=32, codec="auto", bandwidth_gbps=gbps)) as s:
             assert s.stats().tiers["nvme"].codec == {
-                "mode": "auto", "coding": None, "reason": "auto: nothing stored yet", "ratio": None,
+                "mode": "auto", "coding": None, "reason": "auto: nothing stored since the tier opened", "ratio": None,
                 "encode_gbps": None, "decode_gbps": None, "write_gbps": gbps, "read_gbps": gbps}
             s.put(prompt(0, 32), rows)
             choice = s.stats().tiers["nvme"].codec
@@ -135,7 +135,7 @@ def test_auto_follows_the_bandwidth(tmp_path: Path, real: tuple[KVLayout, np.nda
         assert 0.5 < float(figures[0]) < 0.75 and min(float(f) for f in figures) > 0   # type: ignore[arg-type]
         reason = str(choice["reason"])
         assert reason.startswith("auto, coded: faster both ways" if coded else "auto, raw: coding is not faster")
-        assert f"tier read {gbps:.2f}" in reason and "s/GiB coded vs" in reason
+        assert f"tier read {gbps:.3g} and write {gbps:.3g} GB/s" in reason and "s/GiB coded vs" in reason
 
 
 def test_stats_name_each_tiers_codec(tmp_path: Path, real: tuple[KVLayout, np.ndarray]) -> None:

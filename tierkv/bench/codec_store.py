@@ -32,6 +32,7 @@ from tierkv.layout import DType, KVLayout
 from tierkv.tiers.aligned import round_up
 
 MODES = ("none", "lossless")
+MAX_DEVICE_MBPS = 100_000   # --device-mbps: a cap far above any disk caps nothing
 
 
 def _store(directory: str, layout: KVLayout, pages: int, codec: str) -> Store:
@@ -98,9 +99,9 @@ def _throttled(layout: KVLayout, rows: np.ndarray, runs: int, where: str | None,
     from tierkv.bench.throttle import device_throttle
 
     rate = int(mbps * 1e6)
-    # at least half a second of raw reads at the capped rate: the throttle's first time
-    # slice lets a burst through
-    reps = max(1, -(-rate // 2 // rows.nbytes))
+    # a second of raw reads at the capped rate (at most 512 MiB): the throttle lets a
+    # burst through at the start of each busy period, which a short run would mostly be
+    reps = max(1, -(-min(rate, 512 << 20) // rows.nbytes))
     batch = np.ascontiguousarray(np.tile(rows, (reps, 1)))
     out: dict[str, object] = {"device_mbps": mbps, "pages": batch.shape[0]}
     with device_throttle(where or tempfile.gettempdir(), rate) as cap:
@@ -124,8 +125,8 @@ def run_codec_store_bench(kv_path: str | Path | None = None, page_tokens: int = 
     disk capped at that many MB/s by the kernel's block throttle (``throttled``)."""
     check_dir(where)
     for mbps in device_mbps:
-        if not mbps > 0:
-            raise InputError(f"--device-mbps: rates must be positive MB/s, got {mbps}")
+        if not 1 <= mbps <= MAX_DEVICE_MBPS:
+            raise InputError(f"--device-mbps: rates must be between 1 and {MAX_DEVICE_MBPS:,} MB/s, got {mbps}")
     path, layers = load_kv(kv_path)
     layout, rows = kv_pages(layers, page_tokens, DType.BF16)
     sample = rows

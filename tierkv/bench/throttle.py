@@ -6,8 +6,10 @@ tier is slower than this machine's disk (a network volume, a shared or older NVM
 device): the process moves into a cgroup of its own whose read and write bandwidth on
 that device is capped by the kernel (cgroup v1 ``blkio.throttle.*_bps_device``, or v2
 ``io.max``), then moves back and the cgroup is removed. Every byte still crosses the
-real device with O_DIRECT; the kernel only paces it. The throttle lets a short burst
-through at the start (its time slice), so runs should move a few times ``R`` x 0.1 s.
+real device with O_DIRECT; the kernel only paces it (on cgroup v1 direct I/O only:
+buffered writeback, such as the index's commits, is not charged to the process). The
+throttle lets a burst through at the start of each busy period (its time slice), so
+runs should move many times ``R`` x 0.1 s.
 Needs root and a mounted blkio (v1) or io (v2) controller; InputError says what is
 missing otherwise.
 """
@@ -47,10 +49,26 @@ def _own_cgroup(controller: str) -> Path:
     raise InputError(f"--device-mbps: this process is in no {controller or 'v2'} cgroup")
 
 
+def _move_back(home: Path, root: Path) -> None:
+    """Moves this process back to ``home``, or to ``root`` where ``home`` is gone (systemd
+    removes a scope the moment it empties); raises only where neither takes it."""
+    for target in (home, root):
+        try:
+            (target / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            return
+        except OSError as e:
+            err = e
+    raise InputError(f"--device-mbps: could not move this process out of its throttled cgroup ({err}); "
+                     "its disk I/O stays capped") from err
+
+
 @contextmanager
 def device_throttle(path: str | os.PathLike[str], bytes_per_s: int) -> Iterator[dict[str, object]]:
-    """Caps this process's reads and writes on the disk under ``path`` at
-    ``bytes_per_s`` for the block; yields what it set (device, cgroup, version)."""
+    """Caps this process's disk I/O on the disk under ``path`` at ``bytes_per_s`` (reads
+    and writes; on cgroup v1 direct I/O only, as buffered writeback is not charged to
+    the process) for the block; yields what it set (device, cgroup, version). Afterwards
+    the process is back in its cgroup (or the hierarchy's root where that one is gone),
+    the cgroup is removed, and an io controller it enabled at a v2 root is disabled."""
     if bytes_per_s < 1:
         raise InputError(f"--device-mbps: a rate must be positive, got {bytes_per_s} bytes/s")
     if os.geteuid() != 0:
@@ -62,23 +80,28 @@ def device_throttle(path: str | os.PathLike[str], bytes_per_s: int) -> Iterator[
                          "/sys/fs/cgroup")
     root = V2 if v2 else V1
     home = root / _own_cgroup("" if v2 else "blkio")
+    enabled_io = False
     if v2 and "io" not in (V2 / "cgroup.subtree_control").read_text().split():
         try:   # the root cgroup hands the io controller to its children
             (V2 / "cgroup.subtree_control").write_text("+io\n")
+            enabled_io = True
         except OSError as e:
-            raise InputError(f"--device-mbps: could not enable the io controller for child cgroups ({e})") from None
+            raise InputError(f"--device-mbps: could not enable the io controller for child cgroups ({e}; a "
+                             "cgroup that holds processes cannot hand controllers down)") from None
     group = root / f"tierkv-bench-{os.getpid()}"
     try:
-        group.mkdir(exist_ok=True)
+        if group.exists():
+            group.rmdir()   # left by an earlier process of this pid that was killed inside the block
+        group.mkdir()
     except OSError as e:
         raise InputError(f"--device-mbps: could not make the cgroup {group} ({e})") from None
+    stuck = False   # this process is in the group and could not leave it
     try:
         if v2:
             try:
                 (group / "io.max").write_text(f"{node} rbps={bytes_per_s} wbps={bytes_per_s}\n")
             except OSError as e:
-                raise InputError(f"--device-mbps: cgroup v2 refused io.max in {group} ({e}); is the io "
-                                 "controller enabled in cgroup.subtree_control?") from None
+                raise InputError(f"--device-mbps: cgroup v2 refused io.max in {group} ({e})") from None
         else:
             try:
                 (group / "blkio.throttle.read_bps_device").write_text(f"{node} {bytes_per_s}\n")
@@ -89,12 +112,22 @@ def device_throttle(path: str | os.PathLike[str], bytes_per_s: int) -> Iterator[
             (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
         except OSError as e:
             raise InputError(f"--device-mbps: could not move this process into {group} ({e})") from None
+        stuck = True
         try:
             yield {"device": node, "cgroup": str(group), "version": 2 if v2 else 1, "bytes_per_s": bytes_per_s}
         finally:
-            (home / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            _move_back(home, root)   # raises, naming the cgroup's cost, where nothing takes the process
+            stuck = False
     finally:
-        group.rmdir()
+        try:
+            if not stuck:   # a cgroup that still holds this process cannot go
+                group.rmdir()
+        finally:
+            if enabled_io:
+                try:
+                    (V2 / "cgroup.subtree_control").write_text("-io\n")
+                except OSError:
+                    pass   # another cgroup uses it now; enabled is what it was meant to be
 
 
 def throttled_bytes(stats: str, node: str) -> int:

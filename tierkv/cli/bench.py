@@ -390,8 +390,10 @@ def _rates(text: str | None) -> list[float]:
         rates = [float(x) for x in text.split(",")]
     except ValueError:
         raise InputError(f"--device-mbps must be comma-separated MB/s, e.g. 300,600; got {text!r}") from None
-    if not rates or not all(r > 0 for r in rates):
-        raise InputError(f"--device-mbps rates must be positive MB/s, got {text!r}")
+    from tierkv.bench.codec_store import MAX_DEVICE_MBPS
+
+    if not rates or not all(1 <= r <= MAX_DEVICE_MBPS for r in rates):   # NaN and inf fail too
+        raise InputError(f"--device-mbps rates must be between 1 and {MAX_DEVICE_MBPS:,} MB/s, got {text!r}")
     return rates
 
 

@@ -148,7 +148,7 @@ class CodecChoice:
         elif self.mode is CodecMode.LOSSLESS:
             out.update(coding=True, reason="codec = lossless: every page is coded")
         elif self._coded is None:
-            out["reason"] = "auto: nothing stored yet"
+            out["reason"] = "auto: nothing stored since the tier opened"
         elif self._weighed is None:
             out.update(coding=False, reason="auto: stored raw until the tier's write and read bandwidth are "
                                             "measured (bandwidth_gbps sets them)")
@@ -166,7 +166,7 @@ def _auto_reason(tp: CodecThroughput, write_gbps: float, read_gbps: float, coded
     parts = []
     for name, direction, gbps in (("read", Direction.READ, read_gbps), ("write", Direction.WRITE, write_gbps)):
         parts.append(f"{name} {tp.seconds(gib, gbps, direction):.3f} s/GiB coded vs {gib / (gbps * 1e9):.3f} raw")
-    figures = (f"ratio {tp.ratio:.3f}, decode {tp.decompress_gbps:.2f} and encode {tp.compress_gbps:.2f} GB/s, "
-               f"tier read {read_gbps:.2f} and write {write_gbps:.2f} GB/s")
+    figures = (f"ratio {tp.ratio:.3f}, decode {tp.decompress_gbps:.3g} and encode {tp.compress_gbps:.3g} GB/s, "
+               f"tier read {read_gbps:.3g} and write {write_gbps:.3g} GB/s")
     verdict = "coded: faster both ways" if coded else "raw: coding is not faster both ways"
     return f"auto, {verdict} ({'; '.join(parts)}; {figures})"
