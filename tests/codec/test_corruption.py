@@ -139,3 +139,69 @@ def test_resealed_damage_decodes_alike_on_every_path(kv_layers: dict) -> None:
         assert other_failed == failed
         assert other_reasons == reasons
         np.testing.assert_array_equal(out[kept], first[kept])
+
+
+@requires_native
+def test_a_context_marked_absent_decodes_alike_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A used context whose table says it holds no symbol (our encoder never writes one,
+    a hostile blob may) decodes as symbol 0 with the rANS state unchanged: the scalar
+    decoder always did; the AVX-512 search once read tables the page never wrote (a
+    review), so the result depended on the page decoded before. Built here with the
+    portable encoder: a latent BF16 page whose channels all peak at one exponent M,
+    its side context marked absent and the plane's base M + 15, so symbol 0 is M."""
+    import tierkv.codec.portable.encode as enc
+    from tierkv.codec import _codec  # type: ignore[attr-defined]
+    from tierkv.codec.portable.common import ctx_side, geometry_of
+
+    geo = (1, 1, 1, 16, 1, 64)   # bf16, latent, 1 layer, 16 tokens, 1 head of 64 channels
+    g = geometry_of(*geo)
+    original_model, original_plane = enc._model, enc._Plane.__init__
+
+    def model(g_: object, pr: object, counts: list[np.ndarray]) -> tuple[bytes, list[list[int] | None]]:
+        bits, tables = original_model(g_, pr, counts)   # type: ignore[arg-type]
+        w = enc.BitWriter()   # the same tables with the side context's presence bit 0
+        for ctx, c in enumerate(enc.contexts(g_, pr)):   # type: ignore[arg-type]
+            if not c.used:
+                continue
+            freq = None if ctx == ctx_side(0) else tables[ctx]
+            w.put(freq is not None, 1)
+            if freq is None:
+                continue
+            levels = enc.counts_to_levels(np.asarray(counts[ctx][:c.alpha], dtype=np.int64), c.pbits)
+            nz = [i for i, v in enumerate(levels) if v]
+            nb = enc.bits_for(c.alpha)
+            w.put(nz[0], nb)
+            w.put(nz[-1] - nz[0], nb)
+            for i in range(nz[0], nz[-1] + 1):
+                w.put(levels[i], enc.LEVEL_BITS)
+        tables[ctx_side(0)] = [1 << enc.contexts(g_, pr)[ctx_side(0)].pbits] + [0] * 31   # type: ignore[arg-type]
+        return w.flush(), tables
+
+    def plane(self: object, *args: object, **kwargs: object) -> None:
+        original_plane(self, *args, **kwargs)
+        self.base = int(self.cmax.max()) + 15   # type: ignore[attr-defined]
+        self.side = np.zeros_like(self.side)      # type: ignore[attr-defined]
+
+    monkeypatch.setattr(enc, "_model", model)
+    monkeypatch.setattr(enc._Plane, "__init__", plane)
+    rng = np.random.default_rng(0)
+    e = np.full((16, 64), 100, np.uint16)
+    e[1:] -= rng.integers(0, 3, (15, 64)).astype(np.uint16)
+    page = ((rng.integers(0, 2, (16, 64)) << 15) | (e << 7) | rng.integers(0, 128, (16, 64))).astype(np.uint16)
+    page_bytes = page.view(np.uint8).reshape(-1)
+    blob = bytes(enc.encode_page(g, page_bytes))
+    assert blob[5] == 1   # coded, not stored raw
+    other = np.zeros((1, page_bytes.size + 64), np.uint8)   # a page with a full side table, decoded first
+    sizes = np.zeros(1, np.int64)
+    busy = ((rng.integers(0, 65536, (16, 64)) & 0x807F) | (rng.integers(60, 127, (16, 64)) << 7)).astype(np.uint16)
+    _codec.encode_rows(busy.view(np.uint8).reshape(1, -1), other, sizes, *geo)
+    try:
+        for level in (4, 3, 1, 0):
+            _codec.set_simd(level)
+            out = np.zeros((2, page_bytes.size), np.uint8)
+            status = np.zeros(2, np.int32)
+            _codec.decode_rows([bytes(other[0, :int(sizes[0])]), blob], out, status, *geo)
+            assert status.tolist() == [0, 0], (level, status)
+            np.testing.assert_array_equal(out[1], page_bytes)
+    finally:
+        _codec.set_simd(True)

@@ -108,6 +108,7 @@ void set_simd(int allowed);   /* 2: all SIMD paths (3: symbols by search, 4: by 
 size_t decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
                           const uint16_t *start, int alpha, int pbits, const uint32_t *slots, uint8_t *out,
                           size_t nsyms);
+int have_avx512_bw(void);
 int have_avx512_vbmi(void);
 int use_gather(void);
 size_t plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
@@ -258,6 +259,6 @@ static inline void rans_put(uint32_t *x, uint8_t **pp, const EncSym *s)
 
 /* codec_simd.c: the AVX-512 rANS encoder of one row's symbols (0 where it cannot run) */
 size_t encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
-                          int alpha, int pbits);
+                          const uint16_t *freq, int alpha, int pbits);
 
 #endif

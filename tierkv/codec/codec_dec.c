@@ -100,8 +100,13 @@ read_model(Dec *D, const uint8_t *p, size_t len)
             if (first + span >= (uint32_t)alpha) return ERR_STRUCTURE;
             for (uint32_t i = first; i <= first + span; i++) levels[i] = (uint8_t)br_get(&r, LEVEL_BITS);
             if (levels_to_freqs(levels, alpha, m->freq[ctx], m->pbits[ctx]) != 0) return ERR_STRUCTURE;
-            freqs_to_starts(m->freq[ctx], alpha, m->start[ctx]);
+        } else {
+            /* A context without symbols decodes symbol 0 and leaves the state as it is
+             * (fill_slots): symbol 0 taking every slot says the same to the SIMD search. */
+            memset(m->freq[ctx], 0, sizeof(m->freq[ctx]));
+            m->freq[ctx][0] = (uint16_t)(1u << m->pbits[ctx]);
         }
+        freqs_to_starts(m->freq[ctx], alpha, m->start[ctx]);
         D->filled[ctx] = 0;   /* slot tables are built on first scalar use (ensure_slots) */
     }
     if (r.underflow || (size_t)(r.end - r.p) * 8 + (size_t)r.n >= 8) return ERR_STRUCTURE;
@@ -352,7 +357,7 @@ new_dec(const Layout *lay)
     D->cmax16 = (uint16_t *)b; b += C * 2;
     D->cmax8 = b; b += C;
     D->simd = have_avx2();
-    D->avx512 = have_avx512();
+    D->avx512 = have_avx512_bw();   /* decode_syms_avx512 is built for AVX-512 F and BW */
     D->vbmi = have_avx512_vbmi();
     D->gather = use_gather();
     D->dup = b; b += pt;

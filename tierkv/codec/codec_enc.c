@@ -164,7 +164,8 @@ put_channel_syms(const Enc *E, uint32_t *x, uint8_t **p8, int ctx, const uint8_t
                 tmp[c] = (uint8_t)(lay->flip_esc >= 0 && s >= (uint32_t)lay->flip_esc ? (uint32_t)lay->flip_esc : s);
             }
         }
-        if (encode_syms_avx512(x, p8, s8 ? s8 : tmp, C, es, E->m.alpha[ctx], E->m.pbits[ctx]) == C) return;
+        if (encode_syms_avx512(x, p8, s8 ? s8 : tmp, C, es, E->m.freq[ctx], E->m.alpha[ctx], E->m.pbits[ctx]) == C)
+            return;
     }
     for (size_t c0 = (C - 1) / LANES * LANES;; c0 -= LANES) {
         int n = (int)(C - c0 < LANES ? C - c0 : LANES);
@@ -199,7 +200,8 @@ write_rans(const Enc *E, uint8_t *end)
             if (E->dup[pp * T + t]) continue;
             const uint8_t *sym = E->sym + (pp * T + t) * C;
             if (E->avx512 && C % LANES == 0
-                    && encode_syms_avx512(x, &p8, sym, C, main, E->m.alpha[CTX_MAIN(kc)], PROB_BITS) == C)
+                    && encode_syms_avx512(x, &p8, sym, C, main, E->m.freq[CTX_MAIN(kc)], E->m.alpha[CTX_MAIN(kc)],
+                                          PROB_BITS) == C)
                 continue;
             for (size_t c0 = (C - 1) / LANES * LANES;; c0 -= LANES) {
                 int n = (int)(C - c0 < LANES ? C - c0 : LANES);
@@ -276,8 +278,8 @@ new_enc(const Layout *lay, const uint8_t *src)
     E->ndup = 0;
     E->coded_elems = 0;
     E->bmi2 = have_avx2();   /* AVX2 and BMI2 */
-    E->avx512 = have_avx512();
     E->avx512bw = have_avx512_bw();
+    E->avx512 = E->avx512bw;   /* encode_syms_avx512 is built for AVX-512 F, BW and VL */
     return alloc_enc(E) == 0 ? E : NULL;
 }
 

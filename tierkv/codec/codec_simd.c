@@ -229,12 +229,13 @@ table64(int wide, __m512i i, const __m512i *tab)
  * caller goes scalar), else nsyms. */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) size_t
 encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
-                   int alpha, int pbits)
+                   const uint16_t *freq, int alpha, int pbits)
 {
     int32_t tabs[3][64];   /* freq, start, x_max - 1 (0xFFFFFFFF for 2^32: never sheds) */
     if (alpha > 64) return 0;
     memset(tabs, 0, sizeof(tabs));
-    for (int i = 0; i < alpha; i++) {   /* absent symbols: never looked up */
+    for (int i = 0; i < alpha; i++) {   /* absent symbols (never looked up) stay 0: their EncSym is unset */
+        if (!freq[i]) continue;
         tabs[0][i] = (int32_t)es[i].freq;
         tabs[1][i] = (int32_t)es[i].start;
         tabs[2][i] = (int32_t)(uint32_t)(es[i].x_max - 1);
@@ -842,9 +843,9 @@ analyse_plane_8_avx512(Enc *E, size_t p, int kc)
 
 size_t
 encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
-                   int alpha, int pbits)
+                   const uint16_t *freq, int alpha, int pbits)
 {
-    (void)xs; (void)pp; (void)syms; (void)nsyms; (void)es; (void)alpha; (void)pbits;
+    (void)xs; (void)pp; (void)syms; (void)nsyms; (void)es; (void)freq; (void)alpha; (void)pbits;
     return 0;
 }
 
