@@ -177,10 +177,10 @@ def test_a_context_marked_absent_decodes_alike_on_every_path(monkeypatch: pytest
         tables[ctx_side(0)] = [1 << enc.contexts(g_, pr)[ctx_side(0)].pbits] + [0] * 31   # type: ignore[arg-type]
         return w.flush(), tables
 
-    def plane(self: object, *args: object, **kwargs: object) -> None:
-        original_plane(self, *args, **kwargs)
-        self.base = int(self.cmax.max()) + 15   # type: ignore[attr-defined]
-        self.side = np.zeros_like(self.side)      # type: ignore[attr-defined]
+    def plane(self: enc._Plane, g_: enc.Geometry, pr: enc.Params, u: np.ndarray, dup: np.ndarray) -> None:
+        original_plane(self, g_, pr, u, dup)
+        self.base = int(self.cmax.max()) + 15
+        self.side = np.zeros_like(self.side)
 
     monkeypatch.setattr(enc, "_model", model)
     monkeypatch.setattr(enc._Plane, "__init__", plane)
