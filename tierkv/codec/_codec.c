@@ -3,7 +3,7 @@
  *
  * This file holds the Python bindings only. The codec itself: codec_common.c (layout,
  * tables, header), codec_enc.c + codec_scan.c (encoder), codec_dec.c + codec_rows.c
- * (decoder), codec_simd.c (AVX-512, AVX2 and BMI2 paths), declared in codec_core.h;
+ * (decoder), codec_simd*.c (AVX-512, AVX2 and BMI2 paths), declared in codec_core.h;
  * tierkv/codec/FORMAT.md describes the format. Called by tierkv.codec.codec, which
  * validates arguments and threads batches; both entry points release the GIL while
  * they touch only the caller's buffers and their own scratch.

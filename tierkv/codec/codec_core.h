@@ -100,17 +100,21 @@ enum { SCRATCH_ENC_STATE, SCRATCH_ENC_ARRAYS, SCRATCH_DEC_STATE, SCRATCH_DEC_ARR
 void *scratch_get(int kind, size_t bytes);
 void scratch_trim(void);
 
-/* codec_simd.c: AVX-512 symbol decoding, the AVX2 row assembly for 16-bit elements,
- * the BMI2 unpacking of mid mantissa bits, and whether each may run here. */
+/* The SIMD paths, each doing what the scalar code does, byte for byte. codec_simd.c:
+ * whether each may run here, and set_simd's limit (2: every path the CPU has, 3: the
+ * same with the symbols' register search alone, 4: with gathers; 1: no AVX-512; 0:
+ * scalar only). */
 int have_avx2(void);
 int have_avx512(void);
-void set_simd(int allowed);   /* 2: all SIMD paths (3: symbols by search, 4: by gathers), 1: no AVX-512, 0: scalar */
-size_t decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
-                          const uint16_t *start, int alpha, int pbits, const uint32_t *slots, uint8_t *out,
-                          size_t nsyms);
 int have_avx512_bw(void);
 int have_avx512_vbmi(void);
 int use_gather(void);
+void set_simd(int allowed);
+/* codec_simd_rans.c: rANS symbols (the encoder's is declared below EncSym). */
+size_t decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
+                          const uint16_t *start, int alpha, int pbits, const uint32_t *slots, uint8_t *out,
+                          size_t nsyms);
+/* codec_simd_rows.c: the decoder's signs, mid bits and rows. */
 size_t plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
                           uint32_t nrows, size_t C);
 void assemble_16_consts(int w, uint8_t *perm, uint8_t *shift);
@@ -177,7 +181,7 @@ static inline void bw_put(BitWriter *w, uint32_t v, int nb)
     }
 }
 
-size_t pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, int w);   /* codec_simd.c */
+size_t pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, int w);   /* codec_simd_scan.c */
 
 static inline void bw_flush(BitWriter *w)
 {
@@ -257,7 +261,7 @@ static inline void rans_put(uint32_t *x, uint8_t **pp, const EncSym *s)
     *x = (q << s->pbits) + (v - q * s->freq) + s->start;
 }
 
-/* codec_simd.c: the AVX-512 rANS encoder of one row's symbols (0 where it cannot run) */
+/* codec_simd_rans.c: the AVX-512 rANS encoder of one row's symbols (0 where it cannot run) */
 size_t encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
                           const uint16_t *freq, int alpha, int pbits);
 

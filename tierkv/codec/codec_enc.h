@@ -49,7 +49,7 @@ size_t take_mid_tail(Enc *E, uint8_t *mid, size_t total_bits);
 void plane_side(Enc *E, size_t p, int kc);
 void plane_flip_counts(Enc *E, size_t p, int kc);
 
-/* codec_simd.c */
+/* codec_simd_scan.c */
 void analyse_plane_16_avx512(Enc *E, size_t p, int kc);
 void analyse_plane_8_avx512(Enc *E, size_t p, int kc);
 size_t or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift);

@@ -3,7 +3,7 @@
  * fixed-width mid mantissa bits (with the tail that came back in the rANS states), and
  * each row put together from symbols, channel maxima, signs and mid bits, then patched
  * for escapes and lo exceptions. Called by codec_dec.c; the 16-bit rows go through
- * codec_simd.c's AVX-512 VBMI pass (mid bits and assembly in one) or its AVX2 assembly
+ * codec_simd_rows.c's AVX-512 VBMI pass (mid bits and assembly in one) or its AVX2 assembly
  * where the CPU has them.
  */
 #include "codec_dec.h"
@@ -132,7 +132,7 @@ row_mids(Dec *D, void *out, int isz)
 /* out = sign | exponent | hi | mid for one row (lo bits zero), the sign being bit kbit of the
  * channel's sign mask; returns bit 0 when a residual exceeds its channel maximum, bit 1
  * when the row holds escapes (patched afterwards). The scalar loop; 16-bit rows have
- * an AVX2 version in codec_simd.c. */
+ * an AVX2 version in codec_simd_rows.c. */
 #define COMBINE_FN(NAME, T)                                                                 \
     static uint32_t                                                                         \
     NAME(T *restrict out, const uint8_t *restrict sym,                                      \
@@ -220,40 +220,33 @@ absorb_tail(Dec *D, const uint32_t *x)
     }
 }
 
-/* A 16-bit row by assemble_16_avx512 (whole chunks of 64 channels), the channels after
- * the last chunk by the scalar combine; the row's mid bits start byte aligned (k0 * mid
- * is a multiple of 8 when C is). */
+/* A 16- or 8-bit row by assemble_16_avx512 or assemble_8_avx512 (whole chunks of 64
+ * channels), the channels after the last chunk by the scalar combine; the row's mid
+ * bits start byte aligned (k0 * mid is a multiple of 8 when C is). */
 static uint32_t
-assemble_16_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, size_t k0, uint16_t *out)
+assemble_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, size_t k0, uint8_t *out)
 {
     const Layout *lay = D->lay;
     const size_t C = lay->chans;
     const int w = D->pr.mid;
     const uint64_t mask = (1ull << w) - 1;
-    uint16_t *mv = (uint16_t *)D->midv;
+    const uint8_t *mid = D->mid + k0 * (size_t)w / 8;
     uint32_t res = 0;
-    size_t c = assemble_16_avx512(out, sym, sw, k & 63, D->cmax16, D->mid + k0 * (size_t)w / 8, D->perm, D->shift,
-                                  C, lay, &D->pr, &res);
-    for (size_t j = c; j < C; j++) mv[j] = (uint16_t)(bits_at(D->mid, D->mid_len, (k0 + j) * (size_t)w) & mask);
-    if (c < C) res |= combine_16(out + c, sym + c, sw + c, k & 63, D->cmax16 + c, mv + c, C - c, lay, &D->pr);
-    D->kmid += C;
-    return res;
-}
-
-/* The same for 8-bit rows (FP8). */
-static uint32_t
-assemble_8_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, size_t k0, uint8_t *out)
-{
-    const Layout *lay = D->lay;
-    const size_t C = lay->chans;
-    const int w = D->pr.mid;
-    const uint64_t mask = (1ull << w) - 1;
-    uint8_t *mv = (uint8_t *)D->midv;
-    uint32_t res = 0;
-    size_t c = assemble_8_avx512(out, sym, sw, k & 63, D->cmax8, D->mid + k0 * (size_t)w / 8, D->perm, D->shift,
-                                 C, lay, &D->pr, &res);
-    for (size_t j = c; j < C; j++) mv[j] = (uint8_t)(bits_at(D->mid, D->mid_len, (k0 + j) * (size_t)w) & mask);
-    if (c < C) res |= combine_8(out + c, sym + c, sw + c, k & 63, D->cmax8 + c, mv + c, C - c, lay, &D->pr);
+    size_t c = lay->itemsize == 2
+        ? assemble_16_avx512((uint16_t *)out, sym, sw, k & 63, D->cmax16, mid, D->perm, D->shift, C, lay, &D->pr, &res)
+        : assemble_8_avx512(out, sym, sw, k & 63, D->cmax8, mid, D->perm, D->shift, C, lay, &D->pr, &res);
+    if (c < C) {
+        uint16_t *m16 = (uint16_t *)D->midv;
+        uint8_t *m8 = (uint8_t *)D->midv;
+        for (size_t j = c; j < C; j++) {
+            uint64_t v = bits_at(D->mid, D->mid_len, (k0 + j) * (size_t)w) & mask;
+            if (lay->itemsize == 2) m16[j] = (uint16_t)v;
+            else m8[j] = (uint8_t)v;
+        }
+        res |= lay->itemsize == 2
+            ? combine_16((uint16_t *)out + c, sym + c, sw + c, k & 63, D->cmax16 + c, m16 + c, C - c, lay, &D->pr)
+            : combine_8(out + c, sym + c, sw + c, k & 63, D->cmax8 + c, m8 + c, C - c, lay, &D->pr);
+    }
     D->kmid += C;
     return res;
 }
@@ -267,10 +260,8 @@ assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out)
     uint32_t res;
     const uint64_t *sw = D->sgw + (size_t)(k >> 6) * C;
     size_t k0 = D->kmid;
-    if (lay->itemsize == 2 && D->vbmi && D->pr.mid <= 8 && C % 8 == 0) {
-        res = assemble_16_fused(D, sym, sw, k, k0, (uint16_t *)out);
-    } else if (lay->itemsize == 1 && D->vbmi && C % 8 == 0) {
-        res = assemble_8_fused(D, sym, sw, k, k0, out);
+    if (lay->itemsize <= 2 && D->vbmi && D->pr.mid <= 8 && C % 8 == 0) {
+        res = assemble_fused(D, sym, sw, k, k0, out);
     } else {
         row_mids(D, D->midv, lay->itemsize);
         if (lay->itemsize == 2 && D->simd)

@@ -1,0 +1,289 @@
+/*
+ * The decoder's SIMD row work (codec_rows.c calls it): sign masks of a plane eight
+ * channels a step (AVX-512F), rows of 16- and 8-bit elements assembled in one pass
+ * (AVX-512 BW and VBMI: mid fields by a byte permute and a multishift, signs tested
+ * out of the channels' sign words), and where VBMI is missing the BMI2 unpacking of
+ * mid fields and the AVX2 assembly of 16-bit rows, which GCC's vectoriser does not
+ * manage (C's integer promotion widens every shift to 32 bits).
+ */
+#include "codec_simd.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+/* codec_rows.c's plane_signs for coded signs and nrows <= 56, eight channels a step:
+ * each channel's bit offset in the stream by a prefix sum of (1 + its raw rows), its
+ * word by a gather, its mask as the scalar code makes it. Stops before a group whose
+ * words would reach past the section's len bytes (the scalar code zero-pads those);
+ * returns the channels done and advances *ks past their bits. */
+__attribute__((target("avx512f"))) size_t
+plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
+                   uint32_t nrows, size_t C)
+{
+    const __m512i one = _mm512_set1_epi64(1), n = _mm512_set1_epi64(nrows), all = _mm512_set1_epi64((long long)((1ull << nrows) - 1));
+    const __m512i seven = _mm512_set1_epi64(7);
+    const __m512i up1 = _mm512_setr_epi64(0, 0, 1, 2, 3, 4, 5, 6), up2 = _mm512_setr_epi64(0, 0, 0, 1, 2, 3, 4, 5);
+    const __m512i up4 = _mm512_setr_epi64(0, 0, 0, 0, 0, 1, 2, 3), last = _mm512_set1_epi64(7);
+    size_t c = 0, k = *ks;
+    for (; c + 8 <= C; c += 8) {
+        __m512i fc = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(f + c)));
+        __m512i nraw = _mm512_sub_epi64(_mm512_sub_epi64(n, fc),
+                                        _mm512_maskz_mov_epi64(_mm512_cmplt_epu64_mask(fc, n), one));
+        __m512i inc = _mm512_add_epi64(nraw, one), sum = inc;   /* inclusive prefix sum of inc */
+        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFE, up1, sum));
+        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFC, up2, sum));
+        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xF0, up4, sum));
+        __m512i off = _mm512_add_epi64(_mm512_set1_epi64((long long)k), _mm512_sub_epi64(sum, inc));
+        size_t end = k + (size_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(_mm512_permutexvar_epi64(last, sum)));
+        if (((end >> 3) + 8) > len) break;   /* the last word read starts at most at byte end / 8 */
+        __m512i v = _mm512_srlv_epi64(_mm512_i64gather_epi64(_mm512_srli_epi64(off, 3), (const void *)sign, 1),
+                                      _mm512_and_si512(off, seven));
+        __m512i s0 = _mm512_and_si512(v, one);
+        __m512i raw = _mm512_and_si512(_mm512_srli_epi64(v, 1), _mm512_sub_epi64(_mm512_sllv_epi64(one, nraw), one));
+        __m512i head = _mm512_and_si512(_mm512_sub_epi64(_mm512_setzero_si512(), s0),
+                                        _mm512_sub_epi64(_mm512_sllv_epi64(one, fc), one));
+        __m512i w = _mm512_or_si512(head, _mm512_sllv_epi64(_mm512_xor_si512(s0, one), fc));
+        w = _mm512_or_si512(w, _mm512_sllv_epi64(raw, _mm512_add_epi64(fc, one)));
+        _mm512_storeu_si512(sw + c, _mm512_and_si512(w, all));
+        k = end;
+    }
+    *ks = k;
+    return c;
+}
+
+/* The per-page constants of assemble_16_avx512 (mid width w <= 8): qword lane j of the
+ * permuted mid bytes holds bytes j*w.. of a group of 64 fields, and byte i of it the
+ * field at bit i*w (vpmultishiftqb). */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void
+assemble_16_consts(int w, uint8_t *perm, uint8_t *shift)
+{
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 8; i++) {
+            perm[8 * j + i] = (uint8_t)(j * w + i);
+            shift[8 * j + i] = (uint8_t)(i * w);
+        }
+}
+
+/* A row of 16-bit elements, sixty-four channels a step: mid bits unpacked from the
+ * stream (fields of w <= 8 bits from byte `mid`, whole rows being byte aligned), signs
+ * from bit kbit of each channel's sign word, exponents and hi bits from the symbols.
+ * Returns how many channels it assembled (a multiple of 64) and ORs into *res bit 0
+ * when a residual exceeds its channel maximum, bit 1 when the row holds escapes. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) size_t
+assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+                   const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                   size_t C, const Layout *lay, const Params *pr, uint32_t *res)
+{
+    const int w = pr->mid;
+    const __m512i vperm = _mm512_loadu_si512(perm), vshift = _mm512_loadu_si512(shift);
+    const __m512i wmask = _mm512_set1_epi8((char)((1u << w) - 1));
+    const __m512i himask = _mm512_set1_epi16((short)((1 << pr->hi) - 1));
+    const __m512i emask = _mm512_set1_epi16((short)((1 << lay->ebits) - 1));
+    const __m512i esc = _mm512_set1_epi16((short)pr->esc), bit = _mm512_set1_epi64((long long)(1ull << kbit));
+    const __m512i signbit = _mm512_set1_epi16((short)(1u << (lay->nbits - 1)));
+    const __m128i hi = _mm_cvtsi32_si128(pr->hi), mbits = _mm_cvtsi32_si128(lay->mbits);
+    const __m128i hshift = _mm_cvtsi32_si128(lay->mbits - pr->hi), midshift = _mm_cvtsi32_si128(pr->tz + pr->lo);
+    const __mmask64 need = w ? (__mmask64)(~0ull >> (64 - 8 * w)) : 0;
+    __mmask32 bad = 0, any_esc = 0;
+    size_t c = 0;
+    for (; c + 64 <= C; c += 64) {
+        __m512i mb = _mm512_maskz_loadu_epi8(need, mid + c / 8 * (size_t)w);
+        mb = _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, mb)), wmask);
+        __mmask64 sg = 0;
+        for (int q = 0; q < 8; q++)
+            sg |= (__mmask64)_mm512_test_epi64_mask(_mm512_loadu_si512(sw + c + 8 * q), bit) << (8 * q);
+        __m512i s8 = _mm512_loadu_si512(sym + c);
+        for (int h = 0; h < 2; h++) {
+            __m512i s = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(s8, 1) : _mm512_castsi512_si256(s8));
+            __m512i m = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(mb, 1) : _mm512_castsi512_si256(mb));
+            __m512i cm = _mm512_loadu_si512(cmax + c + 32 * h);
+            __m512i r = _mm512_srl_epi16(s, hi);
+            __mmask32 is_esc = _mm512_cmpeq_epi16_mask(s, esc);
+            bad |= _mm512_mask_cmpgt_epu16_mask((__mmask32)~is_esc, r, cm);
+            any_esc |= is_esc;
+            __m512i e = _mm512_sll_epi16(_mm512_and_si512(_mm512_sub_epi16(cm, r), emask), mbits);
+            __m512i v = _mm512_or_si512(e, _mm512_sll_epi16(_mm512_and_si512(s, himask), hshift));
+            v = _mm512_or_si512(v, _mm512_sll_epi16(m, midshift));
+            v = _mm512_mask_mov_epi16(v, (__mmask32)(sg >> (32 * h)), _mm512_or_si512(v, signbit));
+            _mm512_storeu_si512(out + c + 32 * h, v);
+        }
+    }
+    *res |= (uint32_t)(bad != 0) | (uint32_t)(any_esc != 0) << 1;
+    return c;
+}
+
+/* assemble_16_avx512 for 8-bit elements (FP8): sixty-four channels a step, all in bytes. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) size_t
+assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+                  const uint8_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                  size_t C, const Layout *lay, const Params *pr, uint32_t *res)
+{
+    const int w = pr->mid;
+    const __m512i vperm = _mm512_loadu_si512(perm), vshift = _mm512_loadu_si512(shift);
+    const __m512i wmask = _mm512_set1_epi8((char)((1u << w) - 1));
+    const __m512i himask = _mm512_set1_epi8((char)((1 << pr->hi) - 1));
+    const __m512i emask = _mm512_set1_epi8((char)((1 << lay->ebits) - 1));
+    const __m512i esc = _mm512_set1_epi8((char)pr->esc), bit = _mm512_set1_epi64((long long)(1ull << kbit));
+    const __m512i signbit = _mm512_set1_epi8((char)0x80);
+    const int hshift = lay->mbits - pr->hi, midshift = pr->tz + pr->lo;
+    const __mmask64 need = w ? (__mmask64)(~0ull >> (64 - 8 * w)) : 0;
+    __mmask64 bad = 0, any_esc = 0;
+    size_t c = 0;
+    for (; c + 64 <= C; c += 64) {
+        __m512i m = _mm512_maskz_loadu_epi8(need, mid + c / 8 * (size_t)w);
+        m = _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, m)), wmask);
+        __mmask64 sg = 0;
+        for (int q = 0; q < 8; q++)
+            sg |= (__mmask64)_mm512_test_epi64_mask(_mm512_loadu_si512(sw + c + 8 * q), bit) << (8 * q);
+        __m512i s = _mm512_loadu_si512(sym + c), cm = _mm512_loadu_si512(cmax + c);
+        __m512i r = srl8(s, pr->hi);
+        __mmask64 is_esc = _mm512_cmpeq_epi8_mask(s, esc);
+        bad |= _mm512_mask_cmpgt_epu8_mask(~is_esc, r, cm);
+        any_esc |= is_esc;
+        __m512i v = sll8(_mm512_and_si512(_mm512_sub_epi8(cm, r), emask), lay->mbits);
+        v = _mm512_or_si512(v, sll8(_mm512_and_si512(s, himask), hshift));
+        v = _mm512_or_si512(v, sll8(m, midshift));
+        v = _mm512_mask_mov_epi8(v, sg, _mm512_or_si512(v, signbit));
+        _mm512_storeu_si512(out + c, v);
+    }
+    *res |= (uint32_t)(bad != 0) | (uint32_t)(any_esc != 0) << 1;
+    return c;
+}
+
+/* Mid fields k.. (w <= 7 bits each) as bytes (isz 1) or 16-bit lanes (isz 2), eight per
+ * 64-bit read, spread by pdep; returns how many it unpacked (whole groups of 8 that lie
+ * inside the stream). */
+__attribute__((target("bmi2"))) size_t
+unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t k, int w, size_t C)
+{
+    const uint64_t lane8 = 0x0101010101010101ull * ((1u << w) - 1);
+    const uint64_t lane16 = 0x0001000100010001ull * ((1u << w) - 1);
+    uint8_t *o8 = out;
+    uint16_t *o16 = out;
+    size_t c = 0;
+    for (; c + 8 <= C; c += 8, k += 8) {
+        size_t off = k * (size_t)w, q = off >> 3;
+        if (q + 8 > len) break;
+        uint64_t v = rd_u64(mid + q) >> (off & 7);
+        if (isz == 1) {
+            uint64_t b = _pdep_u64(v, lane8);
+            memcpy(o8 + c, &b, 8);
+        } else {
+            uint64_t a = _pdep_u64(v, lane16), b = _pdep_u64(v >> (4 * w), lane16);
+            memcpy(o16 + c, &a, 8);
+            memcpy(o16 + c + 4, &b, 8);
+        }
+    }
+    return c;
+}
+
+__attribute__((target("avx2"))) static inline __m256i
+sign_lanes(const uint64_t *sw, __m128i kbit)
+{
+    const __m256i one = _mm256_set1_epi64x(1);
+    __m256i a = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)sw), kbit), one);
+    __m256i b = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)(sw + 4)), kbit), one);
+    __m256i c = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)(sw + 8)), kbit), one);
+    __m256i d = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256((const __m256i *)(sw + 12)), kbit), one);
+    /* 64-bit lanes hold 0 or 1; packing pairs of them (32 -> 16 bits) then the permute
+     * [0 2 1 3] leaves a..b as eight 32-bit lanes in order; once more gives sixteen
+     * 16-bit lanes in order */
+    __m256i ab = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    __m256i cd = _mm256_permute4x64_epi64(_mm256_packus_epi32(c, d), 0xD8);
+    __m256i abcd = _mm256_packus_epi32(ab, cd);
+    return _mm256_permute4x64_epi64(abcd, 0xD8);
+}
+
+__attribute__((target("avx2"))) uint32_t
+combine_16_avx2(uint16_t *out, const uint8_t *sym, const uint64_t *sw,
+                uint32_t kbit, const uint16_t *cmax, const uint16_t *mv, size_t C,
+                const Layout *lay, const Params *pr)
+{
+    const __m128i hi = _mm_cvtsi32_si128(pr->hi), kb = _mm_cvtsi32_si128((int)kbit);
+    const __m128i mbits = _mm_cvtsi32_si128(lay->mbits), hshift = _mm_cvtsi32_si128(lay->mbits - pr->hi);
+    const __m128i midshift = _mm_cvtsi32_si128(pr->tz + pr->lo);
+    const __m128i sshift = _mm_cvtsi32_si128(lay->nbits - 1);
+    const __m256i himask = _mm256_set1_epi16((short)((1 << pr->hi) - 1));
+    const __m256i emask = _mm256_set1_epi16((short)((1 << lay->ebits) - 1));
+    const __m256i esc = _mm256_set1_epi16((short)pr->esc);
+    __m256i bad = _mm256_setzero_si256(), any_esc = _mm256_setzero_si256();
+    size_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+        __m256i s = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sym + c)));
+        __m256i r = _mm256_srl_epi16(s, hi);
+        __m256i cm = _mm256_loadu_si256((const __m256i *)(cmax + c));
+        __m256i is_esc = _mm256_cmpeq_epi16(s, esc);
+        bad = _mm256_or_si256(bad, _mm256_andnot_si256(is_esc, _mm256_cmpgt_epi16(r, cm)));
+        any_esc = _mm256_or_si256(any_esc, is_esc);
+        __m256i e = _mm256_sll_epi16(_mm256_and_si256(_mm256_sub_epi16(cm, r), emask), mbits);
+        __m256i h = _mm256_sll_epi16(_mm256_and_si256(s, himask), hshift);
+        __m256i m = _mm256_sll_epi16(_mm256_loadu_si256((const __m256i *)(mv + c)), midshift);
+        __m256i g = _mm256_sll_epi16(sign_lanes(sw + c, kb), sshift);
+        __m256i v = _mm256_or_si256(_mm256_or_si256(e, h), _mm256_or_si256(m, g));
+        _mm256_storeu_si256((__m256i *)(out + c), v);
+    }
+    uint32_t res = (uint32_t)!_mm256_testz_si256(bad, bad) | (uint32_t)!_mm256_testz_si256(any_esc, any_esc) << 1;
+    const uint32_t h = (uint32_t)pr->hi, hm = (1u << pr->hi) - 1, es = (uint32_t)pr->esc;
+    const uint32_t em = (1u << lay->ebits) - 1, mb = (uint32_t)lay->mbits;
+    for (; c < C; c++) {
+        uint32_t s = sym[c], r = s >> h, g = (uint32_t)(sw[c] >> kbit) & 1;
+        res |= (r > cmax[c]) & (s != es);
+        res |= (uint32_t)(s == es) << 1;
+        out[c] = (uint16_t)(g << (lay->nbits - 1) | ((cmax[c] - r) & em) << mb | (s & hm) << (mb - h)
+            | (uint32_t)mv[c] << (pr->tz + pr->lo));
+    }
+    return res;
+}
+
+#else
+
+size_t
+plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
+                   uint32_t nrows, size_t C)
+{
+    (void)sw; (void)f; (void)sign; (void)len; (void)ks; (void)nrows; (void)C;
+    return 0;
+}
+
+void
+assemble_16_consts(int w, uint8_t *perm, uint8_t *shift)
+{
+    (void)w; (void)perm; (void)shift;
+}
+
+size_t
+assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+                   const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                   size_t C, const Layout *lay, const Params *pr, uint32_t *res)
+{
+    (void)out; (void)sym; (void)sw; (void)kbit; (void)cmax; (void)mid; (void)perm; (void)shift; (void)C;
+    (void)lay; (void)pr; (void)res;
+    return 0;
+}
+
+size_t
+assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+                  const uint8_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                  size_t C, const Layout *lay, const Params *pr, uint32_t *res)
+{
+    (void)out; (void)sym; (void)sw; (void)kbit; (void)cmax; (void)mid; (void)perm; (void)shift; (void)C;
+    (void)lay; (void)pr; (void)res;
+    return 0;
+}
+
+size_t
+unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t k, int w, size_t C)
+{
+    (void)out; (void)isz; (void)mid; (void)len; (void)k; (void)w; (void)C;
+    return 0;
+}
+
+uint32_t
+combine_16_avx2(uint16_t *out, const uint8_t *sym, const uint64_t *sw,
+                uint32_t kbit, const uint16_t *cmax, const uint16_t *mv, size_t C,
+                const Layout *lay, const Params *pr)
+{
+    (void)out; (void)sym; (void)sw; (void)kbit; (void)cmax; (void)mv; (void)C; (void)lay; (void)pr;
+    return 1;   /* never called: have_avx2() is 0 */
+}
+
+#endif

@@ -1,0 +1,232 @@
+/*
+ * The encoder's SIMD passes (codec_scan.c calls them): a plane of 16- or 8-bit
+ * elements analysed in AVX-512 BW (channel maxima, first sign flips, symbols, low-bit
+ * statistics), sign words sixteen channels a step, and the BMI2 packing of mid fields.
+ * The results are the scalar passes', exactly: every path writes the same blobs.
+ */
+#include "codec_simd.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+/* First sign flips of the plane's channels, sixteen a step (element width isz, a
+ * constant where it is inlined): f[c] is the coded row where channel c's sign first
+ * differs from row 0's (row 0 never repeats), nrows where it never does. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline void
+first_flips(const Enc *E, size_t p, const uint8_t *plane, const int isz)
+{
+    const size_t C = E->lay->chans, T = E->lay->tokens;
+    const uint8_t *dup = E->dup + p * T;
+    const __m512i none = _mm512_set1_epi32((int)E->nrows[p]);
+    uint32_t *f = E->fpos + p * C;
+    for (size_t c = 0; c < C; c += 16) {
+        const uint8_t *col = plane + c * isz;
+        __m256i v0 = isz == 2 ? _mm256_loadu_si256((const __m256i *)col)
+                              : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)col));
+        __m512i fv = none;
+        uint32_t k = 1;
+        for (size_t t = 1; t < T; t++) {
+            if (dup[t]) continue;
+            const uint8_t *at = col + t * C * isz;
+            __mmask16 diff = isz == 2
+                ? _mm256_test_epi16_mask(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)at), v0),
+                                         _mm256_set1_epi16((short)0x8000))
+                : _mm_test_epi8_mask(_mm_xor_si128(_mm_loadu_si128((const __m128i *)at), _mm256_castsi256_si128(v0)),
+                                     _mm_set1_epi8((char)0x80));
+            fv = _mm512_mask_mov_epi32(fv, diff & _mm512_cmpeq_epi32_mask(fv, none), _mm512_set1_epi32((int)k));
+            k++;
+        }
+        _mm512_storeu_si512(f + c, fv);
+    }
+}
+
+/* A coded row's symbols into four histograms (a run of one symbol in one table would
+ * wait on its own counts). */
+static inline void
+tally_row(uint32_t cm[4][256], const uint8_t *sym, size_t C)
+{
+    for (size_t c = 0; c < C; c += 4) {
+        cm[0][sym[c]]++;
+        cm[1][sym[c + 1]]++;
+        cm[2][sym[c + 2]]++;
+        cm[3][sym[c + 3]]++;
+    }
+}
+
+/* codec_scan.c's plane_maxima, plane_flips and plane_symbols for 16-bit (isz 2, chans
+ * % 32 == 0) or 8-bit (isz 1, chans % 64 == 0) elements, with the same results: the
+ * channel maxima a vector of channels a step, the first flips sixteen a step, then per
+ * coded row its symbols and low bits, the low-bit statistics by bit tests (how many
+ * elements have their k low bits not all zero); the symbol histogram stays scalar. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline void
+analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
+{
+    const Layout *lay = E->lay;
+    const Params *pr = &E->pr;
+    const size_t C = lay->chans, T = lay->tokens, step = isz == 2 ? 32 : 64;
+    const uint8_t *plane = E->src + p * T * C * isz;
+    const uint8_t *dup = E->dup + p * T;
+    const int hshift = lay->mbits - pr->hi;
+    const __m512i emask = isz == 2 ? _mm512_set1_epi16((short)((1 << lay->ebits) - 1))
+                                   : _mm512_set1_epi8((char)((1 << lay->ebits) - 1));
+    const __m512i mmask = isz == 2 ? _mm512_set1_epi16((short)((1 << lay->mbits) - 1))
+                                   : _mm512_set1_epi8((char)((1 << lay->mbits) - 1));
+    const __m512i restmask = isz == 2 ? _mm512_set1_epi16((short)((1 << hshift) - 1))
+                                      : _mm512_set1_epi8((char)((1 << hshift) - 1));
+    const __m512i rmax = isz == 2 ? _mm512_set1_epi16((short)lay->rmax) : _mm512_set1_epi8((char)lay->rmax);
+    const __m512i esc = isz == 2 ? _mm512_set1_epi16((short)pr->esc) : _mm512_set1_epi8((char)pr->esc);
+    const __m128i mbits = _mm_cvtsi32_si128(lay->mbits), hi = _mm_cvtsi32_si128(pr->hi);
+    const __m128i hs = _mm_cvtsi32_si128(hshift), tz = _mm_cvtsi32_si128(pr->tz);
+    uint16_t *cmax = E->cmax + p * C;
+    for (size_t c = 0; c < C; c += step) {
+        __m512i acc = _mm512_setzero_si512();
+        for (size_t t = 0; t < T; t++) {
+            if (dup[t]) continue;
+            __m512i v = _mm512_loadu_si512(plane + (t * C + c) * isz);
+            acc = isz == 2 ? _mm512_max_epu16(acc, _mm512_and_si512(_mm512_srl_epi16(v, mbits), emask))
+                           : _mm512_max_epu8(acc, _mm512_and_si512(srl8(v, lay->mbits), emask));
+        }
+        if (isz == 2) {
+            _mm512_storeu_si512(cmax + c, acc);
+        } else {
+            _mm512_storeu_si512(cmax + c, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(acc)));
+            _mm512_storeu_si512(cmax + c + 32, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(acc, 1)));
+        }
+    }
+    plane_side(E, p, kc);
+    first_flips(E, p, plane, isz);
+    plane_flip_counts(E, p, kc);
+
+    __m512i kmask[MAX_LO + 1];
+    for (int k = 1; k <= MAX_LO; k++)
+        kmask[k] = isz == 2 ? _mm512_set1_epi16((short)((1 << k) - 1)) : _mm512_set1_epi8((char)((1 << k) - 1));
+    uint64_t nonzero[MAX_LO + 1] = {0};
+    uint32_t cm[4][256] = {{0}};
+    for (size_t t = 0; t < T; t++) {
+        if (dup[t]) continue;
+        const uint8_t *row = plane + t * C * isz;
+        uint8_t *sym = E->sym + (p * T + t) * C, *lov = E->lov + (p * T + t) * C;
+        for (size_t c = 0; c < C; c += step) {
+            __m512i v = _mm512_loadu_si512(row + c * isz), m = _mm512_and_si512(v, mmask);
+            if (isz == 2) {
+                __m512i e = _mm512_and_si512(_mm512_srl_epi16(v, mbits), emask);
+                __m512i r = _mm512_sub_epi16(_mm512_loadu_si512(cmax + c), e);
+                __m512i code = _mm512_or_si512(_mm512_sll_epi16(r, hi), _mm512_srl_epi16(m, hs));
+                __m512i sv = _mm512_mask_mov_epi16(esc, _mm512_cmplt_epu16_mask(r, rmax), code);
+                _mm256_storeu_si256((__m256i *)(sym + c), _mm512_cvtepi16_epi8(sv));
+                __m512i lo = _mm512_and_si512(_mm512_srl_epi16(_mm512_and_si512(m, restmask), tz),
+                                              _mm512_set1_epi16(0xFF));
+                _mm256_storeu_si256((__m256i *)(lov + c), _mm512_cvtepi16_epi8(lo));
+                for (int k = 1; k <= MAX_LO; k++)
+                    nonzero[k] += (uint64_t)__builtin_popcount(_mm512_test_epi16_mask(lo, kmask[k]));
+            } else {
+                __m512i cm8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_loadu_si512(cmax + c))),
+                                                 _mm512_cvtepi16_epi8(_mm512_loadu_si512(cmax + c + 32)), 1);
+                __m512i r = _mm512_sub_epi8(cm8, _mm512_and_si512(srl8(v, lay->mbits), emask));
+                __m512i code = _mm512_or_si512(sll8(r, pr->hi), srl8(m, hshift));
+                _mm512_storeu_si512(sym + c, _mm512_mask_mov_epi8(esc, _mm512_cmplt_epu8_mask(r, rmax), code));
+                __m512i lo = srl8(_mm512_and_si512(m, restmask), pr->tz);
+                _mm512_storeu_si512(lov + c, lo);
+                for (int k = 1; k <= MAX_LO; k++)
+                    nonzero[k] += (uint64_t)__builtin_popcountll(_mm512_test_epi8_mask(lo, kmask[k]));
+            }
+        }
+        tally_row(cm, sym, C);
+        E->coded_elems += C;
+        E->elems_kc[kc] += C;
+    }
+    for (int i = 0; i < 256; i++) E->counts[CTX_MAIN(kc)][i] += cm[0][i] + cm[1][i] + cm[2][i] + cm[3][i];
+    for (int k = 1; k <= MAX_LO; k++) E->lo_nonzero[k] += nonzero[k];
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void
+analyse_plane_16_avx512(Enc *E, size_t p, int kc)
+{
+    analyse_plane_avx512(E, p, kc, 2);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void
+analyse_plane_8_avx512(Enc *E, size_t p, int kc)
+{
+    analyse_plane_avx512(E, p, kc, 1);
+}
+
+/* wq[c] |= (sign of row[c]) << shift for 16-bit elements, sixteen channels a step;
+ * returns how many channels it did (a multiple of 16). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) size_t
+or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
+{
+    const __m128i sh = _mm_cvtsi32_si128((int)shift);
+    size_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+        __m512i sg = _mm512_cvtepu16_epi32(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(row + 2 * c)), 15));
+        __m512i w = _mm512_loadu_si512(wq + c);
+        _mm512_storeu_si512(wq + c, _mm512_or_si512(w, _mm512_sll_epi32(sg, sh)));
+    }
+    return c;
+}
+
+/* Mid fields of a row of 8- or 16-bit elements (bits shift.. shift+w-1 of each, w <= 7)
+ * packed into the bit writer eight at a time by pext; returns how many it packed. Where
+ * the writer is at a byte boundary (rows of a multiple of 8 channels keep it there),
+ * eight fields are w whole bytes, stored straight into the stream. */
+__attribute__((target("bmi2"))) size_t
+pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, int w)
+{
+    const uint64_t f = ((1ull << w) - 1) << shift;
+    const uint64_t m8 = 0x0101010101010101ull * f, m16 = 0x0001000100010001ull * f;
+    size_t c = 0;
+    if (w > 7) return 0;
+    if ((bw->n & 7) == 0 && !bw->overflow) {
+        for (; bw->n > 0; bw->n -= 8, bw->acc >>= 8) {   /* the pending whole bytes first */
+            if (bw->p >= bw->end) return 0;   /* nothing packed yet: the caller's bw_put reports it */
+            *bw->p++ = (uint8_t)bw->acc;
+        }
+        bw->acc = 0;
+        for (; c + 8 <= C && bw->end - bw->p >= 8; c += 8, bw->p += w) {
+            uint64_t v = isz == 1 ? _pext_u64(rd_u64(row + c), m8)
+                                  : _pext_u64(rd_u64(row + 2 * c), m16)
+                                        | _pext_u64(rd_u64(row + 2 * c + 8), m16) << (4 * w);
+            wr_u64(bw->p, v);   /* 8w <= 56 bits; the bytes above them are the next group's */
+        }
+    }
+    for (; c + 8 <= C; c += 8) {
+        if (isz == 1) {
+            bw_put(bw, (uint32_t)_pext_u64(rd_u64(row + c), m8), 4 * w);   /* 8w bits: two puts */
+            bw_put(bw, (uint32_t)(_pext_u64(rd_u64(row + c), m8) >> (4 * w)), 4 * w);
+        } else {
+            bw_put(bw, (uint32_t)_pext_u64(rd_u64(row + 2 * c), m16), 4 * w);
+            bw_put(bw, (uint32_t)_pext_u64(rd_u64(row + 2 * c + 8), m16), 4 * w);
+        }
+    }
+    return c;
+}
+
+#else
+
+void
+analyse_plane_16_avx512(Enc *E, size_t p, int kc)
+{
+    (void)E; (void)p; (void)kc;
+}
+
+size_t
+or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
+{
+    (void)wq; (void)row; (void)C; (void)shift;
+    return 0;
+}
+
+void
+analyse_plane_8_avx512(Enc *E, size_t p, int kc)
+{
+    (void)E; (void)p; (void)kc;
+}
+
+size_t
+pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, int w)
+{
+    (void)bw; (void)row; (void)isz; (void)C; (void)shift; (void)w;
+    return 0;
+}
+
+#endif
