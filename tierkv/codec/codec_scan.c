@@ -96,18 +96,20 @@ plane_side(Enc *E, size_t p, int kc)
     const size_t C = E->lay->chans;
     const uint32_t emask = (1u << E->lay->ebits) - 1;
     const uint16_t *cmax = E->cmax + p * C;
-    /* four histograms: most channels share a maximum, and one table's increments
+    /* four histograms over the maxima's range only (zeroing 4 KiB a plane cost more
+     * than the counting): most channels share a maximum, and one table's increments
      * would wait on each other */
-    uint32_t hist[4][256] = {{0}};
+    uint32_t hist[4][256];
     uint32_t lo = emask, hi = 0;
     size_t c = 0;
-    for (; c + 4 <= C; c += 4)
-        for (int j = 0; j < 4; j++) hist[j][cmax[c + j]]++;
-    for (; c < C; c++) hist[0][cmax[c]]++;
     for (c = 0; c < C; c++) {
         lo = cmax[c] < lo ? cmax[c] : lo;
         hi = cmax[c] > hi ? cmax[c] : hi;
     }
+    for (int j = 0; j < 4 && C; j++) memset(&hist[j][lo], 0, (hi - lo + 1) * sizeof(uint32_t));
+    for (c = 0; c + 4 <= C; c += 4)
+        for (int j = 0; j < 4; j++) hist[j][cmax[c + j]]++;
+    for (; c < C; c++) hist[0][cmax[c]]++;
     int base = 0;   /* the most common maximum, the smallest of equals */
     uint32_t best = 0;
     for (uint32_t v = lo; v <= hi && C; v++) {
@@ -162,8 +164,9 @@ plane_flip_counts(Enc *E, size_t p, int kc)
     const Layout *lay = E->lay;
     const size_t C = lay->chans;
     const uint32_t n = E->nrows[p], *f = E->fpos + p * C;
-    uint32_t h[4][FLIP_ALPHA_MAX] = {{0}};
+    uint32_t h[4][FLIP_ALPHA_MAX];   /* zeroed over the alphabet only */
     uint64_t raw = 0;
+    for (int j = 0; j < 4; j++) memset(h[j], 0, (size_t)lay->flip_alpha * sizeof(uint32_t));
     for (size_t c = 0; c < C; c++) {
         uint32_t sym = f[c] - 1;
         if (lay->flip_esc >= 0 && sym >= (uint32_t)lay->flip_esc) sym = (uint32_t)lay->flip_esc;
