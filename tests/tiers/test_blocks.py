@@ -238,3 +238,37 @@ def test_a_lossy_row_the_codec_would_pack_tighter_keeps_its_blob_in_a_mixed_batc
         back = np.zeros_like(rows)
         t.read(handles, back)
         np.testing.assert_array_equal(back, rows)
+
+
+def test_a_coded_read_of_several_groups_pipelines_and_names_each_bad_page(tmp_path: Path) -> None:
+    """A coded read of more than one group (about 4 MiB of blocks each) reads the next
+    group while this one decodes: every page comes back exact, with its checksum, and
+    pages damaged in two different groups are both named, after all were read."""
+    from tierkv.store.checksum import checksum_rows
+    from tierkv.tiers import blocks as blocks_module
+
+    n = 2 * blocks_module._GROUP_BLOCKS   # pages of under half a raw page: three groups or more
+    medium = NvmeTier(tmp_path / "blocks.dat", n * BPP, ALIGN)
+    tier = BlockPageTier(medium, n, PB, CodecChoice(CodecMode.LOSSLESS, Codec(LAYOUT)))
+    try:
+        rows = smooth_pages(n, seed=5)
+        handles = tier.allocate(n)
+        tier.write(handles, rows)
+        counts = [sum(c for _, c in tier.extents(h) or ()) for h in handles]
+        assert len(blocks_module._groups(counts, blocks_module._GROUP_BLOCKS)) >= 3
+        back = np.zeros_like(rows)
+        assert tier.read(handles, back, checksums=True) == checksum_rows(rows)
+        np.testing.assert_array_equal(back, rows)
+        bad = [3, n - 2]   # one in the first group, one in the last
+        for i in bad:
+            ext = tier.extents(handles[i])
+            assert ext is not None
+            medium.write([ext[0][0]], np.frombuffer(b"XX" + bytes(ALIGN - 2), dtype=np.uint8).reshape(1, ALIGN))
+        back[:] = 0
+        with pytest.raises(UndecodablePageError) as info:
+            tier.read(handles, back)
+        assert info.value.rows == tuple(bad)
+        good = np.setdiff1d(np.arange(n), bad)
+        np.testing.assert_array_equal(back[good], rows[good])
+    finally:
+        tier.close()

@@ -33,11 +33,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
 from tierkv.codec import Direction, max_encoded_bytes
 from tierkv.errors import CapacityError, InputError, TierIOError
+from tierkv.store.checksum import checksum_rows
 from tierkv.store.coding import CodecChoice
 from tierkv.tiers.aligned import ALIGN, aligned_empty, round_up
 from tierkv.tiers.base import Extents, Tier
@@ -88,6 +90,25 @@ def block_list(extents: Extents) -> list[int]:
     return [b for first, count in extents for b in range(first, first + count)]
 
 
+#: Blocks of a coded read's pipeline group (4 MiB): large enough that the medium's
+#: transfers stay long, small enough that a few groups overlap reading and decoding.
+_GROUP_BLOCKS = 1024
+
+
+def _groups(counts: Sequence[int], blocks: int) -> list[tuple[int, int]]:
+    """Consecutive page ranges of about ``blocks`` blocks each (at least one page each)."""
+    out: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, c in enumerate(counts):
+        total += c
+        if total >= blocks:
+            out.append((start, i + 1))
+            start, total = i + 1, 0
+    if start < len(counts):
+        out.append((start, len(counts)))
+    return out
+
+
 def extent_blocks(extents: Extents) -> int:
     return sum(count for _, count in extents)
 
@@ -126,6 +147,7 @@ class BlockPageTier(Tier):
         self._handles = itertools.count()
         self._views: OrderedDict[Extents, int] = OrderedDict()  # read-only openers' handles
         self._stride = round_up(max_encoded_bytes(page_bytes))
+        self._read_pool: ThreadPoolExecutor | None = None   # reads a coded batch's next group
 
     # -- slot bookkeeping ---------------------------------------------------------------
     @property
@@ -297,6 +319,22 @@ class BlockPageTier(Tier):
         return packed.reshape(-1, ALIGN)
 
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
+        self._read_pages(slots, dst, None)
+
+    def _read_checksummed(self, slots: Sequence[int], dst: np.ndarray) -> list[int]:
+        sums: list[int] = []
+        self._read_pages(slots, dst, sums)
+        return sums
+
+    def _read_pages(self, slots: Sequence[int], dst: np.ndarray, sums: list[int] | None) -> None:
+        """Reads the pages into ``dst`` (and their checksums into ``sums``, when given).
+
+        Batches of coded pages are pipelined: groups of about 4 MiB of blocks, the next
+        group read on this tier's reader thread while this one is decoded and checked
+        here, so a read costs about the longer of moving the blocks and decoding them,
+        not their sum. A group that does not decode is noted and the rest still read:
+        UndecodablePageError names every such row once all have been read.
+        """
         n, width = dst.shape
         if n == 0:
             return
@@ -304,12 +342,51 @@ class BlockPageTier(Tier):
         with self._lock:
             exts = [self._pages.get(h) or self._retired[h] for h in slots]
         counts = [extent_blocks(e) for e in exts]
-        blocks = [b for e in exts for b in block_list(e)]
         if width == self.slot_bytes and all(c == bpp for c in counts):
+            blocks = [b for e in exts for b in block_list(e)]
             self._timed_read(blocks, dst.reshape(n * bpp, ALIGN))  # raw pages of whole blocks: no staging
+            if sums is not None:
+                sums.extend(checksum_rows(dst))
             return
-        packed = aligned_empty(len(blocks) * ALIGN).reshape(-1, ALIGN)
-        self._timed_read(blocks, packed)
+        groups = _groups(counts, _GROUP_BLOCKS)
+
+        def fetch(g: int) -> np.ndarray:
+            a, b = groups[g]
+            blocks = [blk for e in exts[a:b] for blk in block_list(e)]
+            buf = aligned_empty(len(blocks) * ALIGN).reshape(-1, ALIGN)
+            self._timed_read(blocks, buf)
+            return buf
+
+        failed: list[int] = []
+        reasons: list[str] = []
+        pending: Future[np.ndarray] | None = None
+        try:
+            for g, (a, b) in enumerate(groups):
+                buf = pending.result() if pending is not None else fetch(g)
+                pending = self._reader().submit(fetch, g + 1) if g + 1 < len(groups) else None
+                bad, reason = self._unpack(buf, counts[a:b], dst[a:b])
+                failed.extend(a + i for i in bad)
+                reasons.extend([reason] if reason else [])
+                if sums is not None:
+                    sums.extend(checksum_rows(dst[a:b]))
+        finally:
+            if pending is not None:   # no read outlives the call, even on an error here
+                wait([pending])
+        if failed:
+            raise UndecodablePageError(f"{self.name} tier: {len(failed)} stored pages do not decode ({reasons[0]})",
+                                       tuple(failed))
+
+    def _reader(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(1, thread_name_prefix=f"tierkv-{self.name}-read")
+            return self._read_pool
+
+    def _unpack(self, packed: np.ndarray, counts: Sequence[int], dst: np.ndarray) -> tuple[list[int], str]:
+        """Pages of ``dst`` from their blocks in ``packed``: raw ones copied, lossy blobs
+        copied with zeros after them, coded ones decoded. Returns the rows that did not
+        decode and the codec's reason for the first."""
+        width, bpp = dst.shape[1], self.blocks_per_page
         flat = packed.reshape(-1)
         coded: list[int] = []
         blobs: list[np.ndarray] = []
@@ -325,15 +402,14 @@ class BlockPageTier(Tier):
             else:
                 dst[i] = flat[off:off + width]
             off += c * ALIGN
-        if coded:
-            self._decode(coded, blobs, dst)
+        return self._decode(coded, blobs, dst) if coded else ([], "")
 
     def _timed_read(self, blocks: list[int], buf: np.ndarray) -> None:
         start = time.perf_counter()
         self.blocks.read(blocks, buf)
         self.choice.meter.note(Direction.READ, len(blocks) * ALIGN, time.perf_counter() - start)
 
-    def _decode(self, coded: list[int], blobs: list[np.ndarray], dst: np.ndarray) -> None:
+    def _decode(self, coded: list[int], blobs: list[np.ndarray], dst: np.ndarray) -> tuple[list[int], str]:
         codec = self.choice.codec
         if codec is None:
             raise UndecodablePageError(f"{self.name} tier holds coded pages but has no codec", tuple(coded))
@@ -346,12 +422,11 @@ class BlockPageTier(Tier):
                 if j not in report.failed:
                     dst[i, :width] = out[j, :width]
                     dst[i, width:] = 0  # a slot-wide read: a page's padding is zeros, as raw pages store it
-        if not report.ok:
-            rows = tuple(coded[j] for j in report.failed)
-            raise UndecodablePageError(f"{self.name} tier: {len(rows)} stored pages do not decode "
-                                       f"({report.reasons[0]})", rows)
+        return [coded[j] for j in report.failed], (report.reasons[0] if report.failed else "")
 
     def _close(self) -> None:
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=True)
         self.blocks.close()
         if self.choice.codec is not None:
             self.choice.codec.close()
