@@ -240,10 +240,12 @@ def test_a_lossy_row_the_codec_would_pack_tighter_keeps_its_blob_in_a_mixed_batc
         np.testing.assert_array_equal(back, rows)
 
 
-def test_a_coded_read_of_several_groups_pipelines_and_names_each_bad_page(tmp_path: Path) -> None:
-    """A coded read of more than one group (about 4 MiB of blocks each) reads the next
-    group while this one decodes: every page comes back exact, with its checksum, and
-    pages damaged in two different groups are both named, after all were read."""
+def test_coded_batches_of_several_groups_pipeline_and_name_each_bad_page(tmp_path: Path) -> None:
+    """A coded write of more than one group (about 4 MiB of raw pages) codes the next
+    group while this one's blocks are written, and a coded read of more than one group
+    (about 4 MiB of blocks) reads the next while this one decodes: every page comes
+    back exact, with its checksum, the ratio is the whole batch's, and pages damaged in
+    two different groups are both named, after all were read."""
     from tierkv.store.checksum import checksum_rows
     from tierkv.tiers import blocks as blocks_module
 
@@ -253,8 +255,12 @@ def test_a_coded_read_of_several_groups_pipelines_and_names_each_bad_page(tmp_pa
     try:
         rows = smooth_pages(n, seed=5)
         handles = tier.allocate(n)
+        assert n > blocks_module._GROUP_BLOCKS // BPP   # more than one group to write
         tier.write(handles, rows)
         counts = [sum(c for _, c in tier.extents(h) or ()) for h in handles]
+        with Codec(LAYOUT) as codec:   # the tier's ratio is the batch's, not its last group's
+            ratio = sum(len(b) for b in codec.encode(rows)) / rows.nbytes
+        assert tier.choice.ratio is not None and abs(tier.choice.ratio - ratio) < 1e-9
         assert len(blocks_module._groups(counts, blocks_module._GROUP_BLOCKS)) >= 3
         back = np.zeros_like(rows)
         assert tier.read(handles, back, checksums=True) == checksum_rows(rows)

@@ -147,7 +147,7 @@ class BlockPageTier(Tier):
         self._handles = itertools.count()
         self._views: OrderedDict[Extents, int] = OrderedDict()  # read-only openers' handles
         self._stride = round_up(max_encoded_bytes(page_bytes))
-        self._read_pool: ThreadPoolExecutor | None = None   # reads a coded batch's next group
+        self._read_pool: ThreadPoolExecutor | None = None   # a coded batch's next group's I/O
 
     # -- slot bookkeeping ---------------------------------------------------------------
     @property
@@ -250,24 +250,65 @@ class BlockPageTier(Tier):
                 raise InputError(f"page handle {h} is not allocated in the {self.name} tier")
 
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
+        """Writes the pages, coded where the choice says so. A coded batch of more than
+        one group (about 4 MiB of raw pages) is pipelined: the next group is coded here
+        while this one's blocks are written on the tier's I/O thread."""
         n, width = src.shape
         if n == 0:
             return
-        bpp = self.blocks_per_page
         self._retired.clear()  # the blocks of freed pages may be overwritten from here on
-        sizes: np.ndarray | None = None
-        staged = None
         # Lossy rows are stored as their blob; the codec codes the others (and only they
         # count in its measured ratio).
         lossy = [lossy_length(src[i]) for i in range(n)] if width == self.page_bytes else [0] * n
         plain = [i for i in range(n) if not lossy[i]]
+        code = bool(width == self.page_bytes and plain
+                    and self.choice.compress(src if len(plain) == n else src[plain]))
+        per = max(1, _GROUP_BLOCKS // self.blocks_per_page)
+        if not code or n <= per:
+            self._write_group(slots, src, lossy, code)
+            return
+        pending: Future[None] | None = None
+        coded_bytes = page_bytes = 0
+        try:
+            for a in range(0, n, per):
+                b = min(n, a + per)
+                blocks, packed, sizes = self._prepare_group(slots[a:b], src[a:b], lossy[a:b], True)
+                coded_bytes += sizes[0]
+                page_bytes += sizes[1]
+                if pending is not None:
+                    pending.result()   # the previous group's write, before this one's starts
+                pending = self._reader().submit(self._timed_write, blocks, packed)
+            assert pending is not None
+            pending.result()
+            pending = None
+        finally:
+            if pending is not None:   # no write outlives the call, even on an error here
+                wait([pending])
+        if page_bytes:
+            self.choice.observe(page_bytes, coded_bytes)
+
+    def _write_group(self, slots: Sequence[int], src: np.ndarray, lossy: list[int], code: bool) -> None:
+        blocks, packed, sizes = self._prepare_group(slots, src, lossy, code)
+        if sizes[0]:
+            self.choice.observe(sizes[1], sizes[0])
+        self._timed_write(blocks, packed)
+
+    def _prepare_group(self, slots: Sequence[int], src: np.ndarray, lossy: list[int],
+                       code: bool) -> tuple[list[int], np.ndarray, tuple[int, int]]:
+        """Codes the pages (where ``code``), re-places each in exactly the blocks it needs
+        and packs them: the blocks to write, the packed buffer, and (coded bytes, page
+        bytes) of the coded pages."""
+        n, width = src.shape
+        bpp = self.blocks_per_page
+        plain = [i for i in range(n) if not lossy[i]]
         need = [min(bpp, -(-length // ALIGN)) if length else bpp for length in lossy]
-        sub = src if len(plain) == n else src[plain]
-        if width == self.page_bytes and plain and self.choice.compress(sub):
+        sizes: np.ndarray | None = None
+        staged = None
+        if code and plain:
             assert self.choice.codec is not None
+            sub = src if len(plain) == n else src[plain]
             staged = aligned_empty(len(plain) * self._stride).reshape(len(plain), self._stride)
             sizes = self.choice.codec.encode_into(sub, staged)
-            self.choice.observe(sub.nbytes, int(sizes.sum()))
             for j, i in enumerate(plain):
                 need[i] = min(bpp, -(-int(sizes[j]) // ALIGN))
         with self._lock:
@@ -281,6 +322,10 @@ class BlockPageTier(Tier):
             packed = src.reshape(n * bpp, ALIGN)  # raw pages of whole blocks: straight from the caller
         else:
             packed = self._pack(src, staged, sizes, need, lossy, plain)
+        coded = (int(sizes.sum()), len(plain) * width) if sizes is not None else (0, 0)
+        return blocks, packed, coded
+
+    def _timed_write(self, blocks: list[int], packed: np.ndarray) -> None:
         start = time.perf_counter()
         self.blocks.write(blocks, packed)
         self.choice.meter.note(Direction.WRITE, packed.nbytes, time.perf_counter() - start)
@@ -377,9 +422,10 @@ class BlockPageTier(Tier):
                                        tuple(failed))
 
     def _reader(self) -> ThreadPoolExecutor:
+        """The thread that moves a pipelined batch's next group (reads) or last one (writes)."""
         with self._lock:
             if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(1, thread_name_prefix=f"tierkv-{self.name}-read")
+                self._read_pool = ThreadPoolExecutor(1, thread_name_prefix=f"tierkv-{self.name}-io")
             return self._read_pool
 
     def _unpack(self, packed: np.ndarray, counts: Sequence[int], dst: np.ndarray) -> tuple[list[int], str]:
