@@ -87,6 +87,13 @@ def test_auto_compresses_only_where_it_pays() -> None:
     # writes: encoding at 2 GB/s does not pay on a 1 GB/s tier (0.5 + 0.65 > 1)
     assert not should_compress(CodecMode.AUTO, t, 1.0, Direction.WRITE)
     assert should_compress(CodecMode.AUTO, t, 0.5, Direction.WRITE)
+    # pipelined (coding overlaps moving): the longer stage plus half the shorter,
+    # 0.65 + 0.25 < 1 at 1 GB/s ...
+    assert should_compress(CodecMode.AUTO, t, 1.0, Direction.WRITE, pipelined=True)
+    # ... and never faster than the codec: 0.5 + 0.13 > 1 / 2.5
+    assert not should_compress(CodecMode.AUTO, t, 2.5, Direction.WRITE, pipelined=True)
+    assert t.seconds(1_000_000_000, 1.0, Direction.READ, pipelined=True) == pytest.approx(0.65 + 0.0625)
+    assert t.seconds(1_000_000_000, 1.0, Direction.READ) == pytest.approx(0.775)
     assert should_compress(CodecMode.LOSSLESS, None, 100.0, Direction.WRITE)
     assert not should_compress(CodecMode.NONE, t, 0.01, Direction.READ)
     with pytest.raises(InputError, match="measured"):

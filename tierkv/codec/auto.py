@@ -3,9 +3,14 @@ the transfer faster), from the codec's measured throughput and the tier's bandwi
 
 The store measures a :class:`CodecThroughput` once (``measure_throughput`` on a sample
 of its own pages, with the codec's thread count) and asks :func:`should_compress` per
-tier and direction. The model is serial and so conservative: a write costs encoding
-plus moving the smaller blob; a read, moving the blob plus decoding; pipelining the two
-would only favour the codec more. Pure functions apart from the measurement.
+tier and direction. A batch of up to ``PIPELINE_BYTES`` moves serially: a write costs
+encoding plus moving the smaller blob, a read moving the blob plus decoding. Larger
+batches are pipelined by the block tiers (the next group coded while this one moves);
+the model gives them the longer stage plus half the shorter one, not the longer alone:
+where moving bytes costs CPU too (this 2-core VM's O_DIRECT), the stages overlap only
+partly, and with the longer stage alone auto coded at a 600 MB/s disk where coded
+writes measured 0.55x raw (docs/benchmarks.md). Pure functions apart from the
+measurement.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ import numpy as np
 
 from tierkv.codec.codec import Codec
 from tierkv.errors import ConfigError, InputError
+
+
+#: Batches larger than this are pipelined by the block tiers: coded (or decoded) a group
+#: of about this many bytes at a time while the group before (or after) it moves.
+PIPELINE_BYTES = 4 << 20
 
 
 class CodecMode(enum.Enum):
@@ -56,22 +66,26 @@ class CodecThroughput:
     decompress_gbps: float
     threads: int
 
-    def seconds(self, nbytes: int, tier_gbps: float, direction: Direction) -> float:
-        """Time to move ``nbytes`` of pages through a tier of ``tier_gbps`` with the codec."""
+    def seconds(self, nbytes: int, tier_gbps: float, direction: Direction, pipelined: bool = False) -> float:
+        """Time to move ``nbytes`` of pages through a tier of ``tier_gbps`` with the codec:
+        coding plus moving the blobs, or where ``pipelined`` the longer of the two plus
+        half the shorter (the module's notes say why)."""
         codec_gbps = self.compress_gbps if direction is Direction.WRITE else self.decompress_gbps
-        return nbytes / (codec_gbps * 1e9) + nbytes * self.ratio / (tier_gbps * 1e9)
+        code, move = nbytes / (codec_gbps * 1e9), nbytes * self.ratio / (tier_gbps * 1e9)
+        return max(code, move) + min(code, move) / 2 if pipelined else code + move
 
-    def speeds_up(self, tier_gbps: float, direction: Direction) -> bool:
+    def speeds_up(self, tier_gbps: float, direction: Direction, pipelined: bool = False) -> bool:
         """Whether coding makes moving pages through this tier faster than moving them raw."""
         if tier_gbps <= 0:
             raise InputError(f"tier bandwidth must be positive, got {tier_gbps} GB/s")
-        return self.seconds(1 << 30, tier_gbps, direction) < (1 << 30) / (tier_gbps * 1e9)
+        return self.seconds(1 << 30, tier_gbps, direction, pipelined) < (1 << 30) / (tier_gbps * 1e9)
 
 
 def should_compress(mode: CodecMode | str, throughput: CodecThroughput | None, tier_gbps: float,
-                    direction: Direction) -> bool:
+                    direction: Direction, pipelined: bool = False) -> bool:
     """The decision for one tier and direction; ``auto`` needs a measured throughput.
-    ``mode`` is a CodecMode or its config spelling ("none", "lossless", "auto")."""
+    ``mode`` is a CodecMode or its config spelling ("none", "lossless", "auto");
+    ``pipelined``: the batch is large enough that coding and moving overlap."""
     mode = CodecMode.parse(mode)
     if mode is CodecMode.NONE:
         return False
@@ -79,7 +93,7 @@ def should_compress(mode: CodecMode | str, throughput: CodecThroughput | None, t
         return True
     if throughput is None:
         raise InputError("codec 'auto' needs a measured CodecThroughput (see measure_throughput)")
-    return throughput.speeds_up(tier_gbps, direction)
+    return throughput.speeds_up(tier_gbps, direction, pipelined)
 
 
 def measure_throughput(codec: Codec, sample_rows: np.ndarray, min_seconds: float = 0.05) -> CodecThroughput:

@@ -21,6 +21,7 @@ import threading
 import numpy as np
 
 from tierkv.codec import Codec, CodecMode, CodecThroughput, Direction, measure_throughput, should_compress
+from tierkv.codec.auto import PIPELINE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class CodecChoice:
         # The last auto decision: whether it coded, and the figures it weighed (None
         # before the tier's bandwidth was known both ways).
         self._coded: bool | None = None
-        self._weighed: tuple[CodecThroughput, float, float] | None = None
+        self._weighed: tuple[CodecThroughput, float, float, bool] | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -126,10 +127,13 @@ class CodecChoice:
             self._raw_batches = 0
         assert self._ratio is not None
         mine = dataclasses.replace(tp, ratio=self._ratio)
-        code = (should_compress(self.mode, mine, write_gbps, Direction.WRITE)
-                and should_compress(self.mode, mine, read_gbps, Direction.READ))
+        # A batch written together is mostly read together (a prompt's pages): both
+        # directions overlap coding and moving when it spans more than one group.
+        pipelined = rows.nbytes > PIPELINE_BYTES
+        code = (should_compress(self.mode, mine, write_gbps, Direction.WRITE, pipelined)
+                and should_compress(self.mode, mine, read_gbps, Direction.READ, pipelined))
         self._raw_batches = 0 if code else self._raw_batches + 1
-        self._coded, self._weighed = code, (mine, write_gbps, read_gbps)
+        self._coded, self._weighed = code, (mine, write_gbps, read_gbps, pipelined)
         return code
 
     def describe(self) -> dict[str, object]:
@@ -153,20 +157,22 @@ class CodecChoice:
             out.update(coding=False, reason="auto: stored raw until the tier's write and read bandwidth are "
                                             "measured (bandwidth_gbps sets them)")
         else:
-            tp, write_gbps, read_gbps = self._weighed
+            tp, write_gbps, read_gbps, pipelined = self._weighed
             out.update(coding=self._coded, ratio=tp.ratio, encode_gbps=tp.compress_gbps,
                        decode_gbps=tp.decompress_gbps, write_gbps=write_gbps, read_gbps=read_gbps)
-            out["reason"] = _auto_reason(tp, write_gbps, read_gbps, self._coded)
+            out["reason"] = _auto_reason(tp, write_gbps, read_gbps, self._coded, pipelined)
         return out
 
 
-def _auto_reason(tp: CodecThroughput, write_gbps: float, read_gbps: float, coded: bool) -> str:
+def _auto_reason(tp: CodecThroughput, write_gbps: float, read_gbps: float, coded: bool, pipelined: bool) -> str:
     """Why auto coded or not, in seconds per GiB of pages each way, coded vs raw."""
     gib = 1 << 30
     parts = []
     for name, direction, gbps in (("read", Direction.READ, read_gbps), ("write", Direction.WRITE, write_gbps)):
-        parts.append(f"{name} {tp.seconds(gib, gbps, direction):.3f} s/GiB coded vs {gib / (gbps * 1e9):.3f} raw")
+        parts.append(f"{name} {tp.seconds(gib, gbps, direction, pipelined):.3f} s/GiB coded vs "
+                     f"{gib / (gbps * 1e9):.3f} raw")
     figures = (f"ratio {tp.ratio:.3f}, decode {tp.decompress_gbps:.3g} and encode {tp.compress_gbps:.3g} GB/s, "
                f"tier read {read_gbps:.3g} and write {write_gbps:.3g} GB/s")
     verdict = "coded: faster both ways" if coded else "raw: coding is not faster both ways"
-    return f"auto, {verdict} ({'; '.join(parts)}; {figures})"
+    how = "pipelined batches" if pipelined else "batches of one group, coded then moved"
+    return f"auto, {verdict} ({how}: {'; '.join(parts)}; {figures})"

@@ -38,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from tierkv.codec import Direction, max_encoded_bytes
+from tierkv.codec.auto import PIPELINE_BYTES
 from tierkv.errors import CapacityError, InputError, TierIOError
 from tierkv.store.checksum import checksum_rows
 from tierkv.store.coding import CodecChoice
@@ -90,9 +91,10 @@ def block_list(extents: Extents) -> list[int]:
     return [b for first, count in extents for b in range(first, first + count)]
 
 
-#: Blocks of a coded read's pipeline group (4 MiB): large enough that the medium's
-#: transfers stay long, small enough that a few groups overlap reading and decoding.
-_GROUP_BLOCKS = 1024
+#: Blocks of a coded batch's pipeline group (tierkv.codec.auto.PIPELINE_BYTES, 4 MiB):
+#: large enough that the medium's transfers stay long, small enough that a few groups
+#: overlap coding and moving.
+_GROUP_BLOCKS = PIPELINE_BYTES // ALIGN
 
 
 def _groups(counts: Sequence[int], blocks: int) -> list[tuple[int, int]]:
