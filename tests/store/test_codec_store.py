@@ -152,7 +152,7 @@ def test_stats_name_each_tiers_codec(tmp_path: Path, real: tuple[KVLayout, np.nd
         elif mode == "lossless":
             assert choice["coding"] is True and choice["reason"] == "codec = lossless: every page is coded"
         else:   # no bandwidth hint: auto stores raw until it has measured the tier both ways
-            assert choice["coding"] is False and "until the tier's write and read bandwidth" in str(choice["reason"])
+            assert choice["coding"] is False and "until the bandwidth of the tier is measured" in str(choice["reason"])
 
 
 def test_auto_decides_on_each_tiers_own_pages(tmp_path: Path, real: tuple[KVLayout, np.ndarray],

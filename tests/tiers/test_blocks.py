@@ -7,7 +7,7 @@ in conftest.py); these tests look at what only a block-addressed tier has.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -278,3 +278,135 @@ def test_coded_batches_of_several_groups_pipeline_and_name_each_bad_page(tmp_pat
         np.testing.assert_array_equal(back[good], rows[good])
     finally:
         tier.close()
+
+
+def _pipelined_tier(path: Path, n: int) -> tuple[NvmeTier, BlockPageTier]:
+    medium = NvmeTier(path, n * BPP, ALIGN)
+    return medium, BlockPageTier(medium, n, PB, CodecChoice(CodecMode.LOSSLESS, Codec(LAYOUT)))
+
+
+def test_a_pipelined_rewrite_that_fits_as_a_batch_fits(tmp_path: Path) -> None:
+    """On a full tier, a rewrite whose first group grows back as much as its second
+    shrinks fits as a batch: the group that cannot fit alone goes with the rest (a
+    review found it refused with CapacityError after earlier groups were written)."""
+    from tierkv.tiers import blocks as blocks_module
+
+    per = blocks_module._GROUP_BLOCKS // BPP
+    rng = np.random.default_rng(0)
+    medium, tier = _pipelined_tier(tmp_path / "blocks.dat", 2 * per)
+    with tier:
+        handles = tier.allocate(2 * per)
+        tier.write(handles, np.concatenate([smooth_pages(per, 1), rng.integers(0, 256, (per, PB), dtype=np.uint8)]))
+        tier.allocate(medium.num_free // BPP)   # the tier is full
+        rows = np.concatenate([rng.integers(0, 256, (per, PB), dtype=np.uint8), smooth_pages(per, 2)])
+        tier.write(handles, rows)
+        back = np.zeros_like(rows)
+        tier.read(handles, back)
+        np.testing.assert_array_equal(back, rows)
+
+
+def test_a_failed_group_write_stops_the_batch_and_leaves_no_io(tmp_path: Path) -> None:
+    import time
+
+    from tierkv.errors import TierIOError
+    from tierkv.tiers import blocks as blocks_module
+
+    n = 3 * (blocks_module._GROUP_BLOCKS // BPP) + 5
+    medium, tier = _pipelined_tier(tmp_path / "blocks.dat", n)
+    with tier:
+        handles = tier.allocate(n)
+        original, calls, live = medium.write, [], []
+
+        def write(slots: Sequence[int], buf: np.ndarray) -> None:
+            calls.append(1)
+            live.append(1)
+            try:
+                time.sleep(0.05)
+                if len(calls) == 2:
+                    raise TierIOError("injected")
+                original(slots, buf)
+            finally:
+                live.pop()
+
+        medium.write = write   # type: ignore[method-assign, assignment]
+        with pytest.raises(TierIOError, match="injected"):
+            tier.write(handles, smooth_pages(n, 3))
+        assert len(calls) == 2 and not live   # no later group written, nothing in flight
+        tier.free(handles)
+        assert medium.num_free == medium.num_slots
+
+
+def test_a_close_during_a_pipelined_write_says_the_tier_is_closed(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from tierkv.errors import StoreClosedError
+    from tierkv.tiers import blocks as blocks_module
+
+    n = 4 * (blocks_module._GROUP_BLOCKS // BPP)
+    medium, tier = _pipelined_tier(tmp_path / "blocks.dat", n)
+    handles = tier.allocate(n)
+    original = medium.write
+    def slow_write(slots: Sequence[int], buf: np.ndarray) -> None:
+        time.sleep(0.3)
+        original(slots, buf)
+
+    medium.write = slow_write   # type: ignore[method-assign, assignment]
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            tier.write(handles, smooth_pages(n, 4))
+        except BaseException as e:   # noqa: BLE001 - the test looks at what it was
+            errors.append(e)
+
+    writer = threading.Thread(target=run)
+    writer.start()
+    time.sleep(0.35)
+    tier.close()
+    writer.join()
+    assert len(errors) == 1 and isinstance(errors[0], StoreClosedError), errors
+
+
+def test_a_read_without_a_codec_names_every_coded_row(tmp_path: Path) -> None:
+    """Coded pages read through a tier without a codec (direct API use) are all named,
+    across groups, and the raw ones are still read."""
+    from tierkv.tiers import blocks as blocks_module
+
+    n = 2 * blocks_module._GROUP_BLOCKS
+    medium, tier = _pipelined_tier(tmp_path / "blocks.dat", n)
+    rows = smooth_pages(n, seed=6)
+    rows[7] = np.random.default_rng(1).integers(0, 256, PB, dtype=np.uint8)   # stored raw
+    handles = tier.allocate(n)
+    tier.write(handles, rows)
+    exts = [tier.extents(h) for h in handles]
+    tier.close()
+    medium = NvmeTier(tmp_path / "blocks.dat", n * BPP, ALIGN)
+    bare = BlockPageTier(medium, n, PB, CodecChoice(CodecMode.NONE, None))
+    with bare:
+        mine = [bare.claim_extents(e) for e in exts if e is not None]
+        back = np.zeros_like(rows)
+        with pytest.raises(UndecodablePageError, match="no codec") as info:
+            bare.read(mine, back)
+        assert info.value.rows == tuple(i for i in range(n) if i != 7)
+        np.testing.assert_array_equal(back[7], rows[7])
+
+
+def test_what_auto_calls_pipelined_is_what_the_tier_pipelines(tmp_path: Path) -> None:
+    """The auto model's pipelined flags follow the tier's grouping: writes by raw pages,
+    reads by the coded blocks moved (a review found a 5 MiB batch at ratio 0.68 called
+    pipelined for its read, which the tier read in one group)."""
+    from tierkv.store.coding import pipelines
+    from tierkv.tiers import blocks as blocks_module
+
+    for n in (8, 300, (5 << 20) // PB, 2 * blocks_module._GROUP_BLOCKS):
+        rows = smooth_pages(n, seed=n)
+        medium, tier = _pipelined_tier(tmp_path / f"{n}.dat", n)
+        with tier:
+            handles = tier.allocate(n)
+            tier.write(handles, rows)
+            counts = [sum(c for _, c in tier.extents(h) or ()) for h in handles]
+            ratio = sum(counts) * ALIGN / rows.nbytes
+            write_piped, read_piped = pipelines(rows, ratio)
+            assert write_piped == (n > blocks_module._GROUP_BLOCKS // BPP)
+            assert read_piped == (len(blocks_module._groups(counts, blocks_module._GROUP_BLOCKS)) > 1), n

@@ -22,6 +22,7 @@ import numpy as np
 
 from tierkv.codec import Codec, CodecMode, CodecThroughput, Direction, measure_throughput, should_compress
 from tierkv.codec.auto import PIPELINE_BYTES
+from tierkv.tiers.aligned import ALIGN
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +128,11 @@ class CodecChoice:
             self._raw_batches = 0
         assert self._ratio is not None
         mine = dataclasses.replace(tp, ratio=self._ratio)
-        # A batch written together is mostly read together (a prompt's pages): both
-        # directions overlap coding and moving when it spans more than one group.
-        pipelined = rows.nbytes > PIPELINE_BYTES
-        code = (should_compress(self.mode, mine, write_gbps, Direction.WRITE, pipelined)
-                and should_compress(self.mode, mine, read_gbps, Direction.READ, pipelined))
+        write_piped, read_piped = pipelines(rows, self._ratio)
+        code = (should_compress(self.mode, mine, write_gbps, Direction.WRITE, write_piped)
+                and should_compress(self.mode, mine, read_gbps, Direction.READ, read_piped))
         self._raw_batches = 0 if code else self._raw_batches + 1
-        self._coded, self._weighed = code, (mine, write_gbps, read_gbps, pipelined)
+        self._coded, self._weighed = code, (mine, write_gbps, read_gbps, write_piped and read_piped)
         return code
 
     def describe(self) -> dict[str, object]:
@@ -154,14 +153,24 @@ class CodecChoice:
         elif self._coded is None:
             out["reason"] = "auto: nothing stored since the tier opened"
         elif self._weighed is None:
-            out.update(coding=False, reason="auto: stored raw until the tier's write and read bandwidth are "
-                                            "measured (bandwidth_gbps sets them)")
+            out.update(coding=False, reason="auto: stored raw until the bandwidth of the tier is measured both "
+                                            "ways (bandwidth_gbps sets it)")
         else:
             tp, write_gbps, read_gbps, pipelined = self._weighed
             out.update(coding=self._coded, ratio=tp.ratio, encode_gbps=tp.compress_gbps,
                        decode_gbps=tp.decompress_gbps, write_gbps=write_gbps, read_gbps=read_gbps)
             out["reason"] = _auto_reason(tp, write_gbps, read_gbps, self._coded, pipelined)
         return out
+
+
+def pipelines(rows: np.ndarray, ratio: float) -> tuple[bool, bool]:
+    """Whether a block tier pipelines the write of ``rows`` (pages coded together) and,
+    a batch written together being mostly read together (a prompt's pages), their read:
+    a write is grouped by raw pages (more than one group of PIPELINE_BYTES), a read by
+    the coded blocks it moves (more than PIPELINE_BYTES of them, and two pages or more)."""
+    n, width = rows.shape
+    per = max(1, PIPELINE_BYTES // (-(-width // ALIGN) * ALIGN))
+    return n > per, n > 1 and rows.nbytes * ratio > PIPELINE_BYTES
 
 
 def _auto_reason(tp: CodecThroughput, write_gbps: float, read_gbps: float, coded: bool, pipelined: bool) -> str:

@@ -34,12 +34,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable, TypeVar
 
 import numpy as np
 
 from tierkv.codec import Direction, max_encoded_bytes
 from tierkv.codec.auto import PIPELINE_BYTES
-from tierkv.errors import CapacityError, InputError, TierIOError
+from tierkv.errors import CapacityError, InputError, StoreClosedError, TierIOError
 from tierkv.store.checksum import checksum_rows
 from tierkv.store.coding import CodecChoice
 from tierkv.tiers.aligned import ALIGN, aligned_empty, round_up
@@ -55,6 +56,8 @@ class UndecodablePageError(TierIOError):
         super().__init__(message)
         self.rows = rows
 
+
+T = TypeVar("T")
 
 #: How a lossy page's blob starts (:mod:`tierkv.lossy.format`); a coded page's starts ``TK``.
 LOSSY_MAGIC = b"TL"
@@ -149,7 +152,7 @@ class BlockPageTier(Tier):
         self._handles = itertools.count()
         self._views: OrderedDict[Extents, int] = OrderedDict()  # read-only openers' handles
         self._stride = round_up(max_encoded_bytes(page_bytes))
-        self._read_pool: ThreadPoolExecutor | None = None   # a coded batch's next group's I/O
+        self._io_pool: ThreadPoolExecutor | None = None   # a pipelined batch's next group's I/O
 
     # -- slot bookkeeping ---------------------------------------------------------------
     @property
@@ -274,15 +277,24 @@ class BlockPageTier(Tier):
         try:
             for a in range(0, n, per):
                 b = min(n, a + per)
-                blocks, packed, sizes = self._prepare_group(slots[a:b], src[a:b], lossy[a:b], True)
+                try:
+                    blocks, packed, sizes = self._prepare_group(slots[a:b], src[a:b], lossy[a:b], True)
+                except CapacityError:
+                    # A group that grows back may need the blocks a later one frees: the
+                    # rest goes as one batch, which fits exactly when the whole batch does.
+                    if pending is not None:
+                        pending.result()
+                        pending = None
+                    self._write_group(slots[a:], src[a:], lossy[a:], True)
+                    break
                 coded_bytes += sizes[0]
                 page_bytes += sizes[1]
                 if pending is not None:
                     pending.result()   # the previous group's write, before this one's starts
-                pending = self._reader().submit(self._timed_write, blocks, packed)
-            assert pending is not None
-            pending.result()
-            pending = None
+                pending = self._submit(self._timed_write, blocks, packed)
+            if pending is not None:
+                pending.result()
+                pending = None
         finally:
             if pending is not None:   # no write outlives the call, even on an error here
                 wait([pending])
@@ -410,7 +422,7 @@ class BlockPageTier(Tier):
         try:
             for g, (a, b) in enumerate(groups):
                 buf = pending.result() if pending is not None else fetch(g)
-                pending = self._reader().submit(fetch, g + 1) if g + 1 < len(groups) else None
+                pending = self._submit(fetch, g + 1) if g + 1 < len(groups) else None
                 bad, reason = self._unpack(buf, counts[a:b], dst[a:b])
                 failed.extend(a + i for i in bad)
                 reasons.extend([reason] if reason else [])
@@ -423,12 +435,18 @@ class BlockPageTier(Tier):
             raise UndecodablePageError(f"{self.name} tier: {len(failed)} stored pages do not decode ({reasons[0]})",
                                        tuple(failed))
 
-    def _reader(self) -> ThreadPoolExecutor:
-        """The thread that moves a pipelined batch's next group (reads) or last one (writes)."""
+    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """Runs ``fn`` on the thread that moves a pipelined batch's next group (reads) or
+        last one (writes); StoreClosedError once the tier is closed."""
         with self._lock:
-            if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(1, thread_name_prefix=f"tierkv-{self.name}-io")
-            return self._read_pool
+            if self._closed:
+                raise StoreClosedError(f"{self.name} tier is closed")
+            if self._io_pool is None:
+                self._io_pool = ThreadPoolExecutor(1, thread_name_prefix=f"tierkv-{self.name}-pipeline")
+            try:
+                return self._io_pool.submit(fn, *args)
+            except RuntimeError:   # shut down by a close on another thread
+                raise StoreClosedError(f"{self.name} tier is closed") from None
 
     def _unpack(self, packed: np.ndarray, counts: Sequence[int], dst: np.ndarray) -> tuple[list[int], str]:
         """Pages of ``dst`` from their blocks in ``packed``: raw ones copied, lossy blobs
@@ -460,7 +478,7 @@ class BlockPageTier(Tier):
     def _decode(self, coded: list[int], blobs: list[np.ndarray], dst: np.ndarray) -> tuple[list[int], str]:
         codec = self.choice.codec
         if codec is None:
-            raise UndecodablePageError(f"{self.name} tier holds coded pages but has no codec", tuple(coded))
+            return list(coded), "the tier holds coded pages but has no codec"
         whole = dst.shape[1] == self.page_bytes and len(coded) == dst.shape[0]
         out = dst if whole else np.empty((len(coded), self.page_bytes), dtype=np.uint8)
         report = codec.decode_into(blobs, out)
@@ -473,8 +491,10 @@ class BlockPageTier(Tier):
         return [coded[j] for j in report.failed], (report.reasons[0] if report.failed else "")
 
     def _close(self) -> None:
-        if self._read_pool is not None:
-            self._read_pool.shutdown(wait=True)
+        with self._lock:
+            pool, self._io_pool = self._io_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         self.blocks.close()
         if self.choice.codec is not None:
             self.choice.codec.close()
