@@ -88,7 +88,7 @@ class CodecChoice:
         # The last auto decision: whether it coded, and the figures it weighed (None
         # before the tier's bandwidth was known both ways).
         self._coded: bool | None = None
-        self._weighed: tuple[CodecThroughput, float, float, bool] | None = None
+        self._weighed: tuple[CodecThroughput, float, float, bool, bool] | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -132,7 +132,7 @@ class CodecChoice:
         code = (should_compress(self.mode, mine, write_gbps, Direction.WRITE, write_piped)
                 and should_compress(self.mode, mine, read_gbps, Direction.READ, read_piped))
         self._raw_batches = 0 if code else self._raw_batches + 1
-        self._coded, self._weighed = code, (mine, write_gbps, read_gbps, write_piped and read_piped)
+        self._coded, self._weighed = code, (mine, write_gbps, read_gbps, write_piped, read_piped)
         return code
 
     def describe(self) -> dict[str, object]:
@@ -156,10 +156,10 @@ class CodecChoice:
             out.update(coding=False, reason="auto: stored raw until the bandwidth of the tier is measured both "
                                             "ways (bandwidth_gbps sets it)")
         else:
-            tp, write_gbps, read_gbps, pipelined = self._weighed
+            tp, write_gbps, read_gbps, write_piped, read_piped = self._weighed
             out.update(coding=self._coded, ratio=tp.ratio, encode_gbps=tp.compress_gbps,
                        decode_gbps=tp.decompress_gbps, write_gbps=write_gbps, read_gbps=read_gbps)
-            out["reason"] = _auto_reason(tp, write_gbps, read_gbps, self._coded, pipelined)
+            out["reason"] = _auto_reason(tp, write_gbps, read_gbps, self._coded, write_piped, read_piped)
         return out
 
 
@@ -173,15 +173,18 @@ def pipelines(rows: np.ndarray, ratio: float) -> tuple[bool, bool]:
     return n > per, n > 1 and rows.nbytes * ratio > PIPELINE_BYTES
 
 
-def _auto_reason(tp: CodecThroughput, write_gbps: float, read_gbps: float, coded: bool, pipelined: bool) -> str:
-    """Why auto coded or not, in seconds per GiB of pages each way, coded vs raw."""
+def _auto_reason(tp: CodecThroughput, write_gbps: float, read_gbps: float, coded: bool, write_piped: bool,
+                 read_piped: bool) -> str:
+    """Why auto coded or not, in seconds per GiB of pages each way, coded vs raw, each
+    direction as its batch moves (pipelined, or coded then moved)."""
     gib = 1 << 30
     parts = []
-    for name, direction, gbps in (("read", Direction.READ, read_gbps), ("write", Direction.WRITE, write_gbps)):
-        parts.append(f"{name} {tp.seconds(gib, gbps, direction, pipelined):.3f} s/GiB coded vs "
+    for name, direction, gbps, piped in (("read", Direction.READ, read_gbps, read_piped),
+                                         ("write", Direction.WRITE, write_gbps, write_piped)):
+        how = "pipelined" if piped else "serial"
+        parts.append(f"{name} ({how}) {tp.seconds(gib, gbps, direction, piped):.3f} s/GiB coded vs "
                      f"{gib / (gbps * 1e9):.3f} raw")
     figures = (f"ratio {tp.ratio:.3f}, decode {tp.decompress_gbps:.3g} and encode {tp.compress_gbps:.3g} GB/s, "
                f"tier read {read_gbps:.3g} and write {write_gbps:.3g} GB/s")
     verdict = "coded: faster both ways" if coded else "raw: coding is not faster both ways"
-    how = "pipelined batches" if pipelined else "batches of one group, coded then moved"
-    return f"auto, {verdict} ({how}: {'; '.join(parts)}; {figures})"
+    return f"auto, {verdict} ({'; '.join(parts)}; {figures})"
