@@ -59,6 +59,17 @@ def _throttle_available(path: Path) -> str | None:
     return None
 
 
+def _throttled_bytes(stats: str, node: str) -> int:
+    """Bytes read plus written on ``node`` in a v1 ``blkio.throttle.io_service_bytes``
+    text (the cgroup's own accounting)."""
+    total = 0
+    for line in stats.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == node and parts[1] in ("Read", "Write"):
+            total += int(parts[2])
+    return total
+
+
 def test_device_throttle_paces_o_direct_io_and_cleans_up(tmp_path: Path) -> None:
     """The throttle the codec-store bench uses is the kernel's: O_DIRECT reads of 16 MiB
     capped at 8 MB/s take most of two seconds (its first time slice lets under a MB
@@ -70,7 +81,7 @@ def test_device_throttle_paces_o_direct_io_and_cleans_up(tmp_path: Path) -> None
     import mmap
     import time
 
-    from tierkv.bench.throttle import device_throttle, throttled_bytes
+    from tierkv.bench.throttle import device_throttle
 
     size = 16 << 20
     path = tmp_path / "blob"
@@ -88,7 +99,7 @@ def test_device_throttle_paces_o_direct_io_and_cleans_up(tmp_path: Path) -> None
             assert os.preadv(fd, [buf], 0) == size
             elapsed = time.monotonic() - t
             if cap["version"] == 1:
-                assert throttled_bytes((group / "blkio.throttle.io_service_bytes").read_text(),
+                assert _throttled_bytes((group / "blkio.throttle.io_service_bytes").read_text(),
                                        str(cap["device"])) >= size
         assert elapsed > 1.2, f"16 MiB at 8 MB/s took {elapsed:.2f} s: the throttle did not pace the reads"
         assert Path("/proc/self/cgroup").read_text() == before and not group.exists()

@@ -29,6 +29,7 @@ from tierkv.bench.codec import kv_pages, load_kv
 from tierkv.config import NvmeConfig, StoreConfig
 from tierkv.errors import InputError
 from tierkv.layout import DType, KVLayout
+from tierkv.progress import task_progress
 from tierkv.tiers.aligned import round_up
 
 MODES = ("none", "lossless")
@@ -133,16 +134,23 @@ def run_codec_store_bench(kv_path: str | Path | None = None, page_tokens: int = 
     rows = np.ascontiguousarray(np.tile(rows, (copies, 1)))
     out: dict[str, object] = {"kv_file": str(path), "page_bytes": layout.page_bytes, "pages": rows.shape[0],
                               "capacity_pages": capacity_pages}
-    for codec in MODES:
-        figures = _throughput(layout, rows, codec, runs, where)
-        figures["pages_before_first_eviction"] = _capacity(layout, rows, codec, capacity_pages, where)
-        out[codec] = figures
+    with task_progress("tierkv bench codec-store", total=len(MODES) + 1 + len(device_mbps)) as step:
+        for codec in MODES:
+            figures = _throughput(layout, rows, codec, runs, where)
+            figures["pages_before_first_eviction"] = _capacity(layout, rows, codec, capacity_pages, where)
+            out[codec] = figures
+            step()
+        out["auto"] = _auto_choice(layout, rows, where)
+        step()
+        throttled: list[dict[str, object]] = []
+        for mbps in device_mbps:
+            throttled.append(_throttled(layout, sample, runs, where, mbps))
+            step()
     none, lossless = out["none"], out["lossless"]
     assert isinstance(none, dict) and isinstance(lossless, dict)
     out["capacity_gain"] = lossless["pages_before_first_eviction"] / max(1, none["pages_before_first_eviction"])
     out["space_ratio"] = lossless["raw_page_equivalents_used"] / none["raw_page_equivalents_used"]
     out["put_ratio"] = lossless["put_gbps"] / none["put_gbps"]
     out["get_ratio"] = lossless["get_gbps"] / none["get_gbps"]
-    out["auto"] = _auto_choice(layout, rows, where)
-    out["throttled"] = [_throttled(layout, sample, runs, where, mbps) for mbps in device_mbps]
+    out["throttled"] = throttled
     return out

@@ -128,14 +128,3 @@ def device_throttle(path: str | os.PathLike[str], bytes_per_s: int) -> Iterator[
                     (V2 / "cgroup.subtree_control").write_text("-io\n")
                 except OSError:
                     pass   # another cgroup uses it now; enabled is what it was meant to be
-
-
-def throttled_bytes(stats: str, node: str) -> int:
-    """Bytes read plus written on ``node`` in a v1 ``blkio.throttle.io_service_bytes``
-    text (the cgroup's own accounting)."""
-    total = 0
-    for line in stats.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == node and parts[1] in ("Read", "Write"):
-            total += int(parts[2])
-    return total
