@@ -56,7 +56,7 @@ def test_chain_known_answer() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(data=st.lists(st.integers(0, (1 << 32) - 1), max_size=400),
-       tokens_per_page=st.sampled_from([1, 3, 8, 16, 32, 33, 64, 100]),
+       tokens_per_page=st.sampled_from([1, 3, 7, 8, 16, 17, 28, 29, 32, 33, 64, 100]),
        namespace=st.binary(min_size=16, max_size=16))
 def test_native_chain_matches_python(data: list[int], tokens_per_page: int, namespace: bytes) -> None:
     native = _native()
@@ -67,6 +67,9 @@ def test_native_chain_matches_python(data: list[int], tokens_per_page: int, name
     # The same tokens as big-endian uint32 or as raw little-endian bytes hash the same.
     assert native.chain_xxh3_128(namespace, tokens.astype(">u4"), tokens_per_page, n_pages) == expected
     assert native.chain_xxh3_128(namespace, tokens.tobytes(), tokens_per_page, n_pages) == expected
+    # ... and as 8-byte ids in the host's order (numpy's int64 and uint64), narrowed as hashed.
+    assert native.chain_xxh3_128(namespace, tokens.astype(np.int64), tokens_per_page, n_pages) == expected
+    assert native.chain_xxh3_128(namespace, tokens.astype(np.uint64), tokens_per_page, n_pages) == expected
 
 
 def test_native_chain_can_stop_early() -> None:
@@ -82,7 +85,11 @@ def test_native_chain_can_stop_early() -> None:
     ((NS, np.zeros(16, np.uint32), 16, -1), ValueError, "n_pages must be >= 0"),
     ((NS, np.zeros(31, np.uint32), 16, 2), ValueError, "2 pages of 16 tokens need 32 tokens, the buffer holds 31"),
     ((NS, np.zeros(16, np.int32), 16, 1), TypeError, "format 'i'"),
-    ((NS, np.zeros(16, np.uint64), 16, 1), TypeError, "uint32"),
+    ((NS, np.zeros(16, ">i8" if sys.byteorder == "little" else "<i8"), 16, 1), TypeError, "host's order"),
+    ((NS, np.zeros(16, np.int16), 16, 1), TypeError, "8-byte integers"),
+    ((NS, np.array([1] * 15 + [-1], np.int64), 16, 1), OverflowError, "outside"),
+    ((NS, np.array([1] * 16 + [1 << 32], np.uint64), 16, 1), OverflowError, "outside"),   # the partial page too
+    ((NS, np.array([1] * 32 + [-1], np.int64), 16, 1), OverflowError, "outside"),   # ids past n_pages too
     ((NS, list(range(16)), 16, 1), TypeError, "got list"),
     (("x" * 16, np.zeros(16, np.uint32), 16, 1), TypeError, "bytes-like"),
 ])
@@ -220,6 +227,44 @@ def test_a_long_prompt_is_one_native_call(monkeypatch: pytest.MonkeyPatch) -> No
     ks = page_keys(_tokens(131072), LAYOUT, NS)
     assert calls == [8192]
     assert len(ks) == 8192 and len(set(ks)) == 8192
+
+
+@pytest.mark.parametrize("tokens_per_page", [16, 5, 32])
+def test_the_stretches_and_the_one_pass_paths_make_the_same_keys(tokens_per_page: int) -> None:
+    """chain_token_keys (ids narrowed as hashed), token_ids with chain_stretches (a lookup's
+    stretches, each chained from the last key of the one before) and narrow_into (a
+    client's ids into its token segment) give what as_token_array and chain_keys give."""
+    ids = _tokens(64 * 16 * 9 + 37, seed=3) >> 1
+    expected = chain_keys(ids, tokens_per_page, NS)
+    for arr in (ids, ids.astype(np.int64), ids.astype(np.uint64), ids.tolist(), ids.astype(">u4")):
+        assert keys.chain_token_keys(arr, tokens_per_page, NS) == (ids.size, expected)  # type: ignore[arg-type]
+        got = list(keys.chain_stretches(keys.token_ids(arr), tokens_per_page, NS))   # type: ignore[arg-type]
+        assert b"".join(got) == expected
+        sizes, left, span = [], ids.size // tokens_per_page, 64
+        while left > 0:
+            sizes.append(min(left, span))
+            left, span = left - span, span * 8
+        assert [len(b) // KEY_BYTES for b in got] == sizes
+    assert list(keys.chain_stretches(keys.token_ids([1, 2]), tokens_per_page, NS)) == [b""]   # always one
+    out = np.zeros(ids.size, np.uint32)
+    keys.narrow_into(ids.astype(np.int64), out)
+    assert np.array_equal(out, ids)
+
+
+@pytest.mark.parametrize("bad", [np.array([5] * 3000 + [-1], np.int64), np.array([5] * 3000 + [1 << 32], np.int64),
+                                 np.array([1 << 40] + [5] * 3000, np.uint64)])
+def test_bad_ids_in_long_prompts_are_input_errors_on_every_path(bad: np.ndarray) -> None:
+    """The one-pass paths check every id, past the last full page and past a lookup's
+    first stretch too, and say what as_token_array says."""
+    _native()
+    lo, hi = int(bad.min()), int(bad.max())
+    match = f"got values in \\[{lo}, {hi}\\]"
+    with pytest.raises(InputError, match=match):
+        keys.chain_token_keys(bad, 16, NS)
+    with pytest.raises(InputError, match=match):
+        keys.token_ids(bad)
+    with pytest.raises(InputError, match=match):
+        keys.narrow_into(bad, np.zeros(bad.size, np.uint32))
 
 
 def test_checksum64_matches_xxhash() -> None:

@@ -41,9 +41,11 @@ host_is_little_endian(void)
 
 /* ------------------------------------------------------------------ key chain */
 
-enum { NOT_UINT32 = -1, DATA_LE = 0, DATA_BE = 1 };
+enum { NOT_UINT32 = -1, DATA_LE = 0, DATA_BE = 1, DATA_WIDE = 2 };
 
-/* Byte order of a buffer's uint32 items: raw bytes count as little-endian uint32s. */
+/* Byte order of a buffer's uint32 items: raw bytes count as little-endian uint32s.
+ * DATA_WIDE: 8-byte integers in the host's order (numpy's int64 and uint64 token ids),
+ * narrowed to uint32 as they are hashed, each checked to lie in [0, 2^32). */
 static int
 uint32_byte_order(const Py_buffer *view)
 {
@@ -53,6 +55,9 @@ uint32_byte_order(const Py_buffer *view)
         order = *f++;
     if (view->itemsize == 1 && strcmp(f, "B") == 0)
         return DATA_LE;
+    if (view->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "Q") == 0 || strcmp(f, "l") == 0 ||
+                                strcmp(f, "L") == 0 || strcmp(f, "n") == 0 || strcmp(f, "N") == 0))
+        return order == '@' || order == '=' || (order == '<') == host_is_little_endian() ? DATA_WIDE : NOT_UINT32;
     if (view->itemsize != 4 || (strcmp(f, "I") != 0 && strcmp(f, "L") != 0))
         return NOT_UINT32;
     if (order == '<')
@@ -70,49 +75,174 @@ store_be64(uint8_t *p, uint64_t v)
     memcpy(p, &v, 8);
 }
 
-/* scratch holds key[i-1] in its first 16 bytes. The chain is serial, so each hash's
- * latency counts: inlined with a constant step, the copy and xxh3's length dispatch
- * fold away, and the key goes back to scratch as the two 8-byte stores xxh3's 8-byte
- * loads forward from (about 2x faster than a runtime length and a 16-byte memcpy). */
-XXH_FORCE_INLINE void
-chain_pages(const uint8_t *data, size_t step, Py_ssize_t n_pages, int byteswap,
-            uint8_t *scratch, uint8_t *out)
+/* n_ids 8-byte integers in the host's order (any alignment) as little-endian uint32s in
+ * dst (a loop compilers vectorise); returns their OR, whose high half must be 0. */
+static uint64_t
+narrow_ids(const uint8_t *src, size_t n_ids, uint8_t *dst)
 {
-    for (Py_ssize_t i = 0; i < n_pages; i++) {
-        const uint8_t *page = data + (size_t)i * step;
-        if (byteswap) {
-            for (size_t j = 0; j < step; j += 4) {
-                scratch[KEY_BYTES + j] = page[j + 3];
-                scratch[KEY_BYTES + j + 1] = page[j + 2];
-                scratch[KEY_BYTES + j + 2] = page[j + 1];
-                scratch[KEY_BYTES + j + 3] = page[j];
-            }
-        } else {
-            memcpy(scratch + KEY_BYTES, page, step);
-        }
-        XXH128_hash_t h = XXH3_128bits(scratch, KEY_BYTES + step);
-        /* XXH128_canonicalFromHash's layout: high64 then low64, each big-endian. */
-        store_be64(scratch, h.high64);
-        store_be64(scratch + 8, h.low64);
-        store_be64(out + (size_t)i * KEY_BYTES, h.high64);
-        store_be64(out + (size_t)i * KEY_BYTES + 8, h.low64);
+    uint64_t ored = 0;
+    for (size_t j = 0; j < n_ids; j++) {
+        uint64_t v;
+        memcpy(&v, src + 8 * j, 8);
+        ored |= v;
+        uint32_t id = host_is_little_endian() ? (uint32_t)v : XXH_swap32((uint32_t)v);
+        memcpy(dst + 4 * j, &id, 4);
     }
+    return ored;
 }
 
-/* Runs without the GIL: touches only the caller's exported buffers and scratch. */
-static void
+/* The OR of n 8-byte integers (the ids after the pages hashed, which must be checked too). */
+static uint64_t
+or_of_ids(const uint8_t *src, size_t n)
+{
+    uint64_t ored = 0;
+    for (size_t j = 0; j < n; j++) {
+        uint64_t v;
+        memcpy(&v, src + 8 * j, 8);
+        ored |= v;
+    }
+    return ored;
+}
+
+/* Page i's ids as little-endian uint32 bytes: in place, or narrowed (DATA_WIDE, their OR
+ * added to *wide_or) or byte-swapped into dst. step: the page's bytes as uint32s. */
+XXH_FORCE_INLINE const uint8_t *
+page_ids(const uint8_t *data, size_t step, Py_ssize_t i, int order, uint8_t *dst, uint64_t *wide_or)
+{
+    if (order == DATA_WIDE) {
+        *wide_or |= narrow_ids(data + (size_t)i * step * 2, step / 4, dst);
+        return dst;
+    }
+    const uint8_t *page = data + (size_t)i * step;
+    if (order == DATA_BE) {
+        for (size_t j = 0; j < step; j += 4) {
+            dst[j] = page[j + 3];
+            dst[j + 1] = page[j + 2];
+            dst[j + 2] = page[j + 1];
+            dst[j + 3] = page[j];
+        }
+        return dst;
+    }
+    return page;
+}
+
+/* XXH128 canonical layout: high64 then low64, each big-endian. */
+XXH_FORCE_INLINE void
+store_key(uint8_t *out, XXH128_hash_t h)
+{
+    store_be64(out, h.high64);
+    store_be64(out + 8, h.low64);
+}
+
+/* Any page length. scratch holds key[i-1] in its first 16 bytes and the page's ids after
+ * it. The chain is serial, so each hash's latency counts: inlined with a constant step,
+ * the copy and xxh3's length dispatch fold away, and the key goes back to scratch as the
+ * two 8-byte stores xxh3's 8-byte loads forward from (about 2x faster than a runtime
+ * length and a 16-byte memcpy). */
+XXH_FORCE_INLINE uint64_t
+chain_pages(const uint8_t *data, size_t step, Py_ssize_t n_pages, int order, uint8_t *scratch, uint8_t *out)
+{
+    uint64_t wide_or = 0;   /* DATA_WIDE: the OR of every id hashed (its high half must be 0) */
+    for (Py_ssize_t i = 0; i < n_pages; i++) {
+        const uint8_t *ids = page_ids(data, step, i, order, scratch + KEY_BYTES, &wide_or);
+        if (ids != scratch + KEY_BYTES)
+            memcpy(scratch + KEY_BYTES, ids, step);
+        XXH128_hash_t h = XXH3_128bits(scratch, KEY_BYTES + step);
+        store_key(scratch, h);
+        store_key(out + (size_t)i * KEY_BYTES, h);
+    }
+    return wide_or;
+}
+
+/* XXH3-128 of key[i-1] || ids for 48 <= len <= 128 bytes (8 to 28 tokens a page), split.
+ * In XXH3_len_17to128_128b the first 16 bytes (the parent key) are read only by the last
+ * of its mixes; so the rest, a page's own part, is computed for a block of pages ahead,
+ * off the chain, and a link costs one 64x64 multiply and the finalisation. The same bits
+ * as XXH3_128bits (tests/test_keys.py holds them to it), about twice as fast on 16-token
+ * pages. Input byte k of the hash is ids[k - 16]. */
+typedef struct {
+    uint64_t low, xlow, high;
+} ChainPart;
+
+#define SPLIT_MIN 48
+#define SPLIT_MAX 128
+#define SPLIT_BLOCK 32
+
+XXH_FORCE_INLINE ChainPart
+chain_part(const uint8_t *ids, size_t len)
+{
+    const uint8_t *sec = XXH3_kSecret;
+    XXH128_hash_t acc;
+    acc.low64 = len * XXH_PRIME64_1;
+    acc.high64 = 0;
+    if (len > 96)
+        acc = XXH128_mix32B(acc, ids + 32, ids + len - 80, sec + 96, 0);
+    if (len > 64)
+        acc = XXH128_mix32B(acc, ids + 16, ids + len - 64, sec + 64, 0);
+    acc = XXH128_mix32B(acc, ids, ids + len - 48, sec + 32, 0);
+    ChainPart c;   /* the last mix32B but for the parent's terms */
+    c.low = acc.low64;
+    c.xlow = XXH_readLE64(ids + len - 32) + XXH_readLE64(ids + len - 24);
+    c.high = acc.high64 + XXH3_mix16B(ids + len - 32, sec + 16, 0);
+    return c;
+}
+
+/* The link of a page: its part and the parent key, held as the two 8-byte words xxh3
+ * reads from the parent's canonical bytes (each the byte swap of a half of the hash), so
+ * that the chain runs in registers. */
+XXH_FORCE_INLINE XXH128_hash_t
+chain_link(ChainPart c, uint64_t p0, uint64_t p1, size_t len)
+{
+    const uint8_t *sec = XXH3_kSecret;
+    uint64_t low = (c.low + XXH3_mul128_fold64(p0 ^ XXH_readLE64(sec), p1 ^ XXH_readLE64(sec + 8))) ^ c.xlow;
+    uint64_t high = c.high ^ (p0 + p1);
+    XXH128_hash_t h;
+    h.low64 = XXH3_avalanche(low + high);
+    h.high64 = (XXH64_hash_t)0 - XXH3_avalanche(low * XXH_PRIME64_1 + high * XXH_PRIME64_4 + len * XXH_PRIME64_2);
+    return h;
+}
+
+/* scratch: the namespace (16 bytes), then room for SPLIT_BLOCK pages of ids, where ids
+ * that are not little-endian uint32s are converted a block at a time. */
+XXH_FORCE_INLINE uint64_t
+chain_split(const uint8_t *data, size_t step, Py_ssize_t n_pages, int order, uint8_t *scratch, uint8_t *out)
+{
+    const size_t len = KEY_BYTES + step;
+    uint8_t *room = scratch + KEY_BYTES;
+    uint64_t wide_or = 0, p0 = XXH_readLE64(scratch), p1 = XXH_readLE64(scratch + 8);
+    for (Py_ssize_t b = 0; b < n_pages; b += SPLIT_BLOCK) {
+        Py_ssize_t nb = n_pages - b < SPLIT_BLOCK ? n_pages - b : SPLIT_BLOCK;
+        const uint8_t *ids = data + (size_t)b * step;
+        if (order == DATA_WIDE) {
+            wide_or |= narrow_ids(data + (size_t)b * step * 2, (size_t)nb * (step / 4), room);
+            ids = room;
+        } else if (order == DATA_BE) {
+            for (Py_ssize_t k = 0; k < nb; k++)
+                page_ids(data, step, b + k, DATA_BE, room + (size_t)k * step, &wide_or);
+            ids = room;
+        }
+        for (Py_ssize_t k = 0; k < nb; k++) {
+            XXH128_hash_t h = chain_link(chain_part(ids + (size_t)k * step, len), p0, p1, len);
+            store_key(out + (size_t)(b + k) * KEY_BYTES, h);
+            p0 = XXH_swap64(h.high64);   /* what XXH_readLE64 reads from the canonical bytes */
+            p1 = XXH_swap64(h.low64);
+        }
+    }
+    return wide_or;
+}
+
+static uint64_t
 chain_loop(const uint8_t *ns, const uint8_t *data, Py_ssize_t step, Py_ssize_t n_pages,
-           int byteswap, uint8_t *scratch, uint8_t *out)
+           int order, uint8_t *scratch, uint8_t *out)
 {
     memcpy(scratch, ns, KEY_BYTES);
-    if (byteswap)
-        chain_pages(data, (size_t)step, n_pages, 1, scratch, out);
-    else if (step == 16 * 4) /* tokens_per_page 16 and 32: the usual page sizes */
-        chain_pages(data, 16 * 4, n_pages, 0, scratch, out);
-    else if (step == 32 * 4)
-        chain_pages(data, 32 * 4, n_pages, 0, scratch, out);
-    else
-        chain_pages(data, (size_t)step, n_pages, 0, scratch, out);
+    if (step == 16 * 4) /* tokens_per_page 16: the usual page size */
+        return chain_split(data, 16 * 4, n_pages, order, scratch, out);
+    if (KEY_BYTES + step >= SPLIT_MIN && KEY_BYTES + step <= SPLIT_MAX)
+        return chain_split(data, (size_t)step, n_pages, order, scratch, out);
+    if (step == 32 * 4 && order == DATA_LE)
+        return chain_pages(data, 32 * 4, n_pages, DATA_LE, scratch, out);
+    return chain_pages(data, (size_t)step, n_pages, order, scratch, out);
 }
 
 PyDoc_STRVAR(chain_doc,
@@ -121,8 +251,12 @@ PyDoc_STRVAR(chain_doc,
 "key[i] = XXH3_128(key[i-1] || page i's tokens as little-endian uint32), key[-1] =\n"
 "namespace (16 bytes); each key is the canonical (big-endian) digest, as\n"
 "xxhash.xxh3_128_digest returns it. tokens is a C-contiguous buffer of uint32\n"
-"(any byte order declared in its format) or of raw bytes read as little-endian\n"
-"uint32. Raises ValueError or TypeError on bad arguments. Releases the GIL.");
+"(any byte order declared in its format), of raw bytes read as little-endian\n"
+"uint32, or of 8-byte integers in the host's order (int64, uint64): these are\n"
+"hashed as uint32 and every one of them, the last partial page's too, must lie in\n"
+"[0, 2**32): else OverflowError. Raises ValueError or TypeError on bad arguments.\n"
+"Releases the GIL.");
+
 
 static PyObject *
 chain_xxh3_128(PyObject *self, PyObject *args, PyObject *kwargs)
@@ -159,32 +293,41 @@ chain_xxh3_128(PyObject *self, PyObject *args, PyObject *kwargs)
         goto done;
     int order = uint32_byte_order(&tok);
     if (order == NOT_UINT32) {
-        PyErr_Format(PyExc_TypeError, "tokens must be a buffer of uint32 (format 'I', itemsize 4) "
-                     "or of bytes, got format '%.20s' with itemsize %zd",
+        PyErr_Format(PyExc_TypeError, "tokens must be a buffer of uint32 (format 'I', itemsize 4), "
+                     "of bytes or of 8-byte integers in the host's order, got format '%.20s' with itemsize %zd",
                      tok.format != NULL ? tok.format : "B", tok.itemsize);
         goto done;
     }
-    Py_ssize_t step = tpp * 4;
-    if (n_pages > tok.len / step || n_pages > PY_SSIZE_T_MAX / KEY_BYTES) {
+    Py_ssize_t step = tpp * 4, width = order == DATA_WIDE ? 8 : 4;
+    if (n_pages > tok.len / (step / 4 * width) || n_pages > PY_SSIZE_T_MAX / KEY_BYTES) {
         PyErr_Format(PyExc_ValueError, "%zd pages of %zd tokens need %zd tokens, the buffer holds %zd",
                      n_pages, tpp, n_pages <= PY_SSIZE_T_MAX / step ? n_pages * tpp : PY_SSIZE_T_MAX,
-                     tok.len / 4);
+                     tok.len / width);
         goto done;
     }
+
     out = PyBytes_FromStringAndSize(NULL, n_pages * KEY_BYTES);
     if (out == NULL)
         goto done;
-    scratch = PyMem_RawMalloc((size_t)(KEY_BYTES + step));
+    /* the split chain converts a block of pages ahead; the others one page */
+    int split = KEY_BYTES + step >= SPLIT_MIN && KEY_BYTES + step <= SPLIT_MAX;
+    scratch = PyMem_RawMalloc((size_t)KEY_BYTES + (size_t)step * (split ? SPLIT_BLOCK : 1));
     if (scratch == NULL) {
         Py_CLEAR(out);
         PyErr_NoMemory();
         goto done;
     }
     /* The buffer export pins tokens' memory; out is not visible to anyone else yet. */
+    int narrow = 1;
     Py_BEGIN_ALLOW_THREADS
-    chain_loop(ns.buf, tok.buf, step, n_pages, order == DATA_BE, scratch,
-               (uint8_t *)PyBytes_AS_STRING(out));
+    uint64_t ored = chain_loop(ns.buf, tok.buf, step, n_pages, order, scratch, (uint8_t *)PyBytes_AS_STRING(out));
+    if (order == DATA_WIDE)   /* the ids hashed, then those of the partial page after them */
+        narrow = !((ored | or_of_ids((const uint8_t *)tok.buf + n_pages * tpp * 8, tok.len / 8 - n_pages * tpp)) >> 32);
     Py_END_ALLOW_THREADS
+    if (!narrow) {
+        Py_CLEAR(out);
+        PyErr_SetString(PyExc_OverflowError, "a token id lies outside [0, 2**32)");
+    }
 
 done:
     PyMem_RawFree(scratch);
@@ -192,6 +335,37 @@ done:
         PyBuffer_Release(&tok);
     PyBuffer_Release(&ns);
     return out;
+}
+
+PyDoc_STRVAR(narrow_doc,
+"narrow_ids(ids, out) -> bool\n\n"
+"Writes the 8-byte integer ids (int64 or uint64 in the host's order, C-contiguous)\n"
+"into out, a writable C-contiguous buffer of exactly 4 bytes an id, as little-endian\n"
+"uint32. False where an id lies outside [0, 2**32) (out then holds some of them).\n"
+"One pass: the check and the narrowing together. Releases the GIL.");
+
+static PyObject *
+py_narrow_ids(PyObject *self, PyObject *args)
+{
+    Py_buffer src = {0}, dst = {0};
+    PyObject *result = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*:narrow_ids", &src, &dst))
+        return NULL;
+    if (src.len % 8 || dst.len != src.len / 2) {
+        PyErr_Format(PyExc_ValueError, "narrow_ids takes 8 bytes an id and writes 4: got %zd and %zd bytes",
+                     src.len, dst.len);
+        goto done;
+    }
+    uint64_t ored;
+    Py_BEGIN_ALLOW_THREADS
+    ored = narrow_ids((const uint8_t *)src.buf, (size_t)src.len / 8, (uint8_t *)dst.buf);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(!(ored >> 32));
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
 }
 
 /* ------------------------------------------------------------------ checksum */
@@ -716,6 +890,7 @@ PyDoc_STRVAR(load_acquire_doc,
 static PyMethodDef native_methods[] = {
     {"chain_xxh3_128", (PyCFunction)(void (*)(void))chain_xxh3_128, METH_VARARGS | METH_KEYWORDS,
      chain_doc},
+    {"narrow_ids", py_narrow_ids, METH_VARARGS, narrow_doc},
     {"checksum64", checksum64, METH_O, checksum_doc},
     {"seal_records", seal_records, METH_VARARGS, seal_records_doc},
     {"store_release_u64", store_release_u64, METH_VARARGS, store_release_doc},
