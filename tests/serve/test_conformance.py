@@ -71,6 +71,11 @@ BAD_CALLS: list[tuple[str, Callable[[AnyStore], object], type[Exception], str]] 
     ("2-d tokens", lambda s: s.lookup(np.zeros((2, 16), np.int64)), InputError, "one-dimensional"),
     ("negative token", lambda s: s.lookup(np.array([-1] * 16)), InputError, "token ids must lie in"),
     ("float tokens", lambda s: s.lookup(np.zeros(16, np.float32)), InputError, "must be integers"),
+    # a long prompt's ids are checked in one pass with their narrowing, past the first miss too
+    ("negative token late in a long prompt", lambda s: s.lookup(np.array([5] * 9000 + [-1])), InputError,
+     r"got values in \[-1, 5\]"),
+    ("token past uint32 in a long uint64 prompt", lambda s: s.lookup(np.array([5] * 9000 + [1 << 32], np.uint64)),
+     InputError, "4294967296"),
     ("bad tenant", lambda s: s.lookup(prompt(1, 1), tenant=3),  # type: ignore[arg-type]
      InputError, "tenant salt must be str or bytes"),
     ("get into a list", lambda s: s.get(prompt(1, 1), [np.zeros(PB, np.uint8)]),  # type: ignore[arg-type]

@@ -580,6 +580,30 @@ def test_lookup_by_keys_is_lookup_by_tokens(store: Store) -> None:
             store.lookup_keys(bad)  # type: ignore[arg-type]
 
 
+def test_a_lookup_in_stretches_finds_a_cached_prefix_past_the_first_stretches(tmp_path: Path) -> None:
+    """Lookups hash a stretch at a time and stop at the first miss (64 pages, then 512, ...):
+    a prefix of 650 cached pages is found whole, as the lookup by every key finds it; a
+    bad id after the miss is still an InputError; the lookup is counted once."""
+    from tierkv.keys import as_token_array, chain_keys, namespace_digest
+
+    n = 650
+    tokens = np.arange(700 * TPP, dtype=np.int64) * 7 + 3
+    with Store.open(make_config(tmp_path / "s", dram_pages=n + 8, nvme_pages=0)) as s:
+        assert s.put(tokens[:n * TPP], page_data(1, n)).stored == n
+        before = s.stats().lookups
+        found = s.lookup(tokens)
+        assert (found.cached_pages, found.total_pages) == (n, 700)
+        every = chain_keys(as_token_array(tokens), TPP, namespace_digest("test-model", LAYOUT, ""))
+        assert s.lookup_keys(every) == found
+        assert s.lookup(tokens[:64 * TPP]).cached_pages == 64 and s.lookup(tokens[:576 * TPP]).cached_pages == 576
+        assert s.lookup(tokens.tolist(), count=False) == found
+        assert s.stats().lookups == before + 4   # the lookups by tokens, once each, and the one by keys
+        bad = tokens.copy()
+        bad[-1] = -1
+        with pytest.raises(InputError, match=r"\[-1, "):
+            s.lookup(bad)
+
+
 def test_a_caller_writing_its_buffer_during_a_get_cannot_poison_a_promoted_page(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller's buffer may be shared (a node-service client's segment) or written by

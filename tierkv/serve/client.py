@@ -28,6 +28,7 @@ import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
@@ -40,7 +41,7 @@ from tierkv import errors
 from tierkv.errors import InputError, StoreClosedError, StoreUnavailableError, TierKVError
 from tierkv.splice.ops import SpliceResult
 from tierkv.splice.rope import Rope
-from tierkv.keys import KEY_BYTES, Tokens, as_token_array, chain_keys, namespace_digest, tenant_salt
+from tierkv.keys import Tokens, as_token_array, narrow_into, tenant_salt, wide_ids
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
 from tierkv.store import landed as landed_words
@@ -97,6 +98,12 @@ class _Segment:
         return True
 
 
+# Requests whose replies are polled for before the caller sleeps (_Conn._spin), and for how
+# long: the scheduler's lookups, whose answer is a scan of keys, not a copy of pages.
+SPIN_OPS = frozenset((P.Op.LOOKUP,))
+SPIN_S = 200e-6
+
+
 class _Conn:
     """One socket to the daemon, its scratch segment and the segments it has registered."""
 
@@ -132,6 +139,8 @@ class _Conn:
             raise
         self.sock.settimeout(None)
         try:
+            if op in SPIN_OPS:
+                self._spin(SPIN_S)
             rop, status, reply, fds_in = P.recv_frame(self.sock, want_fds=got is not None)
         finally:
             self.sock.settimeout(self.timeout_s)
@@ -142,6 +151,20 @@ class _Conn:
         if status != P.Status.OK:
             raise _error(reply)
         return reply
+
+    def _spin(self, seconds: float) -> None:
+        """Poll for the reply for up to ``seconds`` before sleeping on the socket. A lookup's
+        answer comes within tens of microseconds, less than this VM takes to wake a
+        sleeping thread (about 25 us a wake-up, measured for issue 21), and a thread that
+        polls does not need waking: the daemon's send finds no sleeper either."""
+        end = time.perf_counter() + seconds
+        while True:
+            try:
+                self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                return   # a byte, or the end of the stream: recv_frame reads it
+            except (BlockingIOError, InterruptedError):
+                if time.perf_counter() >= end:
+                    return
 
     def register(self, seg: _Segment) -> None:
         if seg.id not in self.registered:
@@ -164,15 +187,30 @@ class _Conn:
         self.scratch = self._grown(self.scratch, n * page_bytes, "tierkv-scratch", SCRATCH_ID)
         return self.scratch, self.scratch.rows(n, page_bytes)
 
-    def tokens(self, salt: bytes, toks: np.ndarray, prefix: bytes = b"", item: int = 4) -> bytes:
-        """The body of a token op: the tokens (or, ``item`` 16, page keys as uint8) inline
-        when short, else through this connection's token segment."""
+    def tokens(self, salt: bytes, toks: np.ndarray, prefix: bytes = b"") -> bytes:
+        """The body of a token op: the tokens (from ``as_token_array``) inline when short,
+        else through this connection's token segment."""
         need = toks.nbytes
         if need <= 4 * P.INLINE_TOKENS:
             return P.token_body(salt, toks.tobytes(), prefix)
+        seg = self._token_segment(need)
+        seg.array[:need].view(toks.dtype)[:] = toks
+        return P.token_ref(salt, seg.id, 0, toks.size, prefix)
+
+    def ids(self, salt: bytes, tokens: Tokens, prefix: bytes = b"") -> bytes:
+        """:meth:`tokens` of tokens not checked yet: a long prompt of 8-byte ids (an int64
+        array, as engines hold them) is checked and narrowed straight into the token
+        segment in one pass, instead of checked, converted, then copied."""
+        if wide_ids(tokens) and tokens.size > P.INLINE_TOKENS:
+            seg = self._token_segment(4 * tokens.size)
+            narrow_into(tokens, seg.array[:4 * tokens.size].view("<u4"))
+            return P.token_ref(salt, seg.id, 0, tokens.size, prefix)
+        return self.tokens(salt, as_token_array(tokens), prefix)
+
+    def _token_segment(self, need: int) -> _Segment:
+        """This connection's token segment, grown to ``need`` bytes where smaller."""
         self.token_seg = self._grown(self.token_seg, need, "tierkv-tokens", TOKENS_ID)
-        self.token_seg.array[:need].view(toks.dtype)[:] = toks
-        return P.token_ref(salt, self.token_seg.id, 0, need // item, prefix)
+        return self.token_seg
 
     def close(self) -> None:
         self.sock.close()
@@ -221,7 +259,6 @@ class RemoteStore:
         self._pool_id = 0                       # and its identity (a restarted daemon's is another)
         self._closed = False
         self._hello: dict[str, object] | None = None
-        self._namespaces: dict[bytes, bytes] = {}
         self._client_id = os.urandom(8).hex()   # this client's connections share its pins in the daemon
         conn = self._connect()   # the daemon's layout and model, and an error now if it is not there
         self._mine[threading.get_ident()] = conn
@@ -470,12 +507,6 @@ class RemoteStore:
         if self._closed:
             raise StoreClosedError(f"the connection to the store at {self.socket_path} is closed")
 
-    def _namespace(self, salt: bytes) -> bytes:
-        ns = self._namespaces.get(salt)
-        if ns is None:
-            ns = self._namespaces[salt] = namespace_digest(self.model_id, self.layout, salt)
-        return ns
-
     def _pages_of(self, toks: np.ndarray) -> int:
         return len(toks) // self.layout.tokens_per_page
 
@@ -485,17 +516,12 @@ class RemoteStore:
         derived = _derived(accept, "lookup")
         budget = _lossy(accept_lossy, derived, "lookup")
         self._check_open()
-        toks, salt = as_token_array(tokens), tenant_salt(tenant)
+        # The ids go as they are (a long prompt's narrowed to uint32 straight into the token
+        # segment): the daemon hashes their keys a stretch at a time and stops at the first
+        # page it does not hold, so a prompt costs what its cached prefix costs.
+        salt = tenant_salt(tenant)
         head = P.LOOKUP_REQ.pack((P.FLAG_COUNT if count else 0) | (P.FLAG_DERIVED if derived else 0), budget)
-        if (len(toks) > P.INLINE_TOKENS and not derived and not budget and self._hello is not None
-                and self._hello.get("every_tenant")):
-            # A long prompt, on a connection that may use every tenant: its keys are hashed
-            # here and the daemon only scans them (a client limited to some tenants sends
-            # tokens, so that it cannot name another tenant's pages by their keys).
-            keys = np.frombuffer(chain_keys(toks, self.layout.tokens_per_page, self._namespace(salt)), np.uint8)
-            reply = self._request(P.Op.LOOKUP_KEYS, lambda conn, _s, _o: conn.tokens(b"", keys, head, KEY_BYTES))
-        else:
-            reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.tokens(salt, toks, head))
+        reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.ids(salt, tokens, head))
         n, ntok, total, nderived, nlossy = P.LOOKUP_REP.unpack_from(reply)
         return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]), derived=nderived, lossy=nlossy)
 

@@ -46,7 +46,6 @@ import numpy as np
 from tierkv import __version__
 from tierkv.config import ServeConfig, StoreConfig
 from tierkv.errors import AccessDeniedError, ConfigError, InputError, StoreBusyError, TierKVError
-from tierkv.keys import KEY_BYTES
 from tierkv.layout import PageOrder
 from tierkv.serve import protocol as P
 from tierkv.serve.access import Access, Grant
@@ -400,19 +399,11 @@ class NodeService:
             return segments.unregister(body)
         if op == P.Op.LOOKUP:
             flags, budget = _unpack(P.LOOKUP_REQ, body)
-            salt, tokens = self._tokens(body, P.LOOKUP_REQ.size, segments, grant)
+            # read in place: a client that changes its tokens meanwhile misleads only itself
+            salt, tokens = self._tokens(body, P.LOOKUP_REQ.size, segments, grant, copy=False)
             found = s.lookup(tokens, salt, count=bool(flags & P.FLAG_COUNT), accept=_accept(flags),
                              accept_lossy=budget or None)
-            return _lookup_reply(found)
-        if op == P.Op.LOOKUP_KEYS:
-            if grant.salts is not None:
-                raise AccessDeniedError("a lookup by page keys needs a connection whose user may use every tenant; "
-                                        "send tokens")
-            flags, budget = _unpack(P.LOOKUP_REQ, body)
-            if flags & P.FLAG_DERIVED or budget:
-                raise InputError("a lookup by page keys finds exact pages only; send tokens for derived or lossy ones")
-            _, keys = self._tokens(body, P.LOOKUP_REQ.size, segments, grant, item=KEY_BYTES)
-            found = s.lookup_keys(keys.tobytes(), count=bool(flags & P.FLAG_COUNT))
+            del tokens
             return _lookup_reply(found)
         if op == P.Op.GET:
             seg, off, rows, requested, flags, budget = _unpack(P.GET_REQ, body)
@@ -567,17 +558,17 @@ class NodeService:
         r = s.splice(tokens, start, end, replacement, rope=rope, tenant=salt)
         return P.SPLICE_REP.pack(r.prefill_from, r.prefill_to, r.first_derived, r.derived, r.stored, r.delta)
 
-    def _tokens(self, body: memoryview, at: int, segments: Segments,
-                grant: Grant, item: int = 4) -> tuple[bytes, np.ndarray]:
+    def _tokens(self, body: memoryview, at: int, segments: Segments, grant: Grant,
+                copy: bool = True) -> tuple[bytes, np.ndarray]:
         """The salt (one the connection's user may use) and tokens of a token op: inline,
         or copied out of a segment (so the client cannot change them while the store
-        reads them). ``item``: bytes per entry (16 for keys, as raw bytes)."""
-        salt, inline, ref = P.split_token_body(body, at, item)
+        reads them; ``copy`` False: a view of the segment, for reads only)."""
+        salt, inline, ref = P.split_token_body(body, at)
         grant.check(salt)
         if inline is not None:
-            return salt, np.frombuffer(inline, dtype="<u4" if item == 4 else np.uint8)
+            return salt, np.frombuffer(inline, dtype="<u4")
         assert ref is not None
-        return salt, segments.tokens(*ref, item)
+        return salt, segments.tokens(*ref, copy=copy)
 
 
 _client_ids = itertools.count(1)

@@ -30,7 +30,8 @@ from tierkv.errors import InputError
 #: Bumped on any incompatible change; HELLO refuses a mismatch. 2: UNREGISTER. 3: GET_LAYERED, DRAM_POOL,
 #: LEND, END_LEND. 4: derived pages (accept="derived") on LOOKUP and GET, counted in their replies.
 #: 5: ORIGINS. 6: lossy pages (a budget on LOOKUP, GET and PUT; lossy counts in the replies).
-VERSION = 6
+#: 7: LOOKUP_KEYS retired (the daemon hashes a lookup's tokens a stretch at a time, stopping at a miss).
+VERSION = 7
 
 HEADER = struct.Struct("<IHH")
 #: The largest body either side accepts. Bodies are small: page bytes and long prompts
@@ -52,8 +53,7 @@ class Op(IntEnum):
     STATS = 9      # empty -> JSON of StoreStats.to_dict()
     FLUSH = 10     # empty -> empty
     STATUS = 11    # empty -> JSON: the daemon, its clients (for users that may use every tenant), the stats
-    LOOKUP_KEYS = 12  # <B count + keys as a token op carries tokens (16 bytes a key) -> as LOOKUP; only for
-                      # connections that may use every tenant (HELLO's "every_tenant")
+    # 12: LOOKUP_KEYS until version 7 (keys hashed in the client)
     UNREGISTER = 13   # <Q segment id -> empty: the daemon unmaps it (a client gives a page buffer back)
     GET_LAYERED = 14  # <QQQqQQ as GET + the landing record's segment, offset (tierkv.store.landed) -> as GET
     DRAM_POOL = 15    # empty -> <QQQ slots, slot bytes, pool id, the DRAM tier's memfd in SCM_RIGHTS; only for connections
@@ -124,10 +124,9 @@ def _salt(salt: bytes) -> bytes:
     return SALT_LEN.pack(len(salt)) + salt
 
 
-def split_token_body(body: memoryview, at: int, item: int = 4
-                     ) -> tuple[bytes, memoryview | None, tuple[int, int, int] | None]:
+def split_token_body(body: memoryview, at: int) -> tuple[bytes, memoryview | None, tuple[int, int, int] | None]:
     """(salt, inline tokens or None, (segment, offset, count) or None) of a token op's body
-    whose fixed part ends at ``at``; ``item``: bytes per token (16 for page keys)."""
+    whose fixed part ends at ``at``."""
     if len(body) < at + SALT_LEN.size:
         raise ProtocolError(f"a token request of {len(body)} bytes is shorter than its header")
     (n,) = SALT_LEN.unpack_from(body, at)
@@ -136,7 +135,7 @@ def split_token_body(body: memoryview, at: int, item: int = 4
         raise ProtocolError("a token request's salt is cut short")
     salt, mode, rest = bytes(body[start:start + n]), body[start + n], body[start + n + 1:]
     if mode == _INLINE:
-        if len(rest) % item:
+        if len(rest) % 4:
             raise ProtocolError("a token request's tokens are cut short")
         return salt, rest, None
     if mode == _REF and len(rest) == TOKEN_REF.size:

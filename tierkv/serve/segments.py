@@ -142,15 +142,19 @@ class Segments:
             raise InputError(f"{count} aligned words at offset {off} run past segment {seg} ({len(m)} bytes)")
         return np.frombuffer(m, dtype=np.uint64, count=count, offset=off)
 
-    def tokens(self, seg: int, off: int, count: int, item: int) -> np.ndarray:
-        """``count`` tokens (``item`` 4: uint32) or page keys (16: raw bytes) at ``off`` in
-        segment ``seg``, copied out, so that the client cannot change them while the store
-        reads them."""
+    def tokens(self, seg: int, off: int, count: int, copy: bool = True) -> np.ndarray:
+        """``count`` tokens (uint32) at ``off`` in segment ``seg``, copied out, so that the
+        client cannot change them while the store reads them; ``copy`` False: a read-only
+        view, to be dropped before the connection's next request (which may unregister
+        the segment)."""
         m = self._get(seg, "token")
-        if off % 4 or off + item * count > len(m):
+        if off % 4 or off + 4 * count > len(m):
             raise InputError(f"{count} tokens at offset {off} run past segment {seg} ({len(m)} bytes)")
-        dtype = np.dtype("<u4") if item == 4 else np.dtype(np.uint8)
-        return np.frombuffer(m, dtype=dtype, count=count * (item // dtype.itemsize), offset=off).copy()
+        view = np.frombuffer(m, dtype="<u4", count=count, offset=off)
+        if copy:
+            return view.copy()
+        view.flags.writeable = False
+        return view
 
     def _get(self, seg: int, what: str) -> mmap.mmap:
         m = self._maps.get(seg)

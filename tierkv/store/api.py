@@ -32,8 +32,8 @@ from tierkv.errors import ConfigError, InputError, StoreClosedError, TierIOError
 from tierkv.store.index_check import mark_clean
 from tierkv.store.index_image import write_image
 from tierkv.store.index_scan import RecordArrays
-from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_keys, lossy_keys, namespace_digest,
-                         split_keys, tenant_salt)
+from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_stretches, chain_token_keys, lossy_keys,
+                         namespace_digest, split_keys, tenant_salt, token_ids)
 from tierkv.layout import KVLayout
 from tierkv.store.opening import open_store_parts, release_dir
 from tierkv.store.pages import PageBatch, PageSource, Rows, page_list, page_rows
@@ -169,7 +169,7 @@ class Store:
         return ns
 
     def _keys(self, tokens: Tokens, tenant: str | bytes) -> bytes:
-        return chain_keys(as_token_array(tokens), self.layout.tokens_per_page, self._namespace(tenant_salt(tenant)))
+        return chain_token_keys(tokens, self.layout.tokens_per_page, self._namespace(tenant_salt(tenant)))[1]
 
     @property
     def peer_address(self) -> tuple[str, int] | None:
@@ -261,10 +261,14 @@ class Store:
         the run goes on with derived pages where the exact ones end (as :meth:`get`
         would load them; here only, not on peers), counted in the result's ``derived``.
         ``accept_lossy=budget``: the same with lossy pages coded at that budget
-        (:meth:`put_lossy`), counted in ``lossy``.
+        (:meth:`put_lossy`), counted in ``lossy``. Exact lookups on a store without peers
+        hash the prompt's keys a stretch at a time and stop at the first miss, so that a
+        lookup costs what the cached prefix costs (every id is checked all the same).
         """
         budget = self._accepting(accept, accept_lossy, "lookup")
         self._check_open()
+        if accept == "exact" and budget is None and self._peering is None:
+            return self._lookup_leading(tokens, tenant, count)
         blob = self._keys(tokens, tenant)   # hashed without the lock
         res = self._lookup(blob, tenant, count)
         if (accept == "exact" and budget is None) or res.cached_pages == res.total_pages:
@@ -298,23 +302,45 @@ class Store:
             raise InputError(f"lookup_keys: keys must be bytes, {KEY_BYTES} per page")
         return self._lookup(keys, None, count)
 
-    def _lookup(self, blob: bytes, tenant: str | bytes | None, count: bool) -> LookupResult:
-        """:meth:`lookup` of a key blob; ``tenant``: whose keys they are, when known."""
+    def _lookup_leading(self, tokens: Tokens, tenant: str | bytes, count: bool) -> LookupResult:
+        """:meth:`lookup` of exact pages on a store without peers: the keys are hashed a
+        stretch at a time (without the lock), each stretch looked up before the next is
+        hashed, so that a prompt costs what its cached prefix costs (a new 128K-token
+        prompt: one stretch of 64 pages, not 8,192 keys). Each stretch is one snapshot
+        of the index; as any lookup, the answer is a hint that ``get`` checks again."""
+        ids = token_ids(tokens)
+        tpp = self.layout.tokens_per_page
+        levels = b""
+        for i, blob in enumerate(chain_stretches(ids, tpp, self._namespace(tenant_salt(tenant)))):
+            got = self._levels(blob, count and i == 0)
+            levels += got
+            if len(got) < len(blob) // KEY_BYTES:
+                break
+        n = len(levels)
+        return LookupResult(n, n * tpp, ids.size // tpp, levels.translate(self._manager.kind_ranks))
+
+    def _levels(self, blob: bytes, count: bool) -> bytes:
+        """The tier levels of the leading pages of a key blob cached here (a miss where
+        the fastest copy is on a degraded tier); ``count``: one more lookup in stats."""
         with self._lock:
             self._check_open()
-            total = len(blob) // KEY_BYTES
             if count:
                 self._counters.events["lookups"] += 1
             m = self._manager
             if self.read_only:
-                levels = self._lead(blob, total).levels.tobytes()
-            else:
-                levels = m.resident.prefix_values(blob)
-                down = m.unavailable_levels()
-                if down:  # pages whose fastest copy is on a degraded tier are misses for now
-                    levels = levels[:next((i for i, v in enumerate(levels) if v in down), len(levels))]
-            peering = self._peering
-        n, ranks = len(levels), levels.translate(m.kind_ranks)
+                return self._lead(blob, len(blob) // KEY_BYTES).levels.tobytes()
+            levels = m.resident.prefix_values(blob)
+            down = m.unavailable_levels()
+        if down:  # pages whose fastest copy is on a degraded tier are misses for now
+            levels = levels[:next((i for i, v in enumerate(levels) if v in down), len(levels))]
+        return levels
+
+    def _lookup(self, blob: bytes, tenant: str | bytes | None, count: bool) -> LookupResult:
+        """:meth:`lookup` of a key blob; ``tenant``: whose keys they are, when known."""
+        total = len(blob) // KEY_BYTES
+        levels = self._levels(blob, count)
+        peering = self._peering
+        n, ranks = len(levels), levels.translate(self._manager.kind_ranks)
         if peering is not None and n < total:   # the pages a get would fetch from peers
             more = peering.lookup(split_keys(blob), n, None if tenant is None else tenant_salt(tenant))
             n, ranks = n + more, ranks + bytes((TierKind.PEER.rank,)) * more
