@@ -72,6 +72,36 @@ def test_native_chain_matches_python(data: list[int], tokens_per_page: int, name
     assert native.chain_xxh3_128(namespace, tokens.astype(np.uint64), tokens_per_page, n_pages) == expected
 
 
+def test_native_chain_matches_python_for_every_page_size_past_a_block() -> None:
+    """Every page size from 1 to 100 tokens (the split chain runs for 8 to 28), over more
+    pages than a block of the split chain (32), as uint32 and as int64 ids."""
+    native = _native()
+    for tokens_per_page in range(1, 101):
+        tokens = _tokens(70 * tokens_per_page + tokens_per_page // 2, seed=tokens_per_page)
+        expected = _chain_keys_py(tokens, tokens_per_page, NS)
+        assert native.chain_xxh3_128(NS, tokens, tokens_per_page, 70) == expected, tokens_per_page
+        assert native.chain_xxh3_128(NS, tokens.astype(np.int64), tokens_per_page, 70) == expected, tokens_per_page
+
+
+def test_native_narrow_ids_takes_only_what_it_can_read() -> None:
+    native = _native()
+    ids = np.arange(10, dtype=np.int64) * 3
+    out = np.zeros(10, np.uint32)
+    assert native.narrow_ids(ids, out) is True and np.array_equal(out, ids)
+    assert native.narrow_ids(np.array([1, -1] * 5, np.int64), out) is False
+    wrong_order = ">i8" if sys.byteorder == "little" else "<i8"
+    for src, dst, error in ((np.zeros(1, wrong_order), np.zeros(1, np.uint32), TypeError),
+                            (np.zeros(1, np.float64), np.zeros(1, np.uint32), TypeError),
+                            (ids, np.zeros(10, np.int32), ValueError),
+                            (ids, np.zeros(9, np.uint32), ValueError)):
+        with pytest.raises(error):
+            native.narrow_ids(src, dst)
+    read_only = np.zeros(10, np.uint32)
+    read_only.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        native.narrow_ids(ids, read_only)
+
+
 def test_native_chain_can_stop_early() -> None:
     native = _native()
     tokens = _tokens(100)
@@ -83,6 +113,7 @@ def test_native_chain_can_stop_early() -> None:
     ((NS[:15], np.zeros(16, np.uint32), 16, 1), ValueError, "namespace must be 16 bytes, got 15"),
     ((NS, np.zeros(16, np.uint32), 0, 1), ValueError, "tokens_per_page"),
     ((NS, np.zeros(16, np.uint32), 16, -1), ValueError, "n_pages must be >= 0"),
+    ((NS, np.zeros(16, np.int64), (1 << 61) - 8, 1), ValueError, "1 pages of"),
     ((NS, np.zeros(31, np.uint32), 16, 2), ValueError, "2 pages of 16 tokens need 32 tokens, the buffer holds 31"),
     ((NS, np.zeros(16, np.int32), 16, 1), TypeError, "format 'i'"),
     ((NS, np.zeros(16, ">i8" if sys.byteorder == "little" else "<i8"), 16, 1), TypeError, "host's order"),
@@ -235,7 +266,7 @@ def test_the_stretches_and_the_one_pass_paths_make_the_same_keys(tokens_per_page
     stretches, each chained from the last key of the one before) and narrow_into (a
     client's ids into its token segment) give what as_token_array and chain_keys give."""
     ids = _tokens(64 * 16 * 9 + 37, seed=3) >> 1
-    expected = chain_keys(ids, tokens_per_page, NS)
+    expected = _chain_keys_py(ids, tokens_per_page, NS)
     for arr in (ids, ids.astype(np.int64), ids.astype(np.uint64), ids.tolist(), ids.astype(">u4")):
         assert keys.chain_token_keys(arr, tokens_per_page, NS) == (ids.size, expected)  # type: ignore[arg-type]
         got = list(keys.chain_stretches(keys.token_ids(arr), tokens_per_page, NS))   # type: ignore[arg-type]
@@ -265,6 +296,23 @@ def test_bad_ids_in_long_prompts_are_input_errors_on_every_path(bad: np.ndarray)
         keys.token_ids(bad)
     with pytest.raises(InputError, match=match):
         keys.narrow_into(bad, np.zeros(bad.size, np.uint32))
+
+
+def test_ids_changed_after_their_check_are_input_errors_too() -> None:
+    """A caller's array written while a lookup reads it (another thread) gives an
+    InputError, never the C chain's OverflowError."""
+    _native()
+    ids = np.arange(64 * 16 * 2, dtype=np.int64)
+    checked = keys.token_ids(ids)
+    ids[-1] = -1
+    with pytest.raises(InputError, match=r"\[-1, "):
+        list(keys.chain_stretches(checked, 16, NS))
+    ids[-1] = 5
+    stretches = keys.chain_stretches(keys.token_ids(ids), 16, NS)
+    next(stretches)
+    ids[-1] = 1 << 40
+    with pytest.raises(InputError, match="1099511627776"):
+        next(stretches)
 
 
 def test_checksum64_matches_xxhash() -> None:

@@ -299,7 +299,7 @@ chain_xxh3_128(PyObject *self, PyObject *args, PyObject *kwargs)
         goto done;
     }
     Py_ssize_t step = tpp * 4, width = order == DATA_WIDE ? 8 : 4;
-    if (n_pages > tok.len / (step / 4 * width) || n_pages > PY_SSIZE_T_MAX / KEY_BYTES) {
+    if (n_pages > tok.len / width / tpp || n_pages > PY_SSIZE_T_MAX / KEY_BYTES) {
         PyErr_Format(PyExc_ValueError, "%zd pages of %zd tokens need %zd tokens, the buffer holds %zd",
                      n_pages, tpp, n_pages <= PY_SSIZE_T_MAX / step ? n_pages * tpp : PY_SSIZE_T_MAX,
                      tok.len / width);
@@ -311,16 +311,20 @@ chain_xxh3_128(PyObject *self, PyObject *args, PyObject *kwargs)
         goto done;
     /* the split chain converts a block of pages ahead; the others one page */
     int split = KEY_BYTES + step >= SPLIT_MIN && KEY_BYTES + step <= SPLIT_MAX;
-    scratch = PyMem_RawMalloc((size_t)KEY_BYTES + (size_t)step * (split ? SPLIT_BLOCK : 1));
-    if (scratch == NULL) {
-        Py_CLEAR(out);
-        PyErr_NoMemory();
-        goto done;
+    if (n_pages > 0) {
+        scratch = PyMem_RawMalloc((size_t)KEY_BYTES + (size_t)step * (split ? SPLIT_BLOCK : 1));
+        if (scratch == NULL) {
+            Py_CLEAR(out);
+            PyErr_NoMemory();
+            goto done;
+        }
     }
     /* The buffer export pins tokens' memory; out is not visible to anyone else yet. */
     int narrow = 1;
+    uint64_t ored = 0;
     Py_BEGIN_ALLOW_THREADS
-    uint64_t ored = chain_loop(ns.buf, tok.buf, step, n_pages, order, scratch, (uint8_t *)PyBytes_AS_STRING(out));
+    if (n_pages > 0)
+        ored = chain_loop(ns.buf, tok.buf, step, n_pages, order, scratch, (uint8_t *)PyBytes_AS_STRING(out));
     if (order == DATA_WIDE)   /* the ids hashed, then those of the partial page after them */
         narrow = !((ored | or_of_ids((const uint8_t *)tok.buf + n_pages * tpp * 8, tok.len / 8 - n_pages * tpp)) >> 32);
     Py_END_ALLOW_THREADS
@@ -340,21 +344,31 @@ done:
 PyDoc_STRVAR(narrow_doc,
 "narrow_ids(ids, out) -> bool\n\n"
 "Writes the 8-byte integer ids (int64 or uint64 in the host's order, C-contiguous)\n"
-"into out, a writable C-contiguous buffer of exactly 4 bytes an id, as little-endian\n"
-"uint32. False where an id lies outside [0, 2**32) (out then holds some of them).\n"
+"into out, a writable C-contiguous buffer of as many little-endian uint32s. False\n"
+"where an id lies outside [0, 2**32) (out then holds some of them). TypeError or\n"
+"ValueError for other buffers.\n"
 "One pass: the check and the narrowing together. Releases the GIL.");
 
 static PyObject *
 py_narrow_ids(PyObject *self, PyObject *args)
 {
     Py_buffer src = {0}, dst = {0};
-    PyObject *result = NULL;
+    PyObject *src_obj, *dst_obj, *result = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*:narrow_ids", &src, &dst))
+    if (!PyArg_ParseTuple(args, "OO:narrow_ids", &src_obj, &dst_obj))
         return NULL;
-    if (src.len % 8 || dst.len != src.len / 2) {
-        PyErr_Format(PyExc_ValueError, "narrow_ids takes 8 bytes an id and writes 4: got %zd and %zd bytes",
-                     src.len, dst.len);
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+        goto done;
+    if (uint32_byte_order(&src) != DATA_WIDE || src.len % 8) {
+        PyErr_Format(PyExc_TypeError, "narrow_ids takes 8-byte integers in the host's order, got format '%.20s' "
+                     "with itemsize %zd", src.format != NULL ? src.format : "B", src.itemsize);
+        goto done;
+    }
+    if (dst.itemsize != 4 || uint32_byte_order(&dst) != DATA_LE || dst.len != src.len / 2) {
+        PyErr_Format(PyExc_ValueError, "narrow_ids writes %zd little-endian uint32s: got format '%.20s', %zd bytes",
+                     src.len / 8, dst.format != NULL ? dst.format : "B", dst.len);
         goto done;
     }
     uint64_t ored;
@@ -364,7 +378,8 @@ py_narrow_ids(PyObject *self, PyObject *args)
     result = PyBool_FromLong(!(ored >> 32));
 done:
     PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
+    if (dst.obj != NULL)
+        PyBuffer_Release(&dst);
     return result;
 }
 

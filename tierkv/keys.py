@@ -85,9 +85,15 @@ def as_token_array(tokens: Tokens) -> np.ndarray:
             raise InputError("tokens are a tensor on the meta device, which holds no values; pass the token ids")
         if device != "cpu":
             tensor = tensor.cpu()  # type: ignore[attr-defined, union-attr]
-        arr = np.asarray(tensor.numpy())
+        try:
+            arr = np.asarray(tensor.numpy())
+        except TypeError as exc:   # a dtype numpy lacks (bfloat16): not token ids
+            raise InputError(f"tokens must be integers, got a tensor numpy cannot hold: {exc}") from None
     else:
-        arr = np.asarray(tokens)
+        try:
+            arr = np.asarray(tokens)
+        except (ValueError, TypeError) as exc:   # a ragged list, a list of objects
+            raise InputError(f"tokens must be a one-dimensional sequence of integers: {exc}") from None
     if arr.ndim != 1:
         raise InputError(f"tokens must be one-dimensional, got shape {tuple(arr.shape)}")
     if arr.size == 0:
@@ -144,8 +150,7 @@ def chain_token_keys(tokens: Tokens, tokens_per_page: int, namespace: bytes) -> 
             return tokens.size, bytes(_native.chain_xxh3_128(namespace, tokens, tokens_per_page,
                                                              tokens.size // tokens_per_page))
         except OverflowError:
-            as_token_array(tokens)   # raises the InputError that names the ids' range
-            raise
+            raise _out_of_range(tokens) from None
     toks = as_token_array(tokens)
     return toks.size, chain_keys(toks, tokens_per_page, namespace)
 
@@ -165,10 +170,22 @@ def narrow_into(ids: np.ndarray, out: np.ndarray) -> None:
     """Check the 8-byte ids of ``ids`` (:func:`wide_ids`) and write them into ``out``
     (uint32, as many) in one pass; InputError, as :func:`as_token_array` raises it, for an
     id outside the range."""
-    assert _native is not None and wide_ids(ids)
+    if not wide_ids(ids):
+        raise InputError(f"narrow_into takes a contiguous 1-D int64 or uint64 array, got {type(ids).__name__}")
+    assert _native is not None
     if not _native.narrow_ids(ids, out):
-        as_token_array(ids)   # raises the InputError that names the ids' range
-        raise AssertionError("narrow_ids found an id outside [0, 2**32) that as_token_array accepted")
+        raise _out_of_range(ids)
+
+
+def _out_of_range(ids: np.ndarray) -> InputError:
+    """The error for 8-byte ids the C code found outside the range: as_token_array's, or
+    (the array changed since it was read there) one that says so."""
+    try:
+        as_token_array(ids)
+    except InputError as exc:
+        return exc
+    return InputError(f"a token id lay outside [0, {_MAX_TOKEN}] while it was read, and not since: "
+                      "the array changed during the call")
 
 
 def wide_ids(tokens: Tokens) -> TypeGuard[np.ndarray]:
@@ -190,8 +207,11 @@ def chain_stretches(ids: np.ndarray, tokens_per_page: int, namespace: bytes,
     while True:
         end = min(total, start + span)
         if _native is not None:
-            blob = bytes(_native.chain_xxh3_128(parent, ids[start * tokens_per_page:end * tokens_per_page],
-                                                tokens_per_page, end - start))
+            try:
+                blob = bytes(_native.chain_xxh3_128(parent, ids[start * tokens_per_page:end * tokens_per_page],
+                                                    tokens_per_page, end - start))
+            except OverflowError:   # checked by token_ids: the caller's array changed since
+                raise _out_of_range(ids) from None
         else:
             blob = chain_keys(ids[start * tokens_per_page:end * tokens_per_page], tokens_per_page, parent)
         yield blob

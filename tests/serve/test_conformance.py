@@ -166,6 +166,20 @@ def test_prefetch_promotes_to_dram(opened: Opened, tmp_path: Path) -> None:
     assert n == 2 and np.array_equal(out, data)
 
 
+def test_a_bad_lookup_leaves_the_pins_held(opened: Opened, tmp_path: Path) -> None:
+    """Bad ids are refused before a connected client sends anything: its connection, and
+    the pins it holds, stay (a ragged list or a bfloat16 tensor once dropped them)."""
+    s = opened(make_config(tmp_path / "s", 4, 0))
+    s.put(prompt(0, 2), page_data(0, 2))
+    assert s.pin(prompt(0, 2)) == 2
+    for bad, match in (([1, [2]], "one-dimensional sequence of integers"),
+                       (torch.arange(40, dtype=torch.bfloat16), "integers"),
+                       (np.array([5] * 9000 + [-1]), "token ids must lie in")):
+        with pytest.raises(InputError, match=match):
+            s.lookup(bad)  # type: ignore[arg-type]
+    assert s.unpin(prompt(0, 2)) == 2
+
+
 def test_pins_hold_pages_until_released(opened: Opened, tmp_path: Path) -> None:
     s = opened(make_config(tmp_path / "s", 2, 0))
     s.put(prompt(0, 1), page_data(0, 1))

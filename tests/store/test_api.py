@@ -583,23 +583,23 @@ def test_lookup_by_keys_is_lookup_by_tokens(store: Store) -> None:
 def test_a_lookup_in_stretches_finds_a_cached_prefix_past_the_first_stretches(tmp_path: Path) -> None:
     """Lookups hash a stretch at a time and stop at the first miss (64 pages, then 512, ...):
     a prefix of 650 cached pages is found whole, as the lookup by every key finds it; a
-    bad id after the miss is still an InputError; the lookup is counted once."""
+    bad id in a stretch never hashed is still an InputError; each lookup counts once."""
     from tierkv.keys import as_token_array, chain_keys, namespace_digest
 
     n = 650
-    tokens = np.arange(700 * TPP, dtype=np.int64) * 7 + 3
+    tokens = np.arange(6000 * TPP, dtype=np.int64) * 7 + 3   # stretches: 64, 512, 4096, 1328 pages
     with Store.open(make_config(tmp_path / "s", dram_pages=n + 8, nvme_pages=0)) as s:
         assert s.put(tokens[:n * TPP], page_data(1, n)).stored == n
         before = s.stats().lookups
         found = s.lookup(tokens)
-        assert (found.cached_pages, found.total_pages) == (n, 700)
+        assert (found.cached_pages, found.total_pages) == (n, 6000)
         every = chain_keys(as_token_array(tokens), TPP, namespace_digest("test-model", LAYOUT, ""))
         assert s.lookup_keys(every) == found
         assert s.lookup(tokens[:64 * TPP]).cached_pages == 64 and s.lookup(tokens[:576 * TPP]).cached_pages == 576
         assert s.lookup(tokens.tolist(), count=False) == found
         assert s.stats().lookups == before + 4   # the lookups by tokens, once each, and the one by keys
         bad = tokens.copy()
-        bad[-1] = -1
+        bad[-1] = -1   # in the fourth stretch: the third holds the miss
         with pytest.raises(InputError, match=r"\[-1, "):
             s.lookup(bad)
 

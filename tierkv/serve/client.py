@@ -197,15 +197,16 @@ class _Conn:
         seg.array[:need].view(toks.dtype)[:] = toks
         return P.token_ref(salt, seg.id, 0, toks.size, prefix)
 
-    def ids(self, salt: bytes, tokens: Tokens, prefix: bytes = b"") -> bytes:
-        """:meth:`tokens` of tokens not checked yet: a long prompt of 8-byte ids (an int64
-        array, as engines hold them) is checked and narrowed straight into the token
-        segment in one pass, instead of checked, converted, then copied."""
-        if wide_ids(tokens) and tokens.size > P.INLINE_TOKENS:
-            seg = self._token_segment(4 * tokens.size)
-            narrow_into(tokens, seg.array[:4 * tokens.size].view("<u4"))
-            return P.token_ref(salt, seg.id, 0, tokens.size, prefix)
-        return self.tokens(salt, as_token_array(tokens), prefix)
+    def ids(self, salt: bytes, ids: np.ndarray, prefix: bytes = b"") -> bytes:
+        """:meth:`tokens` of ids from ``as_token_array``, or of a long prompt's 8-byte ids
+        (an int64 array, as engines hold them) not checked yet: checked and narrowed
+        straight into the token segment in one pass (an InputError leaves the connection
+        as it was), instead of checked, converted, then copied."""
+        if wide_ids(ids) and ids.size > P.INLINE_TOKENS:
+            seg = self._token_segment(4 * ids.size)
+            narrow_into(ids, seg.array[:4 * ids.size].view("<u4"))
+            return P.token_ref(salt, seg.id, 0, ids.size, prefix)
+        return self.tokens(salt, ids, prefix)
 
     def _token_segment(self, need: int) -> _Segment:
         """This connection's token segment, grown to ``need`` bytes where smaller."""
@@ -520,8 +521,11 @@ class RemoteStore:
         # segment): the daemon hashes their keys a stretch at a time and stops at the first
         # page it does not hold, so a prompt costs what its cached prefix costs.
         salt = tenant_salt(tenant)
+        # checked here, before the request: an error then leaves the connection (and the
+        # pins and lends it holds) alone; long int64 ids are checked as they are narrowed
+        ids = tokens if wide_ids(tokens) and tokens.size > P.INLINE_TOKENS else as_token_array(tokens)
         head = P.LOOKUP_REQ.pack((P.FLAG_COUNT if count else 0) | (P.FLAG_DERIVED if derived else 0), budget)
-        reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.ids(salt, tokens, head))
+        reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.ids(salt, ids, head))
         n, ntok, total, nderived, nlossy = P.LOOKUP_REP.unpack_from(reply)
         return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]), derived=nderived, lossy=nlossy)
 
