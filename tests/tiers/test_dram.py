@@ -44,6 +44,39 @@ def test_the_slot_buffer_is_a_memfd_another_process_can_map() -> None:
         m.close()
 
 
+def test_the_shmem_huge_page_mode_is_read_from_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    switch = tmp_path / "shmem_enabled"
+    switch.write_text("always within_size [advise] never deny force\n")
+    monkeypatch.setattr(aligned, "SHMEM_ENABLED", str(switch))
+    assert aligned.shmem_huge_pages() == "advise"
+    switch.write_text("garbled")
+    assert aligned.shmem_huge_pages() == "unknown"
+    monkeypatch.setattr(aligned, "SHMEM_ENABLED", str(tmp_path / "absent"))
+    assert aligned.shmem_huge_pages() == "unknown"
+
+
+@pytest.mark.skipif(aligned.shmem_huge_pages() not in ("advise", "within_size", "always"),
+                    reason="the kernel gives shared memory no huge pages (transparent_hugepage/shmem_enabled)")
+def test_the_slot_buffer_gets_huge_pages_where_the_kernel_gives_them() -> None:
+    with dram.DramTier(8, 1 << 20) as t:   # 8 MiB: whole huge pages
+        t.write(list(range(8)), np.ones((8, 1 << 20), dtype=np.uint8))
+        assert _smaps_kb(int(t.buffer.ctypes.data), "ShmemPmdMapped") > 0
+
+
+def _smaps_kb(addr: int, field: str) -> int:
+    """A field (kB) of the /proc/self/smaps entry of the mapping that holds ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and all(ch in "0123456789abcdef-" for ch in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
 def _resident(buf: np.ndarray) -> float:
     """The fraction of ``buf``'s memory pages that are resident (mincore)."""
     libc = ctypes.CDLL(None, use_errno=True)

@@ -13,7 +13,9 @@ clients' copies can gain on the machine. Clients put from and get into a ``page_
 one-copy path); ``put_vs_inprocess_scratch`` is one client whose batch is its own
 array (copied through its scratch segment). ``lookup_p50_us`` / ``lookup_p99_us``: a
 lookup of a 131,072-token prompt through a connected client, beside the in-process
-lookup. Every get is checked against what was put (``verified``).
+lookup. Every get is checked against what was put (``verified``). ``shmem_huge_pages``:
+the kernel's ``transparent_hugepage/shmem_enabled`` mode, which decides whether the
+page buffers and the DRAM pool (memfds) get huge pages (docs/serve.md, "Huge pages").
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 
 from tierkv.bench.store import _layout_for
 from tierkv.config import DramConfig, StoreConfig
+from tierkv.tiers.aligned import shmem_huge_pages
 
 PAGE_SIZES = (2 << 20, 256 << 10)
 CLIENTS = (1, 2, 4)
@@ -243,7 +246,7 @@ def run_serve_bench(quick: bool = False, where: str | None = None) -> dict[str, 
     first = shapes[0]
     memcpy = statistics.median([_memcpy_scaling(128 << 20, 4 if quick else 8)["memcpy_2_threads_vs_1"]
                                 for _ in range(1 if quick else REPEATS)])
-    return {"suite": "serve", "cpus": os.cpu_count(), "shapes": shapes, **lookup,
+    return {"suite": "serve", "cpus": os.cpu_count(), "shmem_huge_pages": shmem_huge_pages(), "shapes": shapes, **lookup,
             "memcpy_2_threads_vs_1": memcpy,
             "put_vs_inprocess": first["put_vs_inprocess"], "get_vs_inprocess": first["get_vs_inprocess"],
             "clients": [r["clients"] for r in first["clients"]], "verified": verified}

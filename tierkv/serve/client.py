@@ -42,6 +42,7 @@ from tierkv.errors import InputError, StoreClosedError, StoreUnavailableError, T
 from tierkv.splice.ops import SpliceResult
 from tierkv.splice.rope import Rope
 from tierkv.keys import Tokens, as_token_array, narrow_into, tenant_salt, wide_ids
+from tierkv.tiers.aligned import advise_huge
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
 from tierkv.store import landed as landed_words
@@ -76,6 +77,7 @@ class _Segment:
         except BaseException:
             os.close(self.fd)
             raise
+        advise_huge(self.map)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
         self.array[::mmap.PAGESIZE] = 0   # allocated now, by this process (and charged to its memory)
         self.base = self.array.__array_interface__["data"][0]

@@ -53,6 +53,7 @@ from tierkv.serve.segments import SegmentBudget, Segments
 from tierkv.store import landed, lossy_pages
 from tierkv.store.api import LookupResult, Store
 from tierkv.store.opening import SERVED_FILE
+from tierkv.tiers.aligned import shmem_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,7 @@ class NodeService:
             "model_id": self.store.config.model_id, "version": __version__, "protocol": P.VERSION,
             "uptime_s": round(now - self.started, 3), "connections": len(infos), "requests": served,
             "access": "open" if self._access.open else "by user ([serve] tenants)",
+            "shmem_huge_pages": shmem_huge_pages(),
             "stats": self.store.stats().to_dict(),
         }
         if self._cluster is not None:

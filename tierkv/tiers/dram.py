@@ -20,7 +20,7 @@ import numpy as np
 
 from tierkv.errors import CapacityError
 from tierkv.store.pages import PageList
-from tierkv.tiers.aligned import Prefault
+from tierkv.tiers.aligned import Prefault, advise_huge
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.units import format_size
 
@@ -59,6 +59,7 @@ def _shared_buffer(nbytes: int) -> tuple[np.ndarray, int]:
     except BaseException:
         os.close(fd)
         raise
+    advise_huge(m)   # before the first touch: huge pages where the kernel allows them
     return np.frombuffer(m, dtype=np.uint8), fd
 
 
