@@ -12,7 +12,7 @@ import pytest
 
 from tests.nvmeof.test_sysfs import add_controller
 from tierkv.cli.main import main
-from tierkv.cli.doctor import Probe, Status, run_checks, summary
+from tierkv.cli.doctor import Probe, Status, memory_checks, run_checks, summary
 
 DCB_PFC = "pfc-cap 8 macsec-bypass off delay 4096\nprio-pfc 0:off 1:off 2:off 3:on 4:off 5:off 6:off 7:off\n"
 
@@ -82,6 +82,7 @@ def test_healthy_roce_host(roots: tuple[Path, Path, Path]) -> None:
     _w(dev / "infiniband/uverbs0", "")
     _w(etc / "nvme/hostnqn", "nqn.2014-08.org.nvmexpress:uuid:f7536c1e-bc57-4dbb-8ea6-f1ad3af84371")
     _w(etc / "nvme/hostid", "61d17809-4995-4615-b776-c194e0be3b30")
+    _w(sysfs / "kernel/mm/transparent_hugepage/shmem_enabled", "always within_size [advise] never deny force")
     add_controller(sysfs, ctrl=0, subsys=0, dev_root=dev)
     which, run = _tools({"dcb": DCB_PFC, "ibv_devinfo": _ibv_devinfo("4096 (5)"), "python3": "",
                          "nvme": "nvme version 2.3 (git 2.3)"},
@@ -115,6 +116,14 @@ def test_soft_roce_with_mtu_1500(roots: tuple[Path, Path, Path]) -> None:
     assert got["nvme.nvme0"][0] is Status.WARN and got["nvme.hostnqn"][0] is Status.WARN
     assert got["tool.nvme-cli"][0] is Status.FAIL            # neither nvme-cli nor libnvme
     assert got["rdma.uverbs"][0] is Status.WARN
+    assert got["memory.shmem_huge_pages"][0] is Status.SKIP   # no such file in this tree
+
+
+def test_shared_memory_without_huge_pages_is_a_warning(roots: tuple[Path, Path, Path]) -> None:
+    sysfs, dev, etc = roots
+    _w(sysfs / "kernel/mm/transparent_hugepage/shmem_enabled", "always within_size advise [never] deny force")
+    got = _by_name(memory_checks(Probe(str(sysfs), str(dev), str(etc))))
+    assert got["memory.shmem_huge_pages"][0] is Status.WARN and "echo advise" in got["memory.shmem_huge_pages"][1]
 
 
 def test_nothing_at_all(roots: tuple[Path, Path, Path]) -> None:

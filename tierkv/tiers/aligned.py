@@ -46,11 +46,12 @@ def advise_huge(m: mmap.mmap) -> None:
             pass
 
 
-def shmem_huge_pages() -> str:
+def shmem_huge_pages(path: str | None = None) -> str:
     """The kernel's ``transparent_hugepage/shmem_enabled`` mode (``never``, ``advise``,
-    ``within_size``, ``always``, ...), or ``unknown`` where it cannot be read."""
+    ``within_size``, ``always``, ...), or ``unknown`` where it cannot be read (``path``:
+    another copy of the file, for ``tierkv doctor``'s roots)."""
     try:
-        with open(SHMEM_ENABLED) as f:
+        with open(path or SHMEM_ENABLED) as f:
             text = f.read()
     except OSError:
         return "unknown"
