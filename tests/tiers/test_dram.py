@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tierkv.tiers.aligned as aligned
+import tierkv.tiers.hugepages as hugepages
 import tierkv.tiers.dram as dram
 from tierkv.config import DramConfig, config_from_dict
 from tierkv.errors import CapacityError, InputError
@@ -44,27 +45,52 @@ def test_the_slot_buffer_is_a_memfd_another_process_can_map() -> None:
         m.close()
 
 
-def test_the_shmem_huge_page_mode_is_read_from_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    switch = tmp_path / "shmem_enabled"
-    switch.write_text("always within_size [advise] never deny force\n")
-    monkeypatch.setattr(aligned, "SHMEM_ENABLED", str(switch))
-    assert aligned.shmem_huge_pages() == "advise"
-    switch.write_text("garbled")
-    assert aligned.shmem_huge_pages() == "unknown"
-    monkeypatch.setattr(aligned, "SHMEM_ENABLED", str(tmp_path / "absent"))
-    assert aligned.shmem_huge_pages() == "unknown"
+def test_the_shmem_huge_page_mode_is_read_from_the_kernel(tmp_path: Path) -> None:
+    """shmem_enabled, unless the 2 MiB size's own setting says otherwise (newer kernels)."""
+    thp = tmp_path / "kernel/mm/transparent_hugepage"
+    thp.mkdir(parents=True)
+    (thp / "shmem_enabled").write_text("always within_size [advise] never deny force\n")
+    assert hugepages.shmem_huge_pages(str(tmp_path)) == "advise"
+    (thp / "hugepages-2048kB").mkdir()
+    (thp / "hugepages-2048kB/shmem_enabled").write_text("always [inherit] within_size advise never\n")
+    assert hugepages.shmem_huge_pages(str(tmp_path)) == "advise"
+    (thp / "hugepages-2048kB/shmem_enabled").write_text("always inherit within_size advise [never]\n")
+    assert hugepages.shmem_huge_pages(str(tmp_path)) == "never"
+    (thp / "hugepages-2048kB/shmem_enabled").write_text("[inherit]")
+    (thp / "shmem_enabled").write_text("garbled")
+    assert hugepages.shmem_huge_pages(str(tmp_path)) == "unknown"
+    assert hugepages.shmem_huge_pages(str(tmp_path / "absent")) == "unknown"
 
 
-@pytest.mark.skipif(aligned.shmem_huge_pages() not in ("advise", "within_size", "always"),
+def test_the_slot_buffer_and_page_buffers_ask_for_huge_pages() -> None:
+    """The advice is on the mapping (VmFlags hg) whatever the kernel then gives, over whole
+    2 MiB pages only: a smaller memfd keeps 4 KiB pages (a kernel before 6.11 would give
+    it a whole huge page)."""
+    from tierkv.serve.client import _Segment
+
+    with dram.DramTier(8, 1 << 20) as t:
+        if t.lend_fd() < 0:
+            pytest.skip("the slot buffer is page-locked memory here, not a memfd")
+        assert "hg" in _smaps_flags(int(t.buffer.ctypes.data))
+    big, small = _Segment(4 << 20, "test-big"), _Segment(64 << 10, "test-small")
+    try:
+        assert "hg" in _smaps_flags(big.base)
+        assert "hg" not in _smaps_flags(small.base)
+    finally:
+        big.close()
+        small.close()
+
+
+@pytest.mark.skipif(hugepages.shmem_huge_pages() not in hugepages.HUGE_MODES,
                     reason="the kernel gives shared memory no huge pages (transparent_hugepage/shmem_enabled)")
 def test_the_slot_buffer_gets_huge_pages_where_the_kernel_gives_them() -> None:
     with dram.DramTier(8, 1 << 20) as t:   # 8 MiB: whole huge pages
         t.write(list(range(8)), np.ones((8, 1 << 20), dtype=np.uint8))
-        assert _smaps_kb(int(t.buffer.ctypes.data), "ShmemPmdMapped") > 0
+        assert int((_smaps(int(t.buffer.ctypes.data), "ShmemPmdMapped") or "0").split()[0]) > 0
 
 
-def _smaps_kb(addr: int, field: str) -> int:
-    """A field (kB) of the /proc/self/smaps entry of the mapping that holds ``addr``."""
+def _smaps(addr: int, field: str) -> str:
+    """A field of the /proc/self/smaps entry of the mapping that holds ``addr`` ("" if none)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -73,8 +99,12 @@ def _smaps_kb(addr: int, field: str) -> int:
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
             elif inside and line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _smaps_flags(addr: int) -> list[str]:
+    return _smaps(addr, "VmFlags").split()
 
 
 def _resident(buf: np.ndarray) -> float:

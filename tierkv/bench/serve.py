@@ -35,7 +35,7 @@ import numpy as np
 
 from tierkv.bench.store import _layout_for
 from tierkv.config import DramConfig, StoreConfig
-from tierkv.tiers.aligned import shmem_huge_pages
+from tierkv.tiers.hugepages import shmem_huge_pages
 
 PAGE_SIZES = (2 << 20, 256 << 10)
 CLIENTS = (1, 2, 4)

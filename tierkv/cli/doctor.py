@@ -300,16 +300,16 @@ def software_checks(p: Probe) -> list[Check]:
 def memory_checks(p: Probe) -> list[Check]:
     """Huge pages for shared memory: the DRAM tier's pool and ``tierkv serve``'s page
     buffers are memfds, which get them only where ``shmem_enabled`` allows."""
-    from tierkv.tiers.aligned import shmem_huge_pages
+    from tierkv.tiers.hugepages import HUGE_MODES, shmem_huge_pages
 
     name = "memory.shmem_huge_pages"
-    mode = shmem_huge_pages(p.sys("kernel", "mm", "transparent_hugepage", "shmem_enabled"))
+    mode = shmem_huge_pages(p.sysfs_root)
     if mode == "unknown":
         return [Check(name, Status.SKIP, "transparent_hugepage/shmem_enabled is not readable here")]
-    if mode in ("advise", "within_size", "always", "force"):
+    if mode in HUGE_MODES:
         return [Check(name, Status.PASS, f"{mode}: the DRAM pool and page buffers get huge pages")]
-    return [Check(name, Status.WARN, f"{mode}: shared memory uses 4 KiB pages, and copies between page buffers and "
-                                     "the DRAM pool ran 1.5x slower than with advise (echo advise > "
+    return [Check(name, Status.WARN, f"{mode}: shared memory uses 4 KiB pages, and a copy between two memfds ran "
+                                     "1.5x slower than with advise (echo advise > "
                                      "/sys/kernel/mm/transparent_hugepage/shmem_enabled; docs/serve.md)")]
 
 

@@ -42,7 +42,7 @@ from tierkv.errors import InputError, StoreClosedError, StoreUnavailableError, T
 from tierkv.splice.ops import SpliceResult
 from tierkv.splice.rope import Rope
 from tierkv.keys import Tokens, as_token_array, narrow_into, tenant_salt, wide_ids
-from tierkv.tiers.aligned import advise_huge
+from tierkv.tiers.hugepages import advise_huge
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
 from tierkv.store import landed as landed_words

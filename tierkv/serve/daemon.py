@@ -53,7 +53,7 @@ from tierkv.serve.segments import SegmentBudget, Segments
 from tierkv.store import landed, lossy_pages
 from tierkv.store.api import LookupResult, Store
 from tierkv.store.opening import SERVED_FILE
-from tierkv.tiers.aligned import shmem_huge_pages
+from tierkv.tiers.hugepages import shmem_huge_pages
 
 log = logging.getLogger(__name__)
 

@@ -29,36 +29,6 @@ ALIGN = 4096
 MAX_PAGE_BLOCKS = 0xFFFF
 
 
-#: The kernel's switch for transparent huge pages in shared memory (memfds, tmpfs).
-SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-
-
-def advise_huge(m: mmap.mmap) -> None:
-    """Ask for transparent huge pages on a shared mapping (a memfd). Where the kernel's
-    ``shmem_enabled`` allows them (``advise`` and up) a copy between two memfds ran 1.5x
-    faster on this VM (11.5 -> 17.2 GB/s, docs/serve.md "Huge pages"); elsewhere this is
-    a no-op."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            m.madvise(advice)
-        except OSError:   # a kernel without THP
-            pass
-
-
-def shmem_huge_pages(path: str | None = None) -> str:
-    """The kernel's ``transparent_hugepage/shmem_enabled`` mode (``never``, ``advise``,
-    ``within_size``, ``always``, ...), or ``unknown`` where it cannot be read (``path``:
-    another copy of the file, for ``tierkv doctor``'s roots)."""
-    try:
-        with open(path or SHMEM_ENABLED) as f:
-            text = f.read()
-    except OSError:
-        return "unknown"
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else "unknown"
-
-
 def round_up(nbytes: int, align: int = ALIGN) -> int:
     """``nbytes`` rounded up to a multiple of ``align``."""
     return -(-nbytes // align) * align

@@ -20,7 +20,8 @@ import numpy as np
 
 from tierkv.errors import CapacityError
 from tierkv.store.pages import PageList
-from tierkv.tiers.aligned import Prefault, advise_huge
+from tierkv.tiers.aligned import Prefault
+from tierkv.tiers.hugepages import advise_huge
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.units import format_size
 
