@@ -89,7 +89,12 @@ def page_list(pages: Sequence[object], layout: KVLayout, what: str, max_pages: i
         raise InputError(f"{what}: {len(pages)} pages given but the tokens hold only {max_pages} full "
                          f"pages of {layout.tokens_per_page} tokens")
     rows: list[np.ndarray] = []
+    flat, u8 = (pb,), np.dtype(np.uint8)
     for i, page in enumerate(pages):
+        # the usual page first: a flat, contiguous uint8 array, taken as it is
+        if type(page) is np.ndarray and page.shape == flat and page.dtype == u8 and page.flags.c_contiguous:
+            rows.append(page)
+            continue
         where = f"{what}[{i}]"
         if _is_tensor(page):
             row = _torch_page(page, layout, where)  # type: ignore[arg-type]
