@@ -42,7 +42,6 @@ from tierkv.errors import InputError, StoreClosedError, StoreUnavailableError, T
 from tierkv.splice.ops import SpliceResult
 from tierkv.splice.rope import Rope
 from tierkv.keys import Tokens, as_token_array, narrow_into, tenant_salt, wide_ids
-from tierkv.tiers.hugepages import advise_huge
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
 from tierkv.store import landed as landed_words
@@ -53,6 +52,7 @@ from tierkv.store.pages import PageBatch, PageList, PageSource, page_list, page_
 from tierkv.store.results import GetResult, Lent, LookupResult, PutResult, _KIND_BY_RANK
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.validate import GET_LIST_MESSAGE, check_requested, check_unfilled
+from tierkv.tiers.hugepages import advise_huge
 
 if TYPE_CHECKING:
     from tierkv.lossy.alloc import Calibration, Importance
@@ -519,12 +519,12 @@ class RemoteStore:
         derived = _derived(accept, "lookup")
         budget = _lossy(accept_lossy, derived, "lookup")
         self._check_open()
-        # The ids go as they are (a long prompt's narrowed to uint32 straight into the token
-        # segment): the daemon hashes their keys a stretch at a time and stops at the first
-        # page it does not hold, so a prompt costs what its cached prefix costs.
+        # The ids go as they are (a long int64 prompt's checked as it is narrowed to uint32
+        # straight into the token segment; any other checked here, before the request, so
+        # that an error leaves the connection and the pins and lends it holds alone): the
+        # daemon hashes their keys a stretch at a time and stops at the first page it does
+        # not hold, so a prompt costs what its cached prefix costs.
         salt = tenant_salt(tenant)
-        # checked here, before the request: an error then leaves the connection (and the
-        # pins and lends it holds) alone; long int64 ids are checked as they are narrowed
         ids = tokens if wide_ids(tokens) and tokens.size > P.INLINE_TOKENS else as_token_array(tokens)
         head = P.LOOKUP_REQ.pack((P.FLAG_COUNT if count else 0) | (P.FLAG_DERIVED if derived else 0), budget)
         reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.ids(salt, ids, head))
