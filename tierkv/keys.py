@@ -138,21 +138,19 @@ def chain_keys(tokens: np.ndarray, tokens_per_page: int, namespace: bytes) -> by
     return _chain_keys_py(tokens, tokens_per_page, namespace)
 
 
-def chain_token_keys(tokens: Tokens, tokens_per_page: int, namespace: bytes) -> tuple[int, bytes]:
-    """``(number of tokens, chain_keys(as_token_array(tokens), tokens_per_page, namespace))``,
-    with the same errors. Token ids in a numpy int64 or uint64 array (what tokenizers and
+def chain_token_keys(tokens: Tokens, tokens_per_page: int, namespace: bytes) -> bytes:
+    """``chain_keys(as_token_array(tokens), tokens_per_page, namespace)``, with the same
+    errors. Token ids in a numpy int64 or uint64 array (what tokenizers and
     engines hold) are checked and narrowed to uint32 in C while they are hashed: one pass
     instead of a range check, a converted copy, then the hash (a third of a long prompt's
     lookup, measured for issue 21)."""
     if wide_ids(tokens) and len(namespace) == KEY_BYTES and tokens_per_page > 0:
         assert _native is not None
         try:
-            return tokens.size, bytes(_native.chain_xxh3_128(namespace, tokens, tokens_per_page,
-                                                             tokens.size // tokens_per_page))
+            return bytes(_native.chain_xxh3_128(namespace, tokens, tokens_per_page, tokens.size // tokens_per_page))
         except OverflowError:
             raise _out_of_range(tokens) from None
-    toks = as_token_array(tokens)
-    return toks.size, chain_keys(toks, tokens_per_page, namespace)
+    return chain_keys(as_token_array(tokens), tokens_per_page, namespace)
 
 
 def token_ids(tokens: Tokens) -> np.ndarray:

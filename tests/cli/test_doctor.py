@@ -124,6 +124,12 @@ def test_shared_memory_without_huge_pages_is_a_warning(roots: tuple[Path, Path, 
     _w(sysfs / "kernel/mm/transparent_hugepage/shmem_enabled", "always within_size advise [never] deny force")
     got = _by_name(memory_checks(Probe(str(sysfs), str(dev), str(etc))))
     assert got["memory.shmem_huge_pages"][0] is Status.WARN and "echo advise" in got["memory.shmem_huge_pages"][1]
+    # allowed, but not for 2 MiB pages (newer kernels' own switch): the line names that one
+    _w(sysfs / "kernel/mm/transparent_hugepage/shmem_enabled", "always within_size [advise] never deny force")
+    _w(sysfs / "kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled", "always inherit advise [never]")
+    got = _by_name(memory_checks(Probe(str(sysfs), str(dev), str(etc))))
+    assert got["memory.shmem_huge_pages"][0] is Status.WARN
+    assert "echo inherit > /sys/kernel/mm/transparent_hugepage/hugepages-2048kB" in got["memory.shmem_huge_pages"][1]
 
 
 def test_nothing_at_all(roots: tuple[Path, Path, Path]) -> None:

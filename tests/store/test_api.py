@@ -604,6 +604,32 @@ def test_a_lookup_in_stretches_finds_a_cached_prefix_past_the_first_stretches(tm
             s.lookup(bad)
 
 
+def test_a_lookup_hashes_no_further_than_its_first_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new prompt hashes one stretch (64 pages); one whose first 100 pages are cached
+    hashes the stretch that holds its first miss and stops (64 + 512)."""
+    import types
+
+    from tierkv import keys
+
+    native = pytest.importorskip("tierkv._native", reason="the stretches count through the C chain")
+    hashed: list[int] = []
+
+    def counting(namespace: bytes, tokens: np.ndarray, tokens_per_page: int, n_pages: int) -> bytes:
+        hashed.append(n_pages)
+        return native.chain_xxh3_128(namespace, tokens, tokens_per_page, n_pages)  # type: ignore[no-any-return]
+
+    tokens = np.arange(6000 * TPP, dtype=np.int64)
+    with Store.open(make_config(tmp_path / "s", dram_pages=108, nvme_pages=0)) as s:
+        assert s.put(tokens[:100 * TPP], page_data(2, 100)).stored == 100
+        monkeypatch.setattr(keys, "_native", types.SimpleNamespace(chain_xxh3_128=counting,
+                                                                   narrow_ids=native.narrow_ids))
+        assert s.lookup(tokens + 1).cached_pages == 0
+        assert hashed == [64]
+        hashed.clear()
+        assert s.lookup(tokens).cached_pages == 100
+        assert hashed == [64, 512]
+
+
 def test_a_caller_writing_its_buffer_during_a_get_cannot_poison_a_promoted_page(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller's buffer may be shared (a node-service client's segment) or written by

@@ -55,6 +55,9 @@ def test_the_shmem_huge_page_mode_is_read_from_the_kernel(tmp_path: Path) -> Non
     (thp / "hugepages-2048kB/shmem_enabled").write_text("always [inherit] within_size advise never\n")
     assert hugepages.shmem_huge_pages(str(tmp_path)) == "advise"
     (thp / "hugepages-2048kB/shmem_enabled").write_text("always inherit within_size advise [never]\n")
+    assert hugepages.shmem_huge_pages(str(tmp_path)) == "never"       # both must allow them
+    (thp / "shmem_enabled").write_text("always within_size advise [never] deny force\n")
+    (thp / "hugepages-2048kB/shmem_enabled").write_text("always inherit within_size [advise] never\n")
     assert hugepages.shmem_huge_pages(str(tmp_path)) == "never"
     (thp / "hugepages-2048kB/shmem_enabled").write_text("[inherit]")
     (thp / "shmem_enabled").write_text("garbled")
@@ -62,6 +65,8 @@ def test_the_shmem_huge_page_mode_is_read_from_the_kernel(tmp_path: Path) -> Non
     assert hugepages.shmem_huge_pages(str(tmp_path / "absent")) == "unknown"
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="a kernel without transparent huge pages refuses the advice")
 def test_the_slot_buffer_and_page_buffers_ask_for_huge_pages() -> None:
     """The advice is on the mapping (VmFlags hg) whatever the kernel then gives, over whole
     2 MiB pages only: a smaller memfd keeps 4 KiB pages (a kernel before 6.11 would give

@@ -12,8 +12,10 @@ of 2 and 4 clients over 1 (each the median of three runs), beside
 clients' copies can gain on the machine. Clients put from and get into a ``page_buffer`` (the
 one-copy path); ``put_vs_inprocess_scratch`` is one client whose batch is its own
 array (copied through its scratch segment). ``lookup_p50_us`` / ``lookup_p99_us``: a
-lookup of a 131,072-token prompt through a connected client, beside the in-process
-lookup. Every get is checked against what was put (``verified``). ``shmem_huge_pages``:
+lookup of a new 131,072-token prompt (nothing of it cached) through a connected client,
+beside the in-process lookup; ``lookup_cached_p50_us`` / ``_p99_us``: the same prompt
+with every page cached (every key hashed: the most a lookup costs), in a store of
+64-byte pages, through a daemon and in process. Every get is checked against what was put (``verified``). ``shmem_huge_pages``:
 the kernel's ``transparent_hugepage/shmem_enabled`` mode, which decides whether the
 page buffers and the DRAM pool (memfds) get huge pages (docs/serve.md, "Huge pages").
 """
@@ -195,6 +197,34 @@ def _lookups(store: Any, tokens: np.ndarray, n: int) -> tuple[float, float]:
     return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
 
 
+def _cached_lookups(tmp: str, n: int) -> dict[str, float]:
+    """The lookup figures for a prompt whose every page is cached (the worst case of a
+    lookup that stops at its first miss: every key hashed), through a daemon and in
+    process: a store of 64-byte pages, so that the 8,192 pages of the prompt fit."""
+    from tierkv.store.api import Store
+
+    tokens = np.arange(LOOKUP_TOKENS, dtype=np.int64)
+    pages = LOOKUP_TOKENS // 16
+    cfg = _config(os.path.join(tmp, "cached"), 64, pages + 8)
+    cfg_path = Path(tmp) / "cached.toml"
+    cfg_path.write_text(_toml(cfg))
+    sock = Path(tmp) / "cached.sock"
+    out: dict[str, float] = {}
+    daemon = _start_daemon(cfg_path, sock)
+    try:
+        with Store.connect(sock) as client:
+            if client.put(tokens, np.zeros((pages, 64), np.uint8)).stored != pages:
+                raise RuntimeError("the cached-lookup daemon did not store the whole prompt")
+            out["lookup_cached_p50_us"], out["lookup_cached_p99_us"] = _lookups(client, tokens, n)
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+    with Store.open(_config(os.path.join(tmp, "cached-inprocess"), 64, pages + 8)) as store:
+        store.put(tokens, np.zeros((pages, 64), np.uint8))
+        out["inprocess_lookup_cached_p50_us"], out["inprocess_lookup_cached_p99_us"] = _lookups(store, tokens, n)
+    return out
+
+
 def run_serve_bench(quick: bool = False, where: str | None = None) -> dict[str, Any]:
     """The suite's JSON object (see the module docstring)."""
     from tierkv.store.api import Store
@@ -243,6 +273,7 @@ def run_serve_bench(quick: bool = False, where: str | None = None) -> dict[str, 
         with Store.open(_config(os.path.join(tmp, "lookup"), PAGE_SIZES[0], 4)) as store:
             p50, p99 = _lookups(store, np.arange(LOOKUP_TOKENS, dtype=np.int64), 50 if quick else 300)
         lookup["inprocess_lookup_p50_us"], lookup["inprocess_lookup_p99_us"] = p50, p99
+        lookup.update(_cached_lookups(tmp, 50 if quick else 300))
     first = shapes[0]
     memcpy = statistics.median([_memcpy_scaling(128 << 20, 4 if quick else 8)["memcpy_2_threads_vs_1"]
                                 for _ in range(1 if quick else REPEATS)])

@@ -300,17 +300,19 @@ def software_checks(p: Probe) -> list[Check]:
 def memory_checks(p: Probe) -> list[Check]:
     """Huge pages for shared memory: the DRAM tier's pool and ``tierkv serve``'s page
     buffers are memfds, which get them only where ``shmem_enabled`` allows."""
-    from tierkv.tiers.hugepages import HUGE_MODES, shmem_huge_pages
+    from tierkv.tiers.hugepages import HUGE_MODES, SHMEM_ENABLED, SHMEM_ENABLED_2M, shmem_huge_state
 
     name = "memory.shmem_huge_pages"
-    mode = shmem_huge_pages(p.sysfs_root)
-    if mode == "unknown":
+    main, own = shmem_huge_state(p.sysfs_root)
+    if main == "unknown":
         return [Check(name, Status.SKIP, "transparent_hugepage/shmem_enabled is not readable here")]
-    if mode in HUGE_MODES:
-        return [Check(name, Status.PASS, f"{mode}: the DRAM pool and page buffers get huge pages")]
-    return [Check(name, Status.WARN, f"{mode}: shared memory uses 4 KiB pages, and a copy between two memfds ran "
-                                     "1.5x slower than with advise (echo advise > "
-                                     "/sys/kernel/mm/transparent_hugepage/shmem_enabled; docs/serve.md)")]
+    cost = "shared memory uses 4 KiB pages, and a copy between two memfds ran 1.5x slower than with huge pages"
+    if main not in HUGE_MODES:
+        return [Check(name, Status.WARN, f"{main}: {cost} (echo advise > /sys/{SHMEM_ENABLED}; docs/serve.md)")]
+    if own == "never":
+        return [Check(name, Status.WARN, f"{main}, but never for 2 MiB pages: {cost} "
+                                         f"(echo inherit > /sys/{SHMEM_ENABLED_2M}; docs/serve.md)")]
+    return [Check(name, Status.PASS, f"{main}: the DRAM pool and page buffers get huge pages")]
 
 
 def run_checks(probe: Probe | None = None) -> list[Check]:

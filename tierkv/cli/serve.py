@@ -131,8 +131,8 @@ def _run(cfg: Any, args: argparse.Namespace, mode: int | None, metrics: tuple[st
     huge = shmem_huge_pages()
     if huge in ("never", "deny"):
         logging.getLogger("tierkv.serve").info(
-            "shared memory here uses 4 KiB pages (/sys/%s is %s): a copy between two memfds ran 1.5x faster "
-            "with advise (docs/serve.md, Huge pages)", SHMEM_ENABLED, huge)
+            "shared memory here uses 4 KiB pages (/sys/%s and its hugepages-2048kB twin must both allow huge "
+            "pages): a copy between two memfds ran 1.5x faster with them (docs/serve.md, Huge pages)", SHMEM_ENABLED)
     try:
         ready: dict[str, object] = {"socket": str(service.path), "pid": os.getpid(), "store": str(cfg.path)}
         if metrics is not None:

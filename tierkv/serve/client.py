@@ -208,7 +208,7 @@ class _Conn:
             seg = self._token_segment(4 * ids.size)
             narrow_into(ids, seg.array[:4 * ids.size].view("<u4"))
             return P.token_ref(salt, seg.id, 0, ids.size, prefix)
-        return self.tokens(salt, ids, prefix)
+        return self.tokens(salt, as_token_array(ids), prefix)   # uint32 already: no copy
 
     def _token_segment(self, need: int) -> _Segment:
         """This connection's token segment, grown to ``need`` bytes where smaller."""

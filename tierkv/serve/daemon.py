@@ -394,7 +394,7 @@ class NodeService:
             client = hello.get("client")
             if isinstance(client, str) and 0 < len(client) <= 64 and info.requests == 1:
                 self._join(info, client)
-            return json.dumps({**self._hello, "every_tenant": grant.salts is None}).encode()
+            return json.dumps(self._hello).encode()
         if op == P.Op.SEGMENT:
             return segments.register(body, fds)
         if op == P.Op.UNREGISTER:

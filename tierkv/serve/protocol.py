@@ -11,8 +11,9 @@ the daemon copies between the segment and its tiers, once.
 Token ops carry the tenant's salt (``<H`` length, bytes) and the tokens as
 little-endian uint32: in the body (up to :data:`INLINE_TOKENS`), or in a registered
 segment the body names (``<QQQ`` segment, offset, count). The daemon copies them out
-before it reads them and derives the page keys itself, so a client names tokens, never
-keys. Replies with status ``ERROR`` carry JSON
+before the store reads them (a lookup reads them in place: a client that changes them
+meanwhile misleads only itself) and derives the page keys itself, so a client names
+tokens, never keys. Replies with status ``ERROR`` carry JSON
 ``{"type": ..., "message": ...}``, raised on the client as the same tierkv error.
 """
 

@@ -169,7 +169,7 @@ class Store:
         return ns
 
     def _keys(self, tokens: Tokens, tenant: str | bytes) -> bytes:
-        return chain_token_keys(tokens, self.layout.tokens_per_page, self._namespace(tenant_salt(tenant)))[1]
+        return chain_token_keys(tokens, self.layout.tokens_per_page, self._namespace(tenant_salt(tenant)))
 
     @property
     def peer_address(self) -> tuple[str, int] | None:
