@@ -128,11 +128,8 @@ def _run(cfg: Any, args: argparse.Namespace, mode: int | None, metrics: tuple[st
         signal.signal(sig, lambda *_: stop.set())
     service = NodeService(cfg, Path(args.socket) if args.socket else None, mode=mode,
                           max_clients=args.max_clients).start()
-    huge = shmem_huge_pages()
-    if huge in ("never", "deny"):
-        logging.getLogger("tierkv.serve").info(
-            "shared memory here uses 4 KiB pages (/sys/%s and its hugepages-2048kB twin must both allow huge "
-            "pages): a copy between two memfds ran 1.5x faster with them (docs/serve.md, Huge pages)", SHMEM_ENABLED)
+    logging.getLogger("tierkv.serve").info("huge pages for shared memory (/sys/%s): %s (docs/serve.md, Huge pages)",
+                                           SHMEM_ENABLED, shmem_huge_pages())
     try:
         ready: dict[str, object] = {"socket": str(service.path), "pid": os.getpid(), "store": str(cfg.path)}
         if metrics is not None:

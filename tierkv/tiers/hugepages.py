@@ -4,7 +4,9 @@ pool and ``tierkv serve``'s page buffers. No numpy here: ``tierkv doctor`` reads
 Linux gives shared memory huge pages only where ``shmem_enabled`` allows (most distributions
 ship ``never``); with ``advise`` a mapping that asks for them (``MADV_HUGEPAGE``) gets them.
 A memfd-to-memfd copy of 128 MiB ran 11.5 GB/s with 4 KiB pages and 17.2 GB/s with huge
-pages on the development VM (docs/serve.md, "Huge pages").
+pages on the development VM, and the first fill of a large fresh pool several times
+slower (compaction on a fragmented host): a trade-off the host's owner decides
+(docs/serve.md, "Huge pages").
 """
 
 from __future__ import annotations
