@@ -63,6 +63,22 @@ assemble_16_consts(int w, uint8_t *perm, uint8_t *shift)
         }
 }
 
+/* Channels c..c+63 of a row, for both assemblers: their mid fields (w <= 8 bits each,
+ * from the row's byte-aligned mid bits) one a byte, and in *sg their sign bits (bit kbit
+ * of each channel's sign word, `bit`). */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) static inline __m512i
+mids_and_signs(const uint8_t *mid, const uint64_t *sw, size_t c, int w, __mmask64 need, __m512i vperm,
+               __m512i vshift, __m512i wmask, __m512i bit, __mmask64 *sg)
+{
+    __m512i m = _mm512_maskz_loadu_epi8(need, mid + c / 8 * (size_t)w);
+    m = _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, m)), wmask);
+    __mmask64 g = 0;
+    for (int q = 0; q < 8; q++)
+        g |= (__mmask64)_mm512_test_epi64_mask(_mm512_loadu_si512(sw + c + 8 * q), bit) << (8 * q);
+    *sg = g;
+    return m;
+}
+
 /* A row of 16-bit elements, sixty-four channels a step: mid bits unpacked from the
  * stream (fields of w <= 8 bits from byte `mid`, whole rows being byte aligned), signs
  * from bit kbit of each channel's sign word, exponents and hi bits from the symbols.
@@ -86,11 +102,8 @@ assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32
     __mmask32 bad = 0, any_esc = 0;
     size_t c = 0;
     for (; c + 64 <= C; c += 64) {
-        __m512i mb = _mm512_maskz_loadu_epi8(need, mid + c / 8 * (size_t)w);
-        mb = _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, mb)), wmask);
-        __mmask64 sg = 0;
-        for (int q = 0; q < 8; q++)
-            sg |= (__mmask64)_mm512_test_epi64_mask(_mm512_loadu_si512(sw + c + 8 * q), bit) << (8 * q);
+        __mmask64 sg;
+        __m512i mb = mids_and_signs(mid, sw, c, w, need, vperm, vshift, wmask, bit, &sg);
         __m512i s8 = _mm512_loadu_si512(sym + c);
         for (int h = 0; h < 2; h++) {
             __m512i s = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(s8, 1) : _mm512_castsi512_si256(s8));
@@ -129,11 +142,8 @@ assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t
     __mmask64 bad = 0, any_esc = 0;
     size_t c = 0;
     for (; c + 64 <= C; c += 64) {
-        __m512i m = _mm512_maskz_loadu_epi8(need, mid + c / 8 * (size_t)w);
-        m = _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, m)), wmask);
-        __mmask64 sg = 0;
-        for (int q = 0; q < 8; q++)
-            sg |= (__mmask64)_mm512_test_epi64_mask(_mm512_loadu_si512(sw + c + 8 * q), bit) << (8 * q);
+        __mmask64 sg;
+        __m512i m = mids_and_signs(mid, sw, c, w, need, vperm, vshift, wmask, bit, &sg);
         __m512i s = _mm512_loadu_si512(sym + c), cm = _mm512_loadu_si512(cmax + c);
         __m512i r = srl8(s, pr->hi);
         __mmask64 is_esc = _mm512_cmpeq_epi8_mask(s, esc);
