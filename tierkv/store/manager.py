@@ -755,18 +755,21 @@ class BlockManager:
         if self.below(tier.name) is None:
             self._evict_run(victims, rows, tier, plan)
             return
-        # A last copy is demoted one by one; its demotion may evict a later victim's copy
-        # below, so whether a victim is a last copy is asked when its turn comes.
-        start, alone, where = 0, 1 << lvl, t.where
-        for i, r in enumerate(rows.tolist()):
-            if where[r] != alone:
-                continue
-            if i > start:
-                self._evict_run(victims[start:i], rows[start:i], tier, plan)
-            self._evict(victims[i], tier, protect, plan)
-            start = i + 1
-        if start < len(victims):
-            self._evict_run(victims[start:], rows[start:], tier, plan)
+        # Runs of last copies are demoted a run at a time (one reservation below); a
+        # demotion may evict a later victim's copy below, so whether a victim is a last
+        # copy is asked when its run's turn comes.
+        i, n, alone, where = 0, len(victims), 1 << lvl, t.where
+        while i < n:
+            j = i
+            if where[rows[i]] == alone:
+                while j < n and where[rows[j]] == alone:
+                    j += 1
+                self._demote_run(victims[i:j], rows[i:j], tier, protect, plan)
+            else:
+                while j < n and where[rows[j]] != alone:
+                    j += 1
+                self._evict_run(victims[i:j], rows[i:j], tier, plan)
+            i = j
 
     def _evict_run(self, keys: list[PageKey], rows: np.ndarray, tier: Tier, plan: MovePlan) -> None:
         """Evict pages from ``tier`` that either keep a copy elsewhere or are dropped."""
@@ -810,6 +813,66 @@ class BlockManager:
             if len(live):
                 t.core.set_levels(live.tobytes(), t.fastest(live).tobytes())
         tier.free(slots)
+
+    def _demote_run(self, keys: list[PageKey], rows: np.ndarray, tier: Tier, protect: set[PageKey],
+                    plan: MovePlan) -> None:
+        """Evict pages whose last copy is in ``tier``: each moves to the next tier down
+        where its policy admits it and room is made there (one reservation for the run),
+        else is dropped, or stays where dropping it would strand cached descendants."""
+        lower = self.below(tier.name)
+        if lower is None or len(keys) == 1:
+            for key in keys:
+                self._evict(key, tier, protect, plan)
+            return
+        t, lvl, low = self.table, self.levels[tier.name], self.levels[lower.name]
+        prow = t.parent[rows].astype(np.int64) - 1
+        linked = prow >= 0
+        parents = t.keys(prow[linked]) if linked.any() else []
+        parent_of: list[PageKey | None] = [None] * len(keys)
+        for i, pk in zip(np.flatnonzero(linked).tolist(), parents):
+            parent_of[i] = pk
+        pages = list(zip(keys, parent_of))
+        policy = self._policies[lower.name]
+        admit_many = getattr(policy, "admit_many", None)   # optional: one call for the run
+        ok = np.array(admit_many(pages) if admit_many is not None else [policy.admit(k, p) for k, p in pages],
+                      dtype=bool)
+        slots: list[int] = []
+        if ok.any():
+            below = plan.parents_below.setdefault(lower.name, set())   # see MovePlan.parents_below
+            below.update(p for p, good in zip(parent_of, ok.tolist()) if good and p is not None)
+            slots = self._reserve(lower, int(ok.sum()), protect | set(keys), plan)
+        down = np.flatnonzero(ok)[:len(slots)]
+        moved = np.zeros(len(keys), dtype=bool)
+        moved[down] = True
+        # Refused or without room: dropped, in order, but kept where cached descendants
+        # depend on it (a child dropped earlier in the run no longer counts).
+        keep = np.zeros(len(keys), dtype=bool)
+        nkids, dropped_kids = t.nkids, dict[int, int]()
+        for i in np.flatnonzero(~moved).tolist():
+            r = int(rows[i])
+            if nkids[r] > dropped_kids.get(r, 0):
+                keep[i] = True
+                plan.kept.add(keys[i])
+            elif prow[i] >= 0:
+                p = int(prow[i])
+                dropped_kids[p] = dropped_kids.get(p, 0) + 1
+        if len(down):   # the copies below first, so no row looks empty
+            drows = rows[down]
+            src = (t.slot[lvl, drows].astype(np.int64) - 1).tolist()
+            t.slot[low, drows] = np.asarray(slots, dtype=np.int64) + 1
+            t.where[drows] |= np.uint8(1 << low)
+            up = prow[down]
+            up = up[up >= 0]
+            if len(up):
+                parents_of, counts = np.unique(up, return_counts=True)
+                t.kids[low, parents_of] += counts.astype(t.kids.dtype)
+            plan.moves.extend(Move(keys[i], tier.name, s, lower.name, d)
+                              for i, s, d in zip(down.tolist(), src, slots))
+        go = ~keep
+        if go.all():
+            self._evict_run(keys, rows, tier, plan)
+        elif go.any():
+            self._evict_run([k for k, g in zip(keys, go.tolist()) if g], rows[go], tier, plan)
 
     def _evict(self, key: PageKey, tier: Tier, protect: set[PageKey], plan: MovePlan) -> None:
         t = self.table

@@ -28,6 +28,7 @@ from tierkv.store.stats import Counters
 from tierkv.tiers.aligned import aligned_empty
 from tierkv.tiers.base import Tier, TierId, TierKind
 from tierkv.tiers.blocks import UndecodablePageError
+from tierkv.tiers.dram import DramTier
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,16 @@ def staged_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Seque
         return staging, dst.write(dst_slots, staging, checksums=True)
     dst.write(dst_slots, staging)
     return staging, None
+
+
+def direct_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Sequence[int],
+                nbytes: int) -> tuple[PageList, list[int] | None]:
+    """:func:`staged_copy` out of a DRAM tier, whose slots ``dst`` reads in place (a tier
+    that cannot stacks them once): no staging buffer to fault in per move. The slots
+    are freed in the plan but not written again before its moves are done."""
+    assert isinstance(src, DramTier)
+    rows = PageList([src.view(s)[:nbytes] for s in src_slots], nbytes)
+    return rows, dst.write(dst_slots, rows, checksums=True) if dst.persistent else dst.write(dst_slots, rows)
 
 
 def hbm_to_dram(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Sequence[int], nbytes: int) -> np.ndarray:
@@ -211,8 +222,14 @@ class Transfers:
         args = (self._tiers[src], [m.src_slot for m in moves], self._tiers[dst], [m.dst_slot for m in moves],
                 self._nbytes)
         start = time.perf_counter()
+        staged: Rows
         try:
-            staged, hashed = staged_copy(*args) if copy is None else (copy(*args), None)
+            if copy is not None:
+                staged, hashed = copy(*args), None
+            elif isinstance(self._tiers[src], DramTier):   # written from the slots: no staging buffer
+                staged, hashed = direct_copy(*args)
+            else:
+                staged, hashed = staged_copy(*args)
             sums = self._checksums(dst, [m.key for m in moves], staged, hashed)
             self._sync(self._tiers[dst])
         except TierIOError as exc:

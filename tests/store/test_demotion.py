@@ -1,0 +1,74 @@
+"""Demotions in runs: the last copies a tier evicts move down with one reservation below.
+
+A full DRAM tier over an NVMe tier (the steady state of a serving node) demotes a
+batch's worth of pages at every put; they used to move one by one, each reserving one
+slot below (a scan of the tier's free map per page). Real store (O_DIRECT file, LMDB
+index): the bytes come back from the tier below, the table stays consistent, and a run
+the tier below cannot take is dropped leaf first as before, not kept whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import LAYOUT, PB, make_config
+from tierkv.store.api import Store
+from tierkv.tiers.base import Tier, tier_id
+
+TPP = LAYOUT.tokens_per_page
+
+
+def _prompt(i: int, pages: int) -> list[int]:
+    return list(range(i * 10_000, i * 10_000 + pages * TPP))
+
+
+def _pages(i: int, pages: int) -> np.ndarray:
+    return (np.arange(pages * PB, dtype=np.int64).reshape(pages, PB) * 7 + i).astype(np.uint8)
+
+
+@pytest.mark.parametrize("policy", ["gittins", "lru-leaf", "lru", "s3fifo"])
+def test_a_run_of_last_copies_moves_down_with_one_reservation(tmp_path: Path, policy: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    with Store.open(make_config(tmp_path / "s", dram_pages=8, nvme_pages=32, policy=policy)) as s:
+        nvme = s._manager.tier(tier_id("nvme"))
+        calls: list[int] = []
+        allocate = Tier.allocate
+
+        def counting(self: Tier, n: int, contiguous: bool = False) -> list[int]:
+            if self is nvme:
+                calls.append(n)
+            return allocate(self, n, contiguous)
+
+        monkeypatch.setattr(Tier, "allocate", counting)
+        assert s.put(_prompt(0, 8), _pages(0, 8)).stored == 8
+        assert s.put(_prompt(1, 8), _pages(1, 8)).stored == 8   # the first prompt goes down
+        stats = s.stats()
+        assert stats.evictions == 8 and stats.tiers["nvme"].used_slots == 8
+        assert calls == [8], f"{policy}: the NVMe tier reserved {calls} for one run of 8 demotions"
+        s._manager.check()
+        out = np.zeros((8, PB), np.uint8)
+        got = s.get(_prompt(0, 8), out)
+        assert got.pages == 8 and np.array_equal(out, _pages(0, 8))
+        s._manager.check()
+
+
+@pytest.mark.parametrize("policy", ["gittins", "lru-leaf"])
+def test_a_run_the_tier_below_cannot_take_is_dropped_leaf_first(tmp_path: Path, policy: str) -> None:
+    """The NVMe tier is full of pinned pages: the DRAM victims (one prompt, leaf first)
+    cannot go down. Each is dropped once its child is, so the new prompt gets every slot;
+    keeping those whose child was still cached when the run began left it one."""
+    with Store.open(make_config(tmp_path / "s", dram_pages=4, nvme_pages=4, policy=policy)) as s:
+        assert s.put(_prompt(0, 4), _pages(0, 4)).stored == 4
+        assert s.put(_prompt(1, 4), _pages(1, 4)).stored == 4   # prompt 0 down to NVMe
+        assert s.pin(_prompt(0, 4)) == 4
+        assert s.put(_prompt(2, 4), _pages(2, 4)).stored == 4   # prompt 1 cannot go down
+        assert s.lookup(_prompt(1, 4)).cached_pages == 0
+        assert s.lookup(_prompt(2, 4)).cached_pages == 4
+        s._manager.check()
+        out = np.zeros((4, PB), np.uint8)
+        assert s.get(_prompt(2, 4), out).pages == 4 and np.array_equal(out, _pages(2, 4))
+        assert s.get(_prompt(0, 4), out).pages == 4 and np.array_equal(out, _pages(0, 4))
+        s._manager.check()
