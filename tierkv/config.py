@@ -40,7 +40,7 @@ DEFAULT_DURABILITY = "window"
 #: Group commit: a window closes this long after its first page ... (docs/design.md)
 DEFAULT_COMMIT_WINDOW_S = 0.05
 #: ... or as soon as this many pages (index records or deletes) wait in it.
-DEFAULT_COMMIT_WINDOW_PAGES = 4096
+DEFAULT_COMMIT_WINDOW_PAGES = 1024
 
 
 # Each field is checked for its type as well as its range: TOML ``"false"`` is a string,

@@ -246,3 +246,43 @@ def test_slots_reused_in_the_window_stay_misses_after_a_crash(tmp_path: Path) ->
     assert served(cfg, 0, 4) == 0
     assert served(cfg, 1, 4) == 0
     assert served(cfg, 0, 4) == 0
+
+
+def test_puts_wait_when_the_next_window_outgrows_a_slow_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a window is synced and committed the next one fills; a put that leaves it
+    holding twice ``commit_window_pages`` returns only once the window in progress is
+    done, so a disk slower than the puts bounds what a crash can lose."""
+    import threading
+
+    cfg = window(tmp_path / "s", nvme_pages=64, commit_window_pages=4)
+    with Store.open(cfg) as s:
+        nvme = s._manager.tiers[0]
+        real, slow, syncing = nvme.flush, threading.Event(), threading.Event()
+
+        def flush() -> None:   # a disk that takes its time: until the test lets it go
+            syncing.set()
+            slow.wait(LONG)
+            real()
+        monkeypatch.setattr(nvme, "flush", flush)
+        s.put(prompt(0, 2), page_data(0, 2))
+        s.put(prompt(1, 2), page_data(1, 2))          # 4 wait: the window closes, its sync hangs
+        assert syncing.wait(LONG) and group(s).pending == 0
+        done: list[int] = []
+
+        def writer() -> None:
+            for i in range(2, 7):
+                s.put(prompt(i, 2), page_data(i, 2))
+                done.append(i)
+        t = threading.Thread(target=writer)
+        t.start()
+        assert wait_for(lambda: group(s).pending >= 8)
+        t.join(0.5)
+        # The put that made the window 8 stored its pages and waits; no later one has run.
+        assert t.is_alive() and done == [2, 3, 4] and group(s).pending == 8
+        slow.set()
+        t.join(LONG)
+        assert not t.is_alive() and done == [2, 3, 4, 5, 6]
+        s.flush()
+        assert group(s).pending == 0
+    for i in range(7):
+        assert served(cfg, i, 2) == 2

@@ -727,6 +727,15 @@ class Store:
         pinned those pages as stored; if one of them has gone since (it failed its
         checksum under another request), nothing is stored, since its row is no page.
         """
+        result = self._put(tokens, pages, tenant, announce, unfilled)
+        # Outside the lock: where the index's commits fall behind, the next window is
+        # bounded by waiting for the one being applied (tierkv.store.commits).
+        if self._index is not None and self._index.group is not None:
+            self._index.group.throttle()
+        return result
+
+    def _put(self, tokens: Tokens, pages: PageSource, tenant: str | bytes, announce: bool,
+             unfilled: int) -> PutResult:
         with self._lock:
             self._check_open()
             if self.read_only:

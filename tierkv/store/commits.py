@@ -13,6 +13,12 @@ every tier and applies them together, once per *window*:
 A window closes ``window_s`` after its first operation, or as soon as it holds
 ``max_pages`` operations, on a background thread (``tierkv-commit``); :meth:`sync` (the
 store's ``flush()`` and ``close()``) closes one at once and returns when it is durable.
+While a window is applied the next one fills; writers that find it holding
+``BACKLOG_WINDOWS`` times ``max_pages`` wait in :meth:`throttle` (the store calls it
+after a put, outside its lock) until the window in progress is done, so that a disk
+slower than the puts bounds the next window (what a crash can lose, and the LMDB
+transaction's dirty pages, which LMDB keeps allocated for reuse) instead of letting it
+grow without end.
 
 What a crash loses is the records of the open window (and of one being applied): those
 pages are misses after a restart, their slots free. Never wrong bytes: a record reaches
@@ -46,6 +52,9 @@ from tierkv.keys import PageKey
 
 log = logging.getLogger(__name__)
 
+#: A window this many times ``max_pages`` makes writers wait for the one being applied.
+BACKLOG_WINDOWS = 2
+
 # What one window holds: per tier, per key, the last record (any object: the index's
 # IndexRecord) or None for a delete.
 Ops = dict[str, dict[PageKey, object | None]]
@@ -75,6 +84,7 @@ class GroupCommit:
         self._retrying: TierIOError | None = None    # the last window's error, while its operations wait
         self._hold_until = 0.0                       # after a failed window the thread waits a window
         self._apply_lock = threading.Lock()          # one window applied at a time
+        self._applying = False                       # a window is being synced and applied
         self.windows = 0                             # windows applied (for tests and benchmarks)
         self._thread = threading.Thread(target=self._run, name="tierkv-commit", daemon=True)
         self._thread.start()
@@ -103,6 +113,19 @@ class GroupCommit:
             self._count += len(ops) - before
             if opened or self._count >= self.max_pages:  # the thread sets its timer, or closes the window
                 self._cond.notify_all()
+
+    def throttle(self, timeout_s: float | None = None) -> None:
+        """Wait while the buffered window holds ``BACKLOG_WINDOWS * max_pages`` operations
+        or more and another window is being applied (not while a failed one holds the
+        thread back: puts then go on, as before). Raises nothing."""
+        limit = BACKLOG_WINDOWS * self.max_pages
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._count >= limit and self._applying and not self._stopping:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._cond.wait(left)
 
     def sync(self) -> None:
         """Make every operation added before this call durable. Raises TierIOError if it could
@@ -150,8 +173,17 @@ class GroupCommit:
         """Sync the data of one window's tiers, then apply its operations. Call with ``_apply_lock``."""
         with self._cond:
             ops, self._ops, self._count = self._ops, {}, 0
+            self._applying = bool(ops)
         if not ops:
             return
+        try:
+            self._sync_and_apply(ops)
+        finally:
+            with self._cond:
+                self._applying = False
+                self._cond.notify_all()
+
+    def _sync_and_apply(self, ops: Ops) -> None:
         lost: list[TierIOError] = []
         retry: list[TierIOError] = []
         waiting: Ops = {}  # records of degraded tiers: their sync was refused, not attempted
