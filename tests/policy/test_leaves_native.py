@@ -225,3 +225,27 @@ def test_memory_per_resident_page_stays_under_120_bytes() -> None:
     assert len(h) == n
     assert used / n < 120, f"{used / n:.1f} bytes per page"
     assert h.nbytes() <= used
+
+
+@pytest.mark.parametrize("impl", [PyLeafHeaps, NativeLeafHeaps], ids=["python", "native"])
+def test_a_victims_call_asks_evictable_once_a_leaf(impl: Any) -> None:
+    """Taking a class's oldest leaf re-reads its heads; the youngest, allowed a moment ago,
+    is not asked again before settle (evictable cannot change within a victims call), and
+    after settle it is."""
+    heaps = impl(1, True)
+    for i in range(40):
+        heaps.add(k(i), None, 0, float(i))
+    asked: list[PageKey] = []
+
+    def evictable(key: PageKey) -> bool:
+        asked.append(key)
+        return True
+    heaps.undo()
+    for _ in range(10):
+        old = next(c for c in heaps.candidates(evictable) if not c[3])
+        heaps.take(old[0])
+    assert len(asked) == len(set(asked)) == 11   # the 10 taken and the youngest, each once
+    heaps.settle()
+    heaps.undo()
+    heaps.candidates(evictable)
+    assert len(asked) == 13

@@ -44,7 +44,9 @@
 #define OLD 0
 #define YOUNG 1
 
-enum { PRESENT = 1, ZOMBIE = 2, INMAP = 4 };
+/* ALLOWED: evictable said yes to it in this victims call (it cannot change until
+ * settle), so a head re-read after another class member was taken is not asked again. */
+enum { PRESENT = 1, ZOMBIE = 2, INMAP = 4, ALLOWED = 8 };
 
 typedef struct {
     double last;          /* last access */
@@ -86,6 +88,8 @@ typedef struct {
     int32_t npend, pcap, plive;
     Stashed *stash;
     int32_t nstash, scap;
+    int32_t *allowed;     /* nodes flagged ALLOWED in this victims call */
+    int32_t nallowed, acap;
     int32_t *zombies;
     int32_t nzomb, zcap;
     uint64_t next_seq;
@@ -606,6 +610,7 @@ lh_dealloc(LeafHeapsObject *s)
     PyMem_Free(s->slots);
     PyMem_Free(s->pend);
     PyMem_Free(s->stash);
+    PyMem_Free(s->allowed);
     PyMem_Free(s->zombies);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
@@ -892,12 +897,21 @@ head(LeafHeapsObject *s, PyObject *evictable, int c, int which)
         PyObject *key = key_bytes(NODE(s, idx));
         if (key == NULL)
             return NULL;
-        PyObject *r = PyObject_CallOneArg(evictable, key);
-        int ok = r == NULL ? -1 : PyObject_IsTrue(r);
-        Py_XDECREF(r);
-        if (ok < 0) {
-            Py_DECREF(key);
-            return NULL;
+        int ok = 1;
+        if (!(NODE(s, idx)->flags & ALLOWED)) {
+            PyObject *r = PyObject_CallOneArg(evictable, key);
+            ok = r == NULL ? -1 : PyObject_IsTrue(r);
+            Py_XDECREF(r);
+            if (ok > 0 && grow((void **)&s->allowed, &s->acap, s->nallowed + 1, sizeof(int32_t)) < 0)
+                ok = -1;
+            if (ok < 0) {
+                Py_DECREF(key);
+                return NULL;
+            }
+            if (ok) {   /* evictable may have called back into us: nodes may have moved */
+                NODE(s, idx)->flags |= ALLOWED;
+                s->allowed[s->nallowed++] = idx;
+            }
         }
         h = &s->heaps[2 * c + which];  /* evictable may have called back into us */
         if (ok) {
@@ -936,7 +950,7 @@ head(LeafHeapsObject *s, PyObject *evictable, int c, int which)
 PyDoc_STRVAR(candidates_doc, "candidates(evictable) -> list of (key, class, last access, young end)\n\n"
 "The oldest (and, if enabled, the youngest) evictable leaf of every class, by class.\n"
 "Within one victims call (until settle) evictable must not change: the heads of\n"
-"classes untouched since the last call are reused.");
+"classes untouched since the last call are reused, and a leaf it allowed is not asked again.");
 
 static PyObject *
 lh_candidates(LeafHeapsObject *s, PyObject *evictable)
@@ -1112,6 +1126,16 @@ done:
     return out;
 }
 
+/* Ends a victims call's memo of evictable's answers. */
+static void
+forget_allowed(LeafHeapsObject *s)
+{
+    for (int32_t i = 0; i < s->nallowed; i++)
+        if (s->allowed[i] < s->nused)
+            NODE(s, s->allowed[i])->flags &= (uint8_t)~ALLOWED;
+    s->nallowed = 0;
+}
+
 PyDoc_STRVAR(settle_doc, "settle()\n\nEnd of a victims call: leaves skipped as unevictable go back.");
 
 static PyObject *
@@ -1119,6 +1143,7 @@ lh_settle(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
 {
     if (check_ok(s) < 0)
         return NULL;
+    forget_allowed(s);
     for (int32_t i = 0; i < s->nstash; i++) {
         Stashed e = s->stash[i];
         Node *nd = NODE(s, e.node);
@@ -1138,6 +1163,7 @@ lh_undo(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
 {
     if (check_ok(s) < 0 || undo_all(s) < 0)
         return NULL;
+    forget_allowed(s);
     Py_RETURN_NONE;
 }
 

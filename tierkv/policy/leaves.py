@@ -49,6 +49,7 @@ class PyLeafHeaps:
         self._leaves = [0] * classes
         self._pending: dict[PageKey, None] = {}
         self._stash: list[tuple[list[tuple[float, int, PageKey]], tuple[float, int, PageKey]]] = []
+        self._allowed: set[PageKey] = set()   # leaves evictable said yes to in this victims call
         # Heads found by ``candidates`` within one victims call; classes changed since then.
         self._heads: list[list[Candidate]] = [[] for _ in range(classes)]
         self._dirty = set(range(classes))
@@ -133,7 +134,8 @@ class PyLeafHeaps:
         """The oldest (and, if enabled, the youngest) evictable leaf of every class.
 
         Within one victims call (until :meth:`settle`) ``evictable`` must not change:
-        the heads of classes untouched since the last call are reused.
+        the heads of classes untouched since the last call are reused, and a leaf it
+        allowed is not asked again.
         """
         for c in self._dirty:
             heads = self._heads[c]
@@ -159,11 +161,13 @@ class PyLeafHeaps:
         for heap, entry in self._stash:
             heapq.heappush(heap, entry)
         self._stash.clear()
+        self._allowed.clear()
         self._dirty.update(range(len(self._old)))
 
     def undo(self) -> None:
         """Victims handed out but never removed stay resident after all."""
         pending, self._pending = self._pending, {}
+        self._allowed.clear()
         for key in reversed(pending):
             parent = self.parent[key]
             if parent is not None:
@@ -228,7 +232,8 @@ class PyLeafHeaps:
             entry = heap[0]
             if self._seq.get(entry[2]) != sign * entry[1]:
                 heapq.heappop(heap)
-            elif evictable(entry[2]):
+            elif entry[2] in self._allowed or evictable(entry[2]):
+                self._allowed.add(entry[2])
                 return entry
             else:
                 self._stash.append((heap, heapq.heappop(heap)))
