@@ -41,6 +41,9 @@ if os.path.exists(os.path.join("tierkv", "tiers", "_uring.c")):
     ext_modules.append(
         Extension("tierkv.tiers._uring", ["tierkv/tiers/_uring.c"], extra_compile_args=["-O2"], optional=True)
     )
+_COPY = os.path.join("tierkv", "tiers", "_copy.c")
+if os.path.exists(_COPY):  # streamed page copies; the DRAM tier falls back to numpy's
+    ext_modules.append(Extension("tierkv.tiers._copy", [_COPY], extra_compile_args=["-O3"], optional=True))
 _LEAVES = os.path.join("tierkv", "policy", "_leaves.c")
 if os.path.exists(_LEAVES):  # the compiled LeafHeaps; tierkv.policy.leaves falls back to Python
     ext_modules.append(Extension("tierkv.policy._leaves", [_LEAVES], extra_compile_args=["-O3"], optional=True))

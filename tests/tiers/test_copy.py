@@ -1,0 +1,99 @@
+"""Streamed page copies (``tierkv.tiers._copy``): the same bytes as numpy writes, on every
+copy the CPU has, at any alignment; bad arguments write nothing; the DRAM tier uses it.
+
+Skipped where the extension is not built (the tier then copies with numpy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tierkv.store.pages import PageList
+from tierkv.tiers import dram
+
+_copy = pytest.importorskip("tierkv.tiers._copy")
+
+
+def _kinds() -> list[str]:
+    out = []
+    for kind in ("memcpy", "sse2", "avx512"):
+        try:
+            _copy._set_kind(kind)
+        except ValueError:
+            continue
+        out.append(kind)
+    return out
+
+
+KINDS = _kinds()
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    before = _copy.KIND
+    _copy._set_kind(request.param)
+    yield request.param
+    _copy._set_kind(before)
+
+
+@pytest.mark.parametrize("stride, width", [(16384, 16384), (16384 + 24, 16384 + 3), (70000, 1000), (300, 63),
+                                           (4096, 0)])
+def test_rows_land_in_their_slots_and_nothing_else_changes(kind: str, stride: int, width: int) -> None:
+    rng = np.random.default_rng(stride + width)
+    slots = 9
+    pool = rng.integers(0, 256, slots * stride + 7, dtype=np.uint8)
+    dst = pool[7:]                                   # a destination off any 64-byte boundary too
+    want = dst.copy()
+    order = np.array([5, 0, 8, 3], np.int64)
+    rows = [rng.integers(0, 256, width + i, dtype=np.uint8) for i in range(len(order))]  # longer rows: width taken
+    for slot, row in zip(order.tolist(), rows):
+        want[slot * stride:slot * stride + width] = row[:width]
+    _copy.scatter_rows(dst, stride, order, rows, width)
+    assert np.array_equal(dst, want)
+
+
+def test_bad_arguments_write_nothing() -> None:
+    dst = np.zeros(4 * 1024, np.uint8)
+    row = np.ones(1024, np.uint8)
+    for slots, rows, width, error in (
+            ([0, 4], [row, row], 1024, ValueError),            # slot 4 lies past the buffer
+            ([0, -1], [row, row], 1024, ValueError),
+            ([0, 1], [row, row[:100]], 1024, ValueError),      # a row shorter than the width
+            ([0, 1], [row, np.ones(2048, np.uint8)[::2]], 1024, (BufferError, ValueError)),   # not contiguous
+            ([0, 1], [row], 1024, ValueError),                  # rows and slots disagree
+            ([0], [row], 2048, ValueError)):                    # width beyond the stride
+        with pytest.raises(error):
+            _copy.scatter_rows(dst, 1024, np.array(slots, np.int64), rows, width)
+        assert not dst.any()
+    with pytest.raises(TypeError):
+        _copy.scatter_rows(bytes(4096), 1024, np.zeros(1, np.int64), [row], 1024)   # read-only
+    with pytest.raises(ValueError, match="not a copy this CPU has"):
+        _copy._set_kind("neon")
+
+
+@pytest.mark.parametrize("page", [16384, 256 * 1024 + 64])
+def test_the_dram_tier_streams_large_pages_and_reads_them_back(kind: str, page: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    streamed: list[int] = []
+    real = _copy.scatter_rows
+
+    def counting(*args: object) -> None:
+        streamed.append(len(args[3]))   # type: ignore[arg-type]
+        real(*args)
+    monkeypatch.setattr(_copy, "scatter_rows", counting)
+    tier = dram.DramTier(8, page)
+    try:
+        rng = np.random.default_rng(page)
+        batch = rng.integers(0, 256, (3, page), dtype=np.uint8)
+        tier.write([6, 1, 2], batch)
+        listed = [rng.integers(0, 256, page, dtype=np.uint8) for _ in range(2)]
+        tier.write([0, 7], PageList(listed, page))
+        assert streamed == [3, 2]
+        out = np.zeros((5, page), np.uint8)
+        tier.read([6, 1, 2, 0, 7], out)
+        assert np.array_equal(out[:3], batch) and np.array_equal(out[3], listed[0]) and np.array_equal(out[4], listed[1])
+    finally:
+        tier.close()
