@@ -62,6 +62,11 @@ class BeladyPolicy:
     that request named them or not.
     """
 
+    #: Admission compares a page with the farthest resident one, which changes with every
+    #: eviction: the manager demotes into this tier one page at a time (not a run with one
+    #: reservation), so the simulator's optimum stays exact.
+    admits_alone = True
+
     def __init__(self, future: Future, capacity: int | None = None) -> None:
         self._future = future
         self._capacity = capacity

@@ -729,9 +729,11 @@ class Store:
         """
         result = self._put(tokens, pages, tenant, announce, unfilled)
         # Outside the lock: where the index's commits fall behind, the next window is
-        # bounded by waiting for the one being applied (tierkv.store.commits).
-        if self._index is not None and self._index.group is not None:
-            self._index.group.throttle()
+        # bounded by waiting for the one being applied (tierkv.store.commits). Read once:
+        # a close meanwhile drops the group (whose throttle then returns at once).
+        group = self._index.group if self._index is not None else None
+        if group is not None:
+            group.throttle()
         return result
 
     def _put(self, tokens: Tokens, pages: PageSource, tenant: str | bytes, announce: bool,

@@ -716,7 +716,7 @@ class BlockManager:
         # as does any at a close. Its children here go first with a leaf-first policy
         # (gittins, lru-leaf); with any other (lru, s3fifo) they are dropped after it, once
         # the plan is done (commit_deletes), since no lookup could reach them. In a tier
-        # with one below, ``_evict`` keeps such a page if it cannot go down.
+        # with one below, ``_demote_run`` (or ``_evict``) keeps such a page if it cannot go down.
         last = self.below(tier.name) is None
         t = self.table
         row = t.core.row
@@ -744,8 +744,9 @@ class BlockManager:
 
     def _evict_all(self, victims: list[PageKey], tier: Tier, protect: set[PageKey], plan: MovePlan) -> None:
         """Evict ``victims`` from ``tier`` in order: runs of victims that need no demotion (a
-        copy stays elsewhere, or there is no tier below) in one vectorized pass each, the
-        rest one by one (a demotion reserves room below, which may evict there first)."""
+        copy stays elsewhere, or there is no tier below) in one vectorized pass each, runs
+        of last copies with one reservation below each (:meth:`_demote_run`: it may evict
+        there first)."""
         if not victims:
             return
         t, lvl = self.table, self.levels[tier.name]
@@ -820,7 +821,7 @@ class BlockManager:
         where its policy admits it and room is made there (one reservation for the run),
         else is dropped, or stays where dropping it would strand cached descendants."""
         lower = self.below(tier.name)
-        if lower is None or len(keys) == 1:
+        if lower is None or len(keys) == 1 or getattr(self._policies[lower.name], "admits_alone", False):
             for key in keys:
                 self._evict(key, tier, protect, plan)
             return
