@@ -97,3 +97,56 @@ def test_the_dram_tier_streams_large_pages_and_reads_them_back(kind: str, page: 
         assert np.array_equal(out[:3], batch) and np.array_equal(out[3], listed[0]) and np.array_equal(out[4], listed[1])
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("stride, width", [(16384, 16384), (16384 + 24, 16384 + 3), (300, 63)])
+def test_gathered_rows_are_the_slots_bytes(kind: str, stride: int, width: int) -> None:
+    rng = np.random.default_rng(stride * 3 + width)
+    src = rng.integers(0, 256, 9 * stride + 5, dtype=np.uint8)[5:]
+    order = np.array([8, 2, 2, 0], np.int64)
+    out_stride = width + 7
+    out = np.zeros(len(order) * out_stride, np.uint8)
+    _copy.gather_rows(src, stride, order, out, out_stride, width)
+    want = np.zeros_like(out)
+    for i, slot in enumerate(order.tolist()):
+        want[i * out_stride:i * out_stride + width] = src[slot * stride:slot * stride + width]
+    assert np.array_equal(out, want)
+
+
+def test_a_gather_with_bad_bounds_writes_nothing() -> None:
+    src = np.ones(4 * 1024, np.uint8)
+    out = np.zeros(2 * 1024, np.uint8)
+    for slots, out_stride, width in (([0, 4], 1024, 1024), ([0, -1], 1024, 1024), ([0, 1, 2], 1024, 1024),
+                                     ([0, 1], 512, 1024), ([0], 1024, 2048)):
+        with pytest.raises(ValueError):
+            _copy.gather_rows(src, 1024, np.array(slots, np.int64), out, out_stride, width)
+        assert not out.any()
+    with pytest.raises(TypeError):
+        _copy.gather_rows(src, 1024, np.zeros(1, np.int64), bytes(1024), 1024, 1024)   # read-only out
+
+
+def test_the_dram_tier_streams_large_reads_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of 4 MiB or more streams; a smaller one stays in the cache for its reader."""
+    gathered: list[int] = []
+    real = _copy.gather_rows
+
+    def counting(*args: object) -> None:
+        gathered.append(len(args[2]))   # type: ignore[arg-type]
+        real(*args)
+    monkeypatch.setattr(_copy, "gather_rows", counting)
+    page = 1 << 20
+    tier = dram.DramTier(6, page)
+    try:
+        batch = np.random.default_rng(1).integers(0, 256, (5, page), dtype=np.uint8)
+        tier.write([4, 0, 1, 3, 5], batch)
+        out = np.zeros((5, page), np.uint8)
+        tier.read([4, 0, 1, 3, 5], out)
+        assert gathered == [5] and np.array_equal(out, batch)
+        tier.read([0, 1], out[:2])
+        assert gathered == [5] and np.array_equal(out[:2], batch[1:3])
+        monkeypatch.setattr(dram, "_ONE_COPY", 4 * page)   # one run this long is memcpy's to stream
+        out[:] = 0
+        tier.read([0, 1, 2, 3, 4], out)
+        assert gathered == [5] and np.array_equal(out[[0, 1, 3, 4]], batch[[1, 2, 3, 0]])
+    finally:
+        tier.close()

@@ -1,5 +1,6 @@
 /*
- * tierkv.tiers._copy: pages copied into a tier's buffer with non-temporal stores.
+ * tierkv.tiers._copy: pages copied into a tier's buffer, and large batches out of it,
+ * with non-temporal stores.
  *
  * A page put into the DRAM tier is not read again soon (a later get, a demotion), so
  * its bytes need not pass through the cache: streaming stores write whole lines
@@ -169,6 +170,53 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(gather_doc,
+"gather_rows(src, stride, slots, out, out_stride, width)\n\n"
+"Copy ``width`` bytes at byte ``slots[i] * stride`` of ``src`` (a C-contiguous buffer)\n"
+"to byte ``i * out_stride`` of ``out`` (a writable C-contiguous buffer), with streaming\n"
+"stores and without the GIL; ValueError, nothing written, for a bound that does not hold.");
+
+static PyObject *
+gather_rows(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    Py_buffer src, slots, out;
+    Py_ssize_t stride, out_stride, width;
+    if (!PyArg_ParseTuple(args, "y*ny*w*nn:gather_rows", &src, &stride, &slots, &out, &out_stride, &width))
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = slots.len / 8;
+    if (!PyBuffer_IsContiguous(&src, 'C') || !PyBuffer_IsContiguous(&slots, 'C') || !PyBuffer_IsContiguous(&out, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "gather_rows: src, slots and out must be C-contiguous");
+        goto done;
+    }
+    if (slots.len % 8 || stride <= 0 || width < 0 || width > stride || width > out_stride
+            || (n && (src.len < width || out.len < (n - 1) * out_stride + width))) {
+        PyErr_Format(PyExc_ValueError, "gather_rows: slots must be int64, 0 <= width <= stride and out_stride, "
+                     "and out must hold every row; got %zd bytes of slots, stride %zd, out_stride %zd, width %zd, "
+                     "out of %zd bytes", slots.len, stride, out_stride, width, out.len);
+        goto done;
+    }
+    const int64_t *slot = (const int64_t *)slots.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slot[i] < 0 || slot[i] > (src.len - width) / stride) {
+            PyErr_Format(PyExc_ValueError, "gather_rows: slot %lld of row %zd lies outside the buffer",
+                         (long long)slot[i], i);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        stream_copy((char *)out.buf + i * out_stride, (const char *)src.buf + slot[i] * stride, (size_t)width);
+    stream_fence();
+    Py_END_ALLOW_THREADS
+    res = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&src);
+    return res;
+}
+
 PyDoc_STRVAR(set_kind_doc,
 "_set_kind(kind)\n\nUse the 'memcpy', 'sse2' or 'avx512' copy from now on (tests run each the CPU\n"
 "has); ValueError for one it lacks. KIND names the one in use.");
@@ -201,13 +249,14 @@ set_kind(PyObject *module, PyObject *arg)
 
 static PyMethodDef copy_methods[] = {
     {"scatter_rows", scatter_rows, METH_VARARGS, scatter_doc},
+    {"gather_rows", gather_rows, METH_VARARGS, gather_doc},
     {"_set_kind", set_kind, METH_O, set_kind_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef copy_module = {
     PyModuleDef_HEAD_INIT, "tierkv.tiers._copy",
-    "Pages copied into a tier's buffer with streaming (non-temporal) stores.", -1, copy_methods,
+    "Pages copied into and out of a tier's buffer with streaming (non-temporal) stores.", -1, copy_methods,
 };
 
 PyMODINIT_FUNC

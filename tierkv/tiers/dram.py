@@ -93,8 +93,13 @@ def _host_buffer(nbytes: int) -> tuple[np.ndarray, bool, int]:
 # it the slice copies (memcpy per run) win by 2-3x, since np.take copies element-wise.
 _SMALL_ROW = 16384
 # Rows of at least this size are written in with streaming stores (tierkv.tiers._copy),
-# 1.5-1.7x memcpy's per-page speed from 16 KiB to 2 MiB on the project's VM.
+# 1.5-1.7x memcpy's per-page speed from 16 KiB to 2 MiB on the project's VM; read out so
+# too where the batch is larger than a core's cache would keep for its reader anyway.
+# One consecutive run of _ONE_COPY bytes or more is left to memcpy, which streams so
+# large a copy itself (as fast, or a little faster; measured to 128 MiB).
 _STREAM_ROW = 16384
+_STREAM_READ = 4 << 20
+_ONE_COPY = 64 << 20
 
 
 class DramTier(Tier):
@@ -201,9 +206,10 @@ class DramTier(Tier):
 
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         width = src.shape[1]
-        if width >= _STREAM_ROW and src.flags.c_contiguous and self._stream(slots, list(src), width):
-            return
         runs = _runs(slots)
+        if (width >= _STREAM_ROW and src.flags.c_contiguous and not _one_copy(runs, width)
+                and self._stream(slots, list(src), width)):
+            return
         if len(runs) > 4 and width == self.slot_bytes and width < _SMALL_ROW:
             self._buf[np.asarray(slots)] = src  # small rows: one scatter loop in C beats slice copies
             return
@@ -232,6 +238,10 @@ class DramTier(Tier):
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         width = dst.shape[1]
         runs = _runs(slots)
+        if (_copy is not None and width >= _STREAM_ROW and len(slots) * width >= _STREAM_READ
+                and dst.flags.c_contiguous and not _one_copy(runs, width)):
+            _copy.gather_rows(self._buf, self.slot_bytes, np.asarray(slots, np.int64), dst, width, width)
+            return
         if len(runs) > 4 and width == self.slot_bytes and width < _SMALL_ROW:
             np.take(self._buf, np.asarray(slots), axis=0, out=dst)  # small rows: one gather loop in C
             return
@@ -259,6 +269,11 @@ class DramTier(Tier):
         if self._fd >= 0:
             os.close(self._fd)   # the mapping stays while views of it do
             self._fd = -1
+
+
+def _one_copy(runs: list[tuple[int, int, int]], width: int) -> bool:
+    """Whether the copy is one run memcpy streams by itself (see _ONE_COPY)."""
+    return len(runs) == 1 and runs[0][2] * width >= _ONE_COPY
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
