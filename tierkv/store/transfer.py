@@ -25,7 +25,7 @@ from tierkv.store.manager import BlockManager, Move, MovePlan
 from tierkv.store.moves import Lead
 from tierkv.store.pages import PageList, Rows
 from tierkv.store.stats import Counters
-from tierkv.tiers.aligned import aligned_empty
+from tierkv.tiers.aligned import ALIGN, aligned_empty, is_aligned
 from tierkv.tiers.base import Tier, TierId, TierKind
 from tierkv.tiers.blocks import UndecodablePageError
 from tierkv.tiers.dram import DramTier
@@ -53,7 +53,9 @@ def direct_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Seque
     that cannot stacks them once): no staging buffer to fault in per move. The slots
     are freed in the plan but not written again before its moves are done."""
     assert isinstance(src, DramTier)
-    rows = PageList([src.view(s)[:nbytes] for s in src_slots], nbytes)
+    buf = src.buffer
+    rows = PageList([buf[s, :nbytes] for s in src_slots], nbytes,
+                    aligned=src.slot_bytes % ALIGN == 0 and is_aligned(buf))
     return rows, dst.write(dst_slots, rows, checksums=True) if dst.persistent else dst.write(dst_slots, rows)
 
 

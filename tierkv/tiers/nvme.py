@@ -589,7 +589,9 @@ class NvmeTier(Tier):
             return True
         if buf.shape[1] % ALIGN:
             return False
-        return all(is_aligned(row) for row in buf) if isinstance(buf, PageList) else is_aligned(buf)
+        if isinstance(buf, PageList):
+            return buf.aligned or all(is_aligned(row) for row in buf)
+        return is_aligned(buf)
 
     def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray | PageList, in_place: bool,
               sums: list[int] | None = None) -> None:
