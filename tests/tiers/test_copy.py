@@ -74,16 +74,22 @@ def test_bad_arguments_write_nothing() -> None:
         _copy._set_kind("neon")
 
 
+def _count_rows(monkeypatch: pytest.MonkeyPatch, name: str, rows_arg: int) -> list[int]:
+    """Each call of ``_copy.<name>``, as the number of rows it copied."""
+    calls: list[int] = []
+    real = getattr(_copy, name)
+
+    def counting(*args: object) -> None:
+        calls.append(len(args[rows_arg]))   # type: ignore[arg-type]
+        real(*args)
+    monkeypatch.setattr(_copy, name, counting)
+    return calls
+
+
 @pytest.mark.parametrize("page", [16384, 256 * 1024 + 64])
 def test_the_dram_tier_streams_large_pages_and_reads_them_back(kind: str, page: int,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    streamed: list[int] = []
-    real = _copy.scatter_rows
-
-    def counting(*args: object) -> None:
-        streamed.append(len(args[3]))   # type: ignore[arg-type]
-        real(*args)
-    monkeypatch.setattr(_copy, "scatter_rows", counting)
+    streamed = _count_rows(monkeypatch, "scatter_rows", 3)
     tier = dram.DramTier(8, page)
     try:
         rng = np.random.default_rng(page)
@@ -127,13 +133,7 @@ def test_a_gather_with_bad_bounds_writes_nothing() -> None:
 
 def test_the_dram_tier_streams_large_reads_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """A read of 4 MiB or more streams; a smaller one stays in the cache for its reader."""
-    gathered: list[int] = []
-    real = _copy.gather_rows
-
-    def counting(*args: object) -> None:
-        gathered.append(len(args[2]))   # type: ignore[arg-type]
-        real(*args)
-    monkeypatch.setattr(_copy, "gather_rows", counting)
+    gathered = _count_rows(monkeypatch, "gather_rows", 2)
     page = 1 << 20
     tier = dram.DramTier(6, page)
     try:

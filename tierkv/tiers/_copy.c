@@ -33,18 +33,14 @@ copy_plain(char *dst, const char *src, size_t n)
 }
 
 #if HAVE_X86
-/* Up to the destination's next 64-byte boundary, and the tail past the last whole line,
- * are copied as usual; the lines between are streamed. */
-static void
-copy_sse2(char *dst, const char *src, size_t n)
+/* Streams the whole 64-byte lines of n bytes to a 64-byte aligned dst; returns the
+ * bytes it copied (the rest, under a line, is the caller's). */
+typedef size_t (*lines_fn)(char *dst, const char *src, size_t n);
+
+static size_t
+lines_sse2(char *dst, const char *src, size_t n)
 {
-    size_t head = (size_t)(-(uintptr_t)dst & 63);
-    if (head >= n) {
-        memcpy(dst, src, n);
-        return;
-    }
-    memcpy(dst, src, head);
-    size_t i = head;
+    size_t i = 0;
     for (; i + 64 <= n; i += 64) {
         __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
         __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
@@ -55,19 +51,13 @@ copy_sse2(char *dst, const char *src, size_t n)
         _mm_stream_si128((__m128i *)(dst + i + 32), c);
         _mm_stream_si128((__m128i *)(dst + i + 48), d);
     }
-    memcpy(dst + i, src + i, n - i);
+    return i;
 }
 
-__attribute__((target("avx512f"))) static void
-copy_avx512(char *dst, const char *src, size_t n)
+__attribute__((target("avx512f"))) static size_t
+lines_avx512(char *dst, const char *src, size_t n)
 {
-    size_t head = (size_t)(-(uintptr_t)dst & 63);
-    if (head >= n) {
-        memcpy(dst, src, n);
-        return;
-    }
-    memcpy(dst, src, head);
-    size_t i = head;
+    size_t i = 0;
     for (; i + 256 <= n; i += 256) {
         __m512i a = _mm512_loadu_si512((const void *)(src + i));
         __m512i b = _mm512_loadu_si512((const void *)(src + i + 64));
@@ -80,7 +70,34 @@ copy_avx512(char *dst, const char *src, size_t n)
     }
     for (; i + 64 <= n; i += 64)
         _mm512_stream_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
-    memcpy(dst + i, src + i, n - i);
+    return i;
+}
+
+/* Up to the destination's next 64-byte boundary, and the tail past the last whole line,
+ * are copied as usual; the lines between are streamed. */
+static inline void
+copy_lines(lines_fn lines, char *dst, const char *src, size_t n)
+{
+    size_t head = (size_t)(-(uintptr_t)dst & 63);
+    if (head >= n) {
+        memcpy(dst, src, n);
+        return;
+    }
+    memcpy(dst, src, head);
+    size_t done = head + lines(dst + head, src + head, n - head);
+    memcpy(dst + done, src + done, n - done);
+}
+
+static void
+copy_sse2(char *dst, const char *src, size_t n)
+{
+    copy_lines(lines_sse2, dst, src, n);
+}
+
+static void
+copy_avx512(char *dst, const char *src, size_t n)
+{
+    copy_lines(lines_avx512, dst, src, n);
 }
 #endif
 
