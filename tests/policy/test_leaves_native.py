@@ -249,3 +249,24 @@ def test_a_victims_call_asks_evictable_once_a_leaf(impl: Any) -> None:
     heaps.undo()
     heaps.candidates(evictable)
     assert len(asked) == 13
+    heaps.undo()                                 # an undo alone starts a new call too:
+    old = next(c for c in heaps.candidates(evictable) if not c[3])   # (the heads are cached)
+    heaps.take(old[0])
+    heaps.candidates(evictable)                  # the new oldest, and the youngest again
+    assert len(asked) == 15
+
+
+def test_a_discard_between_calls_forgets_what_evictable_allowed() -> None:
+    """A call left unsettled, then a discard (which undoes it): the next call asks again,
+    in both implementations, and so never offers a leaf its own predicate refuses."""
+    answers = []
+    for impl in (PyLeafHeaps, NativeLeafHeaps):
+        heaps = impl(1, False)
+        for i in range(4):
+            heaps.add(k(i), None, 0, float(i))
+        heaps.undo()
+        heaps.candidates(everything)            # k(0) allowed, never settled
+        heaps.discard(k(3))
+        answers.append([c[0] for c in heaps.candidates(lambda key: key != k(0))])
+        heaps.settle()
+    assert answers[0] == answers[1] == [k(1)]

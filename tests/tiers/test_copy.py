@@ -75,13 +75,13 @@ def test_bad_arguments_write_nothing() -> None:
 
 
 def _count_rows(monkeypatch: pytest.MonkeyPatch, name: str, rows_arg: int) -> list[int]:
-    """Each call of ``_copy.<name>``, as the number of rows it copied."""
+    """Each call of ``_copy.<name>`` that copied, as its number of rows."""
     calls: list[int] = []
     real = getattr(_copy, name)
 
     def counting(*args: object) -> None:
+        real(*args)   # counted only once it copied (did not raise)
         calls.append(len(args[rows_arg]))   # type: ignore[arg-type]
-        real(*args)
     monkeypatch.setattr(_copy, name, counting)
     return calls
 
@@ -123,7 +123,8 @@ def test_a_gather_with_bad_bounds_writes_nothing() -> None:
     src = np.ones(4 * 1024, np.uint8)
     out = np.zeros(2 * 1024, np.uint8)
     for slots, out_stride, width in (([0, 4], 1024, 1024), ([0, -1], 1024, 1024), ([0, 1, 2], 1024, 1024),
-                                     ([0, 1], 512, 1024), ([0], 1024, 2048)):
+                                     ([0, 1], 512, 1024), ([0], 1024, 2048),
+                                     ([0, 0, 0], 2**62, 1)):   # (n - 1) * out_stride would overflow
         with pytest.raises(ValueError):
             _copy.gather_rows(src, 1024, np.array(slots, np.int64), out, out_stride, width)
         assert not out.any()

@@ -534,9 +534,20 @@ orphan(LeafHeapsObject *s, int32_t idx)
     return zombie(s, p);
 }
 
+/* Ends a victims call's memo of evictable's answers. */
+static void
+forget_allowed(LeafHeapsObject *s)
+{
+    for (int32_t i = 0; i < s->nallowed; i++)
+        if (s->allowed[i] < s->nused)
+            NODE(s, s->allowed[i])->flags &= (uint8_t)~ALLOWED;
+    s->nallowed = 0;
+}
+
 static int
 undo_all(LeafHeapsObject *s)
 {
+    forget_allowed(s);   /* every undo starts a new victims call, as the Python twin's does */
     int32_t n = s->npend;
     s->npend = 0;
     s->plive = 0;
@@ -1126,16 +1137,6 @@ done:
     return out;
 }
 
-/* Ends a victims call's memo of evictable's answers. */
-static void
-forget_allowed(LeafHeapsObject *s)
-{
-    for (int32_t i = 0; i < s->nallowed; i++)
-        if (s->allowed[i] < s->nused)
-            NODE(s, s->allowed[i])->flags &= (uint8_t)~ALLOWED;
-    s->nallowed = 0;
-}
-
 PyDoc_STRVAR(settle_doc, "settle()\n\nEnd of a victims call: leaves skipped as unevictable go back.");
 
 static PyObject *
@@ -1163,7 +1164,6 @@ lh_undo(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
 {
     if (check_ok(s) < 0 || undo_all(s) < 0)
         return NULL;
-    forget_allowed(s);
     Py_RETURN_NONE;
 }
 

@@ -112,6 +112,30 @@ stream_fence(void)
 #endif
 }
 
+/* A private copy of the slots, each checked to leave ``width`` bytes at ``slot * stride``
+ * inside ``len`` bytes: the caller's may change once the GIL is released. NULL with an
+ * error set otherwise; PyMem_Free the result. */
+static int64_t *
+own_slots(const char *who, const Py_buffer *slots, Py_ssize_t len, Py_ssize_t stride, Py_ssize_t width)
+{
+    Py_ssize_t n = slots->len / 8;
+    int64_t *slot = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (slot == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(slot, slots->buf, (size_t)n * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slot[i] < 0 || len < width || slot[i] > (len - width) / stride) {
+            PyErr_Format(PyExc_ValueError, "%s: slot %lld of row %zd lies outside the buffer", who,
+                         (long long)slot[i], i);
+            PyMem_Free(slot);
+            return NULL;
+        }
+    }
+    return slot;
+}
+
 PyDoc_STRVAR(scatter_doc,
 "scatter_rows(dst, stride, slots, rows, width)\n\n"
 "Copy the first ``width`` bytes of each buffer of ``rows`` (a list or tuple of\n"
@@ -130,6 +154,7 @@ scatter_rows(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     PyObject *seq = NULL, *out = NULL;
     Py_buffer *bufs = NULL;
+    int64_t *slot = NULL;
     Py_ssize_t n = 0, got = 0;
     if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&slots, 'C')) {
         PyErr_SetString(PyExc_ValueError, "scatter_rows: dst and slots must be C-contiguous");
@@ -140,29 +165,24 @@ scatter_rows(PyObject *Py_UNUSED(module), PyObject *args)
                      "%zd bytes of slots, stride %zd, width %zd", slots.len, stride, width);
         goto done;
     }
-    seq = PySequence_Fast(rows, "scatter_rows: rows must be a list or tuple of buffers");
+    seq = PySequence_Tuple(rows);   /* a tuple of our own: a row's buffer hook cannot empty it */
     if (seq == NULL)
         goto done;
-    n = PySequence_Fast_GET_SIZE(seq);
+    n = PyTuple_GET_SIZE(seq);
     if (n != slots.len / 8) {
         PyErr_Format(PyExc_ValueError, "scatter_rows: %zd rows for %zd slots", n, slots.len / 8);
         goto done;
     }
-    const int64_t *slot = (const int64_t *)slots.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (slot[i] < 0 || slot[i] > (dst.len - width) / stride) {
-            PyErr_Format(PyExc_ValueError, "scatter_rows: slot %lld of row %zd lies outside the buffer",
-                         (long long)slot[i], i);
-            goto done;
-        }
-    }
+    slot = own_slots("scatter_rows", &slots, dst.len, stride, width);
+    if (slot == NULL)
+        goto done;
     bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
     if (bufs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     for (; got < n; got++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &bufs[got], PyBUF_C_CONTIGUOUS) < 0)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, got), &bufs[got], PyBUF_C_CONTIGUOUS) < 0)
             goto done;
         if (bufs[got].len < width) {
             PyErr_Format(PyExc_ValueError, "scatter_rows: row %zd holds %zd bytes, fewer than %zd", got,
@@ -181,6 +201,7 @@ done:
     for (Py_ssize_t i = 0; i < got; i++)
         PyBuffer_Release(&bufs[i]);
     PyMem_Free(bufs);
+    PyMem_Free(slot);
     Py_XDECREF(seq);
     PyBuffer_Release(&slots);
     PyBuffer_Release(&dst);
@@ -201,26 +222,23 @@ gather_rows(PyObject *Py_UNUSED(module), PyObject *args)
     if (!PyArg_ParseTuple(args, "y*ny*w*nn:gather_rows", &src, &stride, &slots, &out, &out_stride, &width))
         return NULL;
     PyObject *res = NULL;
+    int64_t *slot = NULL;
     Py_ssize_t n = slots.len / 8;
     if (!PyBuffer_IsContiguous(&src, 'C') || !PyBuffer_IsContiguous(&slots, 'C') || !PyBuffer_IsContiguous(&out, 'C')) {
         PyErr_SetString(PyExc_ValueError, "gather_rows: src, slots and out must be C-contiguous");
         goto done;
     }
+    /* out holds row n - 1 at (n - 1) * out_stride: asked without the product overflowing */
     if (slots.len % 8 || stride <= 0 || width < 0 || width > stride || width > out_stride
-            || (n && (src.len < width || out.len < (n - 1) * out_stride + width))) {
+            || (n && (out.len < width || (n > 1 && out_stride > (out.len - width) / (n - 1))))) {
         PyErr_Format(PyExc_ValueError, "gather_rows: slots must be int64, 0 <= width <= stride and out_stride, "
                      "and out must hold every row; got %zd bytes of slots, stride %zd, out_stride %zd, width %zd, "
                      "out of %zd bytes", slots.len, stride, out_stride, width, out.len);
         goto done;
     }
-    const int64_t *slot = (const int64_t *)slots.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (slot[i] < 0 || slot[i] > (src.len - width) / stride) {
-            PyErr_Format(PyExc_ValueError, "gather_rows: slot %lld of row %zd lies outside the buffer",
-                         (long long)slot[i], i);
-            goto done;
-        }
-    }
+    slot = own_slots("gather_rows", &slots, src.len, stride, width);
+    if (slot == NULL)
+        goto done;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
         stream_copy((char *)out.buf + i * out_stride, (const char *)src.buf + slot[i] * stride, (size_t)width);
@@ -228,6 +246,7 @@ gather_rows(PyObject *Py_UNUSED(module), PyObject *args)
     Py_END_ALLOW_THREADS
     res = Py_NewRef(Py_None);
 done:
+    PyMem_Free(slot);
     PyBuffer_Release(&out);
     PyBuffer_Release(&slots);
     PyBuffer_Release(&src);

@@ -207,7 +207,7 @@ class DramTier(Tier):
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         width = src.shape[1]
         runs = _runs(slots)
-        if (width >= _STREAM_ROW and src.flags.c_contiguous and not _one_copy(runs, width)
+        if (width >= _STREAM_ROW and src.flags.c_contiguous and not self._one_copy(runs, width)
                 and self._stream(slots, list(src), width)):
             return
         if len(runs) > 4 and width == self.slot_bytes and width < _SMALL_ROW:
@@ -222,6 +222,11 @@ class DramTier(Tier):
             return
         for slot, row in zip(slots, rows):  # one copy per page, straight from the caller's page
             self._buf[slot, :width] = row
+
+    def _one_copy(self, runs: list[tuple[int, int, int]], width: int) -> bool:
+        """Whether the copy is one contiguous run that memcpy streams by itself (_ONE_COPY);
+        rows narrower than a slot are not contiguous in the buffer."""
+        return len(runs) == 1 and width == self.slot_bytes and runs[0][2] * width >= _ONE_COPY
 
     def _stream(self, slots: Sequence[int], rows: list[np.ndarray], width: int) -> bool:
         """Rows written into their slots with streaming stores (a page put is not read
@@ -239,7 +244,7 @@ class DramTier(Tier):
         width = dst.shape[1]
         runs = _runs(slots)
         if (_copy is not None and width >= _STREAM_ROW and len(slots) * width >= _STREAM_READ
-                and dst.flags.c_contiguous and not _one_copy(runs, width)):
+                and dst.flags.c_contiguous and not self._one_copy(runs, width)):
             _copy.gather_rows(self._buf, self.slot_bytes, np.asarray(slots, np.int64), dst, width, width)
             return
         if len(runs) > 4 and width == self.slot_bytes and width < _SMALL_ROW:
@@ -269,11 +274,6 @@ class DramTier(Tier):
         if self._fd >= 0:
             os.close(self._fd)   # the mapping stays while views of it do
             self._fd = -1
-
-
-def _one_copy(runs: list[tuple[int, int, int]], width: int) -> bool:
-    """Whether the copy is one run memcpy streams by itself (see _ONE_COPY)."""
-    return len(runs) == 1 and runs[0][2] * width >= _ONE_COPY
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
