@@ -221,7 +221,8 @@ class TierKVConnector(KVConnectorBase_V1):
         if isa not in KNOWN_CPU_KERNELS:
             raise LayoutError(f"vLLM's CPU attention kernel here is {isa!r}, whose block packing tierkv does not "
                               f"know (it knows {', '.join(KNOWN_CPU_KERNELS)}); refusing rather than storing pages "
-                              "in a wrong order")
+                              "in a wrong order. On a CPU with AMX, vLLM picks it for BF16 caches whose block size "
+                              "is a multiple of 32: block_size=16 (and [layout] tokens_per_page = 16) gets vec16")
         names = sorted(kv_caches, key=extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(names)}
         kv = CpuPagedKV([kv_caches[n] for n in names], self.store.layout)
