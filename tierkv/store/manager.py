@@ -108,6 +108,13 @@ def _insert_pages(policy: Policy, keys: bytes, parents: bytes, has_parent: np.nd
         policy.insert(PageKey(keys[j:j + KEY_BYTES]), PageKey(parents[j:j + KEY_BYTES]) if has else None)
 
 
+def _admit(policy: Policy, pages: Sequence[tuple[PageKey, PageKey | None]]) -> list[bool]:
+    """``policy.admit`` of each (key, parent) in order: one ``admit_many`` call where the
+    policy has it (optional)."""
+    admit_many = getattr(policy, "admit_many", None)
+    return admit_many(pages) if admit_many is not None else [policy.admit(k, p) for k, p in pages]
+
+
 def _lowest(mask: int) -> int:
     return (mask & -mask).bit_length() - 1
 
@@ -603,8 +610,7 @@ class BlockManager:
             if not tier.available:
                 continue
             policy = self._policies[tier.name]
-            admit_many = getattr(policy, "admit_many", None)   # optional: one call for the batch
-            ok = admit_many(todo) if admit_many is not None else [policy.admit(k, p) for k, p in todo]
+            ok = _admit(policy, todo)
             admitted = todo if all(ok) else [kp for kp, good in zip(todo, ok) if good]
             slots = self._reserve(tier, len(admitted), protect, plan)
             placed = admitted[:len(slots)]
@@ -821,7 +827,8 @@ class BlockManager:
         where its policy admits it and room is made there (one reservation for the run),
         else is dropped, or stays where dropping it would strand cached descendants."""
         lower = self.below(tier.name)
-        if lower is None or len(keys) == 1 or getattr(self._policies[lower.name], "admits_alone", False):
+        policy = self._policies[lower.name] if lower is not None else None
+        if lower is None or len(keys) == 1 or getattr(policy, "admits_alone", False):
             for key in keys:
                 self._evict(key, tier, protect, plan)
             return
@@ -832,11 +839,8 @@ class BlockManager:
         parent_of: list[PageKey | None] = [None] * len(keys)
         for i, pk in zip(np.flatnonzero(linked).tolist(), parents):
             parent_of[i] = pk
-        pages = list(zip(keys, parent_of))
-        policy = self._policies[lower.name]
-        admit_many = getattr(policy, "admit_many", None)   # optional: one call for the run
-        ok = np.array(admit_many(pages) if admit_many is not None else [policy.admit(k, p) for k, p in pages],
-                      dtype=bool)
+        assert policy is not None
+        ok = np.array(_admit(policy, list(zip(keys, parent_of))), dtype=bool)
         slots: list[int] = []
         if ok.any():
             below = plan.parents_below.setdefault(lower.name, set())   # see MovePlan.parents_below

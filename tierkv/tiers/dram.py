@@ -206,10 +206,10 @@ class DramTier(Tier):
 
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         width = src.shape[1]
-        runs = _runs(slots)
-        if (width >= _STREAM_ROW and src.flags.c_contiguous and not self._one_copy(runs, width)
+        if (width >= _STREAM_ROW and src.flags.c_contiguous and not self._one_copy(slots, width)
                 and self._stream(slots, list(src), width)):
             return
+        runs = _runs(slots)
         if len(runs) > 4 and width == self.slot_bytes and width < _SMALL_ROW:
             self._buf[np.asarray(slots)] = src  # small rows: one scatter loop in C beats slice copies
             return
@@ -223,10 +223,11 @@ class DramTier(Tier):
         for slot, row in zip(slots, rows):  # one copy per page, straight from the caller's page
             self._buf[slot, :width] = row
 
-    def _one_copy(self, runs: list[tuple[int, int, int]], width: int) -> bool:
+    def _one_copy(self, slots: Sequence[int], width: int) -> bool:
         """Whether the copy is one contiguous run that memcpy streams by itself (_ONE_COPY);
-        rows narrower than a slot are not contiguous in the buffer."""
-        return len(runs) == 1 and width == self.slot_bytes and runs[0][2] * width >= _ONE_COPY
+        rows narrower than a slot are not contiguous in the buffer. Sized first: the
+        slots are walked only for a copy that large."""
+        return width == self.slot_bytes and len(slots) * width >= _ONE_COPY and len(_runs(slots)) == 1
 
     def _stream(self, slots: Sequence[int], rows: list[np.ndarray], width: int) -> bool:
         """Rows written into their slots with streaming stores (a page put is not read
@@ -242,11 +243,11 @@ class DramTier(Tier):
 
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         width = dst.shape[1]
-        runs = _runs(slots)
         if (_copy is not None and width >= _STREAM_ROW and len(slots) * width >= _STREAM_READ
-                and dst.flags.c_contiguous and not self._one_copy(runs, width)):
+                and dst.flags.c_contiguous and not self._one_copy(slots, width)):
             _copy.gather_rows(self._buf, self.slot_bytes, np.asarray(slots, np.int64), dst, width, width)
             return
+        runs = _runs(slots)
         if len(runs) > 4 and width == self.slot_bytes and width < _SMALL_ROW:
             np.take(self._buf, np.asarray(slots), axis=0, out=dst)  # small rows: one gather loop in C
             return
