@@ -109,10 +109,18 @@ def test_page_order_is_declared_checked_and_a_layout_of_its_own() -> None:
     assert std.fingerprint() == (b'{"dtype":"bf16","head_dim":64,"kind":"kv","num_kv_heads":3,"num_layers":30,'
                                  b'"tokens_per_page":128}')
     assert native.fingerprint() != std.fingerprint() and b'"page_order":"vllm_cpu"' in native.fingerprint()
-    with pytest.raises(LayoutError, match="page_order must be one of 'standard', 'vllm_cpu', got 'lbhnc'"):
+    with pytest.raises(LayoutError, match="page_order must be one of 'standard', 'vllm_cpu', 'vllm_cpu_amx', got 'lbhnc'"):
         KVLayout(30, 3, 64, "bf16", 128, page_order="lbhnc")
     with pytest.raises(LayoutError, match="needs kind 'kv'"):
         KVLayout(30, 1, 64, "bf16", 128, LayoutKind.LATENT, "vllm_cpu")
+    amx = KVLayout(30, 3, 64, "bf16", 128, page_order="vllm_cpu_amx")   # the AMX kernel's blocks: a third layout
+    assert amx.page_shape == native.page_shape and len({amx.fingerprint(), native.fingerprint(), std.fingerprint()}) == 3
+    for bad in ({"dtype": "fp16"}, {"tokens_per_page": 16}, {"head_dim": 8}):
+        with pytest.raises(LayoutError, match="'vllm_cpu_amx'.*bf16 pages whose tokens_per_page is a multiple of 32"):
+            KVLayout(**{"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 128,
+                        "page_order": "vllm_cpu_amx", **bad})   # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="page_order 'vllm_cpu_amx' .* needs kind 'kv'"):
+        KVLayout(30, 1, 64, "bf16", 128, LayoutKind.LATENT, "vllm_cpu_amx")
     data = {"store": {"path": "/tmp/x", "model_id": "m"},
             "layout": {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 128,
                        "page_order": "vllm_cpu"},

@@ -83,11 +83,23 @@ class PageOrder(enum.Enum):
     - ``VLLM_CPU``: one block of vLLM's CPU attention backend (kernels ``vec``/``vec16``):
       ``[num_kv_heads, tokens_per_page, 2 * head_dim]`` as a tensor, where each head's
       ``2 * tokens * head_dim`` elements are K transposed (``[head_dim, tokens]``)
-      followed by V (``[tokens, head_dim]``). K+V layouts only.
+      followed by V (``[tokens, head_dim]``). K+V layouts only;
+    - ``VLLM_CPU_AMX``: one block as the backend's ``amx`` kernel packs it (vLLM picks it on
+      CPUs with AMX tiles for BF16 caches whose block size is a multiple of 32): the same
+      ``[num_kv_heads, tokens_per_page, 2 * head_dim]`` tensor, each head's K packed for the
+      tiles as ``[tokens/16, head_dim/2, 16, 2]`` (token ``n``, dim ``d`` at ``[n//16, d//2,
+      n%16, d%2]``) followed by V as ``[head_dim/16, tokens/2, 16, 2]`` (``[d//16, n//2,
+      d%16, n%2]``). BF16 K+V layouts, tokens_per_page a multiple of 32, head_dim of 16.
     """
 
     STANDARD = "standard"
     VLLM_CPU = "vllm_cpu"
+    VLLM_CPU_AMX = "vllm_cpu_amx"
+
+    @property
+    def engine_blocks(self) -> bool:
+        """Whether a page's layer is one engine block's bytes (an engine's packing, not the standard order)."""
+        return self is not PageOrder.STANDARD
 
 
 # Guards against typos such as a head_dim of 1280000 producing a 50 GiB page.
@@ -127,12 +139,18 @@ class KVLayout:
             except ValueError:
                 names = ", ".join(repr(o.value) for o in PageOrder)
                 raise LayoutError(f"layout page_order must be one of {names}, got {self.page_order!r}") from None
-        if self.page_order is PageOrder.VLLM_CPU and self.kind is not LayoutKind.KV:
-            raise LayoutError("page_order 'vllm_cpu' (vLLM's CPU attention blocks) holds K and V: it needs kind 'kv'")
+        if self.page_order.engine_blocks and self.kind is not LayoutKind.KV:
+            raise LayoutError(f"page_order {self.page_order.value!r} (vLLM's CPU attention blocks) holds K and V: "
+                              "it needs kind 'kv'")
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_page"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise LayoutError(f"layout {name} must be a positive integer, got {value!r}")
+        if self.page_order is PageOrder.VLLM_CPU_AMX and (self.dtype is not DType.BF16 or self.tokens_per_page % 32
+                                                          or self.head_dim % 16):
+            raise LayoutError(f"page_order 'vllm_cpu_amx' (vLLM's AMX kernel's blocks) holds bf16 pages whose "
+                              f"tokens_per_page is a multiple of 32 and head_dim a multiple of 16; got "
+                              f"{self.dtype.value}, tokens_per_page {self.tokens_per_page}, head_dim {self.head_dim}")
         if self.kind is LayoutKind.LATENT and self.num_kv_heads != 1:
             raise LayoutError(
                 f"a latent (MLA) layout has one latent vector per token: num_kv_heads must be 1, "
@@ -149,7 +167,7 @@ class KVLayout:
         """Shape of one page as a tensor of ``dtype`` elements."""
         if self.kind is LayoutKind.LATENT:
             return (self.num_layers, self.tokens_per_page, self.head_dim)
-        if self.page_order is PageOrder.VLLM_CPU:
+        if self.page_order.engine_blocks:
             return (self.num_layers, self.num_kv_heads, self.tokens_per_page, 2 * self.head_dim)
         return (self.num_layers, 2, self.tokens_per_page, self.num_kv_heads, self.head_dim)
 
@@ -175,20 +193,35 @@ class KVLayout:
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
+def plane_tiles(layout: KVLayout) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """How one head's K and V planes of ``layout``'s engine order lie: the shape each is
+    viewed as, and the permutation of that view's axes that gives ``[tokens, head_dim]``
+    (split into sub-axes that reshape back to it)."""
+    tpp, dim = layout.tokens_per_page, layout.head_dim
+    if layout.page_order is PageOrder.VLLM_CPU_AMX:
+        # K [n//16, d//2, n%16, d%2] -> (n//16, n%16, d//2, d%2); V [d//16, n//2, d%16, n%2] -> (n//2, n%2, d//16, d%16)
+        return (tpp // 16, dim // 2, 16, 2), (0, 2, 1, 3), (dim // 16, tpp // 2, 16, 2), (1, 3, 0, 2)
+    return (dim, tpp), (1, 0), (tpp, dim), (0, 1)   # K^T [d, n], V [n, d]
+
+
 def to_standard_order(pages: np.ndarray, layout: KVLayout) -> np.ndarray:
     """Pages ``[n, *layout.page_shape]`` (any element type) as a standard-order copy
-    ``[n, layers, 2, tokens, heads, head_dim]``: from vLLM's CPU order (``[n, layers, heads,
-    tokens, 2 * head_dim]``: per head, K transposed ``[head_dim, tokens]`` then V ``[tokens,
-    head_dim]``), or the standard order itself. K/V layouts only."""
+    ``[n, layers, 2, tokens, heads, head_dim]``: from vLLM's CPU orders (``[n, layers, heads,
+    tokens, 2 * head_dim]``: per head, a K plane then a V plane, each of ``tokens * head_dim``
+    elements packed as :class:`PageOrder` says), or the standard order itself. K/V layouts only."""
     import numpy as np
 
     if layout.page_order is PageOrder.STANDARD:
         return np.ascontiguousarray(pages.reshape(pages.shape[0], *layout.page_shape))
     n, layers, heads, tpp, dim = pages.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \
         layout.head_dim
+    kshape, kperm, vshape, vperm = plane_tiles(layout)
     flat = pages.reshape(n, layers, heads, 2 * tpp * dim)
-    k = flat[..., :tpp * dim].reshape(n, layers, heads, dim, tpp).transpose(0, 1, 4, 2, 3)
-    val = flat[..., tpp * dim:].reshape(n, layers, heads, tpp, dim).transpose(0, 1, 3, 2, 4)
+    lead = (0, 1, 2)
+    k = flat[..., :tpp * dim].reshape(n, layers, heads, *kshape).transpose(*lead, *(3 + a for a in kperm))
+    val = flat[..., tpp * dim:].reshape(n, layers, heads, *vshape).transpose(*lead, *(3 + a for a in vperm))
+    k = k.reshape(n, layers, heads, tpp, dim).transpose(0, 1, 3, 2, 4)       # [n, L, tpp, H, D]
+    val = val.reshape(n, layers, heads, tpp, dim).transpose(0, 1, 3, 2, 4)
     return np.ascontiguousarray(np.stack([k, val], axis=2))
 
 
@@ -200,6 +233,11 @@ def from_standard_order(std: np.ndarray, layout: KVLayout) -> np.ndarray:
         return np.ascontiguousarray(std.reshape(std.shape[0], *layout.page_shape))
     n, layers, heads, tpp, dim = std.shape[0], layout.num_layers, layout.num_kv_heads, layout.tokens_per_page, \
         layout.head_dim
-    k = std[:, :, 0].transpose(0, 1, 3, 4, 2).reshape(n, layers, heads, dim * tpp)      # [n, L, H, D, tpp]
-    val = std[:, :, 1].transpose(0, 1, 3, 2, 4).reshape(n, layers, heads, tpp * dim)    # [n, L, H, tpp, D]
-    return np.concatenate([k, val], axis=-1).reshape(n, layers, heads, tpp, 2 * dim)
+    kshape, kperm, vshape, vperm = plane_tiles(layout)
+    planes = []
+    for plane, shape, perm in ((std[:, :, 0], kshape, kperm), (std[:, :, 1], vshape, vperm)):
+        per_head = plane.transpose(0, 1, 3, 2, 4)                              # [n, L, H, tpp, D]
+        split = per_head.reshape(n, layers, heads, *(shape[a] for a in perm))  # the permuted view's axes
+        back = np.argsort(perm)                                                 # ... and the packed order
+        planes.append(split.transpose(0, 1, 2, *(3 + int(a) for a in back)).reshape(n, layers, heads, tpp * dim))
+    return np.concatenate(planes, axis=-1).reshape(n, layers, heads, tpp, 2 * dim)

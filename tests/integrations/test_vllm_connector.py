@@ -126,6 +126,62 @@ def test_scatter_inverts_gather(ids: list[int], order: str) -> None:
         assert torch.equal(dst[layer][others], before[layer][others])   # nothing else written
 
 
+NA, DA = 32, 32    # the AMX kernel's smallest block; a head dim of two V tiles
+
+
+def amx_element(n: int, d: int) -> tuple[int, int]:
+    """Where vLLM's AMX kernel puts K and V of token ``n``, dim ``d`` in a (block, head)
+    plane of N tokens and D dims (probed against the kernel: test_vllm_engine.py)."""
+    k = (n // 16) * (DA * 16) + (d // 2) * 32 + (n % 16) * 2 + d % 2
+    v = NA * DA + (d // 16) * (NA * 16) + (n // 2) * 32 + (d % 16) * 2 + n % 2
+    return k, v
+
+
+@pytest.mark.parametrize("order", ["standard", "vllm_cpu_amx"])
+@pytest.mark.parametrize("ids", [[1, 2, 3], [4, 0, 2], [5]])
+def test_amx_blocks_unpack_element_by_element_and_pack_back(order: str, ids: list[int]) -> None:
+    """The AMX kernel's packing (K [N/16, D/2, 16, 2], V [D/16, N/2, 16, 2] a plane), read
+    into standard pages or kept whole, gives each token's K and V as the element formula
+    places them, and written back gives the blocks' bytes."""
+    from tierkv.layout import to_standard_order
+
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.randn(6, H, NA, 2 * DA, generator=g).to(torch.bfloat16) for _ in range(L)]
+    layout = KVLayout(L, H, DA, "bf16", NA, page_order=order)
+    kv = CpuPagedKV(caches, layout, "amx")
+    assert kv.native == (order == "vllm_cpu_amx")
+    pages = kv.pages(torch.zeros(len(ids), layout.page_bytes, dtype=torch.uint8))
+    for layer in range(L):
+        kv.gather(layer, ids, pages)
+    std = torch.from_numpy(to_standard_order(pages.view(torch.int16).numpy(), layout)).view(torch.bfloat16)
+    for row, block in enumerate(ids):
+        for layer in range(L):
+            plane = caches[layer][block].reshape(H, 2 * NA * DA)
+            for n in (0, 1, 15, 16, 17, NA - 1):
+                for d in (0, 1, 2, 15, 16, 17, DA - 1):
+                    k, v = amx_element(n, d)
+                    assert torch.equal(std[row, layer, 0, n, :, d], plane[:, k])
+                    assert torch.equal(std[row, layer, 1, n, :, d], plane[:, v])
+    back = [torch.zeros_like(c) for c in caches]
+    into = CpuPagedKV(back, layout, "amx")
+    for layer in range(L):
+        into.scatter(layer, pages, ids)
+        assert torch.equal(back[layer][ids], caches[layer][ids])
+        assert not back[layer][[i for i in range(6) if i not in ids]].any()   # nothing else written
+
+
+def test_a_page_order_of_another_kernel_or_an_unknown_kernel_is_refused() -> None:
+    amx_caches = [torch.zeros(4, H, NA, 2 * DA, dtype=torch.bfloat16)] * L
+    vec_pages = KVLayout(L, H, DA, "bf16", NA, page_order="vllm_cpu")
+    with pytest.raises(LayoutError, match="page_order 'vllm_cpu'.*kernel is 'amx'.*page_order = \"vllm_cpu_amx\""):
+        CpuPagedKV(amx_caches, vec_pages, "amx")
+    with pytest.raises(LayoutError, match="page_order 'vllm_cpu_amx'.*kernel is 'vec'.*page_order = \"vllm_cpu\""):
+        CpuPagedKV(amx_caches, KVLayout(L, H, DA, "bf16", NA, page_order="vllm_cpu_amx"), "vec")
+    with pytest.raises(LayoutError, match="kernel here is 'neon'.*knows vec, vec16, amx"):
+        CpuPagedKV(amx_caches, vec_pages, "neon")
+    CpuPagedKV(amx_caches, KVLayout(L, H, DA, "bf16", NA), "amx")   # standard: any kernel
+
+
 def test_layout_mismatch_is_refused_naming_the_fix() -> None:
     with pytest.raises(LayoutError, match=r"tokens_per_page: engine 32 vs store 16.*tokens_per_page=32"):
         CpuPagedKV([torch.zeros(4, H, 32, 2 * D, dtype=torch.bfloat16)] * L, LAYOUT)

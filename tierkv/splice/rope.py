@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 
 from tierkv.errors import InputError
-from tierkv.layout import DType, KVLayout, LayoutKind, PageOrder, from_standard_order, to_standard_order
+from tierkv.layout import DType, KVLayout, LayoutKind, from_standard_order, to_standard_order
 
 Convention = Literal["half", "interleaved"]
 #: Scalings whose frequencies change with the sequence's length.
@@ -242,7 +242,7 @@ def move_tokens(src: np.ndarray, src_tokens: np.ndarray, src_positions: np.ndarr
             raise InputError(f"{name} must be [pages, {layout.page_bytes}] uint8, got {pages.dtype} {pages.shape}")
         views.append(pages.view(_RAW[layout.dtype]).reshape(pages.shape[0], *layout.page_shape))
     sv, dv = views
-    cpu = layout.page_order is PageOrder.VLLM_CPU
+    cpu = layout.page_order.engine_blocks
     if cpu:   # moved in the standard order, then packed back (every row of dst: those not named unchanged)
         sv, dv = to_standard_order(sv, layout), to_standard_order(dv, layout)
     s_idx, d_idx = np.asarray(src_tokens, np.int64), np.asarray(dst_tokens, np.int64)

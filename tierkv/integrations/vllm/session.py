@@ -27,10 +27,25 @@ from tierkv.serve.child import Daemon  # noqa: F401 - where the demo, the bench 
 #: TIERKV_VLLM_PYTHON and TIERKV_VLLM_MODEL).
 DEFAULT_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tierkv" / "vllm"
 SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-#: SmolLM2-135M's KV layout at vLLM's CPU block size, pages in the order vLLM's CPU
-#: backend packs a block (the connector copies blocks whole; docs/integration.md).
-LAYOUT = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 128,
-          "page_order": "vllm_cpu"}
+#: SmolLM2-135M's KV layout at vLLM's CPU block size; the daemon's pages are in the order
+#: vLLM's CPU kernel on this machine packs a block (:func:`cpu_page_order`: the connector
+#: copies blocks whole; docs/integration.md).
+LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bf16",
+                                "tokens_per_page": 128}
+
+
+def cpu_page_order(dtype: str = "bf16", block_size: int = 128, head_dim: int = 64) -> str:
+    """The page order that keeps vLLM's CPU blocks as they are on this machine, for the
+    kernel vLLM 0.32 picks (``_get_attn_isa``): ``amx`` where the CPU has AMX tiles, for
+    BF16 caches whose block size is a multiple of 32 (and head dim of 32), else ``vec`` or
+    ``vec16``. Guessed wrong (another vLLM), the connector refuses the daemon's order at
+    start, naming the one to declare."""
+    import torch
+
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    if amx and dtype == "bf16" and block_size % 32 == 0 and head_dim % 32 == 0:
+        return "vllm_cpu_amx"
+    return "vllm_cpu"
 
 
 @dataclass(frozen=True)
@@ -60,7 +75,8 @@ def store_config(path: Path, *, dram: str = "1GiB", nvme: str = "2GiB", promote:
     ``o_direct=False``: the NVMe tier reads and writes through the page cache;
     ``lossy_bits``: the NVMe tier converts the pages that come down into it to lossy
     pages at that budget, docs/lossy.md)."""
-    layout = "\n".join(f"{k} = {json.dumps(v)}" for k, v in LAYOUT.items())
+    order = cpu_page_order(str(LAYOUT["dtype"]), int(LAYOUT["tokens_per_page"]), int(LAYOUT["head_dim"]))
+    layout = "\n".join(f"{k} = {json.dumps(v)}" for k, v in {**LAYOUT, "page_order": order}.items())
     lossy = f"codec = \"lossless\"\nlossy_bits = {float(lossy_bits)!r}\n" if lossy_bits else ""
     return (f"[store]\npath = {json.dumps(str(path))}\nmodel_id = {json.dumps(SERVED_NAME)}\n"
             f"persist_on_close = true\npromote_on_hit = {'true' if promote else 'false'}\n\n"
