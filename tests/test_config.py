@@ -115,8 +115,9 @@ def test_page_order_is_declared_checked_and_a_layout_of_its_own() -> None:
         KVLayout(30, 1, 64, "bf16", 128, LayoutKind.LATENT, "vllm_cpu")
     amx = KVLayout(30, 3, 64, "bf16", 128, page_order="vllm_cpu_amx")   # the AMX kernel's blocks: a third layout
     assert amx.page_shape == native.page_shape and len({amx.fingerprint(), native.fingerprint(), std.fingerprint()}) == 3
-    for bad in ({"dtype": "fp16"}, {"tokens_per_page": 16}, {"head_dim": 8}):
-        with pytest.raises(LayoutError, match="'vllm_cpu_amx'.*bf16 pages whose tokens_per_page is a multiple of 32"):
+    for bad in ({"dtype": "fp16"}, {"tokens_per_page": 16}, {"head_dim": 80}):   # vLLM: vec16 at head dim 80
+        with pytest.raises(LayoutError, match="'vllm_cpu_amx'.*bf16 pages whose tokens_per_page and head_dim are "
+                                              "multiples of 32"):
             KVLayout(**{"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bf16", "tokens_per_page": 128,
                         "page_order": "vllm_cpu_amx", **bad})   # type: ignore[arg-type]
     with pytest.raises(LayoutError, match="page_order 'vllm_cpu_amx' .* needs kind 'kv'"):

@@ -89,7 +89,8 @@ class PageOrder(enum.Enum):
       ``[num_kv_heads, tokens_per_page, 2 * head_dim]`` tensor, each head's K packed for the
       tiles as ``[tokens/16, head_dim/2, 16, 2]`` (token ``n``, dim ``d`` at ``[n//16, d//2,
       n%16, d%2]``) followed by V as ``[head_dim/16, tokens/2, 16, 2]`` (``[d//16, n//2,
-      d%16, n%2]``). BF16 K+V layouts, tokens_per_page a multiple of 32, head_dim of 16.
+      d%16, n%2]``). BF16 K+V layouts, tokens_per_page and head_dim multiples of 32 (at other
+      head dims vLLM picks ``vec16``, and the kernel would pack otherwise).
     """
 
     STANDARD = "standard"
@@ -147,9 +148,9 @@ class KVLayout:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise LayoutError(f"layout {name} must be a positive integer, got {value!r}")
         if self.page_order is PageOrder.VLLM_CPU_AMX and (self.dtype is not DType.BF16 or self.tokens_per_page % 32
-                                                          or self.head_dim % 16):
+                                                          or self.head_dim % 32):
             raise LayoutError(f"page_order 'vllm_cpu_amx' (vLLM's AMX kernel's blocks) holds bf16 pages whose "
-                              f"tokens_per_page is a multiple of 32 and head_dim a multiple of 16; got "
+                              f"tokens_per_page and head_dim are multiples of 32; got "
                               f"{self.dtype.value}, tokens_per_page {self.tokens_per_page}, head_dim {self.head_dim}")
         if self.kind is LayoutKind.LATENT and self.num_kv_heads != 1:
             raise LayoutError(

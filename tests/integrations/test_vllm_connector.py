@@ -73,7 +73,7 @@ def test_gather_puts_k_and_v_in_the_store_order() -> None:
     """Each (block, head) plane is K^T [D, N] then V [N, D] (the CPU kernel's packing,
     checked against the kernel in test_vllm_engine.py); a page is [L, 2, N, H, D]."""
     caches = engine_caches()
-    kv = CpuPagedKV(caches, LAYOUT)
+    kv = CpuPagedKV(caches, LAYOUT, "vec")
     pages = kv.pages(torch.zeros(2, LAYOUT.page_bytes, dtype=torch.uint8))
     for layer in range(L):
         kv.gather(layer, [7, 2], pages)
@@ -91,7 +91,7 @@ def test_gather_puts_k_and_v_in_the_store_order() -> None:
 def test_in_the_vllm_cpu_order_a_pages_layer_is_the_blocks_bytes() -> None:
     native = KVLayout(L, H, D, "bf16", N, page_order="vllm_cpu")
     caches = engine_caches()
-    kv = CpuPagedKV(caches, native)
+    kv = CpuPagedKV(caches, native, "vec")
     pages = kv.pages(torch.zeros(3, native.page_bytes, dtype=torch.uint8))
     assert tuple(pages.shape) == (3, L, H, N, 2 * D)
     for layer in range(L):
@@ -101,7 +101,7 @@ def test_in_the_vllm_cpu_order_a_pages_layer_is_the_blocks_bytes() -> None:
             assert torch.equal(pages[row, layer], caches[layer][block])
     # The same blocks in the standard order hold the same values, permuted (so one
     # engine's pages are either order's, never both: the orders are separate layouts).
-    std = CpuPagedKV(caches, LAYOUT)
+    std = CpuPagedKV(caches, LAYOUT, "vec")
     spages = std.pages(torch.zeros(3, LAYOUT.page_bytes, dtype=torch.uint8))
     for layer in range(L):
         std.gather(layer, [7, 2, 3], spages)
@@ -115,7 +115,7 @@ def test_scatter_inverts_gather(ids: list[int], order: str) -> None:
     src, dst = engine_caches(1), engine_caches(2)
     before = [d.clone() for d in dst]
     layout = KVLayout(L, H, D, "bf16", N, page_order=order)
-    a, b = CpuPagedKV(src, layout), CpuPagedKV(dst, layout)
+    a, b = CpuPagedKV(src, layout, "vec"), CpuPagedKV(dst, layout, "vec")
     pages = a.pages(torch.zeros(len(ids), LAYOUT.page_bytes, dtype=torch.uint8))
     for layer in range(L):
         a.gather(layer, ids, pages)
@@ -184,14 +184,14 @@ def test_a_page_order_of_another_kernel_or_an_unknown_kernel_is_refused() -> Non
 
 def test_layout_mismatch_is_refused_naming_the_fix() -> None:
     with pytest.raises(LayoutError, match=r"tokens_per_page: engine 32 vs store 16.*tokens_per_page=32"):
-        CpuPagedKV([torch.zeros(4, H, 32, 2 * D, dtype=torch.bfloat16)] * L, LAYOUT)
+        CpuPagedKV([torch.zeros(4, H, 32, 2 * D, dtype=torch.bfloat16)] * L, LAYOUT, "vec")
     with pytest.raises(LayoutError, match="num_layers: engine 2 vs store 3"):
-        CpuPagedKV(engine_caches()[:2], LAYOUT)
+        CpuPagedKV(engine_caches()[:2], LAYOUT, "vec")
     with pytest.raises(LayoutError, match="dtype: engine float16 vs store bfloat16"):
-        CpuPagedKV([c.to(torch.float16) for c in engine_caches()], LAYOUT)
+        CpuPagedKV([c.to(torch.float16) for c in engine_caches()], LAYOUT, "vec")
     with pytest.raises(LayoutError, match=r"\[num_blocks, kv_heads, block_size, 2\*head_dim\]"):
-        CpuPagedKV([torch.zeros(2, BLOCKS, N, H, D, dtype=torch.bfloat16)] * L, LAYOUT)
-    kv = CpuPagedKV(engine_caches(), LAYOUT)
+        CpuPagedKV([torch.zeros(2, BLOCKS, N, H, D, dtype=torch.bfloat16)] * L, LAYOUT, "vec")
+    kv = CpuPagedKV(engine_caches(), LAYOUT, "vec")
     with pytest.raises(InputError, match=r"block ids must lie in \[0, 12\)"):
         kv.gather(0, [12], kv.pages(torch.zeros(1, LAYOUT.page_bytes, dtype=torch.uint8)))
 
@@ -299,14 +299,14 @@ def step(worker: ConnectorWorker, plan: StepPlan, write: list[torch.Tensor] | No
 def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: RemoteStore) -> None:
     toks = prompt(4.5, seed=11)
     src = engine_caches(3)
-    a = ConnectorWorker(store, CpuPagedKV(engine_caches(4), store.layout), max_pages=8)
+    a = ConnectorWorker(store, CpuPagedKV(engine_caches(4), store.layout, "vec"), max_pages=8)
     pa = ConnectorPlanner(store, N)
     pa.allocated("a", toks, len(toks), "", [3, 1, 4, 0, 9], 0)
     step(a, pa.plan([("a", [3, 1, 4, 0, 9], 0)], [], {"a": len(toks)}), write=src, caches=a.kv.layers)
     a.drain()
     assert a.counters.saved_pages == 4 and a.counters.failed_saves == 0
     b_caches = engine_caches(5)
-    b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout), max_pages=8)
+    b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout, "vec"), max_pages=8)
     pb = ConnectorPlanner(store, N)
     assert pb.matched("b", toks, "", 0) == 4 * N
     pb.allocated("b", toks, len(toks), "", [6, 7, 8, 10, 11], 4 * N)
@@ -324,7 +324,7 @@ def test_pages_saved_from_one_engine_load_into_another_bit_for_bit(store: Remote
 
 def serve_and_save(store: RemoteStore, tokens: list[int]) -> None:
     """An engine computes ``tokens`` (7 blocks; KV of engine_caches(7)) and saves its pages."""
-    a = ConnectorWorker(store, CpuPagedKV(engine_caches(8), store.layout), max_pages=8)
+    a = ConnectorWorker(store, CpuPagedKV(engine_caches(8), store.layout, "vec"), max_pages=8)
     pa = ConnectorPlanner(store, N)
     pa.allocated("a", tokens, len(tokens), "", [0, 1, 2, 3, 4, 5, 6], 0)
     step(a, pa.plan([("a", [0, 1, 2, 3, 4, 5, 6], 0)], [], {"a": len(tokens)}), write=engine_caches(7),
@@ -336,7 +336,7 @@ def serve_and_save(store: RemoteStore, tokens: list[int]) -> None:
 def loaded_pages(caches: list[torch.Tensor], layout: KVLayout, blocks: list[int]) -> np.ndarray:
     """What the engine blocks ``blocks`` hold, as store pages (uint8 rows)."""
     got = torch.zeros(len(blocks), layout.page_bytes, dtype=torch.uint8)
-    kv = CpuPagedKV(caches, layout)
+    kv = CpuPagedKV(caches, layout, "vec")
     for layer in range(L):
         kv.gather(layer, blocks, kv.pages(got))
     return got.numpy()
@@ -362,7 +362,7 @@ def test_a_spliced_prompt_loads_its_derived_pages_when_the_request_accepts_them(
     (job,) = plan.loads
     assert job.accept == "derived" and not job.lend and early.decode(encode(job)[4:])[0].accept == "derived"
     b_caches = engine_caches(9)
-    b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout), max_pages=8)
+    b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout, "vec"), max_pages=8)
     step(b, plan)
     assert b.load_errors() == set() and b.counters.loaded_tokens == 4 * N
     want = np.zeros((4, store.layout.page_bytes), np.uint8)
@@ -441,7 +441,7 @@ def test_a_request_that_accepts_lossy_pages_loads_them_after_the_exact_ones(stor
     (job,) = plan.loads
     assert job.accept == "lossy:8.0" and not job.lend and early.decode(encode(job)[4:])[0].accept == "lossy:8.0"
     caches = engine_caches(9)
-    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout, "vec"), max_pages=8)
     step(w, plan)
     assert w.load_errors() == set() and w.counters.loaded_tokens == 6 * N
     want = np.zeros((6, store.layout.page_bytes), np.uint8)
@@ -471,7 +471,7 @@ def test_a_lossy_page_that_dropped_tokens_ends_the_load(store: RemoteStore) -> N
     blocks = [9, 8, 7, 6, 5, 4, 3]
     assert pb.matched("c", toks, "", 0, accept=lossy_accept(4.0)) == 6 * N
     pb.allocated("c", toks, len(toks), "", blocks, 6 * N)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(9), store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(9), store.layout, "vec"), max_pages=8)
     step(w, pb.plan([("c", blocks, 6 * N)], [], {"c": len(toks) - 6 * N}))
     assert w.counters.loaded_tokens == 2 * N and w.load_errors() == set(blocks[2:6])
     w.close()
@@ -500,7 +500,7 @@ def test_a_page_that_dropped_tokens_inside_vllms_own_hit_does_not_end_the_load(s
     blocks = [9, 8, 7, 6, 5, 4, 3]
     assert pb.matched("c", toks, "", 3 * N, accept=lossy_accept(4.5)) == 3 * N   # vLLM holds pages 0..2
     pb.allocated("c", toks, len(toks), "", blocks, 3 * N)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(9), store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(9), store.layout, "vec"), max_pages=8)
     step(w, pb.plan([("c", blocks, 3 * N)], [], {"c": len(toks) - 6 * N}))
     assert w.counters.loaded_tokens == 3 * N and w.load_errors() == set()
     w.close()
@@ -654,7 +654,7 @@ def test_an_edit_rebuilds_the_cached_prompt() -> None:
 def test_pages_not_all_in_dram_are_got_layer_by_layer_not_lent(store: RemoteStore, daemon: NodeService) -> None:
     toks = prompt(4.5, seed=13)
     src = engine_caches(13)
-    a = ConnectorWorker(store, CpuPagedKV(src, store.layout), max_pages=8)
+    a = ConnectorWorker(store, CpuPagedKV(src, store.layout, "vec"), max_pages=8)
     pa = ConnectorPlanner(store, N)
     pa.allocated("a", toks, len(toks), "", [0, 1, 2, 3, 4], 0)
     step(a, pa.plan([("a", [0, 1, 2, 3, 4], 0)], [], {"a": len(toks)}), write=src, caches=a.kv.layers)
@@ -665,7 +665,7 @@ def test_pages_not_all_in_dram_are_got_layer_by_layer_not_lent(store: RemoteStor
     tiers = daemon.store.lookup(np.array(toks[:4 * N], np.uint32)).tiers
     assert TierKind.NVME in tiers
     b_caches = engine_caches(14)
-    b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout), max_pages=8)
+    b = ConnectorWorker(store, CpuPagedKV(b_caches, store.layout, "vec"), max_pages=8)
     lends: list[object] = []
     real_lend = store.lend
 
@@ -693,7 +693,7 @@ def test_pages_the_store_cannot_serve_are_reported_for_recompute(store: RemoteSt
     put_pages(store, toks[: 2 * N])                         # only 2 of the 4 claimed pages exist
     caches = engine_caches(6)
     before = [c.clone() for c in caches]
-    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.allocated("r", toks, len(toks), "", [1, 2, 3, 4, 5], 4 * N)
     step(w, p.plan([("r", [1, 2, 3, 4, 5], 4 * N)], [], {"r": len(toks) - 4 * N}))
@@ -706,7 +706,7 @@ def test_pages_the_store_cannot_serve_are_reported_for_recompute(store: RemoteSt
 
 
 def test_jobs_beyond_the_buffers_are_skipped_not_deadlocked(store: RemoteStore) -> None:
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(7), store.layout), max_pages=4, buffers=2)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(7), store.layout, "vec"), max_pages=4, buffers=2)
     p = ConnectorPlanner(store, N)
     reqs = {f"r{i}": prompt(2.5, seed=20 + i) for i in range(3)}
     for i, (rid, toks) in enumerate(reqs.items()):
@@ -729,13 +729,13 @@ def test_a_layer_vllm_never_waited_for_is_copied_late_and_its_blocks_recomputed(
     toks = prompt(3.5, seed=40)
     src = engine_caches(8)
     put = np.zeros((3, LAYOUT.page_bytes), np.uint8)
-    kv_src = CpuPagedKV(src, store.layout)
+    kv_src = CpuPagedKV(src, store.layout, "vec")
     pages = kv_src.pages(torch.from_numpy(put))
     for layer in range(L):
         kv_src.gather(layer, [0, 1, 2], pages)
     store.put(np.array(toks[: 3 * N], np.uint32), put)
     caches = engine_caches(9)
-    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.allocated("r", toks, len(toks), "", [4, 5, 6, 7], 3 * N)
     w.begin_step(p.plan([("r", [4, 5, 6, 7], 3 * N)], [], {"r": N // 2}))
@@ -758,7 +758,7 @@ def test_a_save_computed_over_a_failed_load_is_not_stored(store: RemoteStore, mo
     computed over stale blocks, must not reach the store under a valid key."""
     toks = prompt(5.5, seed=50)
     put_pages(store, toks[: 4 * N])
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(10), store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(10), store.layout, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N)
     assert p.matched("r", toks, "", 0) == 4 * N
     p.allocated("r", toks, len(toks), "", [1, 2, 3, 4, 5, 6], 4 * N)
@@ -783,7 +783,7 @@ def test_no_wait_at_all_still_reports_the_loads(store: RemoteStore) -> None:
     block is reported (the forward pass read them before)."""
     toks = prompt(3.5, seed=51)
     put_pages(store, toks)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(11), store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(11), store.layout, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.matched("r", toks, "", 0)
     p.allocated("r", toks, len(toks), "", [7, 8, 9, 10], 3 * N)
@@ -797,7 +797,7 @@ def test_an_unexpected_loader_failure_reports_the_blocks_and_returns_the_buffers
         store: RemoteStore, monkeypatch: pytest.MonkeyPatch) -> None:
     toks = prompt(3.5, seed=52)
     put_pages(store, toks)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(12), store.layout), max_pages=8, buffers=2)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(12), store.layout, "vec"), max_pages=8, buffers=2)
     p = ConnectorPlanner(store, N)
     p.matched("r", toks, "", 0)
     p.allocated("r", toks, len(toks), "", [1, 2, 3, 4], 3 * N)
@@ -817,7 +817,7 @@ def test_a_load_failing_after_another_was_lent_gives_the_lent_rows_back(
     reqs = {"a": prompt(2.5, seed=60), "b": prompt(2.5, seed=61)}
     for toks in reqs.values():
         put_pages(store, toks)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(15), store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(15), store.layout, "vec"), max_pages=8)
     if w._dram is None:
         w.close()
         pytest.skip("this client is not lent the daemon's DRAM")
@@ -846,7 +846,7 @@ def test_a_worker_lent_pages_by_a_restarted_daemon_reads_them_from_its_new_pool(
     path = sock_dir / "p.sock"
     toks, filler = prompt(2.5, seed=70), prompt(3.5, seed=71)
     src = engine_caches(16)
-    kv_src = CpuPagedKV(src, LAYOUT)
+    kv_src = CpuPagedKV(src, LAYOUT, "vec")
     pages = torch.zeros(2, LAYOUT.page_bytes, dtype=torch.uint8)
     for layer in range(L):
         kv_src.gather(layer, [5, 6], kv_src.pages(pages))
@@ -855,7 +855,7 @@ def test_a_worker_lent_pages_by_a_restarted_daemon_reads_them_from_its_new_pool(
     store = RemoteStore(path, timeout_s=10)
     store.put(np.array(toks[:2 * N], np.uint32), pages.numpy())
     caches = engine_caches(17)
-    w = ConnectorWorker(store, CpuPagedKV(caches, LAYOUT), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, LAYOUT, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.matched("q", toks, "", 0)
     p.allocated("q", toks, len(toks), "", [4, 5, 6], 2 * N)
@@ -888,7 +888,7 @@ def test_a_save_after_a_lost_page_starts_again_from_the_first_page(sock_dir: Pat
     store = RemoteStore(path, timeout_s=10)
     toks = prompt(3.5, seed=53)
     src = engine_caches(13)
-    w = ConnectorWorker(store, CpuPagedKV([c.clone() for c in src], LAYOUT), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV([c.clone() for c in src], LAYOUT, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.matched("r", toks, "", 0)
     p.allocated("r", toks, len(toks), "", [2, 3, 4, 5], 0)
@@ -906,7 +906,7 @@ def test_a_save_after_a_lost_page_starts_again_from_the_first_page(sock_dir: Pat
     got = np.zeros((3, LAYOUT.page_bytes), np.uint8)
     assert store.get(np.array(toks[: 3 * N], np.uint32), got).pages == 3
     ref = torch.zeros(3, LAYOUT.page_bytes, dtype=torch.uint8)
-    kv = CpuPagedKV(src, LAYOUT)
+    kv = CpuPagedKV(src, LAYOUT, "vec")
     for layer in range(L):
         kv.gather(layer, [2, 3, 4], kv.pages(ref))
     assert np.array_equal(got, ref.numpy())
@@ -919,7 +919,7 @@ def test_a_save_after_a_lost_page_starts_again_from_the_first_page(sock_dir: Pat
 def stored_src(store: RemoteStore, toks: list[int], seed: int, pages: int) -> list[torch.Tensor]:
     """Engine caches whose blocks 0..pages-1 are stored as the prompt's pages; returned."""
     src = engine_caches(seed)
-    kv = CpuPagedKV(src, store.layout)
+    kv = CpuPagedKV(src, store.layout, "vec")
     buf = torch.zeros(pages, LAYOUT.page_bytes, dtype=torch.uint8)
     for layer in range(L):
         kv.gather(layer, list(range(pages)), kv.pages(buf))
@@ -932,7 +932,7 @@ def test_an_announced_load_starts_before_its_step_and_the_plan_takes_it(
     toks = prompt(3.5, seed=80)
     src = stored_src(store, toks, 80, 3)
     caches = engine_caches(81)
-    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout, "vec"), max_pages=8)
     announced: list[bool] = []
     p = ConnectorPlanner(store, N, announce=lambda job: announced.append(w.start_early(job)))
     assert p.matched("r", toks, "", 0) == 3 * N
@@ -963,7 +963,7 @@ def test_an_announced_load_no_plan_takes_is_given_back_unused(store: RemoteStore
     stored_src(store, toks, 82, 2)
     caches = engine_caches(83)
     before = [c.clone() for c in caches]
-    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N, announce=w.start_early)
     p.matched("r", toks, "", 0)
     p.allocated("r", toks, len(toks), "", [4, 5, 6], 2 * N)
@@ -984,7 +984,7 @@ def test_an_announcement_after_its_plan_or_unlike_it_does_not_change_the_load(st
     toks = prompt(2.5, seed=84)
     src = stored_src(store, toks, 84, 2)
     caches = engine_caches(85)
-    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.matched("r", toks, "", 0)
     p.allocated("r", toks, len(toks), "", [4, 5, 6], 2 * N)
@@ -1012,7 +1012,7 @@ def test_an_announcement_after_its_plan_or_unlike_it_does_not_change_the_load(st
 def test_announced_loads_a_worker_closes_with_are_given_back(store: RemoteStore, daemon: NodeService) -> None:
     toks = prompt(2.5, seed=86)
     stored_src(store, toks, 86, 2)
-    w = ConnectorWorker(store, CpuPagedKV(engine_caches(87), store.layout), max_pages=8, buffers=3)
+    w = ConnectorWorker(store, CpuPagedKV(engine_caches(87), store.layout, "vec"), max_pages=8, buffers=3)
     p = ConnectorPlanner(store, N, announce=w.start_early)
     for rid in ("a", "b", "c"):                              # one buffer stays for the next step: 2 start
         p.matched(rid, toks, "", 0)
@@ -1034,7 +1034,7 @@ def test_a_note_for_the_next_step_survives_this_steps_bind_and_another_planners_
     toks = prompt(2.5, seed=88)
     src = stored_src(store, toks, 88, 2)
     caches = engine_caches(89)
-    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N)
     step(w, p.plan([], [], {}))                              # step N-1: the worker learns the planner
     plan_n = p.plan([], [], {})                              # step N, planned before the load
@@ -1060,7 +1060,7 @@ def test_a_failed_load_fails_only_its_own_blocks_when_another_was_started_early(
     reqs = {"a": prompt(2.5, seed=90), "b": prompt(2.5, seed=91)}
     srcs = {rid: stored_src(store, toks, 90 + i, 2) for i, (rid, toks) in enumerate(reqs.items())}
     caches = engine_caches(92)
-    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout), max_pages=8)
+    w = ConnectorWorker(store, CpuPagedKV(caches, store.layout, "vec"), max_pages=8)
     p = ConnectorPlanner(store, N)
     p.matched("a", reqs["a"], "", 0)
     p.allocated("a", reqs["a"], len(reqs["a"]), "", [0, 1, 2], 2 * N)

@@ -62,8 +62,9 @@ def runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 class CpuPagedKV:
     """The per-layer caches of one vLLM CPU worker, checked against a store's layout."""
 
-    def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout, kernel: str = "vec") -> None:
-        """``kernel``: the CPU attention kernel vLLM picked for these caches (how its blocks are packed)."""
+    def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout, kernel: str) -> None:
+        """``kernel``: the CPU attention kernel vLLM picked for these caches (how its blocks are
+        packed; no default: on a CPU with AMX the same caches may be packed either way)."""
         if kernel not in KNOWN_CPU_KERNELS:
             raise LayoutError(f"vLLM's CPU attention kernel here is {kernel!r}, whose block packing tierkv does not "
                               f"know (it knows {', '.join(KNOWN_CPU_KERNELS)}); refusing rather than storing pages "

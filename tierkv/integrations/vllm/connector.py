@@ -218,7 +218,8 @@ class TierKVConnector(KVConnectorBase_V1):
             raise LayoutError(f"TierKVConnector supports vLLM's CPU backend; this worker's KV cache is on "
                               f"{first.device} (GPU layouts are not supported yet)")
         cfg = self._vllm_config
-        isa = _get_attn_isa(first.dtype, self.block_size, first.shape[-1] // 2, cfg.cache_config.cache_dtype)
+        # As vLLM's CPU backend asks (the model's dtype, not the cache tensor's)
+        isa = _get_attn_isa(cfg.model_config.dtype, self.block_size, first.shape[-1] // 2, cfg.cache_config.cache_dtype)
         names = sorted(kv_caches, key=extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(names)}
         kv = CpuPagedKV([kv_caches[n] for n in names], self.store.layout, isa)   # refuses a kernel it does not know
