@@ -762,14 +762,15 @@ class Store:
                 stored, new = begun
                 return PutResult(stored, rows.shape[0] - new, new - stored)
             assert self._fast is not None
-            slots = [slot for _, _, slot in begun.placed]
+            placed_keys, _, placed_slots = zip(*begun.placed)
+            slots = list(placed_slots)
             token = self._begin_unlocked(self._fast, slots)
         # The new pages bound for the DRAM tier, written without the lock into the slots
         # reserved for them; published under it once written, if still theirs.
         start = time.perf_counter()
         wrote = False
         try:
-            self._fast.write(slots, gather_rows(rows, [begun.row_of[k] for k, _, _ in begun.placed]))
+            self._fast.write(slots, gather_rows(rows, list(map(begun.row_of.__getitem__, placed_keys))))
             wrote = True
         finally:
             with self._lock:
@@ -812,11 +813,18 @@ class Store:
         """The plan that stores ``rows[i]`` as page ``first + i`` of ``keys`` where not cached:
         (plan, row of each new page, the new pages with their parents)."""
         n = rows.shape[0]
-        held = self._manager.held(b"".join(keys[first:first + n]))
-        fresh = [i for i, h in enumerate(held) if not h]
-        new = [(keys[first + i], keys[first + i - 1] if first + i else None) for i in fresh]
+        mine = keys[first:first + n]
+        held = self._manager.held(b"".join(mine))
+        if not any(held):   # all new (a put's usual case): each page's parent is the key before it
+            fresh = list(range(n))
+            parents: list[PageKey | None] = [keys[first - 1] if first else None, *mine[:-1]]
+            new = list(zip(mine, parents))
+            prefix = keys[:first]
+        else:
+            fresh = [i for i, h in enumerate(held) if not h]
+            new = [(keys[first + i], keys[first + i - 1] if first + i else None) for i in fresh]
+            prefix = keys[:first] + [k for k, h in zip(mine, held) if h]
         row_of = dict(zip(map(itemgetter(0), new), fresh))
-        prefix = keys[:first] + [k for k, h in zip(keys[first:first + n], held) if h]
         return self._manager.plan_store(new, self.layout.page_bytes, prefix=prefix), row_of, new
 
     def _store(self, keys: list[PageKey], rows: Rows, first: int) -> tuple[int, int]:

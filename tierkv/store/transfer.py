@@ -167,7 +167,8 @@ class Transfers:
             raise
         # run() may have swept a reserved page (left without its prefix by an eviction in
         # this plan), freeing its slot: such pages are not written.
-        return published, [p for p, ok in zip(mine, self._m.still_placed(mine)) if ok]
+        live = self._m.still_placed(mine)
+        return published, (mine if all(live) else [p for p, ok in zip(mine, live) if ok])
 
     def finish_deferred(self, plan: MovePlan, placed: list[tuple[PageKey, TierId, int]], seconds: float,
                         wrote: bool) -> int:
@@ -178,8 +179,11 @@ class Transfers:
             return 0
         name = placed[0][1]
         live = self._m.still_placed(placed)
-        gone = [p for p, ok in zip(placed, live) if not ok]
-        keep = [p for p, ok in zip(placed, live) if ok]
+        if all(live):
+            gone, keep = [], placed
+        else:
+            gone = [p for p, ok in zip(placed, live) if not ok]
+            keep = [p for p, ok in zip(placed, live) if ok]
         if not wrote:
             self._m.abandon(keep)
             self._m.commit_deletes(plan)
@@ -194,8 +198,10 @@ class Transfers:
             self._m.abandon(keep)
             raise
         self._m.commit_deletes(plan)
-        if published and self._m.drop_orphans([k for k, _, _ in keep]):
-            published = len(self._m.present(b"".join(k for k, _, _ in keep), name)) // KEY_BYTES
+        if published:
+            kept = [k for k, _, _ in keep]
+            if self._m.drop_orphans(kept):
+                published = len(self._m.present(b"".join(kept), name)) // KEY_BYTES
         return published
 
     def count_served(self, name: TierId, keys: bytes, seconds: float) -> None:
