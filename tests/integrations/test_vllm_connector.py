@@ -5,6 +5,7 @@ vLLM's CPU backend shapes its KV cache. The real engine: test_vllm_engine.py."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import socket
 import struct
@@ -1146,3 +1147,45 @@ def test_the_channel_hears_no_other_user(sock_dir: Path) -> None:
     assert wait_for(lambda: listener.refused == 1)
     assert got == []
     listener.close()
+
+
+@pytest.mark.parametrize("order, loader", [("vllm_cpu_amx", "amx"), ("standard", "amx"), ("standard", "vec")])
+def test_amx_blocks_saved_through_a_daemon_load_bit_for_bit(sock_dir: Path, tmp_path: Path, order: str,
+                                                            loader: str) -> None:
+    """An engine on an AMX CPU saves its blocks through a daemon; another loads them: an
+    AMX engine gets the same bytes back (whole blocks in ``vllm_cpu_amx``, unpacked and
+    packed again in ``standard``), and through the standard order an engine whose kernel
+    is ``vec`` (a CPU without AMX) gets the same K and V in its own packing."""
+    layout = KVLayout(L, H, DA, "bf16", NA, page_order=order)
+    cfg = StoreConfig(path=str(tmp_path / "store"), model_id="m", layout=layout,
+                      dram=DramConfig(16 * layout.page_bytes))
+    g = torch.Generator().manual_seed(21)
+    src = [torch.randn(8, H, NA, 2 * DA, generator=g).to(torch.bfloat16) for _ in range(L)]
+    toks = list(np.random.default_rng(21).integers(0, 50_000, 3 * NA + 5))
+    with NodeService(cfg, sock_dir / "amx.sock").start() as svc, RemoteStore(svc.path, timeout_s=10) as store:
+        a = ConnectorWorker(store, CpuPagedKV([torch.zeros_like(c) for c in src], layout, "amx"), max_pages=8)
+        pa = ConnectorPlanner(store, NA)
+        pa.allocated("a", toks, len(toks), "", [5, 2, 6, 0], 0)
+        step(a, pa.plan([("a", [5, 2, 6, 0], 0)], [], {"a": len(toks)}), write=src, caches=a.kv.layers)
+        a.drain()
+        assert a.counters.saved_pages == 3 and a.counters.failed_saves == 0
+        dst = [torch.zeros_like(c) for c in src]
+        b = ConnectorWorker(store, CpuPagedKV(dst, layout, loader), max_pages=8)
+        pb = ConnectorPlanner(store, NA)
+        assert pb.matched("b", toks, "", 0) == 3 * NA
+        pb.allocated("b", toks, len(toks), "", [1, 3, 4, 7], 3 * NA)
+        step(b, pb.plan([("b", [1, 3, 4, 7], 3 * NA)], [], {"b": len(toks) - 3 * NA}))
+        assert b.load_errors() == set() and b.counters.loaded_tokens == 3 * NA
+        if loader == "amx":
+            for layer in range(L):
+                assert torch.equal(dst[layer][[1, 3, 4]], src[layer][[5, 2, 6]])
+        else:   # vec blocks: K transposed [D, N], V [N, D] a plane; src's by the AMX element formula
+            for (mine, theirs), layer, h in itertools.product(zip([1, 3, 4], [5, 2, 6]), range(L), range(H)):
+                plane = src[layer][theirs, h].reshape(2 * NA * DA)
+                got = dst[layer][mine, h].reshape(2 * NA * DA)
+                k_at, v_at = zip(*(amx_element(n, d) for d in range(DA) for n in range(NA)))
+                assert torch.equal(got[:NA * DA], plane[list(k_at)])            # K^T: d-major, n inside
+                v_in_vec = [n * DA + d for d in range(DA) for n in range(NA)]   # the same (d, n) order in V
+                assert torch.equal(got[NA * DA:][v_in_vec], plane[list(v_at)])
+        a.close()
+        b.close()
