@@ -231,3 +231,20 @@ def test_copies_outside_the_lock_refuse_slots_out_of_range_before_counting_them(
         assert tier.held_back == 0 and not tier.lent(token)
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("n", [3, 40])   # the loop, and the numpy pass over many slots
+def test_slots_must_be_whole_numbers_and_in_range_however_many(n: int) -> None:
+    tier = dram.DramTier(64, 256)
+    rows = np.ones((n, 256), np.uint8)
+    try:
+        with pytest.raises(InputError, match="slots are whole numbers, got 0.5"):
+            tier.write([i + 0.5 for i in range(n)], rows)
+        with pytest.raises(InputError, match="slot 64 out of range"):
+            tier.write([1] * (n - 1) + [64], rows)   # the bad one is named
+        tier.write(np.arange(n, dtype=np.int32), rows)
+        out = np.zeros_like(rows)
+        tier.read(list(range(n)), out)
+        assert (out == 1).all()
+    finally:
+        tier.close()

@@ -815,8 +815,8 @@ class Store:
         n = rows.shape[0]
         mine = keys[first:first + n]
         held = self._manager.held(b"".join(mine))
-        if not any(held):   # all new (a put's usual case): each page's parent is the key before it
-            fresh = list(range(n))
+        if not any(held) and first <= len(keys):   # all new (a put's usual case): each page's parent is the key before it
+            fresh = list(range(len(mine)))
             parents: list[PageKey | None] = [keys[first - 1] if first else None, *mine[:-1]]
             new = list(zip(mine, parents))
             prefix = keys[:first]

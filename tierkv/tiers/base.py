@@ -416,5 +416,7 @@ class Tier(abc.ABC):
                                                                         and int(a.max()) < self.num_slots)):
                 return
         for s in slots:
+            if not isinstance(s, (int, np.integer)):   # a float would be rounded by the copies' numpy paths
+                raise InputError(f"slots are whole numbers, got {s!r}")
             if not 0 <= s < self.num_slots:
                 raise InputError(f"slot {s} out of range [0, {self.num_slots})")

@@ -110,7 +110,7 @@ class CpuPagedKV:
 
     def pages(self, rows: torch.Tensor) -> torch.Tensor:
         """``uint8 [n, page_bytes]`` rows (a store buffer) viewed as ``[n, *page_shape]`` pages
-        (``[n, layers, 2, N, H, D]``, or ``[n, layers, H, N, 2*D]`` in the ``vllm_cpu`` order)."""
+        (``[n, layers, 2, N, H, D]``, or ``[n, layers, H, N, 2*D]`` in an engine's order)."""
         return rows.view(self.layers[0].dtype).view(rows.shape[0], *self.layout.page_shape)
 
     def _plane_views(self) -> list[tuple[tuple[int, ...], tuple[int, ...], bool]]:
