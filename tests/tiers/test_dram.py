@@ -239,10 +239,10 @@ def test_slots_must_be_whole_numbers_and_in_range_however_many(n: int) -> None:
     rows = np.ones((n, 256), np.uint8)
     try:
         with pytest.raises(InputError, match="slots are whole numbers, got 0.5"):
-            tier.write([i + 0.5 for i in range(n)], rows)
+            tier.write([i + 0.5 for i in range(n)], rows)   # type: ignore[misc]
         with pytest.raises(InputError, match="slot 64 out of range"):
             tier.write([1] * (n - 1) + [64], rows)   # the bad one is named
-        tier.write(np.arange(n, dtype=np.int32), rows)
+        tier.write(np.arange(n, dtype=np.int32), rows)   # type: ignore[call-overload]
         out = np.zeros_like(rows)
         tier.read(list(range(n)), out)
         assert (out == 1).all()
