@@ -617,12 +617,8 @@ class BlockManager:
             if not placed:
                 continue
             keys, parents = zip(*placed)
-            if parents[0] is not None and None not in parents[1:]:   # a prompt's pages after its first: all have one
-                has, parent_blob = np.ones(len(placed), dtype=bool), b"".join(parents)  # type: ignore[arg-type]
-            else:
-                has = np.array([p is not None for p in parents], dtype=bool)
-                parent_blob = b"".join([p or _NO_KEY for p in parents])
-            self._add_pages(b"".join(keys), parent_blob, has,
+            has = np.array([p is not None for p in parents], dtype=bool)
+            self._add_pages(b"".join(keys), b"".join([p or _NO_KEY for p in parents]), has,
                             np.full(len(placed), nbytes, dtype=np.int64), self.levels[tier.name], slots)
             plan.placements.extend(zip(keys, repeat(tier.name), slots))
             if len(placed) == len(todo):
