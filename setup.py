@@ -31,8 +31,10 @@ if os.path.exists(os.path.join(_CODEC, "_codec.c")):
             "tierkv.codec._codec",
             [os.path.join(_CODEC, f) for f in ("_codec.c", "codec_common.c", "codec_enc.c", "codec_scan.c",
                                                "codec_dec.c", "codec_rows.c", "codec_simd.c", "codec_simd_rans.c",
-                                               "codec_simd_rows.c", "codec_simd_scan.c")],
-            depends=[os.path.join(_CODEC, h) for h in ("codec_core.h", "codec_dec.h", "codec_enc.h", "codec_simd.h")],
+                                               "codec_simd_rows.c", "codec_simd_scan.c", "codec_gpu.c",
+                                               "codec_gpu_emu.c")],
+            depends=[os.path.join(_CODEC, h) for h in ("codec_core.h", "codec_dec.h", "codec_enc.h", "codec_simd.h",
+                                                             "codec_gpu.h", "codec_gpu_kernel.cuh")],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
         )

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check, in one script for a machine with one CUDA GPU (sized for under 5 minutes
 # on one H200): the `gpu`-marked tests of the engine copies and the HBM tier, the kernel's
-# NVRTC build check, then the GPU copy benchmark (tierkv.bench.gpu). Self-contained: it
+# NVRTC build checks, then the GPU copy benchmark (tierkv.bench.gpu) and the codec's GPU
+# decoder benchmark (tierkv.bench.gpu_codec). Self-contained: it
 # builds nothing, needs no network, and runs without tierkv's C extensions. Python
 # packages the machine lacks (lmdb on the H200 image) travel as wheels in .whl/, which
 # this script installs into /tmp/site first. Results go to $OUT (or out/gpu_check):
-# nvidia-smi.txt, pytest.log, gpu_bench.json, gpu_bench.log. Exits non-zero when a test
+# nvidia-smi.txt, pytest.log, gpu_bench.json, gpu_bench.log, gpu_codec.json, gpu_codec.log.
+# Exits non-zero when a test
 # fails or the benchmark does not finish; the benchmark runs even after a test failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,9 +37,11 @@ EOF
 
 status=0
 start=$(date +%s)
-timeout 150 "$PY" -m pytest -p no:cacheprovider -q -m gpu tests/engine tests/tiers 2>&1 | tee "$RESULTS/pytest.log"
+timeout 150 "$PY" -m pytest -p no:cacheprovider -q -m gpu tests/engine tests/tiers tests/codec/test_gpu_device.py \
+    2>&1 | tee "$RESULTS/pytest.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout 30 "$PY" -m pytest -p no:cacheprovider -q tests/engine/test_kernel_source.py 2>&1 | tee -a "$RESULTS/pytest.log"
+timeout 30 "$PY" -m pytest -p no:cacheprovider -q tests/engine/test_kernel_source.py \
+    tests/codec/test_gpu_device.py::test_kernel_compiles_for_hopper 2>&1 | tee -a "$RESULTS/pytest.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "gpu_check: tests took $(( $(date +%s) - start )) s" | tee -a "$RESULTS/pytest.log"
 
@@ -58,4 +62,12 @@ for case in r["engine"] + r["tiers"]:
               + "  ".join(f"{op} {v:.2f}" for op, v in ratios.items()))
 print("headline:", json.dumps(r["headline"]))
 EOF
+
+start=$(date +%s)
+# The codec's GPU decoder against the raw pages' copy (tierkv.bench.gpu_codec).
+timeout 90 "$PY" -m tierkv.bench.gpu_codec --json ${BENCH_ARGS:-} >"$RESULTS/gpu_codec.json" 2>"$RESULTS/gpu_codec.log"
+codec_bench=$?
+cat "$RESULTS/gpu_codec.json" "$RESULTS/gpu_codec.log"
+[ "$codec_bench" -eq 0 ] || { echo "gpu_check: codec benchmark failed (exit $codec_bench)" >&2; status=1; }
+echo "gpu_check: codec benchmark took $(( $(date +%s) - start )) s"
 exit $status

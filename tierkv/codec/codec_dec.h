@@ -63,8 +63,13 @@ get_varint(const uint8_t **pp, const uint8_t *end, uint64_t *v)
     return -1;
 }
 
+/* codec_dec.c: the checks before decoding, shared with the GPU decoder's host side */
+int check_blob(const Layout *lay, const uint8_t *blob, size_t len, int *mode, size_t *plen);
+int dec_open(const Layout *lay, const uint8_t *o, size_t plen, Dec **out, const uint8_t **sec, uint64_t *len,
+             int copy_mid);
+
 /* codec_rows.c */
-int load_mid(Dec *D, const uint8_t *section, size_t len);
+int load_mid(Dec *D, const uint8_t *section, size_t len, int copy);
 void absorb_tail(Dec *D, const uint32_t *x);
 void plane_signs(Dec *D, int coded, uint32_t nrows);
 void assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out);

@@ -177,9 +177,10 @@ patch_escapes(Dec *D, uint8_t *out, const uint8_t *sym)
 }
 
 /* The mid section's exact length follows from the layout and the repeated rows (less
- * the tail the rANS states carry); it is copied into zero-padded scratch. */
+ * the tail the rANS states carry); it is copied into zero-padded scratch unless copy is 0
+ * (the GPU decoder's host side checks it only). */
 int
-load_mid(Dec *D, const uint8_t *section, size_t len)
+load_mid(Dec *D, const uint8_t *section, size_t len, int copy)
 {
     const Layout *lay = D->lay;
     size_t rows = 0, last = 0;
@@ -190,6 +191,7 @@ load_mid(Dec *D, const uint8_t *section, size_t len)
     size_t from = D->mid_bits - D->tail;
     if (len != (from + 7) / 8) return ERR_STRUCTURE;
     if ((from & 7) && (section[from >> 3] >> (from & 7))) return ERR_STRUCTURE;   /* padding is zero */
+    if (!copy) return 0;
     memcpy(D->mid, section, len);
     memset(D->mid + len, 0, D->mid_len - len);
     return 0;

@@ -282,28 +282,36 @@ def _decode_coded(g: Geometry, payload: bytes, out: np.ndarray) -> None:
     out[:] = u.astype(_UINT[g.itemsize]).view(np.uint8).reshape(-1)
 
 
-def decode_page(g: Geometry, blob: memoryview, out: np.ndarray) -> DecodeStatus:
-    """Decodes ``blob`` into ``out`` (``uint8 [page_bytes]``); the status says how it went."""
+def check_blob(g: Geometry, blob: memoryview) -> tuple[DecodeStatus, Mode, bytes]:
+    """The header and checksum checks (``check_blob`` in C): the status, the mode and the payload."""
     try:
         head = peek_header(blob)
     except CorruptPageError:
         if len(blob) < HEADER_BYTES:
-            return DecodeStatus.SHORT
-        return DecodeStatus.VERSION if bytes(blob[:3]) == MAGIC + bytes([CODEC_ID]) and blob[3] != FORMAT_VERSION \
-            else DecodeStatus.MAGIC
+            return DecodeStatus.SHORT, Mode.RAW, b""
+        return (DecodeStatus.VERSION if bytes(blob[:3]) == MAGIC + bytes([CODEC_ID]) and blob[3] != FORMAT_VERSION
+                else DecodeStatus.MAGIC), Mode.RAW, b""
     if (head.dtype, head.kind, head.num_layers, head.tokens_per_page, head.num_kv_heads, head.head_dim) != (
             g.dtype, g.kind, g.layers, g.tokens, g.heads, g.head_dim):
-        return DecodeStatus.LAYOUT
+        return DecodeStatus.LAYOUT, head.mode, b""
     if head.payload_bytes > len(blob) - HEADER_BYTES:
-        return DecodeStatus.SHORT
+        return DecodeStatus.SHORT, head.mode, b""
     payload = bytes(blob[HEADER_BYTES:HEADER_BYTES + head.payload_bytes])
     if payload_checksum(blob[:32], payload) != head.checksum:
-        return DecodeStatus.CHECKSUM
+        return DecodeStatus.CHECKSUM, head.mode, b""
     if blob[7] != 0 or bytes(blob[28:32]) != bytes(4):
-        return DecodeStatus.STRUCTURE
-    if head.mode is Mode.RAW:
-        if len(payload) != g.page_bytes:
-            return DecodeStatus.STRUCTURE
+        return DecodeStatus.STRUCTURE, head.mode, b""
+    if head.mode is Mode.RAW and len(payload) != g.page_bytes:
+        return DecodeStatus.STRUCTURE, head.mode, b""
+    return DecodeStatus.OK, head.mode, payload
+
+
+def decode_page(g: Geometry, blob: memoryview, out: np.ndarray) -> DecodeStatus:
+    """Decodes ``blob`` into ``out`` (``uint8 [page_bytes]``); the status says how it went."""
+    status, mode, payload = check_blob(g, blob)
+    if status is not DecodeStatus.OK:
+        return status
+    if mode is Mode.RAW:
         out[:] = np.frombuffer(payload, dtype=np.uint8)
         return DecodeStatus.OK
     try:

@@ -1,0 +1,208 @@
+"""The GPU decoder: its kernel's own code, run on the CPU by the emulation, decodes what the
+C decoder decodes, byte for byte, and refuses what it refuses; the host side in C and in
+numpy write the same words. The CUDA build: tests/codec/test_gpu_device.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from tests.codec.conftest import normal_pages, real_pages, requires_native
+from tests.codec.test_corruption import _resealed
+from tests.codec.test_roundtrip import adversarial_pages
+from tierkv.codec import HEADER_BYTES, Codec, DecodeReport, gpu
+from tierkv.errors import InputError
+from tierkv.layout import DType, KVLayout, LayoutKind
+
+pytestmark = requires_native
+
+
+def emulated(layout: KVLayout, blobs: list) -> tuple[np.ndarray, DecodeReport]:
+    return gpu.emulate(gpu.prepare(layout, blobs))
+
+
+def check_pages(layout: KVLayout, rows: np.ndarray) -> None:
+    with Codec(layout) as codec:
+        blobs = codec.encode(rows)
+    out, report = emulated(layout, blobs)
+    assert report.ok, report
+    np.testing.assert_array_equal(out, rows)
+
+
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.value)
+def test_real_pages_decode_alike(kv_layers: dict, dtype: DType) -> None:
+    layout, rows = real_pages(kv_layers, dtype)
+    check_pages(layout, rows)
+
+
+@pytest.mark.parametrize("tokens", [65, 200, 300])
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16, DType.FP8_E5M2], ids=lambda d: d.value)
+def test_real_pages_of_many_tokens(kv_layers: dict, dtype: DType, tokens: int) -> None:
+    """Signs over several 64-row words, first flips of 2^11-slot tables (over 128 tokens)
+    and escaped first flips (over 256)."""
+    layout, rows = real_pages(kv_layers, dtype, tokens)
+    if not len(rows):
+        pytest.skip(f"the KV sample has fewer than {tokens} tokens")
+    check_pages(layout, rows[:2])
+
+
+@pytest.mark.parametrize("tokens, flip", [(65, 64), (129, 64), (300, 257), (100, 63), (20, 19)])
+def test_first_sign_flips_at_boundaries(tokens: int, flip: int) -> None:
+    layout = KVLayout(1, 1, 64, DType.BF16, tokens)
+    x = np.abs(np.random.default_rng(1).standard_normal(layout.page_shape)).astype(np.float32) + 0.1
+    x[0, 0, flip:, 0, 5] *= -1
+    x[0, 1, flip - 1:, 0, 7] *= -1
+    rows = torch.from_numpy(x).to(torch.bfloat16).contiguous().view(torch.uint8).reshape(1, -1).numpy().copy()
+    check_pages(layout, rows)
+
+
+def test_repeated_rows_and_low_bit_exceptions() -> None:
+    """Repeated rows (sources resolved by the host) and FP16 low mantissa bits dropped
+    with exceptions, which the host turns into element indices."""
+    layout = KVLayout(2, 2, 48, DType.FP16, 40)
+    rows = normal_pages(layout, 3, seed=5)
+    pages = rows.reshape(3, 2, 2, 40, 96 * 2)
+    pages[:, :, :, 10] = pages[:, :, :, 3]
+    pages[:, :, :, 11] = pages[:, :, :, 10]
+    pages[:, 1, 0, 30:] = pages[:, 1, 0, 2:3]
+    vals = rows.view(np.uint16)
+    vals &= np.uint16(0xFFF0)   # low bits zero ...
+    vals.reshape(-1)[::997] |= np.uint16(0x5)   # ... but for a few
+    check_pages(layout, rows)
+    with Codec(layout) as codec:
+        blob = bytes(codec.encode(rows[:1])[0])
+    assert blob[5] == 1 and blob[HEADER_BYTES + 2] > 0   # coded, with low bits dropped
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(adversarial_pages(native=True))
+def test_adversarial_pages(case: tuple[KVLayout, np.ndarray]) -> None:
+    """NaN payloads, infinities, denormals, random bytes (stored raw), zeros, constants,
+    odd channel counts (partial lane steps) and latent layouts."""
+    layout, rows = case
+    check_pages(layout, rows)
+
+
+def test_resealed_damage_is_refused_as_the_c_decoder_refuses_it(kv_layers: dict) -> None:
+    """Payload bits flipped under a valid checksum: the host's checks and the kernel's
+    stream checks together refuse exactly the blobs the C decoder refuses, and write the
+    same bytes for the others (a wrong page is never reported decoded)."""
+    layout, rows = real_pages(kv_layers, DType.BF16)
+    rng = np.random.default_rng(11)
+    with Codec(layout) as codec:
+        clean = [bytes(b) for b in codec.encode(rows[:3])]
+    blobs = [_resealed(b, int(rng.integers(HEADER_BYTES, len(b))), int(rng.integers(8)))
+             for b in clean for _ in range(40)]
+    want = np.zeros((len(blobs), layout.page_bytes), dtype=np.uint8)
+    with Codec(layout) as codec:
+        expected = codec.decode_into(blobs, want)
+    out, report = emulated(layout, blobs)
+    assert 20 < len(expected.failed) < len(blobs)
+    assert report.failed == expected.failed
+    kept = np.setdiff1d(np.arange(len(blobs)), expected.failed)
+    np.testing.assert_array_equal(out[kept], want[kept])
+
+
+def test_host_refusals_match_the_c_decoder() -> None:
+    layout = KVLayout(1, 2, 64, DType.BF16, 16)
+    rows = normal_pages(layout, 1)
+    with Codec(layout) as codec:
+        blob = bytes(codec.encode(rows)[0])
+    other = KVLayout(1, 2, 64, DType.FP16, 16)
+    with Codec(other) as codec:
+        foreign = bytes(codec.encode(normal_pages(other, 1))[0])
+    flipped = bytearray(blob)
+    flipped[HEADER_BYTES + 50] ^= 4
+    cases = [blob[:30], blob[:-5], bytes(flipped), foreign, b"XX" + blob[2:], blob + b"\0" * 100]
+    want = np.zeros((len(cases), layout.page_bytes), dtype=np.uint8)
+    with Codec(layout) as codec:
+        expected = codec.decode_into(cases, want)
+    batch = gpu.prepare(layout, cases)
+    assert tuple(int(i) for i in np.flatnonzero(batch.status)) == expected.failed == (0, 1, 2, 3, 4)
+    out, report = gpu.emulate(batch)
+    assert report == expected
+    np.testing.assert_array_equal(out[5], rows[0])   # trailing bytes are ignored
+
+
+def test_blobs_in_one_buffer_and_bad_offsets() -> None:
+    layout = KVLayout(1, 1, 64, DType.BF16, 16)
+    rows = normal_pages(layout, 2)
+    with Codec(layout) as codec:
+        blobs = [bytes(b) for b in codec.encode(rows)]
+    buf = np.frombuffer(b"\0" * 7 + blobs[1] + blobs[0], dtype=np.uint8).copy()
+    offsets = np.array([7 + len(blobs[1]), 7])
+    lengths = np.array([len(blobs[0]), len(blobs[1])])
+    out, report = gpu.emulate(gpu.prepare_buffer(layout, buf, offsets, lengths))
+    assert report.ok
+    np.testing.assert_array_equal(out, rows)
+    with pytest.raises(InputError, match="outside"):
+        gpu.prepare_buffer(layout, buf, offsets, lengths + 1)
+    with pytest.raises(InputError, match="1-D"):
+        gpu.prepare_buffer(layout, buf.reshape(1, -1), offsets, lengths)
+    empty, report = gpu.emulate(gpu.prepare(layout, []))
+    assert empty.shape == (0, layout.page_bytes) and report.ok
+
+
+def _same_preparation(layout: KVLayout, blobs: list) -> gpu.Prepared:
+    c, py = gpu.prepare(layout, blobs, native=True), gpu.prepare(layout, blobs, native=False)
+    assert (c.status != 0).tolist() == (py.status != 0).tolist()
+    ok = c.status == 0
+    np.testing.assert_array_equal(c.desc[ok], py.desc[ok])
+    np.testing.assert_array_equal(c.geo, py.geo)
+    np.testing.assert_array_equal(c.side, py.side)
+    return py
+
+
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.value)
+def test_portable_preparation_writes_the_same_words(kv_layers: dict, dtype: DType) -> None:
+    """The numpy host side (for GPU machines without the C extension) writes the C one's
+    descriptors and side blocks word for word, refuses the same blobs, and its batch
+    decodes."""
+    layout, rows = real_pages(kv_layers, dtype, 300 if dtype is DType.BF16 else 16)
+    rows = rows[:2]
+    with Codec(layout) as codec:
+        clean = [bytes(b) for b in codec.encode(rows)]
+    rng = np.random.default_rng(4)
+    damaged = [_resealed(b, int(rng.integers(HEADER_BYTES, len(b))), int(rng.integers(8)))
+               for b in clean for _ in range(15)]
+    batch = _same_preparation(layout, clean + damaged + [clean[0][:-3]])
+    out, report = gpu.emulate(batch)
+    np.testing.assert_array_equal(out[:len(rows)], rows)
+
+
+def test_portable_preparation_of_exceptions_and_repeats() -> None:
+    layout = KVLayout(2, 2, 48, DType.FP16, 40)
+    rows = normal_pages(layout, 2, seed=8)
+    pages = rows.reshape(2, 2, 2, 40, 96 * 2)
+    pages[:, :, :, 10] = pages[:, :, :, 3]
+    pages[:, :, :, 11] = pages[:, :, :, 10]
+    vals = rows.view(np.uint16)
+    vals &= np.uint16(0xFFF0)
+    vals.reshape(-1)[::331] |= np.uint16(0x3)
+    with Codec(layout) as codec:
+        blobs = codec.encode(rows)
+    batch = _same_preparation(layout, blobs)
+    assert batch.desc[:, 22].min() > 0   # NEXC: exceptions in every page
+    out, report = gpu.emulate(batch)
+    assert report.ok
+    np.testing.assert_array_equal(out, rows)
+
+
+def test_latent_pages_with_a_partial_lane_step() -> None:
+    layout = KVLayout(3, 1, 72, DType.BF16, 32, LayoutKind.LATENT)
+    check_pages(layout, normal_pages(layout, 2, seed=3))
+
+
+def test_the_benchmark_smoke_run_verifies(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m tierkv.bench.gpu_codec --device cpu``: the kernel emulated on a few pages,
+    every page compared with its source."""
+    import json
+
+    from tierkv.bench import gpu_codec
+
+    assert gpu_codec.main(["--device", "cpu", "--json", "--pages", "3", "--runs", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verified"] is True and result["pages"] == 3
+    assert result["prepare_gbps"] > 0 and 0 < result["ratio"] < 1
