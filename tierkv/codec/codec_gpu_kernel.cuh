@@ -128,11 +128,12 @@ TK_DEVICE void gd_store(u8 *p, u32 isz, u32 v)
 /* One step of the 64 lanes: lane TK_TID decodes a symbol when active. Renormalisation
  * words are taken in lane order (a prefix count of the lanes that need one); the lanes'
  * escapes (symbol == esc) are counted the same way, for the caller's escape offsets.
- * *pos is the rANS stream position (bytes), the same in every thread. */
+ * *pos is the rANS stream position (bytes), the same in every thread (64 bits: it keeps
+ * counting past the end of a damaged stream). */
 typedef struct { u32 sym, esc_before, esc_total; } gd_step_t;
 
 TK_DEVICE gd_step_t gd_step(u32 *x, int active, const u32 *slots, u32 pbits, u32 esc, const u8 *rans,
-                            u32 rans_len, u32 *pos, u32 *cnt, u32 *parity, int *err)
+                            u32 rans_len, u64 *pos, u32 *cnt, u32 *parity, int *err)
 {
     const u32 tid = TK_TID, lane = tid & 31, warp = tid >> 5;
     u32 v = *x, e = slots[v & ((1u << pbits) - 1)];
@@ -152,7 +153,7 @@ TK_DEVICE gd_step_t gd_step(u32 *x, int active, const u32 *slots, u32 pbits, u32
     r.esc_before = (u32)TK_POPC(be & below) + (warp ? (w0 >> 8) : 0);
     r.esc_total = (w0 >> 8) + (w1 >> 8);
     if (need) {
-        u32 at = *pos + 2 * nb;
+        u64 at = *pos + 2 * nb;
         if (at + 2 <= rans_len) v = v << 16 | (u32)rans[at] | (u32)rans[at + 1] << 8;
         else *err = GD_ERR_STREAM;
     }
@@ -223,7 +224,8 @@ TK_KERNEL(tk_codec_decode)(const u8 *blobs, const u32 *descs, const u32 *sides, 
     }
 
     /* The 64 initial states (the encoder's final ones). */
-    u32 x = GD_RANS_L, pos = 4 * GD_THREADS, parity = 0;
+    u32 x = GD_RANS_L, parity = 0;
+    u64 pos = 4 * GD_THREADS;
     if (rans_len < 4 * GD_THREADS) err = GD_ERR_STREAM;
     else x = gd_load(rans + 4 * tid, 4);
     if (x < GD_RANS_L) {
