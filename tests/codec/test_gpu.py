@@ -105,6 +105,40 @@ def test_resealed_damage_is_refused_as_the_c_decoder_refuses_it(kv_layers: dict)
     np.testing.assert_array_equal(out[kept], want[kept])
 
 
+def _reseal(blob: bytearray) -> bytes:
+    import xxhash
+
+    seed = xxhash.xxh3_64_intdigest(bytes(blob[:32]))
+    blob[32:40] = xxhash.xxh3_64_intdigest(bytes(blob[HEADER_BYTES:]), seed=seed).to_bytes(8, "little")
+    return bytes(blob)
+
+
+@pytest.mark.parametrize("base", [255, 254, 0, 3])
+def test_a_plane_base_moved_under_a_valid_checksum(kv_layers: dict, base: int) -> None:
+    """A plane's base exponent set near an end of its range (and the checksum made to
+    match): the rANS streams stay whole, so only the kernel's checks of the channel
+    maxima (out of range) and of the residuals (above their maximum) stand between it and
+    wrong bytes. Refused, or decoded to the C decoder's bytes, blob by blob."""
+    layout, rows = real_pages(kv_layers, DType.BF16)
+    with Codec(layout) as codec:
+        clean = [bytes(b) for b in codec.encode(rows[:4])]
+    blobs = []
+    for b in clean:
+        tables = int.from_bytes(b[HEADER_BYTES + 4:HEADER_BYTES + 8], "little")
+        for plane in range(0, 6, 2):
+            at = HEADER_BYTES + 32 + tables + plane
+            bad = bytearray(b)
+            bad[at] = base
+            blobs.append(_reseal(bad))
+    want = np.zeros((len(blobs), layout.page_bytes), dtype=np.uint8)
+    with Codec(layout) as codec:
+        expected = codec.decode_into(blobs, want)
+    out, report = emulated(layout, blobs)
+    assert report.failed == expected.failed and len(expected.failed) > 0
+    kept = np.setdiff1d(np.arange(len(blobs)), expected.failed)
+    np.testing.assert_array_equal(out[kept], want[kept])
+
+
 def test_host_refusals_match_the_c_decoder() -> None:
     layout = KVLayout(1, 2, 64, DType.BF16, 16)
     rows = normal_pages(layout, 1)
