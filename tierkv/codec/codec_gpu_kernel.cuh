@@ -162,11 +162,13 @@ TK_DEVICE gd_step_t gd_step(u32 *x, int active, const u32 *slots, u32 pbits, u32
     return r;
 }
 
+/* A context's slot table (symbol | freq << 8 | slot - start << 20), the threads taking
+ * each symbol's slots in turn: a symbol may hold most of the 2^11 slots. */
 TK_DEVICE void gd_fill_slots(u32 *slots, const u32 *table, u32 alpha)
 {
-    for (u32 s = TK_TID; s < alpha; s += GD_THREADS) {
+    for (u32 s = 0; s < alpha; s++) {
         u32 f = table[s] & 0xFFFF, st = table[s] >> 16;
-        for (u32 k = 0; k < f; k++) slots[st + k] = s | f << 8 | k << 20;
+        for (u32 k = TK_TID; k < f; k += GD_THREADS) slots[st + k] = s | f << 8 | k << 20;
     }
 }
 
