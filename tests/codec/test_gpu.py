@@ -4,6 +4,8 @@ numpy write the same words. The CUDA build: tests/codec/test_gpu_device.py."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,20 @@ from tierkv.errors import InputError
 from tierkv.layout import DType, KVLayout, LayoutKind
 
 pytestmark = requires_native
+
+
+def some_pages(dtype: DType, tokens: int = 16, n: int = 8) -> tuple[KVLayout, np.ndarray]:
+    """Real KV pages where the sample is present, Gaussian ones in the same geometry where
+    it is not (CI without the data): the damage tests must never skip."""
+    from tests.codec.conftest import KV_FILES
+    from tierkv.bench.codec import load_kv
+
+    if KV_FILES:
+        layout, rows = real_pages(load_kv(KV_FILES[0])[1], dtype, tokens)
+        if len(rows):
+            return layout, rows[:n]
+    layout = KVLayout(3, 3, 64, dtype, tokens)
+    return layout, normal_pages(layout, n, seed=tokens)
 
 
 def emulated(layout: KVLayout, blobs: list) -> tuple[np.ndarray, DecodeReport]:
@@ -85,11 +101,11 @@ def test_adversarial_pages(case: tuple[KVLayout, np.ndarray]) -> None:
     check_pages(layout, rows)
 
 
-def test_resealed_damage_is_refused_as_the_c_decoder_refuses_it(kv_layers: dict) -> None:
+def test_resealed_damage_is_refused_as_the_c_decoder_refuses_it() -> None:
     """Payload bits flipped under a valid checksum: the host's checks and the kernel's
     stream checks together refuse exactly the blobs the C decoder refuses, and write the
     same bytes for the others (a wrong page is never reported decoded)."""
-    layout, rows = real_pages(kv_layers, DType.BF16)
+    layout, rows = some_pages(DType.BF16, n=3)
     rng = np.random.default_rng(11)
     with Codec(layout) as codec:
         clean = [bytes(b) for b in codec.encode(rows[:3])]
@@ -105,23 +121,24 @@ def test_resealed_damage_is_refused_as_the_c_decoder_refuses_it(kv_layers: dict)
     np.testing.assert_array_equal(out[kept], want[kept])
 
 
-def _reseal(blob: bytearray) -> bytes:
+def _reseal(blob: bytearray | bytes) -> bytes:
     import xxhash
 
+    blob = bytearray(blob)
     seed = xxhash.xxh3_64_intdigest(bytes(blob[:32]))
     blob[32:40] = xxhash.xxh3_64_intdigest(bytes(blob[HEADER_BYTES:]), seed=seed).to_bytes(8, "little")
     return bytes(blob)
 
 
 @pytest.mark.parametrize("base", [255, 254, 0, 3])
-def test_a_plane_base_moved_under_a_valid_checksum(kv_layers: dict, base: int) -> None:
+def test_a_plane_base_moved_under_a_valid_checksum(base: int) -> None:
     """A plane's base exponent set near an end of its range (and the checksum made to
     match): the rANS streams stay whole, so only the kernel's checks of the channel
     maxima (out of range) and of the residuals (above their maximum) stand between it and
     wrong bytes. Refused, or decoded to the C decoder's bytes, blob by blob."""
-    layout, rows = real_pages(kv_layers, DType.BF16)
+    layout, rows = some_pages(DType.BF16, n=4)
     with Codec(layout) as codec:
-        clean = [bytes(b) for b in codec.encode(rows[:4])]
+        clean = [bytes(b) for b in codec.encode(rows)]
     blobs = []
     for b in clean:
         tables = int.from_bytes(b[HEADER_BYTES + 4:HEADER_BYTES + 8], "little")
@@ -137,6 +154,106 @@ def test_a_plane_base_moved_under_a_valid_checksum(kv_layers: dict, base: int) -
     assert report.failed == expected.failed and len(expected.failed) > 0
     kept = np.setdiff1d(np.arange(len(blobs)), expected.failed)
     np.testing.assert_array_equal(out[kept], want[kept])
+
+
+def _sections_of(blob: bytes) -> tuple[bytearray, list[int]]:
+    o = bytearray(blob[HEADER_BYTES:])
+    return o, list(struct.unpack_from("<7I", o, 4))
+
+
+def _with_payload(blob: bytes, o: bytearray) -> bytes:
+    head = bytearray(blob[:HEADER_BYTES])
+    struct.pack_into("<I", head, 24, len(o))
+    return _reseal(head + o)
+
+
+def _shifted_and_padded(blob: bytes, planes: int) -> list[bytes]:
+    """Section boundaries moved (bytes of one section handed to the next) and sections
+    grown by a few bytes, each under a valid checksum: whole streams that end in the wrong
+    place, which only the checks that every stream is consumed exactly refuse."""
+    out = []
+    for i in range(6):
+        for d in (-4, -2, -1, 1, 2, 4):
+            o, lens = _sections_of(blob)
+            if lens[i] + d < 0 or lens[i + 1] - d < 0:
+                continue
+            lens[i] += d
+            lens[i + 1] -= d
+            struct.pack_into("<7I", o, 4, *lens)
+            out.append(_with_payload(blob, o))
+    for i in (2, 3, 4, 5):
+        for extra in (b"\0", b"\0\0", b"\x01\x00", b"\0" * 4):
+            o, lens = _sections_of(blob)
+            at = 32 + lens[0] + planes + sum(lens[1:i + 1])
+            o[at:at] = extra
+            lens[i] += len(extra)
+            struct.pack_into("<7I", o, 4, *lens)
+            out.append(_with_payload(blob, o))
+    return out
+
+
+@pytest.mark.parametrize("layout", [KVLayout(1, 1, 80, DType.BF16, 65), KVLayout(2, 2, 48, DType.FP16, 40),
+                                    KVLayout(1, 1, 24, DType.FP8_E5M2, 300, LayoutKind.LATENT)], ids=str)
+def test_sections_shifted_or_padded_are_refused_as_the_c_decoder_refuses_them(layout: KVLayout) -> None:
+    rows = normal_pages(layout, 1, seed=7)
+    if layout.dtype is DType.FP16:   # low bits dropped, with exceptions: a section of its own
+        rows.view(np.uint16)[:] &= np.uint16(0xFFF0)
+        rows.view(np.uint16).reshape(-1)[::97] |= np.uint16(0x3)
+    with Codec(layout) as codec:
+        blob = bytes(codec.encode(rows)[0])
+    assert blob[5] == 1
+    planes = layout.num_layers * (2 if layout.kind is LayoutKind.KV else 1)
+    blobs = [blob, *_shifted_and_padded(blob, planes)]
+    want = np.zeros((len(blobs), layout.page_bytes), dtype=np.uint8)
+    with Codec(layout) as codec:
+        expected = codec.decode_into(blobs, want)
+    out, report = emulated(layout, blobs)
+    assert report.failed == expected.failed and len(expected.failed) > len(blobs) // 2
+    kept = np.setdiff1d(np.arange(len(blobs)), expected.failed)
+    np.testing.assert_array_equal(out[kept], want[kept])
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def test_an_exception_count_beyond_its_section_is_refused_before_it_costs_memory() -> None:
+    """A 337-byte blob of a 32 MiB FP8 page claiming 2^25 low-bit exceptions: refused by
+    both host sides at once (they reserved two words per claimed exception before), and by
+    the C decoder."""
+    layout = KVLayout(1, 8, 128, DType.FP8_E5M2, 16384)
+    secs = [b"\0", b"\0", b"\0" * 256, b"", b"", b"", _varint(layout.page_bytes) + _varint(0)]
+    payload = bytes([1, 0, 1, 0]) + b"".join(struct.pack("<I", len(x)) for x in secs)
+    payload += secs[0] + b"\0\0" + b"".join(secs[1:])   # two planes' base bytes after the tables
+    head = bytearray(b"TK\x01\x01" + bytes([5, 1, 0, 0]) + struct.pack("<6I", 1, 16384, 8, 128, len(payload), 0))
+    blob = _reseal(head + b"\0" * 8 + payload)
+    for native in (True, False):
+        assert gpu.prepare(layout, [blob], native=native).status.tolist() == [6]   # inconsistent structure
+    with Codec(layout) as codec:
+        assert not codec.decode_into([blob], np.zeros((1, layout.page_bytes), dtype=np.uint8)).ok
+
+
+def test_a_varint_past_64_bits_is_refused_everywhere() -> None:
+    """A ten-byte varint whose last byte carries more than the 64th bit: the C decoder took
+    it modulo 2^64 while the portable one refused it; now all four readers refuse it."""
+    layout = KVLayout(1, 1, 64, DType.BF16, 16)
+    with Codec(layout) as codec:
+        blob = bytes(codec.encode(normal_pages(layout, 1))[0])
+    o, lens = _sections_of(blob)
+    at = 32 + lens[0] + 2   # the repeated rows' section, after two planes' bases
+    o[at:at + lens[1]] = bytes([0x80] * 9 + [0x02])
+    lens[1] = 10
+    struct.pack_into("<7I", o, 4, *lens)
+    bad = _with_payload(blob, o)
+    for native in (True, False):
+        with Codec(layout, native=native) as codec:
+            assert not codec.decode_into([bad], np.zeros((1, layout.page_bytes), dtype=np.uint8)).ok
+        assert gpu.prepare(layout, [bad], native=native).status.tolist() == [6]
 
 
 def test_host_refusals_match_the_c_decoder() -> None:
@@ -190,12 +307,11 @@ def _same_preparation(layout: KVLayout, blobs: list) -> gpu.Prepared:
 
 
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.value)
-def test_portable_preparation_writes_the_same_words(kv_layers: dict, dtype: DType) -> None:
+def test_portable_preparation_writes_the_same_words(dtype: DType) -> None:
     """The numpy host side (for GPU machines without the C extension) writes the C one's
     descriptors and side blocks word for word, refuses the same blobs, and its batch
     decodes."""
-    layout, rows = real_pages(kv_layers, dtype, 300 if dtype is DType.BF16 else 16)
-    rows = rows[:2]
+    layout, rows = some_pages(dtype, 300 if dtype is DType.BF16 else 16, n=2)
     with Codec(layout) as codec:
         clean = [bytes(b) for b in codec.encode(rows)]
     rng = np.random.default_rng(4)

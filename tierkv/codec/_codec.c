@@ -235,21 +235,14 @@ gpu_prepare(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    int nomem = 0;
     Py_BEGIN_ALLOW_THREADS
     gpu_geometry(&lay, v[5].buf);
-    for (size_t i = 0; i < n; i++) {
-        int rc = gpu_prepare_page(&lay, (const uint8_t *)v[0].buf + off[i], (size_t)len[i], (uint64_t)off[i],
-                                  (uint32_t *)v[3].buf + i * GD_DESC_WORDS, &side);
-        ((int32_t *)v[4].buf)[i] = rc;
-        nomem |= rc == ERR_NOMEM;
-    }
+    for (size_t i = 0; i < n; i++)   /* a page that finds no memory fails alone, as decode_rows' do */
+        ((int32_t *)v[4].buf)[i] = gpu_prepare_page(&lay, (const uint8_t *)v[0].buf + off[i], (size_t)len[i],
+                                                    (uint64_t)off[i], (uint32_t *)v[3].buf + i * GD_DESC_WORDS,
+                                                    &side);
     scratch_trim();
     Py_END_ALLOW_THREADS
-    if (nomem) {
-        PyErr_NoMemory();
-        goto done;
-    }
     ret = PyBytes_FromStringAndSize((const char *)side.w, (Py_ssize_t)(side.len * sizeof(uint32_t)));
 done:
     free(side.w);

@@ -54,6 +54,7 @@ get_varint(const uint8_t **pp, const uint8_t *end, uint64_t *v)
     for (int shift = 0; shift < 64; shift += 7) {
         if (*pp >= end) return -1;
         uint8_t b = *(*pp)++;
+        if (shift == 63 && (b & 0x7F) > 1) return -1;   /* past 64 bits */
         out |= (uint64_t)(b & 0x7F) << shift;
         if (!(b & 0x80)) {
             *v = out;

@@ -98,7 +98,9 @@ gpu_prepare_page(const Layout *lay, const uint8_t *blob, size_t len, uint64_t at
     uint64_t slen[NSECTIONS];
     const uint8_t *o = blob + HEADER_BYTES;
     if ((rc = dec_open(lay, o, plen, &D, sec, slen, 0)) != 0) return rc;
-    if (D->exc_left > (uint64_t)lay->elems) return ERR_STREAM;   /* more than the coded elements */
+    /* Every exception takes two bytes or more: a count beyond the section's bytes is refused
+     * before anything is reserved for it (a short blob could claim 2^31 of them). */
+    if (D->exc_left > slen[6] / 2) return ERR_STRUCTURE;
     const size_t P = lay->planes, T = lay->tokens, C = lay->chans;
     const size_t words = GD_SIDE_WORDS(P, T, (size_t)D->exc_left);
     if (sink_reserve(side, words) != 0) return ERR_NOMEM;

@@ -54,7 +54,8 @@ enum {
     GG_FLIP_PBITS, GG_FLIP_ESC, GG_FLIP_NB, GG_PAGE_LO, GG_PAGE_HI, GG_WORDS,
 };
 
-/* The side block of a page (u32 words from its GD_SIDE offset): the tables of the six
+/* The side block of a page (u32 words from its GD_SIDE offset; give the macros 64-bit
+ * arguments, 2 x planes x tokens may pass 2^32 for a 2 GiB page): the tables of the six
  * contexts, then per plane the base exponent, the coded rows and the coded elements
  * before it, the first low-bit exception of each plane (planes + 1), the coded rows'
  * tokens and each row's source (GD_NONE when coded), then the exceptions as pairs
@@ -241,8 +242,8 @@ TK_KERNEL(tk_codec_decode)(const u8 *blobs, const u32 *descs, const u32 *sides, 
         const u32 kc = nkc == 2 ? (p & 1) : 0, coded = flags >> kc & 1;
         const u32 nrows = side[GD_SIDE_NROWS(planes) + p], base = side[GD_SIDE_BASE(planes) + p];
         const u64 kk0 = side[GD_SIDE_KK0(planes) + p];
-        const u32 *tok = side + GD_SIDE_TOK(planes) + (u64)p * T;
-        const u32 *src = side + GD_SIDE_SRC(planes, T) + (u64)p * T;
+        const u32 *tok = side + GD_SIDE_TOK((u64)planes) + (u64)p * T;
+        const u32 *src = side + GD_SIDE_SRC((u64)planes, (u64)T) + (u64)p * T;
         u8 *plane = out + p * plane_bytes;
 
         /* Channel maxima: base + symbol - 15, symbol 31 escaping to ebits raw bits. */
@@ -381,10 +382,10 @@ TK_KERNEL(tk_codec_decode)(const u8 *blobs, const u32 *descs, const u32 *sides, 
         /* This plane's low-bit exceptions (element indices are the host's, checked). */
         {
             const u32 e_lo = side[GD_SIDE_EXC0(planes) + p], e_hi = side[GD_SIDE_EXC0(planes) + p + 1];
-            const u32 *exc = side + GD_SIDE_EXC(planes, T);
+            const u32 *exc = side + GD_SIDE_EXC((u64)planes, (u64)T);
             for (u32 i = e_lo + tid; i < e_hi; i += GD_THREADS) {
-                u8 *q = out + (u64)exc[2 * i] * isz;
-                gd_store(q, isz, gd_load(q, isz) | exc[2 * i + 1] << tz);
+                u8 *q = out + (u64)exc[2 * (u64)i] * isz;
+                gd_store(q, isz, gd_load(q, isz) | exc[2 * (u64)i + 1] << tz);
             }
         }
         TK_SYNC();

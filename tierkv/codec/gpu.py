@@ -233,14 +233,15 @@ class GpuDecoder:
             return torch.from_numpy(a).to(dev, non_blocking=True)
 
         scratch = torch.empty(batch.pages * 3 * int(batch.geo[_CHANS_WORD]) + 1, dtype=torch.int32, device=dev)
-        return DeviceBatch(batch.pages, put(batch.buf), put(batch.desc), put(batch.side), put(batch.geo),
-                           put(batch.status), scratch)
+        return DeviceBatch(batch.layout, batch.pages, put(batch.buf), put(batch.desc), put(batch.side),
+                           put(batch.geo), put(batch.status), scratch)
 
     def launch(self, batch: DeviceBatch, out: torch.Tensor) -> None:
         """One kernel launch over an uploaded batch into ``out``, on the current stream
         (returns at once; the statuses land in ``batch.status``)."""
         import torch
 
+        self._check_out(out, batch.layout, batch.pages)
         if batch.pages == 0:
             return
         cupy = _cupy()
@@ -258,15 +259,25 @@ class GpuDecoder:
         import torch
 
         batch = blobs if isinstance(blobs, Prepared) else prepare(self.layout, blobs)
-        n, pb = batch.pages, self.layout.page_bytes
         if out is None:
-            out = torch.empty((n, pb), dtype=torch.uint8, device=self.device)
-        if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.shape == (n, pb)
-                and out.is_contiguous() and out.device == self.device):
-            raise InputError(f"decode: out must be a contiguous uint8 tensor [{n}, {pb}] on {self.device}")
+            out = torch.empty((batch.pages, self.layout.page_bytes), dtype=torch.uint8, device=self.device)
+        self._check_out(out, batch.layout, batch.pages)
         arrays = self.upload(batch)
         self.launch(arrays, out)
         return out, report(arrays.status.cpu().numpy())
+
+    def _check_out(self, out: torch.Tensor, layout: KVLayout, pages: int) -> None:
+        """The kernel writes page_bytes a page from the batch's own geometry: ``out`` and
+        the batch must be this decoder's, or it would write past ``out``."""
+        import torch
+
+        if layout != self.layout:
+            raise InputError(f"the batch was prepared for {layout}, this decoder decodes {self.layout}")
+        pb = self.layout.page_bytes
+        if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and tuple(out.shape) == (pages, pb)
+                and out.is_contiguous() and out.device == self.device):
+            raise InputError(f"out must be a contiguous uint8 tensor [{pages}, {pb}] on {self.device}, got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
 
 
 @dataclass(frozen=True)
@@ -274,6 +285,7 @@ class DeviceBatch:
     """A prepared batch's arrays on the device (:meth:`GpuDecoder.upload`), with the
     kernel's scratch; ``status`` holds the pages' outcomes after a launch."""
 
+    layout: KVLayout
     pages: int
     buf: torch.Tensor
     desc: torch.Tensor

@@ -139,6 +139,8 @@ class _Varints:
                 raise _Corrupt(DecodeStatus.STRUCTURE)
             b = self.data[self.pos]
             self.pos += 1
+            if shift == 63 and b & 0x7F > 1:   # past 64 bits, as the C decoder refuses them
+                raise _Corrupt(DecodeStatus.STRUCTURE)
             out |= (b & 0x7F) << shift
             shift += 7
             if not b & 0x80:

@@ -11,7 +11,8 @@ import numpy as np
 
 from tierkv.codec.format import HEADER_BYTES, PAYLOAD_FIXED, DecodeStatus, Mode, tail_bits
 from tierkv.codec.portable.common import Geometry, bits_for
-from tierkv.codec.portable.decode import _Corrupt, _dups, _lo_exceptions, _sections, _Tables, check_blob
+from tierkv.codec.portable.common import Params
+from tierkv.codec.portable.decode import _Corrupt, _dups, _sections, _Tables, _Varints, check_blob
 
 DESC_WORDS = 32
 NONE = 0xFFFFFFFF
@@ -47,6 +48,27 @@ def prepare_page(g: Geometry, blob: memoryview, at: int, side_at: int) -> tuple[
         return int(exc.status), np.zeros(DESC_WORDS, dtype=np.uint32), none
 
 
+def _exceptions(pr: Params, data: bytes, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """The low-bit exceptions as (coded element, bits), checked as ``_lo_exceptions`` checks
+    them, without an array of every coded element (a 2 GiB FP8 page has 2^31)."""
+    r = _Varints(data)
+    n, k = r.varint(), -1
+    if n and not pr.lo:
+        raise _Corrupt(DecodeStatus.STRUCTURE)
+    if n > len(data) // 2:   # two bytes or more each
+        raise _Corrupt(DecodeStatus.STRUCTURE)
+    at, bits = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint32)
+    for i in range(n):
+        k += 1 + r.varint()
+        v = r.byte()
+        if k >= total or v == 0 or v >> pr.lo:
+            raise _Corrupt(DecodeStatus.STREAM)
+        at[i], bits[i] = k, v
+    if not r.done():
+        raise _Corrupt(DecodeStatus.STREAM)
+    return at, bits
+
+
 def _coded(g: Geometry, payload: bytes, desc: np.ndarray, side_at: int) -> np.ndarray:
     pr, parts, bases = _sections(g, payload)
     tables = _Tables(g, pr, parts[0])
@@ -61,9 +83,8 @@ def _coded(g: Geometry, payload: bytes, desc: np.ndarray, side_at: int) -> np.nd
         raise _Corrupt(DecodeStatus.STRUCTURE)
     if (total - n_tail) & 7 and parts[5][(total - n_tail) >> 3] >> ((total - n_tail) & 7):
         raise _Corrupt(DecodeStatus.STRUCTURE)   # padding is zero
-    lo = _lo_exceptions(pr, parts[6], coded)
+    kk, lo_bits = _exceptions(pr, parts[6], coded)
     P, T, C = g.planes, g.tokens, g.chans
-    kk = np.flatnonzero(lo)
     side = np.zeros(NCTX * TABLE_WORDS + 4 * P + 1 + 2 * P * T + 2 * kk.size, dtype=np.uint32)
     for ctx, c in enumerate(tables.ctxs):
         if c.used:
@@ -91,7 +112,7 @@ def _coded(g: Geometry, payload: bytes, desc: np.ndarray, side_at: int) -> np.nd
     local = kk - kk0[plane_of]
     exc = side[w + 4 * P + 1 + 2 * P * T:].reshape(-1, 2)
     exc[:, 0] = (plane_of * T + tok[plane_of, local // C]) * C + local % C
-    exc[:, 1] = lo[kk]
+    exc[:, 1] = lo_bits
     offs = np.cumsum([PAYLOAD_FIXED + len(parts[0]) + P] + [len(x) for x in parts[1:]])
     desc[SIDE_LO], desc[SIDE_HI] = side_at & NONE, side_at >> 32
     desc[RANS_OFF:MID_LEN + 1] = [offs[1], len(parts[2]), offs[2], len(parts[3]), offs[3], len(parts[4]),
