@@ -4,53 +4,21 @@ CuPy, with or without the C extension: the host side falls back to numpy)."""
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
-import sys
-
 import numpy as np
 import pytest
 
 from tests.codec.conftest import normal_pages
 from tests.codec.test_corruption import _resealed
+from tests.nvrtc import compile_ptx
 from tierkv.codec import HEADER_BYTES, Codec, gpu
 from tierkv.codec.codec import native_available
 from tierkv.layout import DType, KVLayout, LayoutKind
 
 
-def _nvrtc() -> ctypes.CDLL | None:
-    names = [n for root in sys.path for n in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib",
-                                                                          "libnvrtc.so*")))]
-    for name in names:
-        if "builtins" not in name:
-            try:
-                return ctypes.CDLL(name)
-            except OSError:
-                continue
-    return None
-
-
 def test_kernel_compiles_for_hopper() -> None:
     """The same source as CUDA C++ (with the CUDA prologue) builds for sm_90 with NVRTC,
     no GPU needed; skipped where no NVRTC library is installed."""
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("no NVRTC library here (pip install nvidia-cuda-nvrtc-cu12)")
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), gpu.kernel_source().encode(), b"codec.cu", 0, None, None) == 0
-    opts = (ctypes.c_char_p * 2)(b"--gpu-architecture=compute_90", b"--std=c++14")
-    status = lib.nvrtcCompileProgram(prog, 2, opts)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    assert status == 0, log.value.decode()
-    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetPTX(prog, ptx)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    text = ptx.value.decode()
+    text = compile_ptx(gpu.kernel_source(), ["--gpu-architecture=compute_90", "--std=c++14"])
     assert f".entry {gpu.KERNEL_NAME}" in text and "vote.sync.ballot" in text and "bar.sync" in text
 
 

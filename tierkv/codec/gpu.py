@@ -179,13 +179,10 @@ def emulate(batch: Prepared) -> tuple[np.ndarray, DecodeReport]:
     return out, report(status)
 
 
-@functools.cache
 def _cupy() -> ModuleType | None:
-    try:
-        import cupy
-    except Exception:  # noqa: BLE001 - a broken CuPy install is the same as none here
-        return None
-    return cupy
+    from tierkv.engine.cuda import _cupy as cupy   # one import attempt for the package
+
+    return cupy()
 
 
 def device_available() -> bool:

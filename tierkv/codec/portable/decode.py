@@ -8,6 +8,8 @@ numpy. Used by :mod:`tierkv.codec.portable`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from tierkv.codec.format import (CODEC_ID, FORMAT_VERSION, HEADER_BYTES, LANES, LEVEL_BITS, MAGIC, NSECTIONS,
@@ -156,21 +158,32 @@ class _Varints:
         return self.pos == len(self.data)
 
 
-def _lo_exceptions(pr: Params, data: bytes, total: int) -> np.ndarray:
-    """The lo bits of every coded element (zero but for the listed exceptions)."""
+def lo_exception_list(pr: Params, data: bytes, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """The low-bit exceptions as (coded element, lo bits), checked; a count beyond two bytes
+    an exception is refused before anything is allocated for it."""
     r = _Varints(data)
-    lo = np.zeros(total, dtype=np.int64)
     n, k = r.varint(), -1
     if n and not pr.lo:
         raise _Corrupt(DecodeStatus.STRUCTURE)
-    for _ in range(n):
+    if n > len(data) // 2:
+        raise _Corrupt(DecodeStatus.STRUCTURE)
+    at, bits = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint32)
+    for i in range(n):
         k += 1 + r.varint()
         v = r.byte()
         if k >= total or v == 0 or v >> pr.lo:
             raise _Corrupt(DecodeStatus.STREAM)
-        lo[k] = v
+        at[i], bits[i] = k, v
     if not r.done():
         raise _Corrupt(DecodeStatus.STREAM)
+    return at, bits
+
+
+def _lo_exceptions(pr: Params, data: bytes, total: int) -> np.ndarray:
+    """The lo bits of every coded element (zero but for the listed exceptions)."""
+    at, bits = lo_exception_list(pr, data, total)
+    lo = np.zeros(total, dtype=np.int64)
+    lo[at] = bits
     return lo
 
 
@@ -235,7 +248,23 @@ def _plane_signs(n: int, C: int, coded: int, fpos: np.ndarray, bits: np.ndarray,
     return signs, ks + count
 
 
-def _decode_coded(g: Geometry, payload: bytes, out: np.ndarray) -> None:
+class Opened(NamedTuple):
+    """A coded payload's parts once its structure checks out (``dec_open`` in C)."""
+
+    pr: Params
+    parts: list[bytes]
+    bases: bytes
+    tables: _Tables
+    dup: np.ndarray
+    src: np.ndarray
+    nrows: np.ndarray
+    mid_bits: int     # coded elements x mid width
+    tail: int         # of them, carried by the final rANS states
+
+
+def open_payload(g: Geometry, payload: bytes) -> Opened:
+    """Checks a coded payload's parameters, section lengths, tables, bases, repeated rows
+    and mid section (its length and zero padding), as the decoders need them."""
     pr, parts, bases = _sections(g, payload)
     tables = _Tables(g, pr, parts[0])
     if any(b >> g.ebits for b in bases):
@@ -246,10 +275,14 @@ def _decode_coded(g: Geometry, payload: bytes, out: np.ndarray) -> None:
     n_tail = tail_bits(int(nrows[-1]) * g.chans * pr.mid)
     if len(parts[5]) != (total - n_tail + 7) // 8:
         raise _Corrupt(DecodeStatus.STRUCTURE)
-    mid_bits = to_bits(parts[5])
-    if mid_bits[total - n_tail:].any():
-        raise _Corrupt(DecodeStatus.STRUCTURE)
-    mid_bits = mid_bits[:total - n_tail]
+    if (total - n_tail) & 7 and parts[5][(total - n_tail) >> 3] >> ((total - n_tail) & 7):
+        raise _Corrupt(DecodeStatus.STRUCTURE)   # padding is zero
+    return Opened(pr, parts, bases, tables, dup, src, nrows, total, n_tail)
+
+
+def _decode_coded(g: Geometry, payload: bytes, out: np.ndarray) -> None:
+    pr, parts, bases, tables, dup, src, nrows, total, n_tail = open_payload(g, payload)
+    mid_bits = to_bits(parts[5])[:total - n_tail]
     lo_all = _lo_exceptions(pr, parts[6], int(nrows.sum()) * g.chans)
     rans, esc = _Rans(parts[2], tables), BitReader(parts[3])
     sign_bits = np.unpackbits(np.frombuffer(parts[4], dtype=np.uint8), bitorder="little").astype(np.int64)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierkv.codec.format import HEADER_BYTES, PAYLOAD_FIXED, DecodeStatus, Mode, tail_bits
+from tierkv.codec.format import HEADER_BYTES, PAYLOAD_FIXED, DecodeStatus, Mode
 from tierkv.codec.portable.common import Geometry, bits_for
-from tierkv.codec.portable.common import Params
-from tierkv.codec.portable.decode import _Corrupt, _dups, _sections, _Tables, _Varints, check_blob
+from tierkv.codec.portable.decode import _Corrupt, check_blob, lo_exception_list, open_payload
 
 DESC_WORDS = 32
 NONE = 0xFFFFFFFF
@@ -48,42 +47,10 @@ def prepare_page(g: Geometry, blob: memoryview, at: int, side_at: int) -> tuple[
         return int(exc.status), np.zeros(DESC_WORDS, dtype=np.uint32), none
 
 
-def _exceptions(pr: Params, data: bytes, total: int) -> tuple[np.ndarray, np.ndarray]:
-    """The low-bit exceptions as (coded element, bits), checked as ``_lo_exceptions`` checks
-    them, without an array of every coded element (a 2 GiB FP8 page has 2^31)."""
-    r = _Varints(data)
-    n, k = r.varint(), -1
-    if n and not pr.lo:
-        raise _Corrupt(DecodeStatus.STRUCTURE)
-    if n > len(data) // 2:   # two bytes or more each
-        raise _Corrupt(DecodeStatus.STRUCTURE)
-    at, bits = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint32)
-    for i in range(n):
-        k += 1 + r.varint()
-        v = r.byte()
-        if k >= total or v == 0 or v >> pr.lo:
-            raise _Corrupt(DecodeStatus.STREAM)
-        at[i], bits[i] = k, v
-    if not r.done():
-        raise _Corrupt(DecodeStatus.STREAM)
-    return at, bits
-
-
 def _coded(g: Geometry, payload: bytes, desc: np.ndarray, side_at: int) -> np.ndarray:
-    pr, parts, bases = _sections(g, payload)
-    tables = _Tables(g, pr, parts[0])
-    if any(b >> g.ebits for b in bases):
-        raise _Corrupt(DecodeStatus.STRUCTURE)
-    dup, src = _dups(g, parts[1])
-    nrows = (~dup).sum(axis=1)
+    pr, parts, bases, tables, dup, src, nrows, total, n_tail = open_payload(g, payload)
     coded = int(nrows.sum()) * g.chans
-    total = coded * pr.mid
-    n_tail = tail_bits(int(nrows[-1]) * g.chans * pr.mid)
-    if len(parts[5]) != (total - n_tail + 7) // 8:
-        raise _Corrupt(DecodeStatus.STRUCTURE)
-    if (total - n_tail) & 7 and parts[5][(total - n_tail) >> 3] >> ((total - n_tail) & 7):
-        raise _Corrupt(DecodeStatus.STRUCTURE)   # padding is zero
-    kk, lo_bits = _exceptions(pr, parts[6], coded)
+    kk, lo_bits = lo_exception_list(pr, parts[6], coded)
     P, T, C = g.planes, g.tokens, g.chans
     side = np.zeros(NCTX * TABLE_WORDS + 4 * P + 1 + 2 * P * T + 2 * kk.size, dtype=np.uint32)
     for ctx, c in enumerate(tables.ctxs):
