@@ -256,7 +256,7 @@ PyDoc_STRVAR(gpu_emulate_doc,
 "Runs the GPU decoder's kernel on the CPU (an emulated thread block per page) over what\n"
 "gpu_prepare made: decodes page i into out[i] (uint8 [n, page_bytes]) where status[i] is\n"
 "0, and sets status[i] where its streams do not check out. For tests: slow, one call at\n"
-"a time (it holds the GIL).");
+"a time (it holds the GIL); it trusts the descriptors and side blocks to be gpu_prepare's.");
 
 static PyObject *
 gpu_emulate_py(PyObject *self, PyObject *args)

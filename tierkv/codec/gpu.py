@@ -4,9 +4,10 @@ A page read from NVMe or a peer into pinned host memory goes to the device coded
 its bytes for real BF16 KV) and is decoded there, so the host's cores do not decode it and
 the link carries fewer bytes. The host checks each blob as the C decoder does (header,
 checksum, section lengths, tables) and turns its small parts into a descriptor and a side
-block (:func:`prepare`, in C); one kernel launch then decodes the batch, a thread block
-of 64 threads per page (``tierkv/codec/codec_gpu_kernel.cuh``, built by CuPy's NVRTC),
-and reports each page that does not check out. A failed page is a miss, never wrong
+block (:func:`prepare`: in C, or numpy without the extension); one kernel launch then
+decodes the batch, a thread block of 64 threads per page
+(``tierkv/codec/codec_gpu_kernel.cuh``, built by CuPy's NVRTC), and reports each page that
+does not check out. A failed page is a miss, never wrong
 bytes: the caller gets a :class:`~tierkv.codec.DecodeReport` as from the CPU decoder.
 
 The kernel's source also builds as C: :func:`emulate` runs it on the CPU, one emulated
@@ -18,7 +19,6 @@ the host side runs in C where the extension is built and in numpy where it is no
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +34,6 @@ from tierkv.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger(__name__)
 
 try:
     from tierkv.codec import _codec as _native  # type: ignore[attr-defined]
@@ -69,8 +67,6 @@ typedef unsigned long long u64;
 def kernel_source() -> str:
     """The kernel as CUDA C++: the prologue, then ``codec_gpu_kernel.cuh``."""
     return CUDA_PROLOGUE + KERNEL_FILE.read_text()
-
-
 
 
 @dataclass(frozen=True)
@@ -162,9 +158,11 @@ def report(status: np.ndarray) -> DecodeReport:
         code = int(status[i])
         if code == EMULATION_FAULT:
             reasons.append("the emulated kernel reached a barrier that not every thread reached")
-        else:
-            reasons.append(ERROR_TEXT.get(DecodeStatus(code), f"error {code}") if code in DecodeStatus._value2member_map_
-                           else f"error {code}")
+            continue
+        try:
+            reasons.append(ERROR_TEXT[DecodeStatus(code)])
+        except (ValueError, KeyError):
+            reasons.append(f"decoder error {code}")
     return DecodeReport(failed, tuple(reasons))
 
 
