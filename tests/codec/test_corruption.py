@@ -97,16 +97,22 @@ def test_peek_header_refuses_foreign_bytes() -> None:
         peek_header(b"TK")
 
 
+def reseal(blob: bytes | bytearray) -> bytes:
+    """``blob`` with its header's checksum made to match its (changed) header and payload."""
+    import xxhash
+
+    out = bytearray(blob)
+    seed = xxhash.xxh3_64_intdigest(bytes(out[:32]))
+    out[32:40] = xxhash.xxh3_64_intdigest(bytes(out[HEADER_BYTES:]), seed=seed).to_bytes(8, "little")
+    return bytes(out)
+
+
 def _resealed(blob: bytes, pos: int, bit: int) -> bytes:
     """``blob`` with one payload bit flipped and the checksum made to match again: what
     the decoder's own structure checks, not the checksum, must then refuse."""
-    import xxhash
-
     bad = bytearray(blob)
     bad[pos] ^= 1 << bit
-    seed = xxhash.xxh3_64_intdigest(bytes(bad[:32]))
-    bad[32:40] = xxhash.xxh3_64_intdigest(bytes(bad[HEADER_BYTES:]), seed=seed).to_bytes(8, "little")
-    return bytes(bad)
+    return reseal(bad)
 
 
 @requires_native

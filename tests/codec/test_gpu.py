@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from tests.codec.conftest import normal_pages, real_pages, requires_native
-from tests.codec.test_corruption import _resealed
+from tests.codec.test_corruption import _resealed, reseal
 from tests.codec.test_roundtrip import adversarial_pages
 from tierkv.codec import HEADER_BYTES, Codec, DecodeReport, gpu
 from tierkv.errors import InputError
@@ -119,15 +119,6 @@ def test_resealed_damage_is_refused_as_the_c_decoder_refuses_it() -> None:
     np.testing.assert_array_equal(out[kept], want[kept])
 
 
-def _reseal(blob: bytearray | bytes) -> bytes:
-    import xxhash
-
-    blob = bytearray(blob)
-    seed = xxhash.xxh3_64_intdigest(bytes(blob[:32]))
-    blob[32:40] = xxhash.xxh3_64_intdigest(bytes(blob[HEADER_BYTES:]), seed=seed).to_bytes(8, "little")
-    return bytes(blob)
-
-
 @pytest.mark.parametrize("base", [255, 254, 0, 3])
 def test_a_plane_base_moved_under_a_valid_checksum(base: int) -> None:
     """A plane's base exponent set near an end of its range (and the checksum made to
@@ -144,7 +135,7 @@ def test_a_plane_base_moved_under_a_valid_checksum(base: int) -> None:
             at = HEADER_BYTES + 32 + tables + plane
             bad = bytearray(b)
             bad[at] = base
-            blobs.append(_reseal(bad))
+            blobs.append(reseal(bad))
     want = np.zeros((len(blobs), layout.page_bytes), dtype=np.uint8)
     with Codec(layout) as codec:
         expected = codec.decode_into(blobs, want)
@@ -162,7 +153,7 @@ def _sections_of(blob: bytes) -> tuple[bytearray, list[int]]:
 def _with_payload(blob: bytes, o: bytearray) -> bytes:
     head = bytearray(blob[:HEADER_BYTES])
     struct.pack_into("<I", head, 24, len(o))
-    return _reseal(head + o)
+    return reseal(head + o)
 
 
 def _shifted_and_padded(blob: bytes, planes: int) -> list[bytes]:
@@ -229,7 +220,7 @@ def test_an_exception_count_beyond_its_section_is_refused_before_it_costs_memory
     payload = bytes([1, 0, 1, 0]) + b"".join(struct.pack("<I", len(x)) for x in secs)
     payload += secs[0] + b"\0\0" + b"".join(secs[1:])   # two planes' base bytes after the tables
     head = bytearray(b"TK\x01\x01" + bytes([5, 1, 0, 0]) + struct.pack("<6I", 1, 16384, 8, 128, len(payload), 0))
-    blob = _reseal(head + b"\0" * 8 + payload)
+    blob = reseal(head + b"\0" * 8 + payload)
     for native in (True, False):
         assert gpu.prepare(layout, [blob], native=native).status.tolist() == [6]   # inconsistent structure
     with Codec(layout) as codec:

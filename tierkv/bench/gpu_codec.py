@@ -80,11 +80,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     rows = np.tile(distinct, (reps, 1))[:n]
     raw_bytes = rows.nbytes
     coded_bytes = sum(len(b) for b in blobs)
-    batch = gpu.prepare(layout, blobs)
-    lengths = np.array([len(b) for b in blobs])
-    offsets = np.zeros(n, dtype=np.int64)
-    offsets[1:] = np.cumsum((lengths[:-1] + 15) // 16 * 16)
-    prep_s = _median(lambda: gpu.prepare_buffer(layout, batch.buf, offsets, lengths), args.runs, lambda: None)
+    buf, offsets, lengths = gpu.pack(blobs)
+    batch = gpu.prepare_buffer(layout, buf, offsets, lengths)
+    prep_s = _median(lambda: gpu.prepare_buffer(layout, buf, offsets, lengths), args.runs, lambda: None)
     out: dict[str, object] = {"device": "cpu (emulated kernel)" if cpu else torch.cuda.get_device_name(device),
                               "pages": n, "page_bytes": layout.page_bytes, "source": source,
                               "ratio": round(coded_bytes / raw_bytes, 4), "native_host_side": native_available(),

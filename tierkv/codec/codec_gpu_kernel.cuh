@@ -209,14 +209,13 @@ TK_KERNEL(tk_codec_decode)(const u8 *blobs, const u32 *descs, const u32 *sides, 
     const u32 rans_len = d[GD_RANS_LEN], esc_len = d[GD_ESC_LEN], sign_len = d[GD_SIGN_LEN];
     const u32 mid_len = d[GD_MID_LEN];
     const u32 hi = d[GD_HI], tz = d[GD_TZ], lo = d[GD_LO], midw = d[GD_MIDW], flags = d[GD_FLAGS];
-    const u32 esc_sym = d[GD_ESC_SYM], tail = d[GD_TAIL], nexc = d[GD_NEXC];
+    const u32 esc_sym = d[GD_ESC_SYM], tail = d[GD_TAIL];
     const u64 from = (u64)d[GD_FROM_HI] << 32 | d[GD_FROM_LO];
     const u32 emask = (1u << ebits) - 1, himask = (1u << hi) - 1;
     const u32 hshift = mbits - hi, sshift = geo[GG_NBITS] - 1, midshift = tz + lo;
     const u32 flip_pbits = geo[GG_FLIP_PBITS], flip_esc = geo[GG_FLIP_ESC], flip_nb = geo[GG_FLIP_NB];
     const u64 plane_bytes = (u64)T * C * isz;
     int err = 0;
-    (void)nexc;
 
     if (tid == 0) s_err = 0;
     for (u32 kc = 0; kc < nkc; kc++) {

@@ -29,6 +29,7 @@ import numpy as np
 
 from tierkv.codec.codec import Blob, DecodeReport, _as_buffer
 from tierkv.codec.format import ERROR_TEXT, DecodeStatus, geometry
+from tierkv.codec.portable.prepare import DESC_WORDS, EMULATION_FAULT, GEO_CHANS, THREADS
 from tierkv.errors import InputError
 from tierkv.layout import KVLayout
 
@@ -42,11 +43,6 @@ except ImportError:  # pragma: no cover - where the extension is not built
 
 KERNEL_FILE = Path(__file__).with_name("codec_gpu_kernel.cuh")
 KERNEL_NAME = "tk_codec_decode"
-THREADS = 64
-DESC_WORDS = 32
-# The emulation's status for a barrier that not every thread reached (a kernel bug).
-EMULATION_FAULT = 9
-_CHANS_WORD = 6   # GG_CHANS in the kernel's geometry words
 
 CUDA_PROLOGUE = r"""
 typedef unsigned char u8;
@@ -135,9 +131,8 @@ def prepare_buffer(layout: KVLayout, buf: np.ndarray, offsets: np.ndarray, lengt
     return Prepared(layout, buf, desc, words, geometry_words(g), status)
 
 
-def prepare(layout: KVLayout, blobs: Sequence[Blob], native: bool | None = None) -> Prepared:
-    """Prepares separate blobs: copies them into one buffer (16-byte aligned), then as
-    :func:`prepare_buffer`."""
+def pack(blobs: Sequence[Blob]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Separate blobs copied into one buffer, each 16-byte aligned: ``(buf, offsets, lengths)``."""
     views = [_as_buffer(b, i) for i, b in enumerate(blobs)]
     lengths = np.array([v.nbytes for v in views], dtype=np.int64)
     offsets = np.zeros(len(views), dtype=np.int64)
@@ -147,7 +142,12 @@ def prepare(layout: KVLayout, blobs: Sequence[Blob], native: bool | None = None)
     buf = np.zeros(max(total, 1), dtype=np.uint8)
     for v, at in zip(views, offsets.tolist(), strict=True):
         buf[at:at + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
-    return prepare_buffer(layout, buf, offsets, lengths, native)
+    return buf, offsets, lengths
+
+
+def prepare(layout: KVLayout, blobs: Sequence[Blob], native: bool | None = None) -> Prepared:
+    """Prepares separate blobs: :func:`pack`, then :func:`prepare_buffer`."""
+    return prepare_buffer(layout, *pack(blobs), native)
 
 
 def report(status: np.ndarray) -> DecodeReport:
@@ -227,7 +227,7 @@ class GpuDecoder:
         def put(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(dev, non_blocking=True)
 
-        scratch = torch.empty(batch.pages * 3 * int(batch.geo[_CHANS_WORD]) + 1, dtype=torch.int32, device=dev)
+        scratch = torch.empty(batch.pages * 3 * int(batch.geo[GEO_CHANS]) + 1, dtype=torch.int32, device=dev)
         return DeviceBatch(batch.layout, batch.pages, put(batch.buf), put(batch.desc), put(batch.side),
                            put(batch.geo), put(batch.status), scratch)
 
@@ -291,4 +291,4 @@ class DeviceBatch:
 
 
 __all__ = ["CUDA_PROLOGUE", "KERNEL_FILE", "DeviceBatch", "GpuDecoder", "Prepared", "device_available", "emulate",
-           "kernel_source", "prepare", "prepare_buffer", "report"]
+           "kernel_source", "pack", "prepare", "prepare_buffer", "report"]

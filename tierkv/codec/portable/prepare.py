@@ -13,8 +13,11 @@ from tierkv.codec.format import HEADER_BYTES, PAYLOAD_FIXED, DecodeStatus, Mode
 from tierkv.codec.portable.common import Geometry, bits_for
 from tierkv.codec.portable.decode import _Corrupt, check_blob, lo_exception_list, open_payload
 
+THREADS = 64           # GD_THREADS: a thread block per page
 DESC_WORDS = 32
 NONE = 0xFFFFFFFF
+GEO_CHANS = 6          # GG_CHANS: the channels' index among the geometry words
+EMULATION_FAULT = 9    # GD_ERR_EMULATION: a barrier not every emulated thread reached
 TABLE_WORDS = 256
 NCTX = 6
 (MODE, PAYLOAD_LO, PAYLOAD_HI, SIDE_LO, SIDE_HI, RANS_OFF, RANS_LEN, ESC_OFF, ESC_LEN, SIGN_OFF, SIGN_LEN, MID_OFF,
