@@ -261,8 +261,14 @@ static inline void rans_put(uint32_t *x, uint8_t **pp, const EncSym *s)
     *x = (q << s->pbits) + (v - q * s->freq) + s->start;
 }
 
-/* codec_simd_rans.c: the AVX-512 rANS encoder of one row's symbols (0 where it cannot run) */
-size_t encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
-                          const uint16_t *freq, int alpha, int pbits);
+/* The AVX-512 encoder's view of a context of at most 64 symbols (enc_tables builds it
+ * once a page): per symbol 2^pbits - freq, start, x_max - 1 (0xFFFFFFFF for 2^32: never
+ * sheds) and 1 / freq in double precision; nreg: registers a table of doubles takes. */
+typedef struct { int32_t t[3][64]; double rcp[64]; int nreg; } EncTables;
+
+/* codec_simd_rans.c: the tables (-1 for a context of more than 64 symbols), and the
+ * AVX-512 rANS encoder of nsyms (a multiple of 64) symbols */
+int enc_tables(EncTables *t, const EncSym *es, const uint16_t *freq, int alpha, int pbits);
+void encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncTables *t);
 
 #endif

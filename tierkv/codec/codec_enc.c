@@ -88,6 +88,8 @@ build_model(Enc *E, BitWriter *w)
         freqs_to_starts(m->freq[ctx], alpha, m->start[ctx]);
         for (int i = 0; i < alpha; i++)
             if (m->freq[ctx][i]) encsym_init(&E->es[ctx][i], m->start[ctx][i], m->freq[ctx][i], m->pbits[ctx]);
+        E->et_ok[ctx] = E->avx512 && E->lay->chans % LANES == 0
+            && enc_tables(&E->et[ctx], E->es[ctx], m->freq[ctx], alpha, m->pbits[ctx]) == 0;
     }
     bw_flush(w);
 }
@@ -156,7 +158,7 @@ put_channel_syms(const Enc *E, uint32_t *x, uint8_t **p8, int ctx, const uint8_t
     const EncSym *es = E->es[ctx];
     const Layout *lay = E->lay;
     size_t C = lay->chans;
-    if (E->avx512 && C % LANES == 0) {
+    if (E->et_ok[ctx]) {
         uint8_t *tmp = E->s0;                   /* C bytes, free once the planes are analysed */
         if (!s8) {
             for (size_t c = 0; c < C; c++) {
@@ -164,8 +166,8 @@ put_channel_syms(const Enc *E, uint32_t *x, uint8_t **p8, int ctx, const uint8_t
                 tmp[c] = (uint8_t)(lay->flip_esc >= 0 && s >= (uint32_t)lay->flip_esc ? (uint32_t)lay->flip_esc : s);
             }
         }
-        if (encode_syms_avx512(x, p8, s8 ? s8 : tmp, C, es, E->m.freq[ctx], E->m.alpha[ctx], E->m.pbits[ctx]) == C)
-            return;
+        encode_syms_avx512(x, p8, s8 ? s8 : tmp, C, &E->et[ctx]);
+        return;
     }
     for (size_t c0 = (C - 1) / LANES * LANES;; c0 -= LANES) {
         int n = (int)(C - c0 < LANES ? C - c0 : LANES);
@@ -198,11 +200,14 @@ write_rans(const Enc *E, uint8_t *end)
         const EncSym *main = E->es[CTX_MAIN(kc)];
         for (size_t t = T; t-- > 0;) {
             if (E->dup[pp * T + t]) continue;
-            const uint8_t *sym = E->sym + (pp * T + t) * C;
-            if (E->avx512 && C % LANES == 0
-                    && encode_syms_avx512(x, &p8, sym, C, main, E->m.freq[CTX_MAIN(kc)], E->m.alpha[CTX_MAIN(kc)],
-                                          PROB_BITS) == C)
+            if (E->et_ok[CTX_MAIN(kc)]) {   /* a run of coded rows is one sequence of whole chunks */
+                size_t t0 = t;
+                while (t0 > 0 && !E->dup[pp * T + t0 - 1]) t0--;
+                encode_syms_avx512(x, &p8, E->sym + (pp * T + t0) * C, (t - t0 + 1) * C, &E->et[CTX_MAIN(kc)]);
+                t = t0;
                 continue;
+            }
+            const uint8_t *sym = E->sym + (pp * T + t) * C;
             for (size_t c0 = (C - 1) / LANES * LANES;; c0 -= LANES) {
                 int n = (int)(C - c0 < LANES ? C - c0 : LANES);
                 for (int j = n - 1; j >= 0; j--) rans_put(&x[j], &p8, &main[sym[c0 + j]]);

@@ -20,6 +20,8 @@ typedef struct {
     uint64_t flip_raw[2];         /* raw sign bits left per K/V class if signs are coded */
     uint64_t elems_kc[2];         /* coded elements per K/V class */
     EncSym es[NCTX][256];
+    EncTables et[NCTX];           /* where avx512: the vector encoder's tables */
+    uint8_t et_ok[NCTX];          /* ... built (the context has at most 64 symbols) */
     uint8_t *sym, *lov;           /* per element */
     uint8_t *side;                /* per plane x channel */
     uint32_t *fpos;               /* per plane x channel: first flip, counted in coded rows */

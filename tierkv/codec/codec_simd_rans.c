@@ -2,8 +2,8 @@
  * AVX-512 rANS, both ways, 64 interleaved states as four vectors of sixteen: the
  * decoder's symbols (a slot-table gather on AMD, a binary search over the cumulative
  * frequencies in registers elsewhere or beside it, renormalisation by expanding the
- * next words into the lanes that need one) and the encoder's (exact double-precision
- * division, the shed words compressed into a masked store). codec_dec.c and
+ * next words into the lanes that need one) and the encoder's (exact quotients from
+ * double-precision reciprocals, the shed words compressed into a masked store). codec_dec.c and
  * codec_enc.c call them where have_avx512_bw(); their scalar loops do the same.
  */
 #include "codec_simd.h"
@@ -122,35 +122,47 @@ decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const u
     return TK_SEARCHES(0, np, xs, pp, end, slots, tabs, pbits, out, nsyms);
 }
 
-/* rANS encoding of one row's symbols (nsyms, a multiple of 64; lane j takes symbols j,
- * j + 64, ...) in the exact reverse of the decoder's order: chunks last to first, and
- * in each the vectors of lanes 48-63, 32-47, 16-31, 0-15, each pushing the words its
- * lanes shed below *pp in ascending lane order (a masked store of the compressed low
- * halves). x / freq is exact in double precision (x < 2^32, freq <= 2^12: a quotient
- * that is not an integer lies at least 2^-12 below the next one, far beyond the
- * rounding of a double). Returns 0 when the context has more than 64 symbols (the
- * caller goes scalar), else nsyms. */
-__attribute__((target("avx512f,avx512bw,avx512vl"))) size_t
-encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
-                   const uint16_t *freq, int alpha, int pbits)
+/* Entry i of a table of doubles held in nreg (2, 4 or 8) registers: 16, 32 or 64
+ * entries, i in 64-bit lanes. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512d
+lookup_pd(const int nreg, __m512i i, const __m512d *tab)
 {
-    int32_t tabs[3][64];   /* freq, start, x_max - 1 (0xFFFFFFFF for 2^32: never sheds) */
-    if (alpha > 64) return 0;
-    memset(tabs, 0, sizeof(tabs));
-    for (int i = 0; i < alpha; i++) {   /* absent symbols (never looked up) stay 0: their EncSym is unset */
-        if (!freq[i]) continue;
-        tabs[0][i] = (int32_t)es[i].freq;
-        tabs[1][i] = (int32_t)es[i].start;
-        tabs[2][i] = (int32_t)(uint32_t)(es[i].x_max - 1);
-    }
-    const int wide = alpha > 32;
-    __m512i fr[4], st[4], xm[4];
+    __m512d r = _mm512_permutex2var_pd(tab[0], i, tab[1]);
+    if (nreg == 2) return r;
+    r = _mm512_mask_blend_pd(_mm512_test_epi64_mask(i, _mm512_set1_epi64(16)), r,
+                             _mm512_permutex2var_pd(tab[2], i, tab[3]));
+    if (nreg == 4) return r;
+    __m512d h = _mm512_mask_blend_pd(_mm512_test_epi64_mask(i, _mm512_set1_epi64(16)),
+                                     _mm512_permutex2var_pd(tab[4], i, tab[5]), _mm512_permutex2var_pd(tab[6], i, tab[7]));
+    return _mm512_mask_blend_pd(_mm512_test_epi64_mask(i, _mm512_set1_epi64(32)), r, h);
+}
+
+/* floor(y / f) for the eight 32-bit y of half (0: lanes 0-7, 1: 8-15) of a vector, from
+ * r = 1/f rounded to double: floor((y + 1/2) * r) is exact. y / f's fraction is j / f,
+ * so (y + 1/2) / f lies at least 1 / (2f) >= 2^-12 (f <= 2^11) from an integer, while
+ * r's relative error (2^-53) and the product's rounding move a value below 2^32 by
+ * under 2^-20. */
+__attribute__((target("avx512f"), always_inline)) static inline __m256i
+quotients(__m256i y, __m512d r)
+{
+    __m512d yd = _mm512_add_pd(_mm512_cvtepu32_pd(y), _mm512_set1_pd(0.5));
+    return _mm512_cvttpd_epu32(_mm512_mul_pd(yd, r));
+}
+
+/* encode_syms_avx512 for tables of nreg registers of doubles (a constant). */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline void
+encode_kernel(const int nreg, uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncTables *et)
+{
+    const int wide = nreg == 8;
+    __m512i sf[4], st[4], xm[4];
+    __m512d rc[8];
     for (int i = 0; i < 4; i++) {
-        fr[i] = _mm512_loadu_si512(tabs[0] + 16 * i);
-        st[i] = _mm512_loadu_si512(tabs[1] + 16 * i);
-        xm[i] = _mm512_loadu_si512(tabs[2] + 16 * i);
+        sf[i] = _mm512_loadu_si512(et->t[0] + 16 * i);
+        st[i] = _mm512_loadu_si512(et->t[1] + 16 * i);
+        xm[i] = _mm512_loadu_si512(et->t[2] + 16 * i);
     }
-    const __m512i scale = _mm512_set1_epi32(1 << pbits), lo16 = _mm512_set1_epi32(0xFFFF);
+    for (int i = 0; i < nreg; i++) rc[i] = _mm512_loadu_pd(et->rcp + 8 * i);
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
     uint8_t *p = *pp;
     __m512i x[4];
     for (int v = 0; v < 4; v++) x[v] = _mm512_loadu_si512(xs + 16 * v);
@@ -158,26 +170,36 @@ encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms
         c0 -= LANES;
         for (int v = 3; v >= 0; v--) {
             __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(syms + c0 + 16 * v)));
-            __m512i f = lookup(wide, s, fr), start = lookup(wide, s, st), xmax1 = lookup(wide, s, xm);
+            __m512i sf_ = lookup(wide, s, sf), start = lookup(wide, s, st), xmax1 = lookup(wide, s, xm);
             __mmask16 shed = _mm512_cmpgt_epu32_mask(x[v], xmax1);
             unsigned n = (unsigned)__builtin_popcount((unsigned)shed);
             __m256i words = _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(shed, _mm512_and_si512(x[v], lo16)));
             p -= 2 * n;
             _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), words);
             __m512i y = _mm512_mask_srli_epi32(x[v], shed, x[v], 16);
-            __m512d fl = _mm512_cvtepu32_pd(_mm512_castsi512_si256(f));
-            __m512d fh = _mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(f, 1));
-            __m512d yl = _mm512_cvtepu32_pd(_mm512_castsi512_si256(y));
-            __m512d yh = _mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(y, 1));
-            __m256i ql = _mm512_cvttpd_epu32(_mm512_div_pd(yl, fl)), qh = _mm512_cvttpd_epu32(_mm512_div_pd(yh, fh));
-            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(ql), qh, 1);
+            __m512d rl = lookup_pd(nreg, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(s)), rc);
+            __m512d rh = lookup_pd(nreg, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(s, 1)), rc);
+            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(quotients(_mm512_castsi512_si256(y), rl)),
+                                           quotients(_mm512_extracti64x4_epi64(y, 1), rh), 1);
             /* x' = (q << pbits) + (y - q * f) + start = q * (2^pbits - f) + y + start */
-            x[v] = _mm512_add_epi32(_mm512_mullo_epi32(q, _mm512_sub_epi32(scale, f)), _mm512_add_epi32(y, start));
+            x[v] = _mm512_add_epi32(_mm512_mullo_epi32(q, sf_), _mm512_add_epi32(y, start));
         }
     }
     for (int v = 0; v < 4; v++) _mm512_storeu_si512(xs + 16 * v, x[v]);
     *pp = p;
-    return nsyms;
+}
+
+/* rANS encoding of nsyms symbols (a multiple of 64; lane j takes symbols j, j + 64, ...)
+ * in the exact reverse of the decoder's order: chunks last to first, and in each the
+ * vectors of lanes 48-63, 32-47, 16-31, 0-15, each pushing the words its lanes shed
+ * below *pp in ascending lane order (a masked store of the compressed low halves). The
+ * quotient x / freq comes from the table of reciprocals (quotients: exact). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void
+encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncTables *et)
+{
+    if (et->nreg == 2) encode_kernel(2, xs, pp, syms, nsyms, et);
+    else if (et->nreg == 4) encode_kernel(4, xs, pp, syms, nsyms, et);
+    else encode_kernel(8, xs, pp, syms, nsyms, et);
 }
 
 #else
@@ -191,12 +213,26 @@ decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const u
     return 0;
 }
 
-size_t
-encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncSym *es,
-                   const uint16_t *freq, int alpha, int pbits)
+void
+encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncTables *et)
 {
-    (void)xs; (void)pp; (void)syms; (void)nsyms; (void)es; (void)freq; (void)alpha; (void)pbits;
-    return 0;
+    (void)xs; (void)pp; (void)syms; (void)nsyms; (void)et;
 }
 
 #endif
+
+int
+enc_tables(EncTables *t, const EncSym *es, const uint16_t *freq, int alpha, int pbits)
+{
+    if (alpha > 64) return -1;
+    memset(t, 0, sizeof(*t));
+    for (int i = 0; i < alpha; i++) {   /* absent symbols (never looked up) stay 0: their EncSym is unset */
+        if (!freq[i]) continue;
+        t->t[0][i] = (int32_t)((1u << pbits) - es[i].freq);
+        t->t[1][i] = (int32_t)es[i].start;
+        t->t[2][i] = (int32_t)(uint32_t)(es[i].x_max - 1);
+        t->rcp[i] = 1.0 / (double)es[i].freq;
+    }
+    t->nreg = alpha <= 16 ? 2 : alpha <= 32 ? 4 : 8;
+    return 0;
+}
