@@ -247,7 +247,7 @@ alloc_enc(Enc *E)
     size_t misc_cap = TABLES_CAP + pt * 20 + lay->elems * 11 + 32;   /* dup list, lo exceptions */
     size_t sign_words = ((size_t)lay->tokens + 31) / 32 * lay->chans;
     size_t total = sign_words * 4 + pt * 4 + pc * 4 + lay->planes * 4 + E->nslots * 4 + pc * 2 + 2 * lay->elems
-        + pc + pt + lay->planes + lay->chans + E->rans_cap + E->esc_cap + E->sign_cap + E->mid_cap
+        + pc + 2 * pt + 2 * lay->planes + lay->chans + E->rans_cap + E->esc_cap + E->sign_cap + E->mid_cap
         + misc_cap + 64;
     uint8_t *b = scratch_get(SCRATCH_ENC_ARRAYS, total);
     if (b == NULL) return -1;
@@ -261,6 +261,8 @@ alloc_enc(Enc *E)
     E->lov = b; b += lay->elems;
     E->side = b; b += pc;
     E->dup = b; b += pt;
+    E->resc = b; b += pt;
+    E->side_esc = b; b += lay->planes;
     E->base = b; b += lay->planes;
     E->s0 = b; b += lay->chans;
     E->rans_buf = b; b += E->rans_cap;

@@ -27,6 +27,8 @@ typedef struct {
     uint32_t *fpos;               /* per plane x channel: first flip, counted in coded rows */
     uint32_t *nrows;              /* per plane: coded (non-repeated) rows */
     uint8_t *dup;                 /* per plane x token: 1 = repeats an earlier row */
+    uint8_t *resc;                /* per plane x token: 1 = a coded row with an escaped symbol */
+    uint8_t *side_esc;            /* per plane: 1 = a channel's side symbol escapes */
     uint32_t *dup_src;
     uint8_t *base;                /* per plane */
     uint16_t *cmax;               /* per plane x channel: max exponent */

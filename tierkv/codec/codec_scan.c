@@ -127,6 +127,7 @@ plane_side(Enc *E, size_t p, int kc)
         E->side[p * C + c] = s;
         n[c & 3][s]++;
     }
+    E->side_esc[p] = n[0][SIDE_ALPHA - 1] + n[1][SIDE_ALPHA - 1] + n[2][SIDE_ALPHA - 1] + n[3][SIDE_ALPHA - 1] != 0;
     for (int s = 0; s < SIDE_ALPHA; s++) E->counts[CTX_SIDE(kc)][s] += n[0][s] + n[1][s] + n[2][s] + n[3][s];
 }
 
@@ -195,16 +196,19 @@ plane_symbols(Enc *E, size_t p, int kc, const int isz)
         if (E->dup[p * T + t]) continue;
         const uint8_t *row = row_ptr(E, p, t);
         uint8_t *restrict sym = E->sym + (p * T + t) * C, *restrict lov = E->lov + (p * T + t) * C;
+        uint32_t escs = 0;
         for (size_t c = 0; c < C; c++) {
             uint32_t v = load_elem(row + c * isz, isz);
             uint32_t e = (v >> mbits) & emask, m = v & mmask, r = cmax[c] - e;
             uint32_t s = r < rmax ? (r << hi | m >> hshift) : esc;
+            escs |= r >= rmax;
             sym[c] = (uint8_t)s;
             cm[c & 3][s]++;
             uint8_t lo8 = (uint8_t)(((m & restmask) >> tz) & 0xFF);
             lov[c] = lo8;
             tzh[c & 3][lo8 ? __builtin_ctz(lo8) : 8]++;
         }
+        E->resc[p * T + t] = (uint8_t)escs;
         E->coded_elems += C;
         E->elems_kc[kc] += C;
     }
@@ -235,8 +239,10 @@ analyse_plane(Enc *E, size_t p)
 
 /* One plane's part of the raw streams, in decode order. */
 static inline __attribute__((always_inline)) void
-plane_streams(const Enc *E, size_t p, BitWriter *esc, BitWriter *sign, BitWriter *mid, const int isz)
+plane_streams(const Enc *E, size_t p, BitWriter *esc_w, BitWriter *sign_w, BitWriter *mid, const int isz)
 {
+    /* the escape and sign writers in locals, so that their state stays in registers */
+    BitWriter esc_l = *esc_w, sign_l = *sign_w, *esc = &esc_l, *sign = &sign_l;
     const Layout *lay = E->lay;
     const Params *pr = &E->pr;
     const size_t C = lay->chans, T = lay->tokens;
@@ -245,8 +251,9 @@ plane_streams(const Enc *E, size_t p, BitWriter *esc, BitWriter *sign, BitWriter
     const uint32_t emask = (1u << lay->ebits) - 1, himask = (1u << pr->hi) - 1;
     const uint32_t midmask = (1u << w) - 1, midshift = (uint32_t)(pr->tz + pr->lo);
     const uint32_t *f = E->fpos + p * C;
-    for (size_t c = 0; c < C; c++)
-        if (E->side[p * C + c] == SIDE_ALPHA - 1) bw_put(esc, E->cmax[p * C + c], lay->ebits);
+    if (E->side_esc[p])
+        for (size_t c = 0; c < C; c++)
+            if (E->side[p * C + c] == SIDE_ALPHA - 1) bw_put(esc, E->cmax[p * C + c], lay->ebits);
     if (coded && lay->flip_esc >= 0)
         for (size_t c = 0; c < C; c++)
             if (f[c] - 1 >= (uint32_t)lay->flip_esc) bw_put(esc, f[c] - 1, bits_for((int)lay->tokens));
@@ -256,7 +263,7 @@ plane_streams(const Enc *E, size_t p, BitWriter *esc, BitWriter *sign, BitWriter
         const uint8_t *row = row_ptr(E, p, t);
         const uint8_t *sym = E->sym + (p * T + t) * C;
         const uint64_t ones = 0x0101010101010101ull, escs = ones * (uint8_t)pr->esc;
-        for (size_t c = 0; c < C; c++) {
+        for (size_t c = 0; E->resc[p * T + t] && c < C; c++) {
             if ((c & 7) == 0 && c + 8 <= C) {   /* skip 8 symbols at once when none escapes */
                 uint64_t z = rd_u64(sym + c) ^ escs;
                 if (((z - ones) & ~z & ones << 7) == 0) {
@@ -298,6 +305,8 @@ plane_streams(const Enc *E, size_t p, BitWriter *esc, BitWriter *sign, BitWriter
             bw_put(sign, nb == 32 ? bits : bits & ((1u << nb) - 1), (int)nb);
         }
     }
+    *esc_w = esc_l;
+    *sign_w = sign_l;
 }
 
 void

@@ -105,13 +105,16 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
         if (dup[t]) continue;
         const uint8_t *row = plane + t * C * isz;
         uint8_t *sym = E->sym + (p * T + t) * C, *lov = E->lov + (p * T + t) * C;
+        uint64_t coded = ~0ull;   /* AND of the rows' masks of symbols that do not escape */
         for (size_t c = 0; c < C; c += step) {
             __m512i v = _mm512_loadu_si512(row + c * isz), m = _mm512_and_si512(v, mmask);
             if (isz == 2) {
                 __m512i e = _mm512_and_si512(_mm512_srl_epi16(v, mbits), emask);
                 __m512i r = _mm512_sub_epi16(_mm512_loadu_si512(cmax + c), e);
                 __m512i code = _mm512_or_si512(_mm512_sll_epi16(r, hi), _mm512_srl_epi16(m, hs));
-                __m512i sv = _mm512_mask_mov_epi16(esc, _mm512_cmplt_epu16_mask(r, rmax), code);
+                __mmask32 kept = _mm512_cmplt_epu16_mask(r, rmax);
+                coded &= 0xFFFFFFFF00000000ull | kept;
+                __m512i sv = _mm512_mask_mov_epi16(esc, kept, code);
                 _mm256_storeu_si256((__m256i *)(sym + c), _mm512_cvtepi16_epi8(sv));
                 __m512i lo = _mm512_and_si512(_mm512_srl_epi16(_mm512_and_si512(m, restmask), tz),
                                               _mm512_set1_epi16(0xFF));
@@ -123,13 +126,16 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
                                                  _mm512_cvtepi16_epi8(_mm512_loadu_si512(cmax + c + 32)), 1);
                 __m512i r = _mm512_sub_epi8(cm8, _mm512_and_si512(srl8(v, lay->mbits), emask));
                 __m512i code = _mm512_or_si512(sll8(r, pr->hi), srl8(m, hshift));
-                _mm512_storeu_si512(sym + c, _mm512_mask_mov_epi8(esc, _mm512_cmplt_epu8_mask(r, rmax), code));
+                __mmask64 kept = _mm512_cmplt_epu8_mask(r, rmax);
+                coded &= kept;
+                _mm512_storeu_si512(sym + c, _mm512_mask_mov_epi8(esc, kept, code));
                 __m512i lo = srl8(_mm512_and_si512(m, restmask), pr->tz);
                 _mm512_storeu_si512(lov + c, lo);
                 for (int k = 1; k <= MAX_LO; k++)
                     nonzero[k] += (uint64_t)__builtin_popcountll(_mm512_test_epi8_mask(lo, kmask[k]));
             }
         }
+        E->resc[p * T + t] = coded != ~0ull;
         tally_row(cm, sym, C);
         E->coded_elems += C;
         E->elems_kc[kc] += C;
