@@ -52,6 +52,28 @@ tally_row(uint32_t cm[4][256], const uint8_t *sym, size_t C)
     }
 }
 
+/* Symbol pairs (first << 5 | second) of a context of at most 32 symbols are counted in
+ * two tables of 1024, alternately: half the increments of counting symbols. */
+#define PAIR_BITS 5
+#define PAIRS (1 << (2 * PAIR_BITS))
+#define PAIR_ROW 4096   /* channels a row may have to be counted in pairs */
+
+/* The symbol counts of the pair tables: counts[a] += pairs (a, *) and pairs (*, a). */
+__attribute__((target("avx512f"))) static void
+pair_margins(uint32_t pt[2][PAIRS], uint32_t *counts)
+{
+    __m512i col0 = _mm512_setzero_si512(), col1 = _mm512_setzero_si512();
+    for (int a = 0; a < 32; a++) {
+        __m512i r0 = _mm512_add_epi32(_mm512_loadu_si512(pt[0] + 32 * a), _mm512_loadu_si512(pt[1] + 32 * a));
+        __m512i r1 = _mm512_add_epi32(_mm512_loadu_si512(pt[0] + 32 * a + 16), _mm512_loadu_si512(pt[1] + 32 * a + 16));
+        col0 = _mm512_add_epi32(col0, r0);
+        col1 = _mm512_add_epi32(col1, r1);
+        counts[a] += (uint32_t)_mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+    }
+    _mm512_storeu_si512(counts, _mm512_add_epi32(_mm512_loadu_si512(counts), col0));
+    _mm512_storeu_si512(counts + 16, _mm512_add_epi32(_mm512_loadu_si512(counts + 16), col1));
+}
+
 /* codec_scan.c's plane_maxima, plane_flips and plane_symbols for 16-bit (isz 2, chans
  * % 32 == 0) or 8-bit (isz 1, chans % 64 == 0) elements, with the same results: the
  * channel maxima a vector of channels a step, the first flips sixteen a step, then per
@@ -100,7 +122,12 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
     for (int k = 1; k <= MAX_LO; k++)
         kmask[k] = isz == 2 ? _mm512_set1_epi16((short)((1 << k) - 1)) : _mm512_set1_epi8((char)((1 << k) - 1));
     uint64_t nonzero[MAX_LO + 1] = {0};
-    uint32_t cm[4][256] = {{0}};
+    uint32_t cm[4][256];
+    uint32_t pt[2][PAIRS];
+    uint16_t pidx[PAIR_ROW / 2];   /* a row's pair indices, counted after the row */
+    const int paired = pr->main_alpha <= (1 << PAIR_BITS) && C <= PAIR_ROW;
+    if (paired) memset(pt, 0, sizeof(pt));
+    else memset(cm, 0, sizeof(cm));
     for (size_t t = 0; t < T; t++) {
         if (dup[t]) continue;
         const uint8_t *row = plane + t * C * isz;
@@ -116,6 +143,9 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
                 coded &= 0xFFFFFFFF00000000ull | kept;
                 __m512i sv = _mm512_mask_mov_epi16(esc, kept, code);
                 _mm256_storeu_si256((__m256i *)(sym + c), _mm512_cvtepi16_epi8(sv));
+                if (paired)
+                    _mm256_storeu_si256((__m256i *)(pidx + c / 2),
+                                        _mm512_cvtepi32_epi16(_mm512_madd_epi16(sv, _mm512_set1_epi32(0x10000 | 32))));
                 __m512i lo = _mm512_and_si512(_mm512_srl_epi16(_mm512_and_si512(m, restmask), tz),
                                               _mm512_set1_epi16(0xFF));
                 _mm256_storeu_si256((__m256i *)(lov + c), _mm512_cvtepi16_epi8(lo));
@@ -128,7 +158,9 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
                 __m512i code = _mm512_or_si512(sll8(r, pr->hi), srl8(m, hshift));
                 __mmask64 kept = _mm512_cmplt_epu8_mask(r, rmax);
                 coded &= kept;
-                _mm512_storeu_si512(sym + c, _mm512_mask_mov_epi8(esc, kept, code));
+                __m512i sv = _mm512_mask_mov_epi8(esc, kept, code);
+                _mm512_storeu_si512(sym + c, sv);
+                if (paired) _mm512_storeu_si512(pidx + c / 2, _mm512_maddubs_epi16(sv, _mm512_set1_epi16(0x0100 | 32)));
                 __m512i lo = srl8(_mm512_and_si512(m, restmask), pr->tz);
                 _mm512_storeu_si512(lov + c, lo);
                 for (int k = 1; k <= MAX_LO; k++)
@@ -136,11 +168,19 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
             }
         }
         E->resc[p * T + t] = coded != ~0ull;
-        tally_row(cm, sym, C);
+        if (paired)
+            for (size_t i = 0; i < C / 2; i += 2) {
+                pt[0][pidx[i]]++;
+                pt[1][pidx[i + 1]]++;
+            }
+        else
+            tally_row(cm, sym, C);
         E->coded_elems += C;
         E->elems_kc[kc] += C;
     }
-    for (int i = 0; i < 256; i++) E->counts[CTX_MAIN(kc)][i] += cm[0][i] + cm[1][i] + cm[2][i] + cm[3][i];
+    if (paired) pair_margins(pt, E->counts[CTX_MAIN(kc)]);
+    else
+        for (int i = 0; i < 256; i++) E->counts[CTX_MAIN(kc)][i] += cm[0][i] + cm[1][i] + cm[2][i] + cm[3][i];
     for (int k = 1; k <= MAX_LO; k++) E->lo_nonzero[k] += nonzero[k];
 }
 
