@@ -52,26 +52,41 @@ tally_row(uint32_t cm[4][256], const uint8_t *sym, size_t C)
     }
 }
 
-/* Symbol pairs (first << 5 | second) of a context of at most 32 symbols are counted in
- * two tables of 1024, alternately: half the increments of counting symbols. */
-#define PAIR_BITS 5
-#define PAIRS (1 << (2 * PAIR_BITS))
-#define PAIR_ROW 4096   /* channels a row may have to be counted in pairs */
-
-/* The symbol counts of the pair tables: counts[a] += pairs (a, *) and pairs (*, a). */
-__attribute__((target("avx512f"))) static void
-pair_margins(uint32_t pt[2][PAIRS], uint32_t *counts)
+/* counts[s] += how often s (< alpha <= 32) occurs among the symbols of the plane's coded
+ * rows (C each, at sym; dup marks the repeated ones), COUNT_VALUES values a pass (their
+ * counters and constants stay in registers): a byte counter per value and lane, a
+ * compare and a masked add per value and 64 symbols, summed into counts before a
+ * counter could pass 255. */
+#define COUNT_VALUES 8
+__attribute__((target("avx512f,avx512bw"))) static void
+count_syms(const uint8_t *sym, const uint8_t *dup, size_t T, size_t C, int alpha, uint32_t *counts)
 {
-    __m512i col0 = _mm512_setzero_si512(), col1 = _mm512_setzero_si512();
-    for (int a = 0; a < 32; a++) {
-        __m512i r0 = _mm512_add_epi32(_mm512_loadu_si512(pt[0] + 32 * a), _mm512_loadu_si512(pt[1] + 32 * a));
-        __m512i r1 = _mm512_add_epi32(_mm512_loadu_si512(pt[0] + 32 * a + 16), _mm512_loadu_si512(pt[1] + 32 * a + 16));
-        col0 = _mm512_add_epi32(col0, r0);
-        col1 = _mm512_add_epi32(col1, r1);
-        counts[a] += (uint32_t)_mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int s0 = 0; s0 < alpha; s0 += COUNT_VALUES) {
+        __m512i acc[COUNT_VALUES], val[COUNT_VALUES];
+        for (int j = 0; j < COUNT_VALUES; j++) {
+            acc[j] = _mm512_setzero_si512();
+            val[j] = _mm512_set1_epi8((char)(s0 + j));
+        }
+        int adds = 0;
+        for (size_t t = 0; t < T; t++) {
+            if (dup[t]) continue;
+            for (size_t c = 0; c < C; c += 64) {
+                __mmask64 valid = C - c >= 64 ? ~0ull : (1ull << (C - c)) - 1;
+                __m512i v = _mm512_maskz_loadu_epi8(valid, sym + t * C + c);
+                for (int j = 0; j < COUNT_VALUES; j++)
+                    acc[j] = _mm512_mask_add_epi8(acc[j], _mm512_mask_cmpeq_epi8_mask(valid, v, val[j]), acc[j], ones);
+                if (++adds == 255) {
+                    for (int j = 0; j < COUNT_VALUES && s0 + j < alpha; j++)
+                        counts[s0 + j] += (uint32_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(acc[j], _mm512_setzero_si512()));
+                    for (int j = 0; j < COUNT_VALUES; j++) acc[j] = _mm512_setzero_si512();
+                    adds = 0;
+                }
+            }
+        }
+        for (int j = 0; j < COUNT_VALUES && s0 + j < alpha; j++)
+            counts[s0 + j] += (uint32_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(acc[j], _mm512_setzero_si512()));
     }
-    _mm512_storeu_si512(counts, _mm512_add_epi32(_mm512_loadu_si512(counts), col0));
-    _mm512_storeu_si512(counts + 16, _mm512_add_epi32(_mm512_loadu_si512(counts + 16), col1));
 }
 
 /* codec_scan.c's plane_maxima, plane_flips and plane_symbols for 16-bit (isz 2, chans
@@ -123,11 +138,8 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
         kmask[k] = isz == 2 ? _mm512_set1_epi16((short)((1 << k) - 1)) : _mm512_set1_epi8((char)((1 << k) - 1));
     uint64_t nonzero[MAX_LO + 1] = {0};
     uint32_t cm[4][256];
-    uint32_t pt[2][PAIRS];
-    uint16_t pidx[PAIR_ROW / 2];   /* a row's pair indices, counted after the row */
-    const int paired = pr->main_alpha <= (1 << PAIR_BITS) && C <= PAIR_ROW;
-    if (paired) memset(pt, 0, sizeof(pt));
-    else memset(cm, 0, sizeof(cm));
+    const int by_value = pr->main_alpha <= 32;   /* count_syms after the rows, else tally_row */
+    if (!by_value) memset(cm, 0, sizeof(cm));
     for (size_t t = 0; t < T; t++) {
         if (dup[t]) continue;
         const uint8_t *row = plane + t * C * isz;
@@ -143,9 +155,6 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
                 coded &= 0xFFFFFFFF00000000ull | kept;
                 __m512i sv = _mm512_mask_mov_epi16(esc, kept, code);
                 _mm256_storeu_si256((__m256i *)(sym + c), _mm512_cvtepi16_epi8(sv));
-                if (paired)
-                    _mm256_storeu_si256((__m256i *)(pidx + c / 2),
-                                        _mm512_cvtepi32_epi16(_mm512_madd_epi16(sv, _mm512_set1_epi32(0x10000 | 32))));
                 __m512i lo = _mm512_and_si512(_mm512_srl_epi16(_mm512_and_si512(m, restmask), tz),
                                               _mm512_set1_epi16(0xFF));
                 _mm256_storeu_si256((__m256i *)(lov + c), _mm512_cvtepi16_epi8(lo));
@@ -158,9 +167,7 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
                 __m512i code = _mm512_or_si512(sll8(r, pr->hi), srl8(m, hshift));
                 __mmask64 kept = _mm512_cmplt_epu8_mask(r, rmax);
                 coded &= kept;
-                __m512i sv = _mm512_mask_mov_epi8(esc, kept, code);
-                _mm512_storeu_si512(sym + c, sv);
-                if (paired) _mm512_storeu_si512(pidx + c / 2, _mm512_maddubs_epi16(sv, _mm512_set1_epi16(0x0100 | 32)));
+                _mm512_storeu_si512(sym + c, _mm512_mask_mov_epi8(esc, kept, code));
                 __m512i lo = srl8(_mm512_and_si512(m, restmask), pr->tz);
                 _mm512_storeu_si512(lov + c, lo);
                 for (int k = 1; k <= MAX_LO; k++)
@@ -168,17 +175,12 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
             }
         }
         E->resc[p * T + t] = coded != ~0ull;
-        if (paired)
-            for (size_t i = 0; i < C / 2; i += 2) {
-                pt[0][pidx[i]]++;
-                pt[1][pidx[i + 1]]++;
-            }
-        else
-            tally_row(cm, sym, C);
+        if (!by_value) tally_row(cm, sym, C);
         E->coded_elems += C;
         E->elems_kc[kc] += C;
     }
-    if (paired) pair_margins(pt, E->counts[CTX_MAIN(kc)]);
+    if (by_value)
+        count_syms(E->sym + p * T * C, dup, T, C, pr->main_alpha, E->counts[CTX_MAIN(kc)]);
     else
         for (int i = 0; i < 256; i++) E->counts[CTX_MAIN(kc)][i] += cm[0][i] + cm[1][i] + cm[2][i] + cm[3][i];
     for (int k = 1; k <= MAX_LO; k++) E->lo_nonzero[k] += nonzero[k];
