@@ -114,19 +114,22 @@ write_lo_exceptions(const Enc *E, uint8_t *out)
     const Layout *lay = E->lay;
     const size_t C = lay->chans, T = lay->tokens;
     const uint8_t mask = (uint8_t)((1u << E->pr.lo) - 1);
-    size_t count = 0, n = 0, k = 0;
+    const uint64_t mask8 = 0x0101010101010101ull * mask;
+    /* the analysis counted the coded elements whose lo low bits are not all zero */
+    size_t count = E->pr.lo ? (size_t)E->lo_nonzero[E->pr.lo] : 0, n = 0, k = 0;
     int64_t prev = -1;
-    if (E->pr.lo) {
-        for (size_t g = 0; g < lay->planes * T; g++)
-            if (!E->dup[g])
-                for (size_t c = 0; c < C; c++) count += (E->lov[g * C + c] & mask) != 0;
-    }
     n = put_varint(out, count);
     if (!count) return n;
     for (size_t g = 0; g < lay->planes * T; g++) {
         if (E->dup[g]) continue;
+        const uint8_t *lov = E->lov + g * C;
         for (size_t c = 0; c < C; c++, k++) {
-            uint8_t v = E->lov[g * C + c] & mask;
+            if ((c & 7) == 0 && c + 8 <= C && (rd_u64(lov + c) & mask8) == 0) {   /* eight without one */
+                c += 7;
+                k += 7;
+                continue;
+            }
+            uint8_t v = lov[c] & mask;
             if (!v) continue;
             n += put_varint(out + n, (uint64_t)((int64_t)k - prev - 1));
             out[n++] = v;

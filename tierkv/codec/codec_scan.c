@@ -58,8 +58,17 @@ common_zero_bits(const Enc *E)
     const Layout *lay = E->lay;
     int rest = lay->mbits - E->pr.hi;
     uint32_t mask = (1u << rest) - 1, any = 0;
-    for (size_t i = 0; i < lay->elems && (any & 1) == 0; i++)
-        any |= load_elem(E->src + i * lay->itemsize, lay->itemsize) & mask;
+    /* ORed a block at a time (a loop the compiler vectorizes), until bit 0 is seen */
+    for (size_t i0 = 0; i0 < lay->elems && (any & 1) == 0; i0 += 1024) {
+        size_t end = lay->elems - i0 < 1024 ? lay->elems : i0 + 1024;
+        uint32_t blk = 0;
+        switch (lay->itemsize) {
+        case 1: for (size_t i = i0; i < end; i++) blk |= E->src[i]; break;
+        case 2: for (size_t i = i0; i < end; i++) blk |= load_elem(E->src + 2 * i, 2); break;
+        default: for (size_t i = i0; i < end; i++) blk |= load_elem(E->src + 4 * i, 4); break;
+        }
+        any |= blk & mask;
+    }
     if (any == 0)
         return rest;
     int tz = 0;

@@ -213,8 +213,9 @@ or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
     return c;
 }
 
-/* Mid fields of a row of 8- or 16-bit elements (bits shift.. shift+w-1 of each, w <= 7)
- * packed into the bit writer eight at a time by pext; returns how many it packed. Where
+/* Mid fields of a row of 8- or 16-bit elements (bits shift.. shift+w-1 of each) packed
+ * into the bit writer by pext, eight at a time where w <= 7, two at a time for 16-bit
+ * elements where w <= 16; returns how many it packed. Where
  * the writer is at a byte boundary (rows of a multiple of 8 channels keep it there),
  * eight fields are w whole bytes, stored straight into the stream. */
 __attribute__((target("bmi2"))) size_t
@@ -223,7 +224,12 @@ pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, 
     const uint64_t f = ((1ull << w) - 1) << shift;
     const uint64_t m8 = 0x0101010101010101ull * f, m16 = 0x0001000100010001ull * f;
     size_t c = 0;
-    if (w > 7) return 0;
+    if (w > 7) {   /* 16-bit elements' wider fields (FP16: 9 bits): two a put */
+        if (isz != 2 || w > 16) return 0;
+        const uint64_t m32 = f | f << 16;
+        for (; c + 2 <= C; c += 2) bw_put(bw, (uint32_t)_pext_u64(rd_u32(row + 2 * c), m32), 2 * w);
+        return c;
+    }
     if ((bw->n & 7) == 0 && !bw->overflow) {
         for (; bw->n > 0; bw->n -= 8, bw->acc >>= 8) {   /* the pending whole bytes first */
             if (bw->p >= bw->end) return 0;   /* nothing packed yet: the caller's bw_put reports it */
