@@ -57,5 +57,6 @@ void plane_flip_counts(Enc *E, size_t p, int kc);
 void analyse_plane_16_avx512(Enc *E, size_t p, int kc);
 void analyse_plane_8_avx512(Enc *E, size_t p, int kc);
 size_t or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift);
+size_t or_signs_8_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift);
 
 #endif

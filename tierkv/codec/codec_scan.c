@@ -300,7 +300,8 @@ plane_streams(const Enc *E, size_t p, BitWriter *esc_w, BitWriter *sign_w, BitWr
         if (E->dup[p * T + t]) continue;
         const uint8_t *row = row_ptr(E, p, t);
         uint32_t *restrict wq = words + (size_t)(k >> 5) * C;
-        size_t c = isz == 2 && E->avx512bw ? or_signs_16_avx512(wq, row, C, k & 31) : 0;
+        size_t c = !E->avx512bw ? 0 : isz == 2 ? or_signs_16_avx512(wq, row, C, k & 31)
+                 : isz == 1 ? or_signs_8_avx512(wq, row, C, k & 31) : 0;
         for (; c < C; c++) wq[c] |= (load_elem(row + c * isz, isz) >> sshift) << (k & 31);
         k++;
     }

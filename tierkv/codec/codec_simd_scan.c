@@ -213,6 +213,20 @@ or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
     return c;
 }
 
+/* The same for 8-bit elements. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) size_t
+or_signs_8_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
+{
+    const __m128i sh = _mm_cvtsi32_si128((int)shift);
+    size_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+        __m512i sg = _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c))), 7);
+        __m512i w = _mm512_loadu_si512(wq + c);
+        _mm512_storeu_si512(wq + c, _mm512_or_si512(w, _mm512_sll_epi32(sg, sh)));
+    }
+    return c;
+}
+
 /* Mid fields of a row of 8- or 16-bit elements (bits shift.. shift+w-1 of each) packed
  * into the bit writer by pext, eight at a time where w <= 7, two at a time for 16-bit
  * elements where w <= 16; returns how many it packed. Where
@@ -265,6 +279,13 @@ analyse_plane_16_avx512(Enc *E, size_t p, int kc)
 
 size_t
 or_signs_16_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
+{
+    (void)wq; (void)row; (void)C; (void)shift;
+    return 0;
+}
+
+size_t
+or_signs_8_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
 {
     (void)wq; (void)row; (void)C; (void)shift;
     return 0;
