@@ -73,6 +73,7 @@ build_model(Enc *E, BitWriter *w)
     Model *m = &E->m;
     model_contexts(E->lay, &E->pr, m);
     for (int ctx = 0; ctx < NCTX; ctx++) {
+        E->et_ok[ctx] = 0;   /* set below where the vector encoder's tables are built */
         if (!m->used[ctx]) continue;
         int alpha = m->alpha[ctx], nb = bits_for(alpha);
         counts_to_levels(E->counts[ctx], alpha, E->levels[ctx], m->pbits[ctx]);

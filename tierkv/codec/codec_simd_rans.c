@@ -137,11 +137,12 @@ lookup_pd(const int nreg, __m512i i, const __m512d *tab)
     return _mm512_mask_blend_pd(_mm512_test_epi64_mask(i, _mm512_set1_epi64(32)), r, h);
 }
 
-/* floor(y / f) for the eight 32-bit y of half (0: lanes 0-7, 1: 8-15) of a vector, from
- * r = 1/f rounded to double: floor((y + 1/2) * r) is exact. y / f's fraction is j / f,
- * so (y + 1/2) / f lies at least 1 / (2f) >= 2^-12 (f <= 2^11) from an integer, while
- * r's relative error (2^-53) and the product's rounding move a value below 2^32 by
- * under 2^-20. */
+/* floor(y / f) for eight 32-bit y (half a vector's lanes), from r = 1/f rounded to
+ * double: floor((y + 1/2) * r) is exact. With y = q f + j (0 <= j < f), (y + 1/2) / f
+ * = q + (j + 1/2) / f lies at least 1 / (2f) from an integer, while y + 1/2 is exact and
+ * r's and the product's roundings (2^-53 each, relative) move it by under
+ * (y + 1/2) 2^-52 / f: less than 1 / (2f) for any y < 2^51. (Also checked exhaustively
+ * at every multiple of every f <= 2^11 below 2^32 and one below it.) */
 __attribute__((target("avx512f"), always_inline)) static inline __m256i
 quotients(__m256i y, __m512d r)
 {
@@ -216,6 +217,7 @@ decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const u
 void
 encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncTables *et)
 {
+    /* never called: have_avx512_bw() is 0 here, so no context has its tables (et_ok) */
     (void)xs; (void)pp; (void)syms; (void)nsyms; (void)et;
 }
 
