@@ -307,9 +307,9 @@ plane_streams(const Enc *E, size_t p, BitWriter *esc_w, BitWriter *sign_w, BitWr
     }
     if (k < 32) {   /* one word a channel: its coded bit and raw bits in one put */
         for (size_t c = 0; c < C; c++) {
-            uint32_t w = words[c], lo = coded ? (f[c] + 1 < k ? f[c] + 1 : k) : 0;
-            uint32_t bits = (w >> lo) & ((1u << (k - lo)) - 1);
-            if (coded) bw_put(sign, (w & 1) | bits << 1, (int)(k - lo) + 1);
+            uint32_t word = words[c], lo = coded ? (f[c] + 1 < k ? f[c] + 1 : k) : 0;
+            uint32_t bits = (word >> lo) & ((1u << (k - lo)) - 1);
+            if (coded) bw_put(sign, (word & 1) | bits << 1, (int)(k - lo) + 1);
             else bw_put(sign, bits, (int)(k - lo));
         }
         *esc_w = esc_l;
