@@ -312,18 +312,16 @@ plane_streams(const Enc *E, size_t p, BitWriter *esc_w, BitWriter *sign_w, BitWr
             if (coded) bw_put(sign, (word & 1) | bits << 1, (int)(k - lo) + 1);
             else bw_put(sign, bits, (int)(k - lo));
         }
-        *esc_w = esc_l;
-        *sign_w = sign_l;
-        return;
-    }
-    for (size_t c = 0; c < C; c++) {
-        if (coded) bw_put(sign, words[c] & 1, 1);
-        uint32_t first_raw = coded ? f[c] + 1 : 0;
-        for (uint32_t q = 0; q < nw; q++) {
-            uint32_t n = k - 32 * q < 32 ? k - 32 * q : 32, lo = first_raw > 32 * q ? first_raw - 32 * q : 0;
-            if (lo >= n) continue;
-            uint32_t bits = words[(size_t)q * C + c] >> lo, nb = n - lo;
-            bw_put(sign, nb == 32 ? bits : bits & ((1u << nb) - 1), (int)nb);
+    } else {
+        for (size_t c = 0; c < C; c++) {
+            if (coded) bw_put(sign, words[c] & 1, 1);
+            uint32_t first_raw = coded ? f[c] + 1 : 0;
+            for (uint32_t q = 0; q < nw; q++) {
+                uint32_t n = k - 32 * q < 32 ? k - 32 * q : 32, lo = first_raw > 32 * q ? first_raw - 32 * q : 0;
+                if (lo >= n) continue;
+                uint32_t bits = words[(size_t)q * C + c] >> lo, nb = n - lo;
+                bw_put(sign, nb == 32 ? bits : bits & ((1u << nb) - 1), (int)nb);
+            }
         }
     }
     *esc_w = esc_l;
