@@ -102,6 +102,40 @@ def test_native_narrow_ids_takes_only_what_it_can_read() -> None:
         native.narrow_ids(ids, read_only)
 
 
+def test_native_narrowing_is_the_same_at_every_vector_level() -> None:
+    """narrow_ids and the chain of int64 ids at each level the CPU has (AVX-512, AVX2,
+    the portable loop): the same uint32s and keys, and an id out of range found wherever
+    it lies (a vector's first or last lane, the tail after the last whole vector), at
+    unaligned addresses too."""
+    native = _native()
+    best = native.set_simd(2)
+    rng = np.random.default_rng(5)
+    try:
+        for level in range(best, -1, -1):
+            assert native.set_simd(level) == level
+            for n in (*range(0, 40), 1023, 1024, 1025, 4096 + 13):
+                raw = np.zeros(n * 8 + 8, np.uint8)
+                ids = raw[4:4 + n * 8].view(np.int64) if level % 2 else raw[8:].view(np.int64)   # unaligned or not
+                ids[:] = rng.integers(0, 1 << 32, n)
+                out = np.zeros(n, np.uint32)
+                assert native.narrow_ids(ids, out) is True and np.array_equal(out, ids.astype(np.uint32)), (level, n)
+                pages = n // 16
+                expected = _chain_keys_py(ids.astype(np.uint32), 16, NS)
+                assert native.chain_xxh3_128(NS, ids, 16, pages) == expected, (level, n)
+                for at in {0, n // 2, n - 1} if n else set():
+                    for bad in (1 << 32, -1, 1 << 62):
+                        keep = int(ids[at])
+                        ids[at] = bad
+                        assert native.narrow_ids(ids, out) is False, (level, n, at, bad)
+                        with pytest.raises(OverflowError):
+                            native.chain_xxh3_128(NS, ids, 16, pages)
+                        ids[at] = keep
+    finally:
+        native.set_simd(best)
+    with pytest.raises(ValueError, match="0 .portable., 1 .AVX2. or 2"):
+        native.set_simd(3)
+
+
 def test_native_chain_can_stop_early() -> None:
     native = _native()
     tokens = _tokens(100)

@@ -76,9 +76,12 @@ store_be64(uint8_t *p, uint64_t v)
 }
 
 /* n_ids 8-byte integers in the host's order (any alignment) as little-endian uint32s in
- * dst (a loop compilers vectorise); returns their OR, whose high half must be 0. */
+ * dst; returns their OR, whose high half must be 0. The portable loop (SSE2 where the
+ * compiler vectorises it: about one cycle an id), and AVX2 and AVX-512 versions chosen at
+ * import (narrow_level): a long prompt's 1 MiB of int64 ids is narrowed by the client of a
+ * node service before every lookup (issue 21), and by the key chain as it hashes. */
 static uint64_t
-narrow_ids(const uint8_t *src, size_t n_ids, uint8_t *dst)
+narrow_ids_portable(const uint8_t *src, size_t n_ids, uint8_t *dst)
 {
     uint64_t ored = 0;
     for (size_t j = 0; j < n_ids; j++) {
@@ -93,7 +96,7 @@ narrow_ids(const uint8_t *src, size_t n_ids, uint8_t *dst)
 
 /* The OR of n 8-byte integers (the ids after the pages hashed, which must be checked too). */
 static uint64_t
-or_of_ids(const uint8_t *src, size_t n)
+or_of_ids_portable(const uint8_t *src, size_t n)
 {
     uint64_t ored = 0;
     for (size_t j = 0; j < n; j++) {
@@ -102,6 +105,101 @@ or_of_ids(const uint8_t *src, size_t n)
         ored |= v;
     }
     return ored;
+}
+
+/* 0: the portable loops, 1: AVX2, 2: AVX-512F; the best the CPU has, set at import. */
+static int narrow_level = 0;
+static int narrow_best = 0;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define NARROW_X86 1
+
+/* 16 ids a step: two 512-bit loads, their OR kept, each truncated to 8 uint32s (vpmovqd). */
+__attribute__((target("avx512f"))) static uint64_t
+narrow_ids_avx512(const uint8_t *src, size_t n_ids, uint8_t *dst)
+{
+    __m512i acc = _mm512_setzero_si512();
+    size_t j = 0;
+    for (; j + 16 <= n_ids; j += 16) {
+        __m512i a = _mm512_loadu_si512((const void *)(src + 8 * j));
+        __m512i b = _mm512_loadu_si512((const void *)(src + 8 * j + 64));
+        acc = _mm512_or_si512(acc, _mm512_or_si512(a, b));
+        _mm256_storeu_si256((__m256i *)(void *)(dst + 4 * j), _mm512_cvtepi64_epi32(a));
+        _mm256_storeu_si256((__m256i *)(void *)(dst + 4 * j + 32), _mm512_cvtepi64_epi32(b));
+    }
+    return (uint64_t)_mm512_reduce_or_epi64(acc) | narrow_ids_portable(src + 8 * j, n_ids - j, dst + 4 * j);
+}
+
+__attribute__((target("avx512f"))) static uint64_t
+or_of_ids_avx512(const uint8_t *src, size_t n)
+{
+    __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+    size_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        acc0 = _mm512_or_si512(acc0, _mm512_loadu_si512((const void *)(src + 8 * j)));
+        acc1 = _mm512_or_si512(acc1, _mm512_loadu_si512((const void *)(src + 8 * j + 64)));
+    }
+    return (uint64_t)_mm512_reduce_or_epi64(_mm512_or_si512(acc0, acc1)) | or_of_ids_portable(src + 8 * j, n - j);
+}
+
+/* 8 ids a step: the low halves of two vectors of four picked by one shuffle (per 128-bit
+ * lane: a0 a1 b0 b1 | a2 a3 b2 b3), put in order by one cross-lane permute. */
+__attribute__((target("avx2"))) static uint64_t
+narrow_ids_avx2(const uint8_t *src, size_t n_ids, uint8_t *dst)
+{
+    __m256i acc = _mm256_setzero_si256();
+    size_t j = 0;
+    for (; j + 8 <= n_ids; j += 8) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(src + 8 * j));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(src + 8 * j + 32));
+        acc = _mm256_or_si256(acc, _mm256_or_si256(a, b));
+        __m256 lo = _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0x88);
+        _mm256_storeu_si256((__m256i *)(void *)(dst + 4 * j),
+                            _mm256_permute4x64_epi64(_mm256_castps_si256(lo), 0xD8));
+    }
+    __m128i h = _mm_or_si128(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    uint64_t ored = (uint64_t)_mm_cvtsi128_si64(h) | (uint64_t)_mm_extract_epi64(h, 1);
+    return ored | narrow_ids_portable(src + 8 * j, n_ids - j, dst + 4 * j);
+}
+
+__attribute__((target("avx2"))) static uint64_t
+or_of_ids_avx2(const uint8_t *src, size_t n)
+{
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    size_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        acc0 = _mm256_or_si256(acc0, _mm256_loadu_si256((const __m256i *)(const void *)(src + 8 * j)));
+        acc1 = _mm256_or_si256(acc1, _mm256_loadu_si256((const __m256i *)(const void *)(src + 8 * j + 32)));
+    }
+    __m256i acc = _mm256_or_si256(acc0, acc1);
+    __m128i h = _mm_or_si128(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    return (uint64_t)_mm_cvtsi128_si64(h) | (uint64_t)_mm_extract_epi64(h, 1) | or_of_ids_portable(src + 8 * j, n - j);
+}
+#endif
+
+static uint64_t
+narrow_ids(const uint8_t *src, size_t n_ids, uint8_t *dst)
+{
+#ifdef NARROW_X86
+    if (narrow_level >= 2)
+        return narrow_ids_avx512(src, n_ids, dst);
+    if (narrow_level == 1)
+        return narrow_ids_avx2(src, n_ids, dst);
+#endif
+    return narrow_ids_portable(src, n_ids, dst);
+}
+
+static uint64_t
+or_of_ids(const uint8_t *src, size_t n)
+{
+#ifdef NARROW_X86
+    if (narrow_level >= 2)
+        return or_of_ids_avx512(src, n);
+    if (narrow_level == 1)
+        return or_of_ids_avx2(src, n);
+#endif
+    return or_of_ids_portable(src, n);
 }
 
 /* Page i's ids as little-endian uint32 bytes: in place, or narrowed (DATA_WIDE, their OR
@@ -384,6 +482,29 @@ done:
 }
 
 /* ------------------------------------------------------------------ checksum */
+
+PyDoc_STRVAR(set_simd_doc,
+"set_simd(level) -> int\n\n"
+"Which vector paths narrow and check 8-byte ids (narrow_ids, the key chain of int64\n"
+"ids): 2 AVX-512 where the CPU has it, 1 AVX2 where it has that, 0 the portable loop;\n"
+"all give the same bytes. Returns the level in force after the call (the asked one or\n"
+"the best below it the CPU has). For tests and comparisons: not meant to change while\n"
+"other threads hash.");
+
+static PyObject *
+set_simd(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    long level = PyLong_AsLong(arg);
+    if (level == -1 && PyErr_Occurred())
+        return NULL;
+    if (level < 0 || level > 2) {
+        PyErr_Format(PyExc_ValueError, "set_simd takes 0 (portable), 1 (AVX2) or 2 (AVX-512), got %ld", level);
+        return NULL;
+    }
+    narrow_level = (int)level < narrow_best ? (int)level : narrow_best;
+    return PyLong_FromLong(narrow_level);
+}
 
 PyDoc_STRVAR(checksum_doc,
 "checksum64(buf) -> int\n\n"
@@ -903,6 +1024,7 @@ PyDoc_STRVAR(load_acquire_doc,
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
+    {"set_simd", set_simd, METH_O, set_simd_doc},
     {"chain_xxh3_128", (PyCFunction)(void (*)(void))chain_xxh3_128, METH_VARARGS | METH_KEYWORDS,
      chain_doc},
     {"narrow_ids", py_narrow_ids, METH_VARARGS, narrow_doc},
@@ -926,6 +1048,11 @@ PyInit__native(void)
 {
     if (PyType_Ready(&KeySetType) < 0)
         return NULL;
+#ifdef NARROW_X86
+    __builtin_cpu_init();
+    narrow_best = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+#endif
+    narrow_level = narrow_best;
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL)
         return NULL;

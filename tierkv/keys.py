@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NewType, Protocol, TypeGuard
 
 import numpy as np
@@ -149,7 +149,7 @@ def chain_token_keys(tokens: Tokens, tokens_per_page: int, namespace: bytes) -> 
         try:
             return bytes(_native.chain_xxh3_128(namespace, tokens, tokens_per_page, tokens.size // tokens_per_page))
         except OverflowError:
-            raise _out_of_range(tokens) from None
+            raise range_error(tokens) from None
     return chain_keys(as_token_array(tokens), tokens_per_page, namespace)
 
 
@@ -172,10 +172,10 @@ def narrow_into(ids: np.ndarray, out: np.ndarray) -> None:
         raise InputError(f"narrow_into takes a contiguous 1-D int64 or uint64 array, got {type(ids).__name__}")
     assert _native is not None
     if not _native.narrow_ids(ids, out):
-        raise _out_of_range(ids)
+        raise range_error(ids)
 
 
-def _out_of_range(ids: np.ndarray) -> InputError:
+def range_error(ids: np.ndarray) -> InputError:
     """The error for 8-byte ids the C code found outside the range: as_token_array's, or
     (the array changed since it was read there) one that says so."""
     try:
@@ -193,29 +193,42 @@ def wide_ids(tokens: Tokens) -> TypeGuard[np.ndarray]:
             and tokens.dtype.kind in "iu" and tokens.dtype.isnative and tokens.flags.c_contiguous)
 
 
+def stretch_ends(total_pages: int, first: int = 64, growth: int = 8) -> Iterator[int]:
+    """Where the stretches of :func:`chain_stretches` end, in pages: ``first``, then
+    ``growth`` times as many as the last each time, the last at ``total_pages`` (one, at
+    0, without a full page)."""
+    end, span = 0, first
+    while True:
+        end = min(total_pages, end + span)
+        yield end
+        if end == total_pages:
+            return
+        span *= growth
+
+
 def chain_stretches(ids: np.ndarray, tokens_per_page: int, namespace: bytes,
-                    first: int = 64, growth: int = 8) -> Iterator[bytes]:
+                    first: int = 64, growth: int = 8, ready: Callable[[int], None] | None = None) -> Iterator[bytes]:
     """The keys of the full pages of ``ids`` (from :func:`token_ids`) as :func:`chain_keys`
     makes them, a stretch at a time: ``first`` pages, then ``growth`` times as many as the
     last each time, at least one stretch (empty without a full page). A caller that stops
     at the first page it does not hold hashes no further: a lookup then costs what its
-    cached prefix costs, not what its prompt does (issue 21)."""
-    total = ids.size // tokens_per_page
-    start, span, parent = 0, first, namespace
-    while True:
-        end = min(total, start + span)
+    cached prefix costs, not what its prompt does (issue 21). ``ready(n)``, where given,
+    is called before a stretch is hashed and returns once the first ``n`` ids are in place
+    (ids another process is still writing: a node service's lookups)."""
+    start, parent = 0, namespace
+    for end in stretch_ends(ids.size // tokens_per_page, first, growth):
+        if ready is not None:
+            ready(end * tokens_per_page)
         if _native is not None:
             try:
                 blob = bytes(_native.chain_xxh3_128(parent, ids[start * tokens_per_page:end * tokens_per_page],
                                                     tokens_per_page, end - start))
             except OverflowError:   # checked by token_ids: the caller's array changed since
-                raise _out_of_range(ids) from None
+                raise range_error(ids) from None
         else:
             blob = chain_keys(ids[start * tokens_per_page:end * tokens_per_page], tokens_per_page, parent)
         yield blob
-        if end == total:
-            return
-        start, span, parent = end, span * growth, blob[-KEY_BYTES:]
+        start, parent = end, blob[-KEY_BYTES:] if blob else parent
 
 
 def _chain_keys_py(tokens: np.ndarray, tokens_per_page: int, namespace: bytes) -> bytes:

@@ -303,6 +303,36 @@ def test_random_sessions_match_call_for_call(sock_dir: Path, tmp_path: Path, see
             o.close()
 
 
+def test_a_long_prompt_cached_across_stretches(opened: Opened, tmp_path: Path) -> None:
+    """A lookup hashes a stretch of pages at a time (64, then 512, then 4,096): prefixes
+    that end on either side of a stretch's end, and ids found out of range in a later
+    stretch (through a daemon, written after the request went), mean what they mean
+    in-process."""
+    s = opened(make_config(tmp_path / "s", 700, 0))
+    tokens = np.random.default_rng(4).integers(0, 50000, 5000 * TPP, dtype=np.int64)
+    data = page_data(22, 600)
+    assert s.put(tokens[:600 * TPP], data).stored == 600
+    for pages in (63, 64, 65, 575, 576, 577, 600, 5000):
+        r = s.lookup(tokens[:pages * TPP + 3])
+        assert (r.cached_pages, r.total_pages) == (min(pages, 600), pages)
+    shifted = tokens.copy()
+    shifted[580 * TPP] += 1    # in the third stretch
+    assert s.lookup(shifted).cached_pages == 580
+    bad = tokens.copy()
+    for at in (100 * TPP, 590 * TPP, 4000 * TPP, bad.size - 1):   # cached, cached, past the cached run, last
+        bad[at] = -7
+        with pytest.raises(InputError, match=r"got values in \[-7, "):
+            s.lookup(bad)
+        bad[at] = tokens[at]
+    wide = tokens.astype(np.uint64)
+    wide[3000 * TPP] = 1 << 40
+    with pytest.raises(InputError, match=str(1 << 40)):
+        s.lookup(wide)
+    assert s.lookup(tokens).cached_pages == 600   # the connection goes on
+    out = np.zeros((600, PB), np.uint8)
+    assert s.get(tokens, out).pages == 600 and np.array_equal(out, data)
+
+
 def test_a_long_prompt(opened: Opened, tmp_path: Path) -> None:
     """Past protocol.INLINE_TOKENS the connected client passes tokens through shared memory."""
     s = opened(make_config(tmp_path / "s", 8, 16))

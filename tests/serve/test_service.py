@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import mmap
 import os
 import signal
 import socket
@@ -407,3 +408,95 @@ def test_descriptors_sent_with_a_broken_frame_are_closed(service: NodeService) -
         os.close(fd)
     assert wait_for(lambda: service.clients == 0, 10)
     assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+class _StreamedLookup:
+    """A client that speaks the protocol by hand: a streamed lookup (FLAG_STREAMED) whose
+    ids and progress word the test writes when it likes."""
+
+    def __init__(self, path: Path, tokens: np.ndarray) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(str(path))
+        self.sock.settimeout(10)
+        self.n = tokens.size
+        size = 64 + 4 * self.n
+        self.fd = os.memfd_create("ids", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.fd, size)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        self.map = mmap.mmap(self.fd, size)
+        self.word = np.frombuffer(self.map, np.uint64, 1)
+        self.ids = np.frombuffer(self.map, "<u4", self.n, 64)
+        self.ids[:] = tokens
+        P.send_frame(self.sock, P.Op.SEGMENT, P.SEGMENT_REQ.pack(1, size), fds=(self.fd,))
+        assert P.recv_frame(self.sock)[1] == P.Status.OK
+
+    def send(self, ready: int) -> None:
+        self.word[0] = ready
+        head = P.LOOKUP_REQ.pack(P.FLAG_COUNT | P.FLAG_STREAMED, 0.0) + P.STREAM_REQ.pack(0)
+        P.send_frame(self.sock, P.Op.LOOKUP, P.token_ref(b"", 1, 64, self.n, head))
+
+    def reply(self) -> tuple[int, bytes]:
+        _, status, body, _ = P.recv_frame(self.sock)
+        return status, bytes(body)
+
+    def close(self) -> None:
+        del self.word, self.ids
+        self.map.close()
+        os.close(self.fd)
+        self.sock.close()
+
+
+def test_a_streamed_lookup_waits_for_its_ids_and_ends_with_its_client(tmp_path: Path, sock_dir: Path) -> None:
+    """The daemon hashes a stretch of a streamed lookup only once the client's progress
+    word counts its ids; a client that abandons the lookup gets an InputError and keeps
+    its connection; one that closes its socket, overstates its progress or stalls past
+    the request deadline loses its connection, and the daemon's thread ends."""
+    svc = NodeService(make_config(tmp_path / "s", 700, 0), sock_dir / "d.sock", body_timeout_s=1.0).start()
+    try:
+        tokens = np.random.default_rng(9).integers(0, 50000, 2000 * TPP, dtype=np.int64)
+        with Store.connect(svc.path) as client:
+            assert client.put(tokens[:600 * TPP], np.zeros((600, PB), np.uint8)).stored == 600
+        raw = _StreamedLookup(svc.path, tokens)
+        written = tokens[:64 * TPP].astype("<u4")
+        raw.ids[64 * TPP:] = 0   # not written yet: a daemon that read them would find a miss at page 64
+        raw.send(64 * TPP)
+        raw.sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):   # the first stretch hit: it waits for the second's ids
+            raw.reply()
+        raw.sock.settimeout(10)
+        assert np.array_equal(raw.ids[:64 * TPP], written)
+        raw.ids[:] = tokens
+        raw.word[0] = tokens.size
+        status, body = raw.reply()
+        assert status == P.Status.OK and P.LOOKUP_REP.unpack_from(body)[:3] == (600, 600 * TPP, 2000)
+
+        raw.send(64 * TPP)
+        raw.word[0] = P.STREAM_ABANDONED
+        status, body = raw.reply()
+        assert status == P.Status.ERROR and json.loads(body)["type"] == InputError.__name__
+        raw.send(tokens.size)   # the connection goes on
+        assert P.LOOKUP_REP.unpack_from(raw.reply()[1])[0] == 600
+
+        raw.send(tokens.size + 1)   # more ids than the request has
+        assert raw.sock.recv(1) == b""
+        raw.close()
+        assert wait_for(lambda: svc.clients == 0, 10)
+
+        gone = _StreamedLookup(svc.path, tokens)
+        gone.send(64 * TPP)
+        time.sleep(0.05)
+        start = time.monotonic()
+        gone.close()   # mid-lookup: its thread notices well before the deadline
+        assert wait_for(lambda: svc.clients == 0, 10)
+        assert time.monotonic() - start < 0.9
+
+        stalled = _StreamedLookup(svc.path, tokens)
+        start = time.monotonic()
+        stalled.send(64 * TPP)
+        assert stalled.sock.recv(1) == b""   # closed at the request deadline
+        assert 0.9 < time.monotonic() - start < 8
+        stalled.close()
+        with Store.connect(svc.path) as client:   # and the daemon serves on
+            assert client.lookup(tokens).cached_pages == 600
+    finally:
+        svc.close()

@@ -41,7 +41,7 @@ from tierkv import errors
 from tierkv.errors import InputError, StoreClosedError, StoreUnavailableError, TierKVError
 from tierkv.splice.ops import SpliceResult
 from tierkv.splice.rope import Rope
-from tierkv.keys import Tokens, as_token_array, narrow_into, tenant_salt, wide_ids
+from tierkv.keys import Tokens, as_token_array, narrow_into, range_error, stretch_ends, tenant_salt, wide_ids
 from tierkv.layout import KVLayout
 from tierkv.serve import protocol as P
 from tierkv.store import landed as landed_words
@@ -104,6 +104,7 @@ class _Segment:
 # long: the scheduler's lookups, whose answer is a scan of keys, not a copy of pages.
 SPIN_OPS = frozenset((P.Op.LOOKUP,))
 SPIN_S = 200e-6
+_PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)   # an int: or-ing the enum each poll cost 2 us
 
 
 class _Conn:
@@ -126,11 +127,14 @@ class _Conn:
             self.sock.close()
             raise
 
-    def call(self, op: int, body: bytes = b"", fds: tuple[int, ...] = (), got: list[int] | None = None) -> memoryview:
+    def call(self, op: int, body: bytes = b"", fds: tuple[int, ...] = (), got: list[int] | None = None,
+             after_send: Callable[[], None] | None = None) -> memoryview:
         """Send one request and wait for its reply. The send is bounded by ``timeout_s``;
         the reply is waited for as long as the daemon lives (its end closes the socket):
         the daemon may be copying from or into the caller's buffer until it answers, so
-        returning earlier would let the caller reuse a buffer still in use."""
+        returning earlier would let the caller reuse a buffer still in use.
+        ``after_send``: work of this request done once it is sent, before its reply is
+        read (a streamed lookup's ids)."""
         try:
             P.send_frame(self.sock, op, body, fds=fds)
         except (BrokenPipeError, ConnectionResetError):
@@ -139,6 +143,8 @@ class _Conn:
             if status != P.Status.OK:
                 raise _error(reply) from None
             raise
+        if after_send is not None:
+            after_send()
         self.sock.settimeout(None)
         try:
             if op in SPIN_OPS:
@@ -162,7 +168,7 @@ class _Conn:
         end = time.perf_counter() + seconds
         while True:
             try:
-                self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                self.sock.recv(1, _PEEK_NOW)
                 return   # a byte, or the end of the stream: recv_frame reads it
             except (BlockingIOError, InterruptedError):
                 if time.perf_counter() >= end:
@@ -199,17 +205,6 @@ class _Conn:
         seg.array[:need].view(toks.dtype)[:] = toks
         return P.token_ref(salt, seg.id, 0, toks.size, prefix)
 
-    def ids(self, salt: bytes, ids: np.ndarray, prefix: bytes = b"") -> bytes:
-        """:meth:`tokens` of ids from ``as_token_array``, or of a long prompt's 8-byte ids
-        (an int64 array, as engines hold them) not checked yet: checked and narrowed
-        straight into the token segment in one pass (an InputError leaves the connection
-        as it was), instead of checked, converted, then copied."""
-        if wide_ids(ids) and ids.size > P.INLINE_TOKENS:
-            seg = self._token_segment(4 * ids.size)
-            narrow_into(ids, seg.array[:4 * ids.size].view("<u4"))
-            return P.token_ref(salt, seg.id, 0, ids.size, prefix)
-        return self.tokens(salt, as_token_array(ids), prefix)   # uint32 already: no copy
-
     def _token_segment(self, need: int) -> _Segment:
         """This connection's token segment, grown to ``need`` bytes where smaller."""
         self.token_seg = self._grown(self.token_seg, need, "tierkv-tokens", TOKENS_ID)
@@ -221,6 +216,67 @@ class _Conn:
             if seg is not None:
                 seg.close()
         self.scratch = self.token_seg = None
+
+
+class _IdFeed:
+    """A streamed lookup's ids (protocol 8, ``FLAG_STREAMED``): a long prompt's int64 ids,
+    checked and narrowed to uint32 into the connection's token segment a stretch at a
+    time (as the daemon hashes them, :func:`tierkv.keys.stretch_ends`), behind a progress
+    word the daemon polls. The first stretch is written before the request goes, the rest
+    after (``rest``, while the request travels and the daemon looks the first stretch up),
+    so that a new prompt's answer does not wait for its 1 MiB of ids to be narrowed. Every
+    id is still checked before the lookup returns: one out of range abandons it
+    (:data:`~tierkv.serve.protocol.STREAM_ABANDONED`) and ``check`` raises the InputError
+    an in-process lookup raises."""
+
+    def __init__(self, ids: np.ndarray, tokens_per_page: int, salt: bytes, head: bytes) -> None:
+        self.ids, self.tpp, self.salt, self.head = ids, tokens_per_page, salt, head
+        self.word: np.ndarray | None = None
+        self.out: np.ndarray | None = None
+        self.ends: list[int] = []
+        self.error: InputError | None = None
+
+    def start(self, conn: _Conn, _seg: int, _off: int) -> bytes:
+        """The request's body, once the progress word is reset and the first stretch written."""
+        n = self.ids.size
+        seg = conn._token_segment(STREAM_IDS_AT + 4 * n)
+        self.word = seg.array[:8].view(np.uint64)
+        self.out = seg.array[STREAM_IDS_AT:STREAM_IDS_AT + 4 * n].view("<u4")
+        self.error = None
+        landed_words.publish(self.word, 0, 0)
+        self.ends = [end * self.tpp for end in stretch_ends(n // self.tpp)]
+        self.ends[-1] = n   # the last stretch takes the ids of the partial page after it too
+        self._write(0, self.ends[0])
+        if self.error is not None:
+            raise self.error   # nothing sent: the connection is as it was
+        return P.token_ref(self.salt, seg.id, STREAM_IDS_AT, n, self.head + P.STREAM_REQ.pack(0))
+
+    def rest(self) -> None:
+        """The ids after the first stretch, a stretch at a time."""
+        for start, end in zip(self.ends, self.ends[1:]):
+            if self.error is not None:
+                return
+            self._write(start, end)
+
+    def _write(self, start: int, end: int) -> None:
+        assert self.word is not None and self.out is not None
+        if start < end:
+            try:
+                narrow_into(self.ids[start:end], self.out[start:end])
+            except InputError:
+                self.error = range_error(self.ids)
+                landed_words.publish(self.word, 0, P.STREAM_ABANDONED)
+                return
+        landed_words.publish(self.word, 0, end)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+#: Where a streamed lookup's ids start in the token segment: after its progress word, a
+#: cache line of its own.
+STREAM_IDS_AT = 64
 
 
 class _Stale(Exception):
@@ -339,7 +395,7 @@ class RemoteStore:
 
     def _request(self, op: int, build: Callable[[_Conn, int, int], bytes], *,
                  rows: np.ndarray | PageList | None = None, fill: bool = False, n_rows: int = 0,
-                 got: list[int] | None = None) -> memoryview:
+                 got: list[int] | None = None, after_send: Callable[[], None] | None = None) -> memoryview:
         """One request on this thread's connection: ``build(conn, segment_id, offset)``
         makes the body. ``rows`` are put from, or (``fill``) got into: in place when they
         lie in a page buffer, else through the connection's scratch segment.
@@ -347,18 +403,20 @@ class RemoteStore:
         A connection that served calls before (its greeting counts) and turns out dead
         (the daemon restarted since) is replaced and the request sent again, once, except pins and unpins
         (not idempotent): the dead daemon can no longer touch anything of the caller's.
-        ``got``: descriptors that came with the reply are added to it (the caller closes them)."""
+        ``got``: descriptors that came with the reply are added to it (the caller closes them).
+        ``after_send``: as in :meth:`_Conn.call` (requests without rows)."""
         try:
-            return self._request_once(op, build, rows, fill, n_rows, got=got)
+            return self._request_once(op, build, rows, fill, n_rows, got=got, after_send=after_send)
         except _Stale:
-            return self._request_once(op, build, rows, fill, n_rows, retry=False, got=got)
+            return self._request_once(op, build, rows, fill, n_rows, retry=False, got=got, after_send=after_send)
 
     def _request_once(self, op: int, build: Callable[[_Conn, int, int], bytes], rows: np.ndarray | PageList | None,
-                      fill: bool, n_rows: int, retry: bool = True, got: list[int] | None = None) -> memoryview:
+                      fill: bool, n_rows: int, retry: bool = True, got: list[int] | None = None,
+                      after_send: Callable[[], None] | None = None) -> memoryview:
         conn = self._acquire()
         try:
             with conn.lock:
-                reply = self._exchange(conn, op, build, rows, fill, n_rows, got)
+                reply = self._exchange(conn, op, build, rows, fill, n_rows, got, after_send)
         except TierKVError:
             self._release(conn)
             raise
@@ -381,10 +439,11 @@ class RemoteStore:
         return memoryview(reply)
 
     def _exchange(self, conn: _Conn, op: int, build: Callable[[_Conn, int, int], bytes],
-                  rows: np.ndarray | PageList | None, fill: bool, n_rows: int, got: list[int] | None = None) -> bytes:
+                  rows: np.ndarray | PageList | None, fill: bool, n_rows: int, got: list[int] | None = None,
+                  after_send: Callable[[], None] | None = None) -> bytes:
         """One request and its reply on ``conn`` (its lock held): see :meth:`_request`."""
         if rows is None:
-            return bytes(conn.call(op, build(conn, 0, 0), got=got))
+            return bytes(conn.call(op, build(conn, 0, 0), got=got, after_send=after_send))
         place = self._locate(rows)
         if place is not None:
             seg, off = place
@@ -525,9 +584,22 @@ class RemoteStore:
         # daemon hashes their keys a stretch at a time and stops at the first page it does
         # not hold, so a prompt costs what its cached prefix costs.
         salt = tenant_salt(tenant)
-        ids = tokens if wide_ids(tokens) and tokens.size > P.INLINE_TOKENS else as_token_array(tokens)
-        head = P.LOOKUP_REQ.pack((P.FLAG_COUNT if count else 0) | (P.FLAG_DERIVED if derived else 0), budget)
-        reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.ids(salt, ids, head))
+        flags = (P.FLAG_COUNT if count else 0) | (P.FLAG_DERIVED if derived else 0)
+        if wide_ids(tokens) and tokens.size > P.INLINE_TOKENS:
+            # A long prompt of int64 ids: narrowed into the token segment while the request
+            # is on its way and the daemon hashes the first stretch (_IdFeed).
+            feed = _IdFeed(tokens, self.layout.tokens_per_page, salt,
+                           P.LOOKUP_REQ.pack(flags | P.FLAG_STREAMED, budget))
+            try:
+                reply = self._request(P.Op.LOOKUP, feed.start, after_send=feed.rest)
+            except TierKVError:
+                feed.check()   # an id out of range: this error, not the daemon's word for it
+                raise
+            feed.check()
+        else:
+            ids = as_token_array(tokens)
+            reply = self._request(P.Op.LOOKUP, lambda conn, _s, _o: conn.tokens(salt, ids, P.LOOKUP_REQ.pack(flags,
+                                                                                                            budget)))
         n, ntok, total, nderived, nlossy = P.LOOKUP_REP.unpack_from(reply)
         return LookupResult(n, ntok, total, bytes(reply[P.LOOKUP_REP.size:]), derived=nderived, lossy=nlossy)
 

@@ -319,7 +319,7 @@ class NodeService:
                 log.warning("refused a connection: %s", exc)
                 P.send_frame(conn, P.Op.HELLO, P.error_body(exc), P.Status.ERROR)
                 return
-            info = _Client(grant.pid, grant.uid, time.time())
+            info = _Client(grant.pid, grant.uid, time.time(), sock=conn)
             with self._lock:
                 self._info[conn] = info
             while not self._closed.is_set():
@@ -401,6 +401,8 @@ class NodeService:
             return segments.unregister(body)
         if op == P.Op.LOOKUP:
             flags, budget = _unpack(P.LOOKUP_REQ, body)
+            if flags & P.FLAG_STREAMED:
+                return self._streamed_lookup(s, flags, budget, body, segments, grant, info)
             # read in place: a client that changes its tokens meanwhile misleads only itself
             salt, tokens = self._tokens(body, P.LOOKUP_REQ.size, segments, grant, copy=False)
             found = s.lookup(tokens, salt, count=bool(flags & P.FLAG_COUNT), accept=_accept(flags),
@@ -560,6 +562,25 @@ class NodeService:
         r = s.splice(tokens, start, end, replacement, rope=rope, tenant=salt)
         return P.SPLICE_REP.pack(r.prefill_from, r.prefill_to, r.first_derived, r.derived, r.stored, r.delta)
 
+    def _streamed_lookup(self, s: Store, flags: int, budget: float, body: memoryview, segments: Segments,
+                         grant: Grant, info: _Client) -> bytes:
+        """A LOOKUP with ``FLAG_STREAMED``: its ids lie in a segment, where the client is
+        still writing them (a long prompt, narrowed to uint32 after the request went, so
+        that the narrowing overlaps the request's way here); the lookup hashes each
+        stretch once the client's progress word says its ids are in place."""
+        (word_at,) = _unpack(P.STREAM_REQ, body[P.LOOKUP_REQ.size:])
+        salt, inline, ref = P.split_token_body(body, P.LOOKUP_REQ.size + P.STREAM_REQ.size)
+        grant.check(salt)
+        if ref is None:
+            raise P.ProtocolError("a streamed lookup's tokens must lie in a segment")
+        seg, off, count = ref
+        tokens = segments.tokens(seg, off, count, copy=False)   # read in place, as any lookup's
+        ready = _Arriving(segments.words(seg, word_at, 1), count, info.sock, self.body_timeout_s)
+        found = s._lookup_arriving(tokens, salt, ready, count=bool(flags & P.FLAG_COUNT), accept=_accept(flags),
+                                   accept_lossy=budget or None)
+        del tokens, ready
+        return _lookup_reply(found)
+
     def _tokens(self, body: memoryview, at: int, segments: Segments, grant: Grant,
                 copy: bool = True) -> tuple[bytes, np.ndarray]:
         """The salt (one the connection's user may use) and tokens of a token op: inline,
@@ -585,6 +606,62 @@ class _Client:
     id: int = field(default_factory=lambda: next(_client_ids))   # owns the pins this connection takes
     session: tuple[int, str] | None = None   # (pid, client) of the client it belongs to, if HELLO named one
     lends: dict[int, int] = field(default_factory=dict)   # Store.lend tokens not ended -> pages lent
+    sock: socket.socket | None = None   # its connection
+
+
+#: How long a streamed lookup polls its client's progress word before it sleeps between
+#: looks (the client narrows a 128K-token prompt's ids in tens of microseconds).
+ARRIVING_SPIN_S = 0.002
+
+
+class _Arriving:
+    """``ready(n)`` of a streamed lookup: returns once the client's progress word counts
+    ``n`` of its ``total`` ids. Polls (yielding the GIL to the daemon's other threads
+    each time) for :data:`ARRIVING_SPIN_S`, then sleeps between looks; InputError where the
+    client abandoned the lookup (an id out of range), ProtocolError (the connection is
+    closed) where it closed its socket, wrote a count past its ids or took longer than the
+    request deadline."""
+
+    def __init__(self, word: np.ndarray, total: int, sock: socket.socket | None, timeout_s: float) -> None:
+        self.word, self.total, self.sock, self.timeout_s = word, total, sock, timeout_s
+
+    def __call__(self, n: int) -> None:
+        start, pause = time.monotonic(), 0.0
+        while True:
+            got = landed.read(self.word, 0)
+            if got == P.STREAM_ABANDONED:
+                raise InputError("the client found a token id outside [0, 2**32) while it wrote the ids: "
+                                 "lookup abandoned")
+            if got > self.total:
+                raise P.ProtocolError(f"a streamed lookup's progress word counts {got} of its {self.total} ids")
+            if got >= n:
+                return
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
+                raise P.ProtocolError(f"the client wrote {got} of the {n} ids its lookup needs in "
+                                      f"{self.timeout_s:g} s")
+            if waited < ARRIVING_SPIN_S:
+                time.sleep(0)   # lets the daemon's other threads run
+                continue
+            if self.sock is not None and _closed(self.sock):
+                raise P.ProtocolError("the client closed its connection while it wrote a lookup's ids")
+            pause = min(2 * pause or 50e-6, 1e-3)
+            time.sleep(pause)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` closed it (nothing more will come). Does not wait (a
+    socket with a timeout would wait for data first, whatever the flags)."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.settimeout(timeout)
 
 
 def _user(uid: int) -> str:

@@ -32,7 +32,8 @@ from tierkv.errors import InputError
 #: LEND, END_LEND. 4: derived pages (accept="derived") on LOOKUP and GET, counted in their replies.
 #: 5: ORIGINS. 6: lossy pages (a budget on LOOKUP, GET and PUT; lossy counts in the replies).
 #: 7: LOOKUP_KEYS retired (the daemon hashes a lookup's tokens a stretch at a time, stopping at a miss).
-VERSION = 7
+#: 8: streamed lookups (FLAG_STREAMED: the client writes a long prompt's ids while the daemon hashes them).
+VERSION = 8
 
 HEADER = struct.Struct("<IHH")
 #: The largest body either side accepts. Bodies are small: page bytes and long prompts
@@ -83,8 +84,13 @@ ORIGINS_REQ = struct.Struct("<QQ")
 #: Origins per ORIGINS reply (each a few hundred bytes of JSON: well inside MAX_BODY).
 ORIGINS_PER_REPLY = 1024
 SPLICE_REP = struct.Struct("<QQQQQq")
-#: Flags of LOOKUP_REQ and GET_REQ.
-FLAG_COUNT, FLAG_DERIVED = 1, 2
+#: Flags of LOOKUP_REQ and GET_REQ. FLAG_STREAMED (LOOKUP only): STREAM_REQ follows
+#: LOOKUP_REQ, and the tokens, in a segment, are still being written: the uint64 word at
+#: STREAM_REQ's offset in that segment counts those in place (written with release
+#: ordering after them), or is STREAM_ABANDONED (the client found an id out of range).
+FLAG_COUNT, FLAG_DERIVED, FLAG_STREAMED = 1, 2, 4
+STREAM_REQ = struct.Struct("<Q")
+STREAM_ABANDONED = (1 << 64) - 1
 GET_LAYERED_REQ = struct.Struct("<QQQqQQ")   # exact pages only
 POOL_REP = struct.Struct("<QQQ")
 LEND_REQ = struct.Struct("<QqB")

@@ -14,7 +14,7 @@ and page tensors, never keys.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import logging
 import os
 import threading
@@ -302,16 +302,32 @@ class Store:
             raise InputError(f"lookup_keys: keys must be bytes, {KEY_BYTES} per page")
         return self._lookup(keys, None, count)
 
-    def _lookup_leading(self, tokens: Tokens, tenant: str | bytes, count: bool) -> LookupResult:
+    def _lookup_arriving(self, tokens: np.ndarray, tenant: str | bytes, ready: Callable[[int], None], *,
+                         count: bool = True, accept: str = "exact", accept_lossy: float | None = None) -> LookupResult:
+        """:meth:`lookup` of uint32 ids that another process is still writing (a node
+        service's client narrows a long prompt's ids into shared memory while the daemon
+        looks them up): ``ready(n)`` returns once the first ``n`` are in place, or raises
+        to abandon the lookup. An exact lookup on a store without peers waits for each
+        stretch's ids only when it gets there (a new prompt's answer goes back before its
+        last ids are written); any other waits for them all first."""
+        if accept == "exact" and accept_lossy is None and self._peering is None:
+            self._check_open()
+            return self._lookup_leading(tokens, tenant, count, ready)
+        ready(tokens.size)
+        return self.lookup(tokens, tenant, count=count, accept=accept, accept_lossy=accept_lossy)
+
+    def _lookup_leading(self, tokens: Tokens, tenant: str | bytes, count: bool,
+                        ready: Callable[[int], None] | None = None) -> LookupResult:
         """:meth:`lookup` of exact pages on a store without peers: the keys are hashed a
         stretch at a time (without the lock), each stretch looked up before the next is
         hashed, so that a prompt costs what its cached prefix costs (a new 128K-token
         prompt: one stretch of 64 pages, not 8,192 keys). Each stretch is one snapshot
-        of the index; as any lookup, the answer is a hint that ``get`` checks again."""
+        of the index; as any lookup, the answer is a hint that ``get`` checks again.
+        ``ready``: as in :meth:`_lookup_arriving`."""
         ids = token_ids(tokens)
         tpp = self.layout.tokens_per_page
         levels = b""
-        for i, blob in enumerate(chain_stretches(ids, tpp, self._namespace(tenant_salt(tenant)))):
+        for i, blob in enumerate(chain_stretches(ids, tpp, self._namespace(tenant_salt(tenant)), ready=ready)):
             got = self._levels(blob, count and i == 0)
             levels += got
             if len(got) < len(blob) // KEY_BYTES:
