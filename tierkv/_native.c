@@ -486,8 +486,8 @@ done:
 PyDoc_STRVAR(set_simd_doc,
 "set_simd(level) -> int\n\n"
 "Which vector paths narrow and check 8-byte ids (narrow_ids, the key chain of int64\n"
-"ids): 2 AVX-512 where the CPU has it, 1 AVX2 where it has that, 0 the portable loop;\n"
-"all give the same bytes. Returns the level in force after the call (the asked one or\n"
+"ids): 2 (or True) AVX-512 where the CPU has it, 1 AVX2 where it has that, 0 (or False)\n"
+"the portable loop; all give the same bytes. Returns the level in force after the call (the asked one or\n"
 "the best below it the CPU has). For tests and comparisons: not meant to change while\n"
 "other threads hash.");
 
@@ -498,6 +498,8 @@ set_simd(PyObject *self, PyObject *arg)
     long level = PyLong_AsLong(arg);
     if (level == -1 && PyErr_Occurred())
         return NULL;
+    if (PyBool_Check(arg))   /* True: the best the CPU has (as the codec's set_simd), False: portable */
+        level = arg == Py_True ? 2 : 0;
     if (level < 0 || level > 2) {
         PyErr_Format(PyExc_ValueError, "set_simd takes 0 (portable), 1 (AVX2) or 2 (AVX-512), got %ld", level);
         return NULL;

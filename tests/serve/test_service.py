@@ -496,6 +496,16 @@ def test_a_streamed_lookup_waits_for_its_ids_and_ends_with_its_client(tmp_path: 
         assert stalled.sock.recv(1) == b""   # closed at the request deadline
         assert 0.9 < time.monotonic() - start < 8
         stalled.close()
+
+        slow = _StreamedLookup(svc.path, tokens)   # a stretch just inside the deadline, then nothing
+        start = time.monotonic()
+        slow.send(64 * TPP)
+        time.sleep(0.7)
+        slow.word[0] = 576 * TPP
+        slow.sock.settimeout(10)
+        assert slow.sock.recv(1) == b""   # the deadline counts from the lookup's start, not each stretch's
+        assert 0.9 < time.monotonic() - start < 1.6
+        slow.close()
         with Store.connect(svc.path) as client:   # and the daemon serves on
             assert client.lookup(tokens).cached_pages == 600
     finally:

@@ -609,24 +609,27 @@ class _Client:
     sock: socket.socket | None = None   # its connection
 
 
-#: How long a streamed lookup polls its client's progress word before it sleeps between
-#: looks (the client narrows a 128K-token prompt's ids in tens of microseconds).
-ARRIVING_SPIN_S = 0.002
+#: How long a streamed lookup polls its client's progress word, in all, before it sleeps
+#: between looks (the client narrows a 128K-token prompt's ids in tens of microseconds).
+ARRIVING_SPIN_S = 0.0005
 
 
 class _Arriving:
     """``ready(n)`` of a streamed lookup: returns once the client's progress word counts
     ``n`` of its ``total`` ids. Polls (yielding the GIL to the daemon's other threads
-    each time) for :data:`ARRIVING_SPIN_S`, then sleeps between looks; InputError where the
-    client abandoned the lookup (an id out of range), ProtocolError (the connection is
-    closed) where it closed its socket, wrote a count past its ids or took longer than the
-    request deadline."""
+    each time) for :data:`ARRIVING_SPIN_S` in all, then sleeps between looks; InputError
+    where the client abandoned the lookup (an id out of range), ProtocolError (the
+    connection is closed) where it closed its socket, wrote a count past its ids or has
+    not written the ids a stretch needs by the request deadline, counted from the lookup's
+    start (not each stretch's)."""
 
     def __init__(self, word: np.ndarray, total: int, sock: socket.socket | None, timeout_s: float) -> None:
         self.word, self.total, self.sock, self.timeout_s = word, total, sock, timeout_s
+        self.start = time.monotonic()
+        self.spun = 0.0   # seconds polled so far, all stretches together
 
     def __call__(self, n: int) -> None:
-        start, pause = time.monotonic(), 0.0
+        pause = 0.0
         while True:
             got = landed.read(self.word, 0)
             if got == P.STREAM_ABANDONED:
@@ -636,12 +639,13 @@ class _Arriving:
                 raise P.ProtocolError(f"a streamed lookup's progress word counts {got} of its {self.total} ids")
             if got >= n:
                 return
-            waited = time.monotonic() - start
-            if waited > self.timeout_s:
+            now = time.monotonic()
+            if now - self.start > self.timeout_s:
                 raise P.ProtocolError(f"the client wrote {got} of the {n} ids its lookup needs in "
                                       f"{self.timeout_s:g} s")
-            if waited < ARRIVING_SPIN_S:
+            if self.spun < ARRIVING_SPIN_S:
                 time.sleep(0)   # lets the daemon's other threads run
+                self.spun += time.monotonic() - now
                 continue
             if self.sock is not None and _closed(self.sock):
                 raise P.ProtocolError("the client closed its connection while it wrote a lookup's ids")
