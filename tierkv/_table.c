@@ -20,6 +20,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #define KEY_BYTES 16
 #define NO_LEVEL 0xFF
@@ -100,6 +103,23 @@ map_insert(TableObject *t, int32_t row)
     t->map[i] = row;
 }
 
+/* Ask for transparent huge pages over the whole 2 MiB pages of a large array (Linux, where
+ * THP is "madvise"): a lookup's random reads of the map and the keys then miss the TLB far
+ * less (a 4M-row table: 30 -> 17-19 ns a key when its lines are cached). Best effort. */
+static void
+advise_huge(void *p, size_t bytes)
+{
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1), end = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (end > start)
+        (void)madvise((void *)start, end - start, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
 static int
 map_rebuild(TableObject *t, int log2cap)
 {
@@ -113,6 +133,7 @@ map_rebuild(TableObject *t, int log2cap)
         PyErr_NoMemory();
         return -1;
     }
+    advise_huge(map, cap * sizeof(int32_t));
     memset(map, 0xFF, cap * sizeof(int32_t));
     PyMem_Free(t->map);
     t->map = map;
@@ -159,10 +180,12 @@ grow_rows(TableObject *t, Py_ssize_t want)
     if (keys == NULL)
         goto fail;
     t->keys = keys;
+    advise_huge(keys, (size_t)cap * sizeof(Key));
     uint8_t *level = PyMem_Realloc(t->level, (size_t)cap);
     if (level == NULL)
         goto fail;
     t->level = level;
+    advise_huge(level, (size_t)cap);
     uint8_t *live = PyMem_Realloc(t->live, (size_t)cap);
     if (live == NULL)
         goto fail;
@@ -507,12 +530,89 @@ published_level(const TableObject *t, const Key *k)
     return r < 0 ? NO_LEVEL : t->level[r];
 }
 
+/* The published level of k, probing from map slot i on. */
+static inline int
+level_from(const TableObject *t, const Key *k, size_t i)
+{
+    for (;;) {
+        int32_t r = t->map[i];
+        if (r < 0)
+            return NO_LEVEL;
+        if (key_eq(&t->keys[r], k))
+            return t->level[r];
+        i = (i + 1) & t->mask;
+    }
+}
+
+/* Keys a scan reads the map slot of ahead (prefetched SCAN_AHEAD keys before that),
+ * and the ring that carries each key's home slot and first row between the stages. */
+#define SCAN_AHEAD 8
+#define SCAN_RING 32   /* a power of two >= 2 * SCAN_AHEAD */
+
+/* The leading keys of blob[start:n] that are published: their levels into dst (if not
+ * NULL, dst[i] for key i), returns where the run ends. A staged scan: key i + 2A's
+ * home slot is prefetched, key i + A's slot read and its row's key and level
+ * prefetched, key i resolved; so a table far larger than the caches costs about one
+ * memory latency per A keys, not two or three dependent misses a key (a 4M-row table:
+ * 80-90 ns a key before). Reads only: the caller holds the GIL throughout. */
+static Py_ssize_t
+prefix_scan(const TableObject *t, const uint8_t *p, Py_ssize_t start, Py_ssize_t n, uint8_t *dst)
+{
+    size_t home[SCAN_RING];
+    int32_t first[SCAN_RING];
+    Key k;
+    Py_ssize_t i;
+    for (i = start; i < n && i < start + 2 * SCAN_AHEAD; i++) {
+        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
+        home[i & (SCAN_RING - 1)] = home_of(t, &k);
+        PREFETCH(&t->map[home[i & (SCAN_RING - 1)]]);
+    }
+    for (i = start; i < n && i < start + SCAN_AHEAD; i++) {
+        int32_t r = t->map[home[i & (SCAN_RING - 1)]];
+        first[i & (SCAN_RING - 1)] = r;
+        if (r >= 0) {
+            PREFETCH(&t->keys[r]);
+            PREFETCH(&t->level[r]);
+        }
+    }
+    for (i = start; i < n; i++) {
+        Py_ssize_t a = i + 2 * SCAN_AHEAD, b = i + SCAN_AHEAD;
+        if (a < n) {
+            memcpy(&k, p + a * KEY_BYTES, KEY_BYTES);
+            home[a & (SCAN_RING - 1)] = home_of(t, &k);
+            PREFETCH(&t->map[home[a & (SCAN_RING - 1)]]);
+        }
+        if (b < n) {
+            int32_t r = t->map[home[b & (SCAN_RING - 1)]];
+            first[b & (SCAN_RING - 1)] = r;
+            if (r >= 0) {
+                PREFETCH(&t->keys[r]);
+                PREFETCH(&t->level[r]);
+            }
+        }
+        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
+        int32_t r = first[i & (SCAN_RING - 1)];
+        int v;
+        if (r < 0)
+            v = NO_LEVEL;
+        else if (key_eq(&t->keys[r], &k))
+            v = t->level[r];
+        else   /* another key holds the home slot: probe on from the next one */
+            v = level_from(t, &k, (home[i & (SCAN_RING - 1)] + 1) & t->mask);
+        if (v == NO_LEVEL)
+            break;
+        if (dst != NULL)
+            dst[i] = (uint8_t)v;
+    }
+    return i;
+}
+
 static PyObject *
 t_prefix_len(TableObject *t, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"blob", "start", NULL};
     Py_buffer blob;
-    Py_ssize_t start = 0, i;
+    Py_ssize_t start = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|n:prefix_len", kwlist, &blob, &start))
         return NULL;
     Py_ssize_t n = blob.len / KEY_BYTES;
@@ -522,19 +622,9 @@ t_prefix_len(TableObject *t, PyObject *args, PyObject *kwargs)
         PyBuffer_Release(&blob);
         return NULL;
     }
-    const uint8_t *p = blob.buf;
-    for (i = start; i < n; i++) {
-        Key k;
-        if (i + PREFETCH_AHEAD < n) {
-            memcpy(&k, p + (i + PREFETCH_AHEAD) * KEY_BYTES, KEY_BYTES);
-            PREFETCH(&t->map[home_of(t, &k)]);
-        }
-        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
-        if (published_level(t, &k) == NO_LEVEL)
-            break;
-    }
+    Py_ssize_t end = prefix_scan(t, blob.buf, start, n, NULL);
     PyBuffer_Release(&blob);
-    return PyLong_FromSsize_t(i - start);
+    return PyLong_FromSsize_t(end - start);
 }
 
 static PyObject *
@@ -548,26 +638,13 @@ t_prefix_values(TableObject *t, PyObject *args, PyObject *kwargs)
         PyBuffer_Release(&blob);
         return NULL;
     }
-    Py_ssize_t n = blob.len / KEY_BYTES, i;
+    Py_ssize_t n = blob.len / KEY_BYTES;
     PyObject *out = PyBytes_FromStringAndSize(NULL, n);
     if (out == NULL) {
         PyBuffer_Release(&blob);
         return NULL;
     }
-    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
-    const uint8_t *p = blob.buf;
-    for (i = 0; i < n; i++) {
-        Key k;
-        if (i + PREFETCH_AHEAD < n) {
-            memcpy(&k, p + (i + PREFETCH_AHEAD) * KEY_BYTES, KEY_BYTES);
-            PREFETCH(&t->map[home_of(t, &k)]);
-        }
-        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
-        int v = published_level(t, &k);
-        if (v == NO_LEVEL)
-            break;
-        dst[i] = (uint8_t)v;
-    }
+    Py_ssize_t i = prefix_scan(t, blob.buf, 0, n, (uint8_t *)PyBytes_AS_STRING(out));
     PyBuffer_Release(&blob);
     if (i < n && _PyBytes_Resize(&out, i) < 0)
         return NULL;

@@ -58,6 +58,44 @@ def test_the_c_core_answers_as_the_python_core_does_through_random_operations() 
         sorted(live[1][i:i + 16] for i in range(0, len(live[1]), 16))
 
 
+@native
+def test_long_prefix_scans_answer_as_the_python_core_does() -> None:
+    """The C scan reads a key's map slot ahead and its row's key and level ahead of that
+    (prefix_scan): blobs longer than its lookahead, misses, unpublished and released rows
+    at every position, keys that share probe chains, any start, answer as key-by-key
+    lookups do."""
+    rng = random.Random(11)
+    cores = [new_core(), PyCore()]
+    pool = [_key(i) for i in range(6000)]
+    for c in cores:
+        c.ensure(b"".join(pool))
+    for key in pool:   # published at random levels, some unpublished or released
+        r, level = rng.random(), rng.randrange(3)
+        for c in cores:
+            row = np.array([c.row(key)], dtype=np.int32).tobytes()
+            if r < 0.04:
+                c.release(row)
+            else:
+                c.set_levels(row, NO_LEVEL if r < 0.08 else level)
+    absent = [(10_000 + i).to_bytes(16, "little") for i in range(50)]
+    for _ in range(400):
+        keys = [rng.choice(pool) for _ in range(rng.randrange(0, 300))]
+        if keys and rng.random() < 0.5:
+            keys[rng.randrange(len(keys))] = rng.choice(absent)
+        blob = b"".join(keys)
+        want = cores[1].prefix_values(blob)
+        assert cores[0].prefix_values(blob) == want
+        start = rng.randrange(len(keys) + 1)
+        assert cores[0].prefix_len(blob, start) == cores[1].prefix_len(blob, start)
+        lead = b""
+        for k in keys:   # key by key, as a lookup of one key at a time answers
+            level = cores[0].get(k)
+            if level is None:
+                break
+            lead += bytes((level,))
+        assert want == lead
+
+
 @pytest.mark.parametrize("core", [pytest.param("c", marks=native), "py"])
 def test_bad_input_is_refused_with_a_clear_error(core: str) -> None:
     c = new_core() if core == "c" else PyCore()
