@@ -1048,3 +1048,28 @@ def test_amx_blocks_saved_through_a_daemon_load_bit_for_bit(sock_dir: Path, tmp_
                 assert torch.equal(got[NA * DA:][v_in_vec], plane[list(v_at)])
         a.close()
         b.close()
+
+
+def test_a_requests_ids_are_converted_once_and_as_a_whole_conversion_gives_them() -> None:
+    """Saves take a request's leading ids from _Request.leading, which converts only the
+    tokens after those it holds: the same ids as converting the whole prefix, views it
+    gave before unchanged as it grows, fewer where the list is shorter, InputError (as
+    any conversion) for a bad id."""
+    from tierkv.integrations.vllm.plan import _Request, leading_ids
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 50000, 10_000).tolist()
+    live = tokens[:100]   # vLLM's list, extended as the request goes
+    req = _Request("", live, 100)
+    taken = []
+    for n in (0, 16, 48, 48, 100, 64):
+        taken.append((n, req.leading(n)))
+    live.extend(tokens[100:])
+    for n in (112, 2048, 2049, 9000, 10_000, 12_000, 5):
+        taken.append((n, req.leading(n)))
+    for n, ids in taken:   # each view still holds what it held
+        assert ids.dtype == np.dtype("<u4") and np.array_equal(ids, leading_ids(tokens, min(n, len(tokens))))
+    bad = _Request("", [1, 2, 3, -4], 4)
+    assert np.array_equal(bad.leading(3), [1, 2, 3])
+    with pytest.raises(InputError, match="token ids must lie in"):
+        bad.leading(4)

@@ -45,7 +45,8 @@ SALT_LEN = struct.Struct("<H")
 class Op(IntEnum):
     HELLO = 1      # JSON both ways: {"version", "pid"} -> {"version", "layout", "model_id", "pid"}
     SEGMENT = 2    # <QQ segment id, bytes; the memfd in SCM_RIGHTS -> empty
-    LOOKUP = 3     # <B flags, salt, tokens -> <QQQQ cached pages, cached tokens, total pages, derived + tier ranks
+    LOOKUP = 3     # <Bd flags, budget [<Q progress word: FLAG_STREAMED], salt, tokens -> <QQQQQ cached pages,
+                   # cached tokens, total pages, derived, lossy + tier ranks
     GET = 4        # <QQQqB segment, offset, rows, requested (-1: rows), flags, salt, tokens -> <QQQ pages, tokens,
                    # derived + ranks
     PUT = 5        # <QQQQB segment, offset, rows, unfilled, announce, salt, tokens -> <QQQ stored, present, dropped

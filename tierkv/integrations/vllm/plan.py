@@ -59,8 +59,8 @@ def leading_ids(tokens: Sequence[int], n: int) -> np.ndarray:
     """The first ``n`` of a request's token ids (vLLM keeps them in a Python list) as the
     store takes them: read once into int64 by ``np.fromiter``, then checked and narrowed to
     uint32 (as :func:`~tierkv.keys.as_token_array` does); fewer where the list is shorter.
-    ``as_token_array(list(tokens[:n]))`` copied the list twice: 7 ms for a 128K-token
-    prompt against 2.8 on this VM, paid by the scheduler on every lookup and save plan.
+    ``as_token_array(list(tokens[:n]))`` copied the list twice: 7-7.8 ms for a 128K-token
+    prompt against 2.8-4.7 here (docs/benchmarks.md), paid by the scheduler's lookups.
     InputError (as ``as_token_array``) for ids that are not integers or lie out of range."""
     try:
         ids = np.fromiter(itertools.islice(tokens, n), dtype=np.int64, count=n)
@@ -170,6 +170,27 @@ class _Request:
     stored: int = 0              # leading pages known to be in the store (loaded or saved)
     pinned: np.ndarray | None = None   # the prefix pinned for the load, unpinned when it ends
     derived: bool = False        # it loaded derived pages: what it computes attended to them, never saved
+    ids: np.ndarray | None = None   # its leading token ids as saves took them (uint32, room to grow)
+    ids_len: int = 0                # how many of ``ids`` hold ids
+
+    def leading(self, n: int) -> np.ndarray:
+        """Its first ``n`` token ids (fewer where it has fewer), converted once: a save
+        converts only the tokens after those earlier saves took, into a buffer that doubles
+        as it fills (a chunked prefill saves every chunk; converting the whole prefix each
+        time made a long prompt's saves cost its length squared). The tokens before a
+        request's computed ones never change (vLLM appends), so the earlier ids hold."""
+        if self.ids is None:
+            self.ids = np.empty(0, dtype="<u4")
+        if n > self.ids_len:
+            more = leading_ids(self.tokens[self.ids_len:n], n - self.ids_len)
+            end = self.ids_len + more.size
+            if end > self.ids.size:
+                grown = np.empty(max(end, 2 * self.ids.size), dtype="<u4")
+                grown[:self.ids_len] = self.ids[:self.ids_len]
+                self.ids = grown
+            self.ids[self.ids_len:end] = more
+            self.ids_len = end
+        return self.ids[:min(n, self.ids_len)]
 
 
 class ConnectorPlanner:
@@ -370,7 +391,7 @@ class ConnectorPlanner:
         # pages, stored under exact keys, would be served to requests that asked for exact ones.
         if not self.save or req.derived or full <= req.stored:
             return
-        tokens = leading_ids(req.tokens, full * self.block_size)
+        tokens = req.leading(full * self.block_size)
         out.saves.append(SaveJob(req_id, req.tenant, tokens, req.stored, tuple(req.block_ids[:full])))
         req.stored = full
 
