@@ -89,10 +89,10 @@ def test_long_prefix_scans_answer_as_the_python_core_does() -> None:
         assert cores[0].prefix_len(blob, start) == cores[1].prefix_len(blob, start)
         lead = b""
         for k in keys:   # key by key, as a lookup of one key at a time answers
-            level = cores[0].get(k)
-            if level is None:
+            one = cores[0].get(k)
+            if one is None:
                 break
-            lead += bytes((level,))
+            lead += bytes((one,))
         assert want == lead
 
 
