@@ -72,11 +72,11 @@ key_eq(const Key *a, const Key *b)
     return a->w[0] == b->w[0] && a->w[1] == b->w[1];
 }
 
-/* Map slot holding key k, or -1. */
+/* Map slot holding key k, probing from slot i on (its home slot, or the one after a slot
+ * already checked), or -1. */
 static Py_ssize_t
-slot_of(const TableObject *t, const Key *k)
+slot_from(const TableObject *t, const Key *k, size_t i)
 {
-    size_t i = home_of(t, k);
     for (;;) {
         int32_t r = t->map[i];
         if (r < 0)
@@ -85,6 +85,13 @@ slot_of(const TableObject *t, const Key *k)
             return (Py_ssize_t)i;
         i = (i + 1) & t->mask;
     }
+}
+
+/* Map slot holding key k, or -1. */
+static Py_ssize_t
+slot_of(const TableObject *t, const Key *k)
+{
+    return slot_from(t, k, home_of(t, k));
 }
 
 static inline int32_t
@@ -530,20 +537,6 @@ published_level(const TableObject *t, const Key *k)
     return r < 0 ? NO_LEVEL : t->level[r];
 }
 
-/* The published level of k, probing from map slot i on. */
-static inline int
-level_from(const TableObject *t, const Key *k, size_t i)
-{
-    for (;;) {
-        int32_t r = t->map[i];
-        if (r < 0)
-            return NO_LEVEL;
-        if (key_eq(&t->keys[r], k))
-            return t->level[r];
-        i = (i + 1) & t->mask;
-    }
-}
-
 /* Keys a scan reads the map slot of ahead (prefetched SCAN_AHEAD keys before that),
  * and the ring that carries each key's home slot and first row between the stages. */
 #define SCAN_AHEAD 8
@@ -597,8 +590,10 @@ prefix_scan(const TableObject *t, const uint8_t *p, Py_ssize_t start, Py_ssize_t
             v = NO_LEVEL;
         else if (key_eq(&t->keys[r], &k))
             v = t->level[r];
-        else   /* another key holds the home slot: probe on from the next one */
-            v = level_from(t, &k, (home[i & (SCAN_RING - 1)] + 1) & t->mask);
+        else {   /* another key holds the home slot: probe on from the next one */
+            Py_ssize_t slot = slot_from(t, &k, (home[i & (SCAN_RING - 1)] + 1) & t->mask);
+            v = slot < 0 ? NO_LEVEL : t->level[t->map[slot]];
+        }
         if (v == NO_LEVEL)
             break;
         if (dst != NULL)

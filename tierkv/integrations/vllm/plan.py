@@ -170,7 +170,7 @@ class _Request:
     stored: int = 0              # leading pages known to be in the store (loaded or saved)
     pinned: np.ndarray | None = None   # the prefix pinned for the load, unpinned when it ends
     derived: bool = False        # it loaded derived pages: what it computes attended to them, never saved
-    ids: np.ndarray | None = None   # its leading token ids as saves took them (uint32, room to grow)
+    ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype="<u4"))   # leading ids saves took (room to grow)
     ids_len: int = 0                # how many of ``ids`` hold ids
 
     def leading(self, n: int) -> np.ndarray:
@@ -179,8 +179,6 @@ class _Request:
         as it fills (a chunked prefill saves every chunk; converting the whole prefix each
         time made a long prompt's saves cost its length squared). The tokens before a
         request's computed ones never change (vLLM appends), so the earlier ids hold."""
-        if self.ids is None:
-            self.ids = np.empty(0, dtype="<u4")
         if n > self.ids_len:
             more = leading_ids(self.tokens[self.ids_len:n], n - self.ids_len)
             end = self.ids_len + more.size
