@@ -103,7 +103,9 @@ def test_demo_loads_from_dram_then_nvme_with_identical_outputs(env: VllmEnv, tmp
     first, *later = out["turns"]
     assert first["tokens_loaded"] == 0                              # a fresh store has nothing
     assert set(first["tiers_after_restart"]) == {"nvme"}           # DRAM died with the daemon
-    assert all(t["tokens_loaded"] > 0 and set(t["tiers"]) == {"dram"} for t in later)
+    # Before each next turn the demo waited for the turn's saves to land (put in the background).
+    assert all(t["save_wait_s"] >= 0 and t["save_wait_s_after_restart"] >= 0 for t in out["turns"])
+    assert all(t["tokens_loaded"] > 0 and set(t["tiers"]) == {"dram"} for t in later), out["turns"]
     for t in out["turns"]:
         page = LAYOUT["tokens_per_page"]
         assert t["tokens_loaded"] % page == 0 and t["tokens_loaded"] < t["prompt_tokens"]

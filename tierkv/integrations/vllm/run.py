@@ -5,7 +5,9 @@ start it, :mod:`tierkv.integrations.vllm.session`)::
 
     python -m tierkv.integrations.vllm.run --model DIR --chat chat.json [--socket S] --out result.json
 
-``chat.json``: ``{"system": str, "turns": [str, ...], "max_tokens": int, "salt": str}``
+``chat.json``: ``{"system": str, "turns": [str, ...], "max_tokens": int, "salt": str,
+"block_size": int, "await_saves": bool}`` (``await_saves``: before each next turn, wait
+until the store holds the pages of the turn's prompt, ``save_wait_s`` in its result)
 (or ``{"prompts": [[token ids], ...]}``: :func:`prompts`; or ``{"engines": [...]}``:
 :func:`paired`, several engines at once, for ``tierkv bench vllm``).
 Every turn's prompt is the previous prompt, the previous answer and the new user message
@@ -87,9 +89,15 @@ def chat(model: str, served: str, spec: dict[str, Any], socket: str | None, max_
             req["cache_salt"] = salt
         out = llm.generate([req], params, use_tqdm=False)[0]
         after = _tier_hits(socket)
+        # The pages this turn saved are put in the background: wait for them before the
+        # next turn (a user's reply takes longer), so that it finds them whatever the load
+        # on the machine (on 2 busy cores a put took up to 1.2 s to land); how long is kept.
+        waited = (_await_stored(socket, prompt, int(spec["block_size"]), salt or "")
+                  if socket and spec.get("await_saves") else 0.0)
         answer = [t for t in out.outputs[0].token_ids if t != tok.eos_token_id]
         metrics = out.metrics
         turns.append({
+            "save_wait_s": waited,
             "prompt_tokens": len(prompt),
             "answer_ids": list(out.outputs[0].token_ids),
             "answer": out.outputs[0].text,
@@ -103,19 +111,20 @@ def chat(model: str, served: str, spec: dict[str, Any], socket: str | None, max_
             "external_prefix_cache_hits": int(counters.get("vllm:external_prefix_cache_hits", 0))}
 
 
-def _await_stored(socket: str, ids: list[int], block_size: int, timeout_s: float = 60.0) -> None:
-    """Wait until the store holds every full page of ``ids`` but the last token's: the
-    connector stores a request's pages in the background, and a request arriving before
-    they land computes its prompt again."""
+def _await_stored(socket: str, ids: list[int], block_size: int, tenant: str = "", timeout_s: float = 60.0) -> float:
+    """Wait until the store holds every full page of ``ids`` but the last token's (of
+    ``tenant``); the seconds waited. The connector stores a request's pages in the
+    background, and a request arriving before they land computes its prompt again."""
     from tierkv.serve.client import RemoteStore
 
     want = (len(ids) - 1) // block_size
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
     with RemoteStore(socket) as store:
-        while store.lookup(ids[: want * block_size], count=False).cached_pages < want:
-            if time.monotonic() > deadline:
+        while store.lookup(ids[: want * block_size], tenant, count=False).cached_pages < want:
+            if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"the store did not get the {want} pages of a prompt in {timeout_s:.0f} s")
-            time.sleep(0.05)
+            time.sleep(0.005)
+    return time.monotonic() - t0
 
 
 def _prompt_ids(tok: Any, spec: dict[str, Any]) -> list[list[int]]:
