@@ -4,11 +4,12 @@ LMDB trusts its own page pointers: a damaged file can make a reader fault (SIGBU
 SIGSEGV on a page past the end of the map) or trip an assertion (abort) on a write,
 rather than raise. So before the store opens an index (always by default; or only
 after a shutdown that left no ``clean`` marker), a child process walks every database
-and record and rehearses the store's write paths in a transaction it aborts; if the
-child dies or fails, the store sets the index aside and starts empty instead of
-crashing the serving engine. The child imports only ``lmdb`` (and ``xxhash`` when it
-also counts the records that fail their seals: the store asks that when it may load a
-clean close's index image instead of reading the records itself). Called by :func:`tierkv.store.index.open_index`.
+and record and rehearses the store's write paths in a transaction it aborts (with two
+CPUs, children share that work at once: :func:`probe_index`); if a child dies or fails,
+the store sets the index aside and starts empty instead of crashing the serving engine.
+A child imports only ``lmdb`` (and ``xxhash`` when it also counts the records that fail
+their seals: the store asks that when it may load a clean close's index image instead of
+reading the records itself). Called by :func:`tierkv.store.index.open_index`.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def check_index_file(path: Path) -> str | None:
 
 
 def probe_index(path: Path, timeout_s: float | None = None, seals: bool = False) -> tuple[str | None, int]:
-    """Walk the LMDB environment at ``path`` in a child: (None if healthy, else why not; how
+    """Walk the LMDB environment at ``path`` in children: (None if healthy, else why not; how
     many records fail their seal, counted only if ``seals``, else 0). ``timeout_s``: by
     default 120 s plus a second per :data:`PROBE_BYTES_PER_S` of data.mdb, so that a large
     healthy index is never taken for a hung walk (and set aside)."""

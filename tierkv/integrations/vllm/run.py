@@ -92,7 +92,7 @@ def chat(model: str, served: str, spec: dict[str, Any], socket: str | None, max_
         # The pages this turn saved are put in the background: wait for them before the
         # next turn (a user's reply takes longer), so that it finds them whatever the load
         # on the machine (on 2 busy cores a put took up to 1.2 s to land); how long is kept.
-        waited = (_await_stored(socket, prompt, int(spec["block_size"]), salt or "")
+        waited = (_await_stored(socket, prompt, int(spec.get("block_size", 128)), salt or "")
                   if socket and spec.get("await_saves") else 0.0)
         answer = [t for t in out.outputs[0].token_ids if t != tok.eos_token_id]
         metrics = out.metrics
