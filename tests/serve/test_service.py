@@ -469,6 +469,15 @@ def test_a_streamed_lookup_waits_for_its_ids_and_ends_with_its_client(tmp_path: 
         raw.word[0] = tokens.size
         status, body = raw.reply()
         assert status == P.Status.OK and P.LOOKUP_REP.unpack_from(body)[:3] == (600, 600 * TPP, 2000)
+        taken = np.frombuffer(raw.map, np.uint64, 2)
+        assert taken[1] == 1   # the daemon marked it taken up (the client polls for the reply only then)
+        taken[1] = 0
+
+        overlap = P.LOOKUP_REQ.pack(P.FLAG_COUNT | P.FLAG_STREAMED, 0.0) + P.STREAM_REQ.pack(56)
+        P.send_frame(raw.sock, P.Op.LOOKUP, P.token_ref(b"", 1, 64, raw.n, overlap))
+        status, body = raw.reply()   # its ids would overlap the daemon's word: refused, nothing written
+        assert status == P.Status.ERROR and "overlap" in json.loads(body)["message"] and taken[1] == 0
+        del taken   # (the map closes with the raw client)
 
         raw.send(64 * TPP)
         raw.word[0] = P.STREAM_ABANDONED
@@ -508,5 +517,28 @@ def test_a_streamed_lookup_waits_for_its_ids_and_ends_with_its_client(tmp_path: 
         slow.close()
         with Store.connect(svc.path) as client:   # and the daemon serves on
             assert client.lookup(tokens).cached_pages == 600
+    finally:
+        svc.close()
+
+
+def test_a_client_sleeps_for_a_streamed_lookup_the_daemon_has_not_taken_up(
+        tmp_path: Path, sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its ids narrowed, a client polls for the reply only if the daemon has marked the
+    lookup taken up (else the daemon may be queued on the client's own core, behind the
+    polling); unmarked, it sleeps on the socket and gets the same answer."""
+    from tierkv.serve import client as C
+
+    svc = NodeService(make_config(tmp_path / "s", 700, 0), sock_dir / "d.sock").start()
+    try:
+        tokens = np.random.default_rng(3).integers(0, 50000, 2000 * TPP, dtype=np.int64)
+        with Store.connect(svc.path) as client:
+            assert client.put(tokens[:600 * TPP], np.zeros((600, PB), np.uint8)).stored == 600
+            polls: list[float] = []
+            monkeypatch.setattr(C._Conn, "_spin", lambda self, seconds: polls.append(seconds))
+            read = C.landed_words.read
+            monkeypatch.setattr(C.landed_words, "read", lambda rec, word: 0 if word == 1 else read(rec, word))
+            assert client.lookup(tokens).cached_pages == 600 and polls == []
+            monkeypatch.setattr(C.landed_words, "read", lambda rec, word: 1 if word == 1 else read(rec, word))
+            assert client.lookup(tokens).cached_pages == 600 and polls == [C.SPIN_S]
     finally:
         svc.close()

@@ -128,13 +128,14 @@ class _Conn:
             raise
 
     def call(self, op: int, body: bytes = b"", fds: tuple[int, ...] = (), got: list[int] | None = None,
-             after_send: Callable[[], None] | None = None) -> memoryview:
+             after_send: Callable[[], bool | None] | None = None) -> memoryview:
         """Send one request and wait for its reply. The send is bounded by ``timeout_s``;
         the reply is waited for as long as the daemon lives (its end closes the socket):
         the daemon may be copying from or into the caller's buffer until it answers, so
         returning earlier would let the caller reuse a buffer still in use.
         ``after_send``: work of this request done once it is sent, before its reply is
-        read (a streamed lookup's ids)."""
+        read (a streamed lookup's ids); False from it: do not poll for the reply, sleep
+        on the socket at once."""
         try:
             P.send_frame(self.sock, op, body, fds=fds)
         except (BrokenPipeError, ConnectionResetError):
@@ -143,11 +144,10 @@ class _Conn:
             if status != P.Status.OK:
                 raise _error(reply) from None
             raise
-        if after_send is not None:
-            after_send()
+        poll = after_send() if after_send is not None else None
         self.sock.settimeout(None)
         try:
-            if op in SPIN_OPS:
+            if op in SPIN_OPS and poll is not False:
                 self._spin(SPIN_S)
             rop, status, reply, fds_in = P.recv_frame(self.sock, want_fds=got is not None)
         finally:
@@ -240,9 +240,10 @@ class _IdFeed:
         """The request's body, once the progress word is reset and the first stretch written."""
         n = self.ids.size
         seg = conn._token_segment(STREAM_IDS_AT + 4 * n)
-        self.word = seg.array[:8].view(np.uint64)
+        self.word = seg.array[:16].view(np.uint64)   # the progress word, then the daemon's
         self.out = seg.array[STREAM_IDS_AT:STREAM_IDS_AT + 4 * n].view("<u4")
         self.error = None
+        landed_words.publish(self.word, 1, 0)
         landed_words.publish(self.word, 0, 0)
         self.ends = [end * self.tpp for end in stretch_ends(n // self.tpp)]
         self.ends[-1] = n   # the last stretch takes the ids of the partial page after it too
@@ -251,12 +252,18 @@ class _IdFeed:
             raise self.error   # nothing sent: the connection is as it was
         return P.token_ref(self.salt, seg.id, STREAM_IDS_AT, n, self.head + P.STREAM_REQ.pack(0))
 
-    def rest(self) -> None:
-        """The ids after the first stretch, a stretch at a time."""
+    def rest(self) -> bool:
+        """The ids after the first stretch, a stretch at a time; then whether the daemon has
+        taken the lookup up (it writes the word after the progress word). If not, it is not
+        running yet, perhaps queued on this very core: polling for its reply would hold it
+        off (a lookup took 300 us instead of 100 so, 1-6% of them on a 2-core VM), so the
+        caller sleeps on the socket instead."""
         for start, end in zip(self.ends, self.ends[1:]):
             if self.error is not None:
-                return
+                break
             self._write(start, end)
+        assert self.word is not None
+        return landed_words.read(self.word, 1) != 0
 
     def _write(self, start: int, end: int) -> None:
         assert self.word is not None and self.out is not None
@@ -395,7 +402,7 @@ class RemoteStore:
 
     def _request(self, op: int, build: Callable[[_Conn, int, int], bytes], *,
                  rows: np.ndarray | PageList | None = None, fill: bool = False, n_rows: int = 0,
-                 got: list[int] | None = None, after_send: Callable[[], None] | None = None) -> memoryview:
+                 got: list[int] | None = None, after_send: Callable[[], bool | None] | None = None) -> memoryview:
         """One request on this thread's connection: ``build(conn, segment_id, offset)``
         makes the body. ``rows`` are put from, or (``fill``) got into: in place when they
         lie in a page buffer, else through the connection's scratch segment.
@@ -412,7 +419,7 @@ class RemoteStore:
 
     def _request_once(self, op: int, build: Callable[[_Conn, int, int], bytes], rows: np.ndarray | PageList | None,
                       fill: bool, n_rows: int, retry: bool = True, got: list[int] | None = None,
-                      after_send: Callable[[], None] | None = None) -> memoryview:
+                      after_send: Callable[[], bool | None] | None = None) -> memoryview:
         conn = self._acquire()
         try:
             with conn.lock:
@@ -440,7 +447,7 @@ class RemoteStore:
 
     def _exchange(self, conn: _Conn, op: int, build: Callable[[_Conn, int, int], bytes],
                   rows: np.ndarray | PageList | None, fill: bool, n_rows: int, got: list[int] | None = None,
-                  after_send: Callable[[], None] | None = None) -> bytes:
+                  after_send: Callable[[], bool | None] | None = None) -> bytes:
         """One request and its reply on ``conn`` (its lock held): see :meth:`_request`."""
         if rows is None:
             return bytes(conn.call(op, build(conn, 0, 0), got=got, after_send=after_send))

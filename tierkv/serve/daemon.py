@@ -574,11 +574,16 @@ class NodeService:
         if ref is None:
             raise P.ProtocolError("a streamed lookup's tokens must lie in a segment")
         seg, off, count = ref
+        if off < word_at + 16 and word_at < off + 4 * count:
+            raise InputError(f"a streamed lookup's ids (bytes {off}-{off + 4 * count} of its segment) overlap "
+                             f"its progress words (bytes {word_at}-{word_at + 16})")
         tokens = segments.tokens(seg, off, count, copy=False)   # read in place, as any lookup's
-        ready = _Arriving(segments.words(seg, word_at, 1), count, info.sock, self.body_timeout_s)
+        words = segments.words(seg, word_at, 2)
+        landed.publish(words, 1, 1)   # taken up: the client may poll for the reply now
+        ready = _Arriving(words[:1], count, info.sock, self.body_timeout_s)
         found = s._lookup_arriving(tokens, salt, ready, count=bool(flags & P.FLAG_COUNT), accept=_accept(flags),
                                    accept_lossy=budget or None)
-        del tokens, ready
+        del tokens, ready, words
         return _lookup_reply(found)
 
     def _tokens(self, body: memoryview, at: int, segments: Segments, grant: Grant,

@@ -89,6 +89,10 @@ SPLICE_REP = struct.Struct("<QQQQQq")
 #: LOOKUP_REQ, and the tokens, in a segment, are still being written: the uint64 word at
 #: STREAM_REQ's offset in that segment counts those in place (written with release
 #: ordering after them), or is STREAM_ABANDONED (the client found an id out of range).
+#: The word after it is the daemon's: it writes 1 there when it takes the lookup up (the
+#: client, which set it to 0, polls for the reply only once it reads 1: a daemon not yet
+#: running may be queued on the client's own core, behind its polling); the tokens must
+#: not overlap either word.
 FLAG_COUNT, FLAG_DERIVED, FLAG_STREAMED = 1, 2, 4
 STREAM_REQ = struct.Struct("<Q")
 STREAM_ABANDONED = (1 << 64) - 1
