@@ -175,7 +175,8 @@ def test_store_tables(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFix
     store suite's own measurements are exercised by tests/cli/test_replay_cli.py and the rig)."""
     import tierkv.bench.headline as headline
 
-    dram = {"dram_put_gbps": 8.4, "dram_get_gbps": 4.4, "memcpy_gbps": 4.7}
+    dram = {"dram_put_gbps": 8.4, "dram_get_gbps": 4.4, "memcpy_gbps": 4.7, "tier_scattered_put_gbps": 6.25,
+            "tier_scattered_get_gbps": 5.5}
     nvme = {"nvme_write_gbps": 2.3, "fio_write_gbps": 2.1, "nvme_read_gbps": 0.97, "fio_read_gbps": 0.78,
             "nvme_write_unaligned_gbps": 2.1, "nvme_read_unaligned_gbps": 1.0, "nvme_write_vs_fio": 1.08,
             "nvme_read_vs_fio": 1.25, "nvme_write_unaligned_vs_fio": 1.02, "nvme_read_unaligned_vs_fio": 1.29,
@@ -191,5 +192,6 @@ def test_store_tables(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFix
     monkeypatch.setattr(headline, "run", lambda args: result)
     out = _human(["bench", "store"], capsys, monkeypatch)
     assert "headline ratios" in out and "DRAM tier put" in out and "1.78" in out and "30.9" in out
+    assert "scattered slots" in out and "6.25" in out
     assert "NVMe tier vs fio: 1.0 MiB pages x 32" in out and "NVMe tier vs fio: 256.0 KiB pages x 512" in out
     assert "chained sha256 + dict" in out and "4.90" in out

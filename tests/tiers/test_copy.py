@@ -39,8 +39,13 @@ def kind(request: pytest.FixtureRequest) -> Iterator[str]:
     _copy._set_kind(before)
 
 
+# Widths over 16 KiB go four 4 KiB pages at a time, then by lines, then a tail: each
+# part at an aligned and an unaligned destination.
+GROUPED = 3 * 16384 + 4096 + 256 + 64 + 13
+
+
 @pytest.mark.parametrize("stride, width", [(16384, 16384), (16384 + 24, 16384 + 3), (70000, 1000), (300, 63),
-                                           (4096, 0)])
+                                           (4096, 0), (GROUPED + 7, GROUPED), (GROUPED + 64, GROUPED)])
 def test_rows_land_in_their_slots_and_nothing_else_changes(kind: str, stride: int, width: int) -> None:
     rng = np.random.default_rng(stride + width)
     slots = 9
@@ -105,7 +110,8 @@ def test_the_dram_tier_streams_large_pages_and_reads_them_back(kind: str, page: 
         tier.close()
 
 
-@pytest.mark.parametrize("stride, width", [(16384, 16384), (16384 + 24, 16384 + 3), (300, 63)])
+@pytest.mark.parametrize("stride, width", [(16384, 16384), (16384 + 24, 16384 + 3), (300, 63),
+                                           (GROUPED + 7, GROUPED)])
 def test_gathered_rows_are_the_slots_bytes(kind: str, stride: int, width: int) -> None:
     rng = np.random.default_rng(stride * 3 + width)
     src = rng.integers(0, 256, 9 * stride + 5, dtype=np.uint8)[5:]

@@ -340,8 +340,11 @@ def store_tables(r: Mapping[str, object]) -> Iterator[Table]:
                  f"{r.get('runs')} runs)", ("measurement", "ratio", "against, in the same run"),
                  [(label, r.get(key), base) for label, key, base in _HEADLINE])
     dram = [(_size(s.get("page_bytes")), s.get("pages"), *(_map(s.get("dram")).get(k) for k in
-             ("dram_put_gbps", "dram_get_gbps", "memcpy_gbps"))) for s in shapes]
-    yield _table("DRAM tier vs memcpy (GB/s)", ("page", "pages", "put", "get", "memcpy"), dram)
+             ("dram_put_gbps", "dram_get_gbps", "tier_scattered_put_gbps", "tier_scattered_get_gbps",
+              "memcpy_gbps"))) for s in shapes]
+    yield _table("DRAM tier vs memcpy (GB/s)", ("page", "pages", "put", "get", "copy in, scattered slots",
+                                                "copy out, scattered slots", "memcpy"), dram,
+                 caption="put and get: through the store; scattered slots: the copy loop of the tier alone")
     for s in shapes:
         n = _map(s.get("nvme"))
         depth = _map(n.get("fio_queue_depth"))
