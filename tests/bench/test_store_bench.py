@@ -3,6 +3,8 @@ that runs in a second: every figure there, and the bytes checked."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from tierkv.bench import store as bench
 
 
 def test_the_dram_figures_are_all_there_and_checked() -> None:
-    out = bench.bench_store_dram(64 << 10, 8, 2)
+    out: dict[str, Any] = bench.bench_store_dram(64 << 10, 8, 2)
     for key in ("dram_put", "dram_get", "tier_scattered_put", "tier_scattered_get"):
         assert out[f"{key}_gbps"] > 0 and len(out[f"{key}_runs"]) == 2, key
     for key in ("dram_put", "dram_get", "tier_scattered_put", "tier_scattered_get"):

@@ -13,6 +13,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +73,7 @@ def bench_store_dram(page_bytes: int, pages: int, runs: int) -> dict[str, object
     }
 
 
-def bench_tier_rows(src: np.ndarray, runs: int) -> dict[str, object]:
+def bench_tier_rows(src: np.ndarray, runs: int) -> dict[str, Any]:
     """GB/s of a DRAM tier's copy loop alone: the rows of ``src`` written to slots drawn
     at random from twice as many (each run its own) and read back from them; every run's
     bytes checked (ValueError otherwise)."""
