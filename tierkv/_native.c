@@ -311,7 +311,8 @@ chain_split(const uint8_t *data, size_t step, Py_ssize_t n_pages, int order, uin
     /* The ids' bytes a block: a block two ahead is fetched while this one is hashed. A
      * streamed lookup (tierkv serve) reads ids its client wrote on another core just
      * before: lines that core holds modified came over one at a time to the loop's
-     * sequential reads, which took up to twice as long (a 128K-token prompt). */
+     * sequential reads, which took up to twice as long (a 128K-token prompt). The first
+     * two blocks are not fetched ahead. */
     const size_t block_bytes = (size_t)SPLIT_BLOCK * step * (order == DATA_WIDE ? 2 : 1);
     const size_t all_bytes = (size_t)n_pages * step * (order == DATA_WIDE ? 2 : 1);
     for (Py_ssize_t b = 0; b < n_pages; b += SPLIT_BLOCK) {

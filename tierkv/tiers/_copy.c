@@ -37,10 +37,12 @@ copy_plain(char *dst, const char *src, size_t n)
  * bytes it copied (the rest, under a line, is the caller's). */
 typedef size_t (*lines_fn)(char *dst, const char *src, size_t n);
 
-/* A copy of over 16 KiB goes four 4 KiB pages at a time, 128 bytes from each in turn
- * (as glibc's memcpy moves its largest copies): four streams of loads and of stores at
- * once, each within its own page. Page after page in one stream ran 9.0 / 11.0 GB/s
- * (out of / into a tier) against 11.3 / 13.1 so on the project's VM (docs/benchmarks.md). */
+/* The lines past the destination's first 64-byte boundary go four 4 KiB stretches at a
+ * time while 16 KiB of them are left, 128 bytes from each stretch in turn (as glibc's
+ * memcpy moves its largest copies): four streams of loads and of stores at once (each
+ * within one page where source and destination are page-aligned). One stretch after
+ * another ran 9.0 / 11.0 GB/s (out of / into a tier) against 11.3 / 13.1 so on the
+ * project's VM (docs/benchmarks.md). */
 #define GROUP_PAGES 4
 #define GROUP_PAGE 4096
 #define GROUP_STEP 128
