@@ -47,36 +47,31 @@ typedef size_t (*lines_fn)(char *dst, const char *src, size_t n);
 #define GROUP_PAGE 4096
 #define GROUP_STEP 128
 
+/* One 64-byte line, streamed to a 64-byte aligned d. */
+static inline void
+line_sse2(char *d, const char *s)
+{
+    __m128i a = _mm_loadu_si128((const __m128i *)s);
+    __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+    __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+    _mm_stream_si128((__m128i *)d, a);
+    _mm_stream_si128((__m128i *)(d + 16), b);
+    _mm_stream_si128((__m128i *)(d + 32), c);
+    _mm_stream_si128((__m128i *)(d + 48), e);
+}
+
 static size_t
 lines_sse2(char *dst, const char *src, size_t n)
 {
     size_t i = 0;
     for (; i + GROUP_PAGES * GROUP_PAGE <= n; i += GROUP_PAGES * GROUP_PAGE)
         for (size_t o = 0; o < GROUP_PAGE; o += GROUP_STEP)
-            for (size_t p = 0; p < GROUP_PAGES; p++) {
-                const char *s = src + i + p * GROUP_PAGE + o;
-                char *d = dst + i + p * GROUP_PAGE + o;
-                for (size_t k = 0; k < GROUP_STEP; k += 64) {
-                    __m128i a = _mm_loadu_si128((const __m128i *)(s + k));
-                    __m128i b = _mm_loadu_si128((const __m128i *)(s + k + 16));
-                    __m128i c = _mm_loadu_si128((const __m128i *)(s + k + 32));
-                    __m128i e = _mm_loadu_si128((const __m128i *)(s + k + 48));
-                    _mm_stream_si128((__m128i *)(d + k), a);
-                    _mm_stream_si128((__m128i *)(d + k + 16), b);
-                    _mm_stream_si128((__m128i *)(d + k + 32), c);
-                    _mm_stream_si128((__m128i *)(d + k + 48), e);
-                }
-            }
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
-    }
+            for (size_t p = 0; p < GROUP_PAGES; p++)
+                for (size_t k = 0; k < GROUP_STEP; k += 64)
+                    line_sse2(dst + i + p * GROUP_PAGE + o + k, src + i + p * GROUP_PAGE + o + k);
+    for (; i + 64 <= n; i += 64)
+        line_sse2(dst + i, src + i);
     return i;
 }
 
