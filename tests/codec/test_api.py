@@ -160,3 +160,38 @@ def test_one_codec_from_many_threads() -> None:
 
         with ThreadPoolExecutor(4) as pool:
             assert all(pool.map(work, range(4)))
+
+
+def test_a_split_batch_waits_for_every_share_before_it_raises() -> None:
+    """The calling thread codes the first share of a batch itself; whichever share fails,
+    the call returns only after every share has ended (they all write into the caller's
+    arrays), and raises the failure."""
+    import threading
+    import time
+
+    with Codec(LAYOUT, threads=3) as codec:
+        ended: list[int] = []
+        callers: list[bool] = []
+
+        def work(a: int, b: int) -> None:
+            callers.append(threading.current_thread() is threading.main_thread())
+            if a == 0:
+                raise ValueError("the first share failed")
+            time.sleep(0.05)
+            ended.append(a)
+
+        with pytest.raises(ValueError, match="first share"):
+            codec._split(12, work)
+        assert sorted(ended) == [4, 8] and sorted(callers) == [False, False, True]
+
+        ended.clear()
+
+        def late_failure(a: int, b: int) -> None:
+            if a == 8:
+                time.sleep(0.05)
+                raise ValueError("the last share failed")
+            ended.append(a)
+
+        with pytest.raises(ValueError, match="last share"):
+            codec._split(12, late_failure)
+        assert sorted(ended) == [0, 4]
