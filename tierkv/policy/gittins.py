@@ -53,7 +53,6 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from operator import itemgetter
 
 from tierkv.errors import InputError
 from tierkv.keys import KEY_BYTES, PageKey
@@ -383,13 +382,22 @@ class GittinsPolicy:
         self._admitted += 1
         return True
 
+    def admit_all(self, keys: Sequence[PageKey]) -> bool:
+        """Whether :meth:`admit` would take every one of ``keys`` in order without weighing
+        any (no cost model, and the tier has room for all): then they are admitted, with
+        the same state as calls one by one; False, nothing changed, where each must be
+        asked (:meth:`admit_many`)."""
+        if self._cost is None and not self._refused and (not self._room
+                                                         or len(self._leaves) + self._admitted + len(keys) <= self._room):
+            self._admitted += sum(map(self._request.__contains__, keys))
+            return True
+        return False
+
     def admit_many(self, pages: Sequence[tuple[PageKey, PageKey | None]]) -> list[bool]:
         """:meth:`admit` of each (key, parent) in order, in one call: the same answers and state.
         While the tier has room for all of them no page is weighed against a victim."""
         n = len(pages)
-        if self._cost is None and not self._refused and (not self._room
-                                                         or len(self._leaves) + self._admitted + n <= self._room):
-            self._admitted += sum(map(self._request.__contains__, map(itemgetter(0), pages)))
+        if self.admit_all([k for k, _ in pages]):
             return [True] * n
         if self._cost is not None:
             return [self.admit(k, p) for k, p in pages]

@@ -147,14 +147,13 @@ class SimManager:
         levels = m.levels
         for (_src, dst), moves in groupby(plan.ordered_moves(levels), key=lambda mv: (mv.src, mv.dst)):
             placed = [(mv.key, dst, mv.dst_slot) for mv in moves]
-            m.publish(placed, self._checksums(dst, placed), plan)
-        for name, group in groupby(sorted(plan.placements, key=lambda p: levels[p[1]]), key=lambda p: p[1]):
-            placed = list(group)
-            m.publish(placed, self._checksums(name, placed), plan)
+            m.publish(placed, self._checksums(dst, [k for k, _, _ in placed]), plan)
+        for batch in plan.placed_by_level(levels):
+            m.publish(batch, self._checksums(batch.tier, batch.keys), plan)
         m.commit_deletes(plan)
 
-    def _checksums(self, name: TierId, placed: list[tuple[PageKey, TierId, int]]) -> dict[PageKey, int]:
-        return {k: 0 for k, _, _ in placed} if name in self._persistent else _NO_CHECKSUMS
+    def _checksums(self, name: TierId, keys: list[PageKey]) -> dict[PageKey, int]:
+        return dict.fromkeys(keys, 0) if name in self._persistent else _NO_CHECKSUMS
 
     # -- inspection (tests) ------------------------------------------------------------------
     @property

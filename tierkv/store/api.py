@@ -21,7 +21,6 @@ import threading
 import time
 from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
-from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,13 +42,13 @@ from tierkv.store.lossy_tier import Converter, open_converter
 from tierkv.store.peering import Peering, Publishing, Route
 from tierkv.store.pins import PinLedger
 from tierkv.store.landed import LAYERS, PAGES, check_record, layer_groups, publish, reset
-from tierkv.store.moves import NO_SOURCE, Lead, MovePlan
+from tierkv.store.moves import NO_PARENT, NO_SOURCE, Lead, MovePlan, NewPages, Placed
 from tierkv.store.results import GetResult as GetResult
 from tierkv.store.results import Lent as Lent
 from tierkv.store.results import LookupResult as LookupResult
 from tierkv.store.results import PutResult as PutResult
 from tierkv.store.stats import Counters, StoreStats
-from tierkv.tiers.base import TierId, TierKind
+from tierkv.tiers.base import TierKind
 from tierkv.tiers.aligned import ALIGN, aligned_empty, is_aligned
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.blocks import BlockPageTier
@@ -89,10 +88,11 @@ class _Begun:
     """A put whose DRAM pages are yet to be written (``placed``: reserved, unpublished)."""
 
     plan: MovePlan
-    placed: list[tuple[PageKey, TierId, int]]
-    row_of: dict[PageKey, int]
+    placed: Placed
+    row_of: np.ndarray   # the row of the put's pages for each page the plan was asked to place
     stored: int
     new: int
+    removed: int         # the manager's count of removed copies when the plan was made
 
 
 class Store:
@@ -778,22 +778,21 @@ class Store:
                 stored, new = begun
                 return PutResult(stored, rows.shape[0] - new, new - stored)
             assert self._fast is not None
-            placed_keys, _, placed_slots = zip(*begun.placed)
-            slots = list(placed_slots)
+            slots = begun.placed.slots
             token = self._begin_unlocked(self._fast, slots)
         # The new pages bound for the DRAM tier, written without the lock into the slots
         # reserved for them; published under it once written, if still theirs.
         start = time.perf_counter()
         wrote = False
         try:
-            self._fast.write(slots, gather_rows(rows, list(map(begun.row_of.__getitem__, placed_keys))))
+            self._fast.write(slots, gather_rows(rows, begun.row_of[begun.placed.index]))
             wrote = True
         finally:
             with self._lock:
                 try:
                     with self._placing(blob, tenant):
                         done = self._transfers.finish_deferred(begun.plan, begun.placed,
-                                                               time.perf_counter() - start, wrote)
+                                                               time.perf_counter() - start, wrote, begun.removed)
                 finally:
                     self._end_unlocked(self._fast, token)
                 stored = begun.stored + done
@@ -811,37 +810,40 @@ class Store:
         """:meth:`_store` of a put: done, (stored, new); or, where enough new pages go to
         the DRAM tier, everything but their write, which the caller makes without the lock."""
         plan, row_of, new = self._plan_new(keys, rows, 0)
+        removed = self._manager.removed
         if self._fast is None or len(new) * self.layout.page_bytes < UNLOCKED_COPY_BYTES:
             stored = self._transfers.run(plan, rows, row_of)
             self._counters.events["pages_stored"] += stored
             self._count_plan(plan)
             return stored, len(new)
         stored, placed = self._transfers.run_deferring(plan, rows, row_of, self._fast.name)
-        if not placed:
+        if placed is None or not len(placed):
             self._counters.events["pages_stored"] += stored
             self._count_plan(plan)
             return stored, len(new)
         self._counters.events["pages_stored"] += stored
-        return _Begun(plan, placed, row_of, stored, len(new))
+        return _Begun(plan, placed, row_of, stored, len(new), removed)
 
-    def _plan_new(self, keys: list[PageKey], rows: Rows, first: int
-                  ) -> tuple[MovePlan, dict[PageKey, int], list[tuple[PageKey, PageKey | None]]]:
+    def _plan_new(self, keys: list[PageKey], rows: Rows, first: int) -> tuple[MovePlan, np.ndarray, NewPages]:
         """The plan that stores ``rows[i]`` as page ``first + i`` of ``keys`` where not cached:
-        (plan, row of each new page, the new pages with their parents)."""
+        (plan, the row of each new page in the order planned, the new pages)."""
         n = rows.shape[0]
         mine = keys[first:first + n]
-        held = self._manager.held(b"".join(mine))
-        if not any(held) and first <= len(keys):   # all new (a put's usual case): each page's parent is the key before it
-            fresh = list(range(len(mine)))
-            parents: list[PageKey | None] = [keys[first - 1] if first else None, *mine[:-1]]
-            new = list(zip(mine, parents))
+        blob = b"".join(mine)
+        held = np.array(self._manager.held(blob), dtype=bool)
+        # Each page's parent is the key before it: the page ahead of ``first``, then ours.
+        parents = ((keys[first - 1] if 0 < first <= len(keys) else NO_PARENT) + blob)[:len(blob)]
+        has = np.ones(len(mine), dtype=bool)
+        has[:1] = 0 < first <= len(keys)
+        if not held.any():   # all new: a put's usual case
+            fresh = np.arange(len(mine), dtype=np.int64)
+            new = NewPages(mine, blob, parents, has)
             prefix = keys[:first]
         else:
-            fresh = [i for i, h in enumerate(held) if not h]
-            new = [(keys[first + i], keys[first + i - 1] if first + i else None) for i in fresh]
-            prefix = keys[:first] + [k for k, h in zip(mine, held) if h]
-        row_of = dict(zip(map(itemgetter(0), new), fresh))
-        return self._manager.plan_store(new, self.layout.page_bytes, prefix=prefix), row_of, new
+            fresh = np.flatnonzero(~held)
+            new = NewPages(mine, blob, parents, has).take(~held)
+            prefix = keys[:first] + [k for k, h in zip(mine, held.tolist()) if h]
+        return self._manager.plan_new(new, self.layout.page_bytes, prefix=prefix), fresh, new
 
     def _store(self, keys: list[PageKey], rows: Rows, first: int) -> tuple[int, int]:
         """Store ``rows[i]`` as page ``first + i`` of ``keys`` unless cached; (stored, new)."""

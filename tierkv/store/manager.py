@@ -33,7 +33,6 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Sequence
-from itertools import repeat
 
 import numpy as np
 
@@ -42,7 +41,7 @@ from tierkv.keys import KEY_BYTES, PageKey, take_keys
 from tierkv.policy import Policy
 from tierkv.store.index import IndexRecord, PersistentIndex
 from tierkv.store.index_scan import RecordArrays, scan_records
-from tierkv.store.moves import Entry, Lead, Move, MovePlan, PageLocation
+from tierkv.store.moves import Entry, Lead, Move, MovePlan, NewPages, PageLocation, Placed, as_placed
 from tierkv.store.table import LOWEST_LEVEL, MAX_SLOTS, MAX_TIERS, NO_LEVEL, PageTable, rows_of
 from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.base import Tier, TierId, TierKind
@@ -108,11 +107,18 @@ def _insert_pages(policy: Policy, keys: bytes, parents: bytes, has_parent: np.nd
         policy.insert(PageKey(keys[j:j + KEY_BYTES]), PageKey(parents[j:j + KEY_BYTES]) if has else None)
 
 
-def _admit(policy: Policy, pages: Sequence[tuple[PageKey, PageKey | None]]) -> list[bool]:
-    """``policy.admit`` of each (key, parent) in order: one ``admit_many`` call where the
-    policy has it (optional)."""
+def _admit(policy: Policy, pages: NewPages) -> np.ndarray | None:
+    """``policy.admit`` of each page in order: None where it admits them all, else which
+    it does. One ``admit_all`` call first where the policy has it (optional: it says
+    whether it admits every page without weighing each), else one ``admit_many`` call
+    where it has that (optional)."""
+    admit_all = getattr(policy, "admit_all", None)
+    if admit_all is not None and admit_all(pages.keys):
+        return None
+    pairs = pages.pairs()
     admit_many = getattr(policy, "admit_many", None)
-    return admit_many(pages) if admit_many is not None else [policy.admit(k, p) for k, p in pages]
+    ok = admit_many(pairs) if admit_many is not None else [policy.admit(k, p) for k, p in pairs]
+    return None if all(ok) else np.array(ok, dtype=bool)
 
 
 def _lowest(mask: int) -> int:
@@ -157,6 +163,9 @@ class BlockManager:
         self.resident = self.table.core
         self._pages = 0
         self._incarnations = 0    # pages that got a first copy so far: each snapshot's generation
+        #: Copies removed so far (evicted, dropped, abandoned, forgotten): where it has not
+        #: moved, every slot reserved since is still its page's (see ``still_placed``).
+        self.removed = 0
         self.demotion_batch = DEMOTION_BATCH
         # Observers told when pages become readable in a tier ("placed", after publish) and
         # when they stop being so ("removed", before their slots are reused): f(event, tier,
@@ -205,6 +214,7 @@ class BlockManager:
         w = int(t.where[r]) & ~(1 << lvl)
         slot = int(t.slot[lvl, r]) - 1
         t.slot[lvl, r] = 0
+        self.removed += 1
         t.where[r] = w
         p = int(t.parent[r]) - 1
         if p >= 0:
@@ -561,7 +571,16 @@ class BlockManager:
         rows, _ = t.ensure(keys)
         n = len(rows)
         prow = np.zeros(n, dtype=np.int32)
-        if has_parent.any():
+        # A chain (each page's parent the page before it: a prompt's pages) looks up only
+        # its first page's parent; its parents are distinct, so each gains one child.
+        chain = n > 1 and bool(has_parent[1:].all()) and parents[KEY_BYTES:] == keys[:-KEY_BYTES]
+        if chain:
+            prow[1:] = rows[:-1] + 1
+            if has_parent[0]:
+                got, _ = t.ensure(parents[:KEY_BYTES])
+                prow[0] = got[0] + 1
+                chain = not bool((rows == got[0]).any())
+        elif has_parent.any():
             if has_parent.all():
                 got, _ = t.ensure(parents)
             else:
@@ -580,9 +599,14 @@ class BlockManager:
         # so a snapshot of the old one is stale even if the key comes back on another row.
         t.gen[rows] = (self._incarnations + 1 + np.arange(n, dtype=np.int64)) & 0xFFFFFFFF
         self._incarnations += n
-        parents_of, counts = np.unique(prow[prow > 0] - 1, return_counts=True)   # np.add.at, 5x faster in bulk
-        t.kids[lvl, parents_of] += counts.astype(t.kids.dtype)
-        t.nkids[parents_of] += counts.astype(t.nkids.dtype)
+        if chain:
+            parents_of = prow[prow > 0] - 1
+            t.kids[lvl, parents_of] += 1
+            t.nkids[parents_of] += 1
+        else:
+            parents_of, counts = np.unique(prow[prow > 0] - 1, return_counts=True)   # np.add.at, 5x faster in bulk
+            t.kids[lvl, parents_of] += counts.astype(t.kids.dtype)
+            t.nkids[parents_of] += counts.astype(t.nkids.dtype)
         self._pages += n
         return rows
 
@@ -596,36 +620,48 @@ class BlockManager:
         ``first_level``: the fastest tier the pages may go to (a lossy tier's
         conversions); ``plan``: one to extend instead of a new one.
         """
+        return self.plan_new(NewPages.of(pages), nbytes, prefix, first_level=first_level, plan=plan)
+
+    def plan_new(self, pages: NewPages, nbytes: int, prefix: Sequence[PageKey] = (), *, first_level: int = 0,
+                 plan: MovePlan | None = None) -> MovePlan:
+        """:meth:`plan_store` of pages given as columns. The plan's new batches index the
+        pages by their position in ``pages`` (plus what the plan was asked before)."""
+        n = len(pages)
         total = sum(t.num_slots for t in self.tiers[first_level:])
-        if len(pages) > total:
-            raise CapacityError(f"asked to store {len(pages)} pages; all tiers together hold {total}")
+        if n > total:
+            raise CapacityError(f"asked to store {n} pages; all tiers together hold {total}")
         if not 0 <= nbytes <= MAX_NBYTES:
             raise InputError(f"a page is 0 to {MAX_NBYTES} bytes long, got {nbytes}")
         plan = MovePlan() if plan is None else plan
-        protect = {k for k, _ in pages} | set(prefix)
-        todo = list(pages)
+        # What victims calls must not offer: built only where a tier has to make room.
+        protect: set[PageKey] | None = None
+        todo, at = pages, np.arange(plan.asked, plan.asked + n, dtype=np.int64)
+        plan.asked += n
         for tier in self.tiers[first_level:]:
-            if not todo:
+            if not len(todo):
                 break
             if not tier.available:
                 continue
-            policy = self._policies[tier.name]
-            ok = _admit(policy, todo)
-            admitted = todo if all(ok) else [kp for kp, good in zip(todo, ok) if good]
-            slots = self._reserve(tier, len(admitted), protect, plan)
-            placed = admitted[:len(slots)]
-            if not placed:
+            ok = _admit(self._policies[tier.name], todo)
+            admitted, where = (todo, at) if ok is None else (todo.take(ok), at[ok])
+            if protect is None and len(admitted) > tier.num_free:
+                protect = set(pages.keys) | set(prefix)
+            slots = self._reserve(tier, len(admitted), protect if protect is not None else set(), plan)
+            k = len(slots)
+            if not k:
                 continue
-            keys, parents = zip(*placed)
-            has = np.array([p is not None for p in parents], dtype=bool)
-            self._add_pages(b"".join(keys), b"".join([p or _NO_KEY for p in parents]), has,
-                            np.full(len(placed), nbytes, dtype=np.int64), self.levels[tier.name], slots)
-            plan.placements.extend(zip(keys, repeat(tier.name), slots))
-            if len(placed) == len(todo):
-                todo = []
-            else:
-                done = set(keys)
-                todo = [(k, p) for k, p in todo if k not in done]
+            if k < len(admitted):
+                head = np.arange(len(admitted)) < k
+                admitted, where = admitted.take(head), where[:k]
+            self._add_pages(admitted.blob, admitted.parents, admitted.has_parent, np.full(k, nbytes, dtype=np.int64),
+                            self.levels[tier.name], slots)
+            plan.placed.append(Placed(tier.name, admitted.keys, admitted.blob, slots, where))
+            if k == len(todo):
+                todo = NewPages([], b"", b"", np.zeros(0, dtype=bool))
+            else:   # the pages placed are the first k admitted
+                placed = np.zeros(len(todo), dtype=bool)
+                placed[np.flatnonzero(ok)[:k] if ok is not None else slice(0, k)] = True
+                todo, at = todo.take(~placed), at[~placed]
         plan.dropped += len(todo)
         return plan
 
@@ -642,8 +678,12 @@ class BlockManager:
         want = [k for k, good in zip(keys, ok.tolist()) if good]
         slots = self._reserve(tier, len(want), protect | set(want), plan)
         for key, slot in zip(want, slots):
-            plan.placements.append((key, to, slot))
             self._add_copy(self._row(key), level, slot)
+        if slots:
+            batch = Placed.of(to, want[:len(slots)], slots)
+            batch.index += plan.asked
+            plan.placed.append(batch)
+        plan.asked += len(want)
         return plan
 
     def plan_writeback(self) -> MovePlan:
@@ -786,6 +826,7 @@ class BlockManager:
         if self.listeners:
             self._emit("removed", name, list(keys), slots)
         t.slot[lvl, rows] = 0
+        self.removed += len(rows)
         where = t.where[rows] & ~bit
         t.where[rows] = where
         prow = t.parent[rows].astype(np.int64) - 1
@@ -840,7 +881,8 @@ class BlockManager:
         for i, pk in zip(np.flatnonzero(linked).tolist(), parents):
             parent_of[i] = pk
         assert policy is not None
-        ok = np.array(_admit(policy, list(zip(keys, parent_of))), dtype=bool)
+        said = _admit(policy, NewPages.of(list(zip(keys, parent_of))))
+        ok = np.ones(len(keys), dtype=bool) if said is None else said
         slots: list[int] = []
         if ok.any():
             below = plan.parents_below.setdefault(lower.name, set())   # see MovePlan.parents_below
@@ -954,21 +996,24 @@ class BlockManager:
                             "next commit: %s", len(keys), name, exc)
         plan.deletes.clear()
 
-    def publish(self, placed: Sequence[tuple[PageKey, TierId, int]], checksums: dict[PageKey, int],
+    def publish(self, placed: Placed | Sequence[tuple[PageKey, TierId, int]], checksums: dict[PageKey, int],
                 plan: MovePlan | None = None) -> None:
         """Make written pages visible; persistent ones are committed to the index first.
 
-        The plan's pending deletes for the same tier ride in the same transaction: one
-        durable commit per batch. A crash before it leaves the evicted records pointing
-        at slots that may hold newer bytes; their checksums then fail and the pages are
-        misses, never wrong data. A failed commit raises TierIOError with nothing made
-        visible; the caller then abandons ``placed``.
+        ``placed``: a batch, or (key, tier, slot) of each page. The plan's pending deletes
+        for the same tier ride in the same transaction: one durable commit per batch. A
+        crash before it leaves the evicted records pointing at slots that may hold newer
+        bytes; their checksums then fail and the pages are misses, never wrong data. A
+        failed commit raises TierIOError with nothing of its batch made visible; the
+        caller then abandons ``placed``.
         """
-        if not placed:
-            return
+        for batch in as_placed(placed):
+            if len(batch):
+                self._publish(batch, checksums, plan)
+
+    def _publish(self, placed: Placed, checksums: dict[PageKey, int], plan: MovePlan | None) -> None:
         t = self.table
-        keys = [k for k, _, _ in placed]
-        blob = b"".join(keys)
+        name, keys, blob = placed.tier, placed.keys, placed.blob
         rows = rows_of(t.core.find(blob))
         if (rows < 0).any():  # a negative row would index the columns from the end
             raise AssertionError("publish of a page the manager does not hold")
@@ -981,48 +1026,34 @@ class BlockManager:
         has_parent = prow >= 0
         # The parents' keys, back to back (a page's own key stands in where it has none).
         parents = t.core.keys(np.where(has_parent, prow, rows).astype(np.int32).tobytes())
-        names = [name for _, name, _ in placed]
-        by_tier: dict[TierId, list[IndexRecord]] = {}
-        persistent = {name for name in set(names) if self._by_id[name].persistent}
-        if persistent:
+        tier = self._by_id[name]
+        if tier.persistent:
             pkeys = [PageKey(parents[i * KEY_BYTES:(i + 1) * KEY_BYTES]) if has else None
                      for i, has in enumerate(has_parent.tolist())]
             nbytes = t.nbytes[rows].tolist()
             sums_col = t.checksum[rows].tolist()
             has_sum = t.has_sum[rows].tolist()
-            for i, (key, name, slot) in enumerate(placed):
-                if name not in persistent:
-                    continue
+            recs: list[IndexRecord] = []
+            for i, (key, slot) in enumerate(zip(keys, placed.slots)):
                 if not has_sum[i]:
                     raise InputError(f"page bound for the {name} tier has no checksum")
-                tier = self._by_id[name]
                 extents = tier.extents(slot) or ()
                 # Block records name the slot of their first block: a reader that addresses
                 # the file in slots finds a raw page there, or bytes that fail the checksum.
                 first = extents[0][0] * ALIGN // tier.slot_bytes if extents else slot
-                by_tier.setdefault(name, []).append(
-                    IndexRecord(key, first, nbytes[i], sums_col[i], pkeys[i], extents))
-        if self._index is not None:
-            for name, recs in by_tier.items():
+                recs.append(IndexRecord(key, first, nbytes[i], sums_col[i], pkeys[i], extents))
+            if self._index is not None:
                 deletes = plan.deletes.pop(name, []) if plan is not None else []
                 self._commit(name, put=recs, delete=deletes)
-        if names.count(names[0]) == len(names):
-            _insert_pages(self._policies[names[0]], blob, parents, has_parent)
-        else:
-            for name in dict.fromkeys(names):
-                ours = np.array([n == name for n in names])
-                _insert_pages(self._policies[name], take_keys(blob, ours), take_keys(parents, ours),
-                              has_parent[ours])
+        _insert_pages(self._policies[name], blob, parents, has_parent)
         t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
         if self.listeners:
-            for name in dict.fromkeys(n for _, n, _ in placed):
-                mine = [(key, slot) for key, n, slot in placed if n == name]
-                self._emit("placed", name, [k for k, _ in mine], [s for _, s in mine])
+            self._emit("placed", name, list(keys), list(placed.slots))
 
-    def abandon(self, placed: Sequence[tuple[PageKey, TierId, int]]) -> None:
+    def abandon(self, placed: Placed | Sequence[tuple[PageKey, TierId, int]]) -> None:
         """Roll back reservations whose writes failed: the slots are freed, the pages become misses."""
         t = self.table
-        for key, name, slot in placed:
+        for key, name, slot in (placed.tuples() if isinstance(placed, Placed) else placed):
             if self.listeners:
                 self._emit("removed", name, [key], [slot])
             self._by_id[name].free([slot])
@@ -1036,28 +1067,27 @@ class BlockManager:
             elif t.nkids[r]:
                 self._stray = True   # its cached descendants may be in flight: dropped at commit_deletes
 
-    def still_placed(self, placed: Sequence[tuple[PageKey, TierId, int]]) -> list[bool]:
+    def still_placed(self, placed: Placed | Sequence[tuple[PageKey, TierId, int]]) -> np.ndarray:
         """Whether each reserved placement still holds its slot (nothing dropped the page
-        or its copy there since it was planned)."""
-        if not placed:
-            return []
+        or its copy there since it was planned), as a boolean array."""
         t = self.table
-        keys, names, slots = zip(*placed)
-        rows = rows_of(t.core.find(b"".join(keys))).astype(np.int64)
-        one = names.count(names[0]) == len(names)
-        lvls = (np.full(len(placed), self.levels[names[0]], np.int64) if one
-                else np.array([self.levels[name] for name in names], np.int64))
-        held = t.slot[lvls, np.maximum(rows, 0)].astype(np.int64) - 1
-        return ((rows >= 0) & (held == np.array(slots, np.int64))).tolist()  # type: ignore[no-any-return]
+        out = []
+        for batch in as_placed(placed):
+            rows = rows_of(t.core.find(batch.blob)).astype(np.int64)
+            held = t.slot[self.levels[batch.tier], np.maximum(rows, 0)].astype(np.int64) - 1
+            out.append((rows >= 0) & (held == np.asarray(batch.slots, dtype=np.int64)))
+        if len(out) == 1:
+            return out[0]
+        return np.concatenate(out) if out else np.zeros(0, dtype=bool)
 
-    def drop_orphans(self, keys: Sequence[PageKey]) -> int:
+    def drop_orphans(self, keys: Sequence[PageKey], blob: bytes | None = None) -> int:
         """Forget those of ``keys`` whose parent no tier holds any more (it left while their
         bytes were being written without the store's lock), with their descendants;
-        returns how many of ``keys`` were."""
+        returns how many of ``keys`` were. ``blob``: the same keys back to back, if at hand."""
         if not keys:
             return 0
         t = self.table
-        rows = rows_of(t.core.find(b"".join(keys)))
+        rows = rows_of(t.core.find(b"".join(keys) if blob is None else blob))
         ok = rows >= 0
         prow = np.full(len(rows), -1, dtype=np.int64)
         prow[ok] = t.parent[rows[ok]].astype(np.int64) - 1

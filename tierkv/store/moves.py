@@ -11,8 +11,10 @@ a store may hold two tiers of one kind. Which tier is faster is the manager's to
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby, repeat
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -107,17 +109,103 @@ class Move:
     dst_slot: int
 
 
+#: A page's parent where it has none, in a blob of parents (a key no page has: keys are hashes).
+NO_PARENT = PageKey(bytes(KEY_BYTES))
+
+
+@dataclass(eq=False)
+class NewPages:
+    """Pages to store that no tier holds, as columns: ``keys`` (a list, and ``blob``, the
+    same 16-byte keys back to back), ``parents``: each page's parent key back to back,
+    meaningful where the boolean ``has_parent`` is set."""
+
+    keys: list[PageKey]
+    blob: bytes
+    parents: bytes
+    has_parent: np.ndarray
+
+    @classmethod
+    def of(cls, pages: Sequence[tuple[PageKey, PageKey | None]]) -> NewPages:
+        """The columns of a list of (key, parent)."""
+        keys = [k for k, _ in pages]
+        has = np.fromiter((p is not None for _, p in pages), dtype=bool, count=len(pages))
+        return cls(keys, b"".join(keys), b"".join([NO_PARENT if p is None else p for _, p in pages]), has)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def take(self, which: np.ndarray) -> NewPages:
+        """The pages where the boolean mask ``which`` is set, in order."""
+        return NewPages([k for k, good in zip(self.keys, which.tolist()) if good], take_keys(self.blob, which),
+                        take_keys(self.parents, which), self.has_parent[which])
+
+    def pairs(self) -> list[tuple[PageKey, PageKey | None]]:
+        """(key, parent) of each page, in order."""
+        p = self.parents
+        return [(k, PageKey(p[i * KEY_BYTES:(i + 1) * KEY_BYTES]) if has else None)
+                for i, (k, has) in enumerate(zip(self.keys, self.has_parent.tolist()))]
+
+
+@dataclass(eq=False)
+class Placed:
+    """New pages a plan reserved slots for in one tier, as columns.
+
+    ``keys`` and ``blob`` (the same 16-byte keys back to back), ``slots[i]``: the slot
+    reserved for ``keys[i]``; ``index[i]``: that page's position in what the plan was
+    asked to place (int64), so the caller finds its bytes without a map from keys.
+    """
+
+    tier: TierId
+    keys: list[PageKey]
+    blob: bytes
+    slots: list[int]
+    index: np.ndarray
+
+    @classmethod
+    def of(cls, tier: TierId, keys: Sequence[PageKey], slots: Sequence[int]) -> Placed:
+        """Placements of ``keys`` into ``slots`` of ``tier``, indexed in their order."""
+        if len(keys) != len(slots):
+            raise ValueError(f"{len(keys)} keys and {len(slots)} slots do not make placements")
+        keys = list(keys)
+        return cls(tier, keys, b"".join(keys), list(slots), np.arange(len(keys), dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def take(self, which: np.ndarray) -> Placed:
+        """The placements where the boolean mask ``which`` is set, in order."""
+        idx = np.flatnonzero(which).tolist()
+        return Placed(self.tier, [self.keys[i] for i in idx], take_keys(self.blob, which),
+                      [self.slots[i] for i in idx], self.index[which])
+
+    def tuples(self) -> list[tuple[PageKey, TierId, int]]:
+        """(key, tier, slot) of each placement, in order."""
+        return list(zip(self.keys, repeat(self.tier), self.slots))
+
+
+def as_placed(placed: Placed | Sequence[tuple[PageKey, TierId, int]]) -> list[Placed]:
+    """Placements as :class:`Placed` batches, one per run of one tier, in order."""
+    if isinstance(placed, Placed):
+        return [placed]
+    return [Placed.of(name, [k for k, _, _ in group], [s for _, _, s in group])
+            for name, group in ((n, list(g)) for n, g in groupby(placed, key=itemgetter(1)))]
+
+
 @dataclass
 class MovePlan:
     """What one store, promotion or eviction needs done, in execution order.
 
-    ``moves`` run deepest tier first, then ``placements`` are written; each batch is
-    published with one index commit that also carries the ``deletes`` (records of
-    evicted persistent pages) of its tier.
+    ``moves`` run deepest tier first, then the new pages of ``placed`` (one batch per
+    tier, in the order they were planned) are written; each batch is published with one
+    index commit that also carries the ``deletes`` (records of evicted persistent pages)
+    of its tier.
     """
 
     moves: list[Move] = field(default_factory=list)
-    placements: list[tuple[PageKey, TierId, int]] = field(default_factory=list)
+    placed: list[Placed] = field(default_factory=list)
+    # How many pages this plan was asked to place so far: a batch's ``index`` counts from
+    # here, so indices stay distinct across several store calls into one plan.
+    asked: int = 0
     deletes: dict[TierId, list[PageKey]] = field(default_factory=dict)
     dropped: int = 0
     evicted: int = 0
@@ -129,6 +217,28 @@ class MovePlan:
     # (cached descendants depend on them): they stay, and are not offered again.
     kept: set[PageKey] = field(default_factory=set)
 
+    @property
+    def placements(self) -> list[tuple[PageKey, TierId, int]]:
+        """(key, tier, slot) of every new page placed, batch by batch."""
+        return [p for batch in self.placed for p in batch.tuples()]
+
+    def placed_by_level(self, levels: Mapping[TierId, int]) -> list[Placed]:
+        """The new pages' batches, one per tier, fastest tier first (a tier's batches
+        merged in plan order)."""
+        if len(self.placed) <= 1:
+            return [b for b in self.placed if len(b)]
+        out: dict[TierId, list[Placed]] = {}
+        for batch in sorted(self.placed, key=lambda b: levels[b.tier]):
+            if len(batch):
+                out.setdefault(batch.tier, []).append(batch)
+        return [bs[0] if len(bs) == 1 else _merged(bs) for bs in out.values()]
+
     def ordered_moves(self, levels: Mapping[TierId, int]) -> list[Move]:
         """The moves, those out of the slowest tiers first (``levels``: 0 is the fastest)."""
         return sorted(self.moves, key=lambda m: -levels[m.src])
+
+
+def _merged(batches: list[Placed]) -> Placed:
+    """One tier's batches as one, in order (their ``index`` entries kept as they were)."""
+    return Placed(batches[0].tier, [k for b in batches for k in b.keys], b"".join(b.blob for b in batches),
+                  [s for b in batches for s in b.slots], np.concatenate([b.index for b in batches]))

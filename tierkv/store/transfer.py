@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from itertools import groupby
-from operator import itemgetter
 
 import numpy as np
 
@@ -22,7 +21,7 @@ from tierkv.store.checksum import checksum64, checksum_rows
 from tierkv.errors import TierIOError, TierUnavailableError
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.store.manager import BlockManager, Move, MovePlan
-from tierkv.store.moves import Lead
+from tierkv.store.moves import Lead, Placed
 from tierkv.store.pages import PageList, Rows
 from tierkv.store.stats import Counters
 from tierkv.tiers.aligned import ALIGN, aligned_empty, is_aligned
@@ -77,24 +76,30 @@ COPY_TABLE: dict[tuple[TierKind, TierKind], CopyFn] = {
 }
 
 
-def gather_rows(src: Rows, rows: list[int]) -> Rows:
+def gather_rows(src: Rows, rows: list[int] | np.ndarray) -> Rows:
     """``src[rows]``: a zero-copy view when the rows are consecutive or ``src`` is a
     list of separate pages, else a contiguous copy."""
     if isinstance(src, PageList):
-        return src.take(rows)
-    first = rows[0]
-    if rows == list(range(first, first + len(rows))):
-        return src[first:first + len(rows)]
+        return src.take(rows if isinstance(rows, list) else rows.tolist())
+    first, n = int(rows[0]), len(rows)
+    if isinstance(rows, np.ndarray):
+        consecutive = int(rows[-1]) - first == n - 1 and (n < 3 or bool((np.diff(rows) == 1).all()))
+    else:
+        consecutive = rows == list(range(first, first + n))
+    if consecutive:
+        return src[first:first + n]
     return np.take(src, rows, axis=0)
 
 
-def _by_tier(placed: list[tuple[PageKey, TierId, int]], levels: Mapping[TierId, int]
-             ) -> list[list[tuple[PageKey, TierId, int]]]:
-    """Placements grouped by tier, fastest tier first, in plan order within a tier."""
-    names = set(map(itemgetter(1), placed))
-    if len(names) <= 1:
-        return [placed] if placed else []
-    return [list(g) for _, g in groupby(sorted(placed, key=lambda p: levels[p[1]]), key=itemgetter(1))]
+#: Where a plan's new pages take their bytes from: the row of the source for each page,
+#: by key, or by its position in what the plan was asked to place (a batch's ``index``).
+RowOf = dict[PageKey, int] | np.ndarray
+
+
+def _rows_for(placed: Placed, row_of: RowOf) -> list[int] | np.ndarray:
+    if isinstance(row_of, np.ndarray):
+        return row_of[placed.index]
+    return [row_of[k] for k in placed.keys]
 
 
 #: A read-only store reports the pages that failed verification at most once per this many seconds.
@@ -120,9 +125,10 @@ class Transfers:
         self._c = counters
         self._nbytes = page_bytes
 
-    def run(self, plan: MovePlan, src: Rows | None = None, row_of: dict[PageKey, int] | None = None,
+    def run(self, plan: MovePlan, src: Rows | None = None, row_of: RowOf | None = None,
             source: str = "caller") -> int:
-        """Execute ``plan``; placed page ``k`` takes its bytes from ``src[row_of[k]]``.
+        """Execute ``plan``; placed page ``k`` takes its bytes from ``src[row_of[k]]`` (or,
+        where ``row_of`` is an array, from ``src[row_of[i]]``, ``i`` its batch's ``index``).
 
         Returns how many placed pages were published. A group whose write or index
         commit fails is abandoned (its pages become misses) and the rest of the plan
@@ -131,7 +137,7 @@ class Transfers:
         """
         levels = self._m.levels
         moves = [list(g) for _, g in groupby(plan.ordered_moves(levels), key=lambda m: (m.src, m.dst))]
-        placements = _by_tier(plan.placements, levels)
+        placements = plan.placed_by_level(levels)
         published = done = 0
         try:
             for group in moves:
@@ -139,11 +145,11 @@ class Transfers:
                 done += 1
             for placed in placements:
                 assert src is not None and row_of is not None
-                published += self._place(placed[0][1], placed, gather_rows(src, [row_of[k] for k, _, _ in placed]),
-                                         source, plan)
+                published += self._place(placed, gather_rows(src, _rows_for(placed, row_of)), source, plan)
                 done += 1
         except BaseException:
-            rest = [[(m.key, m.dst, m.dst_slot) for m in group] for group in moves[done:]]
+            rest: list[Placed | list[tuple[PageKey, TierId, int]]] = [
+                [(m.key, m.dst, m.dst_slot) for m in group] for group in moves[done:]]
             for undo in rest + placements[max(0, done - len(moves)):]:
                 try:
                     self._m.abandon(undo)
@@ -153,55 +159,61 @@ class Transfers:
         self._m.commit_deletes(plan)  # evictions whose tier received nothing in this plan
         return published
 
-    def run_deferring(self, plan: MovePlan, src: Rows, row_of: dict[PageKey, int], defer: TierId
-                      ) -> tuple[int, list[tuple[PageKey, TierId, int]]]:
+    def run_deferring(self, plan: MovePlan, src: Rows, row_of: RowOf, defer: TierId) -> tuple[int, Placed | None]:
         """As :meth:`run`, except the pages placed in the tier ``defer``: their slots stay
-        reserved and unpublished, returned for the caller to write (without the store's
-        lock) and then hand to :meth:`finish_deferred`. Returns (pages published, deferred)."""
-        mine = [p for p in plan.placements if p[1] == defer]
-        plan.placements = [p for p in plan.placements if p[1] != defer]
+        reserved and unpublished, returned (None if there are none) for the caller to
+        write (without the store's lock) and then hand to :meth:`finish_deferred`.
+        Returns (pages published, deferred)."""
+        mine = [b for b in plan.placed_by_level(self._m.levels) if b.tier == defer]
+        plan.placed = [b for b in plan.placed if b.tier != defer]
+        removed = self._m.removed
         try:
             published = self.run(plan, src, row_of)
         except BaseException:
-            self._m.abandon(mine)
+            for batch in mine:
+                self._m.abandon(batch)
             raise
+        if not mine or self._m.removed == removed:
+            return published, (mine[0] if mine else None)
         # run() may have swept a reserved page (left without its prefix by an eviction in
         # this plan), freeing its slot: such pages are not written.
-        live = self._m.still_placed(mine)
-        return published, (mine if all(live) else [p for p, ok in zip(mine, live) if ok])
+        live = self._m.still_placed(mine[0])
+        return published, (mine[0] if live.all() else mine[0].take(live))
 
-    def finish_deferred(self, plan: MovePlan, placed: list[tuple[PageKey, TierId, int]], seconds: float,
-                        wrote: bool) -> int:
+    def finish_deferred(self, plan: MovePlan, placed: Placed | None, seconds: float, wrote: bool,
+                        removed: int | None = None) -> int:
         """Publish deferred placements whose bytes were written (``wrote``) in ``seconds``;
         pages dropped meanwhile (their slot no longer theirs) are left out, as is all of it
-        when the write failed. Returns how many were published."""
-        if not placed:
+        when the write failed. ``removed``: the manager's ``removed`` when the plan was
+        made. Where it has not moved since, every placement still holds its slot, and
+        every parent its copy if the plan dropped nothing: neither is checked again.
+        Returns how many were published."""
+        if placed is None or not len(placed):
             return 0
-        name = placed[0][1]
-        live = self._m.still_placed(placed)
-        if all(live):
-            gone, keep = [], placed
+        name = placed.tier
+        settled = removed is not None and self._m.removed == removed
+        if settled:
+            keep = placed
         else:
-            gone = [p for p, ok in zip(placed, live) if not ok]
-            keep = [p for p, ok in zip(placed, live) if ok]
+            live = self._m.still_placed(placed)
+            keep = placed if live.all() else placed.take(live)
+        gone = len(placed) - len(keep)
         if not wrote:
             self._m.abandon(keep)
             self._m.commit_deletes(plan)
             return 0
         if gone:
-            log.debug("%d pages written to %s were dropped before they were published", len(gone), name)
+            log.debug("%d pages written to %s were dropped before they were published", gone, name)
         self._c.tier_io_s[name] += seconds
         self._c.moved_bytes("caller", name, len(placed) * self._nbytes, seconds, src_read=False)
         try:
-            published = len(keep) if keep and self._publish(keep, {}, plan, f"write to {name}") else 0
+            published = len(keep) if len(keep) and self._publish(keep, {}, plan, f"write to {name}") else 0
         except BaseException:   # anything but a failed commit (handled there): nothing stays reserved
             self._m.abandon(keep)
             raise
         self._m.commit_deletes(plan)
-        if published:
-            kept = [k for k, _, _ in keep]
-            if self._m.drop_orphans(kept):
-                published = len(self._m.present(b"".join(kept), name)) // KEY_BYTES
+        if published and not (settled and plan.dropped == 0) and self._m.drop_orphans(keep.keys, keep.blob):
+            published = len(self._m.present(keep.blob, name)) // KEY_BYTES
         return published
 
     def count_served(self, name: TierId, keys: bytes, seconds: float) -> None:
@@ -251,18 +263,18 @@ class Transfers:
         if self._publish(placed, sums, plan, f"demotion {src}->{dst}"):
             self._c.events["demotions"] += len(moves)
 
-    def _place(self, name: TierId, placed: list[tuple[PageKey, TierId, int]],
-               buf: Rows, source: str, plan: MovePlan) -> int:
+    def _place(self, placed: Placed, buf: Rows, source: str, plan: MovePlan) -> int:
+        name = placed.tier
         tier = self._tiers[name]
         start = time.perf_counter()
         try:
-            slots = list(map(itemgetter(2), placed))
+            slots = placed.slots
             hashed: list[int] | None = None
             if tier.persistent:  # hashed on the I/O threads, as each chunk is written
                 hashed = tier.write(slots, buf, checksums=True)
             else:
                 tier.write(slots, buf)
-            sums = self._checksums(name, [k for k, _, _ in placed], buf, hashed)
+            sums = self._checksums(name, placed.keys, buf, hashed)
             self._sync(tier)
         except TierIOError as exc:
             log.warning("write of %d pages to %s failed, they stay misses: %s", len(placed), name, exc)
@@ -274,7 +286,7 @@ class Transfers:
         self._c.moved_bytes(source, name, len(placed) * self._nbytes, elapsed, src_read=False)
         return len(placed) if self._publish(placed, sums, plan, f"write to {name}") else 0
 
-    def _publish(self, placed: list[tuple[PageKey, TierId, int]], sums: dict[PageKey, int], plan: MovePlan,
+    def _publish(self, placed: Placed | list[tuple[PageKey, TierId, int]], sums: dict[PageKey, int], plan: MovePlan,
                  what: str) -> bool:
         """Publish written pages; if the index commit fails they are abandoned (misses), not served."""
         try:
