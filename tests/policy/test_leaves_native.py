@@ -98,6 +98,7 @@ def _victims(tw: Twin, rng: random.Random, keys: list[PageKey], settle: bool) ->
 def _drive(seed: int, steps: int, young: bool) -> int:
     rng = random.Random(seed)
     keys, parent = _forest(rng, rng.choice((12, 40, 150)))
+    long = [key for key in keys if len(key) == 16]   # what add_many takes
     tw = Twin(CLASSES, young)
     clock = 0.0
     pending: list[PageKey] = []
@@ -116,6 +117,16 @@ def _drive(seed: int, steps: int, young: bool) -> int:
             batch += [k for k in keys if len(k) == 16][:rng.randint(0, 3)]
             tw.same("touch_many", b"".join(batch), bytes(rng.randrange(CLASSES) for _ in batch), clock,
                     rng.choice((0.0, 1.0)))
+        elif op < 0.54:                                  # a put's pages: a chain of 16-byte keys, some resident
+            chain = rng.sample(long, rng.randint(1, min(6, len(long)))) if long else []
+            first = rng.choice(keys) if rng.random() < 0.5 else None
+            ups = [first, *chain[:-1]]
+            if rng.random() < 0.2 and len(chain) > 2:    # now and then not a chain at all
+                ups[rng.randrange(1, len(chain))] = rng.choice(keys)
+            tw.same("add_many", b"".join(chain), b"".join(u if u is not None and len(u) == 16 else bytes(16)
+                                                          for u in ups),
+                    bytes(u is not None and len(u) == 16 for u in ups), bytes(rng.randrange(CLASSES) for _ in chain),
+                    clock, rng.choice((0.0, 1.0)))
         elif op < 0.62:
             tw.same("discard", key)
         elif op < 0.8:

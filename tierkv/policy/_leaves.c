@@ -671,9 +671,13 @@ lh_contains(LeafHeapsObject *s, PyObject *key)
     return find_present(s, key) >= 0;
 }
 
-/* The body of add() for one parsed page (pk NULL: no parent); -1 with an exception set. */
+/* The body of add() for one parsed page (pk NULL: no parent); -1 with an exception set.
+ * parent_next: the next add (of the same call) names this key as its parent, so the page
+ * is not made a leaf only to stop being one then (adopt's unleaf of a non-leaf is a
+ * no-op); nothing between the two adds can look at the heaps. */
 static int
-add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int plen, int cls, double t)
+add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int plen, int cls, double t,
+        int parent_next)
 {
     if (s->nused > MAX_NODES - 2) {
         PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
@@ -702,7 +706,7 @@ add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int p
         NODE(s, idx)->parent = p;
         adopt(s, p);
     }
-    if (NODE(s, idx)->kids == 0 && leaf(s, idx) < 0)
+    if (NODE(s, idx)->kids == 0 && !parent_next && leaf(s, idx) < 0)
         return -1;
     sweep(s);
     return 0;
@@ -753,7 +757,10 @@ lh_add_many(LeafHeapsObject *s, PyObject *args)
         memcpy(k, kp + 16 * i, 16);
         if (hp[i])
             memcpy(pk, pp + 16 * i, 16);
-        if (add_one(s, k, 16, hp[i] ? pk : NULL, 16, cp[i], t0 + (double)i * step) < 0)
+        /* A chain (page i + 1's parent is page i: a prompt's pages) pushes only its last
+         * page onto the heaps. */
+        int parent_next = i + 1 < n && hp[i + 1] && memcmp(pp + 16 * (i + 1), kp + 16 * i, 16) == 0;
+        if (add_one(s, k, 16, hp[i] ? pk : NULL, 16, cp[i], t0 + (double)i * step, parent_next) < 0)
             goto done;
     }
     res = Py_None;
@@ -794,7 +801,7 @@ lh_add(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
         PyErr_Format(InputError, "page key %R cannot be its own parent", a[0]);
         return NULL;
     }
-    if (add_one(s, k, klen, has_parent ? pk : NULL, plen, cls, t) < 0)
+    if (add_one(s, k, klen, has_parent ? pk : NULL, plen, cls, t, 0) < 0)
         return NULL;
     Py_RETURN_NONE;
 }

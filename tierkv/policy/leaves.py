@@ -114,6 +114,24 @@ class PyLeafHeaps:
         for i, c in enumerate(classes):
             self.touch(PageKey(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]), c, t0 + i * step)
 
+    def add_many(self, keys: bytes, parents: bytes, has_parent: bytes, classes: bytes, t0: float,
+                 step: float) -> None:
+        """:meth:`add` of each 16-byte key of ``keys`` in order, its parent from ``parents``
+        where ``has_parent`` (a byte per page) is nonzero, class ``classes[i]``, at ``t0 + i *
+        step`` (the native heaps' batch call)."""
+        n = len(keys) // KEY_BYTES
+        if len(keys) % KEY_BYTES or len(parents) != len(keys) or len(has_parent) != n or len(classes) != n:
+            raise InputError(f"add_many: {len(keys)} bytes of 16-byte keys, {len(parents)} of parents, "
+                             f"{len(has_parent)} has_parent and {len(classes)} classes do not describe one batch")
+        for i in range(n):   # refused before anything is added, as the native call does
+            j = i * KEY_BYTES
+            if has_parent[i] and keys[j:j + KEY_BYTES] == parents[j:j + KEY_BYTES]:
+                raise InputError(f"add_many: page {i} cannot be its own parent")
+        for i in range(n):
+            j = i * KEY_BYTES
+            self.add(PageKey(keys[j:j + KEY_BYTES]), PageKey(parents[j:j + KEY_BYTES]) if has_parent[i] else None,
+                     classes[i], t0 + i * step)
+
     def discard(self, key: PageKey) -> None:
         """``key`` left the tier. Removing a pending victim settles it."""
         if key not in self.last:
