@@ -60,6 +60,37 @@ def test_rows_land_in_their_slots_and_nothing_else_changes(kind: str, stride: in
     assert np.array_equal(dst, want)
 
 
+@pytest.mark.parametrize("stride, width", [(4096, 4096), (16384 + 24, 16384 + 3), (300, 63), (4096, 0),
+                                           (GROUPED + 7, GROUPED)])
+def test_a_block_of_rows_lands_in_its_slots(kind: str, stride: int, width: int) -> None:
+    rng = np.random.default_rng(stride * 5 + width)
+    pool = rng.integers(0, 256, 9 * stride + 3, dtype=np.uint8)
+    dst = pool[3:]                                   # off any 64-byte boundary
+    want = dst.copy()
+    order = np.array([7, 1, 4], np.int64)
+    src_stride = width + 5                           # rows spaced wider than they are copied
+    src = rng.integers(0, 256, len(order) * src_stride + 1, dtype=np.uint8)[1:]
+    for i, slot in enumerate(order.tolist()):
+        want[slot * stride:slot * stride + width] = src[i * src_stride:i * src_stride + width]
+    _copy.scatter_block(dst, stride, order, src, src_stride, width)
+    assert np.array_equal(dst, want)
+
+
+def test_a_block_with_bad_bounds_writes_nothing() -> None:
+    dst = np.zeros(4 * 1024, np.uint8)
+    src = np.ones(2 * 1024, np.uint8)
+    for slots, src_stride, width in (([0, 4], 1024, 1024), ([0, -1], 1024, 1024), ([0, 1, 2], 1024, 1024),
+                                     ([0, 1], 512, 1024), ([0], 2048, 2048),
+                                     ([0, 0, 0], 2**62, 1)):   # (n - 1) * src_stride would overflow
+        with pytest.raises(ValueError):
+            _copy.scatter_block(dst, 1024, np.array(slots, np.int64), src, src_stride, width)
+        assert not dst.any()
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _copy.scatter_block(dst, 1024, np.zeros(1, np.int64), np.ones((4, 512), np.uint8)[:, ::2], 256, 256)
+    with pytest.raises(TypeError):
+        _copy.scatter_block(bytes(4096), 1024, np.zeros(1, np.int64), src, 1024, 1024)   # read-only dst
+
+
 def test_bad_arguments_write_nothing() -> None:
     dst = np.zeros(4 * 1024, np.uint8)
     row = np.ones(1024, np.uint8)
@@ -91,10 +122,11 @@ def _count_rows(monkeypatch: pytest.MonkeyPatch, name: str, rows_arg: int) -> li
     return calls
 
 
-@pytest.mark.parametrize("page", [16384, 256 * 1024 + 64])
-def test_the_dram_tier_streams_large_pages_and_reads_them_back(kind: str, page: int,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("page", [4096, 16384, 256 * 1024 + 64])
+def test_the_dram_tier_streams_pages_in_and_reads_them_back(kind: str, page: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     streamed = _count_rows(monkeypatch, "scatter_rows", 3)
+    blocks = _count_rows(monkeypatch, "scatter_block", 3)
     tier = dram.DramTier(8, page)
     try:
         rng = np.random.default_rng(page)
@@ -102,7 +134,7 @@ def test_the_dram_tier_streams_large_pages_and_reads_them_back(kind: str, page: 
         tier.write([6, 1, 2], batch)
         listed = [rng.integers(0, 256, page, dtype=np.uint8) for _ in range(2)]
         tier.write([0, 7], PageList(listed, page))
-        assert streamed == [3, 2]
+        assert blocks == [3] and streamed == [2]
         out = np.zeros((5, page), np.uint8)
         tier.read([6, 1, 2, 0, 7], out)
         assert np.array_equal(out[:3], batch) and np.array_equal(out[3], listed[0]) and np.array_equal(out[4], listed[1])

@@ -92,11 +92,14 @@ def _host_buffer(nbytes: int) -> tuple[np.ndarray, bool, int]:
 # Below this row size numpy's gather/scatter beats a Python loop of slice copies; above
 # it the slice copies (memcpy per run) win by 2-3x, since np.take copies element-wise.
 _SMALL_ROW = 16384
-# Rows of at least this size are written in with streaming stores (tierkv.tiers._copy),
-# 1.5-1.7x memcpy's per-page speed from 16 KiB to 2 MiB on the project's VM; read out so
-# too where the batch is larger than a core's cache would keep for its reader anyway.
-# One consecutive run of _ONE_COPY bytes or more is left to memcpy, which streams so
-# large a copy itself (as fast, or a little faster; measured to 128 MiB).
+# Rows of at least _STREAM_WRITE bytes are written in with streaming stores
+# (tierkv.tiers._copy): 1.5-1.7x memcpy's per-page speed from 16 KiB to 2 MiB on the
+# project's VM, 1.75x at 4 KiB into slots not in the cache (docs/benchmarks.md). Rows of
+# at least _STREAM_ROW are read out so too where the batch is larger than a core's cache
+# would keep for its reader anyway. One consecutive run of _ONE_COPY bytes or more is
+# left to memcpy, which streams so large a copy itself (as fast, or a little faster;
+# measured to 128 MiB).
+_STREAM_WRITE = 4096
 _STREAM_ROW = 16384
 _STREAM_READ = 4 << 20
 _ONE_COPY = 64 << 20
@@ -206,8 +209,8 @@ class DramTier(Tier):
 
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
         width = src.shape[1]
-        if (width >= _STREAM_ROW and src.flags.c_contiguous and not self._one_copy(slots, width)
-                and self._stream(slots, list(src), width)):
+        if (width >= _STREAM_WRITE and src.flags.c_contiguous and not self._one_copy(slots, width)
+                and self._stream(slots, src, width)):
             return
         runs = _runs(slots)
         if len(runs) > 4 and width == self.slot_bytes and width < _SMALL_ROW:
@@ -218,7 +221,7 @@ class DramTier(Tier):
 
     def _write_rows(self, slots: Sequence[int], rows: PageList) -> None:
         width = rows.shape[1]
-        if width >= _STREAM_ROW and self._stream(slots, list(rows), width):
+        if width >= _STREAM_WRITE and self._stream(slots, list(rows), width):
             return
         for slot, row in zip(slots, rows):  # one copy per page, straight from the caller's page
             self._buf[slot, :width] = row
@@ -229,14 +232,19 @@ class DramTier(Tier):
         slots are walked only for a copy that large."""
         return width == self.slot_bytes and len(slots) * width >= _ONE_COPY and len(_runs(slots)) == 1
 
-    def _stream(self, slots: Sequence[int], rows: list[np.ndarray], width: int) -> bool:
-        """Rows written into their slots with streaming stores (a page put is not read
-        again soon: its lines need not be read into the cache first); False, nothing
-        written, where the extension is not built or a row is not contiguous."""
+    def _stream(self, slots: Sequence[int], rows: list[np.ndarray] | np.ndarray, width: int) -> bool:
+        """Rows (a list, or a C-contiguous batch) written into their slots with streaming
+        stores (a page put is not read again soon: its lines need not be read into the
+        cache first); False, nothing written, where the extension is not built or a row
+        is not contiguous."""
         if _copy is None:
             return False
         try:
-            _copy.scatter_rows(self._buf, self.slot_bytes, np.asarray(slots, np.int64), rows, width)
+            if isinstance(rows, np.ndarray):
+                _copy.scatter_block(self._buf, self.slot_bytes, np.asarray(slots, np.int64), rows,
+                                    rows.strides[0] if rows.shape[0] > 1 else width, width)
+            else:
+                _copy.scatter_rows(self._buf, self.slot_bytes, np.asarray(slots, np.int64), rows, width)
         except (BufferError, ValueError):
             return False
         return True
