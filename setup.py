@@ -51,6 +51,8 @@ if os.path.exists(_LEAVES):  # the compiled LeafHeaps; tierkv.policy.leaves fall
     ext_modules.append(Extension("tierkv.policy._leaves", [_LEAVES], extra_compile_args=["-O3"], optional=True))
 _GHOST = os.path.join("tierkv", "policy", "_ghost.c")
 if os.path.exists(_GHOST):  # the compiled ghost of GittinsPolicy; tierkv.policy.gittins falls back to Python
-    ext_modules.append(Extension("tierkv.policy._ghost", [_GHOST], extra_compile_args=["-O3"], optional=True))
+    # No FMA contraction: its histogram updates and index table give numpy's bits.
+    ext_modules.append(Extension("tierkv.policy._ghost", [_GHOST], extra_compile_args=["-O3", "-ffp-contract=off"],
+                                 optional=True))
 
 setup(ext_modules=ext_modules)

@@ -173,8 +173,9 @@ def test_memory_per_remembered_page() -> None:
 
 
 def test_at_risk_sums_as_add_at_did() -> None:
-    """``_at_risk`` sums the open pages per age bin with ``np.bincount``; ``np.add.at``, which
-    it replaced, gives the same bits (both add in slot order, starting from zero)."""
+    """``_at_risk`` sums the open pages per age bin with ``np.bincount`` over the ring's
+    buckets holding any; ``np.add.at`` over every bucket, which it replaced, gives the same
+    bits (both add in slot order, starting from zero)."""
     rng = random.Random(5)
     model = ReuseModel(3)
     for now in range(1, 3000, 7):
@@ -182,12 +183,13 @@ def test_at_risk_sums_as_add_at_did() -> None:
             c, t0 = rng.randrange(3), float(rng.randint(max(0, now - 50000), now))
             model.start(c, float(now))
             (model.reuse if rng.random() < 0.5 else model.censor)(c, t0, float(now))
-        if now % 5 == 0:
-            got = model._at_risk(float(now))
-            latest = now // hazard._BUCKET
+        if now % 5 == 0:   # whole clock values (the ring's bins cached), and between them
+            clock = float(now) if now % 2 else now + 0.375
+            got = model._at_risk(clock)
+            latest = int(clock) // hazard._BUCKET
             slots = np.arange(hazard._RING)
             bucket = latest - ((latest - slots) % hazard._RING)
-            ages = np.maximum(now - (bucket * hazard._BUCKET + hazard._BUCKET / 2), 0.0)
+            ages = np.maximum(clock - (bucket * hazard._BUCKET + hazard._BUCKET / 2), 0.0)
             bins = np.minimum((np.log1p(ages) / hazard._LOG_GROWTH).astype(np.int64), hazard.BINS - 1)
             diff = np.zeros((3, hazard.BINS + 1))
             for c in range(3):

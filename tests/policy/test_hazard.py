@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
+from tierkv.policy import hazard
 from tierkv.policy.hazard import BINS, ReuseModel, age_bin
 
 
@@ -56,3 +60,51 @@ def test_pages_still_waiting_are_censored_not_counted_as_never_reused() -> None:
         fresh.start(0, 160.0 + i * 0.2)         # same count, all younger than 40 at t=200
     fresh.refresh(200.0)
     assert fresh.index[0][age_bin(10)] > m.index[0][age_bin(10)]
+
+
+def _hazards(rng: np.random.Generator, kind: int, classes: int = 7) -> np.ndarray:
+    shape = (classes, BINS)
+    if kind == 0:
+        return rng.random(shape)
+    if kind == 1:                                  # rare reuse: small hazards, long horizons
+        return rng.random(shape) * 1e-3
+    if kind == 2:                                  # bins with no reuse at all
+        return np.where(rng.random(shape) < 0.3, 0.0, rng.random(shape))
+    if kind == 3:                                  # certain reuse in some bins
+        return np.where(rng.random(shape) < 0.1, 1.0, rng.random(shape) ** 8)
+    return np.full(shape, rng.random() * 0.05)    # flat: the index falls from its first bin
+
+
+@pytest.mark.skipif(hazard._gittins_index is None, reason="tierkv.policy._ghost is not built")
+def test_the_compiled_index_table_has_numpys_bits() -> None:
+    """``refresh``'s index table (compiled) against the numpy ``_gittins``, row by row, to
+    the bit: the eviction order, and the simulator's figures, must not move with it."""
+    rng = np.random.default_rng(3)
+    for trial in range(400):
+        h = _hazards(rng, trial % 5)
+        got = hazard.index_table(h)
+        want = np.array([hazard._gittins(row) for row in h])
+        assert got.tobytes() == want.tobytes(), trial
+    h = _hazards(rng, 0, 2)
+    h[1, 40] = np.nan                              # not from refresh (it clips), but alike all the same
+    np.testing.assert_array_equal(hazard.index_table(h), np.array([hazard._gittins(row) for row in h]))
+
+
+@pytest.mark.skipif(hazard._gittins_index is None, reason="tierkv.policy._ghost is not built")
+def test_the_compiled_index_table_refuses_shapes_that_do_not_match() -> None:
+    h = np.zeros((2, BINS))
+    for args in ((h, hazard._EDGES[:-1], hazard._MIDS, np.empty_like(h)),
+                 (h[:, :-1].copy(), hazard._EDGES, hazard._MIDS, np.empty((2, BINS - 1))),
+                 (h, hazard._EDGES, hazard._MIDS, np.empty((1, BINS)))):
+        with pytest.raises(ValueError, match="gittins_index"):
+            hazard._gittins_index(*args)
+
+
+def test_refresh_gives_the_same_index_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's table with the compiled index and with numpy alone: the same numbers."""
+    tables = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(hazard, "_gittins_index", None)
+        tables.append(_think_time_model().tables())
+    assert tables[0] == tables[1]

@@ -833,8 +833,94 @@ static PyTypeObject GhostType = {
     .tp_new = gh_new,
 };
 
+/* ------------------------------------------------------------------ the index table */
+
+/* One class's row of tierkv.policy.hazard._gittins: the same operations in the same order
+ * as its numpy (cumulative products and sums left to right, each cost term as written
+ * there; built without FMA contraction), so the same bits. cp and cq hold nb + 1. */
+static void
+index_row(const double *h, const double *edges, const double *mids, Py_ssize_t nb, double *out, double *cp,
+          double *cq)
+{
+    double surv = 1.0;   /* survive[i]: no reuse in bins before i */
+    cp[0] = cq[0] = 0.0;
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        double p = surv * h[i];
+        double pm = p * mids[i];
+        surv = i == 0 ? 1.0 - h[0] : surv * (1.0 - h[i]);
+        cp[i + 1] = i == 0 ? p : cp[i] + p;
+        cq[i + 1] = i == 0 ? pm : cq[i] + pm;
+    }
+    double never = surv;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        double start = edges[b], alive = (cp[nb] - cp[b]) + never, best = 0.0;
+        int nan = 0;
+        for (Py_ssize_t t = 0; t < nb; t++) {   /* ratio 0 where t < b or the cost is not positive */
+            double r = 0.0;
+            if (t >= b) {
+                double hits = cp[t + 1] - cp[b];
+                double cost = ((cq[t + 1] - cq[b]) - start * hits) + (alive - hits) * (edges[t + 1] - start);
+                if (cost > 0)
+                    r = hits / cost;
+            }
+            if (isnan(r))
+                nan = 1;
+            else if (t == 0 || r > best)
+                best = r;
+        }
+        out[b] = nan ? NAN : best;   /* numpy's max: NaN wins */
+    }
+    Py_ssize_t peak = 0;   /* numpy's argmax: the first maximum, or the first NaN */
+    for (Py_ssize_t b = 1; b < nb && !isnan(out[peak]); b++)
+        if (isnan(out[b]) || out[b] > out[peak])
+            peak = b;
+    for (Py_ssize_t b = peak + 1; b < nb; b++)   /* np.minimum.accumulate: NaN carries on */
+        if (isnan(out[b - 1]) || (!isnan(out[b]) && out[b - 1] < out[b]))
+            out[b] = out[b - 1];
+}
+
+PyDoc_STRVAR(gittins_index_doc, "gittins_index(hazards, edges, mids, out)\n\n"
+"The index table of tierkv.policy.hazard: _gittins of each row of hazards (float64\n"
+"[classes][bins], C-contiguous) into out (the same shape), with the bins' edges\n"
+"(bins + 1) and midpoints (bins). The same bits as the numpy function.");
+
+static PyObject *
+gh_gittins_index(PyObject *Py_UNUSED(mod), PyObject *args)
+{
+    Py_buffer hz, ed, md, out;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*:gittins_index", &hz, &ed, &md, &out))
+        return NULL;
+    PyObject *res = NULL;
+    double *cp = NULL;
+    Py_ssize_t nb = md.len / (Py_ssize_t)sizeof(double);
+    if (nb < 1 || md.len % (Py_ssize_t)sizeof(double) || ed.len != (nb + 1) * (Py_ssize_t)sizeof(double)
+            || hz.len % (nb * (Py_ssize_t)sizeof(double)) || out.len != hz.len) {
+        PyErr_Format(PyExc_ValueError, "gittins_index: hazards of [classes][bins] float64, bins + 1 edges, bins "
+                     "mids and an output the hazards' size; got %zd, %zd, %zd and %zd bytes", hz.len, ed.len,
+                     md.len, out.len);
+        goto done;
+    }
+    cp = PyMem_Malloc(2 * (size_t)(nb + 1) * sizeof(double));
+    if (cp == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t rows = hz.len / (nb * (Py_ssize_t)sizeof(double));
+    for (Py_ssize_t c = 0; c < rows; c++)
+        index_row((const double *)hz.buf + c * nb, ed.buf, md.buf, nb, (double *)out.buf + c * nb, cp, cp + nb + 1);
+    res = Py_NewRef(Py_None);
+done:
+    PyMem_Free(cp);
+    PyBuffer_Release(&hz);
+    PyBuffer_Release(&ed);
+    PyBuffer_Release(&md);
+    PyBuffer_Release(&out);
+    return res;
+}
+
 static PyMethodDef module_methods[] = {
     {"record", (PyCFunction)(void (*)(void))gh_record, METH_FASTCALL, record_doc},
+    {"gittins_index", gh_gittins_index, METH_VARARGS, gittins_index_doc},
     {NULL, NULL, 0, NULL},
 };
 
