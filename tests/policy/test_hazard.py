@@ -90,6 +90,12 @@ def test_the_compiled_index_table_has_numpys_bits() -> None:
     np.testing.assert_array_equal(hazard.index_table(h), np.array([hazard._gittins(row) for row in h]))
 
 
+def test_the_index_table_takes_rows_of_every_bin_only() -> None:
+    for shape in ((2, BINS // 2), (1, 2 * BINS), (BINS,)):
+        with pytest.raises(ValueError, match="index_table"):
+            hazard.index_table(np.zeros(shape))
+
+
 @pytest.mark.skipif(hazard._gittins_index is None, reason="tierkv.policy._ghost is not built")
 def test_the_compiled_index_table_refuses_shapes_that_do_not_match() -> None:
     h = np.zeros((2, BINS))

@@ -194,6 +194,17 @@ def test_page_keys_must_be_bytes_of_1_to_16_bytes(bad: Any) -> None:
 
 
 @pytest.mark.parametrize("impl", [PyLeafHeaps, NativeLeafHeaps])
+def test_add_many_refuses_a_bad_batch_before_adding_any(impl: type[PyLeafHeaps]) -> None:
+    h = impl(2)
+    keys = b"".join(bytes([i]) * 16 for i in range(1, 4))
+    chain = bytes(16) + keys[:32]
+    for classes, parents in ((b"\0\0\2", chain), (b"\0\0\0", chain[:16] + keys[16:32] + keys[32:])):
+        with pytest.raises(InputError, match="add_many"):   # class 2 of 2; page 2 its own parent
+            h.add_many(keys, parents, b"\0\1\1", classes, 1.0, 1.0)
+        assert len(h) == 0
+
+
+@pytest.mark.parametrize("impl", [PyLeafHeaps, NativeLeafHeaps])
 def test_a_page_cannot_be_its_own_parent(impl: type[PyLeafHeaps]) -> None:
     h = impl(1)
     with pytest.raises(InputError, match="its own parent"):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import PB
+from tierkv.errors import InputError
 from tierkv.keys import PageKey
 from tierkv.policy.lru import LeafLRUPolicy
 from tierkv.store.index import PersistentIndex
@@ -118,3 +119,33 @@ def test_a_second_store_into_one_plan_indexes_after_the_first(
     m.plan_store(_chain(7, 8), PB, plan=plan)
     assert plan.asked == 4
     assert [b.index.tolist() for b in plan.placed] == [[0, 1], [2], [3]]   # DRAM holds 3: 8 goes to NVMe
+
+
+def test_a_key_named_twice_is_placed_once_even_where_it_spills_to_the_next_tier(
+        tiers: tuple[DramTier, NvmeTier, PersistentIndex]) -> None:
+    dram, nvme, index = tiers
+    m = BlockManager([dram, nvme], {t.name: Picky(set()) for t in (dram, nvme)}, index)
+    m.adopt_persistent(nvme.name)
+    pairs = _chain(1, 2, 3, 4) + [(_key(2), _key(4))]   # DRAM holds 3: 4 and the second 2 are left
+    plan = m.plan_store(pairs, PB)
+    assert [(b.tier, b.keys, b.index.tolist()) for b in plan.placed] == [
+        (dram.name, [_key(1), _key(2), _key(3)], [0, 1, 2]), (nvme.name, [_key(4)], [3])]
+    assert nvme.num_free == 7 and plan.dropped == 0
+
+
+def test_a_publish_that_fails_makes_nothing_of_it_visible(tiers: tuple[DramTier, NvmeTier, PersistentIndex]) -> None:
+    """Placements of two tiers in one call: the NVMe page has no checksum, so the publish
+    fails, and the DRAM page (a batch of its own) must not have been published before it:
+    the caller abandons all of them, which takes back reservations, not published pages."""
+    dram, nvme, index = tiers
+    m = BlockManager([dram, nvme], {dram.name: Picky({_key(2)}), nvme.name: Picky(set())}, index)
+    m.adopt_persistent(nvme.name)
+    plan = m.plan_store(_chain(1, 2), PB)     # 1 in DRAM; DRAM refuses 2, which goes to NVMe
+    placed = plan.placements
+    assert [name for _, name, _ in placed] == [dram.name, nvme.name]
+    with pytest.raises(InputError, match="no checksum"):
+        m.publish(placed, {}, plan)
+    assert m.leading(_key(1), 1) == [] and len(m._policies[dram.name]) == 0   # not published
+    m.abandon(placed)
+    m.check()
+    assert dram.num_free == 3 and nvme.num_free == 8

@@ -760,8 +760,18 @@ lh_add_many(LeafHeapsObject *s, PyObject *args)
         /* A chain (page i + 1's parent is page i: a prompt's pages) pushes only its last
          * page onto the heaps. */
         int parent_next = i + 1 < n && hp[i + 1] && memcmp(pp + 16 * (i + 1), kp + 16 * i, 16) == 0;
-        if (add_one(s, k, 16, hp[i] ? pk : NULL, 16, cp[i], t0 + (double)i * step, parent_next) < 0)
+        if (add_one(s, k, 16, hp[i] ? pk : NULL, 16, cp[i], t0 + (double)i * step, parent_next) < 0) {
+            /* This add failed before it adopted its parent: the page before, kept off the
+             * heaps for it, goes on them after all. */
+            if (i > 0 && hp[i] && memcmp(pp + 16 * i, kp + 16 * (i - 1), 16) == 0) {
+                uint8_t prev[KEY_MAX];
+                memcpy(prev, kp + 16 * (i - 1), 16);
+                int32_t p = map_find(s, prev, 16);
+                if (p >= 0 && (NODE(s, p)->flags & PRESENT) && NODE(s, p)->kids == 0 && NODE(s, p)->seq == 0)
+                    (void)leaf(s, p);   /* on failure it marks the heaps broken */
+            }
             goto done;
+        }
     }
     res = Py_None;
     Py_INCREF(res);

@@ -235,6 +235,8 @@ def index_table(hazards: np.ndarray) -> np.ndarray:
     """:func:`_gittins` of each row of ``hazards`` (``[classes][BINS]``): compiled where
     the extension is built (the same operations in the same order: the same bits)."""
     hazards = np.ascontiguousarray(hazards, dtype=np.float64)
+    if hazards.ndim != 2 or hazards.shape[1] != BINS:
+        raise ValueError(f"index_table: hazards of [classes][{BINS}], got shape {hazards.shape}")
     if _gittins_index is None:
         return np.array([_gittins(h) for h in hazards]).reshape(hazards.shape)
     out = np.empty_like(hazards)

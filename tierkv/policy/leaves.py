@@ -125,6 +125,8 @@ class PyLeafHeaps:
                              f"{len(has_parent)} has_parent and {len(classes)} classes do not describe one batch")
         for i in range(n):   # refused before anything is added, as the native call does
             j = i * KEY_BYTES
+            if classes[i] >= len(self._old):
+                raise InputError(f"add_many: class {classes[i]} of page {i} is out of range [0, {len(self._old)})")
             if has_parent[i] and keys[j:j + KEY_BYTES] == parents[j:j + KEY_BYTES]:
                 raise InputError(f"add_many: page {i} cannot be its own parent")
         for i in range(n):

@@ -658,10 +658,10 @@ class BlockManager:
             plan.placed.append(Placed(tier.name, admitted.keys, admitted.blob, slots, where))
             if k == len(todo):
                 todo = NewPages([], b"", b"", np.zeros(0, dtype=bool))
-            else:   # the pages placed are the first k admitted
-                placed = np.zeros(len(todo), dtype=bool)
-                placed[np.flatnonzero(ok)[:k] if ok is not None else slice(0, k)] = True
-                todo, at = todo.take(~placed), at[~placed]
+            else:   # what is left: the pages whose key was not placed (a key named twice goes once)
+                done = set(admitted.keys)
+                left = np.fromiter((key not in done for key in todo.keys), dtype=bool, count=len(todo))
+                todo, at = todo.take(left), at[left]
         plan.dropped += len(todo)
         return plan
 
@@ -1004,14 +1004,25 @@ class BlockManager:
         for the same tier ride in the same transaction: one durable commit per batch. A
         crash before it leaves the evicted records pointing at slots that may hold newer
         bytes; their checksums then fail and the pages are misses, never wrong data. A
-        failed commit raises TierIOError with nothing of its batch made visible; the
-        caller then abandons ``placed``.
+        failed commit raises TierIOError with nothing made visible; the caller then
+        abandons ``placed``.
         """
-        for batch in as_placed(placed):
-            if len(batch):
-                self._publish(batch, checksums, plan)
+        batches = [b for b in as_placed(placed) if len(b)]
+        # Every batch is committed before any page is made visible (inserted into its
+        # policy, given a level): abandon, which a failed commit calls for, takes back
+        # reservations, not published pages.
+        ready = [self._commit_placed(b, checksums, plan) for b in batches]
+        t = self.table
+        for batch, (rows, parents, has_parent) in zip(batches, ready):
+            _insert_pages(self._policies[batch.tier], batch.blob, parents, has_parent)
+            t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
+            if self.listeners:
+                self._emit("placed", batch.tier, list(batch.keys), list(batch.slots))
 
-    def _publish(self, placed: Placed, checksums: dict[PageKey, int], plan: MovePlan | None) -> None:
+    def _commit_placed(self, placed: Placed, checksums: dict[PageKey, int], plan: MovePlan | None
+                       ) -> tuple[np.ndarray, bytes, np.ndarray]:
+        """The index commit of one batch of :meth:`publish` (persistent tiers), its
+        checksums recorded first; returns its rows, parents' keys and which have one."""
         t = self.table
         name, keys, blob = placed.tier, placed.keys, placed.blob
         rows = rows_of(t.core.find(blob))
@@ -1045,10 +1056,7 @@ class BlockManager:
             if self._index is not None:
                 deletes = plan.deletes.pop(name, []) if plan is not None else []
                 self._commit(name, put=recs, delete=deletes)
-        _insert_pages(self._policies[name], blob, parents, has_parent)
-        t.core.set_levels(rows.tobytes(), t.fastest(rows).tobytes())
-        if self.listeners:
-            self._emit("placed", name, list(keys), list(placed.slots))
+        return rows, parents, has_parent
 
     def abandon(self, placed: Placed | Sequence[tuple[PageKey, TierId, int]]) -> None:
         """Roll back reservations whose writes failed: the slots are freed, the pages become misses."""
