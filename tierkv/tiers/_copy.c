@@ -239,6 +239,52 @@ done:
     return out;
 }
 
+/* The copy between a slotted buffer (``tier``: row ``slots[i]`` at ``slots[i] * stride``)
+ * and a strided one (``rows``: row ``i`` at ``i * row_stride``) of scatter_block (scatter:
+ * rows into the tier) and gather_rows (out of it): ``rows_name`` names the strided buffer
+ * in errors. Takes the buffers over: each is released before it returns. */
+static PyObject *
+strided_copy(const char *who, const char *rows_name, int scatter, Py_buffer *tier, Py_ssize_t stride,
+             Py_buffer *slots, Py_buffer *rows, Py_ssize_t row_stride, Py_ssize_t width)
+{
+    PyObject *res = NULL;
+    int64_t *slot = NULL;
+    Py_ssize_t n = slots->len / 8;
+    if (!PyBuffer_IsContiguous(tier, 'C') || !PyBuffer_IsContiguous(slots, 'C') || !PyBuffer_IsContiguous(rows, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s: the buffers and slots must be C-contiguous", who);
+        goto done;
+    }
+    /* rows holds row n - 1 at (n - 1) * row_stride: asked without the product overflowing */
+    if (slots->len % 8 || stride <= 0 || width < 0 || width > stride || width > row_stride
+            || (n && (rows->len < width || (n > 1 && row_stride > (rows->len - width) / (n - 1))))) {
+        PyErr_Format(PyExc_ValueError, "%s: slots must be int64, 0 <= width <= stride and %s_stride, and %s "
+                     "must hold every row; got %zd bytes of slots, stride %zd, %s_stride %zd, width %zd, %s of %zd "
+                     "bytes", who, rows_name, rows_name, slots->len, stride, rows_name, row_stride, width, rows_name,
+                     rows->len);
+        goto done;
+    }
+    slot = own_slots(who, slots, tier->len, stride, width);
+    if (slot == NULL)
+        goto done;
+    char *t = tier->buf, *r = rows->buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (scatter)
+            stream_copy(t + slot[i] * stride, r + i * row_stride, (size_t)width);
+        else
+            stream_copy(r + i * row_stride, t + slot[i] * stride, (size_t)width);
+    }
+    stream_fence();
+    Py_END_ALLOW_THREADS
+    res = Py_NewRef(Py_None);
+done:
+    PyMem_Free(slot);
+    PyBuffer_Release(rows);
+    PyBuffer_Release(slots);
+    PyBuffer_Release(tier);
+    return res;
+}
+
 PyDoc_STRVAR(scatter_block_doc,
 "scatter_block(dst, stride, slots, src, src_stride, width)\n\n"
 "Copy ``width`` bytes at byte ``i * src_stride`` of ``src`` (a C-contiguous buffer of\n"
@@ -253,36 +299,7 @@ scatter_block(PyObject *Py_UNUSED(module), PyObject *args)
     Py_ssize_t stride, src_stride, width;
     if (!PyArg_ParseTuple(args, "w*ny*y*nn:scatter_block", &dst, &stride, &slots, &src, &src_stride, &width))
         return NULL;
-    PyObject *res = NULL;
-    int64_t *slot = NULL;
-    Py_ssize_t n = slots.len / 8;
-    if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&slots, 'C') || !PyBuffer_IsContiguous(&src, 'C')) {
-        PyErr_SetString(PyExc_ValueError, "scatter_block: dst, slots and src must be C-contiguous");
-        goto done;
-    }
-    /* src holds row n - 1 at (n - 1) * src_stride: asked without the product overflowing */
-    if (slots.len % 8 || stride <= 0 || width < 0 || width > stride || width > src_stride
-            || (n && (src.len < width || (n > 1 && src_stride > (src.len - width) / (n - 1))))) {
-        PyErr_Format(PyExc_ValueError, "scatter_block: slots must be int64, 0 <= width <= stride and src_stride, "
-                     "and src must hold every row; got %zd bytes of slots, stride %zd, src_stride %zd, width %zd, "
-                     "src of %zd bytes", slots.len, stride, src_stride, width, src.len);
-        goto done;
-    }
-    slot = own_slots("scatter_block", &slots, dst.len, stride, width);
-    if (slot == NULL)
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        stream_copy((char *)dst.buf + slot[i] * stride, (const char *)src.buf + i * src_stride, (size_t)width);
-    stream_fence();
-    Py_END_ALLOW_THREADS
-    res = Py_NewRef(Py_None);
-done:
-    PyMem_Free(slot);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&dst);
-    return res;
+    return strided_copy("scatter_block", "src", 1, &dst, stride, &slots, &src, src_stride, width);
 }
 
 PyDoc_STRVAR(gather_doc,
@@ -298,36 +315,7 @@ gather_rows(PyObject *Py_UNUSED(module), PyObject *args)
     Py_ssize_t stride, out_stride, width;
     if (!PyArg_ParseTuple(args, "y*ny*w*nn:gather_rows", &src, &stride, &slots, &out, &out_stride, &width))
         return NULL;
-    PyObject *res = NULL;
-    int64_t *slot = NULL;
-    Py_ssize_t n = slots.len / 8;
-    if (!PyBuffer_IsContiguous(&src, 'C') || !PyBuffer_IsContiguous(&slots, 'C') || !PyBuffer_IsContiguous(&out, 'C')) {
-        PyErr_SetString(PyExc_ValueError, "gather_rows: src, slots and out must be C-contiguous");
-        goto done;
-    }
-    /* out holds row n - 1 at (n - 1) * out_stride: asked without the product overflowing */
-    if (slots.len % 8 || stride <= 0 || width < 0 || width > stride || width > out_stride
-            || (n && (out.len < width || (n > 1 && out_stride > (out.len - width) / (n - 1))))) {
-        PyErr_Format(PyExc_ValueError, "gather_rows: slots must be int64, 0 <= width <= stride and out_stride, "
-                     "and out must hold every row; got %zd bytes of slots, stride %zd, out_stride %zd, width %zd, "
-                     "out of %zd bytes", slots.len, stride, out_stride, width, out.len);
-        goto done;
-    }
-    slot = own_slots("gather_rows", &slots, src.len, stride, width);
-    if (slot == NULL)
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        stream_copy((char *)out.buf + i * out_stride, (const char *)src.buf + slot[i] * stride, (size_t)width);
-    stream_fence();
-    Py_END_ALLOW_THREADS
-    res = Py_NewRef(Py_None);
-done:
-    PyMem_Free(slot);
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&src);
-    return res;
+    return strided_copy("gather_rows", "out", 0, &src, stride, &slots, &out, out_stride, width);
 }
 
 PyDoc_STRVAR(set_kind_doc,
