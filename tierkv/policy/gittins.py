@@ -123,7 +123,8 @@ class GittinsPolicy:
         self._ghost_pages = ghost_pages
         self._now = 0.0
         self._requests = 0
-        self._request: dict[PageKey, int] = {}     # this request's pages -> depth
+        self._request_keys: tuple[PageKey, ...] = ()   # this request's pages, in order
+        self._request_map: dict[PageKey, int] | None = {}   # the same -> depth, once asked for (_request)
         self._cost = cost
         self._depth: dict[PageKey, int] = {}
         self._scores: dict[Candidate, tuple[float, float]] = {}
@@ -136,6 +137,17 @@ class GittinsPolicy:
     def __len__(self) -> int:
         return len(self._leaves)
 
+    @property
+    def _request(self) -> dict[PageKey, int]:
+        """This request's pages -> their depth in it, built when first asked for: a tier
+        that admits without weighing and evicts nothing never asks (a get, or a put into
+        a tier with room, in the other tiers)."""
+        got = self._request_map
+        if got is None:
+            keys = self._request_keys
+            got = self._request_map = dict(zip(keys, range(len(keys))))
+        return got
+
     # -- what happened ---------------------------------------------------------------------
     def on_request(self, keys: Sequence[PageKey], now: float) -> None:
         self._requests += 1
@@ -146,7 +158,7 @@ class GittinsPolicy:
             self._request_native(keys, t)
         else:
             self._request_python(keys, t)
-        self._request = dict(zip(keys, range(len(keys))))
+        self._request_keys, self._request_map = tuple(keys), None
         self._admitted, self._bar, self._refused = 0, None, False
 
     def _request_native(self, keys: Sequence[PageKey], t: float) -> None:
