@@ -134,6 +134,45 @@ def test_a_put_paused_mid_copy_publishes_only_pages_still_its_own(store: Store,
     assert store.get(head, out).pages == 4 and np.array_equal(out, data)
 
 
+def _counting_checks(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each still_placed and drop_orphans call the manager makes from now on, by name."""
+    calls: list[str] = []
+    m = store._manager
+    for name in ("still_placed", "drop_orphans"):
+        real = getattr(m, name)
+
+        def counted(*args: object, _real: Callable[..., object] = real, _name: str = name) -> object:
+            calls.append(_name)
+            return _real(*args)
+        monkeypatch.setattr(m, name, counted)
+    return calls
+
+
+def test_a_put_rechecks_its_pages_only_where_a_copy_was_removed_meanwhile(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where nothing removed a copy between the plan and the publish, no slot can have
+    changed hands and no parent left: the put publishes without the checks. An eviction
+    by another thread meanwhile brings them back, and the put still stores its pages."""
+    calls = _counting_checks(store, monkeypatch)
+    first, data = prompt(1, 2), page_data(1, 2)
+    assert store.put(first, data).stored == 2
+    assert calls == []
+    pause = Pause(monkeypatch, "_write")
+    pause.armed = True
+    second, more = prompt(2, 2), page_data(2, 2)
+    t, got = in_thread(lambda: store.put(second, more))
+    assert pause.entered.wait(30)
+    store.put(prompt(3, 2), page_data(3, 2))    # the DRAM tier holds 4: this evicts the first prompt
+    calls.clear()                                 # (its own publish checks for orphans: it dropped pages)
+    pause.release.set()
+    t.join(30)
+    assert got[0].stored == 2                     # type: ignore[attr-defined]
+    assert calls == ["still_placed", "drop_orphans"]
+    out = np.zeros((2, PB), np.uint8)
+    assert store.get(second, out).pages == 2 and np.array_equal(out, more)
+    store._manager.check()
+
+
 def test_close_waits_for_a_copy_in_flight(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     pause = Pause(monkeypatch, "_read")
     mine, data = prompt(1, 3), page_data(1, 3)
