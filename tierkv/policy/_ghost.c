@@ -14,6 +14,9 @@
  * Python path makes them (ReuseModel.record_many applies them in that order) and the
  * keys moved to the abandoned class, which the caller re-classes in its leaf heaps.
  *
+ * gittins_index() computes the reuse model's index table (tierkv.policy.hazard's refresh):
+ * the numpy formula's operations in the same order, so the same bits.
+ *
  * Layout: one 36-byte node per key (key inline, zero-padded to 16 bytes) in chunks of 4096,
  * and an open-addressing table (linear probing, backward-shift deletion) of node
  * indices tagged with 4 hash bits. Not thread-safe (callers hold the GIL). A failed
