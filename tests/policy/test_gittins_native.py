@@ -268,6 +268,45 @@ def test_admit_many_is_admit_one_by_one(room: int) -> None:
     assert (one._admitted, one._refused, one._bar) == (many._admitted, many._refused, many._bar)
 
 
+@pytest.mark.parametrize("by_class", [False, True])
+@pytest.mark.parametrize("native", [True, False])
+def test_admit_many_weighs_as_admit_does_in_random_states(native: bool, by_class: bool) -> None:
+    """Random histories, rooms and batches (pages of the request and demoted ones, some
+    refused already): the batch's answers and the policy's state after it are those of
+    admit() one page at a time. ``by_class``: a page beats the victim where its class is
+    even (these small models put every class on one side of the bar, so this is what
+    tells apart which page a class is weighed by)."""
+    rng = random.Random(11 + native + 2 * by_class)
+    for trial in range(100):
+        keys = [PageKey(rng.randbytes(16)) for _ in range(120)]
+        one, many = GittinsPolicy(native=native), GittinsPolicy(native=native)
+        resident = rng.sample(keys, rng.randint(10, 60))
+        request = rng.sample(keys, rng.randint(1, 80))
+        batch = rng.sample(keys, rng.randint(1, 40))
+        # A history that gives the pages every class: the first keys come back often.
+        history = [keys[:30]] + [rng.sample(keys[:rng.randint(30, 120)], 30) for _ in range(rng.randint(0, 24))]
+        room = rng.choice((0, len(resident), len(resident) + rng.randint(1, 20)))
+        for p in (one, many):
+            for r, seen in enumerate(history):
+                p.on_request(seen, float(r))
+            for k in resident:
+                p.insert(k, None)
+            if room:
+                p.victims(0, lambda k: True)
+                p._room = room
+            p.on_request(request, 20.0)
+        if rng.random() < 0.2:                                # refused earlier in this request
+            one._refused = many._refused = True
+        if by_class:
+            for p in (one, many):
+                def even(key: PageKey, p: GittinsPolicy = p) -> bool:
+                    return p._class(key) % 2 == 0
+                p._beats_victim = even   # type: ignore[method-assign]
+        pages = [(k, None) for k in batch]
+        assert many.admit_many(pages) == [one.admit(k, parent) for k, parent in pages], trial
+        assert (one._admitted, one._refused, one._bar) == (many._admitted, many._refused, many._bar), trial
+
+
 def test_classes_of_is_class_of_for_each_key() -> None:
     rng = random.Random(5)
     keys = [PageKey(rng.randbytes(16)) for _ in range(60)]

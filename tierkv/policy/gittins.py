@@ -54,6 +54,8 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from tierkv.errors import InputError
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.policy import hazard
@@ -409,31 +411,43 @@ class GittinsPolicy:
         """:meth:`admit` of each (key, parent) in order, in one call: the same answers and state.
         While the tier has room for all of them no page is weighed against a victim."""
         n = len(pages)
-        if self.admit_all([k for k, _ in pages]):
+        keys = [k for k, _ in pages]
+        if self.admit_all(keys):
             return [True] * n
         if self._cost is not None:
             return [self.admit(k, p) for k, p in pages]
-        # admit() page by page, without its calls: without a cost model a page's weighing
-        # against the victim depends on its class alone, so each class is weighed once.
-        request, room, resident = self._request, self._room, len(self._leaves)
-        weighed: dict[int, bool] = {}
-        out = []
-        for k, _ in pages:
-            if k not in request:
-                out.append(True)
-                continue
-            if not self._refused and room and resident + self._admitted >= room:
-                c = self._class(k)
-                good = weighed.get(c)
-                if good is None:
-                    good = weighed[c] = self._beats_victim(k)
-                self._refused = not good
-            if self._refused:
-                out.append(False)
-                continue
-            self._admitted += 1
-            out.append(True)
-        return out
+        # admit() page by page, in bulk: pages not of this request are taken; of those that
+        # are, the first ones fill what room is left unweighed, and the rest are weighed
+        # against the victim in order until one is refused, which refuses all after it.
+        # Without a cost model a page's weighing depends on its class alone, so each class
+        # is weighed once, in the order of its first page (as the calls one by one would).
+        out = np.ones(n, dtype=bool)
+        ours = np.flatnonzero(np.fromiter(map(self._request.__contains__, keys), dtype=bool, count=n))
+        if self._refused:
+            out[ours] = False
+            return out.tolist()  # type: ignore[no-any-return]
+        room = self._room
+        free = max(0, room - len(self._leaves) - self._admitted) if room else len(ours)
+        weigh = ours[free:]
+        stop = len(weigh)
+        if stop:
+            classes = self._classes([keys[i] for i in weigh.tolist()])
+            _, first = np.unique(classes, return_index=True)
+            for j in np.sort(first).tolist():   # each class at its first page, in page order
+                if not self._beats_victim(keys[int(weigh[j])]):
+                    stop = j
+                    break
+        self._admitted += min(free, len(ours)) + stop
+        if stop < len(weigh):
+            self._refused = True
+            out[weigh[stop:]] = False
+        return out.tolist()  # type: ignore[no-any-return]
+
+    def _classes(self, keys: list[PageKey]) -> np.ndarray:
+        """:meth:`_class` of each key, as uint8 (one compiled call where the ghost is)."""
+        if self._native is not None:
+            return np.frombuffer(self._native.classes_of(b"".join(keys)), dtype=np.uint8)
+        return np.array([self._class(k) for k in keys], dtype=np.uint8)
 
     def _beats_victim(self, key: PageKey) -> bool:
         """Whether a new page is worth the page that would be evicted for it (see the module doc)."""
