@@ -122,3 +122,44 @@ def test_record_seals_in_c_match_the_python_seals(monkeypatch: pytest.MonkeyPatc
     monkeypatch.undo()
     with pytest.raises(ValueError, match="not one batch of records"):
         index_scan._native.seal_records(keys, values[:-1], 16, size, body)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_records_packed_in_bulk_are_byte_for_byte_what_one_record_packs(monkeypatch: pytest.MonkeyPatch,
+                                                                        native: bool) -> None:
+    """The put path packs a batch's records from its columns; a reopen reads them as records."""
+    import numpy as np
+
+    from tierkv.store import index_scan
+
+    if native and index_scan._native is None:
+        pytest.skip("tierkv._native is not built")
+    if not native:
+        monkeypatch.setattr(index_scan, "_native", None)
+    rng = random.Random(11)
+    n = 300
+    recs = [IndexRecord(PageKey(rng.randbytes(16)), rng.choice([0, 1, rng.getrandbits(32), rng.getrandbits(64)]),
+                        rng.getrandbits(32), rng.getrandbits(64),
+                        PageKey(rng.randbytes(16)) if rng.random() < 0.7 else None) for _ in range(n)]
+    # Where a page has no parent the columns carry anything (the manager puts its own key there).
+    parents = b"".join(r.parent or rng.randbytes(16) for r in recs)
+    arrays = index_scan.RecordArrays(b"".join(r.key for r in recs), np.array([r.slot for r in recs], dtype=np.uint64),
+                                     np.array([r.nbytes for r in recs], dtype=np.uint32),
+                                     np.array([r.checksum for r in recs], dtype=np.uint64), parents,
+                                     np.array([r.parent is not None for r in recs]))
+    values = index_scan.packed_values(arrays)
+    assert values == [r.pack() for r in recs]
+    assert [IndexRecord.unpack(r.key, v) for r, v in zip(recs, values)] == recs
+
+
+def test_packed_records_commit_and_reopen_as_records(parts: tuple[PersistentIndex, NvmeTier, NvmeofTier]) -> None:
+    from tierkv.store.index import PackedRecords
+
+    index, _, _ = parts
+    recs = [IndexRecord(_key(1), 0, PAGE, 11, None), IndexRecord(_key(2), 1, PAGE, 12, _key(1))]
+    packed = PackedRecords([r.key for r in recs], [r.pack() for r in recs])
+    assert list(packed) == recs
+    index.commit("nvme", put=packed)
+    assert index.get_many("nvme", [_key(1), _key(2), _key(3)]) == [*recs, None]
+    with pytest.raises(ValueError, match="2 keys for 1 packed records"):
+        PackedRecords(packed.keys, packed.values[:1])

@@ -33,7 +33,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +164,43 @@ class IndexRecord:
                         for i in range(max(n_ext, 0))) if extra else ()
         return cls(PageKey(bytes(key)), slot, nbytes, checksum, PageKey(parent) if has_parent else None,
                    extents)
+
+
+@dataclass(frozen=True)
+class PackedRecords:
+    """Records already packed: each key's stored value, byte for byte what
+    :meth:`IndexRecord.pack` gives (``tierkv.store.index_scan.packed_values`` packs a
+    batch in one pass). :meth:`PersistentIndex.commit` takes them as it takes records."""
+
+    keys: list[PageKey]
+    values: list[bytes]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"{len(self.keys)} keys for {len(self.values)} packed records")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[IndexRecord]:
+        """The records, decoded (checks and tests; the index writes the values as they are)."""
+        return (IndexRecord.unpack(k, v) for k, v in zip(self.keys, self.values))
+
+
+Records = Iterable[IndexRecord] | PackedRecords
+
+
+def _pairs(put: Records) -> Iterable[tuple[PageKey, IndexRecord | bytes]]:
+    """(key, record or packed value) of each record of ``put``."""
+    return zip(put.keys, put.values) if isinstance(put, PackedRecords) else ((rec.key, rec) for rec in put)
+
+
+def _packed(value: object) -> bytes:
+    """A buffered record's stored value."""
+    if isinstance(value, bytes):
+        return value
+    assert isinstance(value, IndexRecord)
+    return value.pack()
 
 
 def _decode(key: bytes, value: bytes) -> IndexRecord | None:
@@ -300,8 +337,8 @@ class PersistentIndex:
         with self._env.begin(write=True) as txn:
             txn.drop(self._dbs[tier], delete=False)
 
-    def commit(self, tier: str, put: Iterable[IndexRecord] = (), delete: Iterable[PageKey] = ()) -> None:
-        """Apply deletions then insertions; TierIOError on failure.
+    def commit(self, tier: str, put: Records = (), delete: Iterable[PageKey] = ()) -> None:
+        """Apply deletions then insertions (records, or :class:`PackedRecords`); TierIOError on failure.
 
         Without group commit this is one durable transaction, done when it returns. With
         it (:meth:`group_commit`) the operations are buffered and become durable with the
@@ -309,15 +346,14 @@ class PersistentIndex:
         barrier, and an earlier window's failure is raised there, not here.
         """
         if self._group is not None:
-            self._group.add(tier, ((rec.key, rec) for rec in put), delete)
+            self._group.add(tier, _pairs(put), delete)
             return
         db = self._dbs[tier]
         try:
             with self._env.begin(db=db, write=True) as txn:
                 for key in delete:
                     txn.delete(key)
-                for rec in put:
-                    txn.put(rec.key, rec.pack())
+                txn.cursor().putmulti([(key, _packed(rec)) for key, rec in _pairs(put)])
         except lmdb.Error as exc:
             raise TierIOError(f"store index commit for the {tier} tier failed: {exc}") from None
 
@@ -350,12 +386,13 @@ class PersistentIndex:
             with self._env.begin(write=True) as txn:
                 for tier, by_key in ops.items():
                     db = self._dbs[tier]
+                    put: list[tuple[PageKey, bytes]] = []
                     for key, rec in by_key.items():
                         if rec is None:
                             txn.delete(key, db=db)
                         else:
-                            assert isinstance(rec, IndexRecord)
-                            txn.put(key, rec.pack(), db=db)
+                            put.append((key, _packed(rec)))
+                    txn.cursor(db=db).putmulti(put)
         except lmdb.Error as exc:
             raise TierIOError(f"store index group commit ({', '.join(ops)}) failed: {exc}") from None
 

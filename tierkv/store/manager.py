@@ -39,8 +39,8 @@ import numpy as np
 from tierkv.errors import CapacityError, InputError, TierIOError
 from tierkv.keys import KEY_BYTES, PageKey, take_keys
 from tierkv.policy import Policy
-from tierkv.store.index import IndexRecord, PersistentIndex
-from tierkv.store.index_scan import RecordArrays, scan_records
+from tierkv.store.index import IndexRecord, PackedRecords, PersistentIndex
+from tierkv.store.index_scan import RecordArrays, packed_values, scan_records
 from tierkv.store.moves import Entry, Lead, Move, MovePlan, NewPages, PageLocation, Placed, as_placed
 from tierkv.store.table import LOWEST_LEVEL, MAX_SLOTS, MAX_TIERS, NO_LEVEL, PageTable, rows_of
 from tierkv.tiers.aligned import ALIGN
@@ -961,7 +961,8 @@ class BlockManager:
         tier.free([slot])
 
     # -- completion --------------------------------------------------------------------
-    def _commit(self, name: TierId, put: Sequence[IndexRecord] = (), delete: Sequence[PageKey] = ()) -> None:
+    def _commit(self, name: TierId, put: Sequence[IndexRecord] | PackedRecords = (),
+                delete: Sequence[PageKey] = ()) -> None:
         """One index transaction for tier ``name``, carrying the deletes earlier ones could not.
 
         On failure (TierIOError) the deletes are kept for the next commit; the puts are the
@@ -1039,24 +1040,34 @@ class BlockManager:
         parents = t.core.keys(np.where(has_parent, prow, rows).astype(np.int32).tobytes())
         tier = self._by_id[name]
         if tier.persistent:
-            pkeys = [PageKey(parents[i * KEY_BYTES:(i + 1) * KEY_BYTES]) if has else None
-                     for i, has in enumerate(has_parent.tolist())]
-            nbytes = t.nbytes[rows].tolist()
-            sums_col = t.checksum[rows].tolist()
-            has_sum = t.has_sum[rows].tolist()
-            recs: list[IndexRecord] = []
-            for i, (key, slot) in enumerate(zip(keys, placed.slots)):
-                if not has_sum[i]:
-                    raise InputError(f"page bound for the {name} tier has no checksum")
-                extents = tier.extents(slot) or ()
-                # Block records name the slot of their first block: a reader that addresses
-                # the file in slots finds a raw page there, or bytes that fail the checksum.
-                first = extents[0][0] * ALIGN // tier.slot_bytes if extents else slot
-                recs.append(IndexRecord(key, first, nbytes[i], sums_col[i], pkeys[i], extents))
+            if not t.has_sum[rows].all():
+                raise InputError(f"page bound for the {name} tier has no checksum")
+            recs: list[IndexRecord] | PackedRecords
+            if tier.block_addressed:
+                recs = self._block_records(placed, tier, rows, parents, has_parent)
+            else:   # fixed-size records, packed and sealed in one pass
+                arrays = RecordArrays(blob, np.asarray(placed.slots, dtype=np.uint64), t.nbytes[rows],
+                                      t.checksum[rows], parents, has_parent)
+                recs = PackedRecords(list(keys), packed_values(arrays))
             if self._index is not None:
                 deletes = plan.deletes.pop(name, []) if plan is not None else []
                 self._commit(name, put=recs, delete=deletes)
         return rows, parents, has_parent
+
+    def _block_records(self, placed: Placed, tier: Tier, rows: np.ndarray, parents: bytes,
+                       has_parent: np.ndarray) -> list[IndexRecord]:
+        """The index records of a batch on a block-addressed tier, with their block runs."""
+        t = self.table
+        nbytes, sums = t.nbytes[rows].tolist(), t.checksum[rows].tolist()
+        recs: list[IndexRecord] = []
+        for i, (key, slot, has) in enumerate(zip(placed.keys, placed.slots, has_parent.tolist())):
+            extents = tier.extents(slot) or ()
+            # Block records name the slot of their first block: a reader that addresses
+            # the file in slots finds a raw page there, or bytes that fail the checksum.
+            first = extents[0][0] * ALIGN // tier.slot_bytes if extents else slot
+            parent = PageKey(parents[i * KEY_BYTES:(i + 1) * KEY_BYTES]) if has else None
+            recs.append(IndexRecord(key, first, nbytes[i], sums[i], parent, extents))
+        return recs
 
     def abandon(self, placed: Placed | Sequence[tuple[PageKey, TierId, int]]) -> None:
         """Roll back reservations whose writes failed: the slots are freed, the pages become misses."""
