@@ -244,7 +244,7 @@ def test_a_close_persists_no_page_whose_parent_it_cannot_write(tmp_path: Path) -
     m.pin(_key(3), 1)
     m.pin(_key(9), 1)
     plan = m.plan_writeback()
-    assert [mv.key for mv in plan.moves] == [_key(1)]
+    assert [mv.key for run in plan.moves for mv in run] == [_key(1)]
     assert plan.deletes == {nvme.name: [_key(3)]} and nvme.num_free == 1   # 3's slot
     m.commit_deletes(plan)
     assert sorted(r.key for r in index.adopt("nvme", lambda r: True)[0]) == [_key(9)]

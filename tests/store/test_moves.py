@@ -16,7 +16,7 @@ from tierkv.keys import PageKey
 from tierkv.policy.lru import LeafLRUPolicy
 from tierkv.store.index import PersistentIndex
 from tierkv.store.manager import BlockManager
-from tierkv.store.moves import NO_PARENT, MovePlan, NewPages, Placed, as_placed
+from tierkv.store.moves import NO_PARENT, Move, MovePlan, Moves, NewPages, Placed, as_placed
 from tierkv.tiers.base import TierId
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.nvme import NvmeTier
@@ -88,6 +88,26 @@ def tiers(tmp_path: Path) -> Iterator[tuple[DramTier, NvmeTier, PersistentIndex]
     yield dram, nvme, index
     for part in (dram, nvme, index):
         part.close()
+
+
+def test_a_plans_moves_run_slowest_source_first_merged_between_the_same_tiers() -> None:
+    C = TierId("c")
+    levels = {A: 0, B: 1, C: 2}
+    plan = MovePlan(moves=[Moves(A, B, [_key(1)], [10], [20]), Moves(B, C, [_key(2), _key(3)], [11, 12], [21, 22]),
+                           Moves(A, B, [], [], []), Moves(A, B, [_key(4)], [13], [23]),
+                           Moves(A, C, [_key(5)], [14], [24]), Moves(B, C, [_key(6)], [15], [25])])
+    assert plan.moved == 6
+    groups = plan.move_groups(levels)
+    assert [(g.src, g.dst, g.keys, g.src_slots, g.dst_slots) for g in groups] == [
+        (B, C, [_key(2), _key(3), _key(6)], [11, 12, 15], [21, 22, 25]),
+        (A, B, [_key(1), _key(4)], [10, 13], [20, 23]),
+        (A, C, [_key(5)], [14], [24])]
+    assert [len(m) for m in plan.moves] == [1, 2, 0, 1, 1, 1]   # the plan's own batches are left as they were
+    assert list(groups[1]) == [Move(_key(1), A, 10, B, 20), Move(_key(4), A, 13, B, 23)]
+    placed = groups[0].placed()
+    assert placed.tier == C and placed.tuples() == [(_key(2), C, 21), (_key(3), C, 22), (_key(6), C, 25)]
+    with pytest.raises(ValueError, match="moves of 2 keys with 1 source and 2 destination slots"):
+        Moves(A, B, [_key(1), _key(2)], [1], [2, 3])
 
 
 def test_plan_new_places_what_each_tier_admits_and_has_room_for(

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from itertools import groupby
 
 from tierkv.errors import CapacityError
 from tierkv.keys import KEY_BYTES, PageKey
@@ -145,9 +144,8 @@ class SimManager:
         """Transfers.run without the copies: publish each group of moves, then of placements."""
         m = self.manager
         levels = m.levels
-        for (_src, dst), moves in groupby(plan.ordered_moves(levels), key=lambda mv: (mv.src, mv.dst)):
-            placed = [(mv.key, dst, mv.dst_slot) for mv in moves]
-            m.publish(placed, self._checksums(dst, [k for k, _, _ in placed]), plan)
+        for moves in plan.move_groups(levels):
+            m.publish(moves.placed(), self._checksums(moves.dst, moves.keys), plan)
         for batch in plan.placed_by_level(levels):
             m.publish(batch, self._checksums(batch.tier, batch.keys), plan)
         m.commit_deletes(plan)

@@ -1031,9 +1031,9 @@ class Store:
         plan = self._manager.plan_writeback()
         before = self._counters.events["demotions"]
         self._transfers.run(plan)
-        lost = len(plan.moves) - (self._counters.events["demotions"] - before)
+        lost = plan.moved - (self._counters.events["demotions"] - before)
         if lost > 0:
-            raise TierIOError(f"close: {lost} of the {len(plan.moves)} pages held only in volatile tiers could not be "
+            raise TierIOError(f"close: {lost} of the {plan.moved} pages held only in volatile tiers could not be "
                               f"written back to {plan.moves[0].dst} (the warnings above say why); they are lost, "
                               "every page written before is durable")
 

@@ -41,7 +41,7 @@ from tierkv.keys import KEY_BYTES, PageKey, take_keys
 from tierkv.policy import Policy
 from tierkv.store.index import IndexRecord, PackedRecords, PersistentIndex
 from tierkv.store.index_scan import RecordArrays, packed_values, scan_records
-from tierkv.store.moves import Entry, Lead, Move, MovePlan, NewPages, PageLocation, Placed, as_placed
+from tierkv.store.moves import Entry, Lead, MovePlan, Moves, NewPages, PageLocation, Placed, as_placed
 from tierkv.store.table import LOWEST_LEVEL, MAX_SLOTS, MAX_TIERS, NO_LEVEL, PageTable, rows_of
 from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.base import Tier, TierId, TierKind
@@ -726,10 +726,17 @@ class BlockManager:
             rows = rows[write]
             self._discard(dead[(t.where[dead] & durable) != 0], durable, plan)
         lvl = self.levels[target.name]
+        runs: dict[int, Moves] = {}   # by source level, each in the order above (parents first)
         for r, key, slot in zip(rows.tolist(), keys, slots):
             src = _lowest(int(t.where[r]))
-            plan.moves.append(Move(PageKey(key), self._names[src], int(t.slot[src, r]) - 1, target.name, slot))
+            run = runs.get(src)
+            if run is None:
+                run = runs[src] = Moves(self._names[src], target.name, [], [], [])
+            run.keys.append(PageKey(key))
+            run.src_slots.append(int(t.slot[src, r]) - 1)
+            run.dst_slots.append(slot)
             self._add_copy(r, lvl, slot)
+        plan.moves.extend(runs.values())
         return plan
 
     def _reserve(self, tier: Tier, n: int, protect: set[PageKey], plan: MovePlan, final: bool = False) -> list[int]:
@@ -913,8 +920,8 @@ class BlockManager:
             if len(up):
                 parents_of, counts = np.unique(up, return_counts=True)
                 t.kids[low, parents_of] += counts.astype(t.kids.dtype)
-            plan.moves.extend(Move(keys[i], tier.name, s, lower.name, d)
-                              for i, s, d in zip(down.tolist(), src, slots))
+            going = keys if len(down) == len(keys) else [keys[i] for i in down.tolist()]
+            plan.moves.append(Moves(tier.name, lower.name, going, src, list(slots)))
         go = ~keep
         if go.all():
             self._evict_run(keys, rows, tier, plan)
@@ -951,7 +958,7 @@ class BlockManager:
             plan.deletes.setdefault(tier.name, []).append(key)
         if dst:
             assert lower is not None
-            plan.moves.append(Move(key, tier.name, slot, lower.name, dst[0]))
+            plan.moves.append(Moves(tier.name, lower.name, [key], [slot], [dst[0]]))
             self._republish(r)
         elif gone:
             plan.dropped += 1

@@ -11,7 +11,7 @@ a store may hold two tiers of one kind. Which tier is faster is the manager's to
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, repeat
 from operator import itemgetter
@@ -109,6 +109,34 @@ class Move:
     dst_slot: int
 
 
+@dataclass(eq=False)
+class Moves:
+    """Pages copied from tier ``src`` to tier ``dst``, as columns: ``keys[i]`` from slot
+    ``src_slots[i]`` into slot ``dst_slots[i]``; each source slot is then free."""
+
+    src: TierId
+    dst: TierId
+    keys: list[PageKey]
+    src_slots: list[int]
+    dst_slots: list[int]
+
+    def __post_init__(self) -> None:
+        if not len(self.keys) == len(self.src_slots) == len(self.dst_slots):
+            raise ValueError(f"moves of {len(self.keys)} keys with {len(self.src_slots)} source and "
+                             f"{len(self.dst_slots)} destination slots")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[Move]:
+        """Each move on its own (checks and tests)."""
+        return (Move(k, self.src, s, self.dst, d) for k, s, d in zip(self.keys, self.src_slots, self.dst_slots))
+
+    def placed(self) -> Placed:
+        """What the moves place in ``dst``, to publish (or abandon) as a batch."""
+        return Placed.of(self.dst, self.keys, self.dst_slots)
+
+
 #: A page's parent where it has none, in a blob of parents (a key no page has: keys are hashes).
 NO_PARENT = PageKey(bytes(KEY_BYTES))
 
@@ -195,13 +223,13 @@ def as_placed(placed: Placed | Sequence[tuple[PageKey, TierId, int]]) -> list[Pl
 class MovePlan:
     """What one store, promotion or eviction needs done, in execution order.
 
-    ``moves`` run deepest tier first, then the new pages of ``placed`` (one batch per
-    tier, in the order they were planned) are written; each batch is published with one
-    index commit that also carries the ``deletes`` (records of evicted persistent pages)
-    of its tier.
+    ``moves`` (batches of one source and one destination tier) run deepest tier first,
+    then the new pages of ``placed`` (one batch per tier, in the order they were planned)
+    are written; each batch is published with one index commit that also carries the
+    ``deletes`` (records of evicted persistent pages) of its tier.
     """
 
-    moves: list[Move] = field(default_factory=list)
+    moves: list[Moves] = field(default_factory=list)
     placed: list[Placed] = field(default_factory=list)
     # How many pages this plan was asked to place so far: a batch's ``index`` counts from
     # here, so indices stay distinct across several store calls into one plan.
@@ -233,9 +261,25 @@ class MovePlan:
                 out.setdefault(batch.tier, []).append(batch)
         return [bs[0] if len(bs) == 1 else _merged(bs) for bs in out.values()]
 
-    def ordered_moves(self, levels: Mapping[TierId, int]) -> list[Move]:
-        """The moves, those out of the slowest tiers first (``levels``: 0 is the fastest)."""
-        return sorted(self.moves, key=lambda m: -levels[m.src])
+    @property
+    def moved(self) -> int:
+        """How many pages the plan moves."""
+        return sum(map(len, self.moves))
+
+    def move_groups(self, levels: Mapping[TierId, int]) -> list[Moves]:
+        """The moves, those out of the slowest tiers first (``levels``: 0 is the fastest),
+        in plan order otherwise; neighbouring batches between the same two tiers merged."""
+        out: list[Moves] = []
+        for m in sorted(self.moves, key=lambda m: -levels[m.src]):
+            if not len(m):
+                continue
+            last = out[-1] if out else None
+            if last is not None and (last.src, last.dst) == (m.src, m.dst):
+                out[-1] = Moves(m.src, m.dst, last.keys + m.keys, last.src_slots + m.src_slots,
+                                last.dst_slots + m.dst_slots)
+            else:
+                out.append(m)
+        return out
 
 
 def _merged(batches: list[Placed]) -> Placed:

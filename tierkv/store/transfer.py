@@ -13,15 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from itertools import groupby
 
 import numpy as np
 
 from tierkv.store.checksum import checksum64, checksum_rows
 from tierkv.errors import TierIOError, TierUnavailableError
 from tierkv.keys import KEY_BYTES, PageKey
-from tierkv.store.manager import BlockManager, Move, MovePlan
-from tierkv.store.moves import Lead, Placed
+from tierkv.store.manager import BlockManager, MovePlan
+from tierkv.store.moves import Lead, Moves, Placed
 from tierkv.store.pages import PageList, Rows
 from tierkv.store.stats import Counters
 from tierkv.tiers.aligned import ALIGN, aligned_empty, is_aligned
@@ -136,20 +135,19 @@ class Transfers:
         before it propagates, so no entry is left naming a slot its bytes never reached.
         """
         levels = self._m.levels
-        moves = [list(g) for _, g in groupby(plan.ordered_moves(levels), key=lambda m: (m.src, m.dst))]
+        moves = plan.move_groups(levels)
         placements = plan.placed_by_level(levels)
         published = done = 0
         try:
             for group in moves:
-                self._move(group[0].src, group[0].dst, group, plan)
+                self._move(group, plan)
                 done += 1
             for placed in placements:
                 assert src is not None and row_of is not None
                 published += self._place(placed, gather_rows(src, _rows_for(placed, row_of)), source, plan)
                 done += 1
         except BaseException:
-            rest: list[Placed | list[tuple[PageKey, TierId, int]]] = [
-                [(m.key, m.dst, m.dst_slot) for m in group] for group in moves[done:]]
+            rest = [group.placed() for group in moves[done:]]
             for undo in rest + placements[max(0, done - len(moves)):]:
                 try:
                     self._m.abandon(undo)
@@ -237,10 +235,10 @@ class Transfers:
         self._c.tier_io_s[name] += elapsed
         return elapsed
 
-    def _move(self, src: TierId, dst: TierId, moves: list[Move], plan: MovePlan) -> None:
+    def _move(self, moves: Moves, plan: MovePlan) -> None:
+        src, dst = moves.src, moves.dst
         copy = COPY_TABLE.get((self._tiers[src].kind, self._tiers[dst].kind))
-        args = (self._tiers[src], [m.src_slot for m in moves], self._tiers[dst], [m.dst_slot for m in moves],
-                self._nbytes)
+        args = (self._tiers[src], moves.src_slots, self._tiers[dst], moves.dst_slots, self._nbytes)
         start = time.perf_counter()
         staged: Rows
         try:
@@ -250,17 +248,16 @@ class Transfers:
                 staged, hashed = direct_copy(*args)
             else:
                 staged, hashed = staged_copy(*args)
-            sums = self._checksums(dst, [m.key for m in moves], staged, hashed)
+            sums = self._checksums(dst, moves.keys, staged, hashed)
             self._sync(self._tiers[dst])
         except TierIOError as exc:
             log.warning("demotion %s->%s of %d pages failed, dropping them: %s", src, dst, len(moves), exc)
-            self._m.abandon([(m.key, dst, m.dst_slot) for m in moves])
+            self._m.abandon(moves.placed())
             return
         finally:
             elapsed = self._timed(dst, start)
         self._c.moved_bytes(src, dst, len(moves) * self._nbytes, elapsed)
-        placed = [(m.key, dst, m.dst_slot) for m in moves]
-        if self._publish(placed, sums, plan, f"demotion {src}->{dst}"):
+        if self._publish(moves.placed(), sums, plan, f"demotion {src}->{dst}"):
             self._c.events["demotions"] += len(moves)
 
     def _place(self, placed: Placed, buf: Rows, source: str, plan: MovePlan) -> int:
