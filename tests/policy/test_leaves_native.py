@@ -133,7 +133,13 @@ def _drive(seed: int, steps: int, young: bool) -> int:
             pending = _victims(tw, rng, keys, settle=rng.random() < 0.95)
             rng.shuffle(pending)
         elif op < 0.9 and pending:                       # the manager removes some victims
-            tw.same("discard", pending.pop())
+            if rng.random() < 0.5:
+                tw.same("discard", pending.pop())
+            else:                                        # a run of them, with other 16-byte keys between
+                run = [pending.pop() for _ in range(min(len(pending), rng.randint(1, 4)))]
+                run += [key for key in rng.sample(long, min(2, len(long))) if rng.random() < 0.5]
+                rng.shuffle(run)
+                tw.same("discard_many", b"".join(key.rjust(16, b"\x07") for key in run))
         elif op < 0.95:
             tw.same("undo")
         else:
@@ -191,6 +197,17 @@ def test_page_keys_must_be_bytes_of_1_to_16_bytes(bad: Any) -> None:
     h.discard(bad)
     with pytest.raises(KeyError):
         h.take(bad)
+
+
+@pytest.mark.parametrize("impl", [PyLeafHeaps, NativeLeafHeaps])
+def test_discard_many_takes_whole_keys_only(impl: type[PyLeafHeaps]) -> None:
+    h = impl(1)
+    h.add(PageKey(bytes([1]) * 16), None, 0, 1.0)
+    with pytest.raises(InputError, match="17 bytes are not 16-byte keys"):
+        h.discard_many(bytes(17))
+    assert len(h) == 1
+    h.discard_many(bytes([2]) * 16 + bytes([1]) * 16)
+    assert len(h) == 0
 
 
 @pytest.mark.parametrize("impl", [PyLeafHeaps, NativeLeafHeaps])

@@ -706,8 +706,14 @@ add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int p
         NODE(s, idx)->parent = p;
         adopt(s, p);
     }
-    if (NODE(s, idx)->kids == 0 && !parent_next && leaf(s, idx) < 0)
-        return -1;
+    if (NODE(s, idx)->kids == 0) {
+        /* Skipped, a chain's page still marks its class as the leaf and unleaf it saves
+         * would (the Python twin's): a victims call left unsettled must not reuse its head. */
+        if (parent_next)
+            s->dirty[NODE(s, idx)->cls] = 1;
+        else if (leaf(s, idx) < 0)
+            return -1;
+    }
     sweep(s);
     return 0;
 }
@@ -891,6 +897,59 @@ done:
 
 PyDoc_STRVAR(discard_doc, "discard(key)\n\nkey left the tier. Removing a pending victim settles it.");
 
+/* discard of the present node idx (see lh_discard); -1 on error. */
+static int
+discard_node(LeafHeapsObject *s, int32_t idx)
+{
+    Node *nd = NODE(s, idx);
+    if (nd->pend >= 0) {
+        s->pend[nd->pend] = -1;
+        nd->pend = -1;
+        if (--s->plive == 0)
+            s->npend = 0;
+    } else if (undo_all(s) < 0 || remove_resident(s, idx) < 0) {
+        return -1;
+    }
+    if (forget(s, idx) < 0)
+        return -1;
+    sweep(s);
+    return 0;
+}
+
+PyDoc_STRVAR(discard_many_doc,
+"discard_many(keys)\n\n"
+"discard() of each 16-byte key of keys (back to back), in order.");
+
+static PyObject *
+lh_discard_many(LeafHeapsObject *s, PyObject *arg)
+{
+    Py_buffer keys;
+    if (check_ok(s) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(arg, &keys, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    if (keys.len % 16) {
+        PyErr_Format(InputError, "discard_many: %zd bytes are not 16-byte keys back to back", keys.len);
+        goto done;
+    }
+    const uint8_t *kp = keys.buf;
+    for (Py_ssize_t i = 0; i < keys.len / 16; i++) {
+        uint8_t k[KEY_MAX] = {0};
+        memcpy(k, kp + 16 * i, 16);
+        int32_t idx = map_find(s, k, 16);
+        if (idx < 0 || !(NODE(s, idx)->flags & PRESENT))
+            continue;
+        if (discard_node(s, idx) < 0)
+            goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&keys);
+    return res;
+}
+
 static PyObject *
 lh_discard(LeafHeapsObject *s, PyObject *key)
 {
@@ -899,18 +958,8 @@ lh_discard(LeafHeapsObject *s, PyObject *key)
     int32_t idx = find_present(s, key);
     if (idx < 0)
         Py_RETURN_NONE;
-    Node *nd = NODE(s, idx);
-    if (nd->pend >= 0) {
-        s->pend[nd->pend] = -1;
-        nd->pend = -1;
-        if (--s->plive == 0)
-            s->npend = 0;
-    } else if (undo_all(s) < 0 || remove_resident(s, idx) < 0) {
+    if (discard_node(s, idx) < 0)
         return NULL;
-    }
-    if (forget(s, idx) < 0)
-        return NULL;
-    sweep(s);
     Py_RETURN_NONE;
 }
 
@@ -1246,6 +1295,7 @@ static PyMethodDef lh_methods[] = {
     {"touch", (PyCFunction)(void (*)(void))lh_touch, METH_FASTCALL | METH_KEYWORDS, touch_doc},
     {"touch_many", (PyCFunction)lh_touch_many, METH_VARARGS, touch_many_doc},
     {"discard", (PyCFunction)lh_discard, METH_O, discard_doc},
+    {"discard_many", (PyCFunction)lh_discard_many, METH_O, discard_many_doc},
     {"candidates", (PyCFunction)lh_candidates, METH_O, candidates_doc},
     {"take", (PyCFunction)lh_take, METH_O, take_doc},
     {"choose_victims", (PyCFunction)lh_choose_victims, METH_VARARGS, choose_doc},

@@ -20,10 +20,11 @@ class Policy(Protocol):
     A policy may also offer batch forms, which the manager calls instead where present,
     with the same effect as the calls one by one in order: ``insert_many(keys, parents,
     has_parent)`` (16-byte keys back to back; a parent used where its ``has_parent`` byte
-    is nonzero), ``touch_many(keys)`` (a get's hits) and ``admit_many(pages)`` (a list of
-    (key, parent); returns a list of answers); and ``admit_all(keys)``, asked first: True
-    where it admits every key without weighing any (and has), False with nothing changed.
-    :class:`~tierkv.policy.gittins.GittinsPolicy` has all four.
+    is nonzero), ``touch_many(keys)`` (a get's hits), ``remove_many(keys)`` (evicted pages,
+    keys back to back) and ``admit_many(pages)`` (a list of (key, parent); returns a list
+    of answers); and ``admit_all(keys)``, asked first: True where it admits every key
+    without weighing any (and has), False with nothing changed.
+    :class:`~tierkv.policy.gittins.GittinsPolicy` has all five.
     """
 
     def __len__(self) -> int:

@@ -303,6 +303,13 @@ class GittinsPolicy:
         self._leaves.discard(key)
         self._depth.pop(key, None)
 
+    def remove_many(self, keys: bytes) -> None:
+        """:meth:`remove` of each 16-byte key of ``keys`` (back to back), in order."""
+        self._leaves.discard_many(keys)
+        if self._depth:
+            for j in range(0, len(keys), KEY_BYTES):
+                self._depth.pop(PageKey(keys[j:j + KEY_BYTES]), None)
+
     # -- what to evict -----------------------------------------------------------------------
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         leaves = self._leaves

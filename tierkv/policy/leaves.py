@@ -149,6 +149,13 @@ class PyLeafHeaps:
         if self._kids[key] == 0:
             del self._kids[key]
 
+    def discard_many(self, keys: bytes) -> None:
+        """:meth:`discard` of each 16-byte key of ``keys`` (back to back), in order."""
+        if len(keys) % KEY_BYTES:
+            raise InputError(f"discard_many: {len(keys)} bytes are not 16-byte keys back to back")
+        for j in range(0, len(keys), KEY_BYTES):
+            self.discard(PageKey(keys[j:j + KEY_BYTES]))
+
     # -- eviction --------------------------------------------------------------------------
     def candidates(self, evictable: Callable[[PageKey], bool]) -> list[Candidate]:
         """The oldest (and, if enabled, the youngest) evictable leaf of every class.

@@ -81,6 +81,10 @@ class LeafLRUPolicy:
     def remove(self, key: PageKey) -> None:
         self._leaves.discard(key)
 
+    def remove_many(self, keys: bytes) -> None:
+        """:meth:`remove` of each 16-byte key of ``keys`` (back to back), in order."""
+        self._leaves.discard_many(keys)
+
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         leaves = self._leaves
         leaves.undo()

@@ -95,6 +95,17 @@ def _slot_validator(tier: Tier) -> tuple[Callable[[RecordArrays], np.ndarray], l
     return valid, claimed
 
 
+def _remove_pages(policy: Policy, keys: list[PageKey]) -> None:
+    """``policy.remove`` of each key in order: one ``remove_many`` call where the policy
+    has it (optional, as ``insert_many``)."""
+    remove_many = getattr(policy, "remove_many", None)
+    if remove_many is not None and len(keys) > 1:
+        remove_many(b"".join(keys))
+    else:
+        for key in keys:
+            policy.remove(key)
+
+
 def _insert_pages(policy: Policy, keys: bytes, parents: bytes, has_parent: np.ndarray) -> None:
     """``policy.insert`` of each 16-byte key of ``keys`` in order, its parent from ``parents``
     where ``has_parent``: one ``insert_many`` call where the policy has it (optional)."""
@@ -841,9 +852,7 @@ class BlockManager:
         np.subtract.at(t.kids[lvl], prow[linked], 1)
         gone = where == 0
         np.subtract.at(t.nkids, prow[linked & gone], 1)
-        policy = self._policies[name]
-        for key in keys:
-            policy.remove(key)
+        _remove_pages(self._policies[name], keys)
         plan.evicted += len(keys)
         if tier.persistent:
             plan.deletes.setdefault(name, []).extend(keys)
