@@ -718,6 +718,14 @@ t_get_capacity(TableObject *t, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(t->cap);
 }
 
+static PyObject *
+t_get_nbytes(TableObject *t, void *Py_UNUSED(closure))
+{
+    /* per row: key, level, live flag, free-stack entry; the map's slots */
+    size_t n = (size_t)t->cap * (sizeof(Key) + 2 + sizeof(int32_t)) + (t->map != NULL ? (t->mask + 1) * sizeof(int32_t) : 0);
+    return PyLong_FromSize_t(n);
+}
+
 static PyMethodDef t_methods[] = {
     {"find", (PyCFunction)t_find, METH_O, "find(blob) -> bytes: the int32 row of each 16-byte key, -1 if absent."},
     {"row", (PyCFunction)t_row, METH_O, "row(key) -> int: the key's row, -1 if absent."},
@@ -743,6 +751,7 @@ static PyMethodDef t_methods[] = {
 static PyGetSetDef t_getset[] = {
     {"rows", (getter)t_get_rows, NULL, "allocated rows (published or not)", NULL},
     {"capacity", (getter)t_get_capacity, NULL, "length of the per-row arrays: every row is below it", NULL},
+    {"nbytes", (getter)t_get_nbytes, NULL, "bytes allocated for the keys, per-row arrays and map", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -38,8 +38,11 @@ def test_scale_prints_every_figure_for_the_store_and_the_dict(tmp_path: Path,
     r = json.loads(capsys.readouterr().out)
     assert r["pages"] == 2000 and r["page_bytes"] == 4096 and r["dram_pages"] == 20
     for key in (*FIGURES, "reopen_bytes_per_page_entry", "anon_bytes_per_page_entry", "reopen_s",
-                "load_us_per_page", "copy_us_per_page"):
+                "load_us_per_page", "copy_us_per_page", "table_bytes_per_page", "index_file_bytes_per_page"):
         _number(r, key)
+    from tierkv.policy.leaves import native_available
+
+    assert (r["policy_bytes_per_page"] is None) == (not native_available())
     ref = r["dict"]
     assert isinstance(ref, dict)
     for key in (*FIGURES, "key_chain_us_per_page"):

@@ -82,8 +82,12 @@ def test_detached_daemon_status_and_sigterm(tmp_path: Path, sock_dir: Path) -> N
             assert st["stats"]["tiers"]["dram"]["codec"] is None   # the codec choice travels with the stats
             assert st["stats"]["tiers"]["nvme"]["codec"]["reason"] == "codec = none: pages are stored raw"
             assert client.stats().tiers["nvme"].codec == st["stats"]["tiers"]["nvme"]["codec"]
+            memory = st["stats"]
+            assert memory["page_table_bytes"] > 0 and memory["index_file_bytes"] > 0
+            assert memory["tiers"]["nvme"]["policy_bytes"] is None or memory["tiers"]["nvme"]["policy_bytes"] > 0
             shown = tierkv("status", "--socket", str(sock))
             assert shown.returncode == 0 and "hit rate 1.000" in shown.stdout and "clients" in shown.stdout
+            assert "page metadata: page table" in " ".join(shown.stdout.split()), shown.stdout
             assert "approximate pages" not in shown.stdout
             lossy = prompt(2, 2)                            # pages put lossy, got by a get that accepts them
             x = np.random.default_rng(5).standard_normal((2, *LAYOUT.page_shape)).astype(np.float32)
@@ -122,6 +126,7 @@ def test_foreground_with_metrics_and_systemd_notify(tmp_path: Path, sock_dir: Pa
             text = urllib.request.urlopen(ready["metrics"], timeout=30).read().decode()
         assert "tierkv_serve_connections 1.0" in text
         assert 'tierkv_tier_capacity_slots{tier="dram"} 16.0' in text and "tierkv_lookups_total 1.0" in text
+        assert "tierkv_page_table_bytes " in text and "tierkv_index_file_bytes " in text
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)

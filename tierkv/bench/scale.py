@@ -75,6 +75,12 @@ TIMED = {
     "lookup_us_per_page": "Store.lookup of every page after the reopen: keys and the index, no I/O",
     "load_us_per_page": "Store.put of all `pages` pages into a full DRAM tier: demotions to the NVMe file "
                         "with fdatasync and index commits included",
+    "table_bytes_per_page": "Store.stats().page_table_bytes after the puts, divided by `pages`: the page "
+                            "table's allocation (keys, map, per-page columns; capacity ahead of use included)",
+    "policy_bytes_per_page": "the tiers' policy_bytes in the same stats, summed, per page (null where a policy "
+                             "cannot tell): the leaf heaps and the ghost, allocated",
+    "index_file_bytes_per_page": "index_file_bytes in the same stats, per page: the LMDB file in use, mapped, so "
+                                 "resident (file-backed) once read",
     "dict": "{key: (tier, slot, checksum)} of the same 16-byte keys, computed beforehand: insert, dict.get, "
             "`in`, one Python loop iteration per page; reopen: pickle.load of the dict from a file",
 }
@@ -196,11 +202,16 @@ def step_build(p: dict[str, Any]) -> dict[str, Any]:
             seconds += time.perf_counter() - t0
             step()
     rss, rss_file = _rss()
+    stats = store.stats()
+    policies = [t.policy_bytes for t in stats.tiers.values()]
     t0 = time.perf_counter()
     store.close()
     return {"policy": store.config.policy, "pages_stored": stored, "load_us_per_page": seconds / n * 1e6,
             "close_s": time.perf_counter() - t0, "bytes_per_page_entry": (rss - base) / n,
-            "anon_bytes_per_page_entry": ((rss - rss_file) - (base - base_file)) / n}
+            "anon_bytes_per_page_entry": ((rss - rss_file) - (base - base_file)) / n,
+            "table_bytes_per_page": stats.page_table_bytes / n,
+            "policy_bytes_per_page": None if None in policies else sum(p or 0 for p in policies) / n,
+            "index_file_bytes_per_page": stats.index_file_bytes / n}
 
 
 def step_reopen(p: dict[str, Any]) -> dict[str, Any]:

@@ -453,6 +453,9 @@ def scale_tables(r: Mapping[str, object]) -> Iterator[Table]:
         ("policy", r.get("policy")), ("DRAM tier pages", r.get("dram_pages")), ("pages per call", r.get("batch_pages")),
         ("reopen s", r.get("reopen_s")), ("reopen bytes per page entry", r.get("reopen_bytes_per_page_entry")),
         ("anonymous bytes per page entry (no file-backed pages)", r.get("anon_bytes_per_page_entry")),
+        ("what the store says it holds, bytes per page: page table, policies, index file",
+         f"{_cell(r.get('table_bytes_per_page'))}, {_cell(r.get('policy_bytes_per_page'))}, "
+         f"{_cell(r.get('index_file_bytes_per_page'))}"),
         ("bulk put µs per page (with demotions to NVMe)", r.get("load_us_per_page")), ("close s", r.get("close_s")),
         ("copy µs per page (np.copyto of a get's bytes)", r.get("copy_us_per_page")),
         ("key chain µs per page", ref.get("key_chain_us_per_page")),

@@ -24,7 +24,8 @@ class Policy(Protocol):
     keys back to back) and ``admit_many(pages)`` (a list of (key, parent); returns a list
     of answers); and ``admit_all(keys)``, asked first: True where it admits every key
     without weighing any (and has), False with nothing changed.
-    :class:`~tierkv.policy.gittins.GittinsPolicy` has all five.
+    :class:`~tierkv.policy.gittins.GittinsPolicy` has all five. ``memory_bytes()`` (optional)
+    says how many bytes its per-page state holds (None where it cannot tell), for ``stats()``.
     """
 
     def __len__(self) -> int:

@@ -303,6 +303,13 @@ class GittinsPolicy:
         self._leaves.discard(key)
         self._depth.pop(key, None)
 
+    def memory_bytes(self) -> int | None:
+        """Bytes the compiled leaf heaps and ghost hold; None where either is the Python one."""
+        nbytes = getattr(self._leaves, "nbytes", None)
+        if nbytes is None or self._native is None:
+            return None
+        return int(nbytes()) + int(self._native.nbytes())
+
     def remove_many(self, keys: bytes) -> None:
         """:meth:`remove` of each 16-byte key of ``keys`` (back to back), in order."""
         self._leaves.discard_many(keys)

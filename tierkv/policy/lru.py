@@ -81,6 +81,11 @@ class LeafLRUPolicy:
     def remove(self, key: PageKey) -> None:
         self._leaves.discard(key)
 
+    def memory_bytes(self) -> int | None:
+        """Bytes the compiled leaf heaps hold; None where they are the Python ones."""
+        nbytes = getattr(self._leaves, "nbytes", None)
+        return None if nbytes is None else int(nbytes())
+
     def remove_many(self, keys: bytes) -> None:
         """:meth:`remove` of each 16-byte key of ``keys`` (back to back), in order."""
         self._leaves.discard_many(keys)

@@ -321,6 +321,11 @@ class PersistentIndex:
         with self._env.begin(db=self._dbs[tier]) as txn:
             return int(txn.stat(self._dbs[tier])["entries"])
 
+    def file_bytes(self) -> int:
+        """Bytes of the index file in use (its pages up to the last one written; LMDB keeps
+        freed pages for reuse, so this never shrinks)."""
+        return (int(self._env.info()["last_pgno"]) + 1) * int(self._env.stat()["psize"])
+
     def last_txnid(self) -> int:
         """The id of LMDB's last committed write transaction: any commit changes it."""
         return int(self._env.info()["last_txnid"])

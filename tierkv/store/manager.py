@@ -416,6 +416,14 @@ class BlockManager:
     def tier(self, name: TierId) -> Tier:
         return self._by_id[name]
 
+    def memory_bytes(self) -> tuple[int, dict[str, int | None]]:
+        """Bytes the page table holds, and each tier's policy (None where it cannot tell)."""
+        policies: dict[str, int | None] = {}
+        for name, policy in self._policies.items():
+            measure = getattr(policy, "memory_bytes", None)
+            policies[name] = None if measure is None else measure()
+        return self.table.memory_bytes, policies
+
     def used_slots(self, name: TierId) -> int:
         tier = self._by_id[name]
         return tier.num_slots - tier.num_free

@@ -35,7 +35,11 @@ class StoreCollector:
         io_s = CounterMetricFamily("tierkv_tier_io_seconds", "Seconds spent in each tier's I/O", labels=["tier"])
         up = GaugeMetricFamily("tierkv_tier_available", "1 while the tier is reachable, 0 while degraded",
                                labels=["tier"])
+        policy = GaugeMetricFamily("tierkv_tier_policy_bytes", "Memory of each tier's eviction policy "
+                                   "(tiers whose policy cannot tell are left out)", labels=["tier"])
         for name, t in st.tiers.items():
+            if t.policy_bytes is not None:
+                policy.add_metric([name], t.policy_bytes)
             hits.add_metric([name], t.hits)
             used.add_metric([name], t.used_slots)
             cap.add_metric([name], t.capacity_slots)
@@ -49,7 +53,11 @@ class StoreCollector:
         for pair, nbytes in st.bytes_moved.items():
             src, dst = pair.split("->")
             moved.add_metric([src, dst], nbytes)
-        yield from (hits, used, cap, read, written, io_s, up, moved)
+        yield from (hits, used, cap, read, written, io_s, up, policy, moved)
+        yield GaugeMetricFamily("tierkv_page_table_bytes", "Memory of the page table (keys, map, per-page columns)",
+                                value=st.page_table_bytes)
+        yield GaugeMetricFamily("tierkv_index_file_bytes", "Bytes of the persistent index file in use",
+                                value=st.index_file_bytes)
         for field in ("lookups", "pages_requested", "pages_hit", "pages_stored", "pages_dropped",
                       "evictions", "promotions", "corrupt_pages", "peer_pages", "derived_pages", "lossy_pages",
                       "lossy_converted"):

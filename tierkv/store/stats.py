@@ -12,7 +12,7 @@ written up into DRAM from that same read).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,9 @@ class TierStats:
     #: Block-addressed tiers (nvme, nvmeof): the codec choice and its reason
     #: (:meth:`tierkv.store.coding.CodecChoice.describe`); None for the others.
     codec: dict[str, object] | None = None
+    #: Bytes of memory the tier's eviction policy holds for its pages (None: a policy
+    #: that cannot tell, such as the pure-Python structures).
+    policy_bytes: int | None = None
 
     @property
     def occupancy(self) -> float:
@@ -73,6 +76,8 @@ class StoreStats:
     lossy_converted: int = 0   # exact pages a lossy tier (lossy_bits) converted to lossy ones
     lossy_pending: int = 0     # pages queued for that conversion, or being converted, now
     lossy_waiting: int = 0     # pages it keeps back now (cached children or pins need them exact)
+    page_table_bytes: int = 0  # memory of the page table (keys, map, per-page columns)
+    index_file_bytes: int = 0  # the persistent index's file in use (LMDB; mapped, so resident once read)
 
     @property
     def misses(self) -> int:
@@ -93,6 +98,11 @@ class StoreStats:
         return out
 
 
+#: What ``snapshot`` reports of memory: the page table's bytes, each tier's policy's (None:
+#: not measured), the index file's.
+Memory = tuple[int, Mapping[str, int | None], int]
+
+
 class Counters:
     """Mutable counters behind :class:`StoreStats`."""
 
@@ -106,12 +116,14 @@ class Counters:
         self.tier_io_s: defaultdict[str, float] = defaultdict(float)
 
     def snapshot(self, tiers: Sequence[Tier], dualpath: dict[str, dict[str, float]] | None = None,
-                 lossy: tuple[int, int] = (0, 0)) -> StoreStats:
-        """The counters as a :class:`StoreStats`, with each tier's occupancy and state now."""
+                 lossy: tuple[int, int] = (0, 0), memory: Memory = (0, {}, 0)) -> StoreStats:
+        """The counters as a :class:`StoreStats`, with each tier's occupancy and state now;
+        ``memory``: the page table's bytes, each tier's policy's, the index file's."""
+        table_bytes, policy_bytes, index_bytes = memory
         stats: dict[str, TierStats] = {
             t.name: TierStats(t.name, t.kind.value, self.tier_hits[t.name], t.num_slots, t.num_slots - t.num_free,
                               t.slot_bytes, self.tier_read[t.name], self.tier_written[t.name], self.tier_io_s[t.name],
-                              "available" if t.available else "degraded", t.codec_state())
+                              "available" if t.available else "degraded", t.codec_state(), policy_bytes.get(t.name))
             for t in tiers
         }
         ev = self.events
@@ -119,7 +131,8 @@ class Counters:
                           ev["pages_hit"], ev["pages_stored"], ev["pages_dropped"], ev["evictions"],
                           ev["promotions"], ev["corrupt_pages"], self.tier_hits["peer"], dualpath or {},
                           derived_pages=ev["derived_pages"], lossy_pages=ev["lossy_pages"],
-                          lossy_converted=ev["lossy_converted"], lossy_pending=lossy[0], lossy_waiting=lossy[1])
+                          lossy_converted=ev["lossy_converted"], lossy_pending=lossy[0], lossy_waiting=lossy[1],
+                          page_table_bytes=table_bytes, index_file_bytes=index_bytes)
 
     def moved_bytes(self, src: str, dst: str, nbytes: int, seconds: float, src_read: bool = True) -> None:
         """Count a transfer between a tier pair and the wall time it took. ``src_read=False``:

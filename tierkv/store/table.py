@@ -18,6 +18,7 @@ the table the store's resident-key index as well: ``core.prefix_len`` and
 
 from __future__ import annotations
 
+import sys
 
 import numpy as np
 
@@ -56,6 +57,12 @@ class PyCore:
     def capacity(self) -> int:
         # Ahead of use, doubling (as the C core grows), so the columns are not copied per row.
         return max(1024, 1 << max(len(self._keys) - 1, 0).bit_length())
+
+    @property
+    def nbytes(self) -> int:
+        """An estimate of the memory held: the dict, the lists and the key objects."""
+        return (sys.getsizeof(self._row) + sys.getsizeof(self._keys) + sys.getsizeof(self._level)
+                + sys.getsizeof(self._free) + len(self._keys) * sys.getsizeof(bytes(KEY_BYTES)))
 
     def _rows_of(self, rows: bytes) -> list[int]:
         out = np.frombuffer(rows, dtype=np.int32).tolist()
@@ -247,6 +254,13 @@ class PageTable:
             dist += np.where(up != np.arange(n), dist[up], 0)
             up = nxt
         return dist
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes allocated for the table: the core's keys, levels and map, and the columns."""
+        cols = (self.parent, self.nbytes, self.checksum, self.has_sum, self.pins, self.gen, self.where,
+                self.nkids, self.slot, self.kids)
+        return int(self.core.nbytes) + sum(c.nbytes for c in cols)
 
     def fastest(self, rows: np.ndarray) -> np.ndarray:
         """The level of each row's fastest copy (0xFF: none)."""
