@@ -178,6 +178,20 @@ def test_write_of_separate_pages_checks_them(tier_factory: TierFactory) -> None:
         tier.write(handles[:2], two)
 
 
+def test_rows_of_a_tiers_own_buffer_are_marked_checked_and_stay_so() -> None:
+    """A demotion writes views of the DRAM tier's buffer: known good rows, not checked one by one."""
+    from tierkv.store.transfer import direct_copy
+    from tierkv.tiers.dram import DramTier
+
+    src, dst = DramTier(4, PAGE), DramTier(4, PAGE)
+    data = pages(2, PAGE, seed=3)
+    src.write([0, 1], data)
+    rows, _ = direct_copy(src, [1, 0], dst, [2, 3], PAGE)
+    assert isinstance(rows, PageList) and rows.checked and rows[1:].checked and rows.take([1]).checked
+    np.testing.assert_array_equal(read_back(dst, [2, 3], PAGE), data[::-1])
+    assert not PageList([np.zeros(PAGE, np.uint8)], PAGE).checked   # a caller's rows are checked
+
+
 @pytest.mark.parametrize(("page_bytes", "num_slots"), [(PAGE, 40), (ODD_PAGE, 9), (1 << 20, 24)])
 def test_read_with_checksums_hashes_what_it_read(tier_factory: TierFactory, page_bytes: int, num_slots: int) -> None:
     tier = tier_factory(num_slots, page_bytes)

@@ -39,13 +39,17 @@ class PageList:
     their own (aligned) buffer.
     """
 
-    __slots__ = ("_rows", "shape", "aligned")
+    __slots__ = ("_rows", "shape", "aligned", "checked")
 
-    def __init__(self, rows: list[np.ndarray], page_bytes: int, *, aligned: bool = False) -> None:
+    def __init__(self, rows: list[np.ndarray], page_bytes: int, *, aligned: bool = False,
+                 checked: bool = False) -> None:
         self._rows = rows
         self.shape = (len(rows), page_bytes)
         #: Every row is known to start on an O_DIRECT boundary (False: not known).
         self.aligned = aligned
+        #: Every row is known to be a C-contiguous uint8 array of ``page_bytes`` bytes (rows
+        #: of a tier's own buffer): tiers skip checking them one by one.
+        self.checked = checked
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -61,12 +65,12 @@ class PageList:
 
     def __getitem__(self, i: int | slice) -> np.ndarray | PageList:
         if isinstance(i, slice):
-            return PageList(self._rows[i], self.shape[1], aligned=self.aligned)
+            return PageList(self._rows[i], self.shape[1], aligned=self.aligned, checked=self.checked)
         return self._rows[i]
 
     def take(self, idx: Sequence[int]) -> PageList:
         """The pages at ``idx``, in that order (no copy)."""
-        return PageList([self._rows[i] for i in idx], self.shape[1], aligned=self.aligned)
+        return PageList([self._rows[i] for i in idx], self.shape[1], aligned=self.aligned, checked=self.checked)
 
     def stacked(self, out: np.ndarray) -> np.ndarray:
         """Copy the pages into the rows of ``out`` (``uint8 [n, page_bytes]``); returns ``out``."""

@@ -402,7 +402,7 @@ class Tier(abc.ABC):
             raise InputError(f"{len(slots)} slots but {len(rows)} pages")
         if width > self.slot_bytes:
             raise InputError(f"rows of {width} bytes exceed the slot size of {self.slot_bytes}")
-        for i, row in enumerate(rows):
+        for i, row in enumerate(() if rows.checked else rows):
             if (not isinstance(row, np.ndarray) or row.dtype != np.uint8 or row.shape != (width,)
                     or not row.flags.c_contiguous):
                 raise InputError(f"page {i} of the list must be a C-contiguous uint8 array of {width} bytes, got "
