@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,3 +50,24 @@ def test_the_metadata_memory_shows_and_grows_with_the_pages(tmp_path: Path) -> N
     persistent = any(t.kind in ("nvme", "nvmeof") for t in after.tiers.values())
     assert (after.index_file_bytes > before.index_file_bytes) == persistent
     assert json.loads(json.dumps(after.to_dict()))["page_table_bytes"] == after.page_table_bytes
+
+
+def test_stats_after_close_and_from_a_newer_or_older_daemon(tmp_path: Path) -> None:
+    """A closed store still answers stats() (its index is gone: 0 bytes); a client takes a
+    daemon's stats with fields it does not know, and without fields it knows."""
+    from tierkv.serve.client import stats_of
+
+    store = Store.open(make_config(tmp_path / "store"))
+    tokens = np.arange(3 * 16, dtype=np.int64)
+    store.put(tokens, page_data(1, 3))
+    assert store.stats().index_file_bytes > 0
+    store.close()
+    closed = store.stats()
+    assert closed.index_file_bytes == 0 and closed.pages_stored == 3
+    doc: dict[str, Any] = closed.to_dict()
+    newer = {**doc, "a_later_counter": 7, "tiers": {n: {**t, "a_later_figure": 1.0} for n, t in doc["tiers"].items()}}
+    assert stats_of(newer) == closed
+    older = {k: v for k, v in doc.items() if k not in ("page_table_bytes", "index_file_bytes")}
+    older["tiers"] = {n: {k: v for k, v in t.items() if k != "policy_bytes"} for n, t in doc["tiers"].items()}
+    got = stats_of(older)
+    assert got.page_table_bytes == 0 and got.pages_stored == 3 and all(t.policy_bytes is None for t in got.tiers.values())

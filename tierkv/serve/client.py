@@ -23,6 +23,7 @@ caller's buffer.
 from __future__ import annotations
 
 import fcntl
+import dataclasses
 import json
 import mmap
 import os
@@ -62,6 +63,16 @@ if TYPE_CHECKING:
 SCRATCH_ID, TOKENS_ID = 1, 2
 _ids = count(16)
 
+
+
+def stats_of(doc: dict[str, Any]) -> StoreStats:
+    """A daemon's ``StoreStats.to_dict()`` as a :class:`StoreStats`: derived figures and
+    fields this version does not know (a newer daemon's) are left out, fields an older
+    daemon did not send keep their defaults."""
+    tier_fields = {f.name for f in dataclasses.fields(TierStats)}
+    store_fields = {f.name for f in dataclasses.fields(StoreStats)} - {"tiers"}
+    tiers = {name: TierStats(**{k: v for k, v in t.items() if k in tier_fields}) for name, t in doc["tiers"].items()}
+    return StoreStats(tiers=tiers, **{k: v for k, v in doc.items() if k in store_fields})
 
 class _Segment:
     """A sealed memfd mapped here, registered with the daemon per connection."""
@@ -841,10 +852,7 @@ class RemoteStore:
     def stats(self) -> StoreStats:
         """The daemon's store's counters (every client's calls together)."""
         self._check_open()
-        doc = json.loads(bytes(self._request(P.Op.STATS, _empty)))
-        tiers = {name: TierStats(**{k: v for k, v in t.items() if k != "occupancy"}) for name, t in doc["tiers"].items()}
-        fields = {k: v for k, v in doc.items() if k not in ("tiers", "hit_rate", "misses")}
-        return StoreStats(tiers=tiers, **fields)
+        return stats_of(json.loads(bytes(self._request(P.Op.STATS, _empty))))
 
     def status(self) -> dict[str, Any]:
         """The daemon's status: pid, uptime, connections, requests, the store's stats, and

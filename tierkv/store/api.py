@@ -932,7 +932,7 @@ class Store:
             dualpath = self._peering.dualpath_stats() if self._peering is not None else None
             conv = self._converter
             table_bytes, policy_bytes = self._manager.memory_bytes()
-            index_bytes = self._index.file_bytes() if self._index is not None else 0
+            index_bytes = self._index.file_bytes() if self._index is not None and not self._closed else 0
             return self._counters.snapshot(self._manager.tiers, dualpath,
                                            lossy=(conv.pending, conv.waiting) if conv is not None else (0, 0),
                                            memory=(table_bytes, policy_bytes, index_bytes))

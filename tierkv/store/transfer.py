@@ -52,8 +52,9 @@ def direct_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Seque
     are freed in the plan but not written again before its moves are done."""
     assert isinstance(src, DramTier)
     buf = src.buffer
-    if buf.dtype != np.uint8 or buf.ndim != 2 or not buf.flags.c_contiguous:
-        raise AssertionError(f"the {src.name} tier's buffer is not a C-contiguous uint8 [slots, bytes] array")
+    if buf.dtype != np.uint8 or buf.ndim != 2 or not buf.flags.c_contiguous or nbytes > buf.shape[1]:
+        raise AssertionError(f"the {src.name} tier's buffer is not a C-contiguous uint8 [slots, bytes] array "
+                             f"of slots holding {nbytes} bytes")
     rows = PageList([buf[s, :nbytes] for s in src_slots], nbytes,
                     aligned=src.slot_bytes % ALIGN == 0 and is_aligned(buf), checked=True)
     return rows, dst.write(dst_slots, rows, checksums=True) if dst.persistent else dst.write(dst_slots, rows)
