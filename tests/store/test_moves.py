@@ -16,7 +16,7 @@ from tierkv.keys import PageKey
 from tierkv.policy.lru import LeafLRUPolicy
 from tierkv.store.index import PersistentIndex
 from tierkv.store.manager import BlockManager
-from tierkv.store.moves import NO_PARENT, Move, MovePlan, Moves, NewPages, Placed, as_placed
+from tierkv.store.moves import NO_PARENT, Move, MovePlan, Moves, NewPages, Placed, Sums, as_placed
 from tierkv.tiers.base import TierId
 from tierkv.tiers.dram import DramTier
 from tierkv.tiers.nvme import NvmeTier
@@ -169,3 +169,24 @@ def test_a_publish_that_fails_makes_nothing_of_it_visible(tiers: tuple[DramTier,
     m.abandon(placed)
     m.check()
     assert dram.num_free == 3 and nvme.num_free == 8
+
+
+def test_checksums_by_position_reach_the_pages_that_had_none(tiers: tuple[DramTier, NvmeTier, PersistentIndex]) -> None:
+    dram, nvme, index = tiers
+    refused = {_key(1), _key(2), _key(3)}   # DRAM refuses them all: they go to NVMe
+    m = BlockManager([dram, nvme], {dram.name: Picky(refused), nvme.name: Picky(set())}, index)
+    m.adopt_persistent(nvme.name)
+    plan = m.plan_store(_chain(1, 2, 3), PB)
+    [nv] = plan.placed
+    assert nv.tier == nvme.name and nv.keys == [_key(1), _key(2), _key(3)]
+    with pytest.raises(ValueError, match="checksums by position"):
+        m.publish(nv, Sums(np.zeros(4, np.uint64), np.ones(4, bool)), plan)
+    with pytest.raises(ValueError, match="for a mask of shape"):
+        Sums(np.zeros(2, np.uint64), np.ones(3, bool))
+    need = m.unsummed(nv.keys)
+    assert need.dtype == bool and need.tolist() == [True, True, True]
+    values = np.array([11, 2**64 - 1, 13], dtype=np.uint64)
+    m.publish(nv, Sums(values, need), plan)
+    assert [m.entry(k).checksum for k in nv.keys] == [11, 2**64 - 1, 13]  # type: ignore[union-attr]
+    assert not m.unsummed(nv.keys).any()
+    assert [r.checksum for r in index.get_many("nvme", nv.keys) if r is not None] == [11, 2**64 - 1, 13]

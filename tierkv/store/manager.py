@@ -41,7 +41,7 @@ from tierkv.keys import KEY_BYTES, PageKey, take_keys
 from tierkv.policy import Policy
 from tierkv.store.index import IndexRecord, PackedRecords, PersistentIndex
 from tierkv.store.index_scan import RecordArrays, packed_values, scan_records
-from tierkv.store.moves import Entry, Lead, MovePlan, Moves, NewPages, PageLocation, Placed, as_placed
+from tierkv.store.moves import Entry, Lead, MovePlan, Moves, NewPages, PageLocation, Placed, Sums, as_placed
 from tierkv.store.table import LOWEST_LEVEL, MAX_SLOTS, MAX_TIERS, NO_LEVEL, PageTable, rows_of
 from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.base import Tier, TierId, TierKind
@@ -397,14 +397,14 @@ class BlockManager:
         r = self._row(e.key)
         return r >= 0 and bool(self.table.where[r]) and int(self.table.gen[r]) == e.gen
 
-    def unsummed(self, keys: Sequence[PageKey]) -> list[bool]:
-        """For each key: whether the manager holds the page without a checksum yet."""
+    def unsummed(self, keys: Sequence[PageKey]) -> np.ndarray:
+        """For each key (a bool each): whether the manager holds the page without a checksum yet."""
         if not keys:
-            return []
+            return np.zeros(0, dtype=bool)
         t = self.table
         rows = rows_of(t.core.find(b"".join(keys)))
         safe = np.where(rows >= 0, rows, 0)
-        return ((rows >= 0) & (t.where[safe] != 0) & ~t.has_sum[safe]).tolist()  # type: ignore[no-any-return]
+        return (rows >= 0) & (t.where[safe] != 0) & ~t.has_sum[safe]  # type: ignore[no-any-return]
 
     def locate(self, key: PageKey) -> PageLocation | None:
         e = self.entry(key)
@@ -1021,7 +1021,7 @@ class BlockManager:
                             "next commit: %s", len(keys), name, exc)
         plan.deletes.clear()
 
-    def publish(self, placed: Placed | Sequence[tuple[PageKey, TierId, int]], checksums: dict[PageKey, int],
+    def publish(self, placed: Placed | Sequence[tuple[PageKey, TierId, int]], checksums: dict[PageKey, int] | Sums,
                 plan: MovePlan | None = None) -> None:
         """Make written pages visible; persistent ones are committed to the index first.
 
@@ -1033,6 +1033,8 @@ class BlockManager:
         abandons ``placed``.
         """
         batches = [b for b in as_placed(placed) if len(b)]
+        if isinstance(checksums, Sums) and not (isinstance(placed, Placed) and len(checksums.need) == len(placed)):
+            raise ValueError(f"checksums by position ({len(checksums.need)}) need one batch of as many pages")
         # Every batch is committed before any page is made visible (inserted into its
         # policy, given a level): abandon, which a failed commit calls for, takes back
         # reservations, not published pages.
@@ -1044,7 +1046,7 @@ class BlockManager:
             if self.listeners:
                 self._emit("placed", batch.tier, list(batch.keys), list(batch.slots))
 
-    def _commit_placed(self, placed: Placed, checksums: dict[PageKey, int], plan: MovePlan | None
+    def _commit_placed(self, placed: Placed, checksums: dict[PageKey, int] | Sums, plan: MovePlan | None
                        ) -> tuple[np.ndarray, bytes, np.ndarray]:
         """The index commit of one batch of :meth:`publish` (persistent tiers), its
         checksums recorded first; returns its rows, parents' keys and which have one."""
@@ -1053,7 +1055,11 @@ class BlockManager:
         rows = rows_of(t.core.find(blob))
         if (rows < 0).any():  # a negative row would index the columns from the end
             raise AssertionError("publish of a page the manager does not hold")
-        if checksums:
+        if isinstance(checksums, Sums):
+            if checksums.need.any():
+                t.checksum[rows[checksums.need]] = checksums.values[checksums.need]
+                t.has_sum[rows[checksums.need]] = True
+        elif checksums:
             sums = [(i, checksums[k]) for i, k in enumerate(keys) if k in checksums]
             idx = [i for i, _ in sums]
             t.checksum[rows[idx]] = np.array([v for _, v in sums], dtype=np.uint64)

@@ -137,6 +137,19 @@ class Moves:
         return Placed.of(self.dst, self.keys, self.dst_slots)
 
 
+@dataclass(eq=False)
+class Sums:
+    """Checksums of a batch's pages by position: ``values[i]`` (uint64) is page ``i``'s
+    where ``need[i]`` (the pages that had none yet); what a write hashed, for ``publish``."""
+
+    values: np.ndarray
+    need: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.values.shape != self.need.shape or self.values.ndim != 1:
+            raise ValueError(f"checksums of shape {self.values.shape} for a mask of shape {self.need.shape}")
+
+
 #: A page's parent where it has none, in a blob of parents (a key no page has: keys are hashes).
 NO_PARENT = PageKey(bytes(KEY_BYTES))
 

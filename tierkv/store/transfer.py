@@ -20,7 +20,7 @@ from tierkv.store.checksum import checksum64, checksum_rows
 from tierkv.errors import TierIOError, TierUnavailableError
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.store.manager import BlockManager, MovePlan
-from tierkv.store.moves import Lead, Moves, Placed
+from tierkv.store.moves import Lead, Moves, Placed, Sums
 from tierkv.store.pages import PageList, Rows
 from tierkv.store.stats import Counters
 from tierkv.tiers.aligned import ALIGN, aligned_empty, is_aligned
@@ -208,7 +208,7 @@ class Transfers:
         self._c.tier_io_s[name] += seconds
         self._c.moved_bytes("caller", name, len(placed) * self._nbytes, seconds, src_read=False)
         try:
-            published = len(keep) if len(keep) and self._publish(keep, {}, plan, f"write to {name}") else 0
+            published = len(keep) if len(keep) and self._publish(keep, None, plan, f"write to {name}") else 0
         except BaseException:   # anything but a failed commit (handled there): nothing stays reserved
             self._m.abandon(keep)
             raise
@@ -286,11 +286,10 @@ class Transfers:
         self._c.moved_bytes(source, name, len(placed) * self._nbytes, elapsed, src_read=False)
         return len(placed) if self._publish(placed, sums, plan, f"write to {name}") else 0
 
-    def _publish(self, placed: Placed | list[tuple[PageKey, TierId, int]], sums: dict[PageKey, int], plan: MovePlan,
-                 what: str) -> bool:
+    def _publish(self, placed: Placed, sums: Sums | None, plan: MovePlan, what: str) -> bool:
         """Publish written pages; if the index commit fails they are abandoned (misses), not served."""
         try:
-            self._m.publish(placed, sums, plan)
+            self._m.publish(placed, sums if sums is not None else {}, plan)
         except TierIOError as exc:
             log.warning("%s of %d pages could not be committed to the index, dropping them: %s",
                         what, len(placed), exc)
@@ -299,16 +298,19 @@ class Transfers:
         return True
 
     def _checksums(self, name: TierId, keys: Sequence[PageKey], staged: Rows,
-                   hashed: list[int] | None = None) -> dict[PageKey, int]:
-        """Checksums for pages entering a persistent tier that do not have one yet
-        (``hashed``: the rows' checksums where the write computed them)."""
+                   hashed: list[int] | None = None) -> Sums | None:
+        """Checksums by position for pages entering a persistent tier that do not have one
+        yet (``hashed``: the rows' checksums where the write computed them); None elsewhere."""
         if not self._tiers[name].persistent:
-            return {}
-        out: dict[PageKey, int] = {}
-        for i, need in enumerate(self._m.unsummed(keys)):
-            if need:
-                out[keys[i]] = hashed[i] if hashed is not None else checksum64(staged[i])
-        return out
+            return None
+        need = self._m.unsummed(keys)
+        if hashed is not None:
+            values = np.array(hashed, dtype=np.uint64)
+        else:
+            values = np.zeros(len(keys), dtype=np.uint64)
+            for i in np.flatnonzero(need).tolist():
+                values[i] = checksum64(staged[i])
+        return Sums(values, need)
 
     def read(self, lead: Lead, out: np.ndarray, serve: bool = True) -> int:
         """Load the pages of ``lead`` (leading pages, in order) into ``out`` rows, each from
