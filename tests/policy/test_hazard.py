@@ -114,3 +114,33 @@ def test_refresh_gives_the_same_index_either_way(monkeypatch: pytest.MonkeyPatch
             monkeypatch.setattr(hazard, "_gittins_index", None)
         tables.append(_think_time_model().tables())
     assert tables[0] == tables[1]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_clock_far_past_the_last_refresh_keeps_the_weights_finite(monkeypatch: pytest.MonkeyPatch,
+                                                                     native: bool) -> None:
+    """A reopen of millions of pages moves a policy's clock one a page with no request, so
+    the first requests after it come thousands of memories after the weight reference:
+    their observations and the next refresh must rebase first, not overflow."""
+    from tierkv.keys import PageKey
+    from tierkv.policy import gittins
+    from tierkv.policy.gittins import GittinsPolicy
+
+    if not native:
+        monkeypatch.setattr(hazard, "_record", None)
+    p = GittinsPolicy(native=native)
+    p.insert_many(b"".join(bytes([i]) * 16 for i in range(1, 9)), bytes(8 * 16), bytes(8))
+    p._now = 3000.0 * 4096    # where 3,000 memories of inserts (12M pages) leave the clock
+    for r in range(2 * gittins.REFRESH_REQUESTS):
+        p.on_request([PageKey(bytes([1 + r % 8]) * 16), PageKey(bytes([200]) * 16)], 0.0)
+    model = p._model
+    assert np.isfinite(model._open).all() and np.isfinite(model._reuses).all()
+    assert all(np.isfinite(row).all() for row in model.index)
+    assert p.victims(2, lambda k: True)
+
+
+def test_advance_does_nothing_in_steady_use() -> None:
+    """Refresh rebases every 64 memories; advance only beyond 128, so it changes no bit."""
+    a, b = _think_time_model(), _think_time_model()
+    b.advance(100 * 4096.0)   # within 128 memories of the reference: nothing moves
+    assert a.tables() == b.tables() and a._t_ref == b._t_ref

@@ -154,6 +154,7 @@ class GittinsPolicy:
     def on_request(self, keys: Sequence[PageKey], now: float) -> None:
         self._requests += 1
         self._now = t = self._now + 1.0
+        self._model.advance(t)   # after a long stretch without requests (a reopen's inserts)
         if self._requests % REFRESH_REQUESTS == 0:
             self._model.refresh(t)
         if self._native is not None:

@@ -65,6 +65,11 @@ def age_bin(age: float) -> int:
     return b if b < BINS else BINS - 1
 
 
+#: Memories past the weight reference after which :meth:`ReuseModel.advance` rebases
+#: (refresh rebases after 64; e^128 times any count stays far inside a double).
+_ADVANCE_MEMORIES = 128
+
+
 class ReuseModel:
     """Reuse-age histograms for ``classes`` classes and the index table derived from them.
 
@@ -94,6 +99,15 @@ class ReuseModel:
 
     def _weight(self, t: float) -> float:
         return math.exp((t - self._t_ref) / self._memory)
+
+    def advance(self, now: float) -> None:
+        """Rebase the weights on ``now`` before observations or a refresh at ``now`` if the
+        clock ran far past the reference without a refresh (a reopen inserts its pages
+        with no request between them, and the clock moves one a page): otherwise the
+        weights overflow a double beyond about 709 memories. In steady use each refresh
+        rebases after 64 memories, so this never fires and changes no bit."""
+        if now - self._t_ref > _ADVANCE_MEMORIES * self._memory:
+            self._rebase(now)
 
     def start(self, cls: int, t: float) -> None:
         """A page of class ``cls`` was accessed at ``t``: it is now waiting for its next access."""
@@ -155,6 +169,7 @@ class ReuseModel:
 
     def refresh(self, now: float) -> None:
         """Recompute ``index`` and ``support`` from the observations up to ``now``."""
+        self.advance(now)
         scale = 1.0 / self._weight(now)
         at_risk = self._at_risk(now) * scale
         reuses = self._reuses * scale
