@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 
@@ -24,6 +23,7 @@ from tierkv.keys import PageKey, split_keys
 from tierkv.policy import POLICY_NAMES, make_policy
 from tierkv.store.api import Store
 from tierkv.store.index import IndexRecord, PersistentIndex
+from tierkv.store.index_runs import live_records
 from tierkv.store.manager import BlockManager
 from tierkv.store.moves import MovePlan
 from tierkv.tiers.dram import DramTier
@@ -68,15 +68,14 @@ def _unreachable(parents: dict[PageKey, PageKey | None]) -> list[PageKey]:
 
 
 def _records(store_dir: Path) -> dict[PageKey, PageKey | None]:
-    """Every NVMe record in the store's LMDB file, read with LMDB itself: page -> parent."""
-    env = lmdb.open(str(store_dir / "index.lmdb"), readonly=True, lock=False, max_dbs=8)
+    """Every NVMe record in the store's index (its runs, replayed): page -> parent."""
+    index = PersistentIndex(store_dir, ["nvme"], read_only=True, runs=["nvme"])
     try:
-        db = env.open_db(b"nvme", create=False)
-        with env.begin(db=db) as txn:
-            recs = [IndexRecord.unpack(k, v) for k, v in txn.cursor()]
+        got = live_records(index, "nvme")
     finally:
-        env.close()
-    return {r.key: r.parent for r in recs}
+        index.close()
+    keys, parents = split_keys(got.keys), split_keys(got.parents)
+    return {k: p if has else None for k, p, has in zip(keys, parents, got.has_parent.tolist())}
 
 
 def _held(s: Store) -> dict[PageKey, PageKey | None]:

@@ -29,8 +29,6 @@ import numpy as np
 from tierkv.config import StoreConfig, load_config
 from tierkv.errors import ConfigError, InputError, StoreClosedError, TierIOError
 from tierkv.store.index_check import mark_clean
-from tierkv.store.index_image import write_image
-from tierkv.store.index_scan import RecordArrays
 from tierkv.keys import (KEY_BYTES, PageKey, Tokens, as_token_array, chain_stretches, chain_token_keys, lossy_keys,
                          namespace_digest, split_keys, tenant_salt, token_ids)
 from tierkv.layout import KVLayout
@@ -1048,8 +1046,6 @@ class Store:
             except TierIOError as exc:
                 log.warning("the last index commit at close failed: %s", exc)
                 synced, clean = exc, False
-            if clean:
-                self._write_image()
         for t in self._manager.tiers:
             try:
                 t.flush()
@@ -1069,22 +1065,6 @@ class Store:
             self._lockfile = None
         if synced is not None:
             raise synced
-
-    def _write_image(self) -> None:
-        """The index image a clean close leaves for the next open (:mod:`tierkv.store.index_image`):
-        the tiers whose page table matches their index record for record."""
-        assert self._index is not None
-        tiers: dict[str, RecordArrays] = {}
-        for t in self._manager.tiers:
-            got = self._manager.image(t.name)
-            if got is not None and len(got) == self._index.entries(t.name):
-                tiers[t.name] = got
-        if not tiers:
-            return
-        try:
-            write_image(self._dir, self._index.store_id(), self._index.last_txnid(), tiers)
-        except OSError as exc:  # the next open walks the index instead
-            log.warning("writing the index image at close failed: %s", exc)
 
     def __enter__(self) -> Store:
         return self

@@ -138,6 +138,15 @@ class GroupCommit:
         if error is not None:
             raise error
 
+    def drain(self) -> bool:
+        """Apply the open window now; whether nothing is left waiting (a failed window's
+        operations wait for a later one). Unlike :meth:`sync` it raises nothing: errors
+        stay for the next ``sync`` to raise."""
+        with self._apply_lock:
+            self._flush_window()
+        with self._cond:
+            return self._count == 0 and self._retrying is None
+
     def close(self) -> None:
         """Apply what is buffered and stop the thread; raises as :meth:`sync` does."""
         with self._cond:

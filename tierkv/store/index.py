@@ -27,13 +27,14 @@ read-only handles may be used from any thread.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,12 +57,46 @@ _SEAL = struct.Struct("<Q")  # xxh3-64 of key + record: catches bytes flipped in
 _NO_PARENT = bytes(KEY_BYTES)
 #: The database of derived pages' origins (``:`` is in no tier's name, so no tier's database).
 ORIGINS_DB = b"derived:origins"
+#: A slot tier's runs (:mod:`tierkv.store.index_runs`) live in the database ``<tier>:runs``.
+RUNS_SUFFIX = ":runs"
+_RUN_MAGIC = b"TKR1"
+_RUN_HEAD = struct.Struct("<4sII")    # magic, deletes, records
+_RUN_ID = struct.Struct(">Q")         # a run's key: its id, big-endian (runs sort by id)
+#: One record in a run: the value a per-key record has (slot .. has_parent, seal).
+RECORD_BYTES = _RECORD.size + _SEAL.size
 log = logging.getLogger(__name__)
 MAP_SIZE = 1 << 36  # address space only: LMDB files grow sparsely
 
 # What LMDB raises for a damaged file (as opposed to permissions, locks, full disks).
 _CORRUPT = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
             lmdb.VersionMismatchError, lmdb.BadValsizeError)
+
+
+#: A writer hands its mapping of the index file back to the kernel each time this many
+#: bytes of runs were written (see PersistentIndex.release_map).
+RELEASE_BYTES = 16 << 20
+_MADV_DONTNEED = 4
+_madvise: Callable[[int, int, int], int] | None
+try:
+    _libc_madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _madvise = _libc_madvise
+except (OSError, AttributeError):   # not Linux: nothing is released
+    _madvise = None
+
+
+def _mapped_at(path: Path) -> int | None:
+    """Where this process maps ``path`` (its first mapping), from /proc/self/maps; None if
+    it does not, or there is no such file."""
+    want = str(path)
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if line.rstrip("\n").endswith(want) and line.rstrip("\n")[-len(want) - 1] in " \t":
+                    return int(line.split("-", 1)[0], 16)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class IndexDamaged(Exception):
@@ -203,6 +238,37 @@ def _packed(value: object) -> bytes:
     return value.pack()
 
 
+def run_key(run: int) -> bytes:
+    return _RUN_ID.pack(run)
+
+
+def run_id(key: bytes) -> int:
+    return int(_RUN_ID.unpack(bytes(key))[0])
+
+
+def run_events(value: bytes) -> int:
+    """How many deletes and records a stored run claims (0 if it is too short to say)."""
+    if len(value) < _RUN_HEAD.size:
+        return 0
+    _, nd, nr = _RUN_HEAD.unpack_from(value)
+    return int(nd) + int(nr)
+
+
+def pack_run(run: int, deletes: Iterable[bytes], keys: Iterable[bytes], values: Iterable[bytes]) -> bytes:
+    """The stored value of run ``run`` (see :mod:`tierkv.store.index_runs`): its deleted
+    keys, then its records (each key's packed value, as :meth:`IndexRecord.pack` gives
+    for a slot tier), sealed."""
+    dels = b"".join(deletes)
+    kblob = b"".join(keys)
+    vblob = b"".join(values)
+    nd, nr = len(dels) // KEY_BYTES, len(kblob) // KEY_BYTES
+    if len(dels) % KEY_BYTES or len(kblob) % KEY_BYTES or len(vblob) != nr * RECORD_BYTES:
+        raise ValueError(f"a run of {len(dels)} bytes of deletes, {len(kblob)} of keys and {len(vblob)} of "
+                         f"records: expected 16-byte keys and {RECORD_BYTES}-byte records, one per key")
+    body = _RUN_HEAD.pack(_RUN_MAGIC, nd, nr) + dels + kblob + vblob
+    return body + _SEAL.pack(xxhash.xxh3_64_intdigest(_RUN_ID.pack(run) + body))
+
+
 def _decode(key: bytes, value: bytes) -> IndexRecord | None:
     try:
         return IndexRecord.unpack(key, value)
@@ -214,19 +280,39 @@ def _decode(key: bytes, value: bytes) -> IndexRecord | None:
 class PersistentIndex:
     """LMDB-backed records for the persistent tiers of one store directory."""
 
-    def __init__(self, store_dir: Path, tier_names: Iterable[str], *, read_only: bool = False) -> None:
+    def __init__(self, store_dir: Path, tier_names: Iterable[str], *, read_only: bool = False,
+                 runs: Iterable[str] = ()) -> None:
         self._read_only = read_only
+        tier_names = list(tier_names)
         path = store_dir / "index.lmdb"
         self._path = store_dir
         if read_only and not path.exists():
             raise ConfigError(f"no store index at {path}; a read-only open needs an existing store")
         self._group: GroupCommit | None = None
-        #: Records the open's child walk found failing their seals; -1 where it did not count.
-        self.unsealed = -1
         self._env = _open_env(path, read_only)
         try:
             self._meta = self._env.open_db(b"meta", create=not read_only)
             self._dbs = {name: self._env.open_db(name.encode(), create=not read_only) for name in tier_names}
+            # Slot tiers' runs (tierkv.store.index_runs); a reader of an index written
+            # before there were any reads the per-key records.
+            # A tier written as runs before and configured otherwise now (a block tier) has
+            # its runs opened too, to be carried into per-key records.
+            self._as_runs = set(runs)
+            if not self._as_runs <= set(self._dbs):
+                raise ValueError(f"runs for {sorted(self._as_runs - set(self._dbs))}, not among the index's "
+                                 f"tiers {tier_names}")
+            self._runs: dict[str, lmdb._Database] = {}
+            for name in tier_names:
+                try:
+                    self._runs[name] = self._env.open_db((name + RUNS_SUFFIX).encode(),
+                                                         create=name in self._as_runs and not read_only)
+                except lmdb.NotFoundError:
+                    pass
+            self._events = dict.fromkeys(self._runs, 0)   # entries the runs hold (compaction's measure)
+            self._appended = dict.fromkeys(self._runs, 0)  # of them, appended by commits since compaction looked
+            self._map_addr: int | None = None              # where this process maps data.mdb (0: unknown)
+            self._unreleased = 0                           # bytes of runs committed since release_map
+            self._views: dict[str, object] = {}           # a reader's RunsView per tier
             # Derived pages' origins (tierkv.store.derived); a reader of an index written
             # before there were any finds none.
             try:
@@ -308,13 +394,178 @@ class PersistentIndex:
             self._meta_put(b"labelled:" + tier.encode(), b"1")
 
     def get_many(self, tier: str, keys: Iterable[PageKey]) -> list[IndexRecord | None]:
-        """Records of ``keys`` in one read transaction (None where absent or undecodable)."""
+        """Records of ``keys`` in one read transaction (None where absent or undecodable).
+        A tier kept as runs answers from the runs committed so far (replayed since the
+        last call: :class:`tierkv.store.index_runs.RunsView`)."""
+        if tier in self._runs and self.has_runs(tier):
+            from tierkv.store.index_runs import view_records  # index_runs builds on this module
+            return view_records(self, tier, keys)
         out: list[IndexRecord | None] = []
         with self._env.begin(db=self._dbs[tier]) as txn:
             for key in keys:
                 value = txn.get(key)
                 out.append(None if value is None else _decode(key, value))
         return out
+
+    # -- runs (tierkv.store.index_runs) -------------------------------------------------------
+    def is_runs(self, tier: str) -> bool:
+        """Whether ``tier``'s commits are written as runs."""
+        return tier in self._as_runs
+
+    def has_runs(self, tier: str) -> bool:
+        """Whether ``tier`` has any run committed."""
+        db = self._runs.get(tier)
+        if db is None:
+            return False
+        with self._env.begin(db=db) as txn:
+            return bool(txn.cursor().first())
+
+    def release_map(self) -> None:
+        """Hand this process's mapping of the index file's pages back to the kernel
+        (``madvise(MADV_DONTNEED)``: they stay in the page cache, and LMDB faults back in
+        what it reads next). LMDB leaves every page a commit wrote mapped in the writer, so
+        without this the runs, written once and read only at the next open, stayed
+        resident in the process: the index's whole size (about 64 bytes a page). A no-op
+        where ``madvise`` or ``/proc/self/maps`` is not available."""
+        self._unreleased = 0
+        if _madvise is None:
+            return
+        if self._map_addr is None:
+            self._map_addr = _mapped_at((self._path / "index.lmdb" / "data.mdb").resolve()) or 0
+        if self._map_addr:
+            _madvise(self._map_addr, self.file_bytes(), _MADV_DONTNEED)
+
+    def _maybe_release(self) -> None:
+        """After a commit: release the mapping once RELEASE_BYTES of runs were written since."""
+        if self._unreleased >= RELEASE_BYTES:
+            self.release_map()
+
+    def appended(self, tier: str, *, reset: bool = False) -> int:
+        """Entries appended to ``tier``'s runs by commits since the last reset."""
+        got = self._appended.get(tier, 0)
+        if reset:
+            self._appended[tier] = 0
+        return got
+
+    def events(self, tier: str) -> int:
+        """The deletes and records ``tier``'s runs hold, live or not (what compaction measures)."""
+        return self._events.get(tier, 0)
+
+    def read_runs(self, tier: str, *, after: int = -1, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        """Stored runs of ``tier`` (key, value), oldest first: those with an id over
+        ``after``; with ``limit``, stopping after the run that brings their entries to it.
+        Sets the tier's entry count when it reads them all."""
+        db = self._runs[tier]
+        out: list[tuple[bytes, bytes]] = []
+        total = 0
+        try:
+            with self._env.begin(db=db) as txn:
+                cursor = txn.cursor()
+                more = cursor.set_range(run_key(after + 1)) if after >= 0 else cursor.first()
+                for key, value in cursor.iternext() if more else ():
+                    out.append((bytes(key), bytes(value)))
+                    total += run_events(value)
+                    if limit is not None and total >= limit:
+                        break
+        except (lmdb.Error, SystemError) as exc:
+            if isinstance(exc, _OPERATIONAL):
+                raise TierIOError(f"reading the {tier} runs failed: {exc}") from None
+            raise IndexDamaged(f"reading the {tier} runs failed: {exc}") from None
+        if after < 0 and limit is None:
+            self._events[tier] = total
+        return out
+
+    def runs_since(self, tier: str, first: bytes, after: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """In one read transaction: the key of ``tier``'s oldest run, and the runs after
+        the key ``after`` if the oldest is still ``first``, else every run (a compaction
+        removed runs since). For a reader's :class:`~tierkv.store.index_runs.RunsView`."""
+        try:
+            with self._env.begin(db=self._runs[tier]) as txn:
+                cursor = txn.cursor()
+                if not cursor.first():
+                    return b"", []
+                oldest = bytes(cursor.key())
+                if oldest == first and after:
+                    more = cursor.set_range(after)
+                    if more and bytes(cursor.key()) == after:
+                        more = cursor.next()
+                    if not more:
+                        return oldest, []
+                return oldest, [(bytes(k), bytes(v)) for k, v in cursor.iternext()]
+        except lmdb.Error as exc:
+            raise TierIOError(f"reading the {tier} runs failed: {exc}") from None
+
+    def rewrite_runs(self, tier: str, through: bytes, keys: bytes, values: bytes, *, events: int,
+                     drop_records: bool = False) -> None:
+        """Replace ``tier``'s runs up to the key ``through`` (which held ``events`` entries) by
+        runs of the records ``keys``/``values`` (blobs), appended: durable when it returns
+        (never grouped: call :meth:`sync` first). ``drop_records``: also forget the tier's
+        per-key records (an older format's, just carried into runs). Large rewrites take
+        one transaction per :data:`~tierkv.store.index_runs.COMPACT_CHUNK` records, the
+        deletes in the last: a crash between them leaves the new runs as well as the old,
+        which replay to the same pages. TierIOError on failure."""
+        from tierkv.store.index_runs import COMPACT_CHUNK
+        if self._read_only:
+            raise ConfigError("a read-only index commits nothing")
+        db = self._runs[tier]
+        n = len(keys) // KEY_BYTES
+        steps = list(range(0, n, COMPACT_CHUNK)) or [0]
+        fresh = b""   # the first new run's key: the runs before it are the old ones
+        try:
+            for i, at in enumerate(steps):
+                with self._env.begin(write=True) as txn:
+                    end = min(n, at + COMPACT_CHUNK)
+                    if end > at:
+                        key = self._append_run(txn, tier, [], [keys[at * KEY_BYTES:end * KEY_BYTES]],
+                                               [values[at * RECORD_BYTES:end * RECORD_BYTES]])
+                        fresh = fresh or key
+                    if i == len(steps) - 1:
+                        cursor = txn.cursor(db=db)
+                        more = cursor.first()
+                        while more and bytes(cursor.key()) <= through and (not fresh or bytes(cursor.key()) < fresh):
+                            more = cursor.delete()
+                        if drop_records:
+                            txn.drop(self._dbs[tier], delete=False)
+            self._events[tier] = self._events.get(tier, 0) - events
+        except lmdb.Error as exc:
+            raise TierIOError(f"rewriting the {tier} runs failed: {exc}") from None
+        finally:   # what a rewrite appends is no commit's
+            self._appended[tier] = max(0, self._appended.get(tier, 0) - n)
+        self.release_map()   # it read the old runs, and wrote the new ones
+
+    def runs_to_records(self, tier: str, keys: bytes, values: bytes) -> None:
+        """Carry a tier's runs into per-key records (it was a slot tier and is a block tier
+        now): ``keys``/``values`` (blobs) are its live records, put one per key, then its
+        runs are dropped; one transaction per :data:`~tierkv.store.index_runs.COMPACT_CHUNK`
+        records (a crash between them leaves the runs, read again next time). TierIOError."""
+        from tierkv.store.index_runs import COMPACT_CHUNK
+        n = len(keys) // KEY_BYTES
+        steps = list(range(0, n, COMPACT_CHUNK)) or [0]
+        try:
+            for i, at in enumerate(steps):
+                with self._env.begin(write=True) as txn:
+                    end = min(n, at + COMPACT_CHUNK)
+                    txn.cursor(db=self._dbs[tier]).putmulti(
+                        [(keys[j * KEY_BYTES:(j + 1) * KEY_BYTES], values[j * RECORD_BYTES:(j + 1) * RECORD_BYTES])
+                         for j in range(at, end)])
+                    if i == len(steps) - 1:
+                        txn.drop(self._runs[tier], delete=False)
+            self._events[tier] = 0
+        except lmdb.Error as exc:
+            raise TierIOError(f"carrying the {tier} runs into records failed: {exc}") from None
+
+    def _append_run(self, txn: lmdb.Transaction, tier: str, deletes: Sequence[bytes], keys: Sequence[bytes],
+                    values: Sequence[bytes]) -> bytes:
+        """Append one run (its id the last one's plus one) in ``txn``; returns its key."""
+        cursor = txn.cursor(db=self._runs[tier])
+        rid = run_id(bytes(cursor.key())) + 1 if cursor.last() else 0
+        value = pack_run(rid, deletes, keys, values)
+        key = run_key(rid)
+        cursor.put(key, value, append=True)
+        self._unreleased += len(value)
+        self._events[tier] = self._events.get(tier, 0) + run_events(value)
+        self._appended[tier] = self._appended.get(tier, 0) + run_events(value)
+        return key
 
     def entries(self, tier: str) -> int:
         """How many records a tier has, from LMDB's own count (no walk)."""
@@ -331,9 +582,11 @@ class PersistentIndex:
         return int(self._env.info()["last_txnid"])
 
     def count(self, tier: str) -> int:
-        """How many records a tier has (also walks the tree, so structural damage shows here)."""
-        with self._env.begin(db=self._dbs[tier]) as txn:
-            return sum(1 for _ in txn.cursor().iternext(keys=True, values=False))
+        """How many per-key records and runs a tier has (also walks the trees, so structural
+        damage shows here)."""
+        with self._env.begin() as txn:
+            return sum(sum(1 for _ in txn.cursor(db=db).iternext(keys=True, values=False))
+                       for db in (self._dbs[tier], self._runs.get(tier)) if db is not None)
 
     def clear(self, tier: str) -> None:
         """Forget every record of a tier (its data file was found foreign or corrupt)."""
@@ -341,6 +594,10 @@ class PersistentIndex:
             self._group.drop(tier)
         with self._env.begin(write=True) as txn:
             txn.drop(self._dbs[tier], delete=False)
+            if tier in self._runs:
+                txn.drop(self._runs[tier], delete=False)
+        if tier in self._runs:
+            self._events[tier] = 0
 
     def commit(self, tier: str, put: Records = (), delete: Iterable[PageKey] = ()) -> None:
         """Apply deletions then insertions (records, or :class:`PackedRecords`); TierIOError on failure.
@@ -356,9 +613,16 @@ class PersistentIndex:
         db = self._dbs[tier]
         try:
             with self._env.begin(db=db, write=True) as txn:
-                for key in delete:
-                    txn.delete(key)
-                txn.cursor().putmulti([(key, _packed(rec)) for key, rec in _pairs(put)])
+                if tier in self._as_runs:
+                    pairs = list(_pairs(put))
+                    deletes = list(delete)
+                    if pairs or deletes:
+                        self._append_run(txn, tier, deletes, [k for k, _ in pairs], [_packed(r) for _, r in pairs])
+                else:
+                    for key in delete:
+                        txn.delete(key)
+                    txn.cursor().putmulti([(key, _packed(rec)) for key, rec in _pairs(put)])
+            self._maybe_release()
         except lmdb.Error as exc:
             raise TierIOError(f"store index commit for the {tier} tier failed: {exc}") from None
 
@@ -385,11 +649,22 @@ class PersistentIndex:
         if self._group is not None:
             self._group.sync()
 
+    def drain(self) -> bool:
+        """Make every commit made before this call durable if possible (a no-op without group
+        commit); whether it did. Raises nothing: a failure stays for :meth:`sync`."""
+        return self._group.drain() if self._group is not None else True
+
     def _apply(self, ops: Ops) -> None:
         """One synced transaction over every tier's buffered deletes (None) and records."""
         try:
             with self._env.begin(write=True) as txn:
                 for tier, by_key in ops.items():
+                    if tier in self._as_runs:
+                        if by_key:
+                            self._append_run(txn, tier, [k for k, r in by_key.items() if r is None],
+                                             [k for k, r in by_key.items() if r is not None],
+                                             [_packed(r) for r in by_key.values() if r is not None])
+                        continue
                     db = self._dbs[tier]
                     put: list[tuple[PageKey, bytes]] = []
                     for key, rec in by_key.items():
@@ -400,6 +675,7 @@ class PersistentIndex:
                     txn.cursor(db=db).putmulti(put)
         except lmdb.Error as exc:
             raise TierIOError(f"store index group commit ({', '.join(ops)}) failed: {exc}") from None
+        self._maybe_release()
 
     # -- derived pages' origins (tierkv.store.derived) ----------------------------------------
     def origins(self, keys: Iterable[bytes] | None = None) -> list[tuple[bytes, bytes]]:
@@ -478,19 +754,19 @@ class PersistentIndex:
 
 def open_index(store_dir: Path, tier_names: list[str], meta: dict[str, object], *,
                read_only: bool, verify: str = "always", upgrade_from: Iterable[int] = (),
-               seals: bool = False) -> PersistentIndex:
+               runs: Iterable[str] = ()) -> PersistentIndex:
     """Open the store's index and check its geometry; a structurally corrupt index is
     moved aside (``index.lmdb.corrupt-<ns>``, logged) and replaced by an empty one, so
     the store serves misses instead of failing. ConfigError on a geometry mismatch.
 
     ``verify`` ("always", "unclean", "never") says when a child process walks the index
     first (see :mod:`tierkv.store.index_check`); "unclean" means after a shutdown that did not
-    leave the clean marker. ``seals``: the walk also counts the records that fail their
-    seals (the index's ``unsealed``; -1 where nobody counted).
+    leave the clean marker. ``runs``: the tiers whose commits are written as runs
+    (:mod:`tierkv.store.index_runs`: the slot tiers).
     """
+    runs = list(runs)
     path = store_dir / "index.lmdb"
     walked = False  # whether a child walked every record and rehearsed the writes without harm
-    unsealed = -1
     cut = check_index_file(path)  # before anything maps it: a short file faults every reader
     if cut is not None:
         if read_only:
@@ -498,20 +774,18 @@ def open_index(store_dir: Path, tier_names: list[str], meta: dict[str, object], 
         quarantine_index(store_dir, cut)
     if not read_only and (path / "data.mdb").exists() and (
             verify == "always" or (verify == "unclean" and not was_clean(store_dir))):
-        problem, unsealed = probe_index(path, seals=seals)
+        problem, _ = probe_index(path)
         if problem is not None:
             quarantine_index(store_dir, problem)
         walked = problem is None
-        unsealed = unsealed if walked and seals else -1
     try:
-        index = PersistentIndex(store_dir, tier_names, read_only=read_only)
+        index = PersistentIndex(store_dir, tier_names, read_only=read_only, runs=runs)
         try:
             index.check_meta(meta, upgrade_from)
             index.store_id()
             if not walked:  # walk the tree here, so that structural damage shows now
                 for name in tier_names:
                     index.count(name)
-            index.unsealed = unsealed
         except BaseException:
             index.close()
             raise
@@ -522,7 +796,7 @@ def open_index(store_dir: Path, tier_names: list[str], meta: dict[str, object], 
         if read_only:
             raise ConfigError(f"the store index at {store_dir / 'index.lmdb'} is unreadable: {exc}") from None
         quarantine_index(store_dir, str(exc))
-        return PersistentIndex(store_dir, tier_names, read_only=False)
+        return PersistentIndex(store_dir, tier_names, read_only=False, runs=runs)
 
 
 def is_damage(exc: BaseException) -> bool:

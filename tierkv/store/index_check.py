@@ -8,8 +8,8 @@ and record and rehearses the store's write paths in a transaction it aborts (wit
 CPUs, children share that work at once: :func:`probe_index`); if a child dies or fails,
 the store sets the index aside and starts empty instead of crashing the serving engine.
 A child imports only ``lmdb`` (and ``xxhash`` when it also counts the records that fail
-their seals: the store asks that when it may load a clean close's index image instead of
-reading the records itself). Called by :func:`tierkv.store.index.open_index`.
+their seals: ``probe_index(seals=True)``, a diagnostic; the store reads and checks the
+records itself when it opens). Called by :func:`tierkv.store.index.open_index`.
 """
 
 from __future__ import annotations

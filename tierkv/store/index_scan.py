@@ -75,6 +75,13 @@ def _seals(keys: bytes, values: bytes | bytearray, size: int, body: int) -> np.n
 def packed_values(arrays: RecordArrays) -> list[bytes]:
     """Each record's stored value (fixed size: no block runs), sealed, byte for byte what
     :meth:`IndexRecord.pack` gives, packed and sealed in one pass over the columns."""
+    raw = packed_blob(arrays)
+    size = RECORD_DTYPE.itemsize
+    return [raw[i:i + size] for i in range(0, len(raw), size)]
+
+
+def packed_blob(arrays: RecordArrays) -> bytes:
+    """:func:`packed_values` back to back, in one bytes object."""
     n = len(arrays)
     rec = np.zeros(n, dtype=RECORD_DTYPE)
     rec["slot"] = arrays.slot
@@ -85,8 +92,7 @@ def packed_values(arrays: RecordArrays) -> list[bytes]:
     rec["parent"][~np.asarray(arrays.has_parent, dtype=bool)] = bytes(KEY_BYTES)
     size = RECORD_DTYPE.itemsize
     rec["seal"] = _seals(arrays.keys, rec.tobytes(), size, size - _SEAL.size)
-    raw = rec.tobytes()
-    return [raw[i:i + size] for i in range(0, n * size, size)]
+    return rec.tobytes()
 
 
 def scan_records(index: PersistentIndex, tier: str, valid: Callable[[RecordArrays], np.ndarray],

@@ -37,10 +37,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tierkv.errors import CapacityError, InputError, TierIOError
-from tierkv.keys import KEY_BYTES, PageKey, take_keys
+from tierkv.keys import KEY_BYTES, PageKey, split_keys, take_keys
 from tierkv.policy import Policy
-from tierkv.store.index import IndexRecord, PackedRecords, PersistentIndex
-from tierkv.store.index_scan import RecordArrays, packed_values, scan_records
+from tierkv.store.index import IndexRecord, PackedRecords, PersistentIndex, run_events, run_key
+from tierkv.store.index_runs import COMPACT_CHUNK, COMPACT_MIN, load_runs, replay, unpack_run
+from tierkv.store.index_scan import RECORD_DTYPE, RecordArrays, packed_blob, packed_values, scan_records
 from tierkv.store.moves import Entry, Lead, MovePlan, Moves, NewPages, PageLocation, Placed, Sums, as_placed
 from tierkv.store.table import LOWEST_LEVEL, MAX_SLOTS, MAX_TIERS, NO_LEVEL, PageTable, rows_of
 from tierkv.tiers.aligned import ALIGN
@@ -56,6 +57,10 @@ _ROW = struct.Struct("<i")  # one int32 row, as the table's core takes rows
 MAX_NBYTES = (1 << 32) - 1
 # Pointer doublings that reach the root of any chain of rows (a depth below 2**40).
 _MAX_DOUBLINGS = 40
+
+
+#: Past every run's key: a rewrite through it replaces them all.
+_LAST_RUN = run_key((1 << 64) - 1)
 
 
 def _as_slot(rec: IndexRecord, blocks_per_slot: int) -> int | None:
@@ -191,6 +196,7 @@ class BlockManager:
         self._stray = False
         self._adopted: set[TierId] = set()   # persistent tiers whose records were adopted
         self._adopting = False
+        self.compactions = 0    # index compactions done (tierkv.store.index_runs)
 
     # -- rows ------------------------------------------------------------------------
     def _row(self, key: PageKey) -> int:
@@ -437,21 +443,20 @@ class BlockManager:
         return frozenset(i for i, t in enumerate(self.tiers) if not t.available)
 
     # -- reopening -------------------------------------------------------------------
-    def adopt_persistent(self, name: TierId, image: RecordArrays | None = None) -> int:
+    def adopt_persistent(self, name: TierId) -> int:
         """Load the index records of a persistent tier; their slots become used. Returns the count.
 
-        A slot tier's records are read in one cursor pass into arrays
-        (:func:`~tierkv.store.index_scan.scan_records`) and enter the table in bulk; a block
-        tier's claim their block runs one by one. ``image``: the tier's records from a
-        clean close's image (:mod:`~tierkv.store.index_image`), used instead of the walk
-        if they are as many as the database holds and all valid.
+        A slot tier's records are read in one pass into arrays (its runs, replayed:
+        :mod:`~tierkv.store.index_runs`; per-key records of an older format with
+        :func:`~tierkv.store.index_scan.scan_records`) and enter the table in bulk; a block
+        tier's claim their block runs one by one.
 
         Once every persistent tier is adopted, the pages whose parent no tier recorded (it
         lived in a volatile tier only when the last run ended: a crash, or a close without
         write-back) are dropped and their records deleted: no lookup could reach them.
         """
         self._adopting = True   # until the last tier: a page's parent may be in a tier not read yet
-        got = self._adopt(name, image)
+        got = self._adopt(name)
         self._adopted.add(name)
         if self._adopted >= {t.name for t in self.tiers if t.persistent}:
             self._adopting = False
@@ -461,16 +466,9 @@ class BlockManager:
                          dropped)
         return got
 
-    def _adopt(self, name: TierId, image: RecordArrays | None) -> int:
+    def _adopt(self, name: TierId) -> int:
         assert self._index is not None
         tier = self._by_id[name]
-        if image is not None and not tier.block_addressed and len(image) == self._index.entries(name):
-            ok = _slot_validator(tier)[0](image)
-            if ok.all():
-                tier.claim(image.slot.tolist())
-                return self._install(tier, image)
-            log.info("%s: the index image has %d invalid records; the index is walked instead", name,
-                     int((~ok).sum()))
         if tier.block_addressed:
             recs, slots, dropped = self._scan_blocks(tier)
             got = _arrays_of(recs, slots)
@@ -498,6 +496,13 @@ class BlockManager:
                 return False
             return True
 
+        if self._index.has_runs(tier.name):   # written as a slot tier: carried into per-key records
+            runs, damaged, lost = load_runs(self._index, tier.name)
+            live = replay(runs)
+            if damaged:
+                log.warning("%s index: a run fails its seal; it and every earlier one are dropped (%d records): "
+                            "those pages are misses", tier.name, lost)
+            self._index.runs_to_records(tier.name, live.keys, packed_blob(live))
         good, dropped = self._index.adopt(tier.name, valid)
         return good, [handles[r.key] for r in good], dropped
 
@@ -506,8 +511,12 @@ class BlockManager:
 
         Valid: the length fits a slot, the slot is in range and no record before it (in
         key order) names it. A record with block runs is usable only as one whole raw slot.
+        A tier kept as runs is replayed (:mod:`~tierkv.store.index_runs`); per-key records
+        of an older format count as older than every run and are carried into runs here.
         """
         assert self._index is not None
+        if self._index.is_runs(tier.name):
+            return self._scan_runs(tier)
         blocks_per_slot = tier.slot_bytes // ALIGN
         valid, claimed = _slot_validator(tier)
         taken: set[int] = set()
@@ -528,25 +537,39 @@ class BlockManager:
         tier.claim(arrays.slot.tolist())
         return arrays, dropped
 
-    def image(self, name: TierId) -> RecordArrays | None:
-        """The records of a slot-addressed persistent tier as its index should hold them (every
-        page with a copy there, its slot, length, checksum and parent), for an index image;
-        None for a tier whose records carry block runs, or with a page lacking a checksum."""
-        tier = self._by_id[name]
-        if tier.block_addressed or not tier.persistent:
-            return None
-        t, lvl = self.table, self.levels[name]
-        live = rows_of(t.core.live_rows())
-        rows = live[(t.where[live] >> lvl) & 1 == 1]
-        if not t.has_sum[rows].all():
-            return None
-        prow = t.parent[rows].astype(np.int64) - 1
-        has_parent = prow >= 0
-        pkeys = np.frombuffer(t.core.keys(np.where(has_parent, prow, rows).astype(np.int32).tobytes()),
-                              dtype="V16").copy()
-        pkeys[~has_parent] = np.void(_NO_KEY)   # as the index records them: zeros where none
-        return RecordArrays(t.core.keys(rows.tobytes()), t.slot[lvl, rows].astype(np.uint64) - 1,
-                            t.nbytes[rows].copy(), t.checksum[rows].copy(), pkeys.tobytes(), has_parent)
+    def _scan_runs(self, tier: Tier) -> tuple[RecordArrays, int]:
+        """:meth:`_scan_slots` of a tier kept as runs."""
+        index, name = self._index, tier.name
+        assert index is not None
+        older: RecordArrays | None = None
+        dropped = 0
+        legacy = index.entries(name) > 0
+        if legacy:  # an older format's per-key records: judged with the runs, then carried into them
+            bps = tier.slot_bytes // ALIGN
+            older, others, dropped = scan_records(index, name, lambda a: np.ones(len(a), dtype=bool), lambda r: True)
+            usable = [r for r in others if _as_slot(r, bps) is not None]
+            dropped += len(others) - len(usable)
+            if usable:
+                older = older.concat(_arrays_of(usable, [_as_slot(r, bps) or 0 for r in usable]))
+        runs, damaged, lost = load_runs(index, name)
+        if damaged:
+            lost += len(older) if older is not None else 0
+            log.warning("%s index: a run fails its seal; it and every earlier one are dropped (%d records): "
+                        "those pages are misses", name, lost)
+            dropped += lost
+            older = None
+        live = replay(runs, older)
+        keep = _slot_validator(tier)[0](live)
+        got = live if keep.all() else live.take(keep)
+        dropped += int((~keep).sum())
+        if legacy or damaged:   # one set of runs of what is live, the rest gone
+            index.rewrite_runs(name, _LAST_RUN, got.keys, packed_blob(got), events=index.events(name),
+                               drop_records=legacy)
+        elif not keep.all():
+            self._commit(name, delete=split_keys(take_keys(live.keys, ~keep)))
+        index.release_map()   # the runs were read once: their pages need not stay mapped here
+        tier.claim(got.slot.tolist())
+        return got, dropped
 
     def _install(self, tier: Tier, got: RecordArrays) -> int:
         """Enter adopted records (``slot``: the tier's slot handle) into the table and the policy."""
@@ -1001,6 +1024,63 @@ class BlockManager:
             if deletes:
                 self._unsynced[name] = deletes
             raise
+        if self._index.is_runs(name) and not self._adopting and self._index.appended(name) >= COMPACT_CHUNK // 4:
+            self._compact(self._by_id[name])
+
+    def _over(self, tier: Tier) -> bool:
+        """Whether ``tier``'s runs hold more than twice its pages and COMPACT_MIN entries."""
+        assert self._index is not None
+        return self._index.events(tier.name) > 2 * (tier.num_slots - tier.num_free) + COMPACT_MIN
+
+    def _compact(self, tier: Tier) -> None:
+        """While ``tier``'s runs hold too much garbage, rewrite the oldest ones, about
+        COMPACT_CHUNK entries at a time, as runs of the records in them that the table still
+        holds (same slot, same checksum): see :mod:`tierkv.store.index_runs`. Asked once per
+        COMPACT_CHUNK / 4 entries appended, and reading at most what the runs held then (one
+        pass: the oldest runs may be live and the garbage newer), so that its cost per entry
+        appended stays bounded. Every buffered commit is made durable first, so the table holds
+        nothing the index has not committed but in-flight writes, whose records are in no old
+        run. A failure is logged; the runs stay as they were (replayed to the same pages)."""
+        assert self._index is not None
+        if not self._over(tier):
+            return
+        if not self._index.drain():
+            return  # a window waits to be retried: the table may hold what the index does not yet
+        self._index.appended(tier.name, reset=True)
+        budget = self._index.events(tier.name)
+        while budget > 0 and self._over(tier):
+            done = self._compact_chunk(tier)
+            if not done:
+                return
+            budget -= done
+
+    def _compact_chunk(self, tier: Tier) -> int:
+        """One step of :meth:`_compact`; returns the entries it read (0: nothing done)."""
+        index, name, t, lvl = self._index, tier.name, self.table, self.levels[tier.name]
+        assert index is not None
+        try:
+            raw = index.read_runs(name, limit=COMPACT_CHUNK)
+        except TierIOError as exc:
+            log.warning("compacting the %s index is put off: %s", name, exc)
+            return 0
+        if not raw:
+            return 0
+        # A damaged run's records are left out (the table says what is live, not the runs).
+        runs = [run for key, value in raw if (run := unpack_run(key, value)) is not None]
+        keys = b"".join(r.keys for r in runs)
+        recs = np.concatenate([r.records for r in runs]) if runs else np.zeros(0, dtype=RECORD_DTYPE)
+        rows = rows_of(t.core.find(keys))
+        r = np.where(rows >= 0, rows, 0)
+        live = ((rows >= 0) & ((t.where[r] >> lvl) & 1 == 1) & (t.slot[lvl, r].astype(np.uint64) == recs["slot"] + 1)
+                & t.has_sum[r] & (t.checksum[r] == recs["checksum"]) & (t.nbytes[r] == recs["nbytes"]))
+        events = sum(run_events(value) for _, value in raw)
+        try:
+            index.rewrite_runs(name, raw[-1][0], take_keys(keys, live), recs[live].tobytes(), events=events)
+        except TierIOError as exc:
+            log.warning("compacting the %s index failed (its runs stay as they were): %s", name, exc)
+            return 0
+        self.compactions += 1
+        return events
 
     def commit_deletes(self, plan: MovePlan) -> None:
         """Durably forget evicted persistent records that no publish has carried yet.

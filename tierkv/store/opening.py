@@ -26,9 +26,7 @@ from tierkv.codec import Codec, CodecMode
 from tierkv.config import NvmeConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError, StoreBusyError
 from tierkv.store.index import PersistentIndex, is_damage, open_index, quarantine_index
-from tierkv.store.index_check import mark_clean, was_clean
-from tierkv.store.index_image import IMAGE, drop_image, read_image
-from tierkv.store.index_scan import RecordArrays
+from tierkv.store.index_check import mark_clean
 from tierkv.store.manager import BlockManager
 # The data-file label's format, and what is on a medium before a store takes it.
 from tierkv.store.medium import LABEL_BYTES, LABEL_MAGIC, Contents, Medium, examine, label_data_bytes, owner_record
@@ -47,8 +45,11 @@ _TRIM_AFTER = 1 << 16
 
 # 3: records of block-addressed tiers carry extents (format 2 stores open unchanged:
 # their records are slot records, byte for byte).
-FORMAT_VERSION = 3
-UPGRADABLE_FORMATS = (2,)
+# 4: slot tiers' records are written as runs, one per commit (tierkv.store.index_runs);
+# a writer carries a format 2 or 3 store's per-key records into runs when it opens it.
+FORMAT_VERSION = 4
+UPGRADABLE_FORMATS = (2, 3)
+_OLD_IMAGE = "index.image"   # format 3's image of a clean close's records
 log = logging.getLogger(__name__)
 
 
@@ -132,7 +133,6 @@ def release_dir(lock_fd: int | None) -> None:
 def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | None, BlockManager]:
     tiers = build_tiers(cfg, read_only)
     index: PersistentIndex | None = None
-    image: dict[str, RecordArrays] = {}
     created: Path | None = None         # an index this open made: removed again if the open fails
     try:
         persistent: list[str] = [t.name for t in tiers if t.persistent]
@@ -140,23 +140,15 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
             store_dir = Path(cfg.path)
             if not read_only and not (store_dir / "index.lmdb").exists():
                 created = store_dir / "index.lmdb"
-            # With an image to load, the child walk checks the records' seals, as reading them here would.
-            imaged = not read_only and was_clean(store_dir) and (store_dir / IMAGE).exists()
             try:
                 index = open_index(store_dir, persistent, _meta(cfg, tiers), read_only=read_only,
-                                   verify=cfg.verify_index, upgrade_from=UPGRADABLE_FORMATS, seals=imaged)
+                                   verify=cfg.verify_index, upgrade_from=UPGRADABLE_FORMATS,
+                                   runs=[t.name for t in tiers if t.persistent and not t.block_addressed])
             except ConfigError as exc:
                 raise _with_resize_hint(cfg, exc) from None
             if not read_only:
-                # A clean close's image of the records, if nothing was committed since; gone
-                # before this writer commits anything.
-                if imaged and index.unsealed > 0:
-                    log.warning("%d index records fail their seals; the index is walked, not loaded from its "
-                                "image, and those pages are misses (derived pages' origins: forgotten)",
-                                index.unsealed)
-                elif imaged:
-                    image = read_image(store_dir, index.store_id(), index.last_txnid())
-                drop_image(store_dir)
+                # A clean close of format 3 left an image of its records; runs need none.
+                (store_dir / _OLD_IMAGE).unlink(missing_ok=True)
                 mark_clean(store_dir, False)
             for t in tiers:
                 medium = t.blocks if isinstance(t, BlockPageTier) else t
@@ -164,7 +156,7 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
                     _check_label(medium, index, read_only, store_dir, _may_format(cfg, medium))
         manager = BlockManager(tiers, {t.name: make_policy(cfg.policy) for t in tiers}, index)
         if not read_only:
-            adopted = sum(manager.adopt_persistent(t.name, image.get(t.name)) for t in tiers if t.persistent)
+            adopted = sum(manager.adopt_persistent(t.name) for t in tiers if t.persistent)
             if adopted >= _TRIM_AFTER:
                 _trim_heap()
             if index is not None and cfg.durability == "window":  # adoption's deletes are committed already

@@ -1,0 +1,241 @@
+"""The index of slot tiers as runs (tierkv.store.index_runs): replay, readers, compaction,
+damage, and stores of the per-key format carried into runs, on real LMDB and O_DIRECT files."""
+
+from __future__ import annotations
+
+import random
+import tarfile
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from tests.conftest import make_config, page_data
+from tierkv.config import StoreConfig
+from tierkv.keys import KEY_BYTES
+from tierkv.store import manager as manager_mod
+from tierkv.store.api import Store
+from tierkv.store.index import RECORD_BYTES, PersistentIndex, pack_run, run_key
+from tierkv.store.index_runs import RunsView, live_records, replay, unpack_run
+from tierkv.store.index_scan import RecordArrays, packed_blob
+from tierkv.store.table import rows_of
+from tierkv.tiers.base import TierId
+
+TPP = 16
+ARCHIVE = Path(__file__).parent / "data" / "stores-before-tier-names.tar.gz"
+
+
+def prompt(seed: int, pages: int) -> np.ndarray:
+    return np.random.default_rng(seed + 7000).integers(0, 50000, pages * TPP, dtype=np.int64)
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(2, "little") * 8
+
+
+def _records(keys: list[int], slots: list[int], sums: list[int]) -> tuple[bytes, bytes]:
+    n = len(keys)
+    arrays = RecordArrays(b"".join(_key(k) for k in keys), np.array(slots, dtype=np.uint64),
+                          np.full(n, 100, dtype=np.uint32), np.array(sums, dtype=np.uint64),
+                          bytes(KEY_BYTES * n), np.zeros(n, dtype=bool))
+    return arrays.keys, packed_blob(arrays)
+
+
+def _naive(events: list[list[tuple[str, int, int, int]]]) -> dict[bytes, tuple[int, int]]:
+    """The pages a sequence of runs leaves, one event at a time: (op, key, slot, checksum)."""
+    pages: dict[int, tuple[int, int]] = {}
+    for run in events:
+        for op, k, _, _ in run:
+            if op == "del":
+                pages.pop(k, None)
+        for op, k, slot, checksum in run:
+            if op == "put":
+                for other, (s, _) in list(pages.items()):
+                    if s == slot and other != k:
+                        del pages[other]
+                pages[k] = (slot, checksum)
+    return {_key(k): v for k, v in pages.items()}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_replay_and_a_readers_view_agree_with_applying_each_event_in_turn(seed: int) -> None:
+    rng = random.Random(seed)
+    events: list[list[tuple[str, int, int, int]]] = []
+    runs = []
+    view = RunsView()
+    for rid in range(rng.randint(1, 12)):
+        dels = rng.sample(range(12), rng.randint(0, 3))
+        puts = rng.sample(range(12), rng.randint(0, 5))            # distinct keys in a run
+        slots = rng.sample(range(8), len(puts))                     # and distinct slots
+        sums = [rng.randrange(1 << 60) for _ in puts]
+        events.append([("del", k, 0, 0) for k in dels] + [("put", k, s, c) for k, s, c in zip(puts, slots, sums)])
+        keys, values = _records(puts, slots, sums)
+        key = run_key(rid)
+        run = unpack_run(key, pack_run(rid, [_key(k) for k in dels], [keys], [values]))
+        assert run is not None
+        runs.append(run)
+        view.add(run, key)
+    want = _naive(events)
+    live = replay(runs)
+    got = {live.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]: (int(live.slot[i]), int(live.checksum[i]))
+           for i in range(len(live))}
+    assert got == want
+    assert {k: (v[0], v[2]) for k in want if (v := view.get(k)) is not None} == want and len(view) == len(want)
+
+
+def test_a_run_whose_bytes_change_fails_its_seal() -> None:
+    keys, values = _records([1, 2], [0, 1], [5, 6])
+    value = bytearray(pack_run(3, [_key(9)], [keys], [values]))
+    assert unpack_run(run_key(3), bytes(value)) is not None
+    assert unpack_run(run_key(4), bytes(value)) is None              # the seal covers the run's id
+    for at in (0, 5, 14, len(value) - 20, len(value) - 1):
+        broken = bytearray(value)
+        broken[at] ^= 1
+        assert unpack_run(run_key(3), bytes(broken)) is None
+    assert unpack_run(run_key(3), bytes(value[:-1])) is None
+    with pytest.raises(ValueError, match="16-byte keys"):
+        pack_run(0, [], [keys], [values[:-1]])
+
+
+def _fill(s: Store, seeds: range, pages: int = 3) -> dict[int, np.ndarray]:
+    data = {}
+    for seed in seeds:
+        data[seed] = page_data(seed, pages)
+        s.put(prompt(seed, pages), data[seed])
+    return data
+
+
+def _served(s: Store, data: dict[int, np.ndarray]) -> dict[int, int]:
+    """Pages each prompt gets (its bytes checked)."""
+    out = {}
+    for seed, want in data.items():
+        got = np.zeros_like(want)
+        n = s.get(prompt(seed, len(want)), got).pages
+        np.testing.assert_array_equal(got[:n], want[:n])
+        out[seed] = n
+    return out
+
+
+def _index(cfg: StoreConfig) -> PersistentIndex:
+    return PersistentIndex(Path(cfg.path), ["nvme"], read_only=True, runs=["nvme"])
+
+
+def _table(s: Store, name: str = "nvme") -> dict[bytes, tuple[int, int]]:
+    """The pages the writer's table holds on tier ``name``: key -> (slot, checksum)."""
+    m = s._manager
+    t, lvl = m.table, m.levels[TierId(name)]
+    live = rows_of(t.core.live_rows())
+    rows = live[(t.where[live] >> lvl) & 1 == 1]
+    keys = t.core.keys(rows.tobytes())
+    return {keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]: (int(t.slot[lvl, r]) - 1, int(t.checksum[r]))
+            for i, r in enumerate(rows.tolist())}
+
+
+def _recorded(index: PersistentIndex, name: str = "nvme") -> dict[bytes, tuple[int, int]]:
+    got = live_records(index, name)
+    return {got.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]: (int(got.slot[i]), int(got.checksum[i]))
+            for i in range(len(got))}
+
+
+@pytest.mark.parametrize(("durability", "dram"), [("window", 2), ("put", 2), ("window", 0)])
+def test_compaction_keeps_the_index_bounded_and_exactly_what_the_table_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str, dram: int) -> None:
+    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
+    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    cfg = make_config(tmp_path / "s", dram_pages=dram, nvme_pages=16, durability=durability)
+    data: dict[int, np.ndarray] = {}
+    with Store.open(cfg) as s:
+        reader = PersistentIndex(Path(cfg.path), ["nvme"], read_only=True, runs=["nvme"])  # shares the env
+        try:
+            for step in range(6):                      # 180 pages through 16 slots: evictions
+                data.update(_fill(s, range(10 * step, 10 * step + 10)))
+                s.flush()
+                assert _recorded(reader) == _table(s)
+                index = s._index
+                # Compaction keeps up: twice the pages, COMPACT_MIN, a chunk and one window's
+                # entries (60: the window is applied by the flush, compaction asked at the next commit).
+                assert index is not None and index.events("nvme") <= 2 * 16 + 8 + 12 + 60
+        finally:
+            reader.close()
+        assert s._manager.compactions > 0
+        before = _served(s, data)
+    with Store.open(cfg) as s:
+        after = _served(s, data)
+        held = _table(s)
+        # Every page the NVMe tier holds is reachable (the DRAM tier's were written back at close).
+        assert sum(after.values()) == len(held) > 0
+        if not dram:
+            assert after == before
+    index = _index(cfg)
+    try:
+        assert _recorded(index) == held
+    finally:
+        index.close()
+
+
+def test_a_reader_sees_the_writers_commits_across_compactions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 4)
+    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 6)
+    cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=8, durability="put")
+    with Store.open(cfg) as w:
+        _fill(w, range(2), pages=2)
+        with Store.open(cfg, read_only=True) as r:
+            for seed in range(2, 30):
+                data = page_data(seed, 2)
+                w.put(prompt(seed, 2), data)
+                got = np.zeros_like(data)
+                assert r.get(prompt(seed, 2), got).pages == 2      # the newest pages are there
+                np.testing.assert_array_equal(got, data)
+                for back in range(max(0, seed - 6), seed):           # what was evicted: gone for both
+                    old = page_data(back, 2)
+                    seen = r.get(prompt(back, 2), got).pages
+                    np.testing.assert_array_equal(got[:seen], old[:seen])
+                    assert seen == w.lookup(prompt(back, 2), count=False).cached_pages
+        assert w._manager.compactions > 0
+
+
+def _runs(path: Path) -> list[tuple[bytes, bytes]]:
+    env = lmdb.open(str(path / "index.lmdb"), max_dbs=16, subdir=True, lock=False, readonly=True)
+    try:
+        with env.begin(db=env.open_db(b"nvme:runs", create=False)) as txn:
+            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+    finally:
+        env.close()
+
+
+def test_a_damaged_run_drops_the_runs_up_to_it_and_nothing_is_served_wrong(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=32, durability="put", verify_index="never")
+    with Store.open(cfg) as s:
+        data = _fill(s, range(6), pages=2)              # one run per put
+    runs = _runs(tmp_path / "s")
+    assert len(runs) == 6
+    env = lmdb.open(str(tmp_path / "s" / "index.lmdb"), max_dbs=16, subdir=True)
+    try:
+        with env.begin(write=True, db=env.open_db(b"nvme:runs", create=False)) as txn:
+            key, value = runs[2]
+            broken = bytearray(value)
+            broken[20] ^= 0xFF                            # inside the first record's key
+            txn.put(key, bytes(broken))
+    finally:
+        env.close()
+    with Store.open(cfg) as s:
+        assert _served(s, data) == {0: 0, 1: 0, 2: 0, 3: 2, 4: 2, 5: 2}
+    assert len(_runs(tmp_path / "s")) == 1             # the survivors, rewritten as one run
+    with Store.open(cfg) as s:
+        assert _served(s, data) == {0: 0, 1: 0, 2: 0, 3: 2, 4: 2, 5: 2}
+
+
+def test_a_format_3_store_is_carried_into_runs_and_reopens_again(tmp_path: Path) -> None:
+    with tarfile.open(ARCHIVE) as tar:
+        tar.extractall(tmp_path, filter="data")
+    from tests.store.test_reopen_compat import PLAIN_PAGES, configs, smooth_pages, tokens
+    plain, _ = configs(tmp_path)
+    want = smooth_pages(PLAIN_PAGES, 1)
+    for _ in range(3):                                 # carried at the first open; the next ones read runs
+        with Store.open(plain) as s:
+            got = np.zeros_like(want)
+            assert s.get(tokens(PLAIN_PAGES), got).pages == PLAIN_PAGES
+            np.testing.assert_array_equal(got, want)
+    runs = _runs(tmp_path / "plain")
+    assert runs and all(len(v) > RECORD_BYTES for _, v in runs)

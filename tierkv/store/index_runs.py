@@ -1,0 +1,246 @@
+"""The index of a slot-addressed persistent tier as *runs*: one LMDB record per commit.
+
+Format 3 kept one LMDB record per page, keyed by the page's key. Keys are hashes, so
+every insert landed on a random leaf of the B-tree: 2.5-3 us a record, a 4 KiB page
+dirtied per record, and the whole tree (about 130 bytes a page) resident in every
+process that used it. At node scale (tens of millions of pages) that was most of the
+store's memory and of its put cost. The pages of a slot tier are held in memory by the
+page table anyway (``tierkv.store.table``); the index only has to let a restart rebuild
+that, and let a read-only process find what the writer committed. So each commit (one
+batch, or one group-commit window) is written as one record, appended:
+
+- key: the run's id, 8 bytes big-endian (ids grow with every commit: appends);
+- value: ``b"TKR1"``, the number of deletes and of records (u32 each), the deleted
+  keys (16 bytes each), the records' keys (16 bytes each), the records (each the
+  45-byte value format 3 stored per key: slot, length, checksum, parent, has-parent,
+  its seal), then the seal of the run: xxh3-64 of the run's key and everything before
+  it, as every other record of the index ends.
+
+Within a run deletes come before records, as in a per-key commit. Replaying the runs
+in id order gives the tier's pages: a record is live when nothing later names its key
+(a delete, or another record) and no later record names its slot (the slot was reused:
+its bytes are another page's). A crash between a slot's reuse and the commit naming
+the new page leaves the old record live and its checksum failing: a miss, never wrong
+bytes, as before.
+
+Garbage (records deleted or superseded, and the deletes themselves) stays in the runs
+until *compaction* (:meth:`tierkv.store.manager.BlockManager` drives it): when a tier's
+runs hold more than ``2 * live + COMPACT_MIN`` entries, the oldest runs (about
+``COMPACT_CHUNK`` entries) are read, their records the page table still holds at the
+same slot with the same checksum are written as one new run, and the old runs are
+deleted, in one durable transaction after every buffered commit is durable. Since
+compaction takes the oldest runs, no record older than theirs remains, so their
+deletes can go.
+
+A damaged run (its seal fails, or its lengths do) cannot say what it deleted, so
+every run up to it, and the per-key records of an older format, are dropped: those
+pages are misses, and nothing that run deleted comes back.
+
+Read-only processes keep a :class:`RunsView`, replayed incrementally from the runs
+committed since they last looked (from scratch after a compaction removed runs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from tierkv.keys import KEY_BYTES, PageKey
+from tierkv.store.index import (_RUN_HEAD, _RUN_ID, _RUN_MAGIC, _SEAL, RECORD_BYTES, RELEASE_BYTES, IndexRecord,
+                                PersistentIndex, run_events)
+from tierkv.store.index_scan import RECORD_DTYPE, RecordArrays
+
+log = logging.getLogger(__name__)
+
+#: Compaction starts once a tier's runs hold more than 2 * live + this many entries.
+COMPACT_MIN = 65536
+#: About this many entries (records and deletes) are read per compaction: the new run
+#: and the transaction's dirty pages stay bounded (LMDB keeps a transaction's dirty
+#: pages in memory, and refuses more than about 512 MiB of them).
+COMPACT_CHUNK = 262144
+
+
+@dataclass
+class Run:
+    """One decoded run: its key (its id, big-endian), the keys it deleted (a blob), its
+    records' keys (a blob) and records (RECORD_DTYPE)."""
+
+    key: bytes
+    deletes: bytes
+    keys: bytes
+    records: np.ndarray
+
+    @property
+    def events(self) -> int:
+        return len(self.deletes) // KEY_BYTES + len(self.records)
+
+
+def unpack_run(key: bytes, value: bytes | memoryview) -> Run | None:
+    """Decode a stored run; None if it is damaged (length, magic or seal wrong)."""
+    value = bytes(value)
+    key = bytes(key)
+    if len(key) != _RUN_ID.size or len(value) < _RUN_HEAD.size + _SEAL.size:
+        return None
+    magic, nd, np_ = _RUN_HEAD.unpack_from(value)
+    if magic != _RUN_MAGIC or len(value) != _RUN_HEAD.size + nd * KEY_BYTES + np_ * (KEY_BYTES + RECORD_BYTES) + _SEAL.size:
+        return None
+    (seal,) = _SEAL.unpack_from(value, len(value) - _SEAL.size)
+    if seal != xxhash.xxh3_64_intdigest(key + value[:-_SEAL.size]):
+        return None
+    at = _RUN_HEAD.size
+    dels = value[at:at + nd * KEY_BYTES]
+    at += nd * KEY_BYTES
+    keys = value[at:at + np_ * KEY_BYTES]
+    at += np_ * KEY_BYTES
+    recs = np.frombuffer(value, dtype=RECORD_DTYPE, count=np_, offset=at)
+    return Run(key, dels, keys, recs)
+
+
+def _arrays(keys: bytes, recs: np.ndarray) -> RecordArrays:
+    return RecordArrays(keys, recs["slot"].astype(np.uint64), recs["nbytes"].astype(np.uint32),
+                        recs["checksum"].astype(np.uint64), recs["parent"].tobytes(), recs["has_parent"] == 1)
+
+
+def _last_of_groups(sorted_a: np.ndarray, sorted_b: np.ndarray | None = None) -> np.ndarray:
+    """Bool mask over sorted values: the last element of each run of equal values."""
+    n = len(sorted_a)
+    last = np.ones(n, dtype=bool)
+    if n > 1:
+        same = sorted_a[1:] == sorted_a[:-1]
+        if sorted_b is not None:
+            same &= sorted_b[1:] == sorted_b[:-1]
+        last[:-1] = ~same
+    return last
+
+
+def replay(runs: list[Run], older: RecordArrays | None = None) -> RecordArrays:
+    """The live records of ``runs`` (in id order), ``older`` (per-key records of an older
+    format) counting as earlier than every run: each record whose key nothing later
+    names and whose slot no later record names. Vectorized: two stable sorts."""
+    key_parts: list[bytes] = []
+    is_put: list[np.ndarray] = []
+    if older is not None and len(older):
+        key_parts.append(older.keys)
+        is_put.append(np.ones(len(older), dtype=bool))
+    for run in runs:
+        key_parts += [run.deletes, run.keys]
+        is_put += [np.zeros(len(run.deletes) // KEY_BYTES, dtype=bool), np.ones(len(run.records), dtype=bool)]
+    with_records = [run for run in runs if len(run.records)]
+    ran = _arrays(b"".join(r.keys for r in with_records),
+                  np.concatenate([r.records for r in with_records])) if with_records else None
+    puts = older.concat(ran) if older is not None and ran is not None else older if ran is None else ran
+    if puts is None or not len(puts):
+        return RecordArrays(b"", np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.uint64), b"",
+                            np.zeros(0, dtype=bool))
+    events = np.frombuffer(b"".join(key_parts), dtype="<u8").reshape(-1, 2)
+    put_event = np.flatnonzero(np.concatenate(is_put))
+    # The last event of each key (stable sorts keep event order among equal keys).
+    order = np.lexsort((events[:, 1], events[:, 0]))
+    last = np.zeros(len(events), dtype=bool)
+    last[order[_last_of_groups(events[order, 0], events[order, 1])]] = True
+    live = last[put_event]
+    # The last record of each slot.
+    by_slot = np.argsort(puts.slot, kind="stable")
+    newest = np.zeros(len(puts), dtype=bool)
+    newest[by_slot[_last_of_groups(puts.slot[by_slot])]] = True
+    live &= newest
+    return puts if live.all() else puts.take(live)
+
+
+class RunsView:
+    """A read-only process's view of one tier's runs: key -> (slot, length, checksum,
+    parent), replayed from the runs committed since it last looked (:func:`view_records`),
+    from scratch when runs it had read are gone (a compaction removed them)."""
+
+    def __init__(self) -> None:
+        self.first = b""       # the key of the oldest run when the view was (re)built
+        self.last = b""        # the key of the last run applied
+        self._pages: dict[bytes, tuple[int, int, int, bytes | None]] = {}
+        self._slots: dict[int, bytes] = {}
+
+    def reset(self) -> None:
+        self.first = self.last = b""
+        self._pages.clear()
+        self._slots.clear()
+
+    def add(self, run: Run | None, key: bytes) -> None:
+        """Apply one run (None: a damaged one, which drops everything read before it)."""
+        self.last = key
+        if run is None:
+            log.warning("index: a run of a tier fails its seal; the pages recorded up to it are misses")
+            self._pages.clear()
+            self._slots.clear()
+            return
+        for i in range(0, len(run.deletes), KEY_BYTES):
+            dead = run.deletes[i:i + KEY_BYTES]
+            gone = self._pages.pop(dead, None)
+            if gone is not None and self._slots.get(gone[0]) == dead:
+                del self._slots[gone[0]]
+        recs = run.records
+        for i, (slot, nbytes, checksum, parent, has) in enumerate(zip(
+                recs["slot"].tolist(), recs["nbytes"].tolist(), recs["checksum"].tolist(),
+                recs["parent"].tolist(), recs["has_parent"].tolist())):
+            page = run.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+            before = self._pages.get(page)
+            if before is not None and self._slots.get(before[0]) == page:
+                del self._slots[before[0]]
+            other = self._slots.get(slot)
+            if other is not None and other != page:
+                self._pages.pop(other, None)
+            self._pages[page] = (slot, nbytes, checksum, bytes(parent) if has == 1 else None)
+            self._slots[slot] = page
+
+    def get(self, key: bytes) -> tuple[int, int, int, bytes | None] | None:
+        return self._pages.get(bytes(key))
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+
+def load_runs(index: PersistentIndex, tier: str) -> tuple[list[Run], bytes, int]:
+    """Every run of ``tier``, decoded, oldest first; the key of the last damaged one (b""
+    if none), and how many records the runs up to it claimed. A damaged run drops itself
+    and every run before it (see the module's docstring)."""
+    runs: list[Run] = []
+    damaged, lost = b"", 0
+    for key, value in index.read_runs(tier):
+        run = unpack_run(key, value) if len(key) == _RUN_ID.size else None
+        if run is None:
+            lost += sum(len(r.records) for r in runs) + max(0, run_events(value))
+            runs.clear()
+            damaged = key
+        else:
+            runs.append(run)
+    return runs, damaged, lost
+
+
+def view_records(index: PersistentIndex, tier: str, keys: Iterable[bytes]) -> list[IndexRecord | None]:
+    """A reader's records of ``keys`` from ``tier``'s runs (its view brought up to date first)."""
+    view = index._views.get(tier)
+    if not isinstance(view, RunsView):
+        view = index._views[tier] = RunsView()
+    oldest, runs = index.runs_since(tier, view.first, view.last)
+    if oldest != view.first:
+        view.reset()
+        view.first = oldest
+    for key, value in runs:
+        view.add(unpack_run(key, value) if len(key) == _RUN_ID.size else None, key)
+    if sum(len(v) for _, v in runs) >= RELEASE_BYTES:
+        index.release_map()
+    out: list[IndexRecord | None] = []
+    for key in keys:
+        got = view.get(key)
+        out.append(None if got is None else
+                   IndexRecord(PageKey(bytes(key)), got[0], got[1], got[2], None if got[3] is None else PageKey(got[3])))
+    return out
+
+
+def live_records(index: PersistentIndex, tier: str) -> RecordArrays:
+    """The live records of ``tier``'s runs (replayed; damaged runs dropped as an open
+    drops them): what a writer opening the index now would adopt, before it checks them
+    against the tier. For checks and tools; changes nothing."""
+    return replay(load_runs(index, tier)[0])
