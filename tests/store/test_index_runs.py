@@ -3,9 +3,14 @@ damage, and stores of the per-key format carried into runs, on real LMDB and O_D
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -13,16 +18,18 @@ import pytest
 
 from tests.conftest import make_config, page_data
 from tierkv.config import StoreConfig
-from tierkv.keys import KEY_BYTES
+from tierkv.errors import TierIOError, TierUnavailableError
+from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.store import manager as manager_mod
 from tierkv.store.api import Store
-from tierkv.store.index import RECORD_BYTES, PersistentIndex, pack_run, run_key
+from tierkv.store.index import RECORD_BYTES, IndexRecord, PersistentIndex, pack_run, run_events, run_key
 from tierkv.store.index_runs import RunsView, live_records, replay, unpack_run
 from tierkv.store.index_scan import RecordArrays, packed_blob
 from tierkv.store.table import rows_of
 from tierkv.tiers.base import TierId
 
 TPP = 16
+ROOT = Path(__file__).resolve().parents[2]
 ARCHIVE = Path(__file__).parent / "data" / "stores-before-tier-names.tar.gz"
 
 
@@ -239,3 +246,173 @@ def test_a_format_3_store_is_carried_into_runs_and_reopens_again(tmp_path: Path)
             np.testing.assert_array_equal(got, want)
     runs = _runs(tmp_path / "plain")
     assert runs and all(len(v) > RECORD_BYTES for _, v in runs)
+
+
+# -- what a review found (each failed before its fix) -------------------------------------
+
+class _FailAtCommit:
+    """A write transaction that fails when it commits (a full disk, say)."""
+
+    def __init__(self, txn: lmdb.Transaction) -> None:
+        self.txn = txn
+
+    def __enter__(self) -> lmdb.Transaction:
+        return self.txn.__enter__()
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
+        if et is None:
+            self.txn.abort()
+            raise lmdb.DiskError("No space left on device (injected at commit)")
+        self.txn.__exit__(et, ev, tb)
+
+
+class _Env:
+    """The index's LMDB environment with failures injected: write transactions failing at
+    commit, or read transactions of one database raising LMDB's damage error."""
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self.env, self.fail_writes = env, False
+        self.damaged_db: object = None
+
+    def begin(self, *args: Any, **kw: Any) -> Any:
+        if self.damaged_db is not None and not kw.get("write") and kw.get("db") is self.damaged_db:
+            raise lmdb.CorruptedError("MDB_CORRUPTED: Located page was wrong type (injected)")
+        txn = self.env.begin(*args, **kw)
+        return _FailAtCommit(txn) if kw.get("write") and self.fail_writes else txn
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.env, name)
+
+
+def _true_events(index: PersistentIndex) -> int:
+    return sum(run_events(v) for _, v in index.read_runs("nvme", limit=10 ** 9))
+
+
+@pytest.mark.parametrize("durability", ["put", "window"])
+def test_failed_commits_are_not_counted_and_compaction_does_not_rewrite_in_circles(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str) -> None:
+    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
+    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=16, durability=durability)
+    with Store.open(cfg) as s:
+        index = s._index
+        assert index is not None
+        _fill(s, range(20), pages=2)
+        s.flush()
+        env = _Env(index._env)
+        monkeypatch.setattr(index, "_env", env)
+        env.fail_writes = True
+        for seed in range(100, 130):                   # every commit fails: misses, retried deletes
+            s.put(prompt(seed, 2), page_data(seed, 2))
+        if durability == "window":                     # the windows' failure, raised once
+            with pytest.raises(TierIOError):
+                s.flush()
+        env.fail_writes = False
+        assert index.events("nvme") == _true_events(index)
+        chunks = []
+        real = s._manager._compact_chunk
+
+        def counted(tier: Any) -> Any:
+            chunks.append(1)
+            return real(tier)
+
+        monkeypatch.setattr(s._manager, "_compact_chunk", counted)
+        _fill(s, range(200, 210), pages=2)
+        s.flush()
+        assert index.events("nvme") == _true_events(index)
+        assert len(chunks) <= 10                       # was 172 chunks, rewriting the index again and again
+
+
+def test_a_readers_view_survives_compactions_that_leave_no_run_and_clears(tmp_path: Path) -> None:
+    for how in ("emptied", "clear"):
+        (tmp_path / how).mkdir()
+        w = PersistentIndex(tmp_path / how, ["nvme"], runs=["nvme"])
+        r = PersistentIndex(tmp_path / how, ["nvme"], read_only=True, runs=["nvme"])   # shares the env
+        try:
+            def rec(i: int, slot: int) -> IndexRecord:
+                return IndexRecord(PageKey(_key(i)), slot, 100, 1000 + i, None)
+            for i in range(5):
+                w.commit("nvme", put=[rec(i, i)])
+            assert r.get_many("nvme", [rec(4, 4).key])[0] is not None
+            if how == "clear":
+                w.clear("nvme")
+            else:                                      # a compaction that finds nothing live
+                raw = w.read_runs("nvme", limit=10 ** 6)
+                w.rewrite_runs("nvme", raw[-1][0], b"", b"", events=sum(run_events(v) for _, v in raw))
+            assert w.has_runs("nvme")                  # an empty run keeps the next id: ids never reused
+            for i in range(10, 13):
+                w.commit("nvme", put=[rec(i, i - 10)])
+            got = r.get_many("nvme", [rec(i, 0).key for i in (10, 11, 12, 0)])
+            assert [g is not None for g in got] == [True, True, True, False]
+        finally:
+            r.close()
+            w.close()
+
+
+def test_a_damaged_index_met_by_compaction_leaves_the_put_done_and_compaction_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
+    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=16, durability="put")
+    with Store.open(cfg) as s:
+        index = s._index
+        assert index is not None
+        data = _fill(s, range(10), pages=2)
+        env = _Env(index._env)
+        monkeypatch.setattr(index, "_env", env)
+        env.damaged_db = index._runs["nvme"]
+        with caplog.at_level(logging.ERROR):
+            data.update(_fill(s, range(100, 140), pages=2))   # raised IndexDamaged out of put before
+        assert "compaction is off" in caplog.text and not s._manager._compacting
+        env.damaged_db = None
+        held = _table(s)
+        served = _served(s, data)
+    assert sum(served.values()) == len(held)
+    with Store.open(cfg) as s:                         # the index replays to what the table held
+        assert _table(s) == held
+
+
+def test_compaction_waits_for_a_degraded_tier_without_a_sync_per_commit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
+    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=16, durability="window",
+                      commit_window_s=30.0, commit_window_pages=100000)
+    with Store.open(cfg) as s:
+        _fill(s, range(40), pages=2)
+        s.flush()
+        index = s._index
+        assert index is not None and index.group is not None
+        nvme = next(t for t in s._manager.tiers if t.name == "nvme")
+        refused = []
+
+        def degraded() -> None:
+            refused.append(1)
+            raise TierUnavailableError("the fabric is down (injected)")
+
+        monkeypatch.setattr(nvme, "flush", degraded)
+        _fill(s, range(100, 140), pages=2)
+        # One drain per COMPACT_CHUNK / 4 entries appended at most (was one per put: 40).
+        assert len(refused) <= 40 * 4 // (12 // 4) // 4 + 1
+        monkeypatch.undo()
+
+
+def test_a_reader_of_a_format_3_store_follows_the_writer_that_carries_it_into_runs(tmp_path: Path) -> None:
+    with tarfile.open(ARCHIVE) as tar:
+        tar.extractall(tmp_path, filter="data")
+    from tests.store.test_reopen_compat import PLAIN_PAGES, configs, smooth_pages, tokens
+    plain, _ = configs(tmp_path)
+    want = smooth_pages(PLAIN_PAGES, 1)
+    got = np.zeros_like(want)
+    with Store.open(plain, read_only=True) as r:
+        seen = r.get(tokens(PLAIN_PAGES), got).pages
+        assert seen > 0
+        # The writer in another process (one process holds one LMDB environment per file).
+        code = ("import sys; from pathlib import Path; from tests.store.test_reopen_compat import configs; "
+                "from tierkv.store.api import Store; Store.open(configs(Path(sys.argv[1]))[0]).close()")
+        subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, check=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert r._index is not None and r._index.entries("nvme") == 0   # carried into runs
+        got[:] = 0
+        assert r.get(tokens(PLAIN_PAGES), got).pages == seen
+        np.testing.assert_array_equal(got[:seen], want[:seen])

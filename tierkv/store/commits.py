@@ -138,13 +138,16 @@ class GroupCommit:
         if error is not None:
             raise error
 
-    def drain(self) -> bool:
-        """Apply the open window now; whether nothing is left waiting (a failed window's
-        operations wait for a later one). Unlike :meth:`sync` it raises nothing: errors
-        stay for the next ``sync`` to raise."""
+    def drain(self, tier: str | None = None) -> bool:
+        """Apply the open window now; whether nothing is left waiting (of ``tier`` only, if
+        given: a degraded tier's records waiting for a later window say nothing about
+        another tier's). Unlike :meth:`sync` it raises nothing: errors stay for the next
+        ``sync`` to raise."""
         with self._apply_lock:
             self._flush_window()
         with self._cond:
+            if tier is not None:
+                return not self._ops.get(tier)
             return self._count == 0 and self._retrying is None
 
     def close(self) -> None:

@@ -397,6 +397,11 @@ class PersistentIndex:
         """Records of ``keys`` in one read transaction (None where absent or undecodable).
         A tier kept as runs answers from the runs committed so far (replayed since the
         last call: :class:`tierkv.store.index_runs.RunsView`)."""
+        if tier in self._as_runs and tier not in self._runs:   # a writer may have carried records into runs
+            try:
+                self._runs[tier] = self._env.open_db((tier + RUNS_SUFFIX).encode(), create=False)
+            except lmdb.NotFoundError:
+                pass
         if tier in self._runs and self.has_runs(tier):
             from tierkv.store.index_runs import view_records  # index_runs builds on this module
             return view_records(self, tier, keys)
@@ -503,7 +508,8 @@ class PersistentIndex:
         per-key records (an older format's, just carried into runs). Large rewrites take
         one transaction per :data:`~tierkv.store.index_runs.COMPACT_CHUNK` records, the
         deletes in the last: a crash between them leaves the new runs as well as the old,
-        which replay to the same pages. TierIOError on failure."""
+        which replay to the same pages. With no records, an empty run takes the next id, so
+        that ids are never reused (a reader's view relies on it). TierIOError on failure."""
         from tierkv.store.index_runs import COMPACT_CHUNK
         if self._read_only:
             raise ConfigError("a read-only index commits nothing")
@@ -513,25 +519,41 @@ class PersistentIndex:
         fresh = b""   # the first new run's key: the runs before it are the old ones
         try:
             for i, at in enumerate(steps):
+                added = nbytes = 0
                 with self._env.begin(write=True) as txn:
                     end = min(n, at + COMPACT_CHUNK)
-                    if end > at:
-                        key = self._append_run(txn, tier, [], [keys[at * KEY_BYTES:end * KEY_BYTES]],
-                                               [values[at * RECORD_BYTES:end * RECORD_BYTES]])
+                    last = i == len(steps) - 1
+                    if end > at or (last and not fresh):
+                        key, added, nbytes = self._append_run(
+                            txn, tier, [], [keys[at * KEY_BYTES:end * KEY_BYTES]],
+                            [values[at * RECORD_BYTES:end * RECORD_BYTES]])
                         fresh = fresh or key
-                    if i == len(steps) - 1:
+                    if last:
                         cursor = txn.cursor(db=db)
                         more = cursor.first()
-                        while more and bytes(cursor.key()) <= through and (not fresh or bytes(cursor.key()) < fresh):
+                        while more and bytes(cursor.key()) <= through and bytes(cursor.key()) < fresh:
                             more = cursor.delete()
                         if drop_records:
                             txn.drop(self._dbs[tier], delete=False)
-            self._events[tier] = self._events.get(tier, 0) - events
+                self._counted(tier, added, nbytes, commit=False)
+            self._events[tier] = max(0, self._events.get(tier, 0) - events)
         except lmdb.Error as exc:
             raise TierIOError(f"rewriting the {tier} runs failed: {exc}") from None
-        finally:   # what a rewrite appends is no commit's
-            self._appended[tier] = max(0, self._appended.get(tier, 0) - n)
         self.release_map()   # it read the old runs, and wrote the new ones
+
+    def count_events(self, tier: str) -> int:
+        """Recount the entries ``tier``'s runs hold from their headers (only each run's first
+        bytes are read), and keep the count (compaction's measure)."""
+        total = 0
+        try:
+            with self._env.begin(db=self._runs[tier], buffers=True) as txn:
+                for _, value in txn.cursor():
+                    total += run_events(bytes(value[:_RUN_HEAD.size]))
+        except lmdb.Error as exc:
+            raise TierIOError(f"counting the {tier} runs failed: {exc}") from None
+        self._events[tier] = total
+        self.release_map()
+        return total
 
     def runs_to_records(self, tier: str, keys: bytes, values: bytes) -> None:
         """Carry a tier's runs into per-key records (it was a slot tier and is a block tier
@@ -555,17 +577,24 @@ class PersistentIndex:
             raise TierIOError(f"carrying the {tier} runs into records failed: {exc}") from None
 
     def _append_run(self, txn: lmdb.Transaction, tier: str, deletes: Sequence[bytes], keys: Sequence[bytes],
-                    values: Sequence[bytes]) -> bytes:
-        """Append one run (its id the last one's plus one) in ``txn``; returns its key."""
+                    values: Sequence[bytes]) -> tuple[bytes, int, int]:
+        """Append one run (its id the last one's plus one) in ``txn``; returns its key, its
+        entries and its bytes, for :meth:`_counted` once the transaction is committed."""
         cursor = txn.cursor(db=self._runs[tier])
         rid = run_id(bytes(cursor.key())) + 1 if cursor.last() else 0
         value = pack_run(rid, deletes, keys, values)
         key = run_key(rid)
         cursor.put(key, value, append=True)
-        self._unreleased += len(value)
-        self._events[tier] = self._events.get(tier, 0) + run_events(value)
-        self._appended[tier] = self._appended.get(tier, 0) + run_events(value)
-        return key
+        return key, run_events(value), len(value)
+
+    def _counted(self, tier: str, events: int, nbytes: int, *, commit: bool = True) -> None:
+        """Count a committed run: its entries (and, for a commit's, as appended since
+        compaction looked) and its bytes (for :meth:`release_map`). Never for a run whose
+        transaction failed: a retried commit would count it twice."""
+        self._unreleased += nbytes
+        self._events[tier] = self._events.get(tier, 0) + events
+        if commit:
+            self._appended[tier] = self._appended.get(tier, 0) + events
 
     def entries(self, tier: str) -> int:
         """How many records a tier has, from LMDB's own count (no walk)."""
@@ -595,7 +624,11 @@ class PersistentIndex:
         with self._env.begin(write=True) as txn:
             txn.drop(self._dbs[tier], delete=False)
             if tier in self._runs:
+                cursor = txn.cursor(db=self._runs[tier])
+                rid = run_id(bytes(cursor.key())) if cursor.last() else -1
                 txn.drop(self._runs[tier], delete=False)
+                if rid >= 0:   # ids are never reused: an empty run keeps the next one
+                    txn.put(run_key(rid + 1), pack_run(rid + 1, [], [], []), db=self._runs[tier])
         if tier in self._runs:
             self._events[tier] = 0
 
@@ -612,16 +645,20 @@ class PersistentIndex:
             return
         db = self._dbs[tier]
         try:
+            ran: tuple[bytes, int, int] | None = None
             with self._env.begin(db=db, write=True) as txn:
                 if tier in self._as_runs:
                     pairs = list(_pairs(put))
                     deletes = list(delete)
                     if pairs or deletes:
-                        self._append_run(txn, tier, deletes, [k for k, _ in pairs], [_packed(r) for _, r in pairs])
+                        ran = self._append_run(txn, tier, deletes, [k for k, _ in pairs],
+                                               [_packed(r) for _, r in pairs])
                 else:
                     for key in delete:
                         txn.delete(key)
                     txn.cursor().putmulti([(key, _packed(rec)) for key, rec in _pairs(put)])
+            if ran is not None:
+                self._counted(tier, ran[1], ran[2])
             self._maybe_release()
         except lmdb.Error as exc:
             raise TierIOError(f"store index commit for the {tier} tier failed: {exc}") from None
@@ -649,21 +686,25 @@ class PersistentIndex:
         if self._group is not None:
             self._group.sync()
 
-    def drain(self) -> bool:
+    def drain(self, tier: str | None = None) -> bool:
         """Make every commit made before this call durable if possible (a no-op without group
-        commit); whether it did. Raises nothing: a failure stays for :meth:`sync`."""
-        return self._group.drain() if self._group is not None else True
+        commit); whether it did (of ``tier`` only, if given). Raises nothing: a failure
+        stays for :meth:`sync`."""
+        return self._group.drain(tier) if self._group is not None else True
 
     def _apply(self, ops: Ops) -> None:
         """One synced transaction over every tier's buffered deletes (None) and records."""
+        ran: list[tuple[str, int, int]] = []
         try:
             with self._env.begin(write=True) as txn:
                 for tier, by_key in ops.items():
                     if tier in self._as_runs:
                         if by_key:
-                            self._append_run(txn, tier, [k for k, r in by_key.items() if r is None],
-                                             [k for k, r in by_key.items() if r is not None],
-                                             [_packed(r) for r in by_key.values() if r is not None])
+                            _, events, nbytes = self._append_run(
+                                txn, tier, [k for k, r in by_key.items() if r is None],
+                                [k for k, r in by_key.items() if r is not None],
+                                [_packed(r) for r in by_key.values() if r is not None])
+                            ran.append((tier, events, nbytes))
                         continue
                     db = self._dbs[tier]
                     put: list[tuple[PageKey, bytes]] = []
@@ -675,6 +716,8 @@ class PersistentIndex:
                     txn.cursor(db=db).putmulti(put)
         except lmdb.Error as exc:
             raise TierIOError(f"store index group commit ({', '.join(ops)}) failed: {exc}") from None
+        for tier, events, nbytes in ran:
+            self._counted(tier, events, nbytes)
         self._maybe_release()
 
     # -- derived pages' origins (tierkv.store.derived) ----------------------------------------

@@ -197,6 +197,7 @@ class BlockManager:
         self._adopted: set[TierId] = set()   # persistent tiers whose records were adopted
         self._adopting = False
         self.compactions = 0    # index compactions done (tierkv.store.index_runs)
+        self._compacting = True  # off after an unexpected failure, until the store reopens
 
     # -- rows ------------------------------------------------------------------------
     def _row(self, key: PageKey) -> int:
@@ -562,11 +563,15 @@ class BlockManager:
         keep = _slot_validator(tier)[0](live)
         got = live if keep.all() else live.take(keep)
         dropped += int((~keep).sum())
-        if legacy or damaged:   # one set of runs of what is live, the rest gone
-            index.rewrite_runs(name, _LAST_RUN, got.keys, packed_blob(got), events=index.events(name),
-                               drop_records=legacy)
-        elif not keep.all():
-            self._commit(name, delete=split_keys(take_keys(live.keys, ~keep)))
+        try:
+            if legacy or damaged:   # one set of runs of what is live, the rest gone
+                index.rewrite_runs(name, _LAST_RUN, got.keys, packed_blob(got), events=index.events(name),
+                                   drop_records=legacy)
+            elif not keep.all():
+                self._commit(name, delete=split_keys(take_keys(live.keys, ~keep)))
+        except TierIOError as exc:   # the index as it is replays to the same pages at the next open
+            log.warning("%s index: rewriting it at open failed (it replays to the same pages next time): %s",
+                        name, exc)
         index.release_map()   # the runs were read once: their pages need not stay mapped here
         tier.claim(got.slot.tolist())
         return got, dropped
@@ -1024,8 +1029,14 @@ class BlockManager:
             if deletes:
                 self._unsynced[name] = deletes
             raise
-        if self._index.is_runs(name) and not self._adopting and self._index.appended(name) >= COMPACT_CHUNK // 4:
-            self._compact(self._by_id[name])
+        if (self._index.is_runs(name) and not self._adopting and self._compacting
+                and self._index.appended(name) >= COMPACT_CHUNK // 4):
+            try:
+                self._compact(self._by_id[name])
+            except Exception:   # noqa: BLE001 - the commit above is done: nothing may undo it now
+                log.exception("compacting the %s index failed; compaction is off until the store reopens "
+                              "(the index is checked then)", name)
+                self._compacting = False
 
     def _over(self, tier: Tier) -> bool:
         """Whether ``tier``'s runs hold more than twice its pages and COMPACT_MIN entries."""
@@ -1041,46 +1052,53 @@ class BlockManager:
         appended stays bounded. Every buffered commit is made durable first, so the table holds
         nothing the index has not committed but in-flight writes, whose records are in no old
         run. A failure is logged; the runs stay as they were (replayed to the same pages)."""
-        assert self._index is not None
+        index = self._index
+        assert index is not None
         if not self._over(tier):
             return
-        if not self._index.drain():
+        index.appended(tier.name, reset=True)   # asked again after as many entries, whatever comes of it
+        if not index.drain(tier.name):
             return  # a window waits to be retried: the table may hold what the index does not yet
-        self._index.appended(tier.name, reset=True)
-        budget = self._index.events(tier.name)
+        budget = index.events(tier.name)
         while budget > 0 and self._over(tier):
-            done = self._compact_chunk(tier)
+            done, damaged = self._compact_chunk(tier)
+            if damaged:
+                index.count_events(tier.name)   # a damaged run's header cannot be trusted to count it
             if not done:
                 return
             budget -= done
+        if budget <= 0 and self._over(tier):
+            index.count_events(tier.name)       # one pass and still over: recount before the next
 
-    def _compact_chunk(self, tier: Tier) -> int:
-        """One step of :meth:`_compact`; returns the entries it read (0: nothing done)."""
+    def _compact_chunk(self, tier: Tier) -> tuple[int, bool]:
+        """One step of :meth:`_compact`; returns the entries it read (0: nothing done) and
+        whether a run among them failed its seal (IndexDamaged from LMDB propagates)."""
         index, name, t, lvl = self._index, tier.name, self.table, self.levels[tier.name]
         assert index is not None
         try:
             raw = index.read_runs(name, limit=COMPACT_CHUNK)
         except TierIOError as exc:
             log.warning("compacting the %s index is put off: %s", name, exc)
-            return 0
+            return 0, False
         if not raw:
-            return 0
+            return 0, False
         # A damaged run's records are left out (the table says what is live, not the runs).
         runs = [run for key, value in raw if (run := unpack_run(key, value)) is not None]
+        damaged = len(runs) < len(raw)
         keys = b"".join(r.keys for r in runs)
         recs = np.concatenate([r.records for r in runs]) if runs else np.zeros(0, dtype=RECORD_DTYPE)
         rows = rows_of(t.core.find(keys))
         r = np.where(rows >= 0, rows, 0)
         live = ((rows >= 0) & ((t.where[r] >> lvl) & 1 == 1) & (t.slot[lvl, r].astype(np.uint64) == recs["slot"] + 1)
                 & t.has_sum[r] & (t.checksum[r] == recs["checksum"]) & (t.nbytes[r] == recs["nbytes"]))
-        events = sum(run_events(value) for _, value in raw)
+        events = sum(r.events for r in runs)
         try:
             index.rewrite_runs(name, raw[-1][0], take_keys(keys, live), recs[live].tobytes(), events=events)
         except TierIOError as exc:
             log.warning("compacting the %s index failed (its runs stay as they were): %s", name, exc)
-            return 0
+            return 0, damaged
         self.compactions += 1
-        return events
+        return sum(run_events(value) for _, value in raw), damaged
 
     def commit_deletes(self, plan: MovePlan) -> None:
         """Durably forget evicted persistent records that no publish has carried yet.
