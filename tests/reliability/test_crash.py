@@ -8,6 +8,7 @@ committed before put returns) and "window" (group commit, 20 ms windows). After 
 the parent reopens the store and checks that every page it returns has exactly the bytes
 written for its key (and so its checksum), that no two pages share a slot, and that every
 used NVMe slot is owned by an index record (space of lost in-flight writes is reclaimed).
+The child compacts the index's runs every few commits, so kills land in compactions too.
 
 A second test counts losses: the child puts new prompts into an NVMe-only store large
 enough that nothing is evicted, and prints each prompt once it is acknowledged durable:
@@ -41,7 +42,9 @@ import sys
 import numpy as np
 from tests.conftest import PB, make_config, page_data
 from tests.reliability.test_crash import prompt, PAGES, N_PROMPTS
+from tierkv.store import manager
 from tierkv.store.api import Store
+manager.COMPACT_MIN, manager.COMPACT_CHUNK = 8, 24   # the index's runs compacted every few commits
 rng = np.random.default_rng(int(sys.argv[2]))
 store = Store.open(make_config(sys.argv[1], 4, 48, durability=sys.argv[3], commit_window_s=0.02))
 print("ready", flush=True)
