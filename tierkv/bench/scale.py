@@ -79,8 +79,8 @@ TIMED = {
                             "table's allocation (keys, map, per-page columns; capacity ahead of use included)",
     "policy_bytes_per_page": "the tiers' policy_bytes in the same stats, summed, per page (null where a policy "
                              "cannot tell): the leaf heaps and the ghost, allocated",
-    "index_file_bytes_per_page": "index_file_bytes in the same stats, per page: the LMDB file in use, mapped, so "
-                                 "resident (file-backed) once read",
+    "index_file_bytes_per_page": "index_file_bytes in the same stats, per page: the LMDB file in use (a slot "
+                                 "tier's runs; the writer hands its mapping back to the kernel after use)",
     "dict": "{key: (tier, slot, checksum)} of the same 16-byte keys, computed beforehand: insert, dict.get, "
             "`in`, one Python loop iteration per page; reopen: pickle.load of the dict from a file",
 }

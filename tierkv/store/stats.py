@@ -77,7 +77,7 @@ class StoreStats:
     lossy_pending: int = 0     # pages queued for that conversion, or being converted, now
     lossy_waiting: int = 0     # pages it keeps back now (cached children or pins need them exact)
     page_table_bytes: int = 0  # memory of the page table (keys, map, per-page columns)
-    index_file_bytes: int = 0  # the persistent index's file in use (LMDB; mapped, so resident once read)
+    index_file_bytes: int = 0  # the persistent index's file in use (LMDB; the writer unmaps its pages after use)
 
     @property
     def misses(self) -> int:
