@@ -87,7 +87,7 @@ def _print_status(st: dict[str, Any]) -> None:
         measured = {name: t["policy_bytes"] for name, t in stats["tiers"].items() if t.get("policy_bytes") is not None}
         policies = ", ".join(f"{name} {format_size(b)}" for name, b in measured.items()) or "not measured"
         console.print(f"page metadata: page table {format_size(stats['page_table_bytes'])}; policies: {policies}; "
-                      f"index file {format_size(stats.get('index_file_bytes', 0))} (mapped: resident once read)",
+                      f"index file {format_size(stats.get('index_file_bytes', 0))} on disk",
                       markup=False)
     if stats.get("derived_pages") or stats.get("lossy_pages") or stats.get("lossy_converted") \
             or stats.get("lossy_pending") or stats.get("lossy_waiting"):
