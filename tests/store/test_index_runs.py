@@ -363,7 +363,7 @@ def test_a_damaged_index_met_by_compaction_leaves_the_put_done_and_compaction_of
         env.damaged_db = index._runs["nvme"]
         with caplog.at_level(logging.ERROR):
             data.update(_fill(s, range(100, 140), pages=2))   # raised IndexDamaged out of put before
-        assert "compaction is off" in caplog.text and not s._manager._compacting
+        assert "compaction is off" in caplog.text and s._manager._no_compaction == {"nvme"}
         env.damaged_db = None
         held = _table(s)
         served = _served(s, data)
@@ -416,3 +416,52 @@ def test_a_reader_of_a_format_3_store_follows_the_writer_that_carries_it_into_ru
         got[:] = 0
         assert r.get(tokens(PLAIN_PAGES), got).pages == seen
         np.testing.assert_array_equal(got[:seen], want[:seen])
+
+
+def test_a_carry_into_runs_that_fails_fails_the_open_and_loses_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers and compaction take the runs for the whole index once there are any, so an
+    open may not go on with per-key records left beside them."""
+    with tarfile.open(ARCHIVE) as tar:
+        tar.extractall(tmp_path, filter="data")
+    from tests.store.test_reopen_compat import PLAIN_PAGES, configs, smooth_pages, tokens
+    plain, _ = configs(tmp_path)
+
+    def full(*args: Any, **kw: Any) -> None:
+        raise TierIOError("rewriting the nvme runs failed: No space left on device (injected)")
+
+    with monkeypatch.context() as m:
+        m.setattr(PersistentIndex, "rewrite_runs", full)
+        with pytest.raises(TierIOError, match="No space left"):
+            Store.open(plain)
+    want = smooth_pages(PLAIN_PAGES, 1)
+    with Store.open(plain) as s:
+        got = np.zeros_like(want)
+        assert s.get(tokens(PLAIN_PAGES), got).pages == PLAIN_PAGES
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_recount_that_fails_puts_compaction_off_without_turning_it_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
+    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=16, durability="put")
+    with Store.open(cfg) as s:
+        index = s._index
+        assert index is not None
+        real = index.count_events
+        failing = [True]
+
+        def readers_full(tier: str) -> int:
+            if failing[0]:
+                raise TierIOError("counting the nvme runs failed: MDB_READERS_FULL (injected)")
+            return real(tier)
+
+        monkeypatch.setattr(index, "count_events", readers_full)
+        monkeypatch.setattr(index, "_events", {"nvme": 10 ** 6})   # over, and past one pass: a recount
+        _fill(s, range(10), pages=2)
+        assert not s._manager._no_compaction
+        failing[0] = False
+        _fill(s, range(10, 60), pages=2)
+        s.flush()
+        assert index.events("nvme") == _true_events(index) <= 2 * 16 + 8 + 12 + 6

@@ -143,12 +143,12 @@ class GroupCommit:
         given: a degraded tier's records waiting for a later window say nothing about
         another tier's). Unlike :meth:`sync` it raises nothing: errors stay for the next
         ``sync`` to raise."""
-        with self._apply_lock:
+        with self._apply_lock:   # answered before the commit thread can take another window
             self._flush_window()
-        with self._cond:
-            if tier is not None:
-                return not self._ops.get(tier)
-            return self._count == 0 and self._retrying is None
+            with self._cond:
+                if tier is not None:
+                    return not self._ops.get(tier)
+                return self._count == 0 and self._retrying is None
 
     def close(self) -> None:
         """Apply what is buffered and stop the thread; raises as :meth:`sync` does."""

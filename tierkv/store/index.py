@@ -243,7 +243,9 @@ def run_key(run: int) -> bytes:
 
 
 def run_id(key: bytes) -> int:
-    return int(_RUN_ID.unpack(bytes(key))[0])
+    """A run's id from its key (a key of another length, which only damage makes, is read
+    as its first 8 bytes, padded: never an exception)."""
+    return int.from_bytes(bytes(key)[:_RUN_ID.size].ljust(_RUN_ID.size, b"\0"), "big")
 
 
 def run_events(value: bytes) -> int:
@@ -267,6 +269,14 @@ def pack_run(run: int, deletes: Iterable[bytes], keys: Iterable[bytes], values: 
                          f"records: expected 16-byte keys and {RECORD_BYTES}-byte records, one per key")
     body = _RUN_HEAD.pack(_RUN_MAGIC, nd, nr) + dels + kblob + vblob
     return body + _SEAL.pack(xxhash.xxh3_64_intdigest(_RUN_ID.pack(run) + body))
+
+
+def _runs_error(tier: str, exc: BaseException) -> TierKVError | IndexDamaged:
+    """What reading a tier's runs failing with ``exc`` is: TierIOError for resources and
+    locks, IndexDamaged for anything else LMDB says (a damaged file)."""
+    if isinstance(exc, _OPERATIONAL):
+        return TierIOError(f"reading the {tier} runs failed: {exc}")
+    return IndexDamaged(f"reading the {tier} runs failed: {exc}")
 
 
 def _decode(key: bytes, value: bytes) -> IndexRecord | None:
@@ -398,13 +408,15 @@ class PersistentIndex:
         A tier kept as runs answers from the runs committed so far (replayed since the
         last call: :class:`tierkv.store.index_runs.RunsView`)."""
         if tier in self._as_runs and tier not in self._runs:   # a writer may have carried records into runs
-            try:
-                self._runs[tier] = self._env.open_db((tier + RUNS_SUFFIX).encode(), create=False)
-            except lmdb.NotFoundError:
-                pass
+            with _ENVS_LOCK:   # LMDB: no two database opens at once in one process
+                try:
+                    self._runs[tier] = self._env.open_db((tier + RUNS_SUFFIX).encode(), create=False)
+                except lmdb.NotFoundError:
+                    pass
         if tier in self._runs and self.has_runs(tier):
             from tierkv.store.index_runs import view_records  # index_runs builds on this module
             return view_records(self, tier, keys)
+        self._views.pop(tier, None)   # runs gone (carried into per-key records): a view would be stale
         out: list[IndexRecord | None] = []
         with self._env.begin(db=self._dbs[tier]) as txn:
             for key in keys:
@@ -473,9 +485,7 @@ class PersistentIndex:
                     if limit is not None and total >= limit:
                         break
         except (lmdb.Error, SystemError) as exc:
-            if isinstance(exc, _OPERATIONAL):
-                raise TierIOError(f"reading the {tier} runs failed: {exc}") from None
-            raise IndexDamaged(f"reading the {tier} runs failed: {exc}") from None
+            raise _runs_error(tier, exc) from None
         if after < 0 and limit is None:
             self._events[tier] = total
         return out
@@ -541,6 +551,15 @@ class PersistentIndex:
             raise TierIOError(f"rewriting the {tier} runs failed: {exc}") from None
         self.release_map()   # it read the old runs, and wrote the new ones
 
+    def newest_run(self, tier: str) -> bytes:
+        """The key of ``tier``'s newest run (b"" if none)."""
+        try:
+            with self._env.begin(db=self._runs[tier]) as txn:
+                cursor = txn.cursor()
+                return bytes(cursor.key()) if cursor.last() else b""
+        except (lmdb.Error, SystemError) as exc:
+            raise _runs_error(tier, exc) from None
+
     def count_events(self, tier: str) -> int:
         """Recount the entries ``tier``'s runs hold from their headers (only each run's first
         bytes are read), and keep the count (compaction's measure)."""
@@ -549,8 +568,8 @@ class PersistentIndex:
             with self._env.begin(db=self._runs[tier], buffers=True) as txn:
                 for _, value in txn.cursor():
                     total += run_events(bytes(value[:_RUN_HEAD.size]))
-        except lmdb.Error as exc:
-            raise TierIOError(f"counting the {tier} runs failed: {exc}") from None
+        except (lmdb.Error, SystemError) as exc:
+            raise _runs_error(tier, exc) from None
         self._events[tier] = total
         self.release_map()
         return total

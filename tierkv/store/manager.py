@@ -39,7 +39,7 @@ import numpy as np
 from tierkv.errors import CapacityError, InputError, TierIOError
 from tierkv.keys import KEY_BYTES, PageKey, split_keys, take_keys
 from tierkv.policy import Policy
-from tierkv.store.index import IndexRecord, PackedRecords, PersistentIndex, run_events, run_key
+from tierkv.store.index import IndexRecord, PackedRecords, PersistentIndex, run_key
 from tierkv.store.index_runs import COMPACT_CHUNK, COMPACT_MIN, load_runs, replay, unpack_run
 from tierkv.store.index_scan import RECORD_DTYPE, RecordArrays, packed_blob, packed_values, scan_records
 from tierkv.store.moves import Entry, Lead, MovePlan, Moves, NewPages, PageLocation, Placed, Sums, as_placed
@@ -197,7 +197,7 @@ class BlockManager:
         self._adopted: set[TierId] = set()   # persistent tiers whose records were adopted
         self._adopting = False
         self.compactions = 0    # index compactions done (tierkv.store.index_runs)
-        self._compacting = True  # off after an unexpected failure, until the store reopens
+        self._no_compaction: set[TierId] = set()   # tiers whose compaction failed unexpectedly, until a reopen
 
     # -- rows ------------------------------------------------------------------------
     def _row(self, key: PageKey) -> int:
@@ -563,15 +563,19 @@ class BlockManager:
         keep = _slot_validator(tier)[0](live)
         got = live if keep.all() else live.take(keep)
         dropped += int((~keep).sum())
-        try:
-            if legacy or damaged:   # one set of runs of what is live, the rest gone
-                index.rewrite_runs(name, _LAST_RUN, got.keys, packed_blob(got), events=index.events(name),
-                                   drop_records=legacy)
-            elif not keep.all():
-                self._commit(name, delete=split_keys(take_keys(live.keys, ~keep)))
-        except TierIOError as exc:   # the index as it is replays to the same pages at the next open
-            log.warning("%s index: rewriting it at open failed (it replays to the same pages next time): %s",
-                        name, exc)
+        if legacy:   # carried into runs, or the open fails (TierIOError): readers and compaction
+            # take the runs for the whole index once there are any, so no per-key record may stay
+            index.rewrite_runs(name, _LAST_RUN, got.keys, packed_blob(got), events=index.events(name),
+                               drop_records=True)
+        else:
+            try:
+                if damaged:   # one set of runs of what is live, the rest gone
+                    index.rewrite_runs(name, _LAST_RUN, got.keys, packed_blob(got), events=index.events(name))
+                elif not keep.all():
+                    self._commit(name, delete=split_keys(take_keys(live.keys, ~keep)))
+            except TierIOError as exc:   # the index as it is replays to the same pages at the next open
+                log.warning("%s index: rewriting it at open failed (it replays to the same pages next time): %s",
+                            name, exc)
         index.release_map()   # the runs were read once: their pages need not stay mapped here
         tier.claim(got.slot.tolist())
         return got, dropped
@@ -1029,14 +1033,14 @@ class BlockManager:
             if deletes:
                 self._unsynced[name] = deletes
             raise
-        if (self._index.is_runs(name) and not self._adopting and self._compacting
+        if (self._index.is_runs(name) and not self._adopting and name not in self._no_compaction
                 and self._index.appended(name) >= COMPACT_CHUNK // 4):
             try:
                 self._compact(self._by_id[name])
             except Exception:   # noqa: BLE001 - the commit above is done: nothing may undo it now
-                log.exception("compacting the %s index failed; compaction is off until the store reopens "
+                log.exception("compacting the %s index failed; its compaction is off until the store reopens "
                               "(the index is checked then)", name)
-                self._compacting = False
+                self._no_compaction.add(name)
 
     def _over(self, tier: Tier) -> bool:
         """Whether ``tier``'s runs hold more than twice its pages and COMPACT_MIN entries."""
@@ -1047,11 +1051,13 @@ class BlockManager:
         """While ``tier``'s runs hold too much garbage, rewrite the oldest ones, about
         COMPACT_CHUNK entries at a time, as runs of the records in them that the table still
         holds (same slot, same checksum): see :mod:`tierkv.store.index_runs`. Asked once per
-        COMPACT_CHUNK / 4 entries appended, and reading at most what the runs held then (one
-        pass: the oldest runs may be live and the garbage newer), so that its cost per entry
-        appended stays bounded. Every buffered commit is made durable first, so the table holds
-        nothing the index has not committed but in-flight writes, whose records are in no old
-        run. A failure is logged; the runs stay as they were (replayed to the same pages)."""
+        COMPACT_CHUNK / 4 entries appended; the entries are recounted from the runs' headers
+        first (only their first bytes are read), and it stops at the run that was newest
+        when it started (one pass: the oldest runs may be live and the garbage newer), so
+        that its cost per entry appended stays bounded. Every buffered commit is made
+        durable first, so the table holds nothing the index has not committed but in-flight
+        writes, whose records are in no old run. A failure is logged; the runs stay as they
+        were (replayed to the same pages)."""
         index = self._index
         assert index is not None
         if not self._over(tier):
@@ -1059,46 +1065,38 @@ class BlockManager:
         index.appended(tier.name, reset=True)   # asked again after as many entries, whatever comes of it
         if not index.drain(tier.name):
             return  # a window waits to be retried: the table may hold what the index does not yet
-        budget = index.events(tier.name)
-        while budget > 0 and self._over(tier):
-            done, damaged = self._compact_chunk(tier)
-            if damaged:
-                index.count_events(tier.name)   # a damaged run's header cannot be trusted to count it
-            if not done:
-                return
-            budget -= done
-        if budget <= 0 and self._over(tier):
-            index.count_events(tier.name)       # one pass and still over: recount before the next
+        try:
+            index.count_events(tier.name)
+            newest = index.newest_run(tier.name)
+            while self._over(tier):
+                last = self._compact_chunk(tier)
+                if not last or last >= newest:
+                    return
+        except TierIOError as exc:   # resources, a full reader table: tried again later
+            log.warning("compacting the %s index is put off: %s", tier.name, exc)
 
-    def _compact_chunk(self, tier: Tier) -> tuple[int, bool]:
-        """One step of :meth:`_compact`; returns the entries it read (0: nothing done) and
-        whether a run among them failed its seal (IndexDamaged from LMDB propagates)."""
+    def _compact_chunk(self, tier: Tier) -> bytes:
+        """One step of :meth:`_compact`; returns the key of the last run it read (b"":
+        nothing done). A run that fails its seal is dropped with the others, its records
+        left out (the table says what is live); the entries are then recounted."""
         index, name, t, lvl = self._index, tier.name, self.table, self.levels[tier.name]
         assert index is not None
-        try:
-            raw = index.read_runs(name, limit=COMPACT_CHUNK)
-        except TierIOError as exc:
-            log.warning("compacting the %s index is put off: %s", name, exc)
-            return 0, False
+        raw = index.read_runs(name, limit=COMPACT_CHUNK)
         if not raw:
-            return 0, False
-        # A damaged run's records are left out (the table says what is live, not the runs).
+            return b""
         runs = [run for key, value in raw if (run := unpack_run(key, value)) is not None]
-        damaged = len(runs) < len(raw)
         keys = b"".join(r.keys for r in runs)
         recs = np.concatenate([r.records for r in runs]) if runs else np.zeros(0, dtype=RECORD_DTYPE)
         rows = rows_of(t.core.find(keys))
         r = np.where(rows >= 0, rows, 0)
         live = ((rows >= 0) & ((t.where[r] >> lvl) & 1 == 1) & (t.slot[lvl, r].astype(np.uint64) == recs["slot"] + 1)
                 & t.has_sum[r] & (t.checksum[r] == recs["checksum"]) & (t.nbytes[r] == recs["nbytes"]))
-        events = sum(r.events for r in runs)
-        try:
-            index.rewrite_runs(name, raw[-1][0], take_keys(keys, live), recs[live].tobytes(), events=events)
-        except TierIOError as exc:
-            log.warning("compacting the %s index failed (its runs stay as they were): %s", name, exc)
-            return 0, damaged
+        index.rewrite_runs(name, raw[-1][0], take_keys(keys, live), recs[live].tobytes(),
+                           events=sum(r.events for r in runs))
+        if len(runs) < len(raw):   # a damaged run's header cannot be trusted to count it
+            index.count_events(name)
         self.compactions += 1
-        return sum(run_events(value) for _, value in raw), damaged
+        return raw[-1][0]
 
     def commit_deletes(self, plan: MovePlan) -> None:
         """Durably forget evicted persistent records that no publish has carried yet.

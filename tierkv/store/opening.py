@@ -26,6 +26,7 @@ from tierkv.codec import Codec, CodecMode
 from tierkv.config import NvmeConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError, StoreBusyError
 from tierkv.store.index import PersistentIndex, is_damage, open_index, quarantine_index
+from tierkv.store.index_runs import live_records
 from tierkv.store.index_check import mark_clean
 from tierkv.store.manager import BlockManager
 # The data-file label's format, and what is on a medium before a store takes it.
@@ -325,7 +326,7 @@ def _check_label(tier: NvmeTier, index: PersistentIndex, read_only: bool, store_
             raise ConfigError(_not_ours(found, tier.kind.value))
         log.warning("%s holds %s; [tiers.%s] format = true: taking it over", tier.path, found.describe(),
                     tier.kind.value)
-    stale = index.count(name)
+    stale = index.entries(name) + (len(live_records(index, name)) if index.has_runs(name) else 0)
     if stale:
         log.warning("%s carries no label of this store (%s); its %d index records are dropped and those pages "
                     "become misses", tier.path, found.contents.value, stale)
