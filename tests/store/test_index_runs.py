@@ -70,7 +70,7 @@ def test_replay_and_a_readers_view_agree_with_applying_each_event_in_turn(seed: 
     rng = random.Random(seed)
     events: list[list[tuple[str, int, int, int]]] = []
     runs = []
-    view = RunsView()
+    raw: list[tuple[bytes, bytes]] = []
     for rid in range(rng.randint(1, 12)):
         dels = rng.sample(range(12), rng.randint(0, 3))
         puts = rng.sample(range(12), rng.randint(0, 5))            # distinct keys in a run
@@ -79,16 +79,23 @@ def test_replay_and_a_readers_view_agree_with_applying_each_event_in_turn(seed: 
         events.append([("del", k, 0, 0) for k in dels] + [("put", k, s, c) for k, s, c in zip(puts, slots, sums)])
         keys, values = _records(puts, slots, sums)
         key = run_key(rid)
-        run = unpack_run(key, pack_run(rid, [_key(k) for k in dels], [keys], [values]))
+        raw.append((key, pack_run(rid, [_key(k) for k in dels], [keys], [values])))
+        run = unpack_run(*raw[-1])
         assert run is not None
         runs.append(run)
-        view.add(run, key)
     want = _naive(events)
     live = replay(runs)
     got = {live.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]: (int(live.slot[i]), int(live.checksum[i]))
            for i in range(len(live))}
     assert got == want
-    assert {k: (v[0], v[2]) for k in want if (v := view.get(k)) is not None} == want and len(view) == len(want)
+    # A reader's view: the first runs replayed at once into its base, the rest one by one.
+    for split in sorted({0, len(raw) // 2, len(raw)}):
+        view = RunsView()
+        view.rebuild(raw[:split], raw[0][0], raw[split - 1][0] if split else b"")
+        for key, value in raw[split:]:
+            view.add(unpack_run(key, value), key)
+        seen = {k: (v[0], v[2]) for k in map(_key, range(12)) if (v := view.get(k)) is not None}
+        assert seen == want and len(view) == len(want), split
 
 
 def test_a_run_whose_bytes_change_fails_its_seal() -> None:

@@ -28,6 +28,7 @@ read-only handles may be used from any thread.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import json
 import logging
 import os
@@ -83,6 +84,22 @@ try:
     _madvise = _libc_madvise
 except (OSError, AttributeError):   # not Linux: nothing is released
     _madvise = None
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc only; elsewhere a no-op).
+
+    Reading a big index allocates and frees buffers of every record's bytes (runs of
+    about 16 KB: below malloc's mmap threshold); glibc keeps the freed heap resident
+    (about 150 bytes per page measured at 65,536 pages) unless asked to trim it.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
 
 
 def _mapped_at(path: Path) -> int | None:

@@ -51,7 +51,7 @@ import xxhash
 
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.store.index import (_RUN_HEAD, _RUN_ID, _RUN_MAGIC, _SEAL, RECORD_BYTES, RELEASE_BYTES, IndexRecord,
-                                PersistentIndex, run_events)
+                                PersistentIndex, run_events, trim_heap)
 from tierkv.store.index_scan import RECORD_DTYPE, RecordArrays
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,10 @@ COMPACT_MIN = 65536
 #: and the transaction's dirty pages stay bounded (LMDB keeps a transaction's dirty
 #: pages in memory, and refuses more than about 512 MiB of them).
 COMPACT_CHUNK = 262144
+
+
+#: A reader that replays this many runs at once gives the freed heap back afterwards.
+_TRIM_RUNS = 256
 
 
 @dataclass
@@ -153,52 +157,141 @@ def replay(runs: list[Run], older: RecordArrays | None = None) -> RecordArrays:
 
 class RunsView:
     """A read-only process's view of one tier's runs: key -> (slot, length, checksum,
-    parent), replayed from the runs committed since it last looked (:func:`view_records`),
-    from scratch when runs it had read are gone (a compaction removed them)."""
+    parent). A *base* of columns sorted by key, replayed from every run at once
+    (:func:`replay`, vectorized; about 60 bytes a page), and a *delta* dict of what the
+    runs committed since changed (:meth:`add`, one run at a time); once the delta passes a
+    quarter of the base, or runs it had read are gone (a compaction removed them), the
+    view is replayed afresh (:func:`view_records`)."""
 
     def __init__(self) -> None:
         self.first = b""       # the key of the oldest run when the view was (re)built
         self.last = b""        # the key of the last run applied
-        self._pages: dict[bytes, tuple[int, int, int, bytes | None]] = {}
-        self._slots: dict[int, bytes] = {}
+        self._hi = np.zeros(0, dtype=np.uint64)     # the base, sorted by key (hi, lo)
+        self._lo = np.zeros(0, dtype=np.uint64)
+        self._base = _arrays(b"", np.zeros(0, dtype=RECORD_DTYPE))
+        self._alive = np.zeros(0, dtype=bool)
+        self._slot_order = np.zeros(0, dtype=np.intp)   # base rows by slot
+        self._delta: dict[bytes, tuple[int, int, int, bytes | None] | None] = {}
+        self._slots: dict[int, bytes] = {}   # the delta's records: slot -> key
 
     def reset(self) -> None:
-        self.first = self.last = b""
-        self._pages.clear()
+        self.rebuild([], b"", b"")
+
+    def rebuild(self, runs: list[tuple[bytes, bytes]], first: bytes, last: bytes) -> None:
+        """The base replayed from ``runs`` (every run, oldest first), the delta empty. A run
+        that fails its seal drops itself and every run before it, as an open does."""
+        decoded: list[Run] = []
+        for key, value in runs:
+            run = unpack_run(key, value) if len(key) == _RUN_ID.size else None
+            if run is None:
+                log.warning("index: a run fails its seal; the pages recorded up to it are misses")
+                decoded.clear()
+            else:
+                decoded.append(run)
+        live = replay(decoded)
+        pairs = np.frombuffer(live.keys, dtype="<u8").reshape(-1, 2)
+        order = np.lexsort((pairs[:, 1], pairs[:, 0]))
+        self._hi, self._lo = pairs[order, 0].copy(), pairs[order, 1].copy()
+        self._base = RecordArrays(b"", live.slot[order], live.nbytes[order], live.checksum[order],
+                                  np.frombuffer(live.parents, dtype="V16")[order].tobytes(), live.has_parent[order])
+        self._alive = np.ones(len(order), dtype=bool)
+        self._slot_order = np.argsort(self._base.slot, kind="stable")
+        self._delta.clear()
         self._slots.clear()
+        self.first, self.last = first, last
+
+    @property
+    def stale(self) -> bool:
+        """Whether the delta has grown past a quarter of the base (time to replay afresh)."""
+        return len(self._delta) > max(4096, len(self._hi) // 4)
+
+    def _base_rows(self, keys: bytes) -> np.ndarray:
+        """Rows of the base holding ``keys`` (a blob), -1 where none."""
+        if not keys or not len(self._hi):
+            return np.full(len(keys) // KEY_BYTES, -1, dtype=np.intp)
+        pairs = np.frombuffer(keys, dtype="<u8").reshape(-1, 2)
+        n = len(self._hi)
+        at = np.searchsorted(self._hi, pairs[:, 0])
+        here = np.minimum(at, n - 1)
+        same_hi = (at < n) & (self._hi[here] == pairs[:, 0])
+        found = same_hi & (self._lo[here] == pairs[:, 1])
+        out = np.where(found, here, -1)
+        for i in np.flatnonzero(same_hi & ~found).tolist():   # rare: high halves equal, adjacent
+            j = int(here[i]) + 1
+            while j < n and self._hi[j] == pairs[i, 0]:
+                if self._lo[j] == pairs[i, 1]:
+                    out[i] = j
+                    break
+                j += 1
+        return out
+
+    def _drop_base_slots(self, slots: np.ndarray) -> None:
+        if not len(self._slot_order):
+            return
+        by_slot = self._base.slot[self._slot_order]
+        lo = np.searchsorted(by_slot, slots, side="left")
+        hi = np.searchsorted(by_slot, slots, side="right")
+        for a, b in zip(lo.tolist(), hi.tolist()):
+            self._alive[self._slot_order[a:b]] = False
 
     def add(self, run: Run | None, key: bytes) -> None:
         """Apply one run (None: a damaged one, which drops everything read before it)."""
         self.last = key
         if run is None:
             log.warning("index: a run of a tier fails its seal; the pages recorded up to it are misses")
-            self._pages.clear()
+            self._alive[:] = False
+            self._delta.clear()
             self._slots.clear()
             return
+        rows = self._base_rows(run.deletes + run.keys)
+        self._alive[rows[rows >= 0]] = False             # deleted, or superseded by the delta
+        recs = run.records
+        self._drop_base_slots(recs["slot"].astype(np.uint64))   # slots reused
         for i in range(0, len(run.deletes), KEY_BYTES):
             dead = run.deletes[i:i + KEY_BYTES]
-            gone = self._pages.pop(dead, None)
+            gone = self._delta.get(dead)
             if gone is not None and self._slots.get(gone[0]) == dead:
                 del self._slots[gone[0]]
-        recs = run.records
+            self._delta[dead] = None
         for i, (slot, nbytes, checksum, parent, has) in enumerate(zip(
                 recs["slot"].tolist(), recs["nbytes"].tolist(), recs["checksum"].tolist(),
                 recs["parent"].tolist(), recs["has_parent"].tolist())):
             page = run.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]
-            before = self._pages.get(page)
+            before = self._delta.get(page)
             if before is not None and self._slots.get(before[0]) == page:
                 del self._slots[before[0]]
             other = self._slots.get(slot)
             if other is not None and other != page:
-                self._pages.pop(other, None)
-            self._pages[page] = (slot, nbytes, checksum, bytes(parent) if has == 1 else None)
+                self._delta[other] = None
+            self._delta[page] = (slot, nbytes, checksum, bytes(parent) if has == 1 else None)
             self._slots[slot] = page
 
     def get(self, key: bytes) -> tuple[int, int, int, bytes | None] | None:
-        return self._pages.get(bytes(key))
+        return self.get_many([bytes(key)])[0]
+
+    def get_many(self, keys: list[bytes]) -> list[tuple[int, int, int, bytes | None] | None]:
+        """:meth:`get` of each key, the base searched for all of them at once."""
+        rows = self._base_rows(b"".join(keys)).tolist()
+        b, alive, delta = self._base, self._alive, self._delta
+        out: list[tuple[int, int, int, bytes | None] | None] = []
+        for key, row in zip(keys, rows):
+            if key in delta:
+                out.append(delta[key])
+            elif row < 0 or not alive[row]:
+                out.append(None)
+            else:
+                parent = b.parents[row * KEY_BYTES:(row + 1) * KEY_BYTES] if b.has_parent[row] else None
+                out.append((int(b.slot[row]), int(b.nbytes[row]), int(b.checksum[row]), parent))
+        return out
 
     def __len__(self) -> int:
-        return len(self._pages)
+        return int(self._alive.sum()) + sum(v is not None for v in self._delta.values())
+
+    def nbytes(self) -> int:
+        """What the base's columns take (the delta is a dict, bounded by a quarter of it)."""
+        b = self._base
+        return (self._hi.nbytes + self._lo.nbytes + b.slot.nbytes + b.nbytes.nbytes + b.checksum.nbytes
+                + len(b.parents) + b.has_parent.nbytes + self._alive.nbytes + self._slot_order.nbytes)
 
 
 def load_runs(index: PersistentIndex, tier: str) -> tuple[list[Run], bytes, int]:
@@ -223,20 +316,26 @@ def view_records(index: PersistentIndex, tier: str, keys: Iterable[bytes]) -> li
     view = index._views.get(tier)
     if not isinstance(view, RunsView):
         view = index._views[tier] = RunsView()
-    oldest, runs = index.runs_since(tier, view.first, view.last)
-    if oldest != view.first:
-        view.reset()
-        view.first = oldest
-    for key, value in runs:
-        view.add(unpack_run(key, value) if len(key) == _RUN_ID.size else None, key)
-    if sum(len(v) for _, v in runs) >= RELEASE_BYTES:
+    oldest, runs = index.runs_since(tier, view.first if not view.stale else b"", view.last)
+    read, many = sum(len(v) for _, v in runs), len(runs) >= _TRIM_RUNS
+    if oldest != view.first or view.stale or not view.last:   # every run: replayed at once
+        view.rebuild(runs, oldest, runs[-1][0] if runs else b"")
+    else:
+        for key, value in runs:
+            view.add(unpack_run(key, value) if len(key) == _RUN_ID.size else None, key)
+    del runs
+    if read >= RELEASE_BYTES:
         index.release_map()
-    out: list[IndexRecord | None] = []
-    for key in keys:
-        got = view.get(key)
-        out.append(None if got is None else
-                   IndexRecord(PageKey(bytes(key)), got[0], got[1], got[2], None if got[3] is None else PageKey(got[3])))
-    return out
+    if many:   # the runs' bytes, freed: below malloc's mmap threshold, kept resident otherwise
+        trim_heap()
+    return _records_of(view, keys)
+
+
+def _records_of(view: RunsView, keys: Iterable[bytes]) -> list[IndexRecord | None]:
+    wanted = [bytes(k) for k in keys]
+    return [None if got is None else
+            IndexRecord(PageKey(key), got[0], got[1], got[2], None if got[3] is None else PageKey(got[3]))
+            for key, got in zip(wanted, view.get_many(wanted))]
 
 
 def live_records(index: PersistentIndex, tier: str) -> RecordArrays:

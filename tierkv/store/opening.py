@@ -8,8 +8,6 @@ failure it closes what it opened. Called once per ``Store.open``.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import fcntl
 import json
 import logging
@@ -25,7 +23,7 @@ import xxhash
 from tierkv.codec import Codec, CodecMode
 from tierkv.config import NvmeConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError, StoreBusyError
-from tierkv.store.index import PersistentIndex, is_damage, open_index, quarantine_index
+from tierkv.store.index import PersistentIndex, is_damage, open_index, quarantine_index, trim_heap
 from tierkv.store.index_runs import live_records
 from tierkv.store.index_check import mark_clean
 from tierkv.store.manager import BlockManager
@@ -159,7 +157,7 @@ def _open_tiers(cfg: StoreConfig, read_only: bool) -> tuple[PersistentIndex | No
         if not read_only:
             adopted = sum(manager.adopt_persistent(t.name) for t in tiers if t.persistent)
             if adopted >= _TRIM_AFTER:
-                _trim_heap()
+                trim_heap()
             if index is not None and cfg.durability == "window":  # adoption's deletes are committed already
                 index.group_commit({t.name: _syncer(t) for t in tiers if t.persistent},
                                    window_s=cfg.commit_window_s, max_pages=cfg.commit_window_pages)
@@ -370,20 +368,6 @@ def _may_format(cfg: StoreConfig, tier: NvmeTier) -> bool:
     return tier_cfg is not None and tier_cfg.format
 
 
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc only; elsewhere a no-op).
-
-    Adopting a big index allocates and frees buffers of every record's bytes; glibc keeps
-    the freed heap resident (about 150 bytes per page measured at 65,536 pages) unless
-    asked to trim it.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
 
 
 def _owner_of(store_dir: Path, data_bytes: int, room: int) -> dict[str, object]:
