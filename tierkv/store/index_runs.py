@@ -161,7 +161,8 @@ class RunsView:
     (:func:`replay`, vectorized; about 60 bytes a page), and a *delta* dict of what the
     runs committed since changed (:meth:`add`, one run at a time); once the delta passes a
     quarter of the base, or runs it had read are gone (a compaction removed them), the
-    view is replayed afresh (:func:`view_records`)."""
+    view is replayed afresh (:func:`view_records`). Not thread-safe: callers hold the
+    store's lock (``Store._lead_from_index``)."""
 
     def __init__(self) -> None:
         self.first = b""       # the key of the oldest run when the view was (re)built
@@ -228,9 +229,9 @@ class RunsView:
     def _drop_base_slots(self, slots: np.ndarray) -> None:
         if not len(self._slot_order):
             return
-        by_slot = self._base.slot[self._slot_order]
-        lo = np.searchsorted(by_slot, slots, side="left")
-        hi = np.searchsorted(by_slot, slots, side="right")
+        # sorter=: no gather of the whole base per run (3 ms a run at 1M pages)
+        lo = np.searchsorted(self._base.slot, slots, side="left", sorter=self._slot_order)
+        hi = np.searchsorted(self._base.slot, slots, side="right", sorter=self._slot_order)
         for a, b in zip(lo.tolist(), hi.tolist()):
             self._alive[self._slot_order[a:b]] = False
 

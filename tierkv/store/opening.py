@@ -39,7 +39,7 @@ from tierkv.tiers.fabric import open_nvmeof_tier
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvmeof import NvmeofTier
 
-#: Pages adopted at open past which the C heap is trimmed afterwards (see ``_trim_heap``).
+#: Pages adopted at open past which the C heap is trimmed afterwards (see ``tierkv.store.index.trim_heap``).
 _TRIM_AFTER = 1 << 16
 
 # 3: records of block-addressed tiers carry extents (format 2 stores open unchanged:
@@ -366,8 +366,6 @@ def _may_format(cfg: StoreConfig, tier: NvmeTier) -> bool:
     """Whether the config lets ``tier`` take a medium holding foreign data (``format = true``)."""
     tier_cfg = cfg.nvmeof if isinstance(tier, NvmeofTier) else cfg.nvme
     return tier_cfg is not None and tier_cfg.format
-
-
 
 
 def _owner_of(store_dir: Path, data_bytes: int, room: int) -> dict[str, object]:
