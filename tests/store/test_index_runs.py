@@ -131,6 +131,12 @@ def _served(s: Store, data: dict[int, np.ndarray]) -> dict[int, int]:
     return out
 
 
+def _compact_often(monkeypatch: pytest.MonkeyPatch, least: int, chunk: int) -> None:
+    """Compaction at a few entries, a few at a time (a store's 65,536 and 262,144 in small)."""
+    monkeypatch.setattr(manager_mod, "COMPACT_MIN", least)
+    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", chunk)
+
+
 def _index(cfg: StoreConfig) -> PersistentIndex:
     return PersistentIndex(Path(cfg.path), ["nvme"], read_only=True, runs=["nvme"])
 
@@ -155,8 +161,7 @@ def _recorded(index: PersistentIndex, name: str = "nvme") -> dict[bytes, tuple[i
 @pytest.mark.parametrize(("durability", "dram"), [("window", 2), ("put", 2), ("window", 0)])
 def test_compaction_keeps_the_index_bounded_and_exactly_what_the_table_holds(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str, dram: int) -> None:
-    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
-    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    _compact_often(monkeypatch, 8, 12)
     cfg = make_config(tmp_path / "s", dram_pages=dram, nvme_pages=16, durability=durability)
     data: dict[int, np.ndarray] = {}
     with Store.open(cfg) as s:
@@ -189,8 +194,7 @@ def test_compaction_keeps_the_index_bounded_and_exactly_what_the_table_holds(
 
 
 def test_a_reader_sees_the_writers_commits_across_compactions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 4)
-    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 6)
+    _compact_often(monkeypatch, 4, 6)
     cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=8, durability="put")
     with Store.open(cfg) as w:
         _fill(w, range(2), pages=2)
@@ -298,8 +302,7 @@ def _true_events(index: PersistentIndex) -> int:
 @pytest.mark.parametrize("durability", ["put", "window"])
 def test_failed_commits_are_not_counted_and_compaction_does_not_rewrite_in_circles(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str) -> None:
-    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
-    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    _compact_often(monkeypatch, 8, 12)
     cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=16, durability=durability)
     with Store.open(cfg) as s:
         index = s._index
@@ -358,8 +361,7 @@ def test_a_readers_view_survives_compactions_that_leave_no_run_and_clears(tmp_pa
 
 def test_a_damaged_index_met_by_compaction_leaves_the_put_done_and_compaction_off(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
-    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    _compact_often(monkeypatch, 8, 12)
     cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=16, durability="put")
     with Store.open(cfg) as s:
         index = s._index
@@ -381,8 +383,7 @@ def test_a_damaged_index_met_by_compaction_leaves_the_put_done_and_compaction_of
 
 def test_compaction_waits_for_a_degraded_tier_without_a_sync_per_commit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
-    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    _compact_often(monkeypatch, 8, 12)
     cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=16, durability="window",
                       commit_window_s=30.0, commit_window_pages=100000)
     with Store.open(cfg) as s:
@@ -450,8 +451,7 @@ def test_a_carry_into_runs_that_fails_fails_the_open_and_loses_nothing(
 
 def test_a_recount_that_fails_puts_compaction_off_without_turning_it_off(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manager_mod, "COMPACT_MIN", 8)
-    monkeypatch.setattr(manager_mod, "COMPACT_CHUNK", 12)
+    _compact_often(monkeypatch, 8, 12)
     cfg = make_config(tmp_path / "s", dram_pages=0, nvme_pages=16, durability="put")
     with Store.open(cfg) as s:
         index = s._index
