@@ -485,25 +485,24 @@ class PersistentIndex:
         """The deletes and records ``tier``'s runs hold, live or not (what compaction measures)."""
         return self._events.get(tier, 0)
 
-    def read_runs(self, tier: str, *, after: int = -1, limit: int | None = None) -> list[tuple[bytes, bytes]]:
-        """Stored runs of ``tier`` (key, value), oldest first: those with an id over
-        ``after``; with ``limit``, stopping after the run that brings their entries to it.
-        Sets the tier's entry count when it reads them all."""
+    def read_runs(self, tier: str, *, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        """Stored runs of ``tier`` (key, value), oldest first; with ``limit``, stopping after
+        the run that brings their entries to it. Sets the tier's entry count when it reads
+        them all."""
         db = self._runs[tier]
         out: list[tuple[bytes, bytes]] = []
         total = 0
         try:
             with self._env.begin(db=db) as txn:
                 cursor = txn.cursor()
-                more = cursor.set_range(run_key(after + 1)) if after >= 0 else cursor.first()
-                for key, value in cursor.iternext() if more else ():
+                for key, value in cursor.iternext() if cursor.first() else ():
                     out.append((bytes(key), bytes(value)))
                     total += run_events(value)
                     if limit is not None and total >= limit:
                         break
         except (lmdb.Error, SystemError) as exc:
             raise _runs_error(tier, exc) from None
-        if after < 0 and limit is None:
+        if limit is None:
             self._events[tier] = total
         return out
 

@@ -28,7 +28,8 @@ until *compaction* (:meth:`tierkv.store.manager.BlockManager` drives it): when a
 runs hold more than ``2 * live + COMPACT_MIN`` entries, the oldest runs (about
 ``COMPACT_CHUNK`` entries) are read, their records the page table still holds at the
 same slot with the same checksum are written as one new run, and the old runs are
-deleted, in one durable transaction after every buffered commit is durable. Since
+deleted, in one durable transaction after every buffered commit is durable; again,
+up to the run that was newest when it began, while the runs are over the bound. Since
 compaction takes the oldest runs, no record older than theirs remains, so their
 deletes can go.
 
@@ -36,8 +37,10 @@ A damaged run (its seal fails, or its lengths do) cannot say what it deleted, so
 every run up to it, and the per-key records of an older format, are dropped: those
 pages are misses, and nothing that run deleted comes back.
 
-Read-only processes keep a :class:`RunsView`, replayed incrementally from the runs
-committed since they last looked (from scratch after a compaction removed runs).
+Run ids are never reused (a rewrite that keeps nothing leaves an empty run with the
+next id): a reader takes a new oldest id for a compaction. Read-only processes keep a
+:class:`RunsView`: columns replayed at once, plus the runs committed since they last
+looked, applied one by one (replayed afresh after a compaction removed runs).
 """
 
 from __future__ import annotations
