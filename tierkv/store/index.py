@@ -27,8 +27,6 @@ read-only handles may be used from any thread.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -45,6 +43,7 @@ import xxhash
 from tierkv.errors import ConfigError, CorruptPageError, TierIOError, TierKVError
 from tierkv.store.commits import GroupCommit, Ops
 from tierkv.store.index_check import check_index_file, probe_index, was_clean
+from tierkv.store.resident import dont_need, mapped_at
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.tiers.aligned import MAX_PAGE_BLOCKS
 
@@ -76,44 +75,6 @@ _CORRUPT = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb
 #: A writer hands its mapping of the index file back to the kernel each time this many
 #: bytes of runs were written (see PersistentIndex.release_map).
 RELEASE_BYTES = 16 << 20
-_MADV_DONTNEED = 4
-_madvise: Callable[[int, int, int], int] | None
-try:
-    _libc_madvise = ctypes.CDLL(None, use_errno=True).madvise
-    _libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _madvise = _libc_madvise
-except (OSError, AttributeError):   # not Linux: nothing is released
-    _madvise = None
-
-
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc only; elsewhere a no-op).
-
-    Reading a big index allocates and frees buffers of every record's bytes (runs of
-    about 16 KB: below malloc's mmap threshold); glibc keeps the freed heap resident
-    (about 150 bytes per page measured at 65,536 pages) unless asked to trim it.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
-
-
-def _mapped_at(path: Path) -> int | None:
-    """Where this process maps ``path`` (its first mapping), from /proc/self/maps; None if
-    it does not, or there is no such file."""
-    want = str(path)
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                if line.rstrip("\n").endswith(want) and line.rstrip("\n")[-len(want) - 1] in " \t":
-                    return int(line.split("-", 1)[0], 16)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 class IndexDamaged(Exception):
@@ -430,10 +391,12 @@ class PersistentIndex:
                     self._runs[tier] = self._env.open_db((tier + RUNS_SUFFIX).encode(), create=False)
                 except lmdb.NotFoundError:
                     pass
-        if tier in self._runs and self.has_runs(tier):
+        if tier in self._runs:
             from tierkv.store.index_runs import view_records  # index_runs builds on this module
-            return view_records(self, tier, keys)
-        self._views.pop(tier, None)   # runs gone (carried into per-key records): a view would be stale
+            keys = list(keys)
+            got = view_records(self, tier, keys)
+            if got is not None:
+                return got
         out: list[IndexRecord | None] = []
         with self._env.begin(db=self._dbs[tier]) as txn:
             for key in keys:
@@ -460,14 +423,13 @@ class PersistentIndex:
         what it reads next). LMDB leaves every page a commit wrote mapped in the writer, so
         without this the runs, written once and read only at the next open, stayed
         resident in the process: the index's whole size (about 64 bytes a page). A no-op
-        where ``madvise`` or ``/proc/self/maps`` is not available."""
+        where ``madvise`` or ``/proc/self/maps`` is not available
+        (:mod:`tierkv.store.resident`)."""
         self._unreleased = 0
-        if _madvise is None:
-            return
         if self._map_addr is None:
-            self._map_addr = _mapped_at((self._path / "index.lmdb" / "data.mdb").resolve()) or 0
+            self._map_addr = mapped_at((self._path / "index.lmdb" / "data.mdb").resolve()) or 0
         if self._map_addr:
-            _madvise(self._map_addr, self.file_bytes(), _MADV_DONTNEED)
+            dont_need(self._map_addr, self.file_bytes())
 
     def _maybe_release(self) -> None:
         """After a commit: release the mapping once RELEASE_BYTES of runs were written since."""

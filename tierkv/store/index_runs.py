@@ -54,8 +54,9 @@ import xxhash
 
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.store.index import (_RUN_HEAD, _RUN_ID, _RUN_MAGIC, _SEAL, RECORD_BYTES, RELEASE_BYTES, IndexRecord,
-                                PersistentIndex, run_events, trim_heap)
+                                PersistentIndex, run_events)
 from tierkv.store.index_scan import RECORD_DTYPE, RecordArrays
+from tierkv.store.resident import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -178,21 +179,10 @@ class RunsView:
         self._delta: dict[bytes, tuple[int, int, int, bytes | None] | None] = {}
         self._slots: dict[int, bytes] = {}   # the delta's records: slot -> key
 
-    def reset(self) -> None:
-        self.rebuild([], b"", b"")
-
     def rebuild(self, runs: list[tuple[bytes, bytes]], first: bytes, last: bytes) -> None:
         """The base replayed from ``runs`` (every run, oldest first), the delta empty. A run
         that fails its seal drops itself and every run before it, as an open does."""
-        decoded: list[Run] = []
-        for key, value in runs:
-            run = unpack_run(key, value) if len(key) == _RUN_ID.size else None
-            if run is None:
-                log.warning("index: a run fails its seal; the pages recorded up to it are misses")
-                decoded.clear()
-            else:
-                decoded.append(run)
-        live = replay(decoded)
+        live = replay(decode_runs(runs)[0])
         pairs = np.frombuffer(live.keys, dtype="<u8").reshape(-1, 2)
         order = np.lexsort((pairs[:, 1], pairs[:, 0]))
         self._hi, self._lo = pairs[order, 0].copy(), pairs[order, 1].copy()
@@ -298,13 +288,13 @@ class RunsView:
                 + len(b.parents) + b.has_parent.nbytes + self._alive.nbytes + self._slot_order.nbytes)
 
 
-def load_runs(index: PersistentIndex, tier: str) -> tuple[list[Run], bytes, int]:
-    """Every run of ``tier``, decoded, oldest first; the key of the last damaged one (b""
-    if none), and how many records the runs up to it claimed. A damaged run drops itself
-    and every run before it (see the module's docstring)."""
+def decode_runs(raw: list[tuple[bytes, bytes]], tier: str = "a tier's") -> tuple[list[Run], bytes, int]:
+    """Stored runs (key, value), oldest first, decoded; the key of the last damaged one
+    (b"" if none), and how many records the runs up to it claimed. A damaged run drops
+    itself and every run before it (see the module's docstring), logged."""
     runs: list[Run] = []
     damaged, lost = b"", 0
-    for key, value in index.read_runs(tier):
+    for key, value in raw:
         run = unpack_run(key, value) if len(key) == _RUN_ID.size else None
         if run is None:
             lost += sum(len(r.records) for r in runs) + max(0, run_events(value))
@@ -312,15 +302,28 @@ def load_runs(index: PersistentIndex, tier: str) -> tuple[list[Run], bytes, int]
             damaged = key
         else:
             runs.append(run)
+    if damaged:
+        log.warning("%s index: a run fails its seal; it and every earlier one are dropped (%d records): "
+                    "those pages are misses", tier, lost)
     return runs, damaged, lost
 
 
-def view_records(index: PersistentIndex, tier: str, keys: Iterable[bytes]) -> list[IndexRecord | None]:
-    """A reader's records of ``keys`` from ``tier``'s runs (its view brought up to date first)."""
+def load_runs(index: PersistentIndex, tier: str) -> tuple[list[Run], bytes, int]:
+    """:func:`decode_runs` of every run of ``tier``."""
+    return decode_runs(index.read_runs(tier), tier)
+
+
+def view_records(index: PersistentIndex, tier: str, keys: Iterable[bytes]) -> list[IndexRecord | None] | None:
+    """A reader's records of ``keys`` from ``tier``'s runs (its view brought up to date
+    first, in the same read transaction that finds whether there are any); None if the
+    tier has no run (its records are per key: an older format's, or a block tier's)."""
     view = index._views.get(tier)
     if not isinstance(view, RunsView):
         view = index._views[tier] = RunsView()
     oldest, runs = index.runs_since(tier, view.first if not view.stale else b"", view.last)
+    if not oldest:
+        del index._views[tier]   # runs gone (carried into per-key records): a view would be stale
+        return None
     read, many = sum(len(v) for _, v in runs), len(runs) >= _TRIM_RUNS
     if oldest != view.first or view.stale or not view.last:   # every run: replayed at once
         view.rebuild(runs, oldest, runs[-1][0] if runs else b"")

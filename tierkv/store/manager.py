@@ -498,11 +498,7 @@ class BlockManager:
             return True
 
         if self._index.has_runs(tier.name):   # written as a slot tier: carried into per-key records
-            runs, damaged, lost = load_runs(self._index, tier.name)
-            live = replay(runs)
-            if damaged:
-                log.warning("%s index: a run fails its seal; it and every earlier one are dropped (%d records): "
-                            "those pages are misses", tier.name, lost)
+            live = replay(load_runs(self._index, tier.name)[0])
             self._index.runs_to_records(tier.name, live.keys, packed_blob(live))
         good, dropped = self._index.adopt(tier.name, valid)
         return good, [handles[r.key] for r in good], dropped
@@ -552,12 +548,9 @@ class BlockManager:
             dropped += len(others) - len(usable)
             if usable:
                 older = older.concat(_arrays_of(usable, [_as_slot(r, bps) or 0 for r in usable]))
-        runs, damaged, lost = load_runs(index, name)
-        if damaged:
-            lost += len(older) if older is not None else 0
-            log.warning("%s index: a run fails its seal; it and every earlier one are dropped (%d records): "
-                        "those pages are misses", name, lost)
-            dropped += lost
+        runs, damaged, lost = load_runs(index, name)   # damage logged there
+        if damaged:   # the per-key records are older than the damaged run: dropped too
+            dropped += lost + (len(older) if older is not None else 0)
             older = None
         live = replay(runs, older)
         keep = _slot_validator(tier)[0](live)

@@ -23,9 +23,10 @@ import xxhash
 from tierkv.codec import Codec, CodecMode
 from tierkv.config import NvmeConfig, NvmeofConfig, StoreConfig
 from tierkv.errors import ConfigError, StoreBusyError
-from tierkv.store.index import PersistentIndex, is_damage, open_index, quarantine_index, trim_heap
+from tierkv.store.index import PersistentIndex, is_damage, open_index, quarantine_index
 from tierkv.store.index_runs import live_records
 from tierkv.store.index_check import mark_clean
+from tierkv.store.resident import trim_heap
 from tierkv.store.manager import BlockManager
 # The data-file label's format, and what is on a medium before a store takes it.
 from tierkv.store.medium import LABEL_BYTES, LABEL_MAGIC, Contents, Medium, examine, label_data_bytes, owner_record
@@ -39,7 +40,7 @@ from tierkv.tiers.fabric import open_nvmeof_tier
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvmeof import NvmeofTier
 
-#: Pages adopted at open past which the C heap is trimmed afterwards (see ``tierkv.store.index.trim_heap``).
+#: Pages adopted at open past which the C heap is trimmed afterwards (see ``tierkv.store.resident.trim_heap``).
 _TRIM_AFTER = 1 << 16
 
 # 3: records of block-addressed tiers carry extents (format 2 stores open unchanged:
