@@ -7,10 +7,13 @@
  * which stays as the fallback; tests/policy/test_leaves_native.py drives both with
  * the same random operations and compares every answer.
  *
- * Layout: one 56-byte Node per key (the key inline, zero-padded to 16 bytes), in one
- * array; an open-addressing (linear probing, backward-shift deletion) table of node
- * indices tagged with hash bits; per class and end an int32 heap whose entries record their position in
- * the node, so a leaf that stops being one leaves its heaps at once (no stale entries).
+ * Layout: one 40-byte Node per key (the key inline, zero-padded to 16 bytes), in chunks
+ * of CHUNK nodes (no slack beyond one chunk, nodes never move); what only a leaf or a
+ * pending victim needs (its sequence number, heap positions, pending index) in a 20-byte
+ * Rec of its own, which most nodes of a prefix chain never have; an open-addressing
+ * (linear probing, backward-shift deletion) table of node indices tagged with hash bits;
+ * per class and end an int32 heap whose entries record their position in the node's
+ * Rec, so a leaf that stops being one leaves its heaps at once (no stale entries).
  * Nodes also exist for absent parents that still have resident children, as the
  * Python class's _kids does. Nothing here creates a Python object per page except what
  * candidates returns and the key it passes to evictable.
@@ -33,6 +36,8 @@
 
 #define KEY_MAX 16
 #define MAP_MIN 16
+#define CHUNK_BITS 12
+#define CHUNK ((int32_t)1 << CHUNK_BITS)
 /* A table slot holds a node index (low 28 bits) and 4 bits of the key's hash, so that a
  * probe reads a node only when the bits match: one node read per lookup, not ~2 (hit)
  * or ~6 (miss) at the table's load of up to 0.7. */
@@ -48,18 +53,30 @@
  * settle), so a head re-read after another class member was taken is not asked again. */
 enum { PRESENT = 1, ZOMBIE = 2, INMAP = 4, ALLOWED = 8 };
 
+/* 40 bytes. */
 typedef struct {
-    double last;          /* last access */
-    uint64_t seq;         /* insertion sequence number while a leaf, else 0 */
     uint8_t key[KEY_MAX]; /* zero-padded */
+    double last;          /* last access */
     int32_t parent;       /* node of the parent key, -1 for none; the free-list link when free */
     int32_t kids;         /* resident (not taken) children */
-    int32_t pos[2];       /* position in the OLD / YOUNG heap of its class, -1 if not in it */
-    int32_t pend;         /* index in the pending array, -1 if not a pending victim */
+    int32_t rec;          /* its Rec while a leaf or a pending victim, else -1 */
     uint8_t klen;         /* 0 when the node is free */
     uint8_t flags;
     uint16_t cls;
 } Node;
+
+/* 20 bytes: what a node needs only while it is a leaf (seq != 0) or a pending victim
+ * (pend >= 0); a free Rec's pend is the free-list link. */
+#pragma pack(push, 4)
+typedef struct {
+    uint64_t seq;         /* insertion sequence number while a leaf, else 0 */
+    int32_t pos[2];       /* position in the OLD / YOUNG heap of its class, -1 if not in it */
+    int32_t pend;         /* index in the pending array, -1 if not a pending victim */
+} Rec;
+#pragma pack(pop)
+
+_Static_assert(sizeof(Node) == 40, "Node is 40 bytes");
+_Static_assert(sizeof(Rec) == 20, "Rec is 20 bytes");
 
 typedef struct {
     int32_t *a;
@@ -74,8 +91,10 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    Node *nodes;
-    int32_t ncap, nused, free_head;
+    Node **chunks;        /* nodes in chunks of CHUNK */
+    int32_t nchunks, chunkcap, nused, free_head;
+    Rec *recs;
+    int32_t rcap, rused, rfree;
     uint32_t *slots;      /* TAG << IDX_BITS | node index, or SLOT_EMPTY */
     size_t smask;
     Py_ssize_t scount;    /* nodes in the table */
@@ -97,7 +116,8 @@ typedef struct {
 
 static PyObject *InputError; /* tierkv.errors.InputError */
 
-#define NODE(s, i) (&(s)->nodes[(i)])
+#define NODE(s, i) (&(s)->chunks[(i) >> CHUNK_BITS][(i) & (CHUNK - 1)])
+#define REC(s, nd) (&(s)->recs[(nd)->rec])
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -124,6 +144,87 @@ grow(void **arr, int32_t *cap, int32_t need, size_t elem)
     *arr = p;
     *cap = (int32_t)c;
     return 0;
+}
+
+/* Room for need nodes: whole chunks, so nodes never move. */
+static int
+reserve_nodes(LeafHeapsObject *s, int32_t need)
+{
+    while ((int64_t)s->nchunks * CHUNK < need) {
+        if (grow((void **)&s->chunks, &s->chunkcap, s->nchunks + 1, sizeof(Node *)) < 0)
+            return -1;
+        Node *c = PyMem_Malloc((size_t)CHUNK * sizeof(Node));
+        if (c == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->chunks[s->nchunks++] = c;
+    }
+    return 0;
+}
+
+static inline uint64_t
+seq_of(const LeafHeapsObject *s, const Node *nd)
+{
+    return nd->rec >= 0 ? s->recs[nd->rec].seq : 0;
+}
+
+static inline int32_t
+pos_of(const LeafHeapsObject *s, const Node *nd, int which)
+{
+    return nd->rec >= 0 ? s->recs[nd->rec].pos[which] : -1;
+}
+
+static inline int32_t
+pend_of(const LeafHeapsObject *s, const Node *nd)
+{
+    return nd->rec >= 0 ? s->recs[nd->rec].pend : -1;
+}
+
+/* Room for one more Rec, so that the next rec_make cannot fail. */
+static int
+rec_reserve(LeafHeapsObject *s)
+{
+    return s->rfree >= 0 ? 0 : grow((void **)&s->recs, &s->rcap, s->rused + 1, sizeof(Rec));
+}
+
+/* The Rec of node idx, a blank one if it has none; NULL with MemoryError. Recs move. */
+static Rec *
+rec_make(LeafHeapsObject *s, int32_t idx)
+{
+    Node *nd = NODE(s, idx);
+    if (nd->rec >= 0)
+        return &s->recs[nd->rec];
+    if (rec_reserve(s) < 0)
+        return NULL;
+    int32_t r;
+    if (s->rfree >= 0) {
+        r = s->rfree;
+        s->rfree = s->recs[r].pend;
+    } else {
+        r = s->rused++;
+    }
+    Rec *rc = &s->recs[r];
+    rc->seq = 0;
+    rc->pos[OLD] = rc->pos[YOUNG] = -1;
+    rc->pend = -1;
+    nd->rec = r;
+    return rc;
+}
+
+/* Frees node idx's Rec once it is neither a leaf nor a pending victim (nor on a heap). */
+static void
+rec_drop(LeafHeapsObject *s, int32_t idx)
+{
+    Node *nd = NODE(s, idx);
+    if (nd->rec < 0)
+        return;
+    Rec *rc = &s->recs[nd->rec];
+    if (rc->seq != 0 || rc->pend >= 0 || rc->pos[OLD] >= 0 || rc->pos[YOUNG] >= 0)
+        return;
+    rc->pend = s->rfree;
+    s->rfree = nd->rec;
+    nd->rec = -1;
 }
 
 static inline uint64_t
@@ -340,7 +441,7 @@ node_get(LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
             PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
             return -1;
         }
-        if (grow((void **)&s->nodes, &s->ncap, s->nused + 1, sizeof(Node)) < 0)
+        if (reserve_nodes(s, s->nused + 1) < 0)
             return -1;
         idx = s->nused++;
     }
@@ -349,8 +450,7 @@ node_get(LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
     memcpy(nd->key, key, KEY_MAX);
     nd->klen = (uint8_t)len;
     nd->parent = -1;
-    nd->pos[OLD] = nd->pos[YOUNG] = -1;
-    nd->pend = -1;
+    nd->rec = -1;
     nd->flags = INMAP;
     map_place(s, idx);
     s->scount++;
@@ -365,8 +465,8 @@ before(const LeafHeapsObject *s, int which, int32_t a, int32_t b)
 {
     const Node *x = NODE(s, a), *y = NODE(s, b);
     if (which == OLD)
-        return x->last < y->last || (x->last == y->last && x->seq < y->seq);
-    return x->last > y->last || (x->last == y->last && x->seq > y->seq);
+        return x->last < y->last || (x->last == y->last && s->recs[x->rec].seq < s->recs[y->rec].seq);
+    return x->last > y->last || (x->last == y->last && s->recs[x->rec].seq > s->recs[y->rec].seq);
 }
 
 static void
@@ -378,11 +478,11 @@ sift_up(LeafHeapsObject *s, Heap *h, int which, int32_t i)
         if (!before(s, which, idx, h->a[p]))
             break;
         h->a[i] = h->a[p];
-        NODE(s, h->a[i])->pos[which] = i;
+        REC(s, NODE(s, h->a[i]))->pos[which] = i;
         i = p;
     }
     h->a[i] = idx;
-    NODE(s, idx)->pos[which] = i;
+    REC(s, NODE(s, idx))->pos[which] = i;
 }
 
 static void
@@ -398,11 +498,11 @@ sift_down(LeafHeapsObject *s, Heap *h, int which, int32_t i)
         if (!before(s, which, h->a[c], idx))
             break;
         h->a[i] = h->a[c];
-        NODE(s, h->a[i])->pos[which] = i;
+        REC(s, NODE(s, h->a[i]))->pos[which] = i;
         i = c;
     }
     h->a[i] = idx;
-    NODE(s, idx)->pos[which] = i;
+    REC(s, NODE(s, idx))->pos[which] = i;
 }
 
 static int
@@ -421,14 +521,14 @@ heap_remove(LeafHeapsObject *s, int which, int32_t idx)
 {
     Node *nd = NODE(s, idx);
     Heap *h = &s->heaps[2 * nd->cls + which];
-    int32_t i = nd->pos[which];
-    nd->pos[which] = -1;
+    int32_t i = REC(s, nd)->pos[which];
+    REC(s, nd)->pos[which] = -1;
     int32_t last = h->a[--h->n];
     if (i < h->n) {
         h->a[i] = last;
-        NODE(s, last)->pos[which] = i;
+        REC(s, NODE(s, last))->pos[which] = i;
         sift_down(s, h, which, i);
-        sift_up(s, h, which, NODE(s, last)->pos[which]);
+        sift_up(s, h, which, REC(s, NODE(s, last))->pos[which]);
     }
 }
 
@@ -437,14 +537,17 @@ heap_remove(LeafHeapsObject *s, int which, int32_t idx)
 static int
 leaf(LeafHeapsObject *s, int32_t idx)
 {
+    Rec *rc = rec_make(s, idx);
+    if (rc == NULL)
+        return fail(s);
+    rc->seq = ++s->next_seq;
     Node *nd = NODE(s, idx);
-    nd->seq = ++s->next_seq;
     s->dirty[nd->cls] = 1;
     for (int w = OLD; w <= (s->young ? YOUNG : OLD); w++) {
-        if (NODE(s, idx)->pos[w] >= 0) {  /* already in (a re-leaf): move it */
-            Heap *h = &s->heaps[2 * NODE(s, idx)->cls + w];
-            sift_down(s, h, w, NODE(s, idx)->pos[w]);
-            sift_up(s, h, w, NODE(s, idx)->pos[w]);
+        if (REC(s, nd)->pos[w] >= 0) {  /* already in (a re-leaf): move it */
+            Heap *h = &s->heaps[2 * nd->cls + w];
+            sift_down(s, h, w, REC(s, nd)->pos[w]);
+            sift_up(s, h, w, REC(s, nd)->pos[w]);
         } else if (heap_push(s, w, idx) < 0) {
             return fail(s);
         }
@@ -456,20 +559,21 @@ static void
 unleaf(LeafHeapsObject *s, int32_t idx)
 {
     Node *nd = NODE(s, idx);
-    if (nd->seq == 0)
+    if (seq_of(s, nd) == 0)
         return;
-    nd->seq = 0;
+    REC(s, nd)->seq = 0;
     s->dirty[nd->cls] = 1;
     for (int w = OLD; w <= YOUNG; w++)
-        if (NODE(s, idx)->pos[w] >= 0)
+        if (REC(s, nd)->pos[w] >= 0)
             heap_remove(s, w, idx);
+    rec_drop(s, idx);
 }
 
 /* Class and last access change only off the heaps, so a heap entry never moves class. */
 static void
 set_state(LeafHeapsObject *s, int32_t idx, int cls, double t)
 {
-    if (NODE(s, idx)->seq != 0)
+    if (seq_of(s, NODE(s, idx)) != 0)
         unleaf(s, idx);
     NODE(s, idx)->cls = (uint16_t)cls;
     NODE(s, idx)->last = t;
@@ -497,7 +601,7 @@ sweep(LeafHeapsObject *s)
         int32_t idx = s->zombies[i];
         Node *nd = NODE(s, idx);
         nd->flags &= (uint8_t)~ZOMBIE;
-        if ((nd->flags & (PRESENT | INMAP)) != INMAP || nd->kids != 0 || nd->pend >= 0)
+        if ((nd->flags & (PRESENT | INMAP)) != INMAP || nd->kids != 0 || pend_of(s, nd) >= 0)
             continue;
         unleaf(s, idx);
         map_remove(s, idx);
@@ -555,7 +659,7 @@ undo_all(LeafHeapsObject *s)
         int32_t idx = s->pend[i];
         if (idx < 0)
             continue;
-        NODE(s, idx)->pend = -1;
+        REC(s, NODE(s, idx))->pend = -1;   /* its Rec stays: leaf() below uses it */
         int32_t p = NODE(s, idx)->parent;
         if (p >= 0)
             adopt(s, p);
@@ -581,7 +685,7 @@ static int
 forget(LeafHeapsObject *s, int32_t idx)
 {
     Node *nd = NODE(s, idx);
-    if (nd->seq != 0)
+    if (seq_of(s, nd) != 0)
         unleaf(s, idx);
     nd = NODE(s, idx);
     nd->flags &= (uint8_t)~PRESENT;
@@ -617,7 +721,10 @@ lh_dealloc(LeafHeapsObject *s)
     PyMem_Free(s->heaps);
     PyMem_Free(s->heads);
     PyMem_Free(s->dirty);
-    PyMem_Free(s->nodes);
+    for (int32_t i = 0; i < s->nchunks; i++)
+        PyMem_Free(s->chunks[i]);
+    PyMem_Free(s->chunks);
+    PyMem_Free(s->recs);
     PyMem_Free(s->slots);
     PyMem_Free(s->pend);
     PyMem_Free(s->stash);
@@ -644,6 +751,7 @@ lh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     s->classes = (int)classes;
     s->young = young;
     s->free_head = -1;
+    s->rfree = -1;
     size_t nh = 2 * (size_t)classes + 1;
     s->heaps = PyMem_Calloc(nh, sizeof(Heap));
     s->heads = PyMem_Calloc(nh, sizeof(PyObject *));
@@ -691,7 +799,7 @@ add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int p
             return -1;
     }
     /* Room for the key and its parent first, so that nothing below fails half-way. */
-    if (map_reserve(s, 2) < 0 || grow((void **)&s->nodes, &s->ncap, s->nused + 2, sizeof(Node)) < 0)
+    if (map_reserve(s, 2) < 0 || reserve_nodes(s, s->nused + 2) < 0)
         return -1;
     idx = node_get(s, k, klen);
     if (idx < 0)
@@ -753,7 +861,7 @@ lh_add_many(LeafHeapsObject *s, PyObject *args)
     /* Room for every key at once (parents are mostly keys of the batch too): a bulk
      * add grows the map and the nodes a few times, not once per 1.5x. */
     if (n > 0 && (s->nused + n > MAX_NODES - 2 || map_reserve(s, n) < 0
-                  || grow((void **)&s->nodes, &s->ncap, s->nused + (int32_t)n, sizeof(Node)) < 0)) {
+                  || reserve_nodes(s, s->nused + (int32_t)n) < 0)) {
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
         goto done;
@@ -773,7 +881,7 @@ lh_add_many(LeafHeapsObject *s, PyObject *args)
                 uint8_t prev[KEY_MAX];
                 memcpy(prev, kp + 16 * (i - 1), 16);
                 int32_t p = map_find(s, prev, 16);
-                if (p >= 0 && (NODE(s, p)->flags & PRESENT) && NODE(s, p)->kids == 0 && NODE(s, p)->seq == 0)
+                if (p >= 0 && (NODE(s, p)->flags & PRESENT) && NODE(s, p)->kids == 0 && seq_of(s, NODE(s, p)) == 0)
                     (void)leaf(s, p);   /* on failure it marks the heaps broken */
             }
             goto done;
@@ -902,9 +1010,10 @@ static int
 discard_node(LeafHeapsObject *s, int32_t idx)
 {
     Node *nd = NODE(s, idx);
-    if (nd->pend >= 0) {
-        s->pend[nd->pend] = -1;
-        nd->pend = -1;
+    if (pend_of(s, nd) >= 0) {
+        s->pend[REC(s, nd)->pend] = -1;
+        REC(s, nd)->pend = -1;
+        rec_drop(s, idx);
         if (--s->plive == 0)
             s->npend = 0;
     } else if (undo_all(s) < 0 || remove_resident(s, idx) < 0) {
@@ -1017,7 +1126,7 @@ head(LeafHeapsObject *s, PyObject *evictable, int c, int which)
         if (h->n > 0 && h->a[0] == idx) {
             if (grow((void **)&s->stash, &s->scap, s->nstash + 1, sizeof(Stashed)) < 0)
                 return NULL;
-            s->stash[s->nstash++] = (Stashed){NODE(s, idx)->seq, idx, which};
+            s->stash[s->nstash++] = (Stashed){seq_of(s, NODE(s, idx)), idx, which};
             heap_remove(s, which, idx);
         }
     }
@@ -1073,15 +1182,15 @@ lh_take(LeafHeapsObject *s, PyObject *key)
         PyErr_SetObject(PyExc_KeyError, key);
         return NULL;
     }
-    if (NODE(s, idx)->pend < 0 &&
-        grow((void **)&s->pend, &s->pcap, s->npend + 1, sizeof(int32_t)) < 0)
+    if (pend_of(s, NODE(s, idx)) < 0 &&
+        (grow((void **)&s->pend, &s->pcap, s->npend + 1, sizeof(int32_t)) < 0 || rec_reserve(s) < 0))
         return NULL;
     unleaf(s, idx);
     if (orphan(s, idx) < 0)
         return NULL;
-    Node *nd = NODE(s, idx);
-    if (nd->pend < 0) {
-        nd->pend = s->npend;
+    if (pend_of(s, NODE(s, idx)) < 0) {
+        Rec *rc = rec_make(s, idx);   /* cannot fail: reserved above */
+        rc->pend = s->npend;
         s->pend[s->npend++] = idx;
         s->plive++;
     }
@@ -1215,7 +1324,7 @@ lh_settle(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
         Stashed e = s->stash[i];
         Node *nd = NODE(s, e.node);
         /* Still the same leaf (same sequence number) and not back in already. */
-        if (nd->seq == e.seq && nd->pos[e.which] < 0 && heap_push(s, e.which, e.node) < 0)
+        if (seq_of(s, nd) == e.seq && REC(s, nd)->pos[e.which] < 0 && heap_push(s, e.which, e.node) < 0)
             return fail(s), NULL;
     }
     s->nstash = 0;
@@ -1281,7 +1390,8 @@ PyDoc_STRVAR(nbytes_doc, "nbytes() -> int\n\nBytes of memory held for the pages 
 static PyObject *
 lh_nbytes(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
 {
-    size_t n = (size_t)s->ncap * sizeof(Node) + (s->smask + 1) * sizeof(uint32_t) +
+    size_t n = (size_t)s->nchunks * CHUNK * sizeof(Node) + (size_t)s->chunkcap * sizeof(Node *) +
+               (size_t)s->rcap * sizeof(Rec) + (s->smask + 1) * sizeof(uint32_t) +
                (size_t)s->pcap * sizeof(int32_t) + (size_t)s->scap * sizeof(Stashed) +
                (size_t)s->zcap * sizeof(int32_t);
     for (int i = 0; i < 2 * s->classes; i++)
