@@ -47,12 +47,14 @@ _COPY = os.path.join("tierkv", "tiers", "_copy.c")
 if os.path.exists(_COPY):  # streamed page copies; the DRAM tier falls back to numpy's
     ext_modules.append(Extension("tierkv.tiers._copy", [_COPY], extra_compile_args=["-O3"], optional=True))
 _LEAVES = os.path.join("tierkv", "policy", "_leaves.c")
+_KEYTAB = os.path.join("tierkv", "policy", "keytab.h")  # the key table _leaves and _ghost share
 if os.path.exists(_LEAVES):  # the compiled LeafHeaps; tierkv.policy.leaves falls back to Python
-    ext_modules.append(Extension("tierkv.policy._leaves", [_LEAVES], extra_compile_args=["-O3"], optional=True))
+    ext_modules.append(Extension("tierkv.policy._leaves", [_LEAVES], extra_compile_args=["-O3"], optional=True,
+                                 depends=[_KEYTAB]))
 _GHOST = os.path.join("tierkv", "policy", "_ghost.c")
 if os.path.exists(_GHOST):  # the compiled ghost of GittinsPolicy; tierkv.policy.gittins falls back to Python
     # No FMA contraction: its histogram updates and index table give numpy's bits.
     ext_modules.append(Extension("tierkv.policy._ghost", [_GHOST], extra_compile_args=["-O3", "-ffp-contract=off"],
-                                 optional=True))
+                                 optional=True, depends=[_KEYTAB]))
 
 setup(ext_modules=ext_modules)

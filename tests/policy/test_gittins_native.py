@@ -168,7 +168,7 @@ def test_memory_per_remembered_page() -> None:
     finally:
         tracemalloc.stop()
     assert len(ghost) == n
-    assert ghost.nbytes() / n < 48                  # 36-byte nodes and the table
+    assert ghost.nbytes() / n < 48                  # 20-byte nodes and its own key table
     assert traced / n < 48
 
 

@@ -17,10 +17,11 @@
  * gittins_index() computes the reuse model's index table (tierkv.policy.hazard's refresh):
  * the numpy formula's operations in the same order, so the same bits.
  *
- * Layout: one 36-byte node per key (key inline, zero-padded to 16 bytes) in chunks of 4096,
- * and an open-addressing table (linear probing, backward-shift deletion) of node
- * indices tagged with 4 hash bits. Not thread-safe (callers hold the GIL). A failed
- * allocation while half-updated marks the object broken: later calls raise.
+ * Layout: the keys in a key table (keytab.h: each key once under a dense id, and the
+ * map from keys to ids), which GittinsPolicy shares with the tier's LeafHeaps (a Ghost
+ * made without one has its own); one 20-byte node per id in chunks of 4096, for the ids
+ * this ghost holds. Not thread-safe (callers hold the GIL). A failed allocation while
+ * half-updated marks the object broken: later calls raise.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,13 +30,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KEY_MAX 16
-#define MAP_MIN 16
-#define SLOT_EMPTY UINT32_MAX
+#include "keytab.h"
+
+#define KEY_MAX KT_KEY
 #define IDX_BITS 28
 #define IDX_MASK ((UINT32_C(1) << IDX_BITS) - 1)
-#define MAX_NODES ((int32_t)IDX_MASK - 1)
-#define TAG(h) ((uint32_t)((h) >> 60))
+#define MAX_NODES KT_MAX_IDS
 #define COUNT_MAX 15
 #define CHUNK_BITS 12
 #define CHUNK ((int32_t)1 << CHUNK_BITS)
@@ -49,15 +49,16 @@
 #define OBS_REUSE 1
 #define OBS_CENSOR 2
 
-/* 36 bytes: three links of 28 bits (IDX_MASK for none), whose high 4 bits hold the key's
- * length - 1, the access count (saturating at COUNT_MAX) and the class. */
+/* 20 bytes, at the index of its key's id: three links of 28 bits (IDX_MASK for none),
+ * whose high 4 bits hold nothing (W_OLDER), the access count (saturating at COUNT_MAX)
+ * and the class. */
 #pragma pack(push, 4)
 typedef struct {
-    uint8_t key[KEY_MAX]; /* zero-padded */
     double last;          /* last access */
-    uint32_t w[3];        /* W_OLDER, W_NEWER (the access order; the free-list link when free), W_AFTER */
+    uint32_t w[3];        /* W_OLDER, W_NEWER (the access order), W_AFTER */
 } Node;
 #pragma pack(pop)
+_Static_assert(sizeof(Node) == 20, "a ghost node is 20 bytes");
 
 enum { W_OLDER = 0, W_NEWER = 1, W_AFTER = 2 };
 
@@ -86,17 +87,17 @@ set_high(Node *nd, int f, int v)
     nd->w[f] = (nd->w[f] & IDX_MASK) | ((uint32_t)v << IDX_BITS);
 }
 
-#define KLEN(nd) (high_of((nd), W_OLDER) + 1)
 #define COUNT(nd) high_of((nd), W_NEWER)
 #define CLS(nd) high_of((nd), W_AFTER)
 
 typedef struct {
     PyObject_HEAD
-    Node **chunks;        /* nodes in chunks of CHUNK: no slack beyond one chunk, no copying */
-    int32_t nchunks, chunkcap, nused, free_head;
+    Node **chunks;        /* nodes by key id in chunks of CHUNK: no slack beyond one chunk, no copying */
+    int32_t nchunks, chunkcap;
     int32_t oldest, newest;
-    uint32_t *slots;
-    size_t smask;
+    KeyTab *kt;           /* the keys (held with KT_GHOST) */
+    PyObject *keys;       /* the capsule that owns kt */
+    int own_keys;         /* kt is this ghost's alone */
     Py_ssize_t count;
     double max_age;
     int broken;
@@ -155,19 +156,6 @@ reserve_nodes(GhostObject *s, int64_t need)
     return 0;
 }
 
-static inline uint64_t
-key_hash(const uint8_t *k, int len)
-{
-    uint64_t a, b;
-    memcpy(&a, k, 8);
-    memcpy(&b, k + 8, 8);
-    uint64_t h = a * UINT64_C(0x9E3779B97F4A7C15) ^ (b + (uint64_t)len) * UINT64_C(0xC2B2AE3D27D4EB4F);
-    h ^= h >> 29;
-    h *= UINT64_C(0xBF58476D1CE4E5B9);
-    h ^= h >> 32;
-    return h;
-}
-
 /* A page key as 16 zero-padded bytes: 1 if ok, 0 if not a key (InputError set when strict). */
 static int
 parse_key(PyObject *obj, uint8_t out[KEY_MAX], int *len, int strict)
@@ -200,91 +188,20 @@ check_ok(GhostObject *s)
     return 0;
 }
 
-/* ------------------------------------------------------------------ key -> node table */
+/* ------------------------------------------------------------------ key -> node */
 
-static inline size_t
-home_of(const GhostObject *s, const Node *nd)
-{
-    return (size_t)key_hash(nd->key, KLEN(nd)) & s->smask;
-}
-
-static int32_t
+/* The node of key, -1 if this ghost does not remember it. */
+static inline int32_t
 map_find(const GhostObject *s, const uint8_t key[KEY_MAX], int len)
 {
-    uint64_t h = key_hash(key, len);
-    uint32_t tag = TAG(h);
-    size_t i = (size_t)h & s->smask;
-    for (;;) {
-        uint32_t e = s->slots[i];
-        if (e == SLOT_EMPTY)
-            return -1;
-        if (e >> IDX_BITS == tag) {
-            const Node *nd = NODE(s, e & IDX_MASK);
-            if (KLEN(nd) == len && memcmp(nd->key, key, KEY_MAX) == 0)
-                return (int32_t)(e & IDX_MASK);
-        }
-        i = (i + 1) & s->smask;
-    }
+    int32_t id = kt_find(s->kt, key, len);
+    return id >= 0 && kt_held(s->kt, id, KT_GHOST) ? id : -1;
 }
 
-static void
-map_place(GhostObject *s, int32_t idx)
+static inline PyObject *
+key_bytes(const GhostObject *s, int32_t idx)
 {
-    const Node *nd = NODE(s, idx);
-    uint64_t h = key_hash(nd->key, KLEN(nd));
-    size_t i = (size_t)h & s->smask;
-    while (s->slots[i] != SLOT_EMPTY)
-        i = (i + 1) & s->smask;
-    s->slots[i] = TAG(h) << IDX_BITS | (uint32_t)idx;
-}
-
-/* Room in the table for extra more keys (load up to 0.8: the tags keep probes cheap). */
-static int
-map_reserve(GhostObject *s, Py_ssize_t extra)
-{
-    size_t cap = s->smask + 1;
-    if ((size_t)(s->count + extra) * 5 <= cap * 4)
-        return 0;
-    size_t ncap = cap;
-    while ((size_t)(s->count + extra) * 5 > ncap * 4)
-        ncap *= 2;
-    uint32_t *slots = PyMem_Malloc(ncap * sizeof(uint32_t));
-    if (slots == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    memset(slots, 0xff, ncap * sizeof(uint32_t));
-    uint32_t *old = s->slots;
-    s->slots = slots;
-    s->smask = ncap - 1;
-    for (size_t i = 0; i < cap; i++)
-        if (old[i] != SLOT_EMPTY)
-            map_place(s, (int32_t)(old[i] & IDX_MASK));
-    PyMem_Free(old);
-    return 0;
-}
-
-static void
-map_remove(GhostObject *s, int32_t idx)
-{
-    size_t i = home_of(s, NODE(s, idx));
-    while (s->slots[i] == SLOT_EMPTY || (s->slots[i] & IDX_MASK) != (uint32_t)idx)
-        i = (i + 1) & s->smask;
-    size_t j = i;
-    for (;;) {
-        j = (j + 1) & s->smask;
-        uint32_t o = s->slots[j];
-        if (o == SLOT_EMPTY)
-            break;
-        size_t h = home_of(s, NODE(s, o & IDX_MASK));
-        /* o may move back to i unless its home lies cyclically in (i, j]. */
-        int stays = i <= j ? (h > i && h <= j) : (h > i || h <= j);
-        if (!stays) {
-            s->slots[i] = o;
-            i = j;
-        }
-    }
-    s->slots[i] = SLOT_EMPTY;
+    return PyBytes_FromStringAndSize((const char *)KT_KEYOF(s->kt, idx), kt_len(s->kt, idx));
 }
 
 /* ------------------------------------------------------------------ access order */
@@ -321,24 +238,17 @@ list_append(GhostObject *s, int32_t idx)
 static int32_t
 node_new(GhostObject *s, const uint8_t key[KEY_MAX], int len, double t)
 {
-    if (map_reserve(s, 1) < 0)
+    if (kt_reserve(s->kt, 1) < 0 || reserve_nodes(s, (int64_t)s->kt->high + 1) < 0)
         return -1;
-    int32_t idx;
-    if (s->free_head >= 0) {
-        idx = s->free_head;
-        s->free_head = link_of(NODE(s, idx), W_NEWER);
-    } else {
-        if (reserve_nodes(s, s->nused + 1) < 0)
-            return -1;
-        idx = s->nused++;
-    }
+    int32_t idx = kt_find(s->kt, key, len);    /* the leaf heaps may hold it */
+    if (idx < 0)
+        idx = kt_add(s->kt, key, len);
+    kt_hold(s->kt, idx, KT_GHOST);
     Node *nd = NODE(s, idx);
-    memcpy(nd->key, key, KEY_MAX);
     nd->last = t;
-    nd->w[W_OLDER] = (uint32_t)(len - 1) << IDX_BITS | IDX_MASK;
+    nd->w[W_OLDER] = IDX_MASK;
     nd->w[W_NEWER] = IDX_MASK;                 /* count 0 */
     nd->w[W_AFTER] = IDX_MASK;                 /* class 0, no next page */
-    map_place(s, idx);
     s->count++;
     list_append(s, idx);
     return idx;
@@ -347,10 +257,8 @@ node_new(GhostObject *s, const uint8_t key[KEY_MAX], int len, double t)
 static void
 node_free(GhostObject *s, int32_t idx)
 {
-    map_remove(s, idx);
     list_unlink(s, idx);
-    set_link(NODE(s, idx), W_NEWER, s->free_head);
-    s->free_head = idx;
+    kt_drop(s->kt, idx, KT_GHOST);
     s->count--;
 }
 
@@ -401,7 +309,7 @@ abandon(GhostObject *s, int32_t idx, double t0, PyObject *moved)
         if (log_obs(s, OBS_CENSOR, CLS(nd), t0) < 0 || log_obs(s, OBS_START, ABANDONED, t0) < 0)
             return -1;
         set_high(nd, W_AFTER, ABANDONED);
-        PyObject *k = PyBytes_FromStringAndSize((const char *)nd->key, KLEN(nd));
+        PyObject *k = key_bytes(s, idx);
         if (k == NULL || PyList_Append(moved, k) < 0) {
             Py_XDECREF(k);
             return -1;
@@ -475,7 +383,7 @@ gh_on_request(GhostObject *s, PyObject *const *args, Py_ssize_t nargs)
         if (!parse_key(items[i], keys[i], &lens[i], 1))
             goto done;
     /* Room for every key up front, so that the pass below fails only in the log. */
-    if (map_reserve(s, n) < 0 || reserve_nodes(s, (int64_t)s->nused + n) < 0)
+    if (kt_reserve(s->kt, n) < 0 || reserve_nodes(s, (int64_t)s->kt->high + n) < 0)
         goto done;
     s->nlog = 0;
     s->broken = 1;
@@ -605,8 +513,8 @@ gh_entry(GhostObject *s, PyObject *key)
     int32_t after = link_of(nd, W_AFTER);
     if (after < 0)
         return Py_BuildValue("(diiO)", nd->last, COUNT(nd), CLS(nd), Py_None);
-    Node *a = NODE(s, after);
-    return Py_BuildValue("(diiy#)", nd->last, COUNT(nd), CLS(nd), (const char *)a->key, (Py_ssize_t)KLEN(a));
+    return Py_BuildValue("(diiy#)", nd->last, COUNT(nd), CLS(nd), (const char *)KT_KEYOF(s->kt, after),
+                         (Py_ssize_t)kt_len(s->kt, after));
 }
 
 PyDoc_STRVAR(keys_doc, "keys() -> list of bytes\n\nThe remembered keys, oldest access first.");
@@ -620,7 +528,7 @@ gh_keys(GhostObject *s, PyObject *Py_UNUSED(ignored))
     if (out == NULL)
         return NULL;
     for (int32_t i = s->oldest; i >= 0; i = link_of(NODE(s, i), W_NEWER)) {
-        PyObject *k = PyBytes_FromStringAndSize((const char *)NODE(s, i)->key, KLEN(NODE(s, i)));
+        PyObject *k = key_bytes(s, i);
         if (k == NULL || PyList_Append(out, k) < 0) {
             Py_XDECREF(k);
             Py_DECREF(out);
@@ -636,7 +544,8 @@ PyDoc_STRVAR(nbytes_doc, "nbytes() -> int\n\nBytes of memory held for the rememb
 static PyObject *
 gh_nbytes(GhostObject *s, PyObject *Py_UNUSED(ignored))
 {
-    size_t n = (size_t)s->nchunks * CHUNK * sizeof(Node) + (size_t)s->chunkcap * sizeof(Node *) + (s->smask + 1) * sizeof(uint32_t) +
+    size_t n = (size_t)s->nchunks * CHUNK * sizeof(Node) + (size_t)s->chunkcap * sizeof(Node *) +
+               (s->own_keys ? kt_nbytes(s->kt) : 0) +
                (size_t)s->lcap * (2 + sizeof(double));
     return PyLong_FromSize_t(n);
 }
@@ -661,7 +570,10 @@ gh_dealloc(GhostObject *s)
     for (int32_t i = 0; i < s->nchunks; i++)
         PyMem_Free(s->chunks[i]);
     PyMem_Free(s->chunks);
-    PyMem_Free(s->slots);
+    if (s->kt != NULL && !s->own_keys)   /* a shared table outlives this: let go of its keys */
+        for (int32_t id = 0; id < s->kt->high; id++)
+            kt_drop(s->kt, id, KT_GHOST);
+    Py_XDECREF(s->keys);
     PyMem_Free(s->kinds);
     PyMem_Free(s->classes);
     PyMem_Free(s->times);
@@ -671,22 +583,25 @@ gh_dealloc(GhostObject *s)
 static PyObject *
 gh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"max_age", NULL};
+    static char *kwlist[] = {"max_age", "keys", NULL};
     double max_age;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "d:Ghost", kwlist, &max_age))
+    PyObject *keys = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "d|O:Ghost", kwlist, &max_age, &keys))
+        return NULL;
+    if (keys != Py_None && kt_from(keys, InputError, "keys") == NULL)
         return NULL;
     GhostObject *s = (GhostObject *)type->tp_alloc(type, 0);
     if (s == NULL)
         return NULL;
-    s->free_head = s->oldest = s->newest = -1;
+    s->oldest = s->newest = -1;
     s->max_age = max_age;
-    s->slots = PyMem_Malloc(MAP_MIN * sizeof(uint32_t));
-    if (s->slots == NULL) {
+    s->own_keys = keys == Py_None;
+    s->keys = s->own_keys ? kt_capsule_new() : Py_NewRef(keys);
+    if (s->keys == NULL) {
         Py_DECREF(s);
-        return PyErr_NoMemory();
+        return NULL;
     }
-    memset(s->slots, 0xff, MAP_MIN * sizeof(uint32_t));
-    s->smask = MAP_MIN - 1;
+    s->kt = PyCapsule_GetPointer(s->keys, KT_CAPSULE);
     return (PyObject *)s;
 }
 
@@ -921,7 +836,39 @@ done:
     return res;
 }
 
+PyDoc_STRVAR(new_keys_doc, "new_keys() -> key table\n\n"
+"An empty key table for a Ghost and a LeafHeaps of one tier to share (keys=): each key\n"
+"they both hold is stored once. Their nbytes() leave a shared table out: keys_nbytes()\n"
+"counts it.");
+
+static PyObject *
+gh_new_keys(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
+{
+    return kt_capsule_new();
+}
+
+PyDoc_STRVAR(keys_nbytes_doc, "keys_nbytes(keys) -> int\n\nBytes of memory a key table holds.");
+
+static PyObject *
+gh_keys_nbytes(PyObject *Py_UNUSED(mod), PyObject *keys)
+{
+    KeyTab *kt = kt_from(keys, InputError, "keys");
+    return kt == NULL ? NULL : PyLong_FromSize_t(kt_nbytes(kt));
+}
+
+PyDoc_STRVAR(keys_len_doc, "keys_len(keys) -> int\n\nHow many keys a key table holds (for any holder).");
+
+static PyObject *
+gh_keys_len(PyObject *Py_UNUSED(mod), PyObject *keys)
+{
+    KeyTab *kt = kt_from(keys, InputError, "keys");
+    return kt == NULL ? NULL : PyLong_FromSsize_t(kt->count);
+}
+
 static PyMethodDef module_methods[] = {
+    {"new_keys", gh_new_keys, METH_NOARGS, new_keys_doc},
+    {"keys_len", gh_keys_len, METH_O, keys_len_doc},
+    {"keys_nbytes", gh_keys_nbytes, METH_O, keys_nbytes_doc},
     {"record", (PyCFunction)(void (*)(void))gh_record, METH_FASTCALL, record_doc},
     {"gittins_index", gh_gittins_index, METH_VARARGS, gittins_index_doc},
     {NULL, NULL, 0, NULL},

@@ -7,13 +7,14 @@
  * which stays as the fallback; tests/policy/test_leaves_native.py drives both with
  * the same random operations and compares every answer.
  *
- * Layout: one 40-byte Node per key (the key inline, zero-padded to 16 bytes), in chunks
- * of CHUNK nodes (no slack beyond one chunk, nodes never move); what only a leaf or a
- * pending victim needs (its sequence number, heap positions, pending index) in a 20-byte
- * Rec of its own, which most nodes of a prefix chain never have; an open-addressing
- * (linear probing, backward-shift deletion) table of node indices tagged with hash bits;
- * per class and end an int32 heap whose entries record their position in the node's
- * Rec, so a leaf that stops being one leaves its heaps at once (no stale entries).
+ * Layout: the keys in a key table (keytab.h: each key once under a dense id, and the
+ * map from keys to ids), which GittinsPolicy shares with the tier's ghost (a LeafHeaps
+ * made without one has its own); one 24-byte Node per id this structure holds, at the
+ * id's index, in chunks of CHUNK nodes (no slack beyond one chunk, nodes never move);
+ * what only a leaf or a pending victim needs (its sequence number, heap positions,
+ * pending index) in a 20-byte Rec of its own, which most nodes of a prefix chain never
+ * have; per class and end an int32 heap whose entries record their position in the
+ * node's Rec, so a leaf that stops being one leaves its heaps at once (no stale entries).
  * Nodes also exist for absent parents that still have resident children, as the
  * Python class's _kids does. Nothing here creates a Python object per page except what
  * candidates returns and the key it passes to evictable.
@@ -34,34 +35,29 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KEY_MAX 16
-#define MAP_MIN 16
+#include "keytab.h"
+
+#define KEY_MAX KT_KEY
 #define CHUNK_BITS 12
 #define CHUNK ((int32_t)1 << CHUNK_BITS)
-/* A table slot holds a node index (low 28 bits) and 4 bits of the key's hash, so that a
- * probe reads a node only when the bits match: one node read per lookup, not ~2 (hit)
- * or ~6 (miss) at the table's load of up to 0.7. */
-#define SLOT_EMPTY UINT32_MAX
-#define IDX_BITS 28
-#define IDX_MASK ((UINT32_C(1) << IDX_BITS) - 1)
-#define MAX_NODES ((int32_t)IDX_MASK - 1)
-#define TAG(h) ((uint32_t)((h) >> 60))
+#define MAX_NODES KT_MAX_IDS
 #define OLD 0
 #define YOUNG 1
 
-/* ALLOWED: evictable said yes to it in this victims call (it cannot change until
+/* INMAP: the node is in use (this structure holds its key's id; 0 once freed).
+ * ALLOWED: evictable said yes to it in this victims call (it cannot change until
  * settle), so a head re-read after another class member was taken is not asked again. */
 enum { PRESENT = 1, ZOMBIE = 2, INMAP = 4, ALLOWED = 8 };
 
-/* 40 bytes. */
+/* 24 bytes, at the index of its key's id. A node of an id this structure does not hold
+ * is never read: it is blank (flags 0, rec -1) if it was ever used, else uninitialized. */
 typedef struct {
-    uint8_t key[KEY_MAX]; /* zero-padded */
     double last;          /* last access */
-    int32_t parent;       /* node of the parent key, -1 for none; the free-list link when free */
+    int32_t parent;       /* node of the parent key, -1 for none */
     int32_t kids;         /* resident (not taken) children */
     int32_t rec;          /* its Rec while a leaf or a pending victim, else -1 */
-    uint8_t klen;         /* 0 when the node is free */
     uint8_t flags;
+    uint8_t spare;
     uint16_t cls;
 } Node;
 
@@ -75,7 +71,7 @@ typedef struct {
 } Rec;
 #pragma pack(pop)
 
-_Static_assert(sizeof(Node) == 40, "Node is 40 bytes");
+_Static_assert(sizeof(Node) == 24, "Node is 24 bytes");
 _Static_assert(sizeof(Rec) == 20, "Rec is 20 bytes");
 
 typedef struct {
@@ -91,13 +87,13 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    Node **chunks;        /* nodes in chunks of CHUNK */
-    int32_t nchunks, chunkcap, nused, free_head;
+    Node **chunks;        /* nodes by key id in chunks of CHUNK */
+    int32_t nchunks, chunkcap;
     Rec *recs;
     int32_t rcap, rused, rfree;
-    uint32_t *slots;      /* TAG << IDX_BITS | node index, or SLOT_EMPTY */
-    size_t smask;
-    Py_ssize_t scount;    /* nodes in the table */
+    KeyTab *kt;           /* the keys (held with KT_LEAVES) */
+    PyObject *keys;       /* the capsule that owns kt */
+    int own_keys;         /* kt is this structure's alone */
     Py_ssize_t present;   /* resident keys (pending victims included) */
     int classes, young, broken;
     Heap *heaps;          /* heaps[2 * cls + which] */
@@ -148,7 +144,7 @@ grow(void **arr, int32_t *cap, int32_t need, size_t elem)
 
 /* Room for need nodes: whole chunks, so nodes never move. */
 static int
-reserve_nodes(LeafHeapsObject *s, int32_t need)
+reserve_nodes(LeafHeapsObject *s, int64_t need)
 {
     while ((int64_t)s->nchunks * CHUNK < need) {
         if (grow((void **)&s->chunks, &s->chunkcap, s->nchunks + 1, sizeof(Node *)) < 0)
@@ -227,19 +223,6 @@ rec_drop(LeafHeapsObject *s, int32_t idx)
     nd->rec = -1;
 }
 
-static inline uint64_t
-key_hash(const uint8_t *k, int len)
-{
-    uint64_t a, b;
-    memcpy(&a, k, 8);
-    memcpy(&b, k + 8, 8);
-    uint64_t h = a * UINT64_C(0x9E3779B97F4A7C15) ^ (b + (uint64_t)len) * UINT64_C(0xC2B2AE3D27D4EB4F);
-    h ^= h >> 29;
-    h *= UINT64_C(0xBF58476D1CE4E5B9);
-    h ^= h >> 32;
-    return h;
-}
-
 /* A page key as 16 zero-padded bytes and its length: 1 if ok, 0 if obj cannot be a key
  * (not bytes, or not 1 to 16 bytes long), with InputError set when strict. */
 static int
@@ -264,9 +247,9 @@ parse_key(PyObject *obj, uint8_t out[KEY_MAX], int *len, int strict, const char 
 }
 
 static PyObject *
-key_bytes(const Node *nd)
+key_bytes(const LeafHeapsObject *s, int32_t idx)
 {
-    return PyBytes_FromStringAndSize((const char *)nd->key, nd->klen);
+    return PyBytes_FromStringAndSize((const char *)KT_KEYOF(s->kt, idx), kt_len(s->kt, idx));
 }
 
 /* Positional and keyword arguments of a METH_FASTCALL | METH_KEYWORDS method, all required. */
@@ -339,89 +322,22 @@ parse_class(LeafHeapsObject *s, PyObject *obj, int *cls)
 
 /* ------------------------------------------------------------------ key -> node table */
 
-static inline size_t
-home_of(const LeafHeapsObject *s, const Node *nd)
-{
-    return (size_t)key_hash(nd->key, nd->klen) & s->smask;
-}
-
-static int32_t
+/* The node of key, -1 if this structure has none. */
+static inline int32_t
 map_find(const LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
 {
-    uint64_t h = key_hash(key, len);
-    uint32_t tag = TAG(h);
-    size_t i = (size_t)h & s->smask;
-    for (;;) {
-        uint32_t e = s->slots[i];
-        if (e == SLOT_EMPTY)
-            return -1;
-        if (e >> IDX_BITS == tag) {
-            const Node *nd = NODE(s, e & IDX_MASK);
-            if (nd->klen == len && memcmp(nd->key, key, KEY_MAX) == 0)
-                return (int32_t)(e & IDX_MASK);
-        }
-        i = (i + 1) & s->smask;
-    }
+    int32_t id = kt_find(s->kt, key, len);
+    return id >= 0 && kt_held(s->kt, id, KT_LEAVES) ? id : -1;
 }
 
-static void
-map_place(LeafHeapsObject *s, int32_t idx)
-{
-    const Node *nd = NODE(s, idx);
-    uint64_t h = key_hash(nd->key, nd->klen);
-    size_t i = (size_t)h & s->smask;
-    while (s->slots[i] != SLOT_EMPTY)
-        i = (i + 1) & s->smask;
-    s->slots[i] = TAG(h) << IDX_BITS | (uint32_t)idx;
-}
-
+/* Room for extra more nodes (keys and node chunks), so that as many node_get calls
+ * cannot fail. */
 static int
 map_reserve(LeafHeapsObject *s, Py_ssize_t extra)
 {
-    size_t cap = s->smask + 1;
-    if ((size_t)(s->scount + extra) * 10 <= cap * 7)
-        return 0;
-    size_t ncap = cap;
-    while ((size_t)(s->scount + extra) * 10 > ncap * 7)
-        ncap *= 2;
-    uint32_t *slots = PyMem_Malloc(ncap * sizeof(uint32_t));
-    if (slots == NULL) {
-        PyErr_NoMemory();
+    if (kt_reserve(s->kt, extra) < 0)
         return -1;
-    }
-    memset(slots, 0xff, ncap * sizeof(uint32_t));
-    uint32_t *old = s->slots;
-    s->slots = slots;
-    s->smask = ncap - 1;
-    for (size_t i = 0; i < cap; i++)
-        if (old[i] != SLOT_EMPTY)
-            map_place(s, (int32_t)(old[i] & IDX_MASK));
-    PyMem_Free(old);
-    return 0;
-}
-
-static void
-map_remove(LeafHeapsObject *s, int32_t idx)
-{
-    size_t i = home_of(s, NODE(s, idx));
-    while ((s->slots[i] & IDX_MASK) != (uint32_t)idx || s->slots[i] == SLOT_EMPTY)
-        i = (i + 1) & s->smask;
-    size_t j = i;
-    for (;;) {
-        j = (j + 1) & s->smask;
-        uint32_t o = s->slots[j];
-        if (o == SLOT_EMPTY)
-            break;
-        size_t h = home_of(s, NODE(s, o & IDX_MASK));
-        /* o may move back to i unless its home lies cyclically in (i, j]. */
-        int stays = i <= j ? (h > i && h <= j) : (h > i || h <= j);
-        if (!stays) {
-            s->slots[i] = o;
-            i = j;
-        }
-    }
-    s->slots[i] = SLOT_EMPTY;
-    s->scount--;
+    return reserve_nodes(s, (int64_t)s->kt->high + extra);
 }
 
 /* The node of key, created (absent, no children) if there is none. -1 on failure. */
@@ -433,27 +349,15 @@ node_get(LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
         return idx;
     if (map_reserve(s, 1) < 0)
         return -1;
-    if (s->free_head >= 0) {
-        idx = s->free_head;
-        s->free_head = NODE(s, idx)->parent;
-    } else {
-        if (s->nused >= MAX_NODES) {
-            PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
-            return -1;
-        }
-        if (reserve_nodes(s, s->nused + 1) < 0)
-            return -1;
-        idx = s->nused++;
-    }
+    idx = kt_find(s->kt, key, len);    /* the ghost may hold it */
+    if (idx < 0)
+        idx = kt_add(s->kt, key, len);
+    kt_hold(s->kt, idx, KT_LEAVES);
     Node *nd = NODE(s, idx);
     memset(nd, 0, sizeof(Node));
-    memcpy(nd->key, key, KEY_MAX);
-    nd->klen = (uint8_t)len;
     nd->parent = -1;
     nd->rec = -1;
     nd->flags = INMAP;
-    map_place(s, idx);
-    s->scount++;
     return idx;
 }
 
@@ -604,12 +508,10 @@ sweep(LeafHeapsObject *s)
         if ((nd->flags & (PRESENT | INMAP)) != INMAP || nd->kids != 0 || pend_of(s, nd) >= 0)
             continue;
         unleaf(s, idx);
-        map_remove(s, idx);
         nd = NODE(s, idx);
         nd->flags = 0;
-        nd->klen = 0;
-        nd->parent = s->free_head;
-        s->free_head = idx;
+        nd->parent = -1;
+        kt_drop(s->kt, idx, KT_LEAVES);
     }
     s->nzomb = 0;
 }
@@ -643,7 +545,7 @@ static void
 forget_allowed(LeafHeapsObject *s)
 {
     for (int32_t i = 0; i < s->nallowed; i++)
-        if (s->allowed[i] < s->nused)
+        if (s->allowed[i] < (int64_t)s->nchunks * CHUNK)
             NODE(s, s->allowed[i])->flags &= (uint8_t)~ALLOWED;
     s->nallowed = 0;
 }
@@ -725,7 +627,10 @@ lh_dealloc(LeafHeapsObject *s)
         PyMem_Free(s->chunks[i]);
     PyMem_Free(s->chunks);
     PyMem_Free(s->recs);
-    PyMem_Free(s->slots);
+    if (s->kt != NULL && !s->own_keys)   /* a shared table outlives this: let go of its keys */
+        for (int32_t id = 0; id < s->kt->high; id++)
+            kt_drop(s->kt, id, KT_LEAVES);
+    Py_XDECREF(s->keys);
     PyMem_Free(s->pend);
     PyMem_Free(s->stash);
     PyMem_Free(s->allowed);
@@ -736,34 +641,40 @@ lh_dealloc(LeafHeapsObject *s)
 static PyObject *
 lh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"classes", "young", NULL};
+    static char *kwlist[] = {"classes", "young", "keys", NULL};
     Py_ssize_t classes;
     int young = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|p:LeafHeaps", kwlist, &classes, &young))
+    PyObject *keys = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|pO:LeafHeaps", kwlist, &classes, &young, &keys))
         return NULL;
     if (classes < 0 || classes > 65535) {
         PyErr_Format(InputError, "classes must be 0 to 65535, got %zd", classes);
         return NULL;
     }
+    if (keys != Py_None && kt_from(keys, InputError, "keys") == NULL)
+        return NULL;
     LeafHeapsObject *s = (LeafHeapsObject *)type->tp_alloc(type, 0);
     if (s == NULL)
         return NULL;
     s->classes = (int)classes;
     s->young = young;
-    s->free_head = -1;
     s->rfree = -1;
+    s->own_keys = keys == Py_None;
+    s->keys = s->own_keys ? kt_capsule_new() : Py_NewRef(keys);
+    if (s->keys == NULL) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    s->kt = PyCapsule_GetPointer(s->keys, KT_CAPSULE);
     size_t nh = 2 * (size_t)classes + 1;
     s->heaps = PyMem_Calloc(nh, sizeof(Heap));
     s->heads = PyMem_Calloc(nh, sizeof(PyObject *));
     s->dirty = PyMem_Malloc(nh);
-    s->slots = PyMem_Malloc(MAP_MIN * sizeof(uint32_t));
-    if (s->heaps == NULL || s->heads == NULL || s->dirty == NULL || s->slots == NULL) {
+    if (s->heaps == NULL || s->heads == NULL || s->dirty == NULL) {
         Py_DECREF(s);
         return PyErr_NoMemory();
     }
     memset(s->dirty, 1, nh);
-    memset(s->slots, 0xff, MAP_MIN * sizeof(uint32_t));
-    s->smask = MAP_MIN - 1;
     return (PyObject *)s;
 }
 
@@ -787,10 +698,6 @@ static int
 add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int plen, int cls, double t,
         int parent_next)
 {
-    if (s->nused > MAX_NODES - 2) {
-        PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
-        return -1;
-    }
     if (undo_all(s) < 0)
         return -1;
     int32_t idx = map_find(s, k, klen);
@@ -799,7 +706,7 @@ add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int p
             return -1;
     }
     /* Room for the key and its parent first, so that nothing below fails half-way. */
-    if (map_reserve(s, 2) < 0 || reserve_nodes(s, s->nused + 2) < 0)
+    if (map_reserve(s, 2) < 0)
         return -1;
     idx = node_get(s, k, klen);
     if (idx < 0)
@@ -858,14 +765,8 @@ lh_add_many(LeafHeapsObject *s, PyObject *args)
             goto done;
         }
     }
-    /* Room for every key at once (parents are mostly keys of the batch too): a bulk
-     * add grows the map and the nodes a few times, not once per 1.5x. */
-    if (n > 0 && (s->nused + n > MAX_NODES - 2 || map_reserve(s, n) < 0
-                  || reserve_nodes(s, s->nused + (int32_t)n) < 0)) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_MemoryError, "LeafHeaps holds at most %d pages and absent parents", (int)MAX_NODES);
-        goto done;
-    }
+    /* No room made for the batch up front: nodes and keys grow by chunks (nothing is
+     * copied), and most keys may be held by the ghost already; each add makes its own. */
     for (Py_ssize_t i = 0; i < n; i++) {
         uint8_t k[KEY_MAX] = {0}, pk[KEY_MAX] = {0};
         memcpy(k, kp + 16 * i, 16);
@@ -1080,7 +981,7 @@ head(LeafHeapsObject *s, PyObject *evictable, int c, int which)
     Heap *h = &s->heaps[2 * c + which];
     while (h->n > 0) {
         int32_t idx = h->a[0];
-        PyObject *key = key_bytes(NODE(s, idx));
+        PyObject *key = key_bytes(s, idx);
         if (key == NULL)
             return NULL;
         int ok = 1;
@@ -1382,7 +1283,7 @@ lh_parent_of(LeafHeapsObject *s, PyObject *key)
     int32_t p = NODE(s, idx)->parent;
     if (p < 0)
         Py_RETURN_NONE;
-    return key_bytes(NODE(s, p));
+    return key_bytes(s, p);
 }
 
 PyDoc_STRVAR(nbytes_doc, "nbytes() -> int\n\nBytes of memory held for the pages (arrays, table, heaps).");
@@ -1391,7 +1292,7 @@ static PyObject *
 lh_nbytes(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
 {
     size_t n = (size_t)s->nchunks * CHUNK * sizeof(Node) + (size_t)s->chunkcap * sizeof(Node *) +
-               (size_t)s->rcap * sizeof(Rec) + (s->smask + 1) * sizeof(uint32_t) +
+               (size_t)s->rcap * sizeof(Rec) + (s->own_keys ? kt_nbytes(s->kt) : 0) +
                (size_t)s->pcap * sizeof(int32_t) + (size_t)s->scap * sizeof(Stashed) +
                (size_t)s->zcap * sizeof(int32_t);
     for (int i = 0; i < 2 * s->classes; i++)

@@ -60,7 +60,7 @@ from tierkv.errors import InputError
 from tierkv.keys import KEY_BYTES, PageKey
 from tierkv.policy import hazard
 from tierkv.policy.hazard import MAX_AGE, ReuseModel, age_bin
-from tierkv.policy.leaves import Candidate, LeafHeaps
+from tierkv.policy.leaves import Candidate, LeafHeaps, NativeLeafHeaps
 from tierkv.recompute import CostModel
 
 try:  # the compiled ghost; optional so that a machine without a compiler still works
@@ -103,8 +103,9 @@ class GittinsPolicy:
 
     ``ghost_pages`` bounds the pages remembered beyond the resident ones; the oldest are
     forgotten first. The ghost (per page: last access, count, class, the next page of its
-    last request) is compiled (``tierkv.policy._ghost``, about 45 bytes per page, and the
-    whole per-request pass in C) where the extension is built, unless ``native=False``
+    last request) is compiled (``tierkv.policy._ghost``: a 20-byte node per page, its key
+    held once in a key table shared with the compiled leaf heaps, about 25 bytes a key;
+    the whole per-request pass in C) where the extensions are built, unless ``native=False``
     or ``TIERKV_PURE_POLICY=1`` was set when this module was first imported; otherwise it
     is an ``OrderedDict`` of lists (about 270 bytes per page). The same switch runs the
     victims loop in C (``LeafHeaps.choose_victims``, scored from the same tables) where
@@ -115,10 +116,13 @@ class GittinsPolicy:
 
     def __init__(self, cost: CostModel | None = None, ghost_pages: int = 1 << 16,
                  native: bool | None = None) -> None:
-        self._leaves = LeafHeaps(CLASSES)
-        self._model = ReuseModel(CLASSES)
         use_native = NATIVE_GHOST if native is None else native and _ghost is not None
-        self._native = _ghost.Ghost(MAX_AGE) if use_native else None
+        # The compiled ghost and leaf heaps hold one copy of the keys they share (most
+        # resident pages are remembered too): one key table for both.
+        self._keys = _ghost.new_keys() if use_native and LeafHeaps is NativeLeafHeaps else None
+        self._leaves = LeafHeaps(CLASSES) if self._keys is None else NativeLeafHeaps(CLASSES, keys=self._keys)
+        self._model = ReuseModel(CLASSES)
+        self._native = _ghost.Ghost(MAX_AGE, keys=self._keys) if use_native else None
         # The same switch picks the compiled victims loop (where the native heaps have it).
         self._native_victims = use_native
         self._ghost: OrderedDict[PageKey, list[float]] = OrderedDict()   # key -> [last, count, class]
@@ -305,11 +309,13 @@ class GittinsPolicy:
         self._depth.pop(key, None)
 
     def memory_bytes(self) -> int | None:
-        """Bytes the compiled leaf heaps and ghost hold; None where either is the Python one."""
+        """Bytes the compiled leaf heaps, ghost and their key table hold; None where either
+        is the Python one."""
         nbytes = getattr(self._leaves, "nbytes", None)
         if nbytes is None or self._native is None:
             return None
-        return int(nbytes()) + int(self._native.nbytes())
+        shared = 0 if self._keys is None else int(_ghost.keys_nbytes(self._keys))
+        return int(nbytes()) + int(self._native.nbytes()) + shared
 
     def remove_many(self, keys: bytes) -> None:
         """:meth:`remove` of each 16-byte key of ``keys`` (back to back), in order."""

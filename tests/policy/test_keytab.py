@@ -1,0 +1,183 @@
+"""The key table a compiled ghost and leaf heaps share: sharing it changes no answer.
+
+A Ghost and a LeafHeaps on one key table (``keys=``, as GittinsPolicy builds them) are
+driven with random operations, each beside a twin with a table of its own; every answer
+must be the same. The universe of keys is small and the ghost's limit low, so keys are
+forgotten by one while the other holds them, freed and handed out again under new keys.
+Skipped where the extensions are not built.
+"""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from tierkv.errors import InputError
+from tierkv.keys import PageKey
+from tierkv.policy import gittins
+from tierkv.policy.leaves import NativeLeafHeaps
+from tests.policy.helpers import everything
+
+_ghost = gittins._ghost
+pytestmark = pytest.mark.skipif(_ghost is None or NativeLeafHeaps is None,
+                                reason="tierkv.policy._ghost or _leaves is not built")
+
+CLASSES = 3
+
+
+def _answer(fn: Any, *args: Any) -> tuple[str, Any]:
+    try:
+        return "ok", fn(*args)
+    except KeyError as e:
+        return "KeyError", e.args
+    except InputError:
+        return "InputError", ()
+
+
+class Pair:
+    """One structure on the shared table and its twin on a table of its own."""
+
+    def __init__(self, shared: Any, own: Any) -> None:
+        self.shared, self.own = shared, own
+
+    def same(self, name: str, *args: Any) -> Any:
+        a = _answer(getattr(self.shared, name), *args)
+        b = _answer(getattr(self.own, name), *args)
+        assert a == b, f"{name}{args}: shared {a!r}, own {b!r}"
+        assert len(self.shared) == len(self.own)
+        return a[1]
+
+
+def _keys(rng: random.Random, n: int) -> list[PageKey]:
+    out: set[bytes] = set()
+    while len(out) < n:
+        size = rng.choice((16, 16, 1, 2, rng.randint(1, 16)))
+        out.add(bytes(rng.choice((0, 1, rng.randrange(256))) for _ in range(size)))
+    return [PageKey(k) for k in sorted(out)]
+
+
+def _check(ghost: Pair, heaps: Pair, keys: list[PageKey]) -> None:
+    ghost.same("keys")
+    for key in keys:
+        ghost.same("entry", key)
+        ghost.same("class_of", key)
+        heaps.same("__contains__", key)
+        if key in heaps.own:
+            for name in ("last_of", "class_of", "parent_of"):
+                heaps.same(name, key)
+    long = b"".join(k for k in keys if len(k) == 16)
+    ghost.same("classes_of", long)
+
+
+def _drive(seed: int, steps: int) -> None:
+    rng = random.Random(seed)
+    keys = _keys(rng, rng.choice((10, 30, 80)))
+    long = [k for k in keys if len(k) == 16]
+    table = _ghost.new_keys()
+    ghost = Pair(_ghost.Ghost(gittins.MAX_AGE, keys=table), _ghost.Ghost(gittins.MAX_AGE))
+    heaps = Pair(NativeLeafHeaps(CLASSES, keys=table), NativeLeafHeaps(CLASSES))
+    clock = 0.0
+    for step in range(steps):
+        clock += rng.choice((0.0, 1.0))
+        op = rng.random()
+        key = rng.choice(keys)
+        if op < 0.25:                       # a request: the ghost forgets beyond its limit
+            req = rng.sample(keys, rng.randint(0, min(8, len(keys))))
+            ghost.same("on_request", req, clock, rng.randint(0, len(keys)))
+        elif op < 0.5:
+            parent = rng.choice(keys) if rng.random() < 0.7 else None
+            heaps.same("add", key, parent if parent != key else None, rng.randrange(CLASSES), clock)
+        elif op < 0.58 and long:
+            chain = rng.sample(long, rng.randint(1, min(5, len(long))))
+            heaps.same("add_many", b"".join(chain), bytes(16) + b"".join(chain[:-1]),
+                       bytes([0] + [1] * (len(chain) - 1)), bytes(rng.randrange(CLASSES) for _ in chain), clock, 1.0)
+        elif op < 0.7:
+            heaps.same("discard", key)
+        elif op < 0.75 and long:
+            heaps.same("discard_many", b"".join(rng.sample(long, min(3, len(long)))))
+        elif op < 0.8:
+            heaps.same("touch", key, rng.randrange(CLASSES), clock)
+        elif op < 0.9:                      # victims, some settled, some left pending
+            for _ in range(rng.randint(1, 3)):
+                cands = heaps.same("candidates", everything)
+                if not cands:
+                    break
+                heaps.same("take", rng.choice(cands)[0])
+            if rng.random() < 0.7:
+                heaps.same("settle")
+        elif op < 0.95:
+            heaps.same("undo")
+        elif op < 0.97:                     # a new leaf heaps on the same table: the old one's keys go
+            heaps = Pair(NativeLeafHeaps(CLASSES, keys=table), NativeLeafHeaps(CLASSES))
+        else:
+            ghost.same("on_request", [], clock, 0)     # forget everything remembered
+        if step % 40 == 0:
+            _check(ghost, heaps, keys)
+    _check(ghost, heaps, keys)
+    # The table holds what the two hold (remembered, resident, or an absent parent the heaps
+    # keep), nothing more: a key neither holds any longer was freed.
+    held = {bytes(k) for k in ghost.own.keys()} | {bytes(k) for k in keys if k in heaps.own}
+    assert len(held) <= _ghost.keys_len(table) <= len(held) + sum(k not in heaps.own for k in keys)
+    del heaps
+    assert _ghost.keys_len(table) == len(ghost.shared)
+    del ghost
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_shared_key_table_changes_no_answer(seed: int) -> None:
+    _drive(seed, 1500)
+
+
+def test_the_table_holds_each_shared_key_once() -> None:
+    """Pages both remembered and resident cost one key and one map entry: a 20-byte ghost
+    node, a 24-byte leaf node and about 25 bytes of table, not a 36- and a 40-byte node
+    with a key each and two maps (about 93 bytes a page before)."""
+    n = 1 << 16
+    keys = [PageKey(i.to_bytes(16, "big")) for i in range(n)]
+    blob = b"".join(keys)
+    parents, has_parent, classes = bytes(16) + blob[:-16], bytes([0] + [1] * (n - 1)), bytes(n)
+    tracemalloc.start()
+    try:
+        table = _ghost.new_keys()
+        ghost = _ghost.Ghost(gittins.MAX_AGE, keys=table)
+        heaps = NativeLeafHeaps(7, keys=table)
+        for i in range(0, n, 32):
+            ghost.on_request(keys[i:i + 32], float(i // 32), n)
+        heaps.add_many(blob, parents, has_parent, classes, 1.0, 1.0)
+        traced = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(ghost) == len(heaps) == n
+    total = ghost.nbytes() + heaps.nbytes() + _ghost.keys_nbytes(table)
+    assert total / n < 80, f"{total / n:.1f} bytes a page"
+    assert traced / n < 80
+
+
+def test_a_structure_let_go_of_frees_its_keys() -> None:
+    """A leaf heaps dropped while the ghost lives on lets go of its keys: the table frees
+    the ones the ghost does not hold, and their ids serve new keys."""
+    table = _ghost.new_keys()
+    ghost = _ghost.Ghost(gittins.MAX_AGE, keys=table)
+    ghost.on_request([PageKey(b"a"), PageKey(b"b")], 1.0, 10)
+    heaps = NativeLeafHeaps(1, keys=table)
+    for i in range(5000):
+        heaps.add(PageKey(b"k%d" % i), None, 0, float(i))
+    grown = _ghost.keys_nbytes(table)
+    del heaps
+    heaps = NativeLeafHeaps(1, keys=table)
+    for i in range(5000):
+        heaps.add(PageKey(b"j%d" % i), None, 0, float(i))
+    assert _ghost.keys_nbytes(table) == grown          # the freed ids were handed out again
+    assert ghost.entry(PageKey(b"a")) is not None and PageKey(b"k1") not in heaps
+
+
+@pytest.mark.parametrize("make", [lambda t: _ghost.Ghost(1.0, keys=t), lambda t: NativeLeafHeaps(1, keys=t)],
+                         ids=["ghost", "leaves"])
+def test_keys_must_be_a_key_table(make: Any) -> None:
+    with pytest.raises(InputError, match="key table"):
+        make(object())
+    with pytest.raises(InputError, match="key table"):
+        _ghost.keys_nbytes(b"table")
