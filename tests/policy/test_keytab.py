@@ -132,9 +132,9 @@ def test_a_shared_key_table_changes_no_answer(seed: int) -> None:
 
 
 def test_the_table_holds_each_shared_key_once() -> None:
-    """Pages both remembered and resident cost one key and one map entry: a 20-byte ghost
-    node, a 24-byte leaf node and about 25 bytes of table, not a 36- and a 40-byte node
-    with a key each and two maps (about 93 bytes a page before)."""
+    """Pages both remembered and resident cost one 64-byte record (key, ghost node, leaf
+    node) and one map entry, not a node with the key inline in each and two maps (about
+    93 bytes a page before)."""
     n = 1 << 16
     keys = [PageKey(i.to_bytes(16, "big")) for i in range(n)]
     blob = b"".join(keys)

@@ -251,9 +251,9 @@ def test_the_policies_build_the_native_heaps_unless_told_otherwise() -> None:
 
 @pytest.mark.parametrize(("chain", "limit"), [(8, 64), (1, 96)], ids=["chains-of-8", "all-leaves"])
 def test_memory_per_resident_page(chain: int, limit: int) -> None:
-    """A page of a prefix chain costs its 40-byte node and its share of the map; a leaf
-    adds its 20-byte record and heap entries (86 and 95 bytes a page before nodes lost
-    the leaf-only fields and went into chunks)."""
+    """A page of a prefix chain costs a 48-byte record in its key table (key and node) and
+    its share of the map; a leaf adds its 20-byte Rec and heap entries (86 and 95 bytes
+    a page before nodes lost the leaf-only fields and the table held the keys)."""
     n = 200_000
     keys = [PageKey(i.to_bytes(16, "big")) for i in range(n)]
     tracemalloc.start()

@@ -19,8 +19,8 @@
  *
  * Layout: the keys in a key table (keytab.h: each key once under a dense id, and the
  * map from keys to ids), which GittinsPolicy shares with the tier's LeafHeaps (a Ghost
- * made without one has its own); one 20-byte node per id in chunks of 4096, for the ids
- * this ghost holds. Not thread-safe (callers hold the GIL). A failed allocation while
+ * made without one has its own); its 20-byte node per key lives in the key's record
+ * there. Not thread-safe (callers hold the GIL). A failed allocation while
  * half-updated marks the object broken: later calls raise.
  */
 #define PY_SSIZE_T_CLEAN
@@ -37,8 +37,6 @@
 #define IDX_MASK ((UINT32_C(1) << IDX_BITS) - 1)
 #define MAX_NODES KT_MAX_IDS
 #define COUNT_MAX 15
-#define CHUNK_BITS 12
-#define CHUNK ((int32_t)1 << CHUNK_BITS)
 
 /* Classes, as in tierkv.policy.gittins. */
 #define HOT_CLASS 4
@@ -58,7 +56,7 @@ typedef struct {
     uint32_t w[3];        /* W_OLDER, W_NEWER (the access order), W_AFTER */
 } Node;
 #pragma pack(pop)
-_Static_assert(sizeof(Node) == 20, "a ghost node is 20 bytes");
+_Static_assert(sizeof(Node) == KT_GHOST_NODE, "a ghost node is 20 bytes");
 
 enum { W_OLDER = 0, W_NEWER = 1, W_AFTER = 2 };
 
@@ -92,8 +90,6 @@ set_high(Node *nd, int f, int v)
 
 typedef struct {
     PyObject_HEAD
-    Node **chunks;        /* nodes by key id in chunks of CHUNK: no slack beyond one chunk, no copying */
-    int32_t nchunks, chunkcap;
     int32_t oldest, newest;
     KeyTab *kt;           /* the keys (held with KT_GHOST) */
     PyObject *keys;       /* the capsule that owns kt */
@@ -109,7 +105,7 @@ typedef struct {
 
 static PyObject *InputError; /* tierkv.errors.InputError */
 
-#define NODE(s, i) (&(s)->chunks[(i) >> CHUNK_BITS][(i) & (CHUNK - 1)])
+#define NODE(s, i) ((Node *)(KT_REC((s)->kt, (i)) + (s)->kt->ghost_off))
 
 static int
 grow(void **arr, int32_t *cap, int32_t need, size_t elem)
@@ -132,27 +128,6 @@ grow(void **arr, int32_t *cap, int32_t need, size_t elem)
     }
     *arr = p;
     *cap = (int32_t)c;
-    return 0;
-}
-
-/* Chunks for at least need nodes. */
-static int
-reserve_nodes(GhostObject *s, int64_t need)
-{
-    if (need > MAX_NODES) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    while ((int64_t)s->nchunks * CHUNK < need) {
-        if (grow((void **)&s->chunks, &s->chunkcap, s->nchunks + 1, sizeof(Node *)) < 0)
-            return -1;
-        Node *c = PyMem_Malloc((size_t)CHUNK * sizeof(Node));
-        if (c == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        s->chunks[s->nchunks++] = c;
-    }
     return 0;
 }
 
@@ -238,7 +213,7 @@ list_append(GhostObject *s, int32_t idx)
 static int32_t
 node_new(GhostObject *s, const uint8_t key[KEY_MAX], int len, double t)
 {
-    if (kt_reserve(s->kt, 1) < 0 || reserve_nodes(s, (int64_t)s->kt->high + 1) < 0)
+    if (kt_reserve(s->kt, 1) < 0)
         return -1;
     int32_t idx = kt_find(s->kt, key, len);    /* the leaf heaps may hold it */
     if (idx < 0)
@@ -383,7 +358,7 @@ gh_on_request(GhostObject *s, PyObject *const *args, Py_ssize_t nargs)
         if (!parse_key(items[i], keys[i], &lens[i], 1))
             goto done;
     /* Room for every key up front, so that the pass below fails only in the log. */
-    if (kt_reserve(s->kt, n) < 0 || reserve_nodes(s, (int64_t)s->kt->high + n) < 0)
+    if (kt_reserve(s->kt, n) < 0)
         goto done;
     s->nlog = 0;
     s->broken = 1;
@@ -544,8 +519,7 @@ PyDoc_STRVAR(nbytes_doc, "nbytes() -> int\n\nBytes of memory held for the rememb
 static PyObject *
 gh_nbytes(GhostObject *s, PyObject *Py_UNUSED(ignored))
 {
-    size_t n = (size_t)s->nchunks * CHUNK * sizeof(Node) + (size_t)s->chunkcap * sizeof(Node *) +
-               (s->own_keys ? kt_nbytes(s->kt) : 0) +
+    size_t n = (s->own_keys ? kt_nbytes(s->kt) : 0) +
                (size_t)s->lcap * (2 + sizeof(double));
     return PyLong_FromSize_t(n);
 }
@@ -567,9 +541,6 @@ gh_contains(GhostObject *s, PyObject *key)
 static void
 gh_dealloc(GhostObject *s)
 {
-    for (int32_t i = 0; i < s->nchunks; i++)
-        PyMem_Free(s->chunks[i]);
-    PyMem_Free(s->chunks);
     if (s->kt != NULL && !s->own_keys)   /* a shared table outlives this: let go of its keys */
         for (int32_t id = 0; id < s->kt->high; id++)
             kt_drop(s->kt, id, KT_GHOST);
@@ -588,7 +559,7 @@ gh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     PyObject *keys = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "d|O:Ghost", kwlist, &max_age, &keys))
         return NULL;
-    if (keys != Py_None && kt_from(keys, InputError, "keys") == NULL)
+    if (keys != Py_None && kt_from(keys, InputError, "keys", KT_GHOST) == NULL)
         return NULL;
     GhostObject *s = (GhostObject *)type->tp_alloc(type, 0);
     if (s == NULL)
@@ -596,7 +567,7 @@ gh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     s->oldest = s->newest = -1;
     s->max_age = max_age;
     s->own_keys = keys == Py_None;
-    s->keys = s->own_keys ? kt_capsule_new() : Py_NewRef(keys);
+    s->keys = s->own_keys ? kt_capsule_new(KT_GHOST) : Py_NewRef(keys);
     if (s->keys == NULL) {
         Py_DECREF(s);
         return NULL;
@@ -844,7 +815,7 @@ PyDoc_STRVAR(new_keys_doc, "new_keys() -> key table\n\n"
 static PyObject *
 gh_new_keys(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored))
 {
-    return kt_capsule_new();
+    return kt_capsule_new(KT_GHOST | KT_LEAVES);
 }
 
 PyDoc_STRVAR(keys_nbytes_doc, "keys_nbytes(keys) -> int\n\nBytes of memory a key table holds.");
@@ -852,7 +823,7 @@ PyDoc_STRVAR(keys_nbytes_doc, "keys_nbytes(keys) -> int\n\nBytes of memory a key
 static PyObject *
 gh_keys_nbytes(PyObject *Py_UNUSED(mod), PyObject *keys)
 {
-    KeyTab *kt = kt_from(keys, InputError, "keys");
+    KeyTab *kt = kt_from(keys, InputError, "keys", 0);
     return kt == NULL ? NULL : PyLong_FromSize_t(kt_nbytes(kt));
 }
 
@@ -861,7 +832,7 @@ PyDoc_STRVAR(keys_len_doc, "keys_len(keys) -> int\n\nHow many keys a key table h
 static PyObject *
 gh_keys_len(PyObject *Py_UNUSED(mod), PyObject *keys)
 {
-    KeyTab *kt = kt_from(keys, InputError, "keys");
+    KeyTab *kt = kt_from(keys, InputError, "keys", 0);
     return kt == NULL ? NULL : PyLong_FromSsize_t(kt->count);
 }
 

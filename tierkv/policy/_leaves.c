@@ -9,9 +9,8 @@
  *
  * Layout: the keys in a key table (keytab.h: each key once under a dense id, and the
  * map from keys to ids), which GittinsPolicy shares with the tier's ghost (a LeafHeaps
- * made without one has its own); one 24-byte Node per id this structure holds, at the
- * id's index, in chunks of CHUNK nodes (no slack beyond one chunk, nodes never move);
- * what only a leaf or a pending victim needs (its sequence number, heap positions,
+ * made without one has its own); its 24-byte Node per key lives in the key's record
+ * there (records never move); what only a leaf or a pending victim needs (its sequence number, heap positions,
  * pending index) in a 20-byte Rec of its own, which most nodes of a prefix chain never
  * have; per class and end an int32 heap whose entries record their position in the
  * node's Rec, so a leaf that stops being one leaves its heaps at once (no stale entries).
@@ -38,8 +37,6 @@
 #include "keytab.h"
 
 #define KEY_MAX KT_KEY
-#define CHUNK_BITS 12
-#define CHUNK ((int32_t)1 << CHUNK_BITS)
 #define MAX_NODES KT_MAX_IDS
 #define OLD 0
 #define YOUNG 1
@@ -71,7 +68,7 @@ typedef struct {
 } Rec;
 #pragma pack(pop)
 
-_Static_assert(sizeof(Node) == 24, "Node is 24 bytes");
+_Static_assert(sizeof(Node) == KT_LEAVES_NODE, "Node is 24 bytes");
 _Static_assert(sizeof(Rec) == 20, "Rec is 20 bytes");
 
 typedef struct {
@@ -87,8 +84,6 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    Node **chunks;        /* nodes by key id in chunks of CHUNK */
-    int32_t nchunks, chunkcap;
     Rec *recs;
     int32_t rcap, rused, rfree;
     KeyTab *kt;           /* the keys (held with KT_LEAVES) */
@@ -112,7 +107,7 @@ typedef struct {
 
 static PyObject *InputError; /* tierkv.errors.InputError */
 
-#define NODE(s, i) (&(s)->chunks[(i) >> CHUNK_BITS][(i) & (CHUNK - 1)])
+#define NODE(s, i) ((Node *)(KT_REC((s)->kt, (i)) + (s)->kt->leaves_off))
 #define REC(s, nd) (&(s)->recs[(nd)->rec])
 
 /* ------------------------------------------------------------------ small helpers */
@@ -142,23 +137,6 @@ grow(void **arr, int32_t *cap, int32_t need, size_t elem)
     return 0;
 }
 
-/* Room for need nodes: whole chunks, so nodes never move. */
-static int
-reserve_nodes(LeafHeapsObject *s, int64_t need)
-{
-    while ((int64_t)s->nchunks * CHUNK < need) {
-        if (grow((void **)&s->chunks, &s->chunkcap, s->nchunks + 1, sizeof(Node *)) < 0)
-            return -1;
-        Node *c = PyMem_Malloc((size_t)CHUNK * sizeof(Node));
-        if (c == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        s->chunks[s->nchunks++] = c;
-    }
-    return 0;
-}
-
 static inline uint64_t
 seq_of(const LeafHeapsObject *s, const Node *nd)
 {
@@ -177,11 +155,12 @@ pend_of(const LeafHeapsObject *s, const Node *nd)
     return nd->rec >= 0 ? s->recs[nd->rec].pend : -1;
 }
 
-/* Room for one more Rec, so that the next rec_make cannot fail. */
+/* Room for n more Recs (1 or 2), so that the next n rec_make calls cannot fail. */
 static int
-rec_reserve(LeafHeapsObject *s)
+rec_reserve(LeafHeapsObject *s, int n)
 {
-    return s->rfree >= 0 ? 0 : grow((void **)&s->recs, &s->rcap, s->rused + 1, sizeof(Rec));
+    int spare = s->rfree < 0 ? 0 : s->recs[s->rfree].pend < 0 ? 1 : 2;   /* free ones, up to two */
+    return spare >= n ? 0 : grow((void **)&s->recs, &s->rcap, s->rused + n - spare, sizeof(Rec));
 }
 
 /* The Rec of node idx, a blank one if it has none; NULL with MemoryError. Recs move. */
@@ -191,7 +170,7 @@ rec_make(LeafHeapsObject *s, int32_t idx)
     Node *nd = NODE(s, idx);
     if (nd->rec >= 0)
         return &s->recs[nd->rec];
-    if (rec_reserve(s) < 0)
+    if (rec_reserve(s, 1) < 0)
         return NULL;
     int32_t r;
     if (s->rfree >= 0) {
@@ -330,14 +309,12 @@ map_find(const LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
     return id >= 0 && kt_held(s->kt, id, KT_LEAVES) ? id : -1;
 }
 
-/* Room for extra more nodes (keys and node chunks), so that as many node_get calls
+/* Room for extra more nodes (keys and their records), so that as many node_get calls
  * cannot fail. */
 static int
 map_reserve(LeafHeapsObject *s, Py_ssize_t extra)
 {
-    if (kt_reserve(s->kt, extra) < 0)
-        return -1;
-    return reserve_nodes(s, (int64_t)s->kt->high + extra);
+    return kt_reserve(s->kt, extra);
 }
 
 /* The node of key, created (absent, no children) if there is none. -1 on failure. */
@@ -545,7 +522,7 @@ static void
 forget_allowed(LeafHeapsObject *s)
 {
     for (int32_t i = 0; i < s->nallowed; i++)
-        if (s->allowed[i] < (int64_t)s->nchunks * CHUNK)
+        if (s->allowed[i] < s->kt->high)
             NODE(s, s->allowed[i])->flags &= (uint8_t)~ALLOWED;
     s->nallowed = 0;
 }
@@ -623,9 +600,6 @@ lh_dealloc(LeafHeapsObject *s)
     PyMem_Free(s->heaps);
     PyMem_Free(s->heads);
     PyMem_Free(s->dirty);
-    for (int32_t i = 0; i < s->nchunks; i++)
-        PyMem_Free(s->chunks[i]);
-    PyMem_Free(s->chunks);
     PyMem_Free(s->recs);
     if (s->kt != NULL && !s->own_keys)   /* a shared table outlives this: let go of its keys */
         for (int32_t id = 0; id < s->kt->high; id++)
@@ -651,7 +625,7 @@ lh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         PyErr_Format(InputError, "classes must be 0 to 65535, got %zd", classes);
         return NULL;
     }
-    if (keys != Py_None && kt_from(keys, InputError, "keys") == NULL)
+    if (keys != Py_None && kt_from(keys, InputError, "keys", KT_LEAVES) == NULL)
         return NULL;
     LeafHeapsObject *s = (LeafHeapsObject *)type->tp_alloc(type, 0);
     if (s == NULL)
@@ -660,7 +634,7 @@ lh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     s->young = young;
     s->rfree = -1;
     s->own_keys = keys == Py_None;
-    s->keys = s->own_keys ? kt_capsule_new() : Py_NewRef(keys);
+    s->keys = s->own_keys ? kt_capsule_new(KT_LEAVES) : Py_NewRef(keys);
     if (s->keys == NULL) {
         Py_DECREF(s);
         return NULL;
@@ -1084,13 +1058,13 @@ lh_take(LeafHeapsObject *s, PyObject *key)
         return NULL;
     }
     if (pend_of(s, NODE(s, idx)) < 0 &&
-        (grow((void **)&s->pend, &s->pcap, s->npend + 1, sizeof(int32_t)) < 0 || rec_reserve(s) < 0))
+        (grow((void **)&s->pend, &s->pcap, s->npend + 1, sizeof(int32_t)) < 0 || rec_reserve(s, 2) < 0))
         return NULL;
     unleaf(s, idx);
     if (orphan(s, idx) < 0)
         return NULL;
     if (pend_of(s, NODE(s, idx)) < 0) {
-        Rec *rc = rec_make(s, idx);   /* cannot fail: reserved above */
+        Rec *rc = rec_make(s, idx);   /* cannot fail: two reserved above, for it and a parent orphan() made a leaf */
         rc->pend = s->npend;
         s->pend[s->npend++] = idx;
         s->plive++;
@@ -1291,8 +1265,7 @@ PyDoc_STRVAR(nbytes_doc, "nbytes() -> int\n\nBytes of memory held for the pages 
 static PyObject *
 lh_nbytes(LeafHeapsObject *s, PyObject *Py_UNUSED(ignored))
 {
-    size_t n = (size_t)s->nchunks * CHUNK * sizeof(Node) + (size_t)s->chunkcap * sizeof(Node *) +
-               (size_t)s->rcap * sizeof(Rec) + (s->own_keys ? kt_nbytes(s->kt) : 0) +
+    size_t n = (size_t)s->rcap * sizeof(Rec) + (s->own_keys ? kt_nbytes(s->kt) : 0) +
                (size_t)s->pcap * sizeof(int32_t) + (size_t)s->scap * sizeof(Stashed) +
                (size_t)s->zcap * sizeof(int32_t);
     for (int i = 0; i < 2 * s->classes; i++)

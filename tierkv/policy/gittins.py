@@ -103,11 +103,12 @@ class GittinsPolicy:
 
     ``ghost_pages`` bounds the pages remembered beyond the resident ones; the oldest are
     forgotten first. The ghost (per page: last access, count, class, the next page of its
-    last request) is compiled (``tierkv.policy._ghost``: a 20-byte node per page, its key
-    held once in a key table shared with the compiled leaf heaps, about 25 bytes a key;
-    the whole per-request pass in C) where the extensions are built, unless ``native=False``
-    or ``TIERKV_PURE_POLICY=1`` was set when this module was first imported; otherwise it
-    is an ``OrderedDict`` of lists (about 270 bytes per page). The same switch runs the
+    last request) is compiled (``tierkv.policy._ghost``: a 20-byte node per page, in the
+    page's 64-byte record of a key table it shares with the compiled leaf heaps, whose
+    node is there too; the whole per-request pass in C) where the extensions are built,
+    unless ``native=False`` or ``TIERKV_PURE_POLICY=1`` was set when this module was
+    first imported; otherwise it is an ``OrderedDict`` of lists (about 270 bytes per
+    page). The same switch runs the
     victims loop in C (``LeafHeaps.choose_victims``, scored from the same tables) where
     the native heaps are built. Both decide the same, to the bit
     (tests/policy/test_gittins_native.py); the compiled one takes only page keys

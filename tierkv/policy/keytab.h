@@ -4,19 +4,24 @@
  * GittinsPolicy keeps a tier's resident pages in LeafHeaps (tierkv.policy._leaves) and
  * the pages it remembers in its ghost (tierkv.policy._ghost): mostly the same keys. A
  * KeyTab holds each key once (16 zero-padded bytes and its length) under a dense id
- * and maps keys to ids; both structures index their per-page nodes by that id and
- * mark the ids they hold (holder bits), so a key the two share costs one copy and one
- * map entry. An id is freed, and may be handed out again, once no holder is left.
+ * and maps keys to ids; each id's record also holds both structures' nodes for that
+ * key, and the ids each holds are marked (holder bits), so a key the two share costs
+ * one copy, one map entry and, on a lookup, one cache line past the map. An id is
+ * freed, and may be handed out again, once no holder is left.
  *
  * Both extension modules compile this file; the one KeyTab they share travels between
  * them in a PyCapsule named KT_CAPSULE (see kt_capsule_new and kt_from). The layout is
  * the same in both because they are built from the same header in one build.
  *
- * Layout: ids in chunks of KT_CHUNK (a key and a meta byte each: the key's length - 1
- * in the low 4 bits, holder bits above; 17 bytes an id, no slack beyond one chunk); an
- * open-addressing table (linear probing, backward-shift deletion, load up to 0.8) of
- * ids tagged with 4 hash bits; freed ids on a stack threaded through their key bytes.
- * Not thread-safe: every caller holds the GIL.
+ * Layout: one record per id, in chunks of KT_CHUNK records aligned to 64 bytes (no
+ * slack beyond one chunk, records never move): the key (16 bytes), a meta byte (the
+ * key's length - 1 in the low 4 bits, holder bits above), then the node of each holder
+ * the table was made for, at a fixed offset (for both: the ghost's 20-byte node at 20,
+ * the leaf heaps' 24-byte node at 40, 64 bytes in all: one cache line). A holder's node
+ * is its own while it holds the id; otherwise nobody reads it. An open-addressing table
+ * (linear probing, backward-shift deletion, load up to 0.8) of ids tagged with 4 hash
+ * bits; freed ids on a stack threaded through their key bytes. Not thread-safe: every
+ * caller holds the GIL.
  */
 #ifndef TIERKV_KEYTAB_H
 #define TIERKV_KEYTAB_H
@@ -27,7 +32,7 @@
 
 #define KT_KEY 16
 #define KT_MAP_MIN 16
-#define KT_CHUNK_BITS 12
+#define KT_CHUNK_BITS 10
 #define KT_CHUNK ((int32_t)1 << KT_CHUNK_BITS)
 #define KT_EMPTY UINT32_MAX
 #define KT_IDX_BITS 28
@@ -40,24 +45,26 @@
 #define KT_LEAVES 0x10
 #define KT_GHOST 0x20
 #define KT_HOLDERS 0xF0
+/* The holders' node sizes (each module checks its Node against these). */
+#define KT_LEAVES_NODE 24
+#define KT_GHOST_NODE 20
 
 typedef struct {
-    uint8_t key[KT_CHUNK][KT_KEY];
-    uint8_t meta[KT_CHUNK];
-} KtChunk;
-
-typedef struct {
-    KtChunk **chunks;
+    uint8_t **chunks;   /* KT_CHUNK records of rec_size bytes each, 64-byte aligned */
+    void **raw;         /* the allocation of each chunk (PyMem, so that tracemalloc sees it) */
     int32_t nchunks, chunkcap;
     int32_t high;       /* ids ever handed out */
     int32_t free_head;  /* last freed id, -1 for none */
     uint32_t *slots;
     size_t smask;
     Py_ssize_t count;   /* ids held */
+    uint32_t rec_size;  /* bytes a record */
+    uint32_t leaves_off, ghost_off;   /* where each holder's node is in a record; 0: no room */
 } KeyTab;
 
-#define KT_KEYOF(kt, id) ((kt)->chunks[(id) >> KT_CHUNK_BITS]->key[(id) & (KT_CHUNK - 1)])
-#define KT_META(kt, id) ((kt)->chunks[(id) >> KT_CHUNK_BITS]->meta[(id) & (KT_CHUNK - 1)])
+#define KT_REC(kt, id) ((kt)->chunks[(id) >> KT_CHUNK_BITS] + (size_t)((id) & (KT_CHUNK - 1)) * (kt)->rec_size)
+#define KT_KEYOF(kt, id) (KT_REC(kt, id))
+#define KT_META(kt, id) (KT_REC(kt, id)[KT_KEY])
 
 static inline int
 kt_len(const KeyTab *kt, int32_t id)
@@ -158,20 +165,29 @@ kt_reserve(KeyTab *kt, Py_ssize_t extra)
     while ((int64_t)kt->nchunks * KT_CHUNK < need) {
         if (kt->nchunks == kt->chunkcap) {
             int32_t ncap = kt->chunkcap < 16 ? 16 : kt->chunkcap * 2;
-            KtChunk **c = PyMem_Realloc(kt->chunks, (size_t)ncap * sizeof(KtChunk *));
+            uint8_t **c = PyMem_Realloc(kt->chunks, (size_t)ncap * sizeof(uint8_t *));
             if (c == NULL) {
                 PyErr_NoMemory();
                 return -1;
             }
             kt->chunks = c;
+            void **r = PyMem_Realloc(kt->raw, (size_t)ncap * sizeof(void *));
+            if (r == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            kt->raw = r;
             kt->chunkcap = ncap;
         }
-        KtChunk *c = PyMem_Malloc(sizeof(KtChunk));
-        if (c == NULL) {
+        void *raw = PyMem_Malloc((size_t)KT_CHUNK * kt->rec_size + 63);
+        if (raw == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-        memset(c->meta, 0, sizeof(c->meta));
+        uint8_t *c = (uint8_t *)(((uintptr_t)raw + 63) & ~(uintptr_t)63);
+        for (int32_t i = 0; i < KT_CHUNK; i++)   /* nobody holds these ids yet */
+            c[(size_t)i * kt->rec_size + KT_KEY] = 0;
+        kt->raw[kt->nchunks] = raw;
         kt->chunks[kt->nchunks++] = c;
     }
     return 0;
@@ -247,7 +263,7 @@ kt_drop(KeyTab *kt, int32_t id, int bit)
 static size_t
 kt_nbytes(const KeyTab *kt)
 {
-    return (size_t)kt->nchunks * sizeof(KtChunk) + (size_t)kt->chunkcap * sizeof(KtChunk *) +
+    return (size_t)kt->nchunks * ((size_t)KT_CHUNK * kt->rec_size + 63) + (size_t)kt->chunkcap * 2 * sizeof(void *) +
            (kt->smask + 1) * sizeof(uint32_t);
 }
 
@@ -257,8 +273,9 @@ kt_free(KeyTab *kt)
     if (kt == NULL)
         return;
     for (int32_t i = 0; i < kt->nchunks; i++)
-        PyMem_Free(kt->chunks[i]);
+        PyMem_Free(kt->raw[i]);
     PyMem_Free(kt->chunks);
+    PyMem_Free(kt->raw);
     PyMem_Free(kt->slots);
     PyMem_Free(kt);
 }
@@ -269,14 +286,26 @@ kt_capsule_free(PyObject *cap)
     kt_free(PyCapsule_GetPointer(cap, KT_CAPSULE));
 }
 
-/* A new, empty key table in a capsule; NULL with an exception. */
+/* A new, empty key table in a capsule, with room in each record for the nodes of the
+ * holders named (KT_LEAVES, KT_GHOST); NULL with an exception. */
 static PyObject *
-kt_capsule_new(void)
+kt_capsule_new(int holders)
 {
     KeyTab *kt = PyMem_Calloc(1, sizeof(KeyTab));
     if (kt == NULL)
         return PyErr_NoMemory();
     kt->free_head = -1;
+    if ((holders & KT_GHOST) && (holders & KT_LEAVES)) {
+        kt->ghost_off = 20;      /* 4-aligned: its node is packed to 4 */
+        kt->leaves_off = 40;     /* 8-aligned: its node starts with a double */
+        kt->rec_size = 64;
+    } else if (holders & KT_GHOST) {
+        kt->ghost_off = 20;
+        kt->rec_size = 40;
+    } else {
+        kt->leaves_off = 24;
+        kt->rec_size = 48;
+    }
     kt->slots = PyMem_Malloc(KT_MAP_MIN * sizeof(uint32_t));
     if (kt->slots == NULL) {
         PyMem_Free(kt);
@@ -290,16 +319,23 @@ kt_capsule_new(void)
     return cap;
 }
 
-/* The key table in capsule obj; NULL with InputError set (named from `what`) otherwise. */
+/* The key table in capsule obj, with room for the nodes of holder (0: any); NULL with
+ * `error` set (naming `what`) otherwise. */
 static KeyTab *
-kt_from(PyObject *obj, PyObject *error, const char *what)
+kt_from(PyObject *obj, PyObject *error, const char *what, int holder)
 {
     if (!PyCapsule_IsValid(obj, KT_CAPSULE)) {
         PyErr_Format(error, "%s must be a key table from tierkv.policy._ghost.new_keys(), got %.100s", what,
                      Py_TYPE(obj)->tp_name);
         return NULL;
     }
-    return PyCapsule_GetPointer(obj, KT_CAPSULE);
+    KeyTab *kt = PyCapsule_GetPointer(obj, KT_CAPSULE);
+    if ((holder == KT_LEAVES && kt->leaves_off == 0) || (holder == KT_GHOST && kt->ghost_off == 0)) {
+        PyErr_Format(error, "%s: this key table has no room for %s", what,
+                     holder == KT_LEAVES ? "leaf heaps" : "a ghost");
+        return NULL;
+    }
+    return kt;
 }
 
 #endif
