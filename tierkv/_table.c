@@ -340,11 +340,6 @@ t_ensure(TableObject *t, PyObject *arg)
     }
     Py_ssize_t n = blob.len / KEY_BYTES;
     PyObject *rows = NULL, *fresh = NULL;
-    while ((size_t)(t->count + n) * 10 > (t->mask + 1) * 7)
-        if (map_rebuild(t, 65 - t->shift) < 0)
-            goto done;
-    if (grow_rows(t, t->high + (n > t->nfree ? n - t->nfree : 0)) < 0)
-        goto done;
     rows = PyBytes_FromStringAndSize(NULL, n * 4);
     fresh = PyBytes_FromStringAndSize(NULL, n);
     if (rows == NULL || fresh == NULL)
@@ -352,12 +347,28 @@ t_ensure(TableObject *t, PyObject *arg)
     int32_t *dst = (int32_t *)PyBytes_AS_STRING(rows);
     uint8_t *isnew = (uint8_t *)PyBytes_AS_STRING(fresh);
     const uint8_t *p = blob.buf;
+    /* The map and the rows grow as new keys come (doubling), not by n up front: a blob of
+     * keys mostly in the table already (a reopen's parents) must not double them. A
+     * failed growth takes back this call's new rows, so nothing is half done. */
     for (Py_ssize_t i = 0; i < n; i++) {
         Key k;
         memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
         int32_t r = row_of(t, &k);
         isnew[i] = r < 0;
         if (r < 0) {
+            if (((size_t)(t->count + 1) * 10 > (t->mask + 1) * 7 && map_rebuild(t, 65 - t->shift) < 0)
+                || (!t->nfree && grow_rows(t, t->high + 1) < 0)) {
+                for (Py_ssize_t j = i - 1; j >= 0; j--) {   /* newest first: the free stack as it was */
+                    if (!isnew[j])
+                        continue;
+                    int32_t q = dst[j];
+                    map_delete(t, slot_of(t, &t->keys[q]));
+                    t->live[q] = 0;
+                    t->count--;
+                    t->free_rows[t->nfree++] = q;
+                }
+                goto done;
+            }
             r = t->nfree ? t->free_rows[--t->nfree] : (int32_t)t->high++;
             t->keys[r] = k;
             t->live[r] = 1;

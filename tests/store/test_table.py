@@ -123,6 +123,51 @@ def test_rows_are_reused_and_the_table_grows_past_its_first_capacity() -> None:
     assert (rows_of(t.core.find(blob)) >= 0).all()
 
 
+@native
+def test_keys_already_in_the_table_grow_nothing() -> None:
+    """A reopen ensures every parent after its page: a blob of keys the table holds must
+    not grow the rows or the map as if they were new (it doubled both: 80 -> 159 bytes a
+    page after reopening 1M pages)."""
+    core = new_core()
+    blob = b"".join(i.to_bytes(16, "little") for i in range(1, 70_001))
+    core.ensure(blob)
+    capacity, nbytes = core.capacity, core.nbytes
+    _, fresh = core.ensure(blob + blob)
+    assert not any(fresh) and (core.capacity, core.nbytes) == (capacity, nbytes)
+    more = b"".join(i.to_bytes(16, "little") for i in range(70_001, 70_101))
+    _, fresh = core.ensure(blob + more)
+    assert sum(fresh) == 100 and core.rows == 70_100 and core.capacity <= 2 * capacity
+
+
+@native
+@pytest.mark.parametrize("start", range(12))
+def test_a_failed_growth_takes_back_the_calls_new_rows(start: int) -> None:
+    """Allocations fail from the start-th on (the result buffers, the map, the rows: some
+    start values fail the growth after the free rows and the room left took 34 new keys):
+    ensure either gives every key a row or raises having added none."""
+    testcapi = pytest.importorskip("_testcapi")
+    core = new_core()
+    first = b"".join(i.to_bytes(16, "little") for i in range(1, 1001))
+    rows, _ = core.ensure(first)
+    free = rows_of(rows)[:10]
+    core.release(free.tobytes())                        # ten rows on the free stack
+    more = b"".join(i.to_bytes(16, "little") for i in range(5001, 6001))
+    failed = False
+    testcapi.set_nomemory(start, 0)
+    try:
+        core.ensure(more)
+    except MemoryError:
+        failed = True
+    finally:
+        testcapi.remove_mem_hooks()
+    if not failed:
+        assert core.rows == 1990 and (rows_of(core.find(more)) >= 0).all()
+        return
+    assert core.rows == 990 and (rows_of(core.find(more)) < 0).all()
+    again, fresh = core.ensure(more[:160])
+    assert all(fresh) and set(rows_of(again).tolist()) == set(free.tolist())   # the free stack as it was
+    assert (rows_of(core.find(more[:160])) >= 0).all() and (rows_of(core.find(more[160:])) < 0).all()
+
 def test_depths_count_ancestors() -> None:
     t = PageTable(1)
     rows, _ = t.ensure(b"".join(i.to_bytes(16, "little") for i in range(1, 301)))
