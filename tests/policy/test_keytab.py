@@ -78,7 +78,7 @@ def _drive(seed: int, steps: int) -> None:
     long = [k for k in keys if len(k) == 16]
     table = _ghost.new_keys()
     ghost = Pair(_ghost.Ghost(gittins.MAX_AGE, keys=table), _ghost.Ghost(gittins.MAX_AGE))
-    heaps = Pair(NativeLeafHeaps(CLASSES, keys=table), NativeLeafHeaps(CLASSES))
+    heaps: Any = Pair(NativeLeafHeaps(CLASSES, keys=table), NativeLeafHeaps(CLASSES))
     clock = 0.0
     for step in range(steps):
         clock += rng.choice((0.0, 1.0))
@@ -110,7 +110,8 @@ def _drive(seed: int, steps: int) -> None:
                 heaps.same("settle")
         elif op < 0.95:
             heaps.same("undo")
-        elif op < 0.97:                     # a new leaf heaps on the same table: the old one's keys go
+        elif op < 0.97:                     # new leaf heaps on the same table: the old one's keys go first
+            heaps = None
             heaps = Pair(NativeLeafHeaps(CLASSES, keys=table), NativeLeafHeaps(CLASSES))
         else:
             ghost.same("on_request", [], clock, 0)     # forget everything remembered
@@ -166,6 +167,10 @@ def test_a_structure_let_go_of_frees_its_keys() -> None:
     for i in range(5000):
         heaps.add(PageKey(b"k%d" % i), None, 0, float(i))
     grown = _ghost.keys_nbytes(table)
+    with pytest.raises(InputError, match="serves leaf heaps already"):
+        NativeLeafHeaps(1, keys=table)       # two would take each other's keys for their own
+    with pytest.raises(InputError, match="serves a ghost already"):
+        _ghost.Ghost(gittins.MAX_AGE, keys=table)
     del heaps
     heaps = NativeLeafHeaps(1, keys=table)
     for i in range(5000):
@@ -181,3 +186,23 @@ def test_keys_must_be_a_key_table(make: Any) -> None:
         make(object())
     with pytest.raises(InputError, match="key table"):
         _ghost.keys_nbytes(b"table")
+
+
+def test_a_touch_whose_class_conversion_discards_the_key_leaves_it_gone() -> None:
+    """Converting touch's class may run Python code; if that code discards the page, the
+    touch finds it gone (it looked the page up after converting, not before)."""
+    table = _ghost.new_keys()
+    heaps = NativeLeafHeaps(2, keys=table)
+    ghost = _ghost.Ghost(gittins.MAX_AGE, keys=table)
+
+    class Cls:
+        def __index__(self) -> int:
+            heaps.discard(PageKey(b"a"))
+            ghost.on_request([PageKey(b"zz")], 9.0, 0)      # the ghost may take the freed id
+            return 1
+
+    heaps.add(PageKey(b"a"), None, 0, 1.0)
+    heaps.touch(PageKey(b"a"), Cls(), 2.0)
+    assert PageKey(b"a") not in heaps and len(heaps) == 0
+    heaps.add(PageKey(b"c"), PageKey(b"b"), 0, 3.0)
+    assert heaps.candidates(everything) == [(b"c", 0, 3.0, False), (b"c", 0, 3.0, True)]

@@ -93,6 +93,7 @@ typedef struct {
     int32_t oldest, newest;
     KeyTab *kt;           /* the keys (held with KT_GHOST) */
     PyObject *keys;       /* the capsule that owns kt */
+    int attached;         /* kt_attach'ed: this structure uses kt */
     int own_keys;         /* kt is this ghost's alone */
     Py_ssize_t count;
     double max_age;
@@ -541,9 +542,8 @@ gh_contains(GhostObject *s, PyObject *key)
 static void
 gh_dealloc(GhostObject *s)
 {
-    if (s->kt != NULL && !s->own_keys)   /* a shared table outlives this: let go of its keys */
-        for (int32_t id = 0; id < s->kt->high; id++)
-            kt_drop(s->kt, id, KT_GHOST);
+    if (s->attached && !s->own_keys)   /* a shared table outlives this: let go of its keys */
+        kt_detach(s->kt, KT_GHOST);
     Py_XDECREF(s->keys);
     PyMem_Free(s->kinds);
     PyMem_Free(s->classes);
@@ -573,6 +573,8 @@ gh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     s->kt = PyCapsule_GetPointer(s->keys, KT_CAPSULE);
+    kt_attach(s->kt, KT_GHOST);
+    s->attached = 1;
     return (PyObject *)s;
 }
 

@@ -88,6 +88,7 @@ typedef struct {
     int32_t rcap, rused, rfree;
     KeyTab *kt;           /* the keys (held with KT_LEAVES) */
     PyObject *keys;       /* the capsule that owns kt */
+    int attached;         /* kt_attach'ed: this structure uses kt */
     int own_keys;         /* kt is this structure's alone */
     Py_ssize_t present;   /* resident keys (pending victims included) */
     int classes, young, broken;
@@ -601,9 +602,8 @@ lh_dealloc(LeafHeapsObject *s)
     PyMem_Free(s->heads);
     PyMem_Free(s->dirty);
     PyMem_Free(s->recs);
-    if (s->kt != NULL && !s->own_keys)   /* a shared table outlives this: let go of its keys */
-        for (int32_t id = 0; id < s->kt->high; id++)
-            kt_drop(s->kt, id, KT_LEAVES);
+    if (s->attached && !s->own_keys)   /* a shared table outlives this: let go of its keys */
+        kt_detach(s->kt, KT_LEAVES);
     Py_XDECREF(s->keys);
     PyMem_Free(s->pend);
     PyMem_Free(s->stash);
@@ -649,6 +649,8 @@ lh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return PyErr_NoMemory();
     }
     memset(s->dirty, 1, nh);
+    kt_attach(s->kt, KT_LEAVES);
+    s->attached = 1;
     return (PyObject *)s;
 }
 
@@ -800,7 +802,7 @@ lh_add(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
         PyErr_Format(InputError, "page key %R cannot be its own parent", a[0]);
         return NULL;
     }
-    if (add_one(s, k, klen, has_parent ? pk : NULL, plen, cls, t, 0) < 0)
+    if (check_ok(s) < 0 || add_one(s, k, klen, has_parent ? pk : NULL, plen, cls, t, 0) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -815,16 +817,26 @@ lh_touch(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *
     int cls;
     if (check_ok(s) < 0 || parse_args(args, nargs, kwnames, names, 3, a, "touch") < 0)
         return NULL;
-    if (undo_all(s) < 0)
-        return NULL;
-    int32_t idx = find_present(s, a[0]);
-    if (idx < 0)
-        Py_RETURN_NONE;
-    if (parse_class(s, a[1], &cls) < 0)
+    /* The class and time first: converting them may run Python code (__index__,
+     * __float__) that changes this structure, which must not come between the lookup
+     * and its use. The class's range is checked once the key is known to be here. */
+    long c = PyLong_AsLong(a[1]);
+    if (c == -1 && PyErr_Occurred())
         return NULL;
     double t = PyFloat_AsDouble(a[2]);
     if (t == -1.0 && PyErr_Occurred())
         return NULL;
+    if (check_ok(s) < 0 || undo_all(s) < 0)
+        return NULL;
+    int32_t idx = find_present(s, a[0]);
+    if (idx < 0)
+        Py_RETURN_NONE;
+    if (c < 0 || c >= s->classes) {
+        PyErr_Format(InputError, "class must be 0 to %d (this LeafHeaps has %d classes), got %ld",
+                     s->classes - 1, s->classes, c);
+        return NULL;
+    }
+    cls = (int)c;
     set_state(s, idx, cls, t);
     if (NODE(s, idx)->kids == 0 && leaf(s, idx) < 0)
         return NULL;

@@ -60,6 +60,7 @@ typedef struct {
     Py_ssize_t count;   /* ids held */
     uint32_t rec_size;  /* bytes a record */
     uint32_t leaves_off, ghost_off;   /* where each holder's node is in a record; 0: no room */
+    uint8_t attached;   /* the holder bits of the structures using the table: one of each kind */
 } KeyTab;
 
 #define KT_REC(kt, id) ((kt)->chunks[(id) >> KT_CHUNK_BITS] + (size_t)((id) & (KT_CHUNK - 1)) * (kt)->rec_size)
@@ -330,12 +331,34 @@ kt_from(PyObject *obj, PyObject *error, const char *what, int holder)
         return NULL;
     }
     KeyTab *kt = PyCapsule_GetPointer(obj, KT_CAPSULE);
+    const char *kind = holder == KT_LEAVES ? "leaf heaps" : "a ghost";
     if ((holder == KT_LEAVES && kt->leaves_off == 0) || (holder == KT_GHOST && kt->ghost_off == 0)) {
-        PyErr_Format(error, "%s: this key table has no room for %s", what,
-                     holder == KT_LEAVES ? "leaf heaps" : "a ghost");
+        PyErr_Format(error, "%s: this key table has no room for %s", what, kind);
+        return NULL;
+    }
+    if (kt->attached & holder) {   /* two would take each other's keys and nodes for their own */
+        PyErr_Format(error, "%s: this key table serves %s already", what, kind);
         return NULL;
     }
     return kt;
+}
+
+/* A structure of kind holder (KT_LEAVES, KT_GHOST) starts using kt: after kt_from said
+ * it may, once the structure is fully made. */
+static inline void
+kt_attach(KeyTab *kt, int holder)
+{
+    kt->attached |= (uint8_t)holder;
+}
+
+/* The structure of kind holder stops using kt: its ids are let go of (freed where the
+ * other holder does not hold them), and another structure of its kind may attach. */
+static void
+kt_detach(KeyTab *kt, int holder)
+{
+    for (int32_t id = 0; id < kt->high; id++)
+        kt_drop(kt, id, holder);
+    kt->attached &= (uint8_t)~holder;
 }
 
 #endif
