@@ -55,6 +55,7 @@ typedef struct {
     int32_t nchunks, chunkcap;
     int32_t high;       /* ids ever handed out */
     int32_t free_head;  /* last freed id, -1 for none */
+    int32_t nfree;      /* freed ids on that stack */
     uint32_t *slots;
     size_t smask;
     Py_ssize_t count;   /* ids held */
@@ -155,9 +156,7 @@ kt_reserve(KeyTab *kt, Py_ssize_t extra)
         PyMem_Free(old);
     }
     /* Freed ids are reused first; only the rest need fresh ones. */
-    int64_t fresh = extra;
-    for (int32_t f = kt->free_head; f >= 0 && fresh > 0; fresh--)
-        memcpy(&f, KT_KEYOF(kt, f), sizeof(f));
+    int64_t fresh = extra > kt->nfree ? extra - kt->nfree : 0;
     int64_t need = (int64_t)kt->high + fresh;
     if (need > KT_MAX_IDS) {
         PyErr_Format(PyExc_MemoryError, "a policy's key table holds at most %d keys", (int)KT_MAX_IDS);
@@ -203,6 +202,7 @@ kt_add(KeyTab *kt, const uint8_t key[KT_KEY], int len)
     if (kt->free_head >= 0) {
         id = kt->free_head;
         memcpy(&kt->free_head, KT_KEYOF(kt, id), sizeof(int32_t));
+        kt->nfree--;
     } else {
         id = kt->high++;
     }
@@ -258,6 +258,7 @@ kt_drop(KeyTab *kt, int32_t id, int bit)
     memcpy(KT_KEYOF(kt, id), &kt->free_head, sizeof(int32_t));
     KT_META(kt, id) = 0;
     kt->free_head = id;
+    kt->nfree++;
     kt->count--;
 }
 
