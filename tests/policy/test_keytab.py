@@ -85,7 +85,8 @@ def _drive(seed: int, steps: int) -> None:
         op = rng.random()
         key = rng.choice(keys)
         if op < 0.25:                       # a request: the ghost forgets beyond its limit
-            req = rng.sample(keys, rng.randint(0, min(8, len(keys))))
+            req = (rng.sample(keys, rng.randint(0, min(8, len(keys)))) if rng.random() < 0.7
+                   else rng.choices(keys, k=rng.randint(0, 8)))      # a key twice in a request
             ghost.same("on_request", req, clock, rng.randint(0, len(keys)))
         elif op < 0.5:
             parent = rng.choice(keys) if rng.random() < 0.7 else None
@@ -206,3 +207,17 @@ def test_a_touch_whose_class_conversion_discards_the_key_leaves_it_gone() -> Non
     assert PageKey(b"a") not in heaps and len(heaps) == 0
     heaps.add(PageKey(b"c"), PageKey(b"b"), 0, 3.0)
     assert heaps.candidates(everything) == [(b"c", 0, 3.0, False), (b"c", 0, 3.0, True)]
+
+
+def test_keys_twice_in_a_request_are_remembered_as_the_python_ghost_does() -> None:
+    """A request may name a page twice, new ones included: the compiled pass looks each
+    key up before it adds any, and a key added earlier in the same pass must be found."""
+    from tests.policy.test_gittins_native import _same_ghost
+
+    rng = random.Random(3)
+    py, c = gittins.GittinsPolicy(native=False, ghost_pages=16), gittins.GittinsPolicy(ghost_pages=16)
+    for _ in range(400):
+        req = [PageKey(bytes([rng.randrange(60)]) * rng.choice((1, 16))) for _ in range(rng.randint(0, 12))]
+        py.on_request(req, 0.0)
+        c.on_request(req, 0.0)
+        _same_ghost(py, c)

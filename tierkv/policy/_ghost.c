@@ -212,13 +212,11 @@ list_append(GhostObject *s, int32_t idx)
 
 /* A new node for key, newest in the order, with last access t. -1 on failure (nothing changed). */
 static int32_t
-node_new(GhostObject *s, const uint8_t key[KEY_MAX], int len, double t)
+node_new(GhostObject *s, const uint8_t key[KEY_MAX], int len, uint64_t h, double t, int32_t id)
 {
-    if (kt_reserve(s->kt, 1) < 0)
-        return -1;
-    int32_t idx = kt_find(s->kt, key, len);    /* the leaf heaps may hold it */
-    if (idx < 0)
-        idx = kt_add(s->kt, key, len);
+    /* id: the key's id in the table (the leaf heaps hold it), or -1 if it has none; the
+     * caller made room (kt_reserve) for a new one. */
+    int32_t idx = id >= 0 ? id : kt_add_h(s->kt, key, len, h);
     kt_hold(s->kt, idx, KT_GHOST);
     Node *nd = NODE(s, idx);
     nd->last = t;
@@ -298,13 +296,13 @@ abandon(GhostObject *s, int32_t idx, double t0, PyObject *moved)
 
 /* The class of a new page of this request (gittins' _continues), abandoning as it says. */
 static int
-new_class(GhostObject *s, const uint8_t (*keys)[KEY_MAX], const int *lens, Py_ssize_t n, PyObject *moved)
+new_class(GhostObject *s, const int32_t *ids, Py_ssize_t n, PyObject *moved)
 {
     int32_t deepest = -1;
     Py_ssize_t depth = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t idx = map_find(s, keys[i], lens[i]);
-        if (idx < 0)
+        int32_t idx = ids[i];
+        if (idx < 0 || !kt_held(s->kt, idx, KT_GHOST))
             break;
         deepest = idx;
         depth++;
@@ -312,7 +310,7 @@ new_class(GhostObject *s, const uint8_t (*keys)[KEY_MAX], const int *lens, Py_ss
     if (deepest < 0 || access_class(COUNT(NODE(s, deepest))) >= HOT_CLASS)
         return 0;
     int32_t left = link_of(NODE(s, deepest), W_AFTER);
-    if (left >= 0 && (depth == n || map_find(s, keys[depth], lens[depth]) != left)) {
+    if (left >= 0 && (depth == n || ids[depth] != left)) {   /* left is remembered: held */
         if (abandon(s, left, NODE(s, deepest)->last, moved) < 0)
             return -1;
     }
@@ -349,9 +347,11 @@ gh_on_request(GhostObject *s, PyObject *const *args, Py_ssize_t nargs)
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint8_t (*keys)[KEY_MAX] = PyMem_Malloc((size_t)(n ? n : 1) * KEY_MAX);
     int *lens = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int));
+    int32_t *ids = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    uint64_t *hs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
     PyObject *moved = PyList_New(0);
     PyObject *out = NULL;
-    if (keys == NULL || lens == NULL || moved == NULL) {
+    if (keys == NULL || lens == NULL || ids == NULL || hs == NULL || moved == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -361,17 +361,26 @@ gh_on_request(GhostObject *s, PyObject *const *args, Py_ssize_t nargs)
     /* Room for every key up front, so that the pass below fails only in the log. */
     if (kt_reserve(s->kt, n) < 0)
         goto done;
+    /* Each key's id in the table (-1: none), looked up for all at once: nothing below
+     * frees an id before the forgetting at the end. new_class asks which are remembered. */
+    kt_find_many(s->kt, (const uint8_t (*)[KEY_MAX])keys, lens, n, ids, hs);
     s->nlog = 0;
     s->broken = 1;
-    int fresh = new_class(s, (const uint8_t (*)[KEY_MAX])keys, lens, n, moved);
+    int fresh = new_class(s, ids, n, moved);
     if (fresh < 0)
         goto done;
     int32_t prev = -1;
+    uint64_t added[64] = {0};   /* hash bits of the keys this pass gave an id: a key twice */
     for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t idx = map_find(s, keys[i], lens[i]);
+        int32_t idx = ids[i];
+        uint32_t bit = (uint32_t)(hs[i] >> 52);   /* 12 bits */
+        if (idx < 0 && (added[bit >> 6] >> (bit & 63) & 1))
+            idx = kt_find_h(s->kt, keys[i], lens[i], hs[i]);   /* maybe added earlier in this pass */
         Node *nd;
-        if (idx < 0) {
-            idx = node_new(s, keys[i], lens[i], t);
+        if (idx < 0 || !kt_held(s->kt, idx, KT_GHOST)) {
+            if (idx < 0)
+                added[bit >> 6] |= UINT64_C(1) << (bit & 63);
+            idx = node_new(s, keys[i], lens[i], hs[i], t, idx);
             if (idx < 0)
                 goto done;
             nd = NODE(s, idx);
@@ -414,6 +423,8 @@ gh_on_request(GhostObject *s, PyObject *const *args, Py_ssize_t nargs)
 done:
     PyMem_Free(keys);
     PyMem_Free(lens);
+    PyMem_Free(ids);
+    PyMem_Free(hs);
     Py_XDECREF(moved);
     Py_DECREF(seq);
     return out;
@@ -465,6 +476,8 @@ gh_classes_of(GhostObject *s, PyObject *arg)
     uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
     const uint8_t *src = (const uint8_t *)view.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if ((i & 63) == 0 && s->count)
+            kt_prefetch16(s->kt, src + i * KEY_MAX, n - i);
         int32_t idx = s->count ? map_find(s, src + i * KEY_MAX, KEY_MAX) : -1;
         dst[i] = (uint8_t)(idx < 0 ? 0 : CLS(NODE(s, idx)));
     }

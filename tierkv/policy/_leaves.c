@@ -741,9 +741,14 @@ lh_add_many(LeafHeapsObject *s, PyObject *args)
             goto done;
         }
     }
-    /* No room made for the batch up front: nodes and keys grow by chunks (nothing is
-     * copied), and most keys may be held by the ghost already; each add makes its own. */
+    /* Room for the whole batch up front where it is most of what the table will hold
+     * (a reopen's pages): one growth of the map, not one per doubling. Otherwise each
+     * add makes its own: most keys may be held by the ghost already. */
+    if (n > s->kt->count && map_reserve(s, n) < 0)
+        goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if ((i & 63) == 0)
+            kt_prefetch16(s->kt, kp + 16 * i, n - i);
         uint8_t k[KEY_MAX] = {0}, pk[KEY_MAX] = {0};
         memcpy(k, kp + 16 * i, 16);
         if (hp[i])
@@ -873,6 +878,8 @@ lh_touch_many(LeafHeapsObject *s, PyObject *args)
     if (undo_all(s) < 0)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if ((i & 63) == 0)
+            kt_prefetch16(s->kt, kp + 16 * i, n - i);
         uint8_t k[KEY_MAX] = {0};
         memcpy(k, kp + 16 * i, 16);
         int32_t idx = map_find(s, k, 16);
@@ -931,6 +938,8 @@ lh_discard_many(LeafHeapsObject *s, PyObject *arg)
     }
     const uint8_t *kp = keys.buf;
     for (Py_ssize_t i = 0; i < keys.len / 16; i++) {
+        if ((i & 63) == 0)
+            kt_prefetch16(s->kt, kp + 16 * i, keys.len / 16 - i);
         uint8_t k[KEY_MAX] = {0};
         memcpy(k, kp + 16 * i, 16);
         int32_t idx = map_find(s, k, 16);

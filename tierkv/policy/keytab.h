@@ -93,11 +93,17 @@ kt_hash(const uint8_t *k, int len)
     return h;
 }
 
-/* The id of key (16 zero-padded bytes, len of them the key), -1 if no holder has it. */
+#if defined(__GNUC__) || defined(__clang__)
+#define KT_PREFETCH(p) __builtin_prefetch(p)
+#else
+#define KT_PREFETCH(p) ((void)(p))
+#endif
+
+/* The id of key (16 zero-padded bytes, len of them the key) whose hash is h, -1 if no
+ * holder has it. */
 static inline int32_t
-kt_find(const KeyTab *kt, const uint8_t key[KT_KEY], int len)
+kt_find_h(const KeyTab *kt, const uint8_t key[KT_KEY], int len, uint64_t h)
 {
-    uint64_t h = kt_hash(key, len);
     uint32_t tag = KT_TAG(h);
     size_t i = (size_t)h & kt->smask;
     for (;;) {
@@ -113,20 +119,70 @@ kt_find(const KeyTab *kt, const uint8_t key[KT_KEY], int len)
     }
 }
 
+static inline int32_t
+kt_find(const KeyTab *kt, const uint8_t key[KT_KEY], int len)
+{
+    return kt_find_h(kt, key, len, kt_hash(key, len));
+}
+
+/* kt_find of n keys into ids, with the map's lines and then the records' fetched ahead
+ * for all of them first, so that the misses of a batch overlap instead of queueing. */
+static inline void
+kt_find_many(const KeyTab *kt, const uint8_t (*keys)[KT_KEY], const int *lens, Py_ssize_t n, int32_t *ids,
+             uint64_t *hs)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hs[i] = kt_hash(keys[i], lens[i]);
+        KT_PREFETCH(&kt->slots[hs[i] & kt->smask]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t e = kt->slots[hs[i] & kt->smask];
+        if (e != KT_EMPTY)
+            KT_PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        ids[i] = kt_find_h(kt, keys[i], lens[i], hs[i]);
+}
+
+/* Fetch ahead what looking up n 16-byte keys back to back will read: the map's lines,
+ * then the record each key's first slot names. For a window of a batch (up to about 64
+ * keys), before its lookups. */
+static inline void
+kt_prefetch16(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n)
+{
+    uint64_t hs[64];
+    if (n > 64)
+        n = 64;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hs[i] = kt_hash(keys + KT_KEY * i, KT_KEY);
+        KT_PREFETCH(&kt->slots[hs[i] & kt->smask]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t e = kt->slots[hs[i] & kt->smask];
+        if (e != KT_EMPTY)
+            KT_PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
+    }
+}
+
 static inline size_t
 kt_home(const KeyTab *kt, int32_t id)
 {
     return (size_t)kt_hash(KT_KEYOF(kt, id), kt_len(kt, id)) & kt->smask;
 }
 
-static void
-kt_place(KeyTab *kt, int32_t id)
+static inline void
+kt_place_h(KeyTab *kt, int32_t id, uint64_t h)
 {
-    uint64_t h = kt_hash(KT_KEYOF(kt, id), kt_len(kt, id));
     size_t i = (size_t)h & kt->smask;
     while (kt->slots[i] != KT_EMPTY)
         i = (i + 1) & kt->smask;
     kt->slots[i] = KT_TAG(h) << KT_IDX_BITS | (uint32_t)id;
+}
+
+static void
+kt_place(KeyTab *kt, int32_t id)
+{
+    kt_place_h(kt, id, kt_hash(KT_KEYOF(kt, id), kt_len(kt, id)));
 }
 
 /* Room for extra more keys (map and ids), so that as many kt_add calls cannot fail;
@@ -147,13 +203,12 @@ kt_reserve(KeyTab *kt, Py_ssize_t extra)
             return -1;
         }
         memset(slots, 0xff, ncap * sizeof(uint32_t));
-        uint32_t *old = kt->slots;
+        PyMem_Free(kt->slots);
         kt->slots = slots;
         kt->smask = ncap - 1;
-        for (size_t i = 0; i < cap; i++)
-            if (old[i] != KT_EMPTY)
-                kt_place(kt, (int32_t)(old[i] & KT_IDX_MASK));
-        PyMem_Free(old);
+        for (int32_t id = 0; id < kt->high; id++)   /* the records in order, not the map's */
+            if (KT_META(kt, id) & KT_HOLDERS)
+                kt_place(kt, id);
     }
     /* Freed ids are reused first; only the rest need fresh ones. */
     int64_t fresh = extra > kt->nfree ? extra - kt->nfree : 0;
@@ -193,10 +248,10 @@ kt_reserve(KeyTab *kt, Py_ssize_t extra)
     return 0;
 }
 
-/* A new id for key (absent: kt_find said -1), held by nobody yet: the caller holds it
- * at once. Only after kt_reserve made room for it. */
+/* A new id for key (absent: kt_find said -1) whose hash is h, held by nobody yet: the
+ * caller holds it at once. Only after kt_reserve made room for it. */
 static int32_t
-kt_add(KeyTab *kt, const uint8_t key[KT_KEY], int len)
+kt_add_h(KeyTab *kt, const uint8_t key[KT_KEY], int len, uint64_t h)
 {
     int32_t id;
     if (kt->free_head >= 0) {
@@ -208,9 +263,15 @@ kt_add(KeyTab *kt, const uint8_t key[KT_KEY], int len)
     }
     memcpy(KT_KEYOF(kt, id), key, KT_KEY);
     KT_META(kt, id) = (uint8_t)(len - 1);
-    kt_place(kt, id);
+    kt_place_h(kt, id, h);
     kt->count++;
     return id;
+}
+
+static inline int32_t
+kt_add(KeyTab *kt, const uint8_t key[KT_KEY], int len)
+{
+    return kt_add_h(kt, key, len, kt_hash(key, len));
 }
 
 static inline void
@@ -353,13 +414,31 @@ kt_attach(KeyTab *kt, int holder)
 }
 
 /* The structure of kind holder stops using kt: its ids are let go of (freed where the
- * other holder does not hold them), and another structure of its kind may attach. */
+ * other holder does not hold them), and another structure of its kind may attach. One
+ * pass over the records and a new map, not an unmapping per id: a policy being dropped
+ * lets go of a million ids at once. */
 static void
 kt_detach(KeyTab *kt, int holder)
 {
-    for (int32_t id = 0; id < kt->high; id++)
-        kt_drop(kt, id, holder);
     kt->attached &= (uint8_t)~holder;
+    memset(kt->slots, 0xff, (kt->smask + 1) * sizeof(uint32_t));
+    kt->free_head = -1;
+    kt->nfree = 0;
+    kt->count = 0;
+    for (int32_t id = kt->high - 1; id >= 0; id--) {   /* the free stack lowest id first */
+        uint8_t m = KT_META(kt, id) & (uint8_t)~holder;
+        KT_META(kt, id) = m;
+        if (m & KT_HOLDERS) {
+            kt_place(kt, id);
+            kt->count++;
+        } else {
+            memset(KT_KEYOF(kt, id), 0, KT_KEY);
+            memcpy(KT_KEYOF(kt, id), &kt->free_head, sizeof(int32_t));
+            KT_META(kt, id) = 0;
+            kt->free_head = id;
+            kt->nfree++;
+        }
+    }
 }
 
 #endif
