@@ -580,12 +580,10 @@ gh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     s->oldest = s->newest = -1;
     s->max_age = max_age;
     s->own_keys = keys == Py_None;
-    s->keys = s->own_keys ? kt_capsule_new(KT_GHOST) : Py_NewRef(keys);
-    if (s->keys == NULL) {
+    if ((s->kt = kt_use(keys, KT_GHOST, &s->keys)) == NULL) {
         Py_DECREF(s);
         return NULL;
     }
-    s->kt = PyCapsule_GetPointer(s->keys, KT_CAPSULE);
     kt_attach(s->kt, KT_GHOST);
     s->attached = 1;
     return (PyObject *)s;

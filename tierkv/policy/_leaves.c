@@ -634,12 +634,10 @@ lh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     s->young = young;
     s->rfree = -1;
     s->own_keys = keys == Py_None;
-    s->keys = s->own_keys ? kt_capsule_new(KT_LEAVES) : Py_NewRef(keys);
-    if (s->keys == NULL) {
+    if ((s->kt = kt_use(keys, KT_LEAVES, &s->keys)) == NULL) {
         Py_DECREF(s);
         return NULL;
     }
-    s->kt = PyCapsule_GetPointer(s->keys, KT_CAPSULE);
     size_t nh = 2 * (size_t)classes + 1;
     s->heaps = PyMem_Calloc(nh, sizeof(Heap));
     s->heads = PyMem_Calloc(nh, sizeof(PyObject *));

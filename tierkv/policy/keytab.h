@@ -405,6 +405,16 @@ kt_from(PyObject *obj, PyObject *error, const char *what, int holder)
     return kt;
 }
 
+/* The key table a new structure of kind holder uses: keys (a capsule kt_from accepted)
+ * or, for None, a table of its own; *owner gets a new reference to the capsule. NULL
+ * with an exception. */
+static KeyTab *
+kt_use(PyObject *keys, int holder, PyObject **owner)
+{
+    *owner = keys == Py_None ? kt_capsule_new(holder) : Py_NewRef(keys);
+    return *owner == NULL ? NULL : PyCapsule_GetPointer(*owner, KT_CAPSULE);
+}
+
 /* A structure of kind holder (KT_LEAVES, KT_GHOST) starts using kt: after kt_from said
  * it may, once the structure is fully made. */
 static inline void
