@@ -358,7 +358,9 @@ t_ensure(TableObject *t, PyObject *arg)
         if (r < 0) {
             if (((size_t)(t->count + 1) * 10 > (t->mask + 1) * 7 && map_rebuild(t, 65 - t->shift) < 0)
                 || (!t->nfree && grow_rows(t, t->high + 1) < 0)) {
-                for (Py_ssize_t j = i - 1; j >= 0; j--) {   /* newest first: the free stack as it was */
+                /* Newest first: the free stack as it was, then the rows taken from `high` on
+                 * top of it, in the order `high` would have handed them out. */
+                for (Py_ssize_t j = i - 1; j >= 0; j--) {
                     if (!isnew[j])
                         continue;
                     int32_t q = dst[j];
