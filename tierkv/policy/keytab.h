@@ -39,7 +39,10 @@
 #define KT_IDX_MASK ((UINT32_C(1) << KT_IDX_BITS) - 1)
 #define KT_MAX_IDS ((int32_t)KT_IDX_MASK - 1)
 #define KT_TAG(h) ((uint32_t)((h) >> 60))
-#define KT_CAPSULE "tierkv.policy.keytab"
+/* The capsule's name carries the layout's version: a module built from another version
+ * of this header (a stale build beside a fresh one) refuses the table instead of reading
+ * it with the wrong layout. Bump it with any change to KeyTab or the records. */
+#define KT_CAPSULE "tierkv.policy.keytab/1"
 
 /* Holder bits (the meta byte's high half). */
 #define KT_LEAVES 0x10
