@@ -35,7 +35,6 @@
 #define KEY_MAX KT_KEY
 #define IDX_BITS 28
 #define IDX_MASK ((UINT32_C(1) << IDX_BITS) - 1)
-#define MAX_NODES KT_MAX_IDS
 #define COUNT_MAX 15
 
 /* Classes, as in tierkv.policy.gittins. */

@@ -37,7 +37,6 @@
 #include "keytab.h"
 
 #define KEY_MAX KT_KEY
-#define MAX_NODES KT_MAX_IDS
 #define OLD 0
 #define YOUNG 1
 
@@ -310,14 +309,6 @@ map_find(const LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
     return id >= 0 && kt_held(s->kt, id, KT_LEAVES) ? id : -1;
 }
 
-/* Room for extra more nodes (keys and their records), so that as many node_get calls
- * cannot fail. */
-static int
-map_reserve(LeafHeapsObject *s, Py_ssize_t extra)
-{
-    return kt_reserve(s->kt, extra);
-}
-
 /* The node of key, created (absent, no children) if there is none. -1 on failure. */
 static int32_t
 node_get(LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
@@ -325,7 +316,7 @@ node_get(LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
     int32_t idx = map_find(s, key, len);
     if (idx >= 0)
         return idx;
-    if (map_reserve(s, 1) < 0)
+    if (kt_reserve(s->kt, 1) < 0)
         return -1;
     idx = kt_find(s->kt, key, len);    /* the ghost may hold it */
     if (idx < 0)
@@ -680,7 +671,7 @@ add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int p
             return -1;
     }
     /* Room for the key and its parent first, so that nothing below fails half-way. */
-    if (map_reserve(s, 2) < 0)
+    if (kt_reserve(s->kt, 2) < 0)
         return -1;
     idx = node_get(s, k, klen);
     if (idx < 0)
@@ -742,7 +733,7 @@ lh_add_many(LeafHeapsObject *s, PyObject *args)
     /* Room for the whole batch up front where it is most of what the table will hold
      * (a reopen's pages): one growth of the map, not one per doubling. Otherwise each
      * add makes its own: most keys may be held by the ghost already. */
-    if (n > s->kt->count && map_reserve(s, n) < 0)
+    if (n > s->kt->count && kt_reserve(s->kt, n) < 0)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         if ((i & 63) == 0)

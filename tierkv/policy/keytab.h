@@ -306,6 +306,17 @@ kt_unmap(KeyTab *kt, int32_t id)
     kt->slots[i] = KT_EMPTY;
 }
 
+/* Puts the unmapped id, held by nobody now, on the free stack. */
+static inline void
+kt_free_id(KeyTab *kt, int32_t id)
+{
+    memset(KT_KEYOF(kt, id), 0, KT_KEY);
+    memcpy(KT_KEYOF(kt, id), &kt->free_head, sizeof(int32_t));
+    KT_META(kt, id) = 0;
+    kt->free_head = id;
+    kt->nfree++;
+}
+
 /* The holder bit lets go of id; the id is freed when no holder is left. */
 static void
 kt_drop(KeyTab *kt, int32_t id, int bit)
@@ -318,11 +329,7 @@ kt_drop(KeyTab *kt, int32_t id, int bit)
     if (m & KT_HOLDERS)
         return;
     kt_unmap(kt, id);
-    memset(KT_KEYOF(kt, id), 0, KT_KEY);
-    memcpy(KT_KEYOF(kt, id), &kt->free_head, sizeof(int32_t));
-    KT_META(kt, id) = 0;
-    kt->free_head = id;
-    kt->nfree++;
+    kt_free_id(kt, id);
     kt->count--;
 }
 
@@ -445,11 +452,7 @@ kt_detach(KeyTab *kt, int holder)
             kt_place(kt, id);
             kt->count++;
         } else {
-            memset(KT_KEYOF(kt, id), 0, KT_KEY);
-            memcpy(KT_KEYOF(kt, id), &kt->free_head, sizeof(int32_t));
-            KT_META(kt, id) = 0;
-            kt->free_head = id;
-            kt->nfree++;
+            kt_free_id(kt, id);
         }
     }
 }
