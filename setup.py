@@ -20,10 +20,6 @@ if os.path.exists(os.path.join("tierkv", "_native.c")):
     ext_modules.append(
         Extension("tierkv._native", ["tierkv/_native.c"], extra_compile_args=["-O3"], optional=True)
     )
-if os.path.exists(os.path.join("tierkv", "_table.c")):
-    ext_modules.append(
-        Extension("tierkv._table", ["tierkv/_table.c"], extra_compile_args=["-O3"], optional=True)
-    )
 _CODEC = os.path.join("tierkv", "codec")
 if os.path.exists(os.path.join(_CODEC, "_codec.c")):
     ext_modules.append(
@@ -47,7 +43,12 @@ _COPY = os.path.join("tierkv", "tiers", "_copy.c")
 if os.path.exists(_COPY):  # streamed page copies; the DRAM tier falls back to numpy's
     ext_modules.append(Extension("tierkv.tiers._copy", [_COPY], extra_compile_args=["-O3"], optional=True))
 _LEAVES = os.path.join("tierkv", "policy", "_leaves.c")
-_KEYTAB = os.path.join("tierkv", "policy", "keytab.h")  # the key table _leaves and _ghost share
+# The key table the page table, _leaves and _ghost share (a store's slowest tier's keys held once).
+_KEYTAB = os.path.join("tierkv", "policy", "keytab.h")
+if os.path.exists(os.path.join("tierkv", "_table.c")):
+    ext_modules.append(
+        Extension("tierkv._table", ["tierkv/_table.c"], extra_compile_args=["-O3"], optional=True, depends=[_KEYTAB])
+    )
 if os.path.exists(_LEAVES):  # the compiled LeafHeaps; tierkv.policy.leaves falls back to Python
     ext_modules.append(Extension("tierkv.policy._leaves", [_LEAVES], extra_compile_args=["-O3"], optional=True,
                                  depends=[_KEYTAB]))

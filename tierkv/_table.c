@@ -5,11 +5,16 @@
  * Everything else the manager knows of a page lives in numpy columns indexed by row
  * (tierkv/store/table.py), so a page costs no Python object anywhere.
  *
- * Rows are handed out from a free stack (last freed, first reused) and are dense:
- * columns grow with `capacity`. The map is open addressing with linear probing and
- * backward-shift deletion over int32 row numbers (-1 free), load below 0.7; a probe
- * compares the row's key in the key column. Every call holds the GIL throughout; the
- * caller (the manager, under the store lock) serializes compound use.
+ * The keys, their map and the levels live in a key table (tierkv/policy/keytab.h): a
+ * row is an id of it that the table holds. A table makes one of its own (20 bytes a
+ * key, and its map), or is given the one its store's slowest tier's policy made
+ * (PageTable(keys=...)): then each of that tier's pages has its key, map entry and
+ * level once for the table, the tier's ghost and its leaf heaps together, and the
+ * table adds no byte a row. Ids are dense and reused (last freed, first reused), so
+ * columns grow with `capacity`; with a shared key table, ids the policy alone holds
+ * (pages it remembers that the store does not have) are never rows, and their columns
+ * stay zero. Every call holds the GIL throughout; the caller (the manager, under the
+ * store lock) serializes compound use.
  *
  * The lookup half (prefix_len, prefix_values, get, __contains__, __len__) has the
  * contract of tierkv._native.KeySet over the *published* rows, so the table is the
@@ -20,16 +25,12 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
+
+#include "policy/keytab.h"
 
 #define KEY_BYTES 16
-#define NO_LEVEL 0xFF
-#define MAP_MIN_LOG2 10
+#define NO_LEVEL KT_NO_LEVEL
 #define ROWS_MIN 1024
-#define MAX_ROWS ((Py_ssize_t)INT32_MAX)
-#define PREFETCH_AHEAD 8
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch(p)
@@ -38,182 +39,51 @@
 #endif
 
 typedef struct {
-    uint64_t w[2];
-} Key;
-
-typedef struct {
     PyObject_HEAD
-    Key *keys;            /* per row */
-    uint8_t *level;       /* per row: fastest published level, NO_LEVEL if none */
-    uint8_t *live;        /* per row: 1 while the row is allocated */
-    int32_t *free_rows;   /* stack of freed rows */
-    Py_ssize_t nfree;
-    Py_ssize_t high;      /* rows ever handed out: rows >= high are fresh */
-    Py_ssize_t cap;       /* length of the per-row arrays */
-    Py_ssize_t count;     /* live rows */
-    Py_ssize_t published; /* live rows with a level */
-    int32_t *map;         /* slot -> row, -1 free */
-    size_t mask;
-    int shift;
+    KeyTab *kt;           /* the keys: a row is an id the table holds (KT_TABLE) */
+    PyObject *keys;       /* the capsule holding kt (a reference) */
+    int own;              /* kt is this table's alone (made for it, not passed in) */
+    int attached;         /* kt_attach'ed: this table uses kt */
+    Py_ssize_t count;     /* rows held */
+    Py_ssize_t published; /* rows held with a level */
 } TableObject;
 
-static inline size_t
-home_of(const TableObject *t, const Key *k)
-{
-    /* Both halves mixed in by multiplication: keys whose halves XOR to one value (made on
-     * purpose; real keys are xxh3 digests) must not share one probe chain. */
-    uint64_t x = (k->w[0] ^ (k->w[1] * UINT64_C(0xC2B2AE3D27D4EB4F))) * UINT64_C(0x9E3779B97F4A7C15);
-    return (size_t)((x ^ (x >> 29)) >> t->shift);
-}
-
 static inline int
-key_eq(const Key *a, const Key *b)
+held(const TableObject *t, int32_t id)
 {
-    return a->w[0] == b->w[0] && a->w[1] == b->w[1];
+    return (KT_META(t->kt, id) & KT_TABLE) != 0;
 }
 
-/* Map slot holding key k, probing from slot i on (its home slot, or the one after a slot
- * already checked), or -1. */
-static Py_ssize_t
-slot_from(const TableObject *t, const Key *k, size_t i)
+/* The row of key k (16 bytes) whose hash is h, or -1. */
+static inline int32_t
+row_h(const TableObject *t, const uint8_t *k, uint64_t h)
 {
-    for (;;) {
-        int32_t r = t->map[i];
-        if (r < 0)
-            return -1;
-        if (key_eq(&t->keys[r], k))
-            return (Py_ssize_t)i;
-        i = (i + 1) & t->mask;
-    }
-}
-
-/* Map slot holding key k, or -1. */
-static Py_ssize_t
-slot_of(const TableObject *t, const Key *k)
-{
-    return slot_from(t, k, home_of(t, k));
+    int32_t id = kt_find_h(t->kt, k, KEY_BYTES, h);
+    return id >= 0 && held(t, id) ? id : -1;
 }
 
 static inline int32_t
-row_of(const TableObject *t, const Key *k)
+row_of(const TableObject *t, const uint8_t *k)
 {
-    Py_ssize_t s = slot_of(t, k);
-    return s < 0 ? -1 : t->map[s];
+    return row_h(t, k, kt_hash(k, KEY_BYTES));
 }
 
+/* The row taken back by a failed ensure: let go of, and the id taken back if the
+ * table added it (no other holder: ids held by nobody are never in the table). */
 static void
-map_insert(TableObject *t, int32_t row)
+unclaim(TableObject *t, int32_t id)
 {
-    size_t i = home_of(t, &t->keys[row]);
-    while (t->map[i] >= 0)
-        i = (i + 1) & t->mask;
-    t->map[i] = row;
-}
-
-/* Ask for transparent huge pages over the whole 2 MiB pages of a large array (Linux, where
- * THP is "madvise"): a lookup's random reads of the map and the keys then miss the TLB far
- * less (a 4M-row table: 30 -> 17-19 ns a key when its lines are cached). Best effort. */
-static void
-advise_huge(void *p, size_t bytes)
-{
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const uintptr_t huge = (uintptr_t)2 << 20;
-    uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1), end = ((uintptr_t)p + bytes) & ~(huge - 1);
-    if (end > start)
-        (void)madvise((void *)start, end - start, MADV_HUGEPAGE);
-#else
-    (void)p;
-    (void)bytes;
-#endif
-}
-
-static int
-map_rebuild(TableObject *t, int log2cap)
-{
-    if (log2cap > 40) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    size_t cap = (size_t)1 << log2cap;
-    int32_t *map = PyMem_Malloc(cap * sizeof(int32_t));
-    if (map == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    advise_huge(map, cap * sizeof(int32_t));
-    memset(map, 0xFF, cap * sizeof(int32_t));
-    PyMem_Free(t->map);
-    t->map = map;
-    t->mask = cap - 1;
-    t->shift = 64 - log2cap;
-    for (Py_ssize_t r = 0; r < t->high; r++)
-        if (t->live[r])
-            map_insert(t, (int32_t)r);
-    return 0;
-}
-
-static void
-map_delete(TableObject *t, Py_ssize_t found)
-{
-    size_t hole = (size_t)found, j = hole;
-    for (;;) {
-        j = (j + 1) & t->mask;
-        int32_t r = t->map[j];
-        if (r < 0)
-            break;
-        size_t home = home_of(t, &t->keys[r]);
-        int stays = j > hole ? (hole < home && home <= j) : (hole < home || home <= j);
-        if (!stays) {
-            t->map[hole] = r;
-            hole = j;
-        }
-    }
-    t->map[hole] = -1;
-}
-
-static int
-grow_rows(TableObject *t, Py_ssize_t want)
-{
-    if (want <= t->cap)
-        return 0;
-    if (want > MAX_ROWS) {
-        PyErr_Format(PyExc_OverflowError, "the page table holds at most %zd pages", MAX_ROWS);
-        return -1;
-    }
-    Py_ssize_t cap = t->cap ? t->cap : ROWS_MIN;
-    while (cap < want)
-        cap = cap > MAX_ROWS / 2 ? MAX_ROWS : cap * 2;
-    Key *keys = PyMem_Realloc(t->keys, (size_t)cap * sizeof(Key));
-    if (keys == NULL)
-        goto fail;
-    t->keys = keys;
-    advise_huge(keys, (size_t)cap * sizeof(Key));
-    uint8_t *level = PyMem_Realloc(t->level, (size_t)cap);
-    if (level == NULL)
-        goto fail;
-    t->level = level;
-    advise_huge(level, (size_t)cap);
-    uint8_t *live = PyMem_Realloc(t->live, (size_t)cap);
-    if (live == NULL)
-        goto fail;
-    t->live = live;
-    int32_t *fr = PyMem_Realloc(t->free_rows, (size_t)cap * sizeof(int32_t));
-    if (fr == NULL)
-        goto fail;
-    t->free_rows = fr;
-    memset(t->level + t->cap, NO_LEVEL, (size_t)(cap - t->cap));
-    memset(t->live + t->cap, 0, (size_t)(cap - t->cap));
-    t->cap = cap;
-    return 0;
-fail:
-    PyErr_NoMemory();
-    return -1;
+    KeyTab *kt = t->kt;
+    t->count--;
+    KT_META(kt, id) &= (uint8_t)~KT_TABLE;
+    if (!(KT_META(kt, id) & KT_HOLDERS))
+        kt_unadd(kt, id);
 }
 
 /* ------------------------------------------------------------------ argument helpers */
 
 static int
-key_from(PyObject *obj, Key *out)
+key_from(PyObject *obj, uint8_t out[KEY_BYTES])
 {
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0) {
@@ -241,7 +111,13 @@ check_blob(const Py_buffer *blob)
     return 0;
 }
 
-/* Rows of a buffer of int32 row numbers; each must be live. */
+static inline int
+is_row(const TableObject *t, Py_ssize_t r)
+{
+    return r >= 0 && r < t->kt->high && held(t, (int32_t)r);
+}
+
+/* Rows of a buffer of int32 row numbers; each must be held. */
 static int
 check_rows(const TableObject *t, const Py_buffer *rows)
 {
@@ -252,7 +128,7 @@ check_rows(const TableObject *t, const Py_buffer *rows)
     const int32_t *r = rows->buf;
     Py_ssize_t n = rows->len / 4;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (r[i] < 0 || r[i] >= t->high || !t->live[r[i]]) {
+        if (!is_row(t, r[i])) {
             PyErr_Format(PyExc_KeyError, "row %d is not a page of this table", (int)r[i]);
             return -1;
         }
@@ -264,28 +140,45 @@ check_rows(const TableObject *t, const Py_buffer *rows)
 static PyObject *
 t_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, ":PageTable", kwlist))
+    static char *kwlist[] = {"keys", NULL};
+    PyObject *keys = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:PageTable", kwlist, &keys))
+        return NULL;
+    if (keys != Py_None && kt_from(keys, PyExc_ValueError, "keys", KT_TABLE) == NULL)
         return NULL;
     TableObject *t = (TableObject *)type->tp_alloc(type, 0);
     if (t == NULL)
         return NULL;
-    if (grow_rows(t, ROWS_MIN) < 0 || map_rebuild(t, MAP_MIN_LOG2) < 0) {
+    t->own = keys == Py_None;
+    if ((t->kt = kt_use(keys, KT_TABLE, &t->keys)) == NULL) {
         Py_DECREF(t);
         return NULL;
     }
+    kt_attach(t->kt, KT_TABLE);
+    t->attached = 1;
     return (PyObject *)t;
 }
 
 static void
 t_dealloc(TableObject *t)
 {
-    PyMem_Free(t->keys);
-    PyMem_Free(t->level);
-    PyMem_Free(t->live);
-    PyMem_Free(t->free_rows);
-    PyMem_Free(t->map);
+    if (t->attached && !t->own)   /* a table of its own goes with the capsule */
+        kt_detach(t->kt, KT_TABLE);
+    Py_XDECREF(t->keys);
     Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+/* Rows of n keys back to back into dst (-1 for keys not in the table); the map's lines
+ * and the records fetched ahead a window of keys at a time. */
+static void
+rows_of_keys(const TableObject *t, const uint8_t *p, Py_ssize_t n, int32_t *dst)
+{
+    for (Py_ssize_t i = 0; i < n; i += 64) {
+        Py_ssize_t m = n - i < 64 ? n - i : 64;
+        kt_prefetch16(t->kt, p + i * KEY_BYTES, m);
+        for (Py_ssize_t j = i; j < i + m; j++)
+            dst[j] = row_of(t, p + j * KEY_BYTES);
+    }
 }
 
 static PyObject *
@@ -300,19 +193,8 @@ t_find(TableObject *t, PyObject *arg)
     }
     Py_ssize_t n = blob.len / KEY_BYTES;
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
-    if (out != NULL) {
-        int32_t *dst = (int32_t *)PyBytes_AS_STRING(out);
-        const uint8_t *p = blob.buf;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Key k;
-            if (i + PREFETCH_AHEAD < n) {
-                memcpy(&k, p + (i + PREFETCH_AHEAD) * KEY_BYTES, KEY_BYTES);
-                PREFETCH(&t->map[home_of(t, &k)]);
-            }
-            memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
-            dst[i] = row_of(t, &k);
-        }
-    }
+    if (out != NULL)
+        rows_of_keys(t, blob.buf, n, (int32_t *)PyBytes_AS_STRING(out));
     PyBuffer_Release(&blob);
     return out;
 }
@@ -320,10 +202,10 @@ t_find(TableObject *t, PyObject *arg)
 static PyObject *
 t_row(TableObject *t, PyObject *arg)
 {
-    Key k;
-    if (key_from(arg, &k) < 0)
+    uint8_t k[KEY_BYTES];
+    if (key_from(arg, k) < 0)
         return NULL;
-    return PyLong_FromLong(row_of(t, &k));
+    return PyLong_FromLong(row_of(t, k));
 }
 
 /* ensure(blob) -> (rows, fresh): the row of every key, a new one for keys not in the
@@ -338,6 +220,7 @@ t_ensure(TableObject *t, PyObject *arg)
         PyBuffer_Release(&blob);
         return NULL;
     }
+    KeyTab *kt = t->kt;
     Py_ssize_t n = blob.len / KEY_BYTES;
     PyObject *rows = NULL, *fresh = NULL;
     rows = PyBytes_FromStringAndSize(NULL, n * 4);
@@ -347,38 +230,30 @@ t_ensure(TableObject *t, PyObject *arg)
     int32_t *dst = (int32_t *)PyBytes_AS_STRING(rows);
     uint8_t *isnew = (uint8_t *)PyBytes_AS_STRING(fresh);
     const uint8_t *p = blob.buf;
-    /* The map and the rows grow as new keys come (doubling), not by n up front: a blob of
-     * keys mostly in the table already (a reopen's parents) must not double them. A
-     * failed growth takes back this call's new rows, so nothing is half done. */
+    /* The map and the records grow as new keys come (doubling), not by n up front: a
+     * blob of keys mostly in the table already (a reopen's parents) must not double
+     * them. A failed growth takes back this call's new rows, so nothing is half done. */
     for (Py_ssize_t i = 0; i < n; i++) {
-        Key k;
-        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
-        int32_t r = row_of(t, &k);
-        isnew[i] = r < 0;
-        if (r < 0) {
-            if (((size_t)(t->count + 1) * 10 > (t->mask + 1) * 7 && map_rebuild(t, 65 - t->shift) < 0)
-                || (!t->nfree && grow_rows(t, t->high + 1) < 0)) {
-                /* Newest first: the free stack as it was, then the rows taken from `high` on
-                 * top of it, in the order `high` would have handed them out. */
-                for (Py_ssize_t j = i - 1; j >= 0; j--) {
-                    if (!isnew[j])
-                        continue;
-                    int32_t q = dst[j];
-                    map_delete(t, slot_of(t, &t->keys[q]));
-                    t->live[q] = 0;
-                    t->count--;
-                    t->free_rows[t->nfree++] = q;
+        if ((i & 63) == 0)
+            kt_prefetch16(kt, p + i * KEY_BYTES, n - i);
+        const uint8_t *k = p + i * KEY_BYTES;
+        uint64_t h = kt_hash(k, KEY_BYTES);
+        int32_t id = kt_find_h(kt, k, KEY_BYTES, h);
+        isnew[i] = id < 0 || !held(t, id);
+        if (isnew[i]) {
+            if (id < 0) {
+                if (kt_reserve(kt, 1) < 0) {
+                    for (Py_ssize_t j = i - 1; j >= 0; j--)   /* newest first */
+                        if (isnew[j])
+                            unclaim(t, dst[j]);
+                    goto done;
                 }
-                goto done;
+                id = kt_add_h(kt, k, KEY_BYTES, h);
             }
-            r = t->nfree ? t->free_rows[--t->nfree] : (int32_t)t->high++;
-            t->keys[r] = k;
-            t->live[r] = 1;
-            t->level[r] = NO_LEVEL;
+            kt_hold(kt, id, KT_TABLE);   /* its level: NO_LEVEL (kt_add, release, detach) */
             t->count++;
-            map_insert(t, r);
         }
-        dst[i] = r;
+        dst[i] = id;
     }
     PyBuffer_Release(&blob);
     PyObject *res = PyTuple_Pack(2, rows, fresh);
@@ -402,19 +277,18 @@ t_release(TableObject *t, PyObject *arg)
         PyBuffer_Release(&rows);
         return NULL;
     }
+    KeyTab *kt = t->kt;
     const int32_t *r = rows.buf;
     Py_ssize_t n = rows.len / 4;
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t row = r[i];
-        if (!t->live[row])  /* repeated in the buffer */
+        if (!held(t, row))  /* repeated in the buffer */
             continue;
-        map_delete(t, slot_of(t, &t->keys[row]));
-        if (t->level[row] != NO_LEVEL)
+        if (KT_LEVEL(kt, row) != NO_LEVEL)
             t->published--;
-        t->level[row] = NO_LEVEL;
-        t->live[row] = 0;
+        KT_LEVEL(kt, row) = NO_LEVEL;
         t->count--;
-        t->free_rows[t->nfree++] = row;
+        kt_drop(kt, row, KT_TABLE);
     }
     PyBuffer_Release(&rows);
     Py_RETURN_NONE;
@@ -436,7 +310,7 @@ t_keys(TableObject *t, PyObject *arg)
         const int32_t *r = rows.buf;
         uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
         for (Py_ssize_t i = 0; i < n; i++)
-            memcpy(dst + i * KEY_BYTES, &t->keys[r[i]], KEY_BYTES);
+            memcpy(dst + i * KEY_BYTES, KT_KEYOF(t->kt, r[i]), KEY_BYTES);
     }
     PyBuffer_Release(&rows);
     return out;
@@ -448,11 +322,11 @@ t_key(TableObject *t, PyObject *arg)
     Py_ssize_t r = PyLong_AsSsize_t(arg);
     if (r == -1 && PyErr_Occurred())
         return NULL;
-    if (r < 0 || r >= t->high || !t->live[r]) {
+    if (!is_row(t, r)) {
         PyErr_Format(PyExc_KeyError, "row %zd is not a page of this table", r);
         return NULL;
     }
-    return PyBytes_FromStringAndSize((const char *)&t->keys[r], KEY_BYTES);
+    return PyBytes_FromStringAndSize((const char *)KT_KEYOF(t->kt, (int32_t)r), KEY_BYTES);
 }
 
 /* set_levels(rows, levels): levels is bytes (one per row) or one int for all. */
@@ -491,7 +365,7 @@ t_set_levels(TableObject *t, PyObject *args)
     const uint8_t *l = one < 0 ? lv.buf : NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint8_t v = l ? l[i] : (uint8_t)one;
-        uint8_t *cur = &t->level[r[i]];
+        uint8_t *cur = &KT_LEVEL(t->kt, r[i]);
         t->published += (*cur == NO_LEVEL) - (v == NO_LEVEL);
         *cur = v;
     }
@@ -520,13 +394,13 @@ t_levels(TableObject *t, PyObject *arg)
         const int32_t *r = rows.buf;
         uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
         for (Py_ssize_t i = 0; i < n; i++)
-            dst[i] = t->level[r[i]];
+            dst[i] = KT_LEVEL(t->kt, r[i]);
     }
     PyBuffer_Release(&rows);
     return out;
 }
 
-/* live_rows() -> bytes of int32: every allocated row, ascending. */
+/* live_rows() -> bytes of int32: every row held, ascending. */
 static PyObject *
 t_live_rows(TableObject *t, PyObject *Py_UNUSED(ignored))
 {
@@ -535,78 +409,60 @@ t_live_rows(TableObject *t, PyObject *Py_UNUSED(ignored))
         return NULL;
     int32_t *dst = (int32_t *)PyBytes_AS_STRING(out);
     Py_ssize_t j = 0;
-    for (Py_ssize_t r = 0; r < t->high; r++)
-        if (t->live[r])
-            dst[j++] = (int32_t)r;
+    for (int32_t r = 0; r < t->kt->high; r++)
+        if (held(t, r))
+            dst[j++] = r;
     return out;
 }
 
 /* -- the KeySet contract over published rows -- */
 
 static inline int
-published_level(const TableObject *t, const Key *k)
+published_level(const TableObject *t, const uint8_t *k)
 {
-    int32_t r = row_of(t, k);
-    return r < 0 ? NO_LEVEL : t->level[r];
+    int32_t id = kt_find(t->kt, k, KEY_BYTES);   /* NO_LEVEL where the table does not hold it */
+    return id < 0 ? NO_LEVEL : KT_LEVEL(t->kt, id);
 }
 
 /* Keys a scan reads the map slot of ahead (prefetched SCAN_AHEAD keys before that),
- * and the ring that carries each key's home slot and first row between the stages. */
+ * and the ring that carries each key's hash between the stages. */
 #define SCAN_AHEAD 8
 #define SCAN_RING 32   /* a power of two >= 2 * SCAN_AHEAD */
 
 /* The leading keys of blob[start:n] that are published: their levels into dst (if not
  * NULL, dst[i] for key i), returns where the run ends. A staged scan: key i + 2A's
- * home slot is prefetched, key i + A's slot read and its row's key and level
- * prefetched, key i resolved; so a table far larger than the caches costs about one
- * memory latency per A keys, not two or three dependent misses a key (a 4M-row table:
- * 80-90 ns a key before). Reads only: the caller holds the GIL throughout. */
+ * map slot is prefetched, key i + A's slot read and the record it names prefetched,
+ * key i resolved; so a table far larger than the caches costs about one memory latency
+ * per A keys, not two or three dependent misses a key (a 4M-row table: 80-90 ns a key
+ * before). Reads only: the caller holds the GIL throughout. */
 static Py_ssize_t
 prefix_scan(const TableObject *t, const uint8_t *p, Py_ssize_t start, Py_ssize_t n, uint8_t *dst)
 {
-    size_t home[SCAN_RING];
-    int32_t first[SCAN_RING];
-    Key k;
+    const KeyTab *kt = t->kt;
+    uint64_t hs[SCAN_RING];
     Py_ssize_t i;
     for (i = start; i < n && i < start + 2 * SCAN_AHEAD; i++) {
-        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
-        home[i & (SCAN_RING - 1)] = home_of(t, &k);
-        PREFETCH(&t->map[home[i & (SCAN_RING - 1)]]);
+        hs[i & (SCAN_RING - 1)] = kt_hash(p + i * KEY_BYTES, KEY_BYTES);
+        PREFETCH(&kt->slots[hs[i & (SCAN_RING - 1)] & kt->smask]);
     }
     for (i = start; i < n && i < start + SCAN_AHEAD; i++) {
-        int32_t r = t->map[home[i & (SCAN_RING - 1)]];
-        first[i & (SCAN_RING - 1)] = r;
-        if (r >= 0) {
-            PREFETCH(&t->keys[r]);
-            PREFETCH(&t->level[r]);
-        }
+        uint32_t e = kt->slots[hs[i & (SCAN_RING - 1)] & kt->smask];
+        if (e != KT_EMPTY)
+            PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
     }
     for (i = start; i < n; i++) {
         Py_ssize_t a = i + 2 * SCAN_AHEAD, b = i + SCAN_AHEAD;
         if (a < n) {
-            memcpy(&k, p + a * KEY_BYTES, KEY_BYTES);
-            home[a & (SCAN_RING - 1)] = home_of(t, &k);
-            PREFETCH(&t->map[home[a & (SCAN_RING - 1)]]);
+            hs[a & (SCAN_RING - 1)] = kt_hash(p + a * KEY_BYTES, KEY_BYTES);
+            PREFETCH(&kt->slots[hs[a & (SCAN_RING - 1)] & kt->smask]);
         }
         if (b < n) {
-            int32_t r = t->map[home[b & (SCAN_RING - 1)]];
-            first[b & (SCAN_RING - 1)] = r;
-            if (r >= 0) {
-                PREFETCH(&t->keys[r]);
-                PREFETCH(&t->level[r]);
-            }
+            uint32_t e = kt->slots[hs[b & (SCAN_RING - 1)] & kt->smask];
+            if (e != KT_EMPTY)
+                PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
         }
-        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
-        int32_t r = first[i & (SCAN_RING - 1)];
-        int v;
-        if (r < 0)
-            v = NO_LEVEL;
-        else if (key_eq(&t->keys[r], &k))
-            v = t->level[r];
-        else {   /* another key holds the home slot: probe on from the next one */
-            Py_ssize_t slot = slot_from(t, &k, (home[i & (SCAN_RING - 1)] + 1) & t->mask);
-            v = slot < 0 ? NO_LEVEL : t->level[t->map[slot]];
-        }
+        int32_t id = kt_find_h(kt, p + i * KEY_BYTES, KEY_BYTES, hs[i & (SCAN_RING - 1)]);
+        int v = id < 0 ? NO_LEVEL : KT_LEVEL(kt, id);
         if (v == NO_LEVEL)
             break;
         if (dst != NULL)
@@ -679,10 +535,10 @@ t_prefix_rows(TableObject *t, PyObject *arg)
     int32_t *dst = (int32_t *)PyBytes_AS_STRING(out);
     const uint8_t *p = blob.buf;
     for (i = 0; i < n; i++) {
-        Key k;
-        memcpy(&k, p + i * KEY_BYTES, KEY_BYTES);
-        int32_t r = row_of(t, &k);
-        if (r < 0 || t->level[r] == NO_LEVEL)
+        if ((i & 63) == 0)
+            kt_prefetch16(t->kt, p + i * KEY_BYTES, n - i);
+        int32_t r = kt_find(t->kt, p + i * KEY_BYTES, KEY_BYTES);   /* NO_LEVEL where not held */
+        if (r < 0 || KT_LEVEL(t->kt, r) == NO_LEVEL)
             break;
         dst[i] = r;
     }
@@ -695,10 +551,10 @@ t_prefix_rows(TableObject *t, PyObject *arg)
 static PyObject *
 t_get(TableObject *t, PyObject *arg)
 {
-    Key k;
-    if (key_from(arg, &k) < 0)
+    uint8_t k[KEY_BYTES];
+    if (key_from(arg, k) < 0)
         return NULL;
-    int v = published_level(t, &k);
+    int v = published_level(t, k);
     if (v == NO_LEVEL)
         Py_RETURN_NONE;
     return PyLong_FromLong(v);
@@ -713,10 +569,10 @@ t_len(TableObject *t)
 static int
 t_contains(TableObject *t, PyObject *arg)
 {
-    Key k;
-    if (key_from(arg, &k) < 0)
+    uint8_t k[KEY_BYTES];
+    if (key_from(arg, k) < 0)
         return -1;
-    return published_level(t, &k) != NO_LEVEL;
+    return published_level(t, k) != NO_LEVEL;
 }
 
 static PyObject *
@@ -728,15 +584,18 @@ t_get_rows(TableObject *t, void *Py_UNUSED(closure))
 static PyObject *
 t_get_capacity(TableObject *t, void *Py_UNUSED(closure))
 {
-    return PyLong_FromSsize_t(t->cap);
+    Py_ssize_t cap = ROWS_MIN;   /* doubling, so that the columns are not copied per row */
+    while (cap < t->kt->high)
+        cap *= 2;
+    return PyLong_FromSsize_t(cap);
 }
 
 static PyObject *
 t_get_nbytes(TableObject *t, void *Py_UNUSED(closure))
 {
-    /* per row: key, level, live flag, free-stack entry; the map's slots */
-    size_t n = (size_t)t->cap * (sizeof(Key) + 2 + sizeof(int32_t)) + (t->map != NULL ? (t->mask + 1) * sizeof(int32_t) : 0);
-    return PyLong_FromSize_t(n);
+    /* the key table where it is the table's own; a shared one is counted by the policy
+     * that made it (GittinsPolicy.memory_bytes) */
+    return PyLong_FromSize_t(t->own ? kt_nbytes(t->kt) : 0);
 }
 
 static PyMethodDef t_methods[] = {
@@ -763,8 +622,8 @@ static PyMethodDef t_methods[] = {
 
 static PyGetSetDef t_getset[] = {
     {"rows", (getter)t_get_rows, NULL, "allocated rows (published or not)", NULL},
-    {"capacity", (getter)t_get_capacity, NULL, "length of the per-row arrays: every row is below it", NULL},
-    {"nbytes", (getter)t_get_nbytes, NULL, "bytes allocated for the keys, per-row arrays and map", NULL},
+    {"capacity", (getter)t_get_capacity, NULL, "length the per-row arrays need: every row is below it", NULL},
+    {"nbytes", (getter)t_get_nbytes, NULL, "bytes allocated for the keys, levels and map (0: a key table passed in)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -774,8 +633,10 @@ static PySequenceMethods t_as_sequence = {
 };
 
 PyDoc_STRVAR(t_doc,
-"PageTable()\n\n"
-"16-byte page keys to dense int32 rows, with each row's published level. len() and\n"
+"PageTable(keys=None)\n\n"
+"16-byte page keys to dense int32 rows, with each row's published level. keys: a key\n"
+"table from tierkv.policy._ghost.new_keys() to keep them in (shared with the policy\n"
+"structures that use it; one page table a key table). len() and\n"
 "`in` count published rows only (the KeySet contract). Keys are bytes-like of 16 bytes\n"
 "(ValueError otherwise); rows are int32 buffers (KeyError for a row not allocated).");
 

@@ -1,10 +1,11 @@
-"""The key table a compiled ghost and leaf heaps share: sharing it changes no answer.
+"""The key table a compiled ghost, leaf heaps and page table share: sharing it changes no answer.
 
-A Ghost and a LeafHeaps on one key table (``keys=``, as GittinsPolicy builds them) are
-driven with random operations, each beside a twin with a table of its own; every answer
-must be the same. The universe of keys is small and the ghost's limit low, so keys are
-forgotten by one while the other holds them, freed and handed out again under new keys.
-Skipped where the extensions are not built.
+A Ghost and a LeafHeaps on one key table (``keys=``, as GittinsPolicy builds them), and
+a page table on it too (as a store's manager builds it for its slowest tier), are
+driven with random operations, each beside a twin with a table of its own (the page
+table's: the pure-Python core); every answer must be the same. The universe of keys is
+small and the ghost's limit low, so keys are forgotten by one while another holds them,
+freed and handed out again under new keys. Skipped where the extensions are not built.
 """
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ import random
 import tracemalloc
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tierkv.errors import InputError
 from tierkv.keys import PageKey
 from tierkv.policy import gittins
 from tierkv.policy.leaves import NativeLeafHeaps
+from tierkv.store.table import NO_LEVEL, PyCore, new_core, rows_of
 from tests.policy.helpers import everything
 
 _ghost = gittins._ghost
-pytestmark = pytest.mark.skipif(_ghost is None or NativeLeafHeaps is None,
-                                reason="tierkv.policy._ghost or _leaves is not built")
+pytestmark = pytest.mark.skipif(_ghost is None or NativeLeafHeaps is None or type(new_core()) is PyCore,
+                                reason="tierkv.policy._ghost, _leaves or tierkv._table is not built")
 
 CLASSES = 3
 
@@ -59,6 +62,60 @@ def _keys(rng: random.Random, n: int) -> list[PageKey]:
     return [PageKey(k) for k in sorted(out)]
 
 
+class Tables:
+    """A page table on the shared key table and a pure-Python one: the same answers, but
+    for row numbers (compared as the keys they stand for)."""
+
+    def __init__(self, table: Any) -> None:
+        self.shared, self.own = new_core(table), PyCore()
+
+    def row(self, key: bytes) -> tuple[bytes, bytes]:
+        rows = [c.row(key) for c in (self.shared, self.own)]
+        assert (rows[0] < 0) == (rows[1] < 0), key
+        return tuple(np.array([r], dtype=np.int32).tobytes() for r in rows)  # type: ignore[return-value]
+
+    def step(self, rng: random.Random, long: list[PageKey]) -> None:
+        a, b = self.shared, self.own
+        op = rng.random()
+        if op < 0.35:
+            blob = b"".join(rng.choices(long, k=rng.randint(1, 6)))
+            (ra, fa), (rb, fb) = a.ensure(blob), b.ensure(blob)
+            assert fa == fb and a.keys(ra) == b.keys(rb) == blob
+        elif op < 0.55:
+            key = rng.choice(long)
+            ra, rb = self.row(key)
+            if a.row(key) >= 0:
+                a.release(ra + ra)            # a row twice in one release
+                b.release(rb)
+        elif op < 0.75:
+            key = rng.choice(long)
+            ra, rb = self.row(key)
+            if a.row(key) >= 0:
+                level = rng.choice((0, 1, NO_LEVEL))
+                a.set_levels(ra, level)
+                b.set_levels(rb, level)
+                assert a.levels(ra) == b.levels(rb)
+        else:
+            blob = b"".join(rng.choices(long, k=rng.randint(0, 8)))
+            assert a.prefix_values(blob) == b.prefix_values(blob)
+            assert a.prefix_len(blob) == b.prefix_len(blob)
+            assert a.keys(a.prefix_rows(blob)) == b.keys(b.prefix_rows(blob))
+            assert (rows_of(a.find(blob)) >= 0).tolist() == (rows_of(b.find(blob)) >= 0).tolist()
+        assert len(a) == len(b) and a.rows == b.rows
+        assert a.capacity > max(rows_of(a.live_rows()), default=-1)
+
+    def check(self, keys: list[PageKey]) -> None:
+        a, b = self.shared, self.own
+        for key in keys:
+            if len(key) == 16:
+                assert a.get(key) == b.get(key) and (key in a) == (key in b)
+                self.row(key)
+            else:   # a shorter key of the ghost's or leaf heaps' is no page of the table
+                assert a.get(key.ljust(16, b"\0")) == b.get(key.ljust(16, b"\0"))
+        assert sorted(a.keys(a.live_rows())[i:i + 16] for i in range(0, 16 * a.rows, 16)) == \
+            sorted(b.keys(b.live_rows())[i:i + 16] for i in range(0, 16 * b.rows, 16))
+
+
 def _check(ghost: Pair, heaps: Pair, keys: list[PageKey]) -> None:
     ghost.same("keys")
     for key in keys:
@@ -72,16 +129,23 @@ def _check(ghost: Pair, heaps: Pair, keys: list[PageKey]) -> None:
     ghost.same("classes_of", long)
 
 
-def _drive(seed: int, steps: int) -> None:
+def _drive(seed: int, steps: int, pages: bool = False) -> None:
     rng = random.Random(seed)
     keys = _keys(rng, rng.choice((10, 30, 80)))
     long = [k for k in keys if len(k) == 16]
     table = _ghost.new_keys()
     ghost = Pair(_ghost.Ghost(gittins.MAX_AGE, keys=table), _ghost.Ghost(gittins.MAX_AGE))
     heaps: Any = Pair(NativeLeafHeaps(CLASSES, keys=table), NativeLeafHeaps(CLASSES))
+    rows = Tables(table) if pages and long else None
     clock = 0.0
     for step in range(steps):
         clock += rng.choice((0.0, 1.0))
+        if rows is not None and rng.random() < 0.4:
+            if rng.random() < 0.01:          # a new page table on the same key table
+                rows = None
+                rows = Tables(table)
+            rows.step(rng, long)
+            continue
         op = rng.random()
         key = rng.choice(keys)
         if op < 0.25:                       # a request: the ghost forgets beyond its limit
@@ -118,12 +182,21 @@ def _drive(seed: int, steps: int) -> None:
             ghost.same("on_request", [], clock, 0)     # forget everything remembered
         if step % 40 == 0:
             _check(ghost, heaps, keys)
+            if rows is not None:
+                rows.check(keys)
     _check(ghost, heaps, keys)
-    # The table holds what the two hold (remembered, resident, or an absent parent the heaps
-    # keep), nothing more: a key neither holds any longer was freed.
+    # The table holds what the three hold (remembered, resident, or an absent parent the
+    # heaps keep, a row), nothing more: a key none holds any longer was freed.
     held = {bytes(k) for k in ghost.own.keys()} | {bytes(k) for k in keys if k in heaps.own}
+    if rows is not None:
+        rows.check(keys)
+        held |= {bytes(k) for k in long if rows.own.row(k) >= 0}
     assert len(held) <= _ghost.keys_len(table) <= len(held) + sum(k not in heaps.own for k in keys)
     del heaps
+    if rows is not None:
+        in_rows = {bytes(k) for k in long if rows.own.row(k) >= 0}
+        assert _ghost.keys_len(table) == len(ghost.shared) + len(in_rows - {bytes(k) for k in ghost.own.keys()})
+        rows = None
     assert _ghost.keys_len(table) == len(ghost.shared)
     del ghost
 
@@ -131,6 +204,14 @@ def _drive(seed: int, steps: int) -> None:
 @pytest.mark.parametrize("seed", range(16))
 def test_a_shared_key_table_changes_no_answer(seed: int) -> None:
     _drive(seed, 1500)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_page_table_on_the_shared_key_table_changes_no_answer(seed: int) -> None:
+    """The page table's rows are ids of the key table: a row released while the ghost
+    remembers its key keeps the id (and its level reads unpublished), a key the ghost
+    forgets while the table holds it stays a row, ids freed by one serve the others."""
+    _drive(100 + seed, 2500, pages=True)
 
 
 def test_the_table_holds_each_shared_key_once() -> None:

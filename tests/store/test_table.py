@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tierkv.errors import InputError
+from tierkv.keys import PageKey
 from tierkv.store.table import NO_LEVEL, PageTable, PyCore, new_core, rows_of
 
 native = pytest.mark.skipif(type(new_core()) is PyCore, reason="tierkv._table is not built")
@@ -140,18 +141,31 @@ def test_keys_already_in_the_table_grow_nothing() -> None:
 
 
 @native
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
 @pytest.mark.parametrize("start", range(12))
-def test_a_failed_growth_takes_back_the_calls_new_rows(start: int) -> None:
+def test_a_failed_growth_takes_back_the_calls_new_rows(start: int, shared: bool) -> None:
     """Allocations fail from the start-th on (the result buffers, the map, the rows: some
     start values fail the growth after the free rows and the room left took 34 new keys):
-    ensure either gives every key a row or raises having added none."""
+    ensure either gives every key a row or raises having added none. On a key table a
+    ghost shares, the keys it remembers stay its own."""
     testcapi = pytest.importorskip("_testcapi")
-    core = new_core()
+    more = b"".join(i.to_bytes(16, "little") for i in range(5001, 6001))
+    remembered = [PageKey(more[i:i + 16]) for i in range(8000, 8320, 16)]
+    ghost = None
+    if shared:
+        from tierkv.policy import gittins
+        if gittins._ghost is None:
+            pytest.skip("tierkv.policy._ghost is not built")
+        keys = gittins._ghost.new_keys()
+        ghost = gittins._ghost.Ghost(gittins.MAX_AGE, keys=keys)
+        ghost.on_request(remembered, 1.0, 100)
+        core = new_core(keys)
+    else:
+        core = new_core()
     first = b"".join(i.to_bytes(16, "little") for i in range(1, 1001))
     rows, _ = core.ensure(first)
     free = rows_of(rows)[:10]
     core.release(free.tobytes())                        # ten rows on the free stack
-    more = b"".join(i.to_bytes(16, "little") for i in range(5001, 6001))
     failed = False
     testcapi.set_nomemory(start, 0)
     try:
@@ -164,6 +178,9 @@ def test_a_failed_growth_takes_back_the_calls_new_rows(start: int) -> None:
         assert core.rows == 1990 and (rows_of(core.find(more)) >= 0).all()
         return
     assert core.rows == 990 and (rows_of(core.find(more)) < 0).all()
+    if ghost is not None:   # the keys it added are gone from the key table, the ghost's stay
+        assert all(ghost.entry(k) is not None for k in remembered)
+        assert gittins._ghost.keys_len(keys) == 990 + len(remembered)
     again, fresh = core.ensure(more[:160])
     assert all(fresh) and set(rows_of(again).tolist()) == set(free.tolist())   # the free stack as it was
     assert (rows_of(core.find(more[:160])) >= 0).all() and (rows_of(core.find(more[160:])) < 0).all()

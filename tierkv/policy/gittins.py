@@ -309,6 +309,12 @@ class GittinsPolicy:
         self._leaves.discard(key)
         self._depth.pop(key, None)
 
+    def key_table(self) -> object | None:
+        """The key table the compiled ghost and leaf heaps share (a capsule), for the store's
+        page table to keep its keys in too (``tierkv._table.PageTable(keys=...)``); None
+        where they are the Python ones."""
+        return self._keys
+
     def memory_bytes(self) -> int | None:
         """Bytes the compiled leaf heaps, ghost and their key table hold; None where either
         is the Python one."""

@@ -168,9 +168,13 @@ class PyCore:
         return isinstance(key, (bytes, bytearray, memoryview)) and self.get(bytes(key)) is not None
 
 
-def new_core() -> PyCore:
-    """The compiled core where it is built, else :class:`PyCore`."""
-    return _table.PageTable() if _table is not None else PyCore()  # type: ignore[no-any-return]
+def new_core(keys: object = None) -> PyCore:
+    """The compiled core where it is built, else :class:`PyCore`. ``keys``: a policy's key
+    table (``tierkv.policy._ghost.new_keys()``) for the compiled core to keep its keys in;
+    ignored by :class:`PyCore`."""
+    if _table is None:
+        return PyCore()
+    return _table.PageTable() if keys is None else _table.PageTable(keys=keys)  # type: ignore[no-any-return]
 
 
 def rows_of(raw: bytes) -> np.ndarray:
@@ -181,12 +185,15 @@ def rows_of(raw: bytes) -> np.ndarray:
 class PageTable:
     """The core plus the manager's numpy columns for ``tiers`` tiers (levels 0..tiers-1)."""
 
-    def __init__(self, tiers: int, wide_slots: bool = False) -> None:
+    def __init__(self, tiers: int, wide_slots: bool = False, keys: object = None) -> None:
         """``wide_slots``: 64-bit slots, for tiers whose slots are handles that are never
-        reused (a block-addressed tier's), where 32 bits would wrap in a long run."""
+        reused (a block-addressed tier's), where 32 bits would wrap in a long run.
+        ``keys``: a policy's key table to share (see :func:`new_core`): the keys that
+        policy holds then cost the table nothing more; ValueError if another page table
+        uses it already."""
         if not 1 <= tiers <= MAX_TIERS:
             raise ValueError(f"a page table tracks 1 to {MAX_TIERS} tiers, got {tiers}")
-        self.core = new_core()
+        self.core = new_core(keys)
         self.tiers = tiers
         self._cap = 0
         self.parent = np.zeros(0, dtype=np.int32)     # parent row + 1; 0: none
@@ -257,7 +264,8 @@ class PageTable:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes allocated for the table: the core's keys, levels and map, and the columns."""
+        """Bytes allocated for the table: the core's keys, levels and map (not a policy's key
+        table it shares: the policy counts that), and the columns."""
         cols = (self.parent, self.nbytes, self.checksum, self.has_sum, self.pins, self.gen, self.where,
                 self.nkids, self.slot, self.kids)
         return int(self.core.nbytes) + sum(c.nbytes for c in cols)
