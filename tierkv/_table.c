@@ -68,18 +68,6 @@ row_of(const TableObject *t, const uint8_t *k)
     return row_h(t, k, kt_hash(k, KEY_BYTES));
 }
 
-/* The row taken back by a failed ensure: let go of, and the id taken back if the
- * table added it (no other holder: ids held by nobody are never in the table). */
-static void
-unclaim(TableObject *t, int32_t id)
-{
-    KeyTab *kt = t->kt;
-    t->count--;
-    KT_META(kt, id) &= (uint8_t)~KT_TABLE;
-    if (!(KT_META(kt, id) & KT_HOLDERS))
-        kt_unadd(kt, id);
-}
-
 /* ------------------------------------------------------------------ argument helpers */
 
 static int
@@ -168,17 +156,27 @@ t_dealloc(TableObject *t)
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
-/* Rows of n keys back to back into dst (-1 for keys not in the table); the map's lines
- * and the records fetched ahead a window of keys at a time. */
+/* The ids of n keys back to back into dst (-1 for keys not in the key table, held or
+ * not); the map's lines and the records fetched ahead a window of keys at a time. */
 static void
-rows_of_keys(const TableObject *t, const uint8_t *p, Py_ssize_t n, int32_t *dst)
+rows_of_keys_any(const KeyTab *kt, const uint8_t *p, Py_ssize_t n, int32_t *dst)
 {
     for (Py_ssize_t i = 0; i < n; i += 64) {
         Py_ssize_t m = n - i < 64 ? n - i : 64;
-        kt_prefetch16(t->kt, p + i * KEY_BYTES, m);
+        kt_prefetch16(kt, p + i * KEY_BYTES, m);
         for (Py_ssize_t j = i; j < i + m; j++)
-            dst[j] = row_of(t, p + j * KEY_BYTES);
+            dst[j] = kt_find(kt, p + j * KEY_BYTES, KEY_BYTES);
     }
+}
+
+/* Rows of n keys back to back into dst (-1 for keys not in the table). */
+static void
+rows_of_keys(const TableObject *t, const uint8_t *p, Py_ssize_t n, int32_t *dst)
+{
+    rows_of_keys_any(t->kt, p, n, dst);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (dst[i] >= 0 && !held(t, dst[i]))
+            dst[i] = -1;
 }
 
 static PyObject *
@@ -230,26 +228,27 @@ t_ensure(TableObject *t, PyObject *arg)
     int32_t *dst = (int32_t *)PyBytes_AS_STRING(rows);
     uint8_t *isnew = (uint8_t *)PyBytes_AS_STRING(fresh);
     const uint8_t *p = blob.buf;
-    /* The map and the records grow as new keys come (doubling), not by n up front: a
-     * blob of keys mostly in the table already (a reopen's parents) must not double
-     * them. A failed growth takes back this call's new rows, so nothing is half done. */
+    /* Every key looked up first (a window of lookups fetched ahead at a time), then room
+     * made once for the keys not in the key table (a repeated one counted twice): a
+     * blob of keys mostly there already (a reopen's parents) grows nothing, a blob of
+     * new ones grows the map once, and a failed growth leaves everything as it was. */
+    rows_of_keys_any(kt, p, n, dst);
+    Py_ssize_t absent = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        absent += dst[i] < 0;
+    if (absent && kt_reserve(kt, absent) < 0)
+        goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if ((i & 63) == 0)
-            kt_prefetch16(kt, p + i * KEY_BYTES, n - i);
         const uint8_t *k = p + i * KEY_BYTES;
-        uint64_t h = kt_hash(k, KEY_BYTES);
-        int32_t id = kt_find_h(kt, k, KEY_BYTES, h);
-        isnew[i] = id < 0 || !held(t, id);
-        if (isnew[i]) {
-            if (id < 0) {
-                if (kt_reserve(kt, 1) < 0) {
-                    for (Py_ssize_t j = i - 1; j >= 0; j--)   /* newest first */
-                        if (isnew[j])
-                            unclaim(t, dst[j]);
-                    goto done;
-                }
+        int32_t id = dst[i];
+        if (id < 0) {   /* added by an earlier repeat in this blob, or new */
+            uint64_t h = kt_hash(k, KEY_BYTES);
+            id = kt_find_h(kt, k, KEY_BYTES, h);
+            if (id < 0)
                 id = kt_add_h(kt, k, KEY_BYTES, h);
-            }
+        }
+        isnew[i] = !held(t, id);
+        if (isnew[i]) {
             kt_hold(kt, id, KT_TABLE);   /* its level: NO_LEVEL (kt_add, release, detach) */
             t->count++;
         }

@@ -144,10 +144,9 @@ def test_keys_already_in_the_table_grow_nothing() -> None:
 @pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
 @pytest.mark.parametrize("start", range(12))
 def test_a_failed_growth_takes_back_the_calls_new_rows(start: int, shared: bool) -> None:
-    """Allocations fail from the start-th on (the result buffers, the map, the rows: some
-    start values fail the growth after the free rows and the room left took 34 new keys):
-    ensure either gives every key a row or raises having added none. On a key table a
-    ghost shares, the keys it remembers stay its own."""
+    """Allocations fail from the start-th on (the result buffers, the map, the records):
+    ensure either gives every key a row or raises having added none, the free rows as
+    they were. On a key table a ghost shares, the keys it remembers stay its own."""
     testcapi = pytest.importorskip("_testcapi")
     more = b"".join(i.to_bytes(16, "little") for i in range(5001, 6001))
     remembered = [PageKey(more[i:i + 16]) for i in range(8000, 8320, 16)]

@@ -348,22 +348,6 @@ kt_free_id(KeyTab *kt, int32_t id)
     kt->nfree++;
 }
 
-/* Takes back the id kt_add handed out last (of those not taken back yet), held by
- * nobody: `high` and the free stack are as they were before it (a call that fails part
- * way takes back its new ids newest first). */
-static inline void
-kt_unadd(KeyTab *kt, int32_t id)
-{
-    kt_unmap(kt, id);
-    kt->count--;
-    if (id == kt->high - 1) {
-        KT_META(kt, id) = 0;
-        kt->high--;
-    } else {
-        kt_free_id(kt, id);
-    }
-}
-
 /* The holder bit lets go of id; the id is freed when no holder is left. */
 static void
 kt_drop(KeyTab *kt, int32_t id, int bit)
