@@ -76,9 +76,11 @@ TIMED = {
     "load_us_per_page": "Store.put of all `pages` pages into a full DRAM tier: demotions to the NVMe file "
                         "with fdatasync and index commits included",
     "table_bytes_per_page": "Store.stats().page_table_bytes after the puts, divided by `pages`: the page "
-                            "table's allocation (keys, map, per-page columns; capacity ahead of use included)",
+                            "table's allocation (per-page columns, and its keys and map unless it shares the "
+                            "slowest tier's policy's key table; capacity ahead of use included)",
     "policy_bytes_per_page": "the tiers' policy_bytes in the same stats, summed, per page (null where a policy "
-                             "cannot tell): the leaf heaps and the ghost, allocated",
+                             "cannot tell): the leaf heaps and the ghost with their key table (the page "
+                             "table's keys too, for the slowest tier), allocated",
     "index_file_bytes_per_page": "index_file_bytes in the same stats, per page: the LMDB file in use (a slot "
                                  "tier's runs; the writer hands its mapping back to the kernel after use)",
     "dict": "{key: (tier, slot, checksum)} of the same 16-byte keys, computed beforehand: insert, dict.get, "

@@ -54,7 +54,8 @@ class StoreCollector:
             src, dst = pair.split("->")
             moved.add_metric([src, dst], nbytes)
         yield from (hits, used, cap, read, written, io_s, up, policy, moved)
-        yield GaugeMetricFamily("tierkv_page_table_bytes", "Memory of the page table (keys, map, per-page columns)",
+        yield GaugeMetricFamily("tierkv_page_table_bytes",
+                                "Memory of the page table (per-page columns; keys and map unless in a policy's key table)",
                                 value=st.page_table_bytes)
         yield GaugeMetricFamily("tierkv_index_file_bytes", "Bytes of the persistent index file in use",
                                 value=st.index_file_bytes)

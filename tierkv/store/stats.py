@@ -76,7 +76,7 @@ class StoreStats:
     lossy_converted: int = 0   # exact pages a lossy tier (lossy_bits) converted to lossy ones
     lossy_pending: int = 0     # pages queued for that conversion, or being converted, now
     lossy_waiting: int = 0     # pages it keeps back now (cached children or pins need them exact)
-    page_table_bytes: int = 0  # memory of the page table (keys, map, per-page columns)
+    page_table_bytes: int = 0  # the page table's columns, keys and map (not a key table a policy shares)
     index_file_bytes: int = 0  # the persistent index's file in use (LMDB; the writer unmaps its pages after use)
 
     @property
