@@ -1,5 +1,6 @@
 /*
- * keytab.h: the page keys of one tier's compiled policy structures, held once.
+ * keytab.h: page keys held once for the structures that share them (a tier's compiled
+ * policy structures, and the store's page table).
  *
  * GittinsPolicy keeps a tier's resident pages in LeafHeaps (tierkv.policy._leaves) and
  * the pages it remembers in its ghost (tierkv.policy._ghost): mostly the same keys; the

@@ -145,7 +145,7 @@ def _new_table(tiers: Sequence[Tier], policies: dict[TierId, Policy]) -> PageTab
     """The page table, keeping its keys in the key table of the slowest tier's policy where
     that policy offers one (``key_table()``: the compiled gittins policy): that tier holds
     most of the pages, and its leaf heaps and ghost hold their keys, so each such key is
-    kept once for the three (about 25 bytes a page less)."""
+    kept once for the three (about 30 bytes a page less: docs/benchmarks.md, round 11)."""
     wide = any(t.block_addressed for t in tiers)
     offer = getattr(policies[tiers[-1].name], "key_table", None)
     keys = offer() if offer is not None else None
