@@ -156,24 +156,11 @@ t_dealloc(TableObject *t)
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
-/* The ids of n keys back to back into dst (-1 for keys not in the key table, held or
- * not); the map's lines and the records fetched ahead a window of keys at a time. */
-static void
-rows_of_keys_any(const KeyTab *kt, const uint8_t *p, Py_ssize_t n, int32_t *dst)
-{
-    for (Py_ssize_t i = 0; i < n; i += 64) {
-        Py_ssize_t m = n - i < 64 ? n - i : 64;
-        kt_prefetch16(kt, p + i * KEY_BYTES, m);
-        for (Py_ssize_t j = i; j < i + m; j++)
-            dst[j] = kt_find(kt, p + j * KEY_BYTES, KEY_BYTES);
-    }
-}
-
 /* Rows of n keys back to back into dst (-1 for keys not in the table). */
 static void
 rows_of_keys(const TableObject *t, const uint8_t *p, Py_ssize_t n, int32_t *dst)
 {
-    rows_of_keys_any(t->kt, p, n, dst);
+    kt_find16_many(t->kt, p, n, dst);
     for (Py_ssize_t i = 0; i < n; i++)
         if (dst[i] >= 0 && !held(t, dst[i]))
             dst[i] = -1;
@@ -232,7 +219,7 @@ t_ensure(TableObject *t, PyObject *arg)
      * made once for the keys not in the key table (a repeated one counted twice): a
      * blob of keys mostly there already (a reopen's parents) grows nothing, a blob of
      * new ones grows the map once, and a failed growth leaves everything as it was. */
-    rows_of_keys_any(kt, p, n, dst);
+    kt_find16_many(kt, p, n, dst);   /* ids, held by the table or not */
     Py_ssize_t absent = 0;
     for (Py_ssize_t i = 0; i < n; i++)
         absent += dst[i] < 0;

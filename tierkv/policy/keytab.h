@@ -179,6 +179,29 @@ kt_prefetch16(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n)
     }
 }
 
+/* kt_find of n 16-byte keys back to back into ids, a window of 64 at a time: each key
+ * hashed once, the window's map lines and then the records they name fetched ahead. */
+static inline void
+kt_find16_many(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n, int32_t *ids)
+{
+    uint64_t hs[64];
+    for (Py_ssize_t i = 0; i < n; i += 64) {
+        Py_ssize_t m = n - i < 64 ? n - i : 64;
+        const uint8_t *k = keys + KT_KEY * i;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            hs[j] = kt_hash(k + KT_KEY * j, KT_KEY);
+            KT_PREFETCH(&kt->slots[hs[j] & kt->smask]);
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            uint32_t e = kt->slots[hs[j] & kt->smask];
+            if (e != KT_EMPTY)
+                KT_PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
+        }
+        for (Py_ssize_t j = 0; j < m; j++)
+            ids[i + j] = kt_find_h(kt, k + KT_KEY * j, KT_KEY, hs[j]);
+    }
+}
+
 static inline size_t
 kt_home(const KeyTab *kt, int32_t id)
 {
