@@ -160,12 +160,11 @@ kt_find_many(const KeyTab *kt, const uint8_t (*keys)[KT_KEY], const int *lens, P
 }
 
 /* Fetch ahead what looking up n 16-byte keys back to back will read: the map's lines,
- * then the record each key's first slot names. For a window of a batch (up to about 64
- * keys), before its lookups. */
+ * then the record each key's first slot names; their hashes into hs. For a window of a
+ * batch (at most 64 keys), before its lookups. */
 static inline void
-kt_prefetch16(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n)
+kt_prefetch16_h(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n, uint64_t hs[64])
 {
-    uint64_t hs[64];
     if (n > 64)
         n = 64;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -179,6 +178,13 @@ kt_prefetch16(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n)
     }
 }
 
+static inline void
+kt_prefetch16(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n)
+{
+    uint64_t hs[64];
+    kt_prefetch16_h(kt, keys, n, hs);
+}
+
 /* kt_find of n 16-byte keys back to back into ids, a window of 64 at a time: each key
  * hashed once, the window's map lines and then the records they name fetched ahead. */
 static inline void
@@ -188,15 +194,7 @@ kt_find16_many(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n, int32_t *ids
     for (Py_ssize_t i = 0; i < n; i += 64) {
         Py_ssize_t m = n - i < 64 ? n - i : 64;
         const uint8_t *k = keys + KT_KEY * i;
-        for (Py_ssize_t j = 0; j < m; j++) {
-            hs[j] = kt_hash(k + KT_KEY * j, KT_KEY);
-            KT_PREFETCH(&kt->slots[hs[j] & kt->smask]);
-        }
-        for (Py_ssize_t j = 0; j < m; j++) {
-            uint32_t e = kt->slots[hs[j] & kt->smask];
-            if (e != KT_EMPTY)
-                KT_PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
-        }
+        kt_prefetch16_h(kt, k, m, hs);
         for (Py_ssize_t j = 0; j < m; j++)
             ids[i + j] = kt_find_h(kt, k + KT_KEY * j, KT_KEY, hs[j]);
     }
