@@ -32,12 +32,6 @@
 #define NO_LEVEL KT_NO_LEVEL
 #define ROWS_MIN 1024
 
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(p) __builtin_prefetch(p)
-#else
-#define PREFETCH(p) ((void)0)
-#endif
-
 typedef struct {
     PyObject_HEAD
     KeyTab *kt;           /* the keys: a row is an id the table holds (KT_TABLE) */
@@ -54,18 +48,12 @@ held(const TableObject *t, int32_t id)
     return (KT_META(t->kt, id) & KT_TABLE) != 0;
 }
 
-/* The row of key k (16 bytes) whose hash is h, or -1. */
-static inline int32_t
-row_h(const TableObject *t, const uint8_t *k, uint64_t h)
-{
-    int32_t id = kt_find_h(t->kt, k, KEY_BYTES, h);
-    return id >= 0 && held(t, id) ? id : -1;
-}
-
+/* The row of key k (16 bytes), or -1. */
 static inline int32_t
 row_of(const TableObject *t, const uint8_t *k)
 {
-    return row_h(t, k, kt_hash(k, KEY_BYTES));
+    int32_t id = kt_find(t->kt, k, KEY_BYTES);
+    return id >= 0 && held(t, id) ? id : -1;
 }
 
 /* ------------------------------------------------------------------ argument helpers */
@@ -429,23 +417,23 @@ prefix_scan(const TableObject *t, const uint8_t *p, Py_ssize_t start, Py_ssize_t
     Py_ssize_t i;
     for (i = start; i < n && i < start + 2 * SCAN_AHEAD; i++) {
         hs[i & (SCAN_RING - 1)] = kt_hash(p + i * KEY_BYTES, KEY_BYTES);
-        PREFETCH(&kt->slots[hs[i & (SCAN_RING - 1)] & kt->smask]);
+        KT_PREFETCH(&kt->slots[hs[i & (SCAN_RING - 1)] & kt->smask]);
     }
     for (i = start; i < n && i < start + SCAN_AHEAD; i++) {
         uint32_t e = kt->slots[hs[i & (SCAN_RING - 1)] & kt->smask];
         if (e != KT_EMPTY)
-            PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
+            KT_PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
     }
     for (i = start; i < n; i++) {
         Py_ssize_t a = i + 2 * SCAN_AHEAD, b = i + SCAN_AHEAD;
         if (a < n) {
             hs[a & (SCAN_RING - 1)] = kt_hash(p + a * KEY_BYTES, KEY_BYTES);
-            PREFETCH(&kt->slots[hs[a & (SCAN_RING - 1)] & kt->smask]);
+            KT_PREFETCH(&kt->slots[hs[a & (SCAN_RING - 1)] & kt->smask]);
         }
         if (b < n) {
             uint32_t e = kt->slots[hs[b & (SCAN_RING - 1)] & kt->smask];
             if (e != KT_EMPTY)
-                PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
+                KT_PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
         }
         int32_t id = kt_find_h(kt, p + i * KEY_BYTES, KEY_BYTES, hs[i & (SCAN_RING - 1)]);
         int v = id < 0 ? NO_LEVEL : KT_LEVEL(kt, id);
