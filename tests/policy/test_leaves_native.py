@@ -90,6 +90,10 @@ def _victims(tw: Twin, rng: random.Random, keys: list[PageKey], settle: bool) ->
         key = cands[rng.randrange(len(cands))][0]
         tw.same("take", key)
         out.append(key)
+        if rng.random() < 0.1:        # any key: absent (KeyError), with children (InputError) or a leaf
+            other = rng.choice(keys)
+            if tw.same("take", other) is None and other not in out:
+                out.append(other)
     if settle:
         tw.same("settle")
     return out
@@ -268,6 +272,35 @@ def test_memory_per_resident_page(chain: int, limit: int) -> None:
     assert len(h) == n
     assert used / n < limit, f"{used / n:.1f} bytes per page"
     assert h.nbytes() <= used
+
+
+@pytest.mark.parametrize("impl", [PyLeafHeaps, NativeLeafHeaps], ids=["python", "native"])
+def test_only_a_leaf_can_be_taken(impl: Any) -> None:
+    """A page with resident children is refused as a victim (a prefix would be left with a
+    hole), in the middle of a victims call too; taking its children first makes it a leaf,
+    and an undo puts the chain back as it was."""
+    heaps = impl(1, True)
+    heaps.add(k(0), None, 0, 1.0)
+    heaps.add(k(1), k(0), 0, 2.0)
+    heaps.add(k(2), k(1), 0, 3.0)
+    heaps.undo()
+    for key in (k(0), k(1)):
+        with pytest.raises(InputError, match="resident children"):
+            heaps.take(key)
+    heaps.take(k(2))
+    with pytest.raises(InputError, match="resident children"):
+        heaps.take(k(0))
+    heaps.take(k(1))
+    heaps.take(k(0))
+    with pytest.raises(KeyError):
+        heaps.take(k(3))
+    heaps.undo()
+    assert len(heaps) == 3 and [heaps.parent_of(key) for key in (k(1), k(2))] == [k(0), k(1)]
+    assert [c[0] for c in heaps.candidates(everything)] == [k(2), k(2)]
+    for key in (k(0), k(1)):
+        with pytest.raises(InputError, match="resident children"):
+            heaps.take(key)
+    heaps.settle()
 
 
 @pytest.mark.parametrize("impl", [PyLeafHeaps, NativeLeafHeaps], ids=["python", "native"])

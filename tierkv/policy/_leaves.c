@@ -9,7 +9,7 @@
  *
  * Layout: the keys in a key table (keytab.h: each key once under a dense id, and the
  * map from keys to ids), which GittinsPolicy shares with the tier's ghost (a LeafHeaps
- * made without one has its own); its 24-byte Node per key lives in the key's record
+ * made without one has its own); its 18-byte Node per key lives in the key's record
  * there (records never move); what only a leaf or a pending victim needs (its sequence number, heap positions,
  * pending index) in a 20-byte Rec of its own, which most nodes of a prefix chain never
  * have; per class and end an int32 heap whose entries record their position in the
@@ -42,20 +42,25 @@
 
 /* INMAP: the node is in use (this structure holds its key's id; 0 once freed).
  * ALLOWED: evictable said yes to it in this victims call (it cannot change until
- * settle), so a head re-read after another class member was taken is not asked again. */
-enum { PRESENT = 1, ZOMBIE = 2, INMAP = 4, ALLOWED = 8 };
+ * settle), so a head re-read after another class member was taken is not asked again.
+ * HASREC: the node has a Rec (kr is its index), so it has no resident children. */
+enum { PRESENT = 1, ZOMBIE = 2, INMAP = 4, ALLOWED = 8, HASREC = 16 };
 
-/* 24 bytes, at the index of its key's id. A node of an id this structure does not hold
- * is never read: it is blank (flags 0, rec -1) if it was ever used, else uninitialized. */
+/* 18 bytes, at the index of its key's id. A node of an id this structure does not hold
+ * is never read: it is blank (flags 0) if it was ever used, else uninitialized. Only a
+ * node without resident children has a Rec (a leaf or a pending victim: every call
+ * that adds a child first puts pending victims back), so one word holds either: the
+ * Rec's index where HASREC is set, else the count of resident (not taken) children.
+ * Packed to 2: it starts 2 bytes past an 8-byte boundary (keytab.h's layouts). */
+#pragma pack(push, 2)
 typedef struct {
     double last;          /* last access */
     int32_t parent;       /* node of the parent key, -1 for none */
-    int32_t kids;         /* resident (not taken) children */
-    int32_t rec;          /* its Rec while a leaf or a pending victim, else -1 */
+    int32_t kr;           /* HASREC: its Rec; else its resident (not taken) children */
     uint8_t flags;
-    uint8_t spare;
-    uint16_t cls;
+    uint8_t cls;
 } Node;
+#pragma pack(pop)
 
 /* 20 bytes: what a node needs only while it is a leaf (seq != 0) or a pending victim
  * (pend >= 0); a free Rec's pend is the free-list link. */
@@ -67,7 +72,7 @@ typedef struct {
 } Rec;
 #pragma pack(pop)
 
-_Static_assert(sizeof(Node) == KT_LEAVES_NODE, "Node is 24 bytes");
+_Static_assert(sizeof(Node) == KT_LEAVES_NODE, "Node is 18 bytes");
 _Static_assert(sizeof(Rec) == 20, "Rec is 20 bytes");
 
 typedef struct {
@@ -108,7 +113,14 @@ typedef struct {
 static PyObject *InputError; /* tierkv.errors.InputError */
 
 #define NODE(s, i) ((Node *)(KT_REC((s)->kt, (i)) + (s)->kt->leaves_off))
-#define REC(s, nd) (&(s)->recs[(nd)->rec])
+#define REC(s, nd) (&(s)->recs[(nd)->kr])   /* only where nd has one (HASREC) */
+
+/* Resident (not taken) children of nd: none while it has a Rec. */
+static inline int32_t
+kids_of(const Node *nd)
+{
+    return (nd->flags & HASREC) ? 0 : nd->kr;
+}
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -140,19 +152,19 @@ grow(void **arr, int32_t *cap, int32_t need, size_t elem)
 static inline uint64_t
 seq_of(const LeafHeapsObject *s, const Node *nd)
 {
-    return nd->rec >= 0 ? s->recs[nd->rec].seq : 0;
+    return (nd->flags & HASREC) ? s->recs[nd->kr].seq : 0;
 }
 
 static inline int32_t
 pos_of(const LeafHeapsObject *s, const Node *nd, int which)
 {
-    return nd->rec >= 0 ? s->recs[nd->rec].pos[which] : -1;
+    return (nd->flags & HASREC) ? s->recs[nd->kr].pos[which] : -1;
 }
 
 static inline int32_t
 pend_of(const LeafHeapsObject *s, const Node *nd)
 {
-    return nd->rec >= 0 ? s->recs[nd->rec].pend : -1;
+    return (nd->flags & HASREC) ? s->recs[nd->kr].pend : -1;
 }
 
 /* Room for n more Recs (1 or 2), so that the next n rec_make calls cannot fail. */
@@ -163,13 +175,18 @@ rec_reserve(LeafHeapsObject *s, int n)
     return spare >= n ? 0 : grow((void **)&s->recs, &s->rcap, s->rused + n - spare, sizeof(Rec));
 }
 
-/* The Rec of node idx, a blank one if it has none; NULL with MemoryError. Recs move. */
+/* The Rec of node idx (which has no resident children), a blank one if it has none;
+ * NULL with MemoryError. Recs move. */
 static Rec *
 rec_make(LeafHeapsObject *s, int32_t idx)
 {
     Node *nd = NODE(s, idx);
-    if (nd->rec >= 0)
-        return &s->recs[nd->rec];
+    if (nd->flags & HASREC)
+        return &s->recs[nd->kr];
+    if (nd->kr != 0) {   /* its word counts children: callers never get here */
+        PyErr_SetString(PyExc_SystemError, "LeafHeaps: a Rec for a node with resident children");
+        return NULL;
+    }
     if (rec_reserve(s, 1) < 0)
         return NULL;
     int32_t r;
@@ -183,7 +200,9 @@ rec_make(LeafHeapsObject *s, int32_t idx)
     rc->seq = 0;
     rc->pos[OLD] = rc->pos[YOUNG] = -1;
     rc->pend = -1;
-    nd->rec = r;
+    nd = NODE(s, idx);
+    nd->kr = r;
+    nd->flags |= HASREC;
     return rc;
 }
 
@@ -192,14 +211,15 @@ static void
 rec_drop(LeafHeapsObject *s, int32_t idx)
 {
     Node *nd = NODE(s, idx);
-    if (nd->rec < 0)
+    if (!(nd->flags & HASREC))
         return;
-    Rec *rc = &s->recs[nd->rec];
+    Rec *rc = &s->recs[nd->kr];
     if (rc->seq != 0 || rc->pend >= 0 || rc->pos[OLD] >= 0 || rc->pos[YOUNG] >= 0)
         return;
     rc->pend = s->rfree;
-    s->rfree = nd->rec;
-    nd->rec = -1;
+    s->rfree = nd->kr;
+    nd->kr = 0;
+    nd->flags &= (uint8_t)~HASREC;
 }
 
 /* A page key as 16 zero-padded bytes and its length: 1 if ok, 0 if obj cannot be a key
@@ -325,7 +345,6 @@ node_get(LeafHeapsObject *s, const uint8_t key[KEY_MAX], int len)
     Node *nd = NODE(s, idx);
     memset(nd, 0, sizeof(Node));
     nd->parent = -1;
-    nd->rec = -1;
     nd->flags = INMAP;
     return idx;
 }
@@ -338,8 +357,8 @@ before(const LeafHeapsObject *s, int which, int32_t a, int32_t b)
 {
     const Node *x = NODE(s, a), *y = NODE(s, b);
     if (which == OLD)
-        return x->last < y->last || (x->last == y->last && s->recs[x->rec].seq < s->recs[y->rec].seq);
-    return x->last > y->last || (x->last == y->last && s->recs[x->rec].seq > s->recs[y->rec].seq);
+        return x->last < y->last || (x->last == y->last && s->recs[x->kr].seq < s->recs[y->kr].seq);
+    return x->last > y->last || (x->last == y->last && s->recs[x->kr].seq > s->recs[y->kr].seq);
 }
 
 static void
@@ -448,7 +467,7 @@ set_state(LeafHeapsObject *s, int32_t idx, int cls, double t)
 {
     if (seq_of(s, NODE(s, idx)) != 0)
         unleaf(s, idx);
-    NODE(s, idx)->cls = (uint16_t)cls;
+    NODE(s, idx)->cls = (uint8_t)cls;
     NODE(s, idx)->last = t;
 }
 
@@ -474,7 +493,7 @@ sweep(LeafHeapsObject *s)
         int32_t idx = s->zombies[i];
         Node *nd = NODE(s, idx);
         nd->flags &= (uint8_t)~ZOMBIE;
-        if ((nd->flags & (PRESENT | INMAP)) != INMAP || nd->kids != 0 || pend_of(s, nd) >= 0)
+        if ((nd->flags & (PRESENT | INMAP)) != INMAP || kids_of(nd) != 0 || pend_of(s, nd) >= 0)
             continue;
         unleaf(s, idx);
         nd = NODE(s, idx);
@@ -485,14 +504,29 @@ sweep(LeafHeapsObject *s)
     s->nzomb = 0;
 }
 
-/* One more resident child of node p (resident or not: it may arrive later). */
-static void
+/* A node whose word should count children has a Rec: a bug, and the structure is
+ * unusable (SystemError now, RuntimeError from every later call). */
+static int
+lost_count(LeafHeapsObject *s)
+{
+    PyErr_SetString(PyExc_SystemError, "LeafHeaps: a child count asked of a node that has a Rec");
+    return fail(s);
+}
+
+/* One more resident child of node p (resident or not: it may arrive later). A pending
+ * victim never gets one (every call that adds puts them back first), so once p stops
+ * being a leaf its Rec is gone. */
+static int
 adopt(LeafHeapsObject *s, int32_t p)
 {
     Node *nd = NODE(s, p);
-    if (nd->kids == 0 && (nd->flags & PRESENT))
+    if (kids_of(nd) == 0 && (nd->flags & PRESENT))
         unleaf(s, p);
-    NODE(s, p)->kids++;
+    nd = NODE(s, p);
+    if (nd->flags & HASREC)
+        return lost_count(s);
+    nd->kr++;
+    return 0;
 }
 
 static int
@@ -502,7 +536,9 @@ orphan(LeafHeapsObject *s, int32_t idx)
     if (p < 0)
         return 0;
     Node *nd = NODE(s, p);
-    if (--nd->kids != 0)
+    if (nd->flags & HASREC)
+        return lost_count(s);
+    if (--nd->kr != 0)
         return 0;
     if (nd->flags & PRESENT)
         return leaf(s, p);
@@ -532,8 +568,8 @@ undo_all(LeafHeapsObject *s)
             continue;
         REC(s, NODE(s, idx))->pend = -1;   /* its Rec stays: leaf() below uses it */
         int32_t p = NODE(s, idx)->parent;
-        if (p >= 0)
-            adopt(s, p);
+        if (p >= 0 && adopt(s, p) < 0)
+            return -1;
         if (leaf(s, idx) < 0)
             return -1;
     }
@@ -545,7 +581,7 @@ undo_all(LeafHeapsObject *s)
 static int
 remove_resident(LeafHeapsObject *s, int32_t idx)
 {
-    if (NODE(s, idx)->kids == 0)
+    if (kids_of(NODE(s, idx)) == 0)
         unleaf(s, idx);
     if (orphan(s, idx) < 0)
         return -1;
@@ -562,7 +598,7 @@ forget(LeafHeapsObject *s, int32_t idx)
     nd->flags &= (uint8_t)~PRESENT;
     nd->parent = -1;
     s->present--;
-    if (nd->kids == 0)
+    if (kids_of(nd) == 0)
         return zombie(s, idx);
     return 0;
 }
@@ -612,8 +648,8 @@ lh_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     PyObject *keys = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|pO:LeafHeaps", kwlist, &classes, &young, &keys))
         return NULL;
-    if (classes < 0 || classes > 65535) {
-        PyErr_Format(InputError, "classes must be 0 to 65535, got %zd", classes);
+    if (classes < 0 || classes > 255) {
+        PyErr_Format(InputError, "classes must be 0 to 255, got %zd", classes);
         return NULL;
     }
     if (keys != Py_None && kt_from(keys, InputError, "keys", KT_LEAVES) == NULL)
@@ -684,9 +720,10 @@ add_one(LeafHeapsObject *s, const uint8_t *k, int klen, const uint8_t *pk, int p
         if (p < 0)
             return fail(s), -1;
         NODE(s, idx)->parent = p;
-        adopt(s, p);
+        if (adopt(s, p) < 0)
+            return -1;
     }
-    if (NODE(s, idx)->kids == 0) {
+    if (kids_of(NODE(s, idx)) == 0) {
         /* Skipped, a chain's page still marks its class as the leaf and unleaf it saves
          * would (the Python twin's): a victims call left unsettled must not reuse its head. */
         if (parent_next)
@@ -752,7 +789,7 @@ lh_add_many(LeafHeapsObject *s, PyObject *args)
                 uint8_t prev[KEY_MAX];
                 memcpy(prev, kp + 16 * (i - 1), 16);
                 int32_t p = map_find(s, prev, 16);
-                if (p >= 0 && (NODE(s, p)->flags & PRESENT) && NODE(s, p)->kids == 0 && seq_of(s, NODE(s, p)) == 0)
+                if (p >= 0 && (NODE(s, p)->flags & PRESENT) && kids_of(NODE(s, p)) == 0 && seq_of(s, NODE(s, p)) == 0)
                     (void)leaf(s, p);   /* on failure it marks the heaps broken */
             }
             goto done;
@@ -832,7 +869,7 @@ lh_touch(LeafHeapsObject *s, PyObject *const *args, Py_ssize_t nargs, PyObject *
     }
     cls = (int)c;
     set_state(s, idx, cls, t);
-    if (NODE(s, idx)->kids == 0 && leaf(s, idx) < 0)
+    if (kids_of(NODE(s, idx)) == 0 && leaf(s, idx) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -875,7 +912,7 @@ lh_touch_many(LeafHeapsObject *s, PyObject *args)
         if (idx < 0 || !(NODE(s, idx)->flags & PRESENT))
             continue;
         set_state(s, idx, cp[i], t0 + (double)i * step);
-        if (NODE(s, idx)->kids == 0 && leaf(s, idx) < 0)
+        if (kids_of(NODE(s, idx)) == 0 && leaf(s, idx) < 0)
             goto done;
     }
     res = Py_None;
@@ -1055,7 +1092,8 @@ lh_candidates(LeafHeapsObject *s, PyObject *evictable)
 }
 
 PyDoc_STRVAR(take_doc, "take(key)\n\nMark the leaf key as a victim; its parent may become a leaf.\n"
-"KeyError if key is not resident.");
+"KeyError if key is not resident, InputError if it has resident children; a key\n"
+"taken already (and not discarded or put back since) is left as it is.");
 
 static PyObject *
 lh_take(LeafHeapsObject *s, PyObject *key)
@@ -1067,18 +1105,21 @@ lh_take(LeafHeapsObject *s, PyObject *key)
         PyErr_SetObject(PyExc_KeyError, key);
         return NULL;
     }
-    if (pend_of(s, NODE(s, idx)) < 0 &&
-        (grow((void **)&s->pend, &s->pcap, s->npend + 1, sizeof(int32_t)) < 0 || rec_reserve(s, 2) < 0))
+    if (pend_of(s, NODE(s, idx)) >= 0)   /* taken already: its parent lost it then */
+        Py_RETURN_NONE;
+    if (kids_of(NODE(s, idx)) != 0) {
+        PyErr_Format(InputError, "take: page %R has resident children: only a leaf can be a victim", key);
+        return NULL;
+    }
+    if (grow((void **)&s->pend, &s->pcap, s->npend + 1, sizeof(int32_t)) < 0 || rec_reserve(s, 2) < 0)
         return NULL;
     unleaf(s, idx);
     if (orphan(s, idx) < 0)
         return NULL;
-    if (pend_of(s, NODE(s, idx)) < 0) {
-        Rec *rc = rec_make(s, idx);   /* cannot fail: two reserved above, for it and a parent orphan() made a leaf */
-        rc->pend = s->npend;
-        s->pend[s->npend++] = idx;
-        s->plive++;
-    }
+    Rec *rc = rec_make(s, idx);   /* cannot fail: two reserved above, for it and a parent orphan() made a leaf */
+    rc->pend = s->npend;
+    s->pend[s->npend++] = idx;
+    s->plive++;
     Py_RETURN_NONE;
 }
 

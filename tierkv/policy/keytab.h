@@ -21,8 +21,10 @@
  * key's length - 1 in the low 4 bits, holder bits above), the page table's level byte
  * (in every layout: NO_LEVEL wherever the page table does not hold the id), then the
  * node of each policy structure the table was made for, at a fixed offset (for both: the
- * ghost's 20-byte node at 20, the leaf heaps' 24-byte node at 40, 64 bytes in all: one
- * cache line; for none, a 20-byte record). A holder's node is its own while it holds
+ * leaf heaps' 18-byte node at 18, the ghost's 20-byte node at 36, 56 bytes in all; for
+ * the leaf heaps alone 40, the ghost alone 40, none a 20-byte record). Records start 8
+ * bytes apart; each node is packed to the alignment its offset has (the leaf heaps'
+ * to 2, the ghost's to 4). A holder's node is its own while it holds
  * the id; otherwise nobody reads it. An open-addressing table
  * (linear probing, backward-shift deletion, load up to 0.8) of ids tagged with 4 hash
  * bits; freed ids on a stack threaded through their key bytes. Not thread-safe: every
@@ -50,7 +52,7 @@
 /* The capsule's name carries the layout's version: a module built from another version
  * of this header (a stale build beside a fresh one) refuses the table instead of reading
  * it with the wrong layout. Bump it with any change to KeyTab or the records. */
-#define KT_CAPSULE "tierkv.policy.keytab/2"
+#define KT_CAPSULE "tierkv.policy.keytab/3"
 
 /* Holder bits (the meta byte's high half). */
 #define KT_LEAVES 0x10
@@ -60,7 +62,7 @@
 /* The page table's level of an id it does not hold, or holds unpublished. */
 #define KT_NO_LEVEL 0xFF
 /* The holders' node sizes (each module checks its Node against these). */
-#define KT_LEAVES_NODE 24
+#define KT_LEAVES_NODE 18
 #define KT_GHOST_NODE 20
 
 typedef struct {
@@ -425,15 +427,15 @@ kt_capsule_new(int holders)
     if (!(holders & (KT_GHOST | KT_LEAVES))) {
         kt->rec_size = 20;       /* the key, meta, level: a page table's own */
     } else if ((holders & KT_GHOST) && (holders & KT_LEAVES)) {
-        kt->ghost_off = 20;      /* 4-aligned: its node is packed to 4 */
-        kt->leaves_off = 40;     /* 8-aligned: its node starts with a double */
-        kt->rec_size = 64;
+        kt->leaves_off = 18;     /* right after the level: its node is packed to 2 */
+        kt->ghost_off = 36;      /* 4-aligned: its node is packed to 4 */
+        kt->rec_size = 56;
     } else if (holders & KT_GHOST) {
         kt->ghost_off = 20;
         kt->rec_size = 40;
     } else {
-        kt->leaves_off = 24;
-        kt->rec_size = 48;
+        kt->leaves_off = 18;
+        kt->rec_size = 40;
     }
     kt->slots = PyMem_Malloc(KT_MAP_MIN * sizeof(uint32_t));
     if (kt->slots == NULL) {

@@ -179,7 +179,17 @@ class PyLeafHeaps:
         return [cand for heads in self._heads for cand in heads]
 
     def take(self, key: PageKey) -> None:
-        """Mark the leaf ``key`` as a victim; its parent may become a leaf."""
+        """Mark the leaf ``key`` as a victim; its parent may become a leaf.
+
+        KeyError if ``key`` is not resident; :class:`~tierkv.errors.InputError` if it has
+        resident children (it is no leaf: a page is useless without its prefix). A key
+        taken already (and not discarded or put back since) is left as it is."""
+        if key not in self.last:
+            raise KeyError(key)
+        if key in self._pending:
+            return
+        if self._kids.get(key, 0):
+            raise InputError(f"take: page {key!r} has resident children: only a leaf can be a victim")
         self._unleaf(key)
         self._orphan(key)
         self._pending[key] = None
