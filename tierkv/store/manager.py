@@ -260,7 +260,7 @@ class BlockManager:
         self._pages -= 1
         t.core.set_levels(_ROW.pack(r), NO_LEVEL)
         t.parent[r] = 0
-        t.pins[r] = 0
+        t.pins.pop(r, None)
         t.has_sum[r] = False
         if not t.nkids[r]:
             t.core.release(_ROW.pack(r))  # its columns are zero but length and checksum, set on reuse
@@ -280,7 +280,7 @@ class BlockManager:
         w = int(t.where[r])
         slots = {self._names[lvl]: int(t.slot[lvl, r]) - 1 for lvl in range(len(self._names)) if w >> lvl & 1}
         return Entry(PageKey(t.key(r)), self._parent_key(r), int(t.nbytes[r]),
-                     int(t.checksum[r]) if t.has_sum[r] else None, slots, int(t.pins[r]), int(t.gen[r]))
+                     int(t.checksum[r]) if t.has_sum[r] else None, slots, t.pins.get(r, 0), int(t.gen[r]))
 
     # -- reachability ----------------------------------------------------------------
     def _stranded(self, has: np.ndarray) -> np.ndarray:
@@ -331,7 +331,7 @@ class BlockManager:
         recomputed). A later sweep, the close or the next open drops them if not.
         """
         dead = self._stranded(self.table.where != 0)
-        dead = dead[self.table.pins[dead] == 0]
+        dead = dead[~self.table.pinned(dead)]
         gone = self._discard(dead, (1 << len(self.tiers)) - 1, plan) if len(dead) else 0
         self._stray = False   # nothing is stranded now
         return gone
@@ -371,10 +371,10 @@ class BlockManager:
         sums = np.where(t.has_sum[rows], t.checksum[rows], 0).tolist()
         has_sum = t.has_sum[rows].tolist()
         names = list(enumerate(self._names))
+        pins = [t.pins.get(r, 0) for r in rows.tolist()] if t.pins else [0] * len(rows)
         return [Entry(keys[i], pkeys[i], nb, sums[i] if has_sum[i] else None,
-                      {name: slots[i][lvl] for lvl, name in names if where[i] >> lvl & 1}, pins, gen)
-                for i, (nb, pins, gen) in enumerate(zip(t.nbytes[rows].tolist(), t.pins[rows].tolist(),
-                                                        t.gen[rows].tolist()))]
+                      {name: slots[i][lvl] for lvl, name in names if where[i] >> lvl & 1}, pins[i], gen)
+                for i, (nb, gen) in enumerate(zip(t.nbytes[rows].tolist(), t.gen[rows].tolist()))]
 
     def shallow_depths(self, keys: Sequence[PageKey], cap: int) -> np.ndarray:
         """For each key: its page's position in its chain (0: no parent) where that is below
@@ -842,7 +842,7 @@ class BlockManager:
             if k in protect or k in parents or k in kept:
                 return False
             r = row(k)
-            if t.pins[r]:
+            if r in t.pins:
                 return False
             others = int(t.where[r]) & mine
             if t.nkids[r] and (not others & keeps if others else last):  # it would leave the store
@@ -912,7 +912,7 @@ class BlockManager:
             self._pages -= len(dead)
             t.core.set_levels(dead.tobytes(), NO_LEVEL)
             t.parent[dead] = 0
-            t.pins[dead] = 0
+            t.unpin(dead)
             t.has_sum[dead] = False
             plan.dropped += len(dead)
             parents = prow[linked & gone]
@@ -1280,7 +1280,7 @@ class BlockManager:
         (0 where another copy stays, or it has none)."""
         r = self._row(key)
         t = self.table
-        if r < 0 or t.pins[r] or not int(t.where[r]) >> level & 1:
+        if r < 0 or r in t.pins or not int(t.where[r]) >> level & 1:
             return None
         return 0 if int(t.where[r]) != 1 << level else int(t.nkids[r])
 
@@ -1355,10 +1355,14 @@ class BlockManager:
         r = self._row(key)
         if r < 0 or not self.table.where[r]:
             raise InputError(f"pin of page {key.hex()}, which no tier holds")
-        pins = int(self.table.pins[r])
-        if pins + delta < 0:
+        pins = self.table.pins
+        now = pins.get(r, 0) + delta
+        if now < 0:
             raise InputError("unpin of a page that is not pinned")
-        self.table.pins[r] = pins + delta
+        if now:
+            pins[r] = now
+        else:
+            pins.pop(r, None)
 
     def check(self) -> None:
         """Recount the table's derived columns from scratch; AssertionError on any mismatch.
@@ -1382,6 +1386,9 @@ class BlockManager:
         assert np.array_equal(kids, t.kids) and np.array_equal(nkids, t.nkids), "cached-children counts"
         assert bool(((where != 0) | (t.nkids[live] > 0)).all()), "a row with no copy and no child is not freed"
         assert not (linked & (where == 0)).any(), "a placeholder row names a parent"
+        pinned = np.fromiter(t.pins, dtype=np.int64, count=len(t.pins))
+        assert all(n > 0 for n in t.pins.values()), "a pin count below one is kept"
+        assert bool(np.isin(pinned, live[where != 0]).all()), "a pin on a row no tier holds"
         levels = np.frombuffer(t.core.levels(live.tobytes()), dtype=np.uint8)
         published = levels != NO_LEVEL
         assert np.array_equal(levels[published], t.fastest(live)[published]), "published level vs fastest copy"

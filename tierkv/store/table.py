@@ -200,7 +200,9 @@ class PageTable:
         self.nbytes = np.zeros(0, dtype=np.uint32)
         self.checksum = np.zeros(0, dtype=np.uint64)
         self.has_sum = np.zeros(0, dtype=np.bool_)
-        self.pins = np.zeros(0, dtype=np.int32)
+        # Pins of the rows pinned now (row -> count > 0): a handful at any time, so a dict,
+        # not 4 bytes on every row.
+        self.pins: dict[int, int] = {}
         self.gen = np.zeros(0, dtype=np.uint32)       # the incarnation of the row's page (set by the manager)
         self.where = np.zeros(0, dtype=np.uint8)      # bit i: level i holds a copy
         self.nkids = np.zeros(0, dtype=np.int32)      # children with a copy anywhere
@@ -214,7 +216,7 @@ class PageTable:
         cap = self.core.capacity
         if cap <= self._cap:
             return
-        for name in ("parent", "nbytes", "checksum", "has_sum", "pins", "gen", "where", "nkids"):
+        for name in ("parent", "nbytes", "checksum", "has_sum", "gen", "where", "nkids"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
             new[:len(old)] = old
@@ -238,8 +240,20 @@ class PageTable:
         self.nbytes[rows] = 0
         self.checksum[rows] = 0
         self.has_sum[rows] = False
-        self.pins[rows] = 0
+        self.unpin(rows)
         self.core.release(np.ascontiguousarray(rows, dtype=np.int32).tobytes())
+
+    def pinned(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each row of ``rows`` is pinned (a bool array)."""
+        if not self.pins:
+            return np.zeros(len(rows), dtype=np.bool_)
+        return np.isin(rows, np.fromiter(self.pins, dtype=np.int64, count=len(self.pins)))
+
+    def unpin(self, rows: np.ndarray) -> None:
+        """Forget the pins of ``rows`` (their pages left the store)."""
+        if self.pins:
+            for r in np.asarray(rows).ravel().tolist():
+                self.pins.pop(r, None)
 
     def key(self, row: int) -> bytes:
         return self.core.key(row)  # type: ignore[no-any-return]
@@ -265,10 +279,10 @@ class PageTable:
     @property
     def memory_bytes(self) -> int:
         """Bytes allocated for the table: the core's keys, levels and map (not a policy's key
-        table it shares: the policy counts that), and the columns."""
-        cols = (self.parent, self.nbytes, self.checksum, self.has_sum, self.pins, self.gen, self.where,
-                self.nkids, self.slot, self.kids)
-        return int(self.core.nbytes) + sum(c.nbytes for c in cols)
+        table it shares: the policy counts that), the columns and the pins."""
+        cols = (self.parent, self.nbytes, self.checksum, self.has_sum, self.gen, self.where, self.nkids, self.slot,
+                self.kids)
+        return int(self.core.nbytes) + sum(c.nbytes for c in cols) + sys.getsizeof(self.pins)
 
     def fastest(self, rows: np.ndarray) -> np.ndarray:
         """The level of each row's fastest copy (0xFF: none)."""
