@@ -627,22 +627,396 @@ static PyTypeObject TableType = {
     .tp_new = t_new,
 };
 
+/* ------------------------------------------------------------------ RowMap */
+
+/* Rows to nonzero int64 values: one level's column of the page table where few rows
+ * have a value (a fast tier's slots and cached-child counts: tierkv/store/table.py's
+ * SparseColumn). Open addressing on the row (Fibonacci hashing, linear probing,
+ * backward-shift deletion), load at most 0.7, shrinking below 0.1; a value set to 0
+ * removes its row. Rows are int64 buffers (each 0 to 2**31 - 2), values int64 buffers. */
+
+#define RM_EMPTY (-1)
+#define RM_MIN_BITS 4
+
+typedef struct {
+    PyObject_HEAD
+    int32_t *rows;        /* RM_EMPTY: free */
+    int64_t *vals;
+    int bits;             /* capacity 2**bits */
+    Py_ssize_t count;
+} RowMapObject;
+
+static inline size_t
+rm_home(const RowMapObject *m, int32_t row)
+{
+    return (size_t)(((uint64_t)(uint32_t)row * UINT64_C(0x9E3779B97F4A7C15)) >> (64 - m->bits));
+}
+
+/* Where row is, or the free slot where it would go. */
+static inline size_t
+rm_probe(const RowMapObject *m, int32_t row)
+{
+    size_t mask = ((size_t)1 << m->bits) - 1, i = rm_home(m, row);
+    while (m->rows[i] != RM_EMPTY && m->rows[i] != row)
+        i = (i + 1) & mask;
+    return i;
+}
+
+/* Rehash into 2**bits slots; -1 with MemoryError (the map unchanged). */
+static int
+rm_resize(RowMapObject *m, int bits)
+{
+    size_t cap = (size_t)1 << bits;
+    int32_t *rows = PyMem_Malloc(cap * sizeof(int32_t));
+    int64_t *vals = PyMem_Malloc(cap * sizeof(int64_t));
+    if (rows == NULL || vals == NULL) {
+        PyMem_Free(rows);
+        PyMem_Free(vals);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(rows, 0xff, cap * sizeof(int32_t));
+    int32_t *orows = m->rows;
+    int64_t *ovals = m->vals;
+    size_t ocap = orows == NULL ? 0 : (size_t)1 << m->bits;
+    m->rows = rows;
+    m->vals = vals;
+    m->bits = bits;
+    for (size_t j = 0; j < ocap; j++) {
+        if (orows[j] == RM_EMPTY)
+            continue;
+        size_t i = rm_probe(m, orows[j]);
+        m->rows[i] = orows[j];
+        m->vals[i] = ovals[j];
+    }
+    PyMem_Free(orows);
+    PyMem_Free(ovals);
+    return 0;
+}
+
+/* Room for n more rows without a resize; -1 with MemoryError. */
+static int
+rm_reserve(RowMapObject *m, Py_ssize_t n)
+{
+    int bits = m->bits;
+    while ((double)(m->count + n) > 0.7 * (double)((size_t)1 << bits))
+        bits++;
+    return bits == m->bits ? 0 : rm_resize(m, bits);
+}
+
+static void
+rm_delete_at(RowMapObject *m, size_t i)
+{
+    size_t mask = ((size_t)1 << m->bits) - 1, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (m->rows[j] == RM_EMPTY)
+            break;
+        size_t h = rm_home(m, m->rows[j]);
+        /* move j back to i unless its home lies cyclically in (i, j] */
+        if ((j > i && (h <= i || h > j)) || (j < i && (h <= i && h > j))) {
+            m->rows[i] = m->rows[j];
+            m->vals[i] = m->vals[j];
+            i = j;
+        }
+    }
+    m->rows[i] = RM_EMPTY;
+    m->count--;
+}
+
+/* Set row to v (0 removes it); room must be reserved for an insert. */
+static void
+rm_set(RowMapObject *m, int32_t row, int64_t v)
+{
+    size_t i = rm_probe(m, row);
+    if (m->rows[i] == row) {
+        if (v != 0)
+            m->vals[i] = v;
+        else
+            rm_delete_at(m, i);
+    } else if (v != 0) {
+        m->rows[i] = row;
+        m->vals[i] = v;
+        m->count++;
+    }
+}
+
+static inline int64_t
+rm_get(const RowMapObject *m, int32_t row)
+{
+    size_t i = rm_probe(m, row);
+    return m->rows[i] == row ? m->vals[i] : 0;
+}
+
+/* After removals: back to a smaller table where it is mostly empty (failing to is harmless). */
+static void
+rm_maybe_shrink(RowMapObject *m)
+{
+    int bits = m->bits;
+    while (bits > RM_MIN_BITS && (double)m->count < 0.1 * (double)((size_t)1 << bits))
+        bits--;
+    while (bits < m->bits && (double)m->count > 0.35 * (double)((size_t)1 << bits))
+        bits++;
+    if (bits < m->bits && rm_resize(m, bits) < 0)
+        PyErr_Clear();
+}
+
+static int
+rm_row_ok(int64_t r)
+{
+    if (r < 0 || r > INT32_MAX - 1) {
+        PyErr_Format(PyExc_ValueError, "a row is 0 to %d, got %lld", INT32_MAX - 1, (long long)r);
+        return 0;
+    }
+    return 1;
+}
+
+/* A contiguous buffer of int64 (or, with narrow, int32: a numpy array of either) items:
+ * their number, and in *wide whether they are 8 bytes; -1 with an exception. Untyped
+ * bytes are int64. */
+static Py_ssize_t
+rm_buffer(PyObject *obj, Py_buffer *view, const char *what, int narrow, int *wide)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    *wide = !(narrow && view->itemsize == 4 && (*f == 'i' || (*f == 'l' && sizeof(long) == 4)));
+    int ok = *wide ? (view->itemsize == 8 && (*f == 'q' || *f == 'l')) || (view->itemsize == 1 && *f == 'B' && view->len % 8 == 0)
+                   : 1;
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s must be int64%s values, got a buffer of %zd bytes of format %s", what,
+                     narrow ? " or int32" : "", view->len, f);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return view->len / (*wide ? 8 : 4);
+}
+
+static inline int64_t
+rm_at(const Py_buffer *view, int wide, Py_ssize_t i)
+{
+    return wide ? ((const int64_t *)view->buf)[i] : ((const int32_t *)view->buf)[i];
+}
+
+static PyObject *
+rm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, ":RowMap", kwlist))
+        return NULL;
+    RowMapObject *m = (RowMapObject *)type->tp_alloc(type, 0);
+    if (m == NULL)
+        return NULL;
+    if (rm_resize(m, RM_MIN_BITS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return (PyObject *)m;
+}
+
+static void
+rm_dealloc(RowMapObject *m)
+{
+    PyMem_Free(m->rows);
+    PyMem_Free(m->vals);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static Py_ssize_t
+rm_len(RowMapObject *m)
+{
+    return m->count;
+}
+
+static PyObject *
+rm_get_many(RowMapObject *m, PyObject *arg)
+{
+    Py_buffer rv;
+    int wide;
+    Py_ssize_t n = rm_buffer(arg, &rv, "rows", 1, &wide);
+    if (n < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (out != NULL) {
+        int64_t *o = (int64_t *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t r = rm_at(&rv, wide, i);
+            if (!rm_row_ok(r)) {
+                Py_CLEAR(out);
+                break;
+            }
+            o[i] = rm_get(m, (int32_t)r);
+        }
+    }
+    PyBuffer_Release(&rv);
+    return out;
+}
+
+/* put (add == 0: rows[i] = vals[i], the last of a repeated row wins) or add (rows[i] +=
+ * vals[i], each occurrence counted). All or nothing: bad rows and memory are checked first. */
+static PyObject *
+rm_update(RowMapObject *m, PyObject *args, int add)
+{
+    PyObject *ro, *vo;
+    if (!PyArg_ParseTuple(args, add ? "OO:add" : "OO:put", &ro, &vo))
+        return NULL;
+    Py_buffer rv, vv;
+    int wide, vwide;
+    Py_ssize_t n = rm_buffer(ro, &rv, "rows", 1, &wide);
+    if (n < 0)
+        return NULL;
+    Py_ssize_t nv = rm_buffer(vo, &vv, "values", 0, &vwide);
+    if (nv < 0) {
+        PyBuffer_Release(&rv);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    const int64_t *vals = vv.buf;
+    if (nv != n) {
+        PyErr_Format(PyExc_ValueError, "%zd rows and %zd values", n, nv);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!rm_row_ok(rm_at(&rv, wide, i)))
+            goto done;
+    if (rm_reserve(m, n) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t r = (int32_t)rm_at(&rv, wide, i);
+        rm_set(m, r, add ? (int64_t)((uint64_t)rm_get(m, r) + (uint64_t)vals[i]) : vals[i]);
+    }
+    rm_maybe_shrink(m);
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&rv);
+    PyBuffer_Release(&vv);
+    return res;
+}
+
+static PyObject *
+rm_put(RowMapObject *m, PyObject *args)
+{
+    return rm_update(m, args, 0);
+}
+
+static PyObject *
+rm_add(RowMapObject *m, PyObject *args)
+{
+    return rm_update(m, args, 1);
+}
+
+static PyObject *
+rm_get1(RowMapObject *m, PyObject *arg)
+{
+    long long r = PyLong_AsLongLong(arg);
+    if (r == -1 && PyErr_Occurred())
+        return NULL;
+    if (!rm_row_ok(r))
+        return NULL;
+    return PyLong_FromLongLong(rm_get(m, (int32_t)r));
+}
+
+static PyObject *
+rm_put1(RowMapObject *m, PyObject *args)
+{
+    long long r, v;
+    if (!PyArg_ParseTuple(args, "LL:put1", &r, &v))
+        return NULL;
+    if (!rm_row_ok(r) || rm_reserve(m, 1) < 0)
+        return NULL;
+    rm_set(m, (int32_t)r, v);
+    if (v == 0)
+        rm_maybe_shrink(m);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+rm_items(RowMapObject *m, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *rows = PyBytes_FromStringAndSize(NULL, m->count * 8);
+    PyObject *vals = PyBytes_FromStringAndSize(NULL, m->count * 8);
+    if (rows == NULL || vals == NULL) {
+        Py_XDECREF(rows);
+        Py_XDECREF(vals);
+        return NULL;
+    }
+    int64_t *ro = (int64_t *)PyBytes_AS_STRING(rows), *vo = (int64_t *)PyBytes_AS_STRING(vals);
+    Py_ssize_t k = 0;
+    for (size_t j = 0; j < (size_t)1 << m->bits; j++) {
+        if (m->rows[j] != RM_EMPTY) {
+            ro[k] = m->rows[j];
+            vo[k++] = m->vals[j];
+        }
+    }
+    return Py_BuildValue("(NN)", rows, vals);
+}
+
+static PyObject *
+rm_get_nbytes(RowMapObject *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(((size_t)1 << m->bits) * (sizeof(int32_t) + sizeof(int64_t)));
+}
+
+static PyMethodDef rm_methods[] = {
+    {"get", (PyCFunction)rm_get_many, METH_O, "get(rows) -> bytes: each row's value as int64 (0: none)."},
+    {"put", (PyCFunction)rm_put, METH_VARARGS,
+     "put(rows, values): set each row's value in order (0 removes it), all or nothing."},
+    {"add", (PyCFunction)rm_add, METH_VARARGS,
+     "add(rows, deltas): add each delta to its row's value, a repeated row once per occurrence."},
+    {"get1", (PyCFunction)rm_get1, METH_O, "get1(row) -> int: one row's value (0: none)."},
+    {"put1", (PyCFunction)rm_put1, METH_VARARGS, "put1(row, value): set one row's value (0 removes it)."},
+    {"items", (PyCFunction)rm_items, METH_NOARGS, "items() -> (rows, values): int64 bytes of every row held, in no order."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef rm_getset[] = {
+    {"nbytes", (getter)rm_get_nbytes, NULL, "bytes allocated", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods rm_as_sequence = {
+    .sq_length = (lenfunc)rm_len,
+};
+
+PyDoc_STRVAR(rm_doc,
+"RowMap()\n\n"
+"Rows (0 to 2**31 - 2) to nonzero int64 values: a page table column where few rows\n"
+"have a value. Rows are contiguous int64 or int32 buffers (numpy arrays; bytes are\n"
+"int64), values int64. Not thread-safe.");
+
+static PyTypeObject RowMapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tierkv._table.RowMap",
+    .tp_basicsize = sizeof(RowMapObject),
+    .tp_dealloc = (destructor)rm_dealloc,
+    .tp_as_sequence = &rm_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = rm_doc,
+    .tp_methods = rm_methods,
+    .tp_getset = rm_getset,
+    .tp_new = rm_new,
+};
+
 static struct PyModuleDef table_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "tierkv._table",
-    .m_doc = "The block manager's page table core: keys to rows, published levels.",
+    .m_doc = "The block manager's page table core: keys to rows, published levels; sparse columns.",
     .m_size = -1,
 };
 
 PyMODINIT_FUNC
 PyInit__table(void)
 {
-    if (PyType_Ready(&TableType) < 0)
+    if (PyType_Ready(&TableType) < 0 || PyType_Ready(&RowMapType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&table_module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "PageTable", (PyObject *)&TableType) < 0
+        || PyModule_AddObjectRef(m, "RowMap", (PyObject *)&RowMapType) < 0
         || PyModule_AddIntConstant(m, "NO_LEVEL", NO_LEVEL) < 0) {
         Py_DECREF(m);
         return NULL;

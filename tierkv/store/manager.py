@@ -145,16 +145,22 @@ def _new_table(tiers: Sequence[Tier], policies: dict[TierId, Policy]) -> PageTab
     """The page table, keeping its keys in the key table of the slowest tier's policy where
     that policy offers one (``key_table()``: the compiled gittins policy): that tier holds
     most of the pages, and its leaf heaps and ghost hold their keys, so each such key is
-    kept once for the three (about 30 bytes a page less: docs/benchmarks.md, round 11)."""
+    kept once for the three (about 30 bytes a page less: docs/benchmarks.md, round 11).
+
+    A tier above the slowest with at most 1/8 of the store's slots (a node's DRAM above
+    its NVMe) keeps its slot and cached-children columns for its own pages only (sparse:
+    about 44 bytes a page it holds instead of 8 a page of the store)."""
     wide = any(t.block_addressed for t in tiers)
+    total = sum(t.num_slots for t in tiers)
+    sparse = [i < len(tiers) - 1 and not t.block_addressed and 8 * t.num_slots <= total for i, t in enumerate(tiers)]
     offer = getattr(policies[tiers[-1].name], "key_table", None)
     keys = offer() if offer is not None else None
     if keys is not None:
         try:
-            return PageTable(len(tiers), wide_slots=wide, keys=keys)
+            return PageTable(len(tiers), wide_slots=wide, keys=keys, sparse=sparse)
         except ValueError:   # another store's page table uses it (a policy object given twice)
             pass
-    return PageTable(len(tiers), wide_slots=wide)
+    return PageTable(len(tiers), wide_slots=wide, sparse=sparse)
 
 
 class BlockManager:
@@ -846,7 +852,7 @@ class BlockManager:
                 return False
             others = int(t.where[r]) & mine
             if t.nkids[r] and (not others & keeps if others else last):  # it would leave the store
-                return not final and bool(np.count_nonzero(t.kids[:, r]) == (t.kids[lvl, r] > 0))
+                return not final and t.kids.only_at(lvl, r)
             return True
 
         return evictable
@@ -898,7 +904,7 @@ class BlockManager:
         t.where[rows] = where
         prow = t.parent[rows].astype(np.int64) - 1
         linked = prow >= 0
-        np.subtract.at(t.kids[lvl], prow[linked], 1)
+        t.kids.add_at(lvl, prow[linked], -1)
         gone = where == 0
         np.subtract.at(t.nkids, prow[linked & gone], 1)
         _remove_pages(self._policies[name], keys)
@@ -1373,7 +1379,7 @@ class BlockManager:
         live = rows_of(t.core.live_rows())
         where = t.where[live]
         assert int((where != 0).sum()) == self._pages, "page count"
-        kids = np.zeros_like(t.kids)
+        kids = np.zeros((len(self._names), len(t.nkids)), dtype=t.kids.dtype)
         nkids = np.zeros_like(t.nkids)
         pr = t.parent[live].astype(np.int64) - 1
         linked = pr >= 0
@@ -1383,7 +1389,7 @@ class BlockManager:
             np.add.at(kids[lvl], pr[has], 1)
             held = t.slot[lvl, live] != 0
             assert np.array_equal(held, where >> lvl & 1 == 1), f"slots vs tier mask at level {lvl}"
-        assert np.array_equal(kids, t.kids) and np.array_equal(nkids, t.nkids), "cached-children counts"
+        assert np.array_equal(kids, t.kids.dense()) and np.array_equal(nkids, t.nkids), "cached-children counts"
         assert bool(((where != 0) | (t.nkids[live] > 0)).all()), "a row with no copy and no child is not freed"
         assert not (linked & (where == 0)).any(), "a placeholder row names a parent"
         pinned = np.fromiter(t.pins, dtype=np.int64, count=len(t.pins))

@@ -18,7 +18,9 @@ the table the store's resident-key index as well: ``core.prefix_len`` and
 
 from __future__ import annotations
 
+import operator
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -182,17 +184,213 @@ def rows_of(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.int32)
 
 
+class PyRowMap:
+    """Pure-Python ``tierkv._table.RowMap``: rows to nonzero int64 values, as int64 buffers."""
+
+    def __init__(self) -> None:
+        self._d: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    @staticmethod
+    def _rows(buf: bytes | np.ndarray) -> list[int]:
+        rows = (buf if isinstance(buf, np.ndarray) and buf.dtype == np.int32 else np.frombuffer(buf, dtype=np.int64)).tolist()
+        bad = [r for r in rows if not 0 <= r < (1 << 31) - 1]
+        if bad:
+            raise ValueError(f"a row is 0 to {(1 << 31) - 2}, got {bad[0]}")
+        return rows
+
+    def get(self, rows: bytes | np.ndarray) -> bytes:
+        d = self._d
+        return np.array([d.get(r, 0) for r in self._rows(rows)], dtype=np.int64).tobytes()
+
+    def put(self, rows: bytes | np.ndarray, values: bytes | np.ndarray) -> None:
+        self._update(rows, values, False)
+
+    def add(self, rows: bytes | np.ndarray, deltas: bytes | np.ndarray) -> None:
+        self._update(rows, deltas, True)
+
+    def _update(self, rows: bytes | np.ndarray, values: bytes | np.ndarray, add: bool) -> None:
+        rs, vs = self._rows(rows), np.frombuffer(values, dtype=np.int64).tolist()
+        if len(rs) != len(vs):
+            raise ValueError(f"{len(rs)} rows and {len(vs)} values")
+        d = self._d
+        for r, v in zip(rs, vs):
+            v = d.get(r, 0) + v if add else v
+            if v:
+                d[r] = v
+            else:
+                d.pop(r, None)
+
+    def get1(self, row: int) -> int:
+        return self._d.get(self._rows(np.array([row], dtype=np.int64).tobytes())[0], 0)
+
+    def put1(self, row: int, value: int) -> None:
+        self._update(np.array([row], dtype=np.int64).tobytes(), np.array([value], dtype=np.int64).tobytes(), False)
+
+    def items(self) -> tuple[bytes, bytes]:
+        return (np.array(list(self._d), dtype=np.int64).tobytes(),
+                np.array(list(self._d.values()), dtype=np.int64).tobytes())
+
+    @property
+    def nbytes(self) -> int:
+        return sys.getsizeof(self._d)
+
+
+class SparseColumn:
+    """One level's column of the table where few rows have a value (a fast tier's slots
+    and cached-child counts): the rows that do, in a map (``tierkv._table.RowMap``, about
+    17-34 bytes a row held), instead of an array of every row (4 bytes a row of the
+    table). Indexed like a 1-D numpy array by a row (a scalar of ``dtype``) or an integer
+    array of rows (an array of ``dtype``); assigning sets, and a 0 removes the row."""
+
+    def __init__(self, dtype: np.dtype | type) -> None:
+        self.dtype = np.dtype(dtype)
+        self._map: Any = _table.RowMap() if _table is not None else PyRowMap()
+
+    def __len__(self) -> int:
+        """Rows that have a value."""
+        return len(self._map)
+
+    @staticmethod
+    def _rows(idx: np.ndarray) -> np.ndarray:
+        """Integer rows as a contiguous int32 or int64 array (what the map reads as is)."""
+        rows = np.asarray(idx)
+        if rows.dtype == np.int32 or rows.dtype == np.int64:
+            return np.ascontiguousarray(rows)
+        if rows.dtype.kind not in "iu":   # a mask would be read as rows 0 and 1
+            raise TypeError(f"a sparse column takes integer rows, got an array of {rows.dtype}")
+        return np.ascontiguousarray(rows, dtype=np.int64)
+
+    def __getitem__(self, idx: int | np.integer | np.ndarray) -> Any:   # a scalar or an array, as numpy's
+        if isinstance(idx, (int, np.integer)):
+            return self.dtype.type(self._map.get1(int(idx)))
+        rows = self._rows(idx)
+        got = np.frombuffer(self._map.get(rows.ravel()), dtype=np.int64).astype(self.dtype)
+        return got.reshape(rows.shape) if rows.ndim != 1 else got
+
+    def __setitem__(self, idx: int | np.integer | np.ndarray, value: object) -> None:
+        if isinstance(idx, (int, np.integer)):
+            self._map.put1(int(idx), int(value))  # type: ignore[call-overload]
+            return
+        rows = self._rows(idx).ravel()
+        vals = np.broadcast_to(np.asarray(value, dtype=self.dtype), rows.shape).astype(np.int64)
+        self._map.put(rows, np.ascontiguousarray(vals))
+
+    def add_at(self, rows: np.ndarray, delta: int | np.ndarray) -> None:
+        """``numpy.add.at``: ``delta`` added once for each occurrence of a row."""
+        r = self._rows(rows).ravel()
+        self._map.add(r, np.ascontiguousarray(np.broadcast_to(np.asarray(delta, dtype=np.int64), r.shape)))
+
+    def dense(self, n: int) -> np.ndarray:
+        """The column as an array of ``n`` rows."""
+        out = np.zeros(n, dtype=self.dtype)
+        rows, vals = self._map.items()
+        out[np.frombuffer(rows, dtype=np.int64)] = np.frombuffer(vals, dtype=np.int64)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._map.nbytes)
+
+
+class LevelColumns:
+    """A value per level and row (a tier's slots, or cached children in it): each level a
+    numpy array of every row (*dense*) or a :class:`SparseColumn`. Indexed as the 2-D array
+    ``[level, rows]`` it stands for: ``c[lvl, r]``, ``c[lvl, rows]``, ``c[:, rows]`` (levels
+    by rows), ``c[levels, rows]`` (a level per row); ``c[lvl]`` is that level's column."""
+
+    def __init__(self, dtype: np.dtype | type, sparse: list[bool]) -> None:
+        self.dtype = np.dtype(dtype)
+        self.cols: list[np.ndarray | SparseColumn] = [
+            SparseColumn(self.dtype) if sp else np.zeros(0, dtype=self.dtype) for sp in sparse]
+        self._n = 0
+
+    def grow(self, cap: int) -> None:
+        """Dense levels to ``cap`` rows (sparse ones need no room)."""
+        for i, col in enumerate(self.cols):
+            if isinstance(col, np.ndarray):
+                new = np.zeros(cap, dtype=self.dtype)
+                new[:len(col)] = col
+                self.cols[i] = new
+        self._n = cap
+
+    @property
+    def sparse(self) -> list[bool]:
+        return [isinstance(c, SparseColumn) for c in self.cols]
+
+    def __getitem__(self, idx: object) -> Any:   # as numpy's indexing: an array, a scalar or a column
+        if not isinstance(idx, tuple):
+            return self.cols[operator.index(idx)]  # type: ignore[arg-type]
+        lvl, rows = idx
+        if isinstance(lvl, slice):
+            got = [c[rows] for c in self.cols[lvl]]
+            return np.array(got, dtype=self.dtype) if np.isscalar(got[0]) or np.ndim(got[0]) == 0 else np.stack(got)
+        if isinstance(lvl, np.ndarray):
+            rows = np.asarray(rows)
+            levels = lvl
+            if levels.shape != rows.shape:
+                levels, rows = np.broadcast_arrays(levels, rows)
+            if levels.size and levels.min() == levels.max():   # one level: most reads
+                return self.cols[int(levels.flat[0])][rows]  # type: ignore[index]
+            out = np.zeros(levels.shape, dtype=self.dtype)
+            for v, col in enumerate(self.cols):
+                m = levels == v
+                if m.any():
+                    out[m] = col[rows[m]]
+            if levels.size and int(levels.max()) >= len(self.cols):
+                raise IndexError(f"level {int(levels.max())} of a table of {len(self.cols)} levels")
+            return out
+        return self.cols[operator.index(lvl)][rows]  # type: ignore[arg-type, index]
+
+    def __setitem__(self, idx: tuple[int, object], value: object) -> None:
+        lvl, rows = idx
+        self.cols[lvl][rows] = value  # type: ignore[index]
+
+    def only_at(self, lvl: int, row: int) -> bool:
+        """Whether ``row`` has no value at any level but ``lvl`` (per eviction candidate:
+        the maps read directly)."""
+        for i, c in enumerate(self.cols):
+            if i != lvl and (c._map.get1(row) if type(c) is SparseColumn else c[row]):
+                return False
+        return True
+
+    def add_at(self, lvl: int, rows: np.ndarray, delta: int) -> None:
+        """``numpy.add.at`` on one level's column: once for each occurrence of a row."""
+        col = self.cols[lvl]
+        if isinstance(col, SparseColumn):
+            col.add_at(rows, delta)
+        else:
+            np.add.at(col, rows, delta)
+
+    def dense(self) -> np.ndarray:
+        """Every level as one levels-by-rows array (for checks)."""
+        return np.stack([c if isinstance(c, np.ndarray) else c.dense(self._n) for c in self.cols]) \
+            if self.cols else np.zeros((0, self._n), dtype=self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(c.nbytes) for c in self.cols)
+
+
 class PageTable:
     """The core plus the manager's numpy columns for ``tiers`` tiers (levels 0..tiers-1)."""
 
-    def __init__(self, tiers: int, wide_slots: bool = False, keys: object = None) -> None:
+    def __init__(self, tiers: int, wide_slots: bool = False, keys: object = None,
+                 sparse: list[bool] | None = None) -> None:
         """``wide_slots``: 64-bit slots, for tiers whose slots are handles that are never
         reused (a block-addressed tier's), where 32 bits would wrap in a long run.
         ``keys``: a policy's key table to share (see :func:`new_core`): the keys that
         policy holds then cost the table nothing more; ValueError if another page table
-        uses it already."""
+        uses it already. ``sparse``: per level, whether its slot and cached-children
+        columns are kept for the rows that have a value only (:class:`SparseColumn`: a
+        tier holding a small share of the pages); default none."""
         if not 1 <= tiers <= MAX_TIERS:
             raise ValueError(f"a page table tracks 1 to {MAX_TIERS} tiers, got {tiers}")
+        sparse = [False] * tiers if sparse is None else list(sparse)
+        if len(sparse) != tiers:
+            raise ValueError(f"sparse names {len(sparse)} levels for a table of {tiers} tiers")
         self.core = new_core(keys)
         self.tiers = tiers
         self._cap = 0
@@ -207,8 +405,8 @@ class PageTable:
         self.where = np.zeros(0, dtype=np.uint8)      # bit i: level i holds a copy
         self.nkids = np.zeros(0, dtype=np.int32)      # children with a copy anywhere
         # slot + 1 per level; 0: none (so slots < MAX_SLOTS, unless wide)
-        self.slot = np.zeros((tiers, 0), dtype=np.int64 if wide_slots else np.uint32)
-        self.kids = np.zeros((tiers, 0), dtype=np.int32)   # children with a copy in each level
+        self.slot = LevelColumns(np.int64 if wide_slots else np.uint32, sparse)
+        self.kids = LevelColumns(np.int32, sparse)   # children with a copy in each level
         self.grow()
 
     def grow(self) -> None:
@@ -221,11 +419,8 @@ class PageTable:
             new = np.zeros(cap, dtype=old.dtype)
             new[:len(old)] = old
             setattr(self, name, new)
-        for name in ("slot", "kids"):
-            old = getattr(self, name)
-            new = np.zeros((self.tiers, cap), dtype=old.dtype)
-            new[:, :old.shape[1]] = old
-            setattr(self, name, new)
+        self.slot.grow(cap)
+        self.kids.grow(cap)
         self._cap = cap
 
     def ensure(self, blob: bytes) -> tuple[np.ndarray, np.ndarray]:
