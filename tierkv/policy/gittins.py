@@ -104,7 +104,7 @@ class GittinsPolicy:
     ``ghost_pages`` bounds the pages remembered beyond the resident ones; the oldest are
     forgotten first. The ghost (per page: last access, count, class, the next page of its
     last request) is compiled (``tierkv.policy._ghost``: a 20-byte node per page, in the
-    page's 64-byte record of a key table it shares with the compiled leaf heaps, whose
+    page's 56-byte record of a key table it shares with the compiled leaf heaps, whose
     node is there too; the whole per-request pass in C) where the extensions are built,
     unless ``native=False`` or ``TIERKV_PURE_POLICY=1`` was set when this module was
     first imported; otherwise it is an ``OrderedDict`` of lists (about 270 bytes per

@@ -12,8 +12,8 @@ it does not, the next call puts them back (``undo``). O(log n) per operation.
 Used by :mod:`tierkv.policy.gittins` and :mod:`tierkv.policy.lru`; not thread-safe.
 
 :data:`LeafHeaps` is what the policies build: the compiled twin
-(``tierkv.policy._leaves``, about 58 bytes per page of a prefix chain instead of
-220-280, no Python object per page; about 30 more when the page is a leaf) where the
+(``tierkv.policy._leaves``, about 45 bytes per page of a prefix chain instead of
+220-280, no Python object per page; about 37 more when the page is a leaf) where the
 extension is built, this class otherwise, or when
 ``TIERKV_PURE_POLICY=1`` is set when the module is first imported. Both give the same
 candidates in the same order (tests/policy/test_leaves_native.py); the compiled one

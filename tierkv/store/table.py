@@ -3,10 +3,12 @@
 A :class:`PageTable` maps 16-byte page keys to dense rows (the C core in
 ``tierkv._table``, or :class:`PyCore` where the extension is not built) and keeps what
 the manager knows of each page in numpy columns indexed by row: its parent's row, its
-length, checksum, pin count, a bit mask of the tiers holding it, its slot in each tier,
+length, checksum, generation, a bit mask of the tiers holding it, its slot in each tier,
 and how many of its children are cached (per tier, and at all). All columns encode
 "none" as 0 (slots and parent rows are stored plus one), so capacity grown but not yet
-used costs no resident memory.
+used costs no resident memory. A tier that holds a small share of the pages (a node's
+DRAM) keeps its slot and children columns for its own rows only (:class:`SparseColumn`),
+and pins live in a dict of the rows pinned now: a handful at any time.
 
 A row exists while its page has a copy in some tier, or while a cached page names it
 as parent (a *placeholder*: its children must be told apart from orphans when it
