@@ -772,8 +772,8 @@ rm_row_ok(int64_t r)
 }
 
 /* A contiguous buffer of int64 (or, with narrow, int32: a numpy array of either) items:
- * their number, and in *wide whether they are 8 bytes; -1 with an exception. Untyped
- * bytes are int64. */
+ * their number, and in *wide whether they are 8 bytes; -1 with an exception. bytes and
+ * bytearray are int64; any other byte buffer (a numpy uint8 array) is refused. */
 static Py_ssize_t
 rm_buffer(PyObject *obj, Py_buffer *view, const char *what, int narrow, int *wide)
 {
@@ -783,8 +783,8 @@ rm_buffer(PyObject *obj, Py_buffer *view, const char *what, int narrow, int *wid
     if (*f == '<' || *f == '=' || *f == '@')
         f++;
     *wide = !(narrow && view->itemsize == 4 && (*f == 'i' || (*f == 'l' && sizeof(long) == 4)));
-    int ok = *wide ? (view->itemsize == 8 && (*f == 'q' || *f == 'l')) || (view->itemsize == 1 && *f == 'B' && view->len % 8 == 0)
-                   : 1;
+    int raw = PyBytes_Check(obj) || PyByteArray_Check(obj);
+    int ok = *wide ? (view->itemsize == 8 && (*f == 'q' || *f == 'l')) || (raw && view->len % 8 == 0) : 1;
     if (!ok) {
         PyErr_Format(PyExc_ValueError, "%s must be int64%s values, got a buffer of %zd bytes of format %s", what,
                      narrow ? " or int32" : "", view->len, f);

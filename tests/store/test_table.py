@@ -262,6 +262,15 @@ def test_a_row_map_refuses_bad_rows_and_buffers_and_changes_nothing(impl: int) -
         m.add(_i64([1, 2]), _i64([1]))
     with pytest.raises(ValueError):
         m.get(b"1234")                      # not int64s
+    for bad_rows in (np.array([5, 0, 0, 0, 0, 0, 0, 0], dtype=np.uint8), np.array([5, 0], dtype=np.uint32),
+                     np.array([5, 0, 0, 0], dtype=np.int16), np.array([5.0])):
+        with pytest.raises(ValueError, match="rows must be int64 or int32 values"):
+            m.get(bad_rows)                 # never its bytes read as int64 rows
+    with pytest.raises(ValueError, match="values must be int64 values"):
+        m.put(np.array([5], dtype=np.int32), np.array([0], dtype=np.int32))
+    m.put(np.array([6], dtype=np.int32), np.array([8], dtype=np.int64))
+    assert np.frombuffer(m.get(np.array([5, 6], dtype=np.int32)), dtype=np.int64).tolist() == [7, 8]
+    m.put1(6, 0)
     assert len(m) == 1 and m.get1(5) == 7 and m.get1(1) == 0
 
 
@@ -314,6 +323,9 @@ def test_level_columns_index_as_the_2d_array_they_stand_for(maps: str, monkeypat
     assert len(cols[0]) == int(np.count_nonzero(ref[0]))
     with pytest.raises(TypeError, match="integer rows"):
         cols[0, ref[0] > 0]                 # a mask is not rows
+    with pytest.raises(IndexError, match="levels -1 to 0"):
+        cols[np.array([-1, 0]), np.array([1, 2])]
+    assert cols[0, []].shape == (0,) and cols[np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)].shape == (0,)
     assert cols.sparse == [True, False, True] and isinstance(cols[2], SparseColumn)
     assert isinstance(cols[0]._map, PyRowMap) == (maps == "py")
 

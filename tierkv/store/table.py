@@ -196,8 +196,18 @@ class PyRowMap:
         return len(self._d)
 
     @staticmethod
-    def _rows(buf: bytes | np.ndarray) -> list[int]:
-        rows = (buf if isinstance(buf, np.ndarray) and buf.dtype == np.int32 else np.frombuffer(buf, dtype=np.int64)).tolist()
+    def _ints(buf: bytes | np.ndarray, what: str, narrow: bool) -> list[int]:
+        """bytes (int64), an int64 array or, with ``narrow``, an int32 one: as RowMap reads them."""
+        if isinstance(buf, (bytes, bytearray)) and len(buf) % 8 == 0:
+            return np.frombuffer(buf, dtype=np.int64).tolist()  # type: ignore[no-any-return]
+        if isinstance(buf, np.ndarray) and (buf.dtype == np.int64 or (narrow and buf.dtype == np.int32)):
+            return buf.ravel().tolist()  # type: ignore[no-any-return]
+        got = f"an array of {buf.dtype}" if isinstance(buf, np.ndarray) else f"{len(buf)} bytes"
+        raise ValueError(f"{what} must be int64{' or int32' if narrow else ''} values, got {got}")
+
+    @classmethod
+    def _rows(cls, buf: bytes | np.ndarray) -> list[int]:
+        rows = cls._ints(buf, "rows", True)
         bad = [r for r in rows if not 0 <= r < (1 << 31) - 1]
         if bad:
             raise ValueError(f"a row is 0 to {(1 << 31) - 2}, got {bad[0]}")
@@ -214,7 +224,7 @@ class PyRowMap:
         self._update(rows, deltas, True)
 
     def _update(self, rows: bytes | np.ndarray, values: bytes | np.ndarray, add: bool) -> None:
-        rs, vs = self._rows(rows), np.frombuffer(values, dtype=np.int64).tolist()
+        rs, vs = self._rows(rows), self._ints(values, "values", False)
         if len(rs) != len(vs):
             raise ValueError(f"{len(rs)} rows and {len(vs)} values")
         d = self._d
@@ -261,6 +271,8 @@ class SparseColumn:
         rows = np.asarray(idx)
         if rows.dtype == np.int32 or rows.dtype == np.int64:
             return np.ascontiguousarray(rows)
+        if rows.size == 0:                # an empty list is a float array
+            return np.zeros(rows.shape, dtype=np.int64)
         if rows.dtype.kind not in "iu":   # a mask would be read as rows 0 and 1
             raise TypeError(f"a sparse column takes integer rows, got an array of {rows.dtype}")
         return np.ascontiguousarray(rows, dtype=np.int64)
@@ -334,15 +346,18 @@ class LevelColumns:
             levels = lvl
             if levels.shape != rows.shape:
                 levels, rows = np.broadcast_arrays(levels, rows)
-            if levels.size and levels.min() == levels.max():   # one level: most reads
-                return self.cols[int(levels.flat[0])][rows]  # type: ignore[index]
+            if not levels.size:
+                return np.zeros(levels.shape, dtype=self.dtype)
+            lo, hi = int(levels.min()), int(levels.max())
+            if lo < 0 or hi >= len(self.cols):
+                raise IndexError(f"levels {lo} to {hi} of a table of {len(self.cols)} levels")
+            if lo == hi:                  # one level: most reads
+                return self.cols[lo][rows]  # type: ignore[index]
             out = np.zeros(levels.shape, dtype=self.dtype)
             for v, col in enumerate(self.cols):
                 m = levels == v
                 if m.any():
                     out[m] = col[rows[m]]
-            if levels.size and int(levels.max()) >= len(self.cols):
-                raise IndexError(f"level {int(levels.max())} of a table of {len(self.cols)} levels")
             return out
         return self.cols[operator.index(lvl)][rows]  # type: ignore[arg-type, index]
 
