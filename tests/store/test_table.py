@@ -11,7 +11,8 @@ import pytest
 
 from tierkv.errors import InputError
 from tierkv.keys import PageKey
-from tierkv.store.table import NO_LEVEL, LevelColumns, PageTable, PyCore, PyRowMap, SparseColumn, new_core, rows_of
+from tierkv.store.table import (NO_LEVEL, LevelColumns, PageTable, PyCore, PyRowMap, SparseColumn, UniformColumn,
+                                new_core, rows_of)
 
 native = pytest.mark.skipif(type(new_core()) is PyCore, reason="tierkv._table is not built")
 
@@ -307,6 +308,8 @@ def test_level_columns_index_as_the_2d_array_they_stand_for(maps: str, monkeypat
             u = np.unique(rows)             # a fancy += adds once a row, as numpy's does
             cols[lvl, u] += 2
             ref[lvl, u] += 2
+            cols.add_unique(lvl, u.astype(np.int32), 3)
+            ref[lvl, u] += 3
         elif op < 0.75:
             cols.add_at(lvl, rows, 1)       # repeated rows count each time
             np.add.at(ref[lvl], rows, 1)
@@ -328,6 +331,55 @@ def test_level_columns_index_as_the_2d_array_they_stand_for(maps: str, monkeypat
     assert cols[0, []].shape == (0,) and cols[np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)].shape == (0,)
     assert cols.sparse == [True, False, True] and isinstance(cols[2], SparseColumn)
     assert isinstance(cols[0]._map, PyRowMap) == (maps == "py")
+
+
+@pytest.mark.parametrize(("dense_after", "common"), [(4096, 0.9), (40, 0.3)], ids=["sparse", "turns-dense"])
+def test_a_uniform_column_reads_as_the_array_it_stands_for(dense_after: int, common: float) -> None:
+    """Mostly one value (a page length), some others and zeros, rows freed and the table
+    grown, against a numpy column; with many other values it turns into an array, same
+    answers. Rows never set read as the first value set."""
+    rng = np.random.default_rng(9)
+    col = UniformColumn(np.uint32)
+    col.DENSE_AFTER = dense_after
+    col.grow(1000)
+    ref = np.zeros(1000, dtype=np.uint32)
+    assert col[5] == 0 and col.others == 0
+    held = np.zeros(1000, dtype=bool)
+    first: int | None = None
+    for step in range(3000):
+        if step == 1500:
+            col.grow(4000)
+            ref = np.concatenate([ref, np.zeros(3000, dtype=np.uint32)])
+            held = np.concatenate([held, np.zeros(3000, dtype=bool)])
+        rows = np.unique(rng.integers(0, len(ref), int(rng.integers(1, 20))))
+        op = rng.random()
+        if op < 0.5:
+            vals = np.where(rng.random(len(rows)) < common, 4096, rng.choice([0, 17, 2 ** 32 - 1], len(rows)))
+            col[rows] = vals
+            ref[rows] = vals
+            held[rows] = True
+            first = int(vals[0]) if first is None else first
+        elif op < 0.6:
+            r, v = int(rows[0]), int(rng.choice([4096, 12]))
+            first = v if first is None else first
+            col[r] = v
+            ref[r] = v
+            held[r] = True
+        elif op < 0.7:
+            col.forget(rows)                # freed: never read until set again
+            held[rows] = False
+        live = np.flatnonzero(held)
+        if len(live):
+            assert np.array_equal(col[live], ref[live]) and col[live].dtype == np.uint32
+            r = int(live[rng.integers(len(live))])
+            assert col[r] == ref[r] and type(col[r]) is np.uint32
+        assert np.array_equal(col.dense()[held], ref[held])
+    assert col.common == first and (col.others is None) == (dense_after == 40)
+    if col.others is not None:
+        with pytest.raises(TypeError, match="integer rows"):
+            col[held]                           # a mask is not rows
+    if col.others is not None:                  # what it keeps: the rows held with another length, at most
+        assert col.others <= int((held & (ref != first)).sum())
 
 
 def test_a_small_fast_tier_keeps_sparse_columns(tmp_path: Path) -> None:

@@ -667,11 +667,11 @@ class BlockManager:
         self._incarnations += n
         if chain:
             parents_of = prow[prow > 0] - 1
-            t.kids[lvl, parents_of] += 1
+            t.kids.add_unique(lvl, parents_of, 1)
             t.nkids[parents_of] += 1
         else:
             parents_of, counts = np.unique(prow[prow > 0] - 1, return_counts=True)   # np.add.at, 5x faster in bulk
-            t.kids[lvl, parents_of] += counts.astype(t.kids.dtype)
+            t.kids.add_unique(lvl, parents_of, counts.astype(t.kids.dtype))
             t.nkids[parents_of] += counts.astype(t.nkids.dtype)
         self._pages += n
         return rows
@@ -983,7 +983,7 @@ class BlockManager:
             up = up[up >= 0]
             if len(up):
                 parents_of, counts = np.unique(up, return_counts=True)
-                t.kids[low, parents_of] += counts.astype(t.kids.dtype)
+                t.kids.add_unique(low, parents_of, counts.astype(t.kids.dtype))
             going = keys if len(down) == len(keys) else [keys[i] for i in down.tolist()]
             plan.moves.append(Moves(tier.name, lower.name, going, src, list(slots)))
         go = ~keep

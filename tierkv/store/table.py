@@ -250,6 +250,9 @@ class PyRowMap:
         return sys.getsizeof(self._d)
 
 
+_ROW_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
 class SparseColumn:
     """One level's column of the table where few rows have a value (a fast tier's slots
     and cached-child counts): the rows that do, in a map (``tierkv._table.RowMap``, about
@@ -278,6 +281,8 @@ class SparseColumn:
         return np.ascontiguousarray(rows, dtype=np.int64)
 
     def __getitem__(self, idx: int | np.integer | np.ndarray) -> Any:   # a scalar or an array, as numpy's
+        if type(idx) is np.ndarray and idx.ndim == 1 and idx.dtype in _ROW_TYPES and idx.flags.c_contiguous:
+            return np.frombuffer(self._map.get(idx), dtype=np.int64).astype(self.dtype)   # the manager's reads
         if isinstance(idx, (int, np.integer)):
             return self.dtype.type(self._map.get1(int(idx)))
         rows = self._rows(idx)
@@ -285,6 +290,10 @@ class SparseColumn:
         return got.reshape(rows.shape) if rows.ndim != 1 else got
 
     def __setitem__(self, idx: int | np.integer | np.ndarray, value: object) -> None:
+        if (type(idx) is np.ndarray and type(value) is np.ndarray and idx.ndim == 1 and idx.shape == value.shape
+                and idx.dtype in _ROW_TYPES and idx.flags.c_contiguous):   # the manager's writes
+            self._map.put(idx, value.astype(self.dtype).astype(np.int64))
+            return
         if isinstance(idx, (int, np.integer)):
             self._map.put1(int(idx), int(value))  # type: ignore[call-overload]
             return
@@ -307,6 +316,88 @@ class SparseColumn:
     @property
     def nbytes(self) -> int:
         return int(self._map.nbytes)
+
+
+class UniformColumn:
+    """A value per row where nearly every row has the same one (a page's length: the pages
+    of a put share one, and a store's puts mostly the page size): that value, and in a map
+    the rows that have another (stored plus one, so that 0 can be one). The common value is
+    the first one set; rows never set (or freed) read as it (0 before any is set: no reader
+    asks a row that holds no page). Once more than 1/8 of the rows
+    (and over 4,096) have another value it turns into an array of every row for good.
+    Indexed like a 1-D numpy array by a row or an integer array of rows."""
+
+    DENSE_AFTER = 4096
+
+    def __init__(self, dtype: np.dtype | type) -> None:
+        self.dtype = np.dtype(dtype)
+        self.common = 0
+        self._fixed = False
+        self._others = SparseColumn(np.int64)
+        self._dense: np.ndarray | None = None
+        self._n = 0
+
+    def grow(self, cap: int) -> None:
+        if self._dense is not None:
+            new = np.zeros(cap, dtype=self.dtype)
+            new[:len(self._dense)] = self._dense
+            self._dense = new
+        self._n = cap
+
+    @property
+    def others(self) -> int | None:
+        """Rows held with another value than the common one (None once dense)."""
+        return None if self._dense is not None else len(self._others)
+
+    def __getitem__(self, idx: int | np.integer | np.ndarray) -> Any:   # a scalar or an array, as numpy's
+        if self._dense is not None:
+            return self._dense[idx]
+        if isinstance(idx, (int, np.integer)):
+            v = self._others._map.get1(int(idx)) if len(self._others) else 0
+            return self.dtype.type(v - 1 if v else self.common)
+        if not len(self._others):         # every row the common value: most stores, always
+            rows = np.asarray(idx)
+            if rows.dtype.kind not in "iu" and rows.size:
+                raise TypeError(f"a uniform column takes integer rows, got an array of {rows.dtype}")
+            return np.full(rows.shape, self.common, dtype=self.dtype)
+        got = self._others[idx]
+        return np.where(got != 0, got - 1, self.common).astype(self.dtype)
+
+    def __setitem__(self, idx: int | np.integer | np.ndarray, value: object) -> None:
+        if self._dense is not None:
+            self._dense[idx] = value
+            return
+        if self._fixed and not len(self._others) and bool((np.asarray(value) == self.common).all()):
+            return                        # the common value where every row has it: most writes
+        vals = np.asarray(value, dtype=self.dtype).astype(np.int64)
+        if not self._fixed and vals.size:
+            self.common, self._fixed = int(vals.flat[0]), True
+        if not len(self._others) and bool((vals == self.common).all()):
+            return                        # nothing to note, nothing to take back
+        self._others[idx] = np.where(vals != self.common, vals + 1, 0) if vals.ndim else \
+            (int(vals) + 1 if int(vals) != self.common else 0)
+        if len(self._others) > max(self.DENSE_AFTER, self._n // 8):
+            self._dense = self.dense()
+
+    def forget(self, rows: np.ndarray) -> None:
+        """Rows freed: they read as the common value again (0 once dense), their map entries go."""
+        if self._dense is not None:
+            self._dense[rows] = 0
+        elif len(self._others):
+            self._others[rows] = 0
+
+    def dense(self) -> np.ndarray:
+        """The column as an array of every row."""
+        if self._dense is not None:
+            return self._dense.copy()
+        out = np.full(self._n, self.common, dtype=self.dtype)
+        rows, vals = self._others._map.items()
+        out[np.frombuffer(rows, dtype=np.int64)] = np.frombuffer(vals, dtype=np.int64) - 1
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._dense.nbytes) if self._dense is not None else self._others.nbytes
 
 
 class LevelColumns:
@@ -335,6 +426,8 @@ class LevelColumns:
         return [isinstance(c, SparseColumn) for c in self.cols]
 
     def __getitem__(self, idx: object) -> Any:   # as numpy's indexing: an array, a scalar or a column
+        if type(idx) is tuple and type(idx[0]) is int:   # [lvl, r] and [lvl, rows]: most reads
+            return self.cols[idx[0]][idx[1]]  # type: ignore[index]
         if not isinstance(idx, tuple):
             return self.cols[operator.index(idx)]  # type: ignore[arg-type]
         lvl, rows = idx
@@ -364,6 +457,14 @@ class LevelColumns:
     def __setitem__(self, idx: tuple[int, object], value: object) -> None:
         lvl, rows = idx
         self.cols[lvl][rows] = value  # type: ignore[index]
+
+    def add_unique(self, lvl: int, rows: np.ndarray, delta: int | np.ndarray) -> None:
+        """``c[lvl, rows] += delta`` for rows that are all distinct, in one call for a sparse level."""
+        col = self.cols[lvl]
+        if isinstance(col, SparseColumn):
+            col.add_at(rows, delta)
+        else:
+            col[rows] += delta
 
     def only_at(self, lvl: int, row: int) -> bool:
         """Whether ``row`` has no value at any level but ``lvl`` (per eviction candidate:
@@ -412,7 +513,7 @@ class PageTable:
         self.tiers = tiers
         self._cap = 0
         self.parent = np.zeros(0, dtype=np.int32)     # parent row + 1; 0: none
-        self.nbytes = np.zeros(0, dtype=np.uint32)
+        self.nbytes = UniformColumn(np.uint32)        # a page's length: mostly one for all
         self.checksum = np.zeros(0, dtype=np.uint64)
         self.has_sum = np.zeros(0, dtype=np.bool_)
         # Pins of the rows pinned now (row -> count > 0): a handful at any time, so a dict,
@@ -431,11 +532,12 @@ class PageTable:
         cap = self.core.capacity
         if cap <= self._cap:
             return
-        for name in ("parent", "nbytes", "checksum", "has_sum", "gen", "where", "nkids"):
+        for name in ("parent", "checksum", "has_sum", "gen", "where", "nkids"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
             new[:len(old)] = old
             setattr(self, name, new)
+        self.nbytes.grow(cap)
         self.slot.grow(cap)
         self.kids.grow(cap)
         self._cap = cap
@@ -449,7 +551,7 @@ class PageTable:
     def release(self, rows: np.ndarray) -> None:
         """Free rows with no copy and no cached child; their columns are zeroed for reuse."""
         self.parent[rows] = 0
-        self.nbytes[rows] = 0
+        self.nbytes.forget(rows)
         self.checksum[rows] = 0
         self.has_sum[rows] = False
         self.unpin(rows)
