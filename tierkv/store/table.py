@@ -8,7 +8,8 @@ and how many of its children are cached (per tier, and at all). All columns enco
 "none" as 0 (slots and parent rows are stored plus one), so capacity grown but not yet
 used costs no resident memory. A tier that holds a small share of the pages (a node's
 DRAM) keeps its slot and children columns for its own rows only (:class:`SparseColumn`),
-and pins live in a dict of the rows pinned now: a handful at any time.
+the length is one common value and the rows with another (:class:`UniformColumn`), and
+pins live in a dict of the rows pinned now: a handful at any time.
 
 A row exists while its page has a copy in some tier, or while a cached page names it
 as parent (a *placeholder*: its children must be told apart from orphans when it
