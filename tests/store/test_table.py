@@ -382,6 +382,36 @@ def test_a_uniform_column_reads_as_the_array_it_stands_for(dense_after: int, com
         assert col.others <= int((held & (ref != first)).sum())
 
 
+def test_pages_of_another_length_leave_no_entry_behind_when_they_go() -> None:
+    """Pages of an odd length are the length column's exceptions; once they leave the
+    store (forgotten, or their parent placeholders released) no entry of theirs stays."""
+    from tierkv.policy import make_policy
+    from tierkv.sim.tiers import sim_tiers
+    from tierkv.store.manager import BlockManager
+
+    tiers = sim_tiers([4, 64])
+    m = BlockManager(tiers, {t.name: make_policy("lru") for t in tiers}, None)
+
+    def store(first: int, n: int, nbytes: int) -> list[PageKey]:
+        keys = [PageKey(i.to_bytes(16, "big")) for i in range(first, first + n)]
+        plan = m.plan_store([(k, keys[j - 1] if j else None) for j, k in enumerate(keys)], nbytes)
+        for moves in plan.move_groups(m.levels):
+            m.publish(moves.placed(), dict.fromkeys(moves.keys, 0), plan)
+        for batch in plan.placed_by_level(m.levels):
+            m.publish(batch, dict.fromkeys(batch.keys, 0), plan)
+        m.commit_deletes(plan)
+        return keys
+
+    store(1, 8, 4096)
+    odd = store(100, 6, 1000)
+    col = m.table.nbytes
+    assert col.common == 4096 and col.others == 6
+    assert [m.entry(k).nbytes for k in odd] == [1000] * 6   # type: ignore[union-attr]
+    m.forget(odd[0])                        # its chain goes with it
+    m.check()
+    assert col.others == 0 and all(m.entry(k) is None for k in odd)
+
+
 def test_a_small_fast_tier_keeps_sparse_columns(tmp_path: Path) -> None:
     """DRAM with at most 1/8 of the store's slots keeps its slots and child counts for its
     own pages only; a big one, and the slowest tier, keep a column of every row."""

@@ -269,8 +269,10 @@ class BlockManager:
         t.pins.pop(r, None)
         t.has_sum[r] = False
         if not t.nkids[r]:
+            t.nbytes.forget(r)            # an odd length's entry goes; the common one is set on reuse
             t.core.release(_ROW.pack(r))  # its columns are zero but length and checksum, set on reuse
         if p >= 0 and not t.where[p] and not t.nkids[p]:
+            t.nbytes.forget(p)
             t.core.release(_ROW.pack(p))  # a placeholder: its columns are zero
         return slot, True
 
@@ -924,7 +926,9 @@ class BlockManager:
             parents = prow[linked & gone]
             free = np.concatenate([dead[t.nkids[dead] == 0], parents[(t.where[parents] == 0) & (t.nkids[parents] == 0)]])
             if len(free):
-                t.core.release(np.unique(free).astype(np.int32).tobytes())
+                free = np.unique(free).astype(np.int32)
+                t.nbytes.forget(free)     # an odd length's entry goes; the common one is set on reuse
+                t.core.release(free.tobytes())
         kept = rows[~gone]
         if len(kept):
             levels = np.frombuffer(t.core.levels(kept.tobytes()), dtype=np.uint8)

@@ -380,7 +380,7 @@ class UniformColumn:
         if len(self._others) > max(self.DENSE_AFTER, self._n // 8):
             self._dense = self.dense()
 
-    def forget(self, rows: np.ndarray) -> None:
+    def forget(self, rows: int | np.ndarray) -> None:
         """Rows freed: they read as the common value again (0 once dense), their map entries go."""
         if self._dense is not None:
             self._dense[rows] = 0
