@@ -176,7 +176,7 @@ rec_reserve(LeafHeapsObject *s, int n)
 }
 
 /* The Rec of node idx (which has no resident children), a blank one if it has none;
- * NULL with MemoryError. Recs move. */
+ * NULL with MemoryError (SystemError where idx has resident children: a bug). Recs move. */
 static Rec *
 rec_make(LeafHeapsObject *s, int32_t idx)
 {
