@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tierkv.store import columns
-from tierkv.store.columns import LevelColumns, PyRowMap, SparseColumn, UniformColumn
+from tierkv.store.columns import CountColumn, LevelColumns, PyRowMap, SparseColumn, UniformColumn
 
 
 def _row_maps() -> list[Any]:
@@ -197,3 +197,81 @@ def test_a_uniform_column_reads_as_the_array_it_stands_for(dense_after: int, com
             col[held]                           # a mask is not rows
     if col.others is not None:                  # what it keeps: the rows held with another length, at most
         assert col.others <= int((held & (ref != first)).sum())
+
+
+@pytest.mark.parametrize("maps", ["c", "py"])
+def test_a_count_column_reads_as_the_int32_array_it_stands_for(maps: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counts around the byte's limit (254, 255, 256 and far above) set, added (once a row
+    and once an occurrence) and taken back, against a numpy int32 column: same reads, the
+    map holding exactly the rows at 255 or more."""
+    if maps == "py":
+        monkeypatch.setattr(columns, "_table", None)
+    elif columns._table is None:
+        pytest.skip("tierkv._table is not built")
+    rng = np.random.default_rng(17)
+    col = CountColumn()
+    col.grow(500)
+    ref = np.zeros(500, dtype=np.int32)
+    for step in range(4000):
+        if step == 2000:
+            col.grow(1500)
+            ref = np.concatenate([ref, np.zeros(1000, dtype=np.int32)])
+        rows = rng.integers(0, len(ref), int(rng.integers(1, 12)))
+        op = rng.random()
+        if op < 0.25:
+            vals = rng.choice([0, 1, 2, 254, 255, 256, 70_000], len(rows)).astype(np.int32)
+            col[rows] = vals                # a row named twice keeps its last value
+            ref[rows] = vals
+        elif op < 0.45:
+            u = np.unique(rows)
+            d = int(rng.choice([1, 2, 300]))
+            col[u] += d
+            ref[u] += d
+        elif op < 0.65:
+            ok = rows[ref[rows] >= np.bincount(rows, minlength=len(ref))[rows]]
+            col.add_at(ok, -1)              # each occurrence takes one
+            np.subtract.at(ref, ok, 1)
+        elif op < 0.8:
+            col.add_at(rows, 1)
+            np.add.at(ref, rows, 1)
+        else:
+            r = int(rows[0])
+            col[r] += 1
+            ref[r] += 1
+            v = col[r] - 1 if rng.random() < 0.5 else int(rng.choice([255, 3]))
+            col[np.int64(r)] = v
+            ref[r] = v
+        got = col[rows]
+        assert got.dtype == np.int32 and np.array_equal(got, ref[rows]), step
+        assert col[int(rows[0])] == ref[rows[0]] and type(col[int(rows[0])]) is int
+        col.check()
+    assert np.array_equal(col.dense(), ref) and col.big == int((ref >= 255).sum()) > 0
+    small = CountColumn()                   # a byte a row while counts stay small
+    small.grow(len(ref))
+    small[np.arange(len(ref))] = np.arange(len(ref)) % 3
+    assert small.nbytes < ref.nbytes / 3 and small.big == 0
+
+
+def test_a_count_column_refuses_what_is_no_count_and_changes_nothing() -> None:
+    col = CountColumn()
+    col.grow(10)
+    col[np.array([1, 2])] = np.array([3, 300])
+    with pytest.raises(ValueError, match="0 or more, got -1 for row 4"):
+        col[np.array([3, 4])] = np.array([1, -1])
+    with pytest.raises(ValueError, match="0 or more, got -2 for row 5"):
+        col[5] = -2
+    with pytest.raises(ValueError, match="0 or more"):
+        col.add_at(np.array([1, 1, 1, 1]), -1)
+    with pytest.raises(TypeError, match="integer rows"):
+        col[np.ones(10, dtype=bool)]        # a mask is not rows
+    with pytest.raises(TypeError, match="integers"):
+        col[np.array([1])] = np.array([1.5])
+    assert col.dense().tolist() == [0, 3, 300, 0, 0, 0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="count levels are int32"):
+        LevelColumns(np.uint32, [False], counts=True)
+    levels = LevelColumns(np.int32, [True, False], counts=True)
+    levels.grow(10)
+    levels.add_at(1, np.array([2] * 400), 1)
+    levels.add_unique(0, np.array([2]), 5)
+    assert levels[:, 2].tolist() == [5, 400] and not levels.only_at(1, 2) and levels[1].big == 1
+    assert levels.dense()[:, 2].tolist() == [5, 400]

@@ -222,6 +222,45 @@ def test_pages_of_another_length_leave_no_entry_behind_when_they_go() -> None:
     assert col.others == 0 and all(m.entry(k) is None for k in odd)
 
 
+@pytest.mark.parametrize("policy", ["lru", "gittins"])
+def test_a_page_with_hundreds_of_cached_children_counts_them_all(policy: str) -> None:
+    """The children counts are a byte a row, and a map for the rows with 255 or more: a
+    shared prefix page with 600 branches counts each, in both tiers, through the bulk put
+    (one call naming it 300 times), puts of one page, demotions and evictions, and back
+    down to none when its children go."""
+    from tierkv.policy import make_policy
+    from tierkv.sim.tiers import sim_tiers
+    from tierkv.store.manager import BlockManager
+
+    tiers = sim_tiers([64, 700])
+    m = BlockManager(tiers, {t.name: make_policy(policy) for t in tiers}, None)
+
+    def store(pages: list[tuple[PageKey, PageKey | None]]) -> None:
+        plan = m.plan_store(pages, 4096)
+        for moves in plan.move_groups(m.levels):
+            m.publish(moves.placed(), dict.fromkeys(moves.keys, 0), plan)
+        for batch in plan.placed_by_level(m.levels):
+            m.publish(batch, dict.fromkeys(batch.keys, 0), plan)
+        m.commit_deletes(plan)
+
+    root = PageKey(bytes(16))
+    kids = [PageKey(i.to_bytes(16, "big")) for i in range(1, 601)]
+    store([(root, None)])
+    store([(k, root) for k in kids[:40]])
+    store([(k, root) for k in kids[40:340]])     # 300 in one call: the bulk count
+    for k in kids[340:]:
+        store([(k, root)])
+    m.check()
+    t, r = m.table, m.table.core.row(root)
+    held = [k for k in kids if m.entry(k) is not None]
+    assert int(t.nkids[r]) == len(held) > 255 and t.nkids.big == 1
+    assert int(t.kids[1, r]) > 255            # the slow tier's count is in the map too
+    for k in held[:-3]:
+        m.forget(k)
+    m.check()
+    assert int(t.nkids[r]) == 3 and t.nkids.big == 0 and t.kids[1].big == 0
+
+
 def test_a_small_fast_tier_keeps_sparse_columns(tmp_path: Path) -> None:
     """DRAM with at most 1/8 of the store's slots keeps its slots and child counts for its
     own pages only; a big one, and the slowest tier, keep a column of every row."""

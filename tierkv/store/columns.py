@@ -2,10 +2,11 @@
 
 A page table keeps most of what it knows of a page in numpy columns indexed by row
 (:mod:`tierkv.store.table`). Some values are held by few rows, or are the same for
-nearly all: a fast tier's slots and cached-children counts (its own pages only:
-:class:`SparseColumn`, in :class:`LevelColumns` beside the dense levels) and a page's
-length (:class:`UniformColumn`). These keep the rows that have a value, or another
-value, in a map from row to value (``tierkv._table.RowMap``, or :class:`PyRowMap` where
+nearly all, or small for nearly all: a fast tier's slots and cached-children counts
+(its own pages only: :class:`SparseColumn`, in :class:`LevelColumns` beside the dense
+levels), a page's length (:class:`UniformColumn`) and the other cached-children counts,
+nearly all 0 or 1 (:class:`CountColumn`: a byte a row). These keep the rows that have a
+value, another value or a big one in a map from row to value (``tierkv._table.RowMap``, or :class:`PyRowMap` where
 the extension is not built), indexed as the numpy column they stand for. Not
 thread-safe: the manager uses them under the store lock.
 """
@@ -238,16 +239,134 @@ class UniformColumn:
         return int(self._dense.nbytes) if self._dense is not None else self._others.nbytes
 
 
+#: The unsigned integer type of each signed one's size: a view in which negatives are huge.
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class CountColumn:
+    """A count per row that is nearly always small (a page's cached children: 0 or 1 along
+    a prompt, more only where prompts branch): a byte per row (an int32 array would take
+    four), and the rows that count :attr:`BIG` or more in a map (their byte :attr:`BIG`).
+    Indexed like a 1-D numpy int32 array by a row (an int) or an integer array of rows (an
+    int32 array); assigning sets. :attr:`bytes` is nonzero exactly where the count is. A
+    count is never negative: assigning one raises ValueError and changes nothing."""
+
+    BIG = 255
+    dtype = np.dtype(np.int32)
+
+    def __init__(self) -> None:
+        self.bytes = np.zeros(0, dtype=np.uint8)
+        self._map: Any = _table.RowMap() if _table is not None else PyRowMap()
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+    def grow(self, cap: int) -> None:
+        new = np.zeros(cap, dtype=np.uint8)
+        new[:len(self.bytes)] = self.bytes
+        self.bytes = new
+
+    @property
+    def big(self) -> int:
+        """Rows whose count is in the map."""
+        return len(self._map)
+
+    @staticmethod
+    def _rows(idx: object) -> np.ndarray:
+        """Integer rows as an int32 or int64 array (what the map reads)."""
+        rows = np.asarray(idx)
+        if rows.dtype == np.int32 or rows.dtype == np.int64:
+            return rows
+        if rows.dtype.kind not in "iu" and rows.size:   # a mask would pick rows, not name them
+            raise TypeError(f"a count column takes integer rows, got an array of {rows.dtype}")
+        return rows.astype(np.int64)
+
+    def __getitem__(self, idx: int | np.integer | np.ndarray) -> Any:   # an int or an int32 array
+        if isinstance(idx, (int, np.integer)):
+            v = self.bytes.item(idx)
+            return v if v != self.BIG else self._map.get1(int(idx))
+        rows = self._rows(idx)
+        v = self.bytes[rows]
+        out = v.astype(np.int32)
+        if len(self._map):
+            at = v == self.BIG
+            if at.any():
+                out[at] = np.frombuffer(self._map.get(np.ascontiguousarray(rows[at])), dtype=np.int64)
+        return out
+
+    def __setitem__(self, idx: int | np.integer | np.ndarray, value: object) -> None:
+        if isinstance(idx, (int, np.integer)):
+            v = int(value)  # type: ignore[call-overload]
+            if 0 <= v < self.BIG and not (len(self._map) and self.bytes.item(idx) == self.BIG):
+                self.bytes[idx] = v       # nearly every write
+                return
+            if v < 0:
+                raise ValueError(f"a count is 0 or more, got {v} for row {int(idx)}")
+            self._map.put1(int(idx), v if v >= self.BIG else 0)
+            self.bytes[idx] = min(v, self.BIG)
+            return
+        rows = self._rows(idx)
+        vals = value if type(value) is np.ndarray and value.shape == rows.shape else \
+            np.broadcast_to(np.asarray(value), rows.shape)
+        if vals.dtype.kind not in "iu":
+            raise TypeError(f"a count column holds integers, got {vals.dtype}")
+        if not len(self._map) and vals.size:
+            u = vals.view(_UNSIGNED[vals.itemsize]) if vals.dtype.kind == "i" else vals   # a negative is huge
+            if u.max() < self.BIG:
+                self.bytes[rows] = vals   # every count small, none big before: nearly every write
+                return
+        vals = vals.astype(np.int64).ravel()
+        rows = rows.ravel()
+        if vals.size and int(vals.min()) < 0:
+            bad = int(np.argmin(vals))
+            raise ValueError(f"a count is 0 or more, got {int(vals[bad])} for row {int(rows[bad])}")
+        if len(rows) > 1:                 # a row named twice gets its last value, as numpy's
+            last = len(rows) - 1 - np.unique(rows[::-1], return_index=True)[1]
+            rows, vals = rows[last], vals[last]
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        # The map takes the rows counted BIG or more, and lets go of the others (0 removes).
+        self._map.put(rows, np.where(vals >= self.BIG, vals, 0))
+        self.bytes[rows] = np.minimum(vals, self.BIG)
+
+    def add_at(self, rows: np.ndarray, delta: int) -> None:
+        """``numpy.add.at``: ``delta`` added once for each occurrence of a row."""
+        rows = self._rows(rows).ravel()
+        if len(rows):
+            u, counts = np.unique(rows, return_counts=True)
+            self[u] = self[u] + counts * delta
+
+    def dense(self, n: int | None = None) -> np.ndarray:
+        """The column as an int32 array of every row (``n``: its length, as grown)."""
+        assert n is None or n == len(self.bytes), "a count column has a count for every row"
+        return self[np.arange(len(self.bytes))]  # type: ignore[no-any-return]
+
+    def check(self) -> None:
+        """AssertionError unless the map holds exactly the rows whose byte is BIG, each with a
+        count of BIG or more."""
+        rows, vals = self._map.items()
+        at = np.frombuffer(rows, dtype=np.int64)
+        assert np.array_equal(np.sort(at), np.flatnonzero(self.bytes == self.BIG)), "count column: map vs bytes"
+        assert bool((np.frombuffer(vals, dtype=np.int64) >= self.BIG).all()), "count column: a small count in the map"
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bytes.nbytes) + int(self._map.nbytes)
+
+
 class LevelColumns:
     """A value per level and row (a tier's slots, or cached children in it): each level a
     numpy array of every row (*dense*) or a :class:`SparseColumn`. Indexed as the 2-D array
     ``[level, rows]`` it stands for: ``c[lvl, r]``, ``c[lvl, rows]``, ``c[:, rows]`` (levels
-    by rows), ``c[levels, rows]`` (a level per row); ``c[lvl]`` is that level's column."""
+    by rows), ``c[levels, rows]`` (a level per row); ``c[lvl]`` is that level's column.
+    With ``counts`` (nonnegative int32 counts) the dense levels are :class:`CountColumn`."""
 
-    def __init__(self, dtype: np.dtype | type, sparse: list[bool]) -> None:
+    def __init__(self, dtype: np.dtype | type, sparse: list[bool], counts: bool = False) -> None:
         self.dtype = np.dtype(dtype)
-        self.cols: list[np.ndarray | SparseColumn] = [
-            SparseColumn(self.dtype) if sp else np.zeros(0, dtype=self.dtype) for sp in sparse]
+        if counts and self.dtype != CountColumn.dtype:
+            raise ValueError(f"count levels are {CountColumn.dtype}, got {self.dtype}")
+        self.cols: list[np.ndarray | SparseColumn | CountColumn] = [
+            SparseColumn(self.dtype) if sp else CountColumn() if counts else np.zeros(0, dtype=self.dtype)
+            for sp in sparse]
         self._n = 0
 
     def grow(self, cap: int) -> None:
@@ -257,6 +376,8 @@ class LevelColumns:
                 new = np.zeros(cap, dtype=self.dtype)
                 new[:len(col)] = col
                 self.cols[i] = new
+            elif isinstance(col, CountColumn):
+                col.grow(cap)
         self._n = cap
 
     @property
@@ -315,10 +436,10 @@ class LevelColumns:
     def add_at(self, lvl: int, rows: np.ndarray, delta: int) -> None:
         """``numpy.add.at`` on one level's column: once for each occurrence of a row."""
         col = self.cols[lvl]
-        if isinstance(col, SparseColumn):
-            col.add_at(rows, delta)
-        else:
+        if isinstance(col, np.ndarray):
             np.add.at(col, rows, delta)
+        else:
+            col.add_at(rows, delta)
 
     def dense(self) -> np.ndarray:
         """Every level as one levels-by-rows array (for checks)."""

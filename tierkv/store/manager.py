@@ -39,6 +39,7 @@ import numpy as np
 from tierkv.errors import CapacityError, InputError, TierIOError
 from tierkv.keys import KEY_BYTES, PageKey, split_keys, take_keys
 from tierkv.policy import Policy
+from tierkv.store.columns import CountColumn
 from tierkv.store.index import IndexRecord, PackedRecords, PersistentIndex, run_key
 from tierkv.store.index_runs import COMPACT_CHUNK, COMPACT_MIN, load_runs, replay, unpack_run
 from tierkv.store.index_scan import RECORD_DTYPE, RecordArrays, packed_blob, packed_values, scan_records
@@ -908,7 +909,7 @@ class BlockManager:
         linked = prow >= 0
         t.kids.add_at(lvl, prow[linked], -1)
         gone = where == 0
-        np.subtract.at(t.nkids, prow[linked & gone], 1)
+        t.nkids.add_at(prow[linked & gone], -1)
         _remove_pages(self._policies[name], keys)
         plan.evicted += len(keys)
         if tier.persistent:
@@ -1384,7 +1385,7 @@ class BlockManager:
         where = t.where[live]
         assert int((where != 0).sum()) == self._pages, "page count"
         kids = np.zeros((len(self._names), len(t.nkids)), dtype=t.kids.dtype)
-        nkids = np.zeros_like(t.nkids)
+        nkids = np.zeros(len(t.nkids), dtype=np.int32)
         pr = t.parent[live].astype(np.int64) - 1
         linked = pr >= 0
         np.add.at(nkids, pr[linked], 1)
@@ -1393,7 +1394,10 @@ class BlockManager:
             np.add.at(kids[lvl], pr[has], 1)
             held = t.slot[lvl, live] != 0
             assert np.array_equal(held, where >> lvl & 1 == 1), f"slots vs tier mask at level {lvl}"
-        assert np.array_equal(kids, t.kids.dense()) and np.array_equal(nkids, t.nkids), "cached-children counts"
+        assert np.array_equal(kids, t.kids.dense()) and np.array_equal(nkids, t.nkids.dense()), "cached-children counts"
+        for col in [t.nkids, *t.kids.cols]:
+            if isinstance(col, CountColumn):
+                col.check()
         assert bool(((where != 0) | (t.nkids[live] > 0)).all()), "a row with no copy and no child is not freed"
         assert not (linked & (where == 0)).any(), "a placeholder row names a parent"
         pinned = np.fromiter(t.pins, dtype=np.int64, count=len(t.pins))

@@ -8,7 +8,8 @@ and how many of its children are cached (per tier, and at all). All columns enco
 "none" as 0 (slots and parent rows are stored plus one), so capacity grown but not yet
 used costs no resident memory. A tier that holds a small share of the pages (a node's
 DRAM) keeps its slot and children columns for its own rows only (:mod:`tierkv.store.columns`),
-the length is one common value and the rows with another, and
+the length is one common value and the rows with another, the children counts are a
+byte a row (and a map of the rows that count 255 or more), and
 pins live in a dict of the rows pinned now: a handful at any time.
 
 A row exists while its page has a copy in some tier, or while a cached page names it
@@ -26,7 +27,7 @@ import sys
 import numpy as np
 
 from tierkv.keys import KEY_BYTES, PageKey, split_keys
-from tierkv.store.columns import LevelColumns, UniformColumn
+from tierkv.store.columns import CountColumn, LevelColumns, UniformColumn
 
 try:  # the compiled core; optional so that a machine without a compiler still works
     from tierkv import _table  # type: ignore[attr-defined]
@@ -215,10 +216,10 @@ class PageTable:
         self.pins: dict[int, int] = {}
         self.gen = np.zeros(0, dtype=np.uint32)       # the incarnation of the row's page (set by the manager)
         self.where = np.zeros(0, dtype=np.uint8)      # bit i: level i holds a copy
-        self.nkids = np.zeros(0, dtype=np.int32)      # children with a copy anywhere
+        self.nkids = CountColumn()                    # children with a copy anywhere: mostly 0 or 1
         # slot + 1 per level; 0: none (so slots < MAX_SLOTS, unless wide)
         self.slot = LevelColumns(np.int64 if wide_slots else np.uint32, sparse)
-        self.kids = LevelColumns(np.int32, sparse)   # children with a copy in each level
+        self.kids = LevelColumns(np.int32, sparse, counts=True)   # children with a copy in each level
         self.grow()
 
     def grow(self) -> None:
@@ -226,12 +227,13 @@ class PageTable:
         cap = self.core.capacity
         if cap <= self._cap:
             return
-        for name in ("parent", "checksum", "has_sum", "gen", "where", "nkids"):
+        for name in ("parent", "checksum", "has_sum", "gen", "where"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
             new[:len(old)] = old
             setattr(self, name, new)
         self.nbytes.grow(cap)
+        self.nkids.grow(cap)
         self.slot.grow(cap)
         self.kids.grow(cap)
         self._cap = cap
