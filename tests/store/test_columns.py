@@ -266,7 +266,13 @@ def test_a_count_column_refuses_what_is_no_count_and_changes_nothing() -> None:
         col[np.ones(10, dtype=bool)]        # a mask is not rows
     with pytest.raises(TypeError, match="integers"):
         col[np.array([1])] = np.array([1.5])
+    with pytest.raises(IndexError, match="row 12 is not one of the count column's 10 rows"):
+        col[12] = 300                       # past the end: neither the bytes nor the map change
+    with pytest.raises(IndexError, match="row -1 is not one"):
+        col[np.array([3, -1])] = np.array([1, 400])
     assert col.dense().tolist() == [0, 3, 300, 0, 0, 0, 0, 0, 0, 0]
+    col.check()
+    assert col[np.array(2)] == 300 and col[np.array(1)] == 3    # a 0-d array names one row
     with pytest.raises(ValueError, match="count levels are int32"):
         LevelColumns(np.uint32, [False], counts=True)
     levels = LevelColumns(np.int32, [True, False], counts=True)

@@ -286,8 +286,12 @@ class CountColumn:
             v = self.bytes.item(idx)
             return v if v != self.BIG else self._map.get1(int(idx))
         rows = self._rows(idx)
+        if not rows.ndim:                 # a 0-d array names one row: a scalar, as numpy's
+            return self[int(rows)]
         v = self.bytes[rows]
         out = v.astype(np.int32)
+        if not out.size:
+            return out
         if len(self._map):
             at = v == self.BIG
             if at.any():
@@ -302,31 +306,42 @@ class CountColumn:
                 return
             if v < 0:
                 raise ValueError(f"a count is 0 or more, got {v} for row {int(idx)}")
+            self._in_range(np.asarray(idx))   # before the map changes: a refused write changes nothing
             self._map.put1(int(idx), v if v >= self.BIG else 0)
             self.bytes[idx] = min(v, self.BIG)
             return
         rows = self._rows(idx)
         vals = value if type(value) is np.ndarray and value.shape == rows.shape else \
             np.broadcast_to(np.asarray(value), rows.shape)
+        if not vals.size:
+            return
         if vals.dtype.kind not in "iu":
             raise TypeError(f"a count column holds integers, got {vals.dtype}")
-        if not len(self._map) and vals.size:
+        if not len(self._map):
             u = vals.view(_UNSIGNED[vals.itemsize]) if vals.dtype.kind == "i" else vals   # a negative is huge
             if u.max() < self.BIG:
                 self.bytes[rows] = vals   # every count small, none big before: nearly every write
                 return
         vals = vals.astype(np.int64).ravel()
         rows = rows.ravel()
-        if vals.size and int(vals.min()) < 0:
+        if int(vals.min()) < 0:
             bad = int(np.argmin(vals))
             raise ValueError(f"a count is 0 or more, got {int(vals[bad])} for row {int(rows[bad])}")
         if len(rows) > 1:                 # a row named twice gets its last value, as numpy's
             last = len(rows) - 1 - np.unique(rows[::-1], return_index=True)[1]
             rows, vals = rows[last], vals[last]
         rows = np.ascontiguousarray(rows, dtype=np.int64)
+        self._in_range(rows)
         # The map takes the rows counted BIG or more, and lets go of the others (0 removes).
         self._map.put(rows, np.where(vals >= self.BIG, vals, 0))
         self.bytes[rows] = np.minimum(vals, self.BIG)
+
+    def _in_range(self, rows: np.ndarray) -> None:
+        """IndexError unless every row is one of the column's (0 to len - 1: the map's rows
+        are never negative)."""
+        if rows.size and not (0 <= int(rows.min()) and int(rows.max()) < len(self.bytes)):
+            bad = rows[(rows < 0) | (rows >= len(self.bytes))].flat[0]
+            raise IndexError(f"row {int(bad)} is not one of the count column's {len(self.bytes)} rows")
 
     def add_at(self, rows: np.ndarray, delta: int) -> None:
         """``numpy.add.at``: ``delta`` added once for each occurrence of a row."""
@@ -429,7 +444,8 @@ class LevelColumns:
         """Whether ``row`` has no value at any level but ``lvl`` (per eviction candidate:
         the maps read directly)."""
         for i, c in enumerate(self.cols):
-            if i != lvl and (c._map.get1(row) if type(c) is SparseColumn else c[row]):
+            if i != lvl and (c._map.get1(row) if type(c) is SparseColumn else c.bytes[row] if type(c) is CountColumn
+                             else c[row]):
                 return False
         return True
 

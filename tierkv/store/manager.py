@@ -640,9 +640,10 @@ class BlockManager:
         rows, _ = t.ensure(keys)
         n = len(rows)
         prow = np.zeros(n, dtype=np.int32)
-        # A chain (each page's parent the page before it: a prompt's pages) looks up only
-        # its first page's parent; its parents are distinct, so each gains one child.
-        chain = n > 1 and bool(has_parent[1:].all()) and parents[KEY_BYTES:] == keys[:-KEY_BYTES]
+        # A chain (each page's parent the page before it: a prompt's pages, or one page)
+        # looks up only its first page's parent; its parents are distinct, so each gains
+        # one child.
+        chain = bool(has_parent[1:].all()) and parents[KEY_BYTES:] == keys[:-KEY_BYTES]
         if chain:
             prow[1:] = rows[:-1] + 1
             if has_parent[0]:
@@ -670,8 +671,9 @@ class BlockManager:
         self._incarnations += n
         if chain:
             parents_of = prow[prow > 0] - 1
-            t.kids.add_unique(lvl, parents_of, 1)
-            t.nkids[parents_of] += 1
+            if len(parents_of):
+                t.kids.add_unique(lvl, parents_of, 1)
+                t.nkids[parents_of] += 1
         else:
             parents_of, counts = np.unique(prow[prow > 0] - 1, return_counts=True)   # np.add.at, 5x faster in bulk
             t.kids.add_unique(lvl, parents_of, counts.astype(t.kids.dtype))
@@ -854,7 +856,8 @@ class BlockManager:
             if r in t.pins:
                 return False
             others = int(t.where[r]) & mine
-            if t.nkids[r] and (not others & keeps if others else last):  # it would leave the store
+            # (the children count's byte is nonzero exactly where the count is)
+            if t.nkids.bytes[r] and (not others & keeps if others else last):  # it would leave the store
                 return not final and t.kids.only_at(lvl, r)
             return True
 
