@@ -225,7 +225,10 @@ def test_a_count_column_reads_as_the_int32_array_it_stands_for(maps: str, monkey
         elif op < 0.45:
             u = np.unique(rows)
             d = int(rng.choice([1, 2, 300]))
-            col[u] += d
+            if rng.random() < 0.5:
+                col[u] += d
+            else:                           # the put's fast path where every sum stays small
+                col.add_unique(u.astype(np.int32), d if rng.random() < 0.7 else np.full(len(u), d))
             ref[u] += d
         elif op < 0.65:
             ok = rows[ref[rows] >= np.bincount(rows, minlength=len(ref))[rows]]
@@ -250,6 +253,23 @@ def test_a_count_column_reads_as_the_int32_array_it_stands_for(maps: str, monkey
     small.grow(len(ref))
     small[np.arange(len(ref))] = np.arange(len(ref)) % 3
     assert small.nbytes < ref.nbytes / 3 and small.big == 0
+
+
+def test_a_count_columns_small_counts_add_as_numpy_does_until_one_turns_big() -> None:
+    """The put's path: distinct rows gaining a child each while no count is big (bytes
+    only), up to and past 255, where the row moves to the map."""
+    rng = np.random.default_rng(23)
+    col = CountColumn()
+    col.grow(16)
+    ref = np.zeros(16, dtype=np.int64)
+    for _ in range(1000):
+        rows = rng.choice(16, int(rng.integers(0, 8)), replace=False).astype(np.int32)
+        d = int(rng.choice([1, 1, 1, 3]))
+        col.add_unique(rows, d)
+        ref[rows] += d
+        assert np.array_equal(col.dense(), ref) and col.big == int((ref >= 255).sum())
+        col.check()
+    assert col.big > 0
 
 
 def test_a_count_column_refuses_what_is_no_count_and_changes_nothing() -> None:

@@ -143,7 +143,8 @@ class SparseColumn:
     def add_at(self, rows: np.ndarray, delta: int | np.ndarray) -> None:
         """``numpy.add.at``: ``delta`` added once for each occurrence of a row."""
         r = self._rows(rows).ravel()
-        self._map.add(r, np.ascontiguousarray(np.broadcast_to(np.asarray(delta, dtype=np.int64), r.shape)))
+        self._map.add(r, np.full(r.shape, delta, dtype=np.int64) if type(delta) is int else
+                      np.ascontiguousarray(np.broadcast_to(np.asarray(delta, dtype=np.int64), r.shape)))
 
     def dense(self, n: int) -> np.ndarray:
         """The column as an array of ``n`` rows."""
@@ -343,6 +344,18 @@ class CountColumn:
             bad = rows[(rows < 0) | (rows >= len(self.bytes))].flat[0]
             raise IndexError(f"row {int(bad)} is not one of the count column's {len(self.bytes)} rows")
 
+    def add_unique(self, rows: np.ndarray, delta: int | np.ndarray) -> None:
+        """``c[rows] += delta`` for rows that are all distinct."""
+        if type(delta) is int and 0 < delta < self.BIG and not len(self._map) and type(rows) is np.ndarray \
+                and rows.dtype.kind in "iu":
+            v = self.bytes[rows]
+            if not v.size:
+                return
+            if int(v.max()) < self.BIG - delta:   # every sum small, none big before: a put's parents
+                self.bytes[rows] = v + np.uint8(delta)
+                return
+        self[rows] = self[rows] + delta
+
     def add_at(self, rows: np.ndarray, delta: int) -> None:
         """``numpy.add.at``: ``delta`` added once for each occurrence of a row."""
         rows = self._rows(rows).ravel()
@@ -437,6 +450,8 @@ class LevelColumns:
         col = self.cols[lvl]
         if isinstance(col, SparseColumn):
             col.add_at(rows, delta)
+        elif isinstance(col, CountColumn):
+            col.add_unique(rows, delta)
         else:
             col[rows] += delta
 

@@ -673,11 +673,11 @@ class BlockManager:
             parents_of = prow[prow > 0] - 1
             if len(parents_of):
                 t.kids.add_unique(lvl, parents_of, 1)
-                t.nkids[parents_of] += 1
+                t.nkids.add_unique(parents_of, 1)
         else:
             parents_of, counts = np.unique(prow[prow > 0] - 1, return_counts=True)   # np.add.at, 5x faster in bulk
             t.kids.add_unique(lvl, parents_of, counts.astype(t.kids.dtype))
-            t.nkids[parents_of] += counts.astype(t.nkids.dtype)
+            t.nkids.add_unique(parents_of, counts.astype(t.nkids.dtype))
         self._pages += n
         return rows
 
