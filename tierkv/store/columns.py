@@ -6,9 +6,9 @@ nearly all, or small for nearly all: a fast tier's slots and cached-children cou
 (its own pages only: :class:`SparseColumn`, in :class:`LevelColumns` beside the dense
 levels), a page's length (:class:`UniformColumn`) and the other cached-children counts,
 nearly all 0 or 1 (:class:`CountColumn`: a byte a row). These keep the rows that have a
-value, another value or a big one in a map from row to value (``tierkv._table.RowMap``, or :class:`PyRowMap` where
-the extension is not built), indexed as the numpy column they stand for. Not
-thread-safe: the manager uses them under the store lock.
+value, another value or a big one in a map from row to value (``tierkv._table.RowMap``,
+or :class:`PyRowMap` where the extension is not built), indexed as the numpy column
+they stand for. Not thread-safe: the manager uses them under the store lock.
 """
 
 from __future__ import annotations
