@@ -251,3 +251,26 @@ def test_pages_a_get_fetches_from_a_peer_are_not_kept_without_their_prefix(
             assert got[0].pages == 4 and np.array_equal(out, data)   # type: ignore[attr-defined]
             assert decode._manager.held(b"".join(keys)) == [True, False, False, False]
             decode._manager.check()
+
+
+def test_a_get_the_unlocked_copy_serves_whole_or_in_part_counts_what_it_served(tmp_path: Path) -> None:
+    """A get all of whose pages lie in DRAM ends with the unlocked copy; one whose leading
+    DRAM pages are followed by NVMe ones reads the rest under the lock. Either way the
+    result names each page's tier and the stats count the pages asked for and served."""
+    with Store.open(make_config(tmp_path / "s", 4, 16, policy="lru")) as s:
+        part = prompt(2, 6)
+        s.put(part, page_data(2, 6))               # pages 0-3 in DRAM, 4 and 5 in NVMe
+        want = page_data(2, 6)
+        out = np.zeros((6, PB), dtype=np.uint8)
+        before = s.stats()
+        got = s.get(part[:2 * TPP], out[:2], requested=3)     # all in DRAM
+        assert got.pages == 2 and got.tiers == (TierKind.DRAM,) * 2 and np.array_equal(out[:2], want[:2])
+        mid = s.stats()
+        assert (mid.pages_requested - before.pages_requested, mid.pages_hit - before.pages_hit) == (3, 2)
+        got = s.get(part[:5 * TPP], out[:5])       # four DRAM pages, then one from NVMe
+        assert got.pages == 5 and got.tiers == (TierKind.DRAM,) * 4 + (TierKind.NVME,)
+        assert np.array_equal(out[:5], want[:5])
+        got = s.get(part, out)
+        assert got.pages == 6 and np.array_equal(out, want) and got.tiers[0] == TierKind.DRAM
+        after = s.stats()
+        assert (after.pages_requested - mid.pages_requested, after.pages_hit - mid.pages_hit) == (11, 11)

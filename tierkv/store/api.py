@@ -446,7 +446,9 @@ class Store:
         with self._lock:
             self._end_unlocked(self._fast, token)
             self._transfers.count_served(self._fast.name, lead.keys_of(0, fast), seconds)
-            if self._closed:   # a close waited for this copy: the pages copied are the result
+            # The pages copied are the result where a close waited for this copy, and where
+            # they are all the get wanted (most gets: nothing below DRAM to look up or read).
+            if self._closed or fast == want:
                 self._counters.events["pages_requested"] += requested
                 self._counters.events["pages_hit"] += fast
                 return GetResult(fast, fast * self.layout.tokens_per_page, (self._fast.kind,) * fast)
