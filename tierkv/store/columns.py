@@ -92,6 +92,19 @@ class PyRowMap:
 _ROW_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
+def _int_rows(idx: object, what: str) -> np.ndarray:
+    """Integer rows as a contiguous int32 or int64 array (what a row map reads as is);
+    TypeError naming ``what`` for anything else (a mask would be read as rows 0 and 1)."""
+    rows = np.asarray(idx)
+    if rows.dtype == np.int32 or rows.dtype == np.int64:
+        return np.ascontiguousarray(rows)
+    if rows.size == 0:                    # an empty list is a float array
+        return np.zeros(rows.shape, dtype=np.int64)
+    if rows.dtype.kind not in "iu":
+        raise TypeError(f"{what} takes integer rows, got an array of {rows.dtype}")
+    return np.ascontiguousarray(rows, dtype=np.int64)
+
+
 class SparseColumn:
     """One level's column of the table where few rows have a value (a fast tier's slots
     and cached-child counts): the rows that do, in a map (``tierkv._table.RowMap``, about
@@ -109,15 +122,7 @@ class SparseColumn:
 
     @staticmethod
     def _rows(idx: np.ndarray) -> np.ndarray:
-        """Integer rows as a contiguous int32 or int64 array (what the map reads as is)."""
-        rows = np.asarray(idx)
-        if rows.dtype == np.int32 or rows.dtype == np.int64:
-            return np.ascontiguousarray(rows)
-        if rows.size == 0:                # an empty list is a float array
-            return np.zeros(rows.shape, dtype=np.int64)
-        if rows.dtype.kind not in "iu":   # a mask would be read as rows 0 and 1
-            raise TypeError(f"a sparse column takes integer rows, got an array of {rows.dtype}")
-        return np.ascontiguousarray(rows, dtype=np.int64)
+        return _int_rows(idx, "a sparse column")
 
     def __getitem__(self, idx: int | np.integer | np.ndarray) -> Any:   # a scalar or an array, as numpy's
         if type(idx) is np.ndarray and idx.ndim == 1 and idx.dtype in _ROW_TYPES and idx.flags.c_contiguous:
@@ -196,9 +201,7 @@ class UniformColumn:
             v = self._others._map.get1(int(idx)) if len(self._others) else 0
             return self.dtype.type(v - 1 if v else self.common)
         if not len(self._others):         # every row the common value: most stores, always
-            rows = np.asarray(idx)
-            if rows.dtype.kind not in "iu" and rows.size:
-                raise TypeError(f"a uniform column takes integer rows, got an array of {rows.dtype}")
+            rows = _int_rows(idx, "a uniform column")
             return np.full(rows.shape, self.common, dtype=self.dtype)
         got = self._others[idx]
         return np.where(got != 0, got - 1, self.common).astype(self.dtype)
@@ -274,13 +277,7 @@ class CountColumn:
 
     @staticmethod
     def _rows(idx: object) -> np.ndarray:
-        """Integer rows as an int32 or int64 array (what the map reads)."""
-        rows = np.asarray(idx)
-        if rows.dtype == np.int32 or rows.dtype == np.int64:
-            return rows
-        if rows.dtype.kind not in "iu" and rows.size:   # a mask would pick rows, not name them
-            raise TypeError(f"a count column takes integer rows, got an array of {rows.dtype}")
-        return rows.astype(np.int64)
+        return _int_rows(idx, "a count column")
 
     def __getitem__(self, idx: int | np.integer | np.ndarray) -> Any:   # an int or an int32 array
         if isinstance(idx, (int, np.integer)):
