@@ -263,8 +263,9 @@ static inline void rans_put(uint32_t *x, uint8_t **pp, const EncSym *s)
 
 /* The AVX-512 encoder's view of a context of at most 64 symbols (enc_tables builds it
  * once a page): per symbol 2^pbits - freq, start, x_max - 1 (0xFFFFFFFF for 2^32: never
- * sheds) and 1 / freq in double precision; nreg: registers a table of doubles takes. */
-typedef struct { int32_t t[3][64]; double rcp[64]; int nreg; } EncTables;
+ * sheds) and 1 / freq in double and in single precision; nreg: registers a table of
+ * doubles takes. */
+typedef struct { int32_t t[3][64]; double rcp[64]; float rcpf[64]; int nreg, pbits; } EncTables;
 
 /* codec_simd_rans.c: the tables (-1 for a context of more than 64 symbols), and the
  * AVX-512 rANS encoder of nsyms (a multiple of 64) symbols */

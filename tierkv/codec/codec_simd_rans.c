@@ -3,7 +3,9 @@
  * decoder's symbols (a slot-table gather on AMD, a binary search over the cumulative
  * frequencies in registers elsewhere or beside it, renormalisation by expanding the
  * next words into the lanes that need one) and the encoder's (exact quotients from
- * double-precision reciprocals, the shed words compressed into a masked store). codec_dec.c and
+ * single-precision reciprocals and a remainder check where the frequencies sum to 2^10
+ * or more, from double-precision ones elsewhere; the shed words compressed into a
+ * masked store). codec_dec.c and
  * codec_enc.c call them where have_avx512_bw(); their scalar loops do the same.
  */
 #include "codec_simd.h"
@@ -142,7 +144,8 @@ lookup_pd(const int nreg, __m512i i, const __m512d *tab)
  * = q + (j + 1/2) / f lies at least 1 / (2f) from an integer, while y + 1/2 is exact and
  * r's and the product's roundings (2^-53 each, relative) move it by under
  * (y + 1/2) 2^-52 / f: less than 1 / (2f) for any y < 2^51. (Also checked exhaustively
- * at every multiple of every f <= 2^11 below 2^32 and one below it.) */
+ * at every multiple of every f <= 2^11 below 2^32 and one below it.) Used for the
+ * 2^8 tables, whose quotients reach 2^24: next_state_f32 takes the others. */
 __attribute__((target("avx512f"), always_inline)) static inline __m256i
 quotients(__m256i y, __m512d r)
 {
@@ -150,20 +153,43 @@ quotients(__m256i y, __m512d r)
     return _mm512_cvttpd_epu32(_mm512_mul_pd(yd, r));
 }
 
-/* encode_syms_avx512 for tables of nreg registers of doubles (a constant). */
+/* floor(y / f), exactly, for sixteen y < 2^32 whose quotients are below 2^22, from a
+ * single-precision 1/f: y, 1/f and their product are each rounded by at most 2^-24
+ * (relative), so the estimate lies within 3 * 2^-24 * 2^22 < 1 of y / f and its
+ * truncation is the quotient or one off either way, which the remainder tells.
+ * Returns x' = q (2^pbits - f) + y + start for the exact q (tools/check_rans_quotients.c
+ * checks every f and quotient). */
+__attribute__((target("avx512f"), always_inline)) static inline __m512i
+next_state_f32(__m512i y, __m512 r, __m512i sf, __m512i start, __m128i pb, __m512i one_p)
+{
+    __m512i q = _mm512_cvttps_epu32(_mm512_mul_ps(_mm512_cvtepu32_ps(y), r));
+    __m512i x = _mm512_add_epi32(_mm512_mullo_epi32(q, sf), _mm512_add_epi32(y, start));
+    /* the remainder y - q f = x - (q << pbits) - start lies in [-f, 2f) */
+    __m512i rem = _mm512_sub_epi32(_mm512_sub_epi32(x, _mm512_sll_epi32(q, pb)), start);
+    __mmask16 over = _mm512_cmplt_epi32_mask(rem, _mm512_setzero_si512());
+    __mmask16 under = _mm512_cmpge_epi32_mask(rem, _mm512_sub_epi32(one_p, sf));
+    x = _mm512_mask_sub_epi32(x, over, x, sf);
+    return _mm512_mask_add_epi32(x, under, x, sf);
+}
+
+/* encode_syms_avx512 for tables of nreg registers of doubles (a constant), or with
+ * single-precision reciprocals (f32, where every quotient is below 2^22: pbits >= 10). */
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline void
-encode_kernel(const int nreg, uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncTables *et)
+encode_kernel(const int nreg, const int f32, uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms,
+              const EncTables *et)
 {
     const int wide = nreg == 8;
-    __m512i sf[4], st[4], xm[4];
+    __m512i sf[4], st[4], xm[4], rf[4];
     __m512d rc[8];
     for (int i = 0; i < 4; i++) {
         sf[i] = _mm512_loadu_si512(et->t[0] + 16 * i);
         st[i] = _mm512_loadu_si512(et->t[1] + 16 * i);
         xm[i] = _mm512_loadu_si512(et->t[2] + 16 * i);
+        rf[i] = _mm512_castps_si512(_mm512_loadu_ps(et->rcpf + 16 * i));
     }
     for (int i = 0; i < nreg; i++) rc[i] = _mm512_loadu_pd(et->rcp + 8 * i);
-    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF), one_p = _mm512_set1_epi32(1 << et->pbits);
+    const __m128i pb = _mm_cvtsi32_si128(et->pbits);
     uint8_t *p = *pp;
     __m512i x[4];
     for (int v = 0; v < 4; v++) x[v] = _mm512_loadu_si512(xs + 16 * v);
@@ -178,6 +204,10 @@ encode_kernel(const int nreg, uint32_t *xs, uint8_t **pp, const uint8_t *syms, s
             p -= 2 * n;
             _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), words);
             __m512i y = _mm512_mask_srli_epi32(x[v], shed, x[v], 16);
+            if (f32) {
+                x[v] = next_state_f32(y, _mm512_castsi512_ps(lookup(wide, s, rf)), sf_, start, pb, one_p);
+                continue;
+            }
             __m512d rl = lookup_pd(nreg, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(s)), rc);
             __m512d rh = lookup_pd(nreg, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(s, 1)), rc);
             __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(quotients(_mm512_castsi512_si256(y), rl)),
@@ -198,9 +228,16 @@ encode_kernel(const int nreg, uint32_t *xs, uint8_t **pp, const uint8_t *syms, s
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void
 encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms, const EncTables *et)
 {
-    if (et->nreg == 2) encode_kernel(2, xs, pp, syms, nsyms, et);
-    else if (et->nreg == 4) encode_kernel(4, xs, pp, syms, nsyms, et);
-    else encode_kernel(8, xs, pp, syms, nsyms, et);
+    if (et->pbits >= 10) {
+        if (et->nreg == 8) encode_kernel(8, 1, xs, pp, syms, nsyms, et);
+        else encode_kernel(4, 1, xs, pp, syms, nsyms, et);   /* only the int tables' width matters */
+    } else if (et->nreg == 2) {
+        encode_kernel(2, 0, xs, pp, syms, nsyms, et);
+    } else if (et->nreg == 4) {
+        encode_kernel(4, 0, xs, pp, syms, nsyms, et);
+    } else {
+        encode_kernel(8, 0, xs, pp, syms, nsyms, et);
+    }
 }
 
 #else
@@ -234,7 +271,9 @@ enc_tables(EncTables *t, const EncSym *es, const uint16_t *freq, int alpha, int 
         t->t[1][i] = (int32_t)es[i].start;
         t->t[2][i] = (int32_t)(uint32_t)(es[i].x_max - 1);
         t->rcp[i] = 1.0 / (double)es[i].freq;
+        t->rcpf[i] = 1.0f / (float)es[i].freq;
     }
+    t->pbits = pbits;
     t->nreg = alpha <= 16 ? 2 : alpha <= 32 ? 4 : 8;
     return 0;
 }
