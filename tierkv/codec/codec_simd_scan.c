@@ -1,7 +1,8 @@
 /*
  * The encoder's SIMD passes (codec_scan.c calls them): a plane of 16- or 8-bit
  * elements analysed in AVX-512 BW (channel maxima, first sign flips, symbols, low-bit
- * statistics), sign words sixteen channels a step, and the BMI2 packing of mid fields.
+ * statistics), sign words sixteen channels a step, and the packing of mid fields
+ * (BMI2, and AVX-512 VBMI for 16-bit elements).
  * The results are the scalar passes', exactly: every path writes the same blobs.
  */
 #include "codec_simd.h"
@@ -227,11 +228,71 @@ or_signs_8_avx512(uint32_t *wq, const uint8_t *row, size_t C, unsigned shift)
     return c;
 }
 
+/* Byte permutes of pack_mids_64_avx512: the low bytes of two vectors' 16-bit lanes, and per
+ * width w the w low bytes of each 64-bit lane, lined up. */
+static const uint8_t MID_EVEN[64] = {
+    0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+    32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62,
+    64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94,
+    96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
+static const uint8_t MID_GATHER[8][64] = {
+    {
+     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {
+     0, 8, 16, 24, 32, 40, 48, 56, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {
+     0, 1, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {
+     0, 1, 2, 8, 9, 10, 16, 17, 18, 24, 25, 26, 32, 33, 34, 40, 41, 42, 48, 49, 50, 56, 57, 58, 0, 0, 0, 0, 0, 0, 0, 0,
+     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {
+     0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27, 32, 33, 34, 35, 40, 41, 42, 43, 48, 49, 50, 51, 56, 57, 58, 59,
+     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {
+     0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 16, 17, 18, 19, 20, 24, 25, 26, 27, 28, 32, 33, 34, 35, 36, 40, 41, 42, 43, 44, 48, 49,
+     50, 51, 52, 56, 57, 58, 59, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {
+     0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13, 16, 17, 18, 19, 20, 21, 24, 25, 26, 27, 28, 29, 32, 33, 34, 35, 36, 37, 40, 41,
+     42, 43, 44, 45, 48, 49, 50, 51, 52, 53, 56, 57, 58, 59, 60, 61, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {
+     0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 24, 25, 26, 27, 28, 29, 30, 32, 33, 34, 35,
+     36, 37, 38, 40, 41, 42, 43, 44, 45, 46, 48, 49, 50, 51, 52, 53, 54, 56, 57, 58, 59, 60, 61, 62, 0, 0, 0, 0, 0, 0, 0, 0}};
+
+/* The mid fields (bits shift.. shift+w-1, w <= 7) of groups of 64 16-bit elements packed
+ * into 8w bytes each at dst, as bw_put would lay them out: the fields' low bytes
+ * gathered from two vectors, then neighbours merged by a shift and a bit select, bytes
+ * into 16-bit lanes of 2w bits, those into 32-bit lanes of 4w bits and into 64-bit
+ * lanes of 8w bits (w bytes each), whose w low bytes a byte permute lines up. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void
+pack_mids_64_avx512(uint8_t *dst, const uint8_t *row, size_t groups, int shift, int w)
+{
+    const __m512i even = _mm512_loadu_si512(MID_EVEN), gather = _mm512_loadu_si512(MID_GATHER[w]);
+    const __m512i field = _mm512_set1_epi8((char)((1 << w) - 1));
+    const __m512i keep1 = _mm512_set1_epi16((short)((1 << w) - 1)), keep2 = _mm512_set1_epi32((1 << 2 * w) - 1);
+    const __m512i keep3 = _mm512_set1_epi64((long long)((1ull << 4 * w) - 1));
+    const __m128i sh = _mm_cvtsi32_si128(shift);
+    const __mmask64 bytes = (1ull << 8 * w) - 1;   /* w <= 7 */
+    for (size_t g = 0; g < groups; g++, row += 128, dst += 8 * w) {
+        __m512i a = _mm512_srl_epi16(_mm512_loadu_si512(row), sh), b = _mm512_srl_epi16(_mm512_loadu_si512(row + 64), sh);
+        __m512i x = _mm512_and_si512(_mm512_permutex2var_epi8(a, even, b), field);
+        /* lane = lo | hi << k: lo's k bits kept, the rest from the lane shifted right by
+         * (half the lane's width - k), which brings hi down to bit k (0xCA: bit select) */
+        x = _mm512_ternarylogic_epi32(keep1, x, _mm512_srli_epi16(x, 8 - w), 0xCA);
+        x = _mm512_ternarylogic_epi32(keep2, x, _mm512_srli_epi32(x, 16 - 2 * w), 0xCA);
+        x = _mm512_ternarylogic_epi64(keep3, x, _mm512_srli_epi64(x, 32 - 4 * w), 0xCA);
+        _mm512_mask_storeu_epi8(dst, bytes, _mm512_permutexvar_epi8(gather, x));
+    }
+}
+
 /* Mid fields of a row of 8- or 16-bit elements (bits shift.. shift+w-1 of each) packed
  * into the bit writer by pext, eight at a time where w <= 7, two at a time for 16-bit
  * elements where w <= 16; returns how many it packed. Where
  * the writer is at a byte boundary (rows of a multiple of 8 channels keep it there),
- * eight fields are w whole bytes, stored straight into the stream. */
+ * eight fields are w whole bytes, stored straight into the stream, and with AVX-512
+ * VBMI 16-bit elements go sixty-four at a time (pack_mids_64_avx512) first. */
 __attribute__((target("bmi2"))) size_t
 pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, int w)
 {
@@ -250,6 +311,12 @@ pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, 
             *bw->p++ = (uint8_t)bw->acc;
         }
         bw->acc = 0;
+        if (isz == 2 && C >= 64 && have_avx512_vbmi()) {   /* sixty-four fields a step */
+            size_t room = (size_t)(bw->end - bw->p) / (size_t)(8 * w), groups = C / 64 < room ? C / 64 : room;
+            pack_mids_64_avx512(bw->p, row, groups, shift, w);
+            bw->p += groups * 8 * (size_t)w;
+            c = groups * 64;
+        }
         for (; c + 8 <= C && bw->end - bw->p >= 8; c += 8, bw->p += w) {
             uint64_t v = isz == 1 ? _pext_u64(rd_u64(row + c), m8)
                                   : _pext_u64(rd_u64(row + 2 * c), m16)
