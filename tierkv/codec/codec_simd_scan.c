@@ -90,6 +90,96 @@ count_syms(const uint8_t *sym, const uint8_t *dup, size_t T, size_t C, int alpha
     }
 }
 
+/* cnt[v] += how many of the n bytes at b equal v, for every v < nvals (<= 64): a
+ * compare and a population count per value and 64 bytes (counts that run along a plane's
+ * channels: one value in most of them would make a histogram's increments wait on each
+ * other). */
+__attribute__((target("avx512f,avx512bw"))) static void
+count_bytes(const uint8_t *b, size_t n, int nvals, uint32_t *cnt)
+{
+    for (size_t c = 0; c < n; c += 64) {
+        __mmask64 valid = n - c >= 64 ? ~0ull : (1ull << (n - c)) - 1;
+        __m512i v = _mm512_maskz_loadu_epi8(valid, b + c);
+        for (int s = 0; s < nvals; s++)
+            cnt[s] += (uint32_t)__builtin_popcountll(_mm512_mask_cmpeq_epi8_mask(valid, v, _mm512_set1_epi8((char)s)));
+    }
+}
+
+/* codec_scan.c's plane_side (C % 32 == 0) where the channel maxima span at most 64
+ * values; 0 elsewhere (the caller runs plane_side). The maxima's histogram counts
+ * bytes (maximum - least, put where the side symbols go next), the side symbols are
+ * made a vector at a time and their counts read off the histogram. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static int
+side_avx512(Enc *E, size_t p, int kc)
+{
+    const size_t C = E->lay->chans;
+    const uint16_t *cmax = E->cmax + p * C;
+    uint8_t *side = E->side + p * C;
+    __m512i mn = _mm512_set1_epi16(-1), mx = _mm512_setzero_si512();
+    for (size_t c = 0; c < C; c += 32) {
+        __m512i v = _mm512_loadu_si512(cmax + c);
+        mn = _mm512_min_epu16(mn, v);
+        mx = _mm512_max_epu16(mx, v);
+    }
+    uint32_t lo = _mm512_reduce_min_epu32(_mm512_min_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(mn)),
+                                                            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(mn, 1))));
+    uint32_t hi = _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(mx)),
+                                                            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(mx, 1))));
+    if (C == 0 || hi - lo >= 64) return 0;
+    const __m512i least = _mm512_set1_epi16((short)lo);
+    for (size_t c = 0; c < C; c += 32)
+        _mm256_storeu_si256((__m256i *)(side + c), _mm512_cvtepi16_epi8(_mm512_sub_epi16(_mm512_loadu_si512(cmax + c), least)));
+    uint32_t hist[64] = {0};
+    const int range = (int)(hi - lo) + 1;
+    count_bytes(side, C, range, hist);
+    int best = 0;   /* the most common maximum, the smallest of equals */
+    for (int v = 1; v < range; v++)
+        if (hist[v] > hist[best]) best = v;
+    const int base = (int)lo + best;
+    E->base[p] = (uint8_t)base;
+    /* side symbol: maximum - base + 15, or the escape (31) outside 0..30 (below 0: the
+     * 16-bit difference wraps above 31) */
+    const __m512i off = _mm512_set1_epi16((short)(SIDE_CENTER - base)), esc = _mm512_set1_epi16(SIDE_ALPHA - 1);
+    for (size_t c = 0; c < C; c += 32) {
+        __m512i d = _mm512_min_epu16(_mm512_add_epi16(_mm512_loadu_si512(cmax + c), off), esc);
+        _mm256_storeu_si256((__m256i *)(side + c), _mm512_cvtepi16_epi8(d));
+    }
+    uint32_t *counts = E->counts[CTX_SIDE(kc)], nesc = 0;
+    for (int v = 0; v < range; v++) {
+        int d = (int)lo + v - base + SIDE_CENTER;
+        int sym = d >= 0 && d < SIDE_ALPHA - 1 ? d : SIDE_ALPHA - 1;
+        counts[sym] += hist[v];
+        nesc += sym == SIDE_ALPHA - 1 ? hist[v] : 0;
+    }
+    E->side_esc[p] = nesc != 0;
+    return 1;
+}
+
+/* codec_scan.c's plane_flip_counts (C % 16 == 0) where the first-flip alphabet has at
+ * most 64 symbols; 0 elsewhere. The symbols go to E->s0 as bytes and are counted there. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static int
+flip_counts_avx512(Enc *E, size_t p, int kc)
+{
+    const Layout *lay = E->lay;
+    const size_t C = lay->chans;
+    if (lay->flip_alpha > 64) return 0;   /* no escapes either: those need over 256 tokens */
+    const uint32_t *f = E->fpos + p * C;
+    const __m512i n1 = _mm512_set1_epi32((int)E->nrows[p] - 1), one = _mm512_set1_epi32(1);
+    __m512i raw = _mm512_setzero_si512();
+    for (size_t c = 0; c < C; c += 16) {
+        __m512i fv = _mm512_loadu_si512(f + c);
+        _mm_storeu_si128((__m128i *)(E->s0 + c), _mm512_cvtepi32_epi8(_mm512_sub_epi32(fv, one)));
+        /* the first coded row and, past the flip, the nrows - 1 - f rows after it */
+        raw = _mm512_add_epi32(raw, _mm512_add_epi32(one, _mm512_max_epi32(_mm512_sub_epi32(n1, fv),
+                                                                           _mm512_setzero_si512())));
+    }
+    E->flip_raw[kc] += (uint64_t)(uint32_t)_mm512_reduce_add_epi32(raw);
+    uint32_t h[64] = {0};
+    count_bytes(E->s0, C, lay->flip_alpha, h);
+    for (int s2 = 0; s2 < lay->flip_alpha; s2++) E->counts[CTX_FLIP(kc)][s2] += h[s2];
+    return 1;
+}
+
 /* codec_scan.c's plane_maxima, plane_flips and plane_symbols for 16-bit (isz 2, chans
  * % 32 == 0) or 8-bit (isz 1, chans % 64 == 0) elements, with the same results: the
  * channel maxima a vector of channels a step, the first flips sixteen a step, then per
@@ -130,9 +220,9 @@ analyse_plane_avx512(Enc *E, size_t p, int kc, const int isz)
             _mm512_storeu_si512(cmax + c + 32, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(acc, 1)));
         }
     }
-    plane_side(E, p, kc);
+    if (!side_avx512(E, p, kc)) plane_side(E, p, kc);
     first_flips(E, p, plane, isz);
-    plane_flip_counts(E, p, kc);
+    if (!flip_counts_avx512(E, p, kc)) plane_flip_counts(E, p, kc);
 
     __m512i kmask[MAX_LO + 1];
     for (int k = 1; k <= MAX_LO; k++)
