@@ -43,7 +43,7 @@ from tierkv.codec.auto import PIPELINE_BYTES
 from tierkv.errors import CapacityError, InputError, StoreClosedError, TierIOError
 from tierkv.store.checksum import checksum_rows
 from tierkv.store.coding import CodecChoice
-from tierkv.tiers.aligned import ALIGN, aligned_empty, round_up
+from tierkv.tiers.aligned import ALIGN, ScratchPool, round_up
 from tierkv.tiers.base import Extents, Tier
 from tierkv.tiers.nvme import NvmeTier
 
@@ -153,6 +153,13 @@ class BlockPageTier(Tier):
         self._views: OrderedDict[Extents, int] = OrderedDict()  # read-only openers' handles
         self._stride = round_up(max_encoded_bytes(page_bytes))
         self._io_pool: ThreadPoolExecutor | None = None   # a pipelined batch's next group's I/O
+        # Coded batches' staging, packing and reading buffers, reused: a group's blobs (at
+        # most a group's pages at the stride), its packed blocks, or a read group's blocks
+        # (which may run a page past the group's size). Four: a write pipeline holds a
+        # staging buffer and two packed ones, a read pipeline two. Allocated afresh, each
+        # buffer's first touch faulted in about 4 MiB a group, a third of a coded put.
+        per = max(1, _GROUP_BLOCKS // self.blocks_per_page)
+        self._scratch = ScratchPool(max(per * self._stride, (_GROUP_BLOCKS + self.blocks_per_page) * ALIGN), keep=4)
 
     # -- slot bookkeeping ---------------------------------------------------------------
     @property
@@ -273,28 +280,33 @@ class BlockPageTier(Tier):
             self._write_group(slots, src, lossy, code)
             return
         pending: Future[None] | None = None
+        held: np.ndarray | None = None   # the scratch buffer of the write in flight
         coded_bytes = page_bytes = 0
         try:
             for a in range(0, n, per):
                 b = min(n, a + per)
                 try:
-                    blocks, packed, sizes = self._prepare_group(slots[a:b], src[a:b], lossy[a:b], True)
+                    blocks, packed, sizes, buf = self._prepare_group(slots[a:b], src[a:b], lossy[a:b], True)
                 except CapacityError:
                     # A group that grows back may need the blocks a later one frees: the
                     # rest goes as one batch, which fits exactly when the whole batch does.
                     if pending is not None:
                         pending.result()
                         pending = None
+                        self._give(held)
                     self._write_group(slots[a:], src[a:], lossy[a:], True)
                     break
                 coded_bytes += sizes[0]
                 page_bytes += sizes[1]
                 if pending is not None:
                     pending.result()   # the previous group's write, before this one's starts
-                pending = self._submit(self._timed_write, blocks, packed)
+                    pending = None
+                    self._give(held)
+                pending, held = self._submit(self._timed_write, blocks, packed), buf
             if pending is not None:
                 pending.result()
                 pending = None
+                self._give(held)
         finally:
             if pending is not None:   # no write outlives the call, even on an error here
                 wait([pending])
@@ -302,42 +314,53 @@ class BlockPageTier(Tier):
             self.choice.observe(page_bytes, coded_bytes)
 
     def _write_group(self, slots: Sequence[int], src: np.ndarray, lossy: list[int], code: bool) -> None:
-        blocks, packed, sizes = self._prepare_group(slots, src, lossy, code)
+        blocks, packed, sizes, buf = self._prepare_group(slots, src, lossy, code)
         if sizes[0]:
             self.choice.observe(sizes[1], sizes[0])
         self._timed_write(blocks, packed)
+        self._give(buf)
+
+    def _give(self, buf: np.ndarray | None) -> None:
+        if buf is not None:
+            self._scratch.give(buf)
 
     def _prepare_group(self, slots: Sequence[int], src: np.ndarray, lossy: list[int],
-                       code: bool) -> tuple[list[int], np.ndarray, tuple[int, int]]:
+                       code: bool) -> tuple[list[int], np.ndarray, tuple[int, int], np.ndarray | None]:
         """Codes the pages (where ``code``), re-places each in exactly the blocks it needs
-        and packs them: the blocks to write, the packed buffer, and (coded bytes, page
-        bytes) of the coded pages."""
+        and packs them: the blocks to write, the packed buffer, (coded bytes, page bytes)
+        of the coded pages, and the scratch buffer under the packed one (None: the
+        caller's rows are written as they are), to give back once written."""
         n, width = src.shape
         bpp = self.blocks_per_page
         plain = [i for i in range(n) if not lossy[i]]
         need = [min(bpp, -(-length // ALIGN)) if length else bpp for length in lossy]
         sizes: np.ndarray | None = None
-        staged = None
-        if code and plain:
-            assert self.choice.codec is not None
-            sub = src if len(plain) == n else src[plain]
-            staged = aligned_empty(len(plain) * self._stride).reshape(len(plain), self._stride)
-            sizes = self.choice.codec.encode_into(sub, staged)
-            for j, i in enumerate(plain):
-                need[i] = min(bpp, -(-int(sizes[j]) // ALIGN))
-        with self._lock:
-            have = [extent_blocks(self._pages[h]) for h in slots]
-        if have != need:  # coded pages shrink their reservation; a rewritten handle may grow back
-            self._replace(slots, need)
-        with self._lock:
-            exts = [self._pages[h] for h in slots]
-        blocks = [b for e in exts for b in block_list(e)]
-        if staged is None and not any(lossy) and width == self.slot_bytes:
-            packed = src.reshape(n * bpp, ALIGN)  # raw pages of whole blocks: straight from the caller
-        else:
-            packed = self._pack(src, staged, sizes, need, lossy, plain)
+        staged = staging = None
+        try:
+            if code and plain:
+                assert self.choice.codec is not None
+                sub = src if len(plain) == n else src[plain]
+                staging = self._scratch.take(len(plain) * self._stride)
+                staged = staging[:len(plain) * self._stride].reshape(len(plain), self._stride)
+                sizes = self.choice.codec.encode_into(sub, staged)
+                for j, i in enumerate(plain):
+                    need[i] = min(bpp, -(-int(sizes[j]) // ALIGN))
+            with self._lock:
+                have = [extent_blocks(self._pages[h]) for h in slots]
+            if have != need:  # coded pages shrink their reservation; a rewritten handle may grow back
+                self._replace(slots, need)
+            with self._lock:
+                exts = [self._pages[h] for h in slots]
+            blocks = [b for e in exts for b in block_list(e)]
+            buf: np.ndarray | None = None
+            if staged is None and not any(lossy) and width == self.slot_bytes:
+                packed = src.reshape(n * bpp, ALIGN)  # raw pages of whole blocks: straight from the caller
+            else:
+                packed, buf = self._pack(src, staged, sizes, need, lossy, plain)
+        finally:
+            self._give(staging)
         coded = (int(sizes.sum()), len(plain) * width) if sizes is not None else (0, 0)
-        return blocks, packed, coded
+        return blocks, packed, coded, buf
 
     def _timed_write(self, blocks: list[int], packed: np.ndarray) -> None:
         start = time.perf_counter()
@@ -357,10 +380,13 @@ class BlockPageTier(Tier):
                 self._pages[h] = to_extents(self.blocks.allocate(k, contiguous=True))
 
     def _pack(self, src: np.ndarray, staged: np.ndarray | None, sizes: np.ndarray | None,
-              need: list[int], lossy: list[int], plain: list[int]) -> np.ndarray:
-        """One buffer of whole blocks, page after page; tails zeroed so no stale bytes reach
-        the medium. ``staged[j]`` (``sizes[j]`` bytes) codes row ``plain[j]``."""
-        packed = aligned_empty(sum(need) * ALIGN)
+              need: list[int], lossy: list[int], plain: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One buffer of whole blocks, page after page, and the scratch buffer it lies in;
+        tails zeroed so no stale bytes (a reused buffer's) reach the medium. ``staged[j]``
+        (``sizes[j]`` bytes) codes row ``plain[j]``."""
+        total = sum(need) * ALIGN
+        buf = self._scratch.take(total)
+        packed = buf[:total]
         off = 0
         bpp = self.blocks_per_page
         coded = {i: j for j, i in enumerate(plain)}
@@ -375,7 +401,7 @@ class BlockPageTier(Tier):
             packed[off:off + length] = row[:length]
             packed[off + length:off + k * ALIGN] = 0
             off += k * ALIGN
-        return packed.reshape(-1, ALIGN)
+        return packed.reshape(-1, ALIGN), buf
 
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         self._read_pages(slots, dst, None)
@@ -409,25 +435,28 @@ class BlockPageTier(Tier):
             return
         groups = _groups(counts, _GROUP_BLOCKS)
 
-        def fetch(g: int) -> np.ndarray:
+        def fetch(g: int) -> tuple[np.ndarray, np.ndarray]:
+            """Group g's blocks, and the scratch buffer they lie in."""
             a, b = groups[g]
             blocks = [blk for e in exts[a:b] for blk in block_list(e)]
-            buf = aligned_empty(len(blocks) * ALIGN).reshape(-1, ALIGN)
+            whole = self._scratch.take(len(blocks) * ALIGN)
+            buf = whole[:len(blocks) * ALIGN].reshape(-1, ALIGN)
             self._timed_read(blocks, buf)
-            return buf
+            return buf, whole
 
         failed: list[int] = []
         reasons: list[str] = []
-        pending: Future[np.ndarray] | None = None
+        pending: Future[tuple[np.ndarray, np.ndarray]] | None = None
         try:
             for g, (a, b) in enumerate(groups):
-                buf = pending.result() if pending is not None else fetch(g)
+                buf, whole = pending.result() if pending is not None else fetch(g)
                 pending = self._submit(fetch, g + 1) if g + 1 < len(groups) else None
                 bad, reason = self._unpack(buf, counts[a:b], dst[a:b])
                 failed.extend(a + i for i in bad)
                 reasons.extend([reason] if reason else [])
                 if sums is not None:
                     sums.extend(checksum_rows(dst[a:b]))
+                self._scratch.give(whole)   # decoded and copied out: nothing refers to it
         finally:
             if pending is not None:   # no read outlives the call, even on an error here
                 wait([pending])
@@ -495,6 +524,7 @@ class BlockPageTier(Tier):
             pool, self._io_pool = self._io_pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._scratch.clear()
         self.blocks.close()
         if self.choice.codec is not None:
             self.choice.codec.close()
