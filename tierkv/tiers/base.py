@@ -136,16 +136,79 @@ class SlotAllocator:
                 self._low = self._advance(self._low)
             return slots
 
-    def free(self, slots: Sequence[int]) -> None:
+    def allocate_run(self, n: int) -> int | None:
+        """Reserve the lowest run of ``n`` consecutive free slots; its first slot, or None
+        (nothing reserved) where no run is that long."""
         with self._lock:
+            if n <= 0 or n > self._num_free:
+                return None
+            start = self._used.find(bytes(n), self._low)
+            if start < 0:
+                return None
+            self._used[start:start + n] = b"\x01" * n
+            self._num_free -= n
+            if start == self._low:
+                self._low = self._advance(self._low)
+            return start
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Free ``slots``; all or nothing: a slot out of range, free already or named
+        twice raises InputError and frees none."""
+        with self._lock:
+            if len(slots) > 32:   # a page's blocks, an eviction's pages: checked and freed in bulk
+                arr = np.asarray(slots, dtype=np.int64)
+                bad = arr[(arr < 0) | (arr >= self._num_slots)]
+                if len(bad):
+                    self._check(int(bad[0]))
+                uniq = np.unique(arr)
+                if len(uniq) < len(arr):
+                    srt = np.sort(arr)
+                    raise InputError(f"slot {int(srt[1:][srt[1:] == srt[:-1]][0])} freed twice")
+                used = np.frombuffer(self._used, dtype=np.uint8)
+                try:
+                    free_now = uniq[used[uniq] == 0]
+                    if len(free_now):
+                        raise InputError(f"slot {int(free_now[0])} freed twice")
+                    used[uniq] = 0
+                finally:
+                    del used  # the bytearray cannot resize while a view is exported
+                self._num_free += len(uniq)
+                self._low = min(self._low, int(uniq[0]))
+                return
             for s in slots:
                 self._check(s)
                 if not self._used[s]:
                     raise InputError(f"slot {s} freed twice")
+            seen: set[int] = set()
+            for s in slots:
+                if s in seen:
+                    raise InputError(f"slot {s} freed twice")
+                seen.add(s)
+            for s in slots:
                 self._used[s] = 0
                 self._num_free += 1
                 if s < self._low:
                     self._low = s
+
+    def free_runs(self, runs: Sequence[tuple[int, int]]) -> None:
+        """Free the slots of ``runs`` ``(first, count)``; all or nothing, as :meth:`free`."""
+        with self._lock:
+            order = sorted(runs)
+            end = -1
+            for first, count in order:
+                if count <= 0:
+                    raise InputError(f"a run of slots needs a positive count, got ({first}, {count})")
+                self._check(first)
+                self._check(first + count - 1)
+                hole = self._used.find(0, first, first + count)
+                if first < end or hole >= 0:
+                    raise InputError(f"slot {hole if hole >= 0 else first} freed twice")
+                end = first + count
+            for first, count in order:
+                self._used[first:first + count] = bytes(count)
+                self._num_free += count
+            if order:
+                self._low = min(self._low, order[0][0])
 
     def claim(self, slots: Sequence[int]) -> None:
         """Mark specific slots used (reopening a persistent tier)."""
@@ -225,9 +288,20 @@ class Tier(abc.ABC):
         self._check_open()
         return self._slots.allocate(n, contiguous)
 
+    def allocate_run(self, n: int) -> int | None:
+        """Reserve the lowest run of ``n`` consecutive free slots: its first slot, or None
+        (nothing reserved) where there is none."""
+        self._check_open()
+        return self._slots.allocate_run(n)
+
     def free(self, slots: Sequence[int]) -> None:
         self._check_open()
         self._slots.free(slots)
+
+    def free_runs(self, runs: Sequence[tuple[int, int]]) -> None:
+        """Free the slots of ``runs`` ``(first, count)``, all or nothing."""
+        self._check_open()
+        self._slots.free_runs(runs)
 
     def claim(self, slots: Sequence[int]) -> None:
         """Mark slots that a persistent index already owns as used."""

@@ -189,11 +189,11 @@ class BlockPageTier(Tier):
         with self._lock:
             if n * bpp > self.blocks.num_free:
                 raise CapacityError(f"asked for {n} pages ({n * bpp} blocks), {self.blocks.num_free} blocks free")
-            handles = []
-            for _ in range(n):
-                h = next(self._handles)
-                self._pages[h] = to_extents(self.blocks.allocate(bpp, contiguous=True))
-                handles.append(h)
+            handles = [next(self._handles) for _ in range(n)]
+            start = self.blocks.allocate_run(n * bpp)   # one run for the batch where there is one
+            for i, h in enumerate(handles):
+                self._pages[h] = ((start + i * bpp, bpp),) if start is not None else \
+                    to_extents(self.blocks.allocate(bpp, contiguous=True))
             return handles
 
     def free(self, slots: Sequence[int]) -> None:
@@ -204,7 +204,7 @@ class BlockPageTier(Tier):
                 if ext is None:
                     raise InputError(f"page handle {h} freed twice or never allocated")
                 self._retired[h] = ext
-                self.blocks.free(block_list(ext))
+                self.blocks.free_runs(ext)
 
     def claim(self, slots: Sequence[int]) -> None:
         self._check_open()
@@ -371,13 +371,19 @@ class BlockPageTier(Tier):
         """Swap each page's worst-case reservation for exactly ``need[i]`` blocks, lowest run
         first: released first, so the batch packs into one run where the room allows."""
         with self._lock:
-            held = [b for h in slots for b in block_list(self._pages[h])]
-            if sum(need) - len(held) > self.blocks.num_free:
+            held = [run for h in slots for run in self._pages[h]]
+            nheld = sum(count for _, count in held)
+            if sum(need) - nheld > self.blocks.num_free:
                 raise CapacityError(f"rewriting {len(slots)} pages needs {sum(need)} blocks; they hold "
-                                    f"{len(held)} and {self.blocks.num_free} more are free")
-            self.blocks.free(held)
+                                    f"{nheld} and {self.blocks.num_free} more are free")
+            self.blocks.free_runs(held)
+            start = self.blocks.allocate_run(sum(need))   # the batch in one run where there is one
             for h, k in zip(slots, need):
-                self._pages[h] = to_extents(self.blocks.allocate(k, contiguous=True))
+                if start is not None:
+                    self._pages[h] = ((start, k),)
+                    start += k
+                else:
+                    self._pages[h] = to_extents(self.blocks.allocate(k, contiguous=True))
 
     def _pack(self, src: np.ndarray, staged: np.ndarray | None, sizes: np.ndarray | None,
               need: list[int], lossy: list[int], plain: list[int]) -> tuple[np.ndarray, np.ndarray]:
