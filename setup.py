@@ -18,7 +18,8 @@ from setuptools import Extension, setup
 ext_modules = []
 if os.path.exists(os.path.join("tierkv", "_native.c")):
     ext_modules.append(
-        Extension("tierkv._native", ["tierkv/_native.c"], extra_compile_args=["-O3"], optional=True)
+        Extension("tierkv._native", ["tierkv/_native.c"], extra_compile_args=["-O3"], optional=True,
+                  depends=["tierkv/xxh_simd.h"])
     )
 _CODEC = os.path.join("tierkv", "codec")
 if os.path.exists(os.path.join(_CODEC, "_codec.c")):
@@ -30,7 +31,8 @@ if os.path.exists(os.path.join(_CODEC, "_codec.c")):
                                                "codec_simd_rows.c", "codec_simd_scan.c", "codec_gpu.c",
                                                "codec_gpu_emu.c")],
             depends=[os.path.join(_CODEC, h) for h in ("codec_core.h", "codec_dec.h", "codec_enc.h", "codec_simd.h",
-                                                             "codec_gpu.h", "codec_gpu_kernel.cuh")],
+                                                             "codec_gpu.h", "codec_gpu_kernel.cuh")]
+            + [os.path.join("tierkv", "xxh_simd.h")],
             extra_compile_args=["-O3", "-std=c11"],
             optional=True,
         )

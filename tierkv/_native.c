@@ -7,7 +7,8 @@
  * landing record (tierkv/store/landed.py). Imported optionally by tierkv.keys, which
  * has a pure-Python fallback giving the same keys and the same KeySet contract.
  *
- * Built by setup.py against xxhash.h (0.8.x, header-only through XXH_INLINE_ALL).
+ * Built by setup.py against xxhash.h (0.8.x, header-only through XXH_INLINE_ALL; page
+ * checksums through xxh_simd.h's AVX-512/AVX2 kernels).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,8 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "xxh_simd.h"
 
 #define KEY_BYTES 16
 /* Below this many bytes, checksum64 keeps the GIL: dropping it costs more than hashing. */
@@ -538,10 +538,10 @@ checksum64(PyObject *self, PyObject *arg)
         return NULL;
     if (view.len >= CHECKSUM_NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        h = XXH3_64bits(view.buf, (size_t)view.len);
+        h = tk_xxh3_64(view.buf, (size_t)view.len, 0);
         Py_END_ALLOW_THREADS
     } else {
-        h = XXH3_64bits(view.buf, (size_t)view.len);
+        h = tk_xxh3_64(view.buf, (size_t)view.len, 0);
     }
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLongLong((unsigned long long)h);

@@ -8,8 +8,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "../xxh_simd.h"
 
 #include "codec_core.h"
 
@@ -173,7 +172,7 @@ freqs_to_starts(const uint16_t *freq, int alpha, uint16_t *start)
 uint64_t
 page_checksum(const uint8_t *header, const uint8_t *payload, size_t payload_len)
 {
-    return XXH3_64bits_withSeed(payload, payload_len, XXH3_64bits(header, 32));
+    return tk_xxh3_64(payload, payload_len, XXH3_64bits(header, 32));
 }
 
 /* Writes the 40-byte header in front of a payload already at out + HEADER_BYTES. */
