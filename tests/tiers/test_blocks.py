@@ -490,3 +490,40 @@ def test_coded_batches_reuse_their_buffers_and_leave_no_stale_bytes_on_the_mediu
             assert len(blocks) < BPP and not flat[used:].any(), f"stale bytes after the blob of page {h}"
     finally:
         tier.close()
+
+
+def test_pages_placed_one_by_one_take_the_lowest_run_each(tmp_path: Path) -> None:
+    """Where no run holds a whole batch, each page takes the lowest run of its blocks:
+    the search for one at least as long as the last goes on from there, a shorter one
+    starts again from the bottom (a hole too short for the last page may fit it)."""
+    medium = NvmeTier(tmp_path / "blocks.dat", 8 * BPP, ALIGN)
+    tier = BlockPageTier(medium, 8, PB, CodecChoice(CodecMode.NONE, None))
+    try:
+        handles = tier.allocate(8)
+        assert [tier.extents(h) for h in handles] == [((i * BPP, BPP),) for i in range(8)]   # one run
+        tier.free([handles[1], handles[3], handles[5]])
+        again = tier.allocate(3)   # no run of 3 pages: the three holes, lowest first
+        assert [tier.extents(h) for h in again] == [((BPP, BPP),), ((3 * BPP, BPP),), ((5 * BPP, BPP),)]
+        tier.free(again)
+        assert medium.allocate(2) == [BPP, BPP + 1]     # page 1's hole less two: two left at BPP + 2
+        tier._place_each([100, 101], [BPP, 2])
+        assert tier.extents(100) == ((3 * BPP, BPP),)   # the first hole of BPP blocks
+        assert tier.extents(101) == ((BPP + 2, 2),)     # below it: the hole of two
+    finally:
+        tier.close()
+
+
+def test_freeing_pages_is_all_or_nothing(tier: BlockPageTier) -> None:
+    rows = smooth_pages(4, seed=9)
+    handles = tier.allocate(4)
+    tier.write(handles, rows)
+    free = tier.num_free
+    for bad in ([handles[0], 999], [handles[1], handles[1]]):
+        with pytest.raises(InputError, match="freed twice or never allocated"):
+            tier.free(bad)
+        assert tier.num_free == free
+    back = np.zeros_like(rows)
+    tier.read(handles, back)
+    np.testing.assert_array_equal(back, rows)
+    tier.free(handles)
+    assert tier.num_free == 8   # every block back (coded pages held fewer than a raw page's)

@@ -136,13 +136,13 @@ class SlotAllocator:
                 self._low = self._advance(self._low)
             return slots
 
-    def allocate_run(self, n: int) -> int | None:
-        """Reserve the lowest run of ``n`` consecutive free slots; its first slot, or None
-        (nothing reserved) where no run is that long."""
+    def allocate_run(self, n: int, at: int = 0) -> int | None:
+        """Reserve the lowest run of ``n`` consecutive free slots from slot ``at`` on; its
+        first slot, or None (nothing reserved) where no run is that long."""
         with self._lock:
             if n <= 0 or n > self._num_free:
                 return None
-            start = self._used.find(bytes(n), self._low)
+            start = self._used.find(bytes(n), max(self._low, at))
             if start < 0:
                 return None
             self._used[start:start + n] = b"\x01" * n
@@ -288,11 +288,11 @@ class Tier(abc.ABC):
         self._check_open()
         return self._slots.allocate(n, contiguous)
 
-    def allocate_run(self, n: int) -> int | None:
-        """Reserve the lowest run of ``n`` consecutive free slots: its first slot, or None
-        (nothing reserved) where there is none."""
+    def allocate_run(self, n: int, at: int = 0) -> int | None:
+        """Reserve the lowest run of ``n`` consecutive free slots from slot ``at`` on: its
+        first slot, or None (nothing reserved) where there is none."""
         self._check_open()
-        return self._slots.allocate_run(n)
+        return self._slots.allocate_run(n, at)
 
     def free(self, slots: Sequence[int]) -> None:
         self._check_open()

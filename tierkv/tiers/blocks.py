@@ -191,20 +191,39 @@ class BlockPageTier(Tier):
                 raise CapacityError(f"asked for {n} pages ({n * bpp} blocks), {self.blocks.num_free} blocks free")
             handles = [next(self._handles) for _ in range(n)]
             start = self.blocks.allocate_run(n * bpp)   # one run for the batch where there is one
-            for i, h in enumerate(handles):
-                self._pages[h] = ((start + i * bpp, bpp),) if start is not None else \
-                    to_extents(self.blocks.allocate(bpp, contiguous=True))
+            if start is not None:
+                for i, h in enumerate(handles):
+                    self._pages[h] = ((start + i * bpp, bpp),)
+            else:
+                self._place_each(handles, [bpp] * n)
             return handles
+
+    def _place_each(self, handles: Sequence[int], need: Sequence[int]) -> None:
+        """Blocks for each page on its own: the lowest run of its count (first fit), else
+        its count of the lowest free blocks. A search for a run at least as long as the
+        last one found goes on from that run's end: below it no run that long is free,
+        and nothing is freed meanwhile (``_lock`` held)."""
+        at = shortest = 0
+        for h, k in zip(handles, need):
+            start = self.blocks.allocate_run(k, at if k >= shortest else 0)
+            if start is not None:
+                self._pages[h] = ((start, k),)
+                at, shortest = start + k, k
+            else:
+                self._pages[h] = to_extents(self.blocks.allocate(k))
 
     def free(self, slots: Sequence[int]) -> None:
         self._check_open()
         with self._lock:
+            if len(set(slots)) < len(slots) or any(h not in self._pages for h in slots):
+                bad = next(h for i, h in enumerate(slots) if h not in self._pages or h in slots[:i])
+                raise InputError(f"page handle {bad} freed twice or never allocated")
+            runs: list[tuple[int, int]] = []
             for h in slots:
-                ext = self._pages.pop(h, None)
-                if ext is None:
-                    raise InputError(f"page handle {h} freed twice or never allocated")
+                ext = self._pages.pop(h)
                 self._retired[h] = ext
-                self.blocks.free_runs(ext)
+                runs.extend(ext)
+            self.blocks.free_runs(runs)
 
     def claim(self, slots: Sequence[int]) -> None:
         self._check_open()
@@ -378,12 +397,12 @@ class BlockPageTier(Tier):
                                     f"{nheld} and {self.blocks.num_free} more are free")
             self.blocks.free_runs(held)
             start = self.blocks.allocate_run(sum(need))   # the batch in one run where there is one
+            if start is None:
+                self._place_each(slots, need)
+                return
             for h, k in zip(slots, need):
-                if start is not None:
-                    self._pages[h] = ((start, k),)
-                    start += k
-                else:
-                    self._pages[h] = to_extents(self.blocks.allocate(k, contiguous=True))
+                self._pages[h] = ((start, k),)
+                start += k
 
     def _pack(self, src: np.ndarray, staged: np.ndarray | None, sizes: np.ndarray | None,
               need: list[int], lossy: list[int], plain: list[int]) -> tuple[np.ndarray, np.ndarray]:
