@@ -39,6 +39,24 @@ def test_real_pages_of_more_than_64_tokens_round_trip(kv_layers: dict, dtype: DT
         roundtrip(codec, rows)
 
 
+def _blobs_at_every_level(layout: KVLayout, rows: np.ndarray, levels: tuple[int, ...] = (2, 1, 0)) -> list[bytes]:
+    """The blobs of ``rows`` at each SIMD level (2: AVX-512, 3: its symbol search alone,
+    1: AVX2/BMI2, 0: scalar), checked equal and round-tripped at each; the first level's."""
+    from tierkv.codec import _codec  # type: ignore[attr-defined]
+
+    blobs = []
+    try:
+        for level in levels:
+            _codec.set_simd(level)
+            with Codec(layout) as codec:
+                blobs.append([bytes(b) for b in codec.encode(rows)])
+                roundtrip(codec, rows)
+    finally:
+        _codec.set_simd(True)
+    assert all(b == blobs[0] for b in blobs)
+    return blobs[0]
+
+
 @requires_native
 @pytest.mark.parametrize("tokens, flip", [(65, 64), (129, 64), (200, 128), (512, 192), (100, 63), (100, 65)])
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16], ids=lambda d: d.value)
@@ -58,18 +76,8 @@ def test_simd_and_scalar_paths_agree(kv_layers: dict, dtype: DType) -> None:
     """Every encoder path writes the same blobs, byte for byte: the AVX-512 plane
     analysis and rANS, the AVX2/BMI2 one, the scalar one (FP16 cast from BF16 exercises
     the low-bit decision, FP8 the byte paths)."""
-    from tierkv.codec import _codec  # type: ignore[attr-defined]
-
     layout, rows = real_pages(kv_layers, dtype)
-    blobs = []
-    try:
-        for level in (2, 1, 0):
-            _codec.set_simd(level)
-            with Codec(layout) as codec:
-                blobs.append([bytes(b) for b in codec.encode(rows)])
-    finally:
-        _codec.set_simd(True)
-    assert blobs[0] == blobs[1] == blobs[2]
+    _blobs_at_every_level(layout, rows)
 
 
 @requires_native
@@ -80,24 +88,13 @@ def test_simd_levels_agree_on_other_shapes(dtype: DType, heads: int, head_dim: i
     64 (half vectors in the 16-bit analysis and the symbol counts), planes of 32 coded
     rows and more (the sign words' general path), many tokens (escaped first flips), with
     repeated rows and escaped symbols (zeros, and a channel far below its plane's)."""
-    from tierkv.codec import _codec  # type: ignore[attr-defined]
-
     layout = KVLayout(2, heads, head_dim, dtype, tokens)
     rows = normal_pages(layout, 3, seed=heads * 1000 + tokens)
     elems = rows.view(_UINT[dtype.itemsize]).reshape(3, *layout.page_shape)
     elems[:, :, :, min(5, tokens - 1)] = elems[:, :, :, 0]   # a repeated row in every plane
     elems[0, 0, 0, :, 0, :7] = 0                             # zeros: escaped symbols
     elems[1, 1, 1, :, 0, 3] >>= 4                            # a channel far below the plane's
-    blobs = []
-    try:
-        for level in (2, 3, 1, 0):
-            _codec.set_simd(level)
-            with Codec(layout) as codec:
-                blobs.append([bytes(b) for b in codec.encode(rows)])
-                roundtrip(codec, rows)
-    finally:
-        _codec.set_simd(True)
-    assert blobs[0] == blobs[1] == blobs[2] == blobs[3]
+    _blobs_at_every_level(layout, rows, (2, 3, 1, 0))
 
 
 @requires_native
@@ -108,22 +105,10 @@ def test_mid_fields_of_every_width_agree_across_simd_levels(zero_bits: int, head
     the AVX-512 packing of 64 fields a step writes the bits the BMI2 and the scalar
     packings do, on rows of 128 channels (whole groups), 96 (a group and a rest) and 100
     (which leave the writer off a byte boundary at odd widths)."""
-    from tierkv.codec import _codec  # type: ignore[attr-defined]
-
     layout = KVLayout(2, heads, head_dim, DType.BF16, 24)
     rows = normal_pages(layout, 2, seed=zero_bits)
     rows.view(np.uint16)[...] &= np.uint16(0xFFFF ^ ((1 << zero_bits) - 1))
-    blobs = []
-    try:
-        for level in (2, 1, 0):
-            _codec.set_simd(level)
-            with Codec(layout) as codec:
-                blobs.append([bytes(b) for b in codec.encode(rows)])
-                roundtrip(codec, rows)
-    finally:
-        _codec.set_simd(True)
-    assert blobs[0] == blobs[1] == blobs[2]
-    for blob in blobs[0]:
+    for blob in _blobs_at_every_level(layout, rows):
         hi, tz, lo = blob[HEADER_BYTES:HEADER_BYTES + 3]
         assert 7 - hi - tz - lo == 6 - zero_bits   # the mid width this case is for
 
@@ -138,8 +123,6 @@ def test_channel_maxima_of_every_spread_agree_across_simd_levels(dtype: DType, s
     only it has), one at the bottom (alone too; escaped from 16 below the base on).
     A value the counts missed would leave its symbol out of the table. The blobs match
     the scalar encoder's and round-trip."""
-    from tierkv.codec import _codec  # type: ignore[attr-defined]
-
     layout = KVLayout(2, 2, 64, dtype, 16)
     rng = np.random.default_rng(span)
     shape = (2, *layout.page_shape)
@@ -150,18 +133,8 @@ def test_channel_maxima_of_every_spread_agree_across_simd_levels(dtype: DType, s
     drop = rng.integers(0, 4, shape)
     drop[..., 0, :, :] = 0                       # token 0 reaches each channel's maximum
     x = rng.choice([-1.0, 1.0], shape) * (1 + rng.random(shape) * 0.75) * 2.0 ** (exps - drop)
-    rows = torch.from_numpy(x.astype(np.float32)).to(getattr(torch, dtype.torch_name)).contiguous()
-    rows = rows.view(torch.uint8).reshape(2, layout.page_bytes).numpy().copy()
-    blobs = []
-    try:
-        for level in (2, 1, 0):
-            _codec.set_simd(level)
-            with Codec(layout) as codec:
-                blobs.append([bytes(b) for b in codec.encode(rows)])
-                roundtrip(codec, rows)
-    finally:
-        _codec.set_simd(True)
-    assert blobs[0] == blobs[1] == blobs[2]
+    pages = torch.from_numpy(x.astype(np.float32)).to(getattr(torch, dtype.torch_name)).contiguous()
+    _blobs_at_every_level(layout, pages.view(torch.uint8).reshape(2, layout.page_bytes).numpy().copy())
 
 
 @requires_native

@@ -54,40 +54,6 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 
-class BouncePool:
-    """Reusable aligned buffers of ``buffer_bytes`` each, for unaligned callers.
-
-    ``borrow`` hands out an idle buffer or allocates a new one, so it never blocks;
-    at most ``keep`` idle buffers are retained (one per I/O thread keeps a steady
-    state free of allocations and page faults). Thread-safe.
-    """
-
-    def __init__(self, buffer_bytes: int, keep: int) -> None:
-        self.buffer_bytes = buffer_bytes
-        self._keep = keep
-        self._idle: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def borrow(self) -> Iterator[np.ndarray]:
-        """A buffer for the duration of the ``with`` block; contents are stale."""
-        with self._lock:
-            buf = self._idle.pop() if self._idle else None
-        if buf is None:
-            buf = aligned_empty(self.buffer_bytes)
-        try:
-            yield buf
-        finally:
-            with self._lock:
-                if len(self._idle) < self._keep:
-                    self._idle.append(buf)
-
-    def clear(self) -> None:
-        """Drop the idle buffers (their memory goes back when the last view dies)."""
-        with self._lock:
-            self._idle.clear()
-
-
 class ScratchPool:
     """Reusable aligned buffers of ``max_bytes`` each, for a hot path that needs a few
     buffers of varying size at a time (a coded tier's staging, packing and reading):
@@ -122,8 +88,31 @@ class ScratchPool:
                 self._idle.append(buf)
 
     def clear(self) -> None:
+        """Drop the idle buffers (their memory goes back when the last view dies)."""
         with self._lock:
             self._idle.clear()
+
+
+class BouncePool(ScratchPool):
+    """Reusable aligned buffers of ``buffer_bytes`` each, for unaligned callers.
+
+    ``borrow`` hands out an idle buffer or allocates a new one, so it never blocks;
+    at most ``keep`` idle buffers are retained (one per I/O thread keeps a steady
+    state free of allocations and page faults). Thread-safe.
+    """
+
+    def __init__(self, buffer_bytes: int, keep: int) -> None:
+        super().__init__(buffer_bytes, keep)
+        self.buffer_bytes = buffer_bytes
+
+    @contextmanager
+    def borrow(self) -> Iterator[np.ndarray]:
+        """A buffer for the duration of the ``with`` block; contents are stale."""
+        buf = self.take(self.buffer_bytes)
+        try:
+            yield buf
+        finally:
+            self.give(buf)
 
 
 #: madvise advice (Linux 5.14+): fault a range in as if written, without writing it.
