@@ -25,17 +25,25 @@
 #include <xxhash.h>
 
 #ifdef TK_XXH_DISPATCH
+#if XXH_VERSION_NUMBER >= 802   /* 0.8.2 takes the whole accumulate loop, not one stripe's step */
+#define TK_ACC_AVX512 XXH3_accumulate_avx512
+#define TK_ACC_AVX2 XXH3_accumulate_avx2
+#else
+#define TK_ACC_AVX512 XXH3_accumulate_512_avx512
+#define TK_ACC_AVX2 XXH3_accumulate_512_avx2
+#endif
+
 static __attribute__((noinline, unused)) XXH_TARGET_AVX512 XXH64_hash_t
 tk_xxh3_long_avx512(const void *p, size_t len, XXH64_hash_t seed)
 {
-    return XXH3_hashLong_64b_withSeed_internal(p, len, seed, XXH3_accumulate_512_avx512, XXH3_scrambleAcc_avx512,
+    return XXH3_hashLong_64b_withSeed_internal(p, len, seed, TK_ACC_AVX512, XXH3_scrambleAcc_avx512,
                                                XXH3_initCustomSecret_avx512);
 }
 
 static __attribute__((noinline, unused)) XXH_TARGET_AVX2 XXH64_hash_t
 tk_xxh3_long_avx2(const void *p, size_t len, XXH64_hash_t seed)
 {
-    return XXH3_hashLong_64b_withSeed_internal(p, len, seed, XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2,
+    return XXH3_hashLong_64b_withSeed_internal(p, len, seed, TK_ACC_AVX2, XXH3_scrambleAcc_avx2,
                                                XXH3_initCustomSecret_avx2);
 }
 
