@@ -527,3 +527,16 @@ def test_freeing_pages_is_all_or_nothing(tier: BlockPageTier) -> None:
     np.testing.assert_array_equal(back, rows)
     tier.free(handles)
     assert tier.num_free == 8   # every block back (coded pages held fewer than a raw page's)
+
+
+def test_a_free_that_fails_on_a_reader_handle_leaves_every_page(tier: BlockPageTier) -> None:
+    """A reader's view handle holds no blocks: freeing it with allocated pages raises and
+    frees none of them (their blocks neither leaked nor half freed)."""
+    handles = tier.allocate(2)
+    view = tier.view(((6 * BPP, BPP),))   # blocks nobody holds
+    free = tier.blocks.num_free
+    with pytest.raises(InputError, match="freed twice"):
+        tier.free(handles + [view])
+    assert tier.blocks.num_free == free and all(tier.extents(h) is not None for h in handles)
+    tier.free(handles)
+    assert tier.blocks.num_free == free + 2 * BPP

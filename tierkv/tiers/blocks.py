@@ -218,12 +218,10 @@ class BlockPageTier(Tier):
             if len(set(slots)) < len(slots) or any(h not in self._pages for h in slots):
                 bad = next(h for i, h in enumerate(slots) if h not in self._pages or h in slots[:i])
                 raise InputError(f"page handle {bad} freed twice or never allocated")
-            runs: list[tuple[int, int]] = []
+            runs = [run for h in slots for run in self._pages[h]]
+            self.blocks.free_runs(runs)   # raises with nothing freed: the handles stay
             for h in slots:
-                ext = self._pages.pop(h)
-                self._retired[h] = ext
-                runs.extend(ext)
-            self.blocks.free_runs(runs)
+                self._retired[h] = self._pages.pop(h)
 
     def claim(self, slots: Sequence[int]) -> None:
         self._check_open()
