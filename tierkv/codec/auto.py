@@ -96,16 +96,18 @@ def should_compress(mode: CodecMode | str, throughput: CodecThroughput | None, t
     return throughput.speeds_up(tier_gbps, direction, pipelined)
 
 
-#: measure_throughput's rounds a direction: the best round's rate counts.
+#: measure_throughput's rounds a direction, at most: the best round's rate counts.
 _ROUNDS = 5
 
 
 def measure_throughput(codec: Codec, sample_rows: np.ndarray, min_seconds: float = 0.05) -> CodecThroughput:
     """Encodes and decodes ``sample_rows`` (``uint8 [n, page_bytes]``, real pages of the
-    store's layout) repeatedly for at least ``min_seconds`` each, in five rounds; the
-    best round's wall-clock GB/s. (One 50 ms average took whatever else the machine did
-    meanwhile: on a two-core VM it read the encoder at 0.81 GB/s in one run and 1.39 in
-    the next, and ``auto`` chose wrong at 600 MB/s of disk in both.)"""
+    store's layout) repeatedly for at least ``min_seconds`` each, in rounds of at least a
+    fifth of it (two rounds at least, five at most); the best round's wall-clock GB/s.
+    (One 50 ms average took whatever else the machine did meanwhile: on a two-core VM it
+    read the encoder at 0.81 GB/s in one run and 1.39 in the next, and ``auto`` chose
+    wrong at 600 MB/s of disk in both. A codec slower than a round a call, the portable
+    one on large pages, takes two calls each way.)"""
     if sample_rows.ndim != 2 or sample_rows.shape[0] == 0:
         raise InputError(f"measure_throughput needs at least one sample page, got {sample_rows.shape}")
     out = np.empty((sample_rows.shape[0], codec.max_encoded_bytes), dtype=np.uint8)
@@ -116,8 +118,8 @@ def measure_throughput(codec: Codec, sample_rows: np.ndarray, min_seconds: float
         raise InputError("the codec could not decode its own sample pages")
 
     def rate(fn: object) -> float:
-        best = 0.0
-        for _ in range(_ROUNDS):
+        best, spent, rounds = 0.0, 0.0, 0
+        while rounds < 2 or (spent < min_seconds and rounds < _ROUNDS):
             runs, t0 = 0, time.perf_counter()
             while True:
                 fn()  # type: ignore[operator]
@@ -126,6 +128,7 @@ def measure_throughput(codec: Codec, sample_rows: np.ndarray, min_seconds: float
                 if elapsed >= min_seconds / _ROUNDS:
                     break
             best = max(best, runs * sample_rows.nbytes / elapsed / 1e9)
+            spent, rounds = spent + elapsed, rounds + 1
         return best
 
     compress = rate(lambda: codec.encode_into(sample_rows, out))
