@@ -65,7 +65,8 @@ class ScratchPool:
 
     def __init__(self, max_bytes: int, keep: int) -> None:
         if max_bytes <= 0 or keep < 0:
-            raise InputError(f"scratch pool of {max_bytes}-byte buffers, keeping {keep}: both must be positive")
+            raise InputError(f"a scratch pool needs buffers of a positive size and keep >= 0, got {max_bytes} "
+                             f"bytes, keep {keep}")
         self.max_bytes = max_bytes
         self._keep = keep
         self._idle: list[np.ndarray] = []
