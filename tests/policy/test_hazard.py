@@ -144,3 +144,25 @@ def test_advance_does_nothing_in_steady_use() -> None:
     a, b = _think_time_model(), _think_time_model()
     b.advance(100 * 4096.0)   # within 128 memories of the reference: nothing moves
     assert a.tables() == b.tables() and a._t_ref == b._t_ref
+
+
+@pytest.mark.parametrize("how", ["start", "record_many", "close"])
+def test_a_rebase_scales_what_was_observed_and_skips_an_empty_model(how: str) -> None:
+    """Before any observation (a reopen's first request) a rebase only moves the reference:
+    its cells are all zero. After one, it scales every cell, whichever way it was made."""
+    empty = ReuseModel(2)
+    empty.advance(200 * 4096.0)
+    assert empty._t_ref == 200 * 4096.0 and not empty._open.any() and not empty._resolved.any()
+    m = ReuseModel(2)
+    if how == "start":
+        m.start(1, 0.0)
+    elif how == "record_many":
+        m.record_many(bytes([hazard.START]), bytes([1]), np.array([0.0]).tobytes(), 0.0)
+    else:
+        m._close(1, 0.0, 10.0, hit=True)
+    before = (m._open.copy(), m._resolved.copy(), m._reuses.copy())
+    m.advance(200 * 4096.0)
+    f = np.exp(-200.0)
+    for got, was in zip((m._open, m._resolved, m._reuses), before):
+        np.testing.assert_array_equal(got, was * f)
+    assert m._open.any()   # the weight was scaled, not dropped

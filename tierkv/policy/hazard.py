@@ -96,6 +96,7 @@ class ReuseModel:
         self.index: list[list[float]] = [list(1.0 / (1.0 + _MIDS)) for _ in range(classes)]
         self.support: list[list[float]] = [[0.0] * BINS for _ in range(classes)]
         self._tables: tuple[bytes, bytes] | None = None
+        self._observed = False   # any observation yet: until one, a rebase has nothing to scale
 
     def _weight(self, t: float) -> float:
         return math.exp((t - self._t_ref) / self._memory)
@@ -111,6 +112,7 @@ class ReuseModel:
 
     def start(self, cls: int, t: float) -> None:
         """A page of class ``cls`` was accessed at ``t``: it is now waiting for its next access."""
+        self._observed = True
         self._open[cls, int(t) // _BUCKET % _RING] += self._weight(t)
 
     def reuse(self, cls: int, t0: float, now: float) -> None:
@@ -122,6 +124,7 @@ class ReuseModel:
         self._close(cls, t0, now, hit=False)
 
     def _close(self, cls: int, t0: float, now: float, hit: bool) -> None:
+        self._observed = True
         w = self._weight(t0)
         b = age_bin(now - t0)
         self._open[cls, int(t0) // _BUCKET % _RING] -= w
@@ -142,6 +145,7 @@ class ReuseModel:
         otherwise numpy (``np.add.at`` applies additions in index order; ``math`` computes
         each distinct weight and age bin).
         """
+        self._observed = self._observed or len(kinds) > 0
         if _record is not None:
             _record(self._open, self._resolved, self._reuses, kinds, classes, times, now, self._t_ref,
                     self._memory, _LOG_GROWTH, _BUCKET, _RING)
@@ -217,7 +221,12 @@ class ReuseModel:
         return at_risk + np.cumsum(diff, axis=1)[:, :BINS]
 
     def _rebase(self, now: float) -> None:
-        """Move the weight reference to ``now`` so that weights stay finite."""
+        """Move the weight reference to ``now`` so that weights stay finite. Before any
+        observation every cell is zero: only the reference moves (the first request after
+        a reopen would otherwise scale 2 MB of zeros, most of them never touched before)."""
+        if not self._observed:
+            self._t_ref = now
+            return
         f = math.exp(-(now - self._t_ref) / self._memory)
         self._reuses *= f
         self._resolved *= f
