@@ -53,3 +53,41 @@ def test_allocator_runs_and_frees_all_or_nothing() -> None:
     a.free_runs([(40, 65), (5, 35)])       # any order
     a.free(held[:0])
     assert a.num_free == free_before + 100 and a.allocate_run(195) == 5
+
+
+def _lowest(free: list[bool], n: int, contiguous: bool) -> list[int]:
+    """The slots a first-fit allocator hands out: the lowest run of n free ones where
+    contiguous and one exists, else the n lowest free."""
+    if contiguous and n > 1:
+        run = 0
+        for s, f in enumerate(free):
+            run = run + 1 if f else 0
+            if run == n:
+                return list(range(s - n + 1, s + 1))
+    return [s for s, f in enumerate(free) if f][:n]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocator_hands_out_what_first_fit_would(seed: int) -> None:
+    """Random allocations and frees against a plain model of first fit: holes shorter and
+    longer than the ask, at the low mark and above it, runs that end at the last slot."""
+    import random
+
+    rng = random.Random(seed)
+    size = rng.choice([17, 64, 300])
+    a, free = SlotAllocator(size), [True] * size
+    for _ in range(400):
+        held = [s for s, f in enumerate(free) if not f]
+        if held and (rng.random() < 0.45 or sum(free) == 0):
+            gone = rng.sample(held, rng.randint(1, min(len(held), 40)))
+            a.free(gone)
+            for s in gone:
+                free[s] = True
+        else:
+            n = rng.randint(1, max(1, min(sum(free), rng.choice([1, 3, 8, 40]))))
+            contiguous = rng.random() < 0.5
+            want = _lowest(free, n, contiguous)
+            assert a.allocate(n, contiguous) == want
+            for s in want:
+                free[s] = False
+        assert a.num_free == sum(free)

@@ -431,7 +431,11 @@ class GittinsPolicy:
         asked (:meth:`admit_many`)."""
         if self._cost is None and not self._refused and (not self._room
                                                          or len(self._leaves) + self._admitted + len(keys) <= self._room):
-            self._admitted += sum(map(self._request.__contains__, keys))
+            request = self._request_keys
+            # A put's new pages are most often the request's pages themselves (the same
+            # objects): all of them count, without the request's map.
+            same = len(keys) == len(request) and tuple(keys) == request
+            self._admitted += len(keys) if same else sum(map(self._request.__contains__, keys))
             return True
         return False
 

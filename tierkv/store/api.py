@@ -830,7 +830,7 @@ class Store:
         n = rows.shape[0]
         mine = keys[first:first + n]
         blob = b"".join(mine)
-        held = np.array(self._manager.held(blob), dtype=bool)
+        held = self._manager.held_mask(blob)
         # Each page's parent is the key before it: the page ahead of ``first``, then ours.
         parents = ((keys[first - 1] if 0 < first <= len(keys) else NO_PARENT) + blob)[:len(blob)]
         has = np.ones(len(mine), dtype=bool)

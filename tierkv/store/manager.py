@@ -358,9 +358,13 @@ class BlockManager:
 
     def held(self, blob: bytes) -> list[bool]:
         """For each key of a blob: whether some tier holds the page (published or reserved)."""
+        return self.held_mask(blob).tolist()  # type: ignore[no-any-return]
+
+    def held_mask(self, blob: bytes) -> np.ndarray:
+        """:meth:`held` as a bool array."""
         t = self.table
         rows = rows_of(t.core.find(blob))
-        return ((rows >= 0) & (t.where[np.where(rows >= 0, rows, 0)] != 0)).tolist()  # type: ignore[no-any-return]
+        return (rows >= 0) & (t.where[np.where(rows >= 0, rows, 0)] != 0)  # type: ignore[no-any-return]
 
     def leading(self, blob: bytes, limit: int) -> list[Entry]:
         """Snapshots of the leading published pages of a key blob, at most ``limit``."""

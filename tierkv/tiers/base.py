@@ -115,7 +115,13 @@ class SlotAllocator:
                 raise CapacityError(f"asked for {n} slots, {self._num_free} of {self._num_slots} free")
             if n <= 0:
                 return []
-            start = self._used.find(bytes(n), self._low) if contiguous and n > 1 else -1
+            low = self._low
+            # Every free slot is at or above the low mark, n of them at least: where the n
+            # from the mark on are all free, they are both asks' answer.
+            if self._used.find(1, low, low + n) < 0:
+                start = low
+            else:
+                start = self._used.find(bytes(n), low) if contiguous and n > 1 else -1
             if start >= 0:
                 slots = list(range(start, start + n))
                 self._used[start:start + n] = b"\x01" * n
