@@ -142,6 +142,30 @@ kt_find(const KeyTab *kt, const uint8_t key[KT_KEY], int len)
     return kt_find_h(kt, key, len, kt_hash(key, len));
 }
 
+/* Fetch ahead the record of the first entry along key h's probe sequence whose tag
+ * matches (a probe that ends first, at an empty slot, fetches nothing): the record a
+ * lookup of a key the map holds reads, also where another key sits in its first slot.
+ * A key the map lacks fetches one only on a false tag match (1 in 16 entries probed).
+ * The map's line is in the cache already (fetched ahead itself); KT_PROBE_AHEAD slots
+ * at most, so a long cluster costs a few compares, not a walk. */
+#define KT_PROBE_AHEAD 8
+static inline void
+kt_prefetch_rec_h(const KeyTab *kt, uint64_t h)
+{
+    uint32_t tag = KT_TAG(h);
+    size_t i = (size_t)h & kt->smask;
+    for (int j = 0; j < KT_PROBE_AHEAD; j++) {
+        uint32_t e = kt->slots[i];
+        if (e == KT_EMPTY)
+            return;
+        if (e >> KT_IDX_BITS == tag) {
+            KT_PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
+            return;
+        }
+        i = (i + 1) & kt->smask;
+    }
+}
+
 /* kt_find of n keys into ids, with the map's lines and then the records' fetched ahead
  * for all of them first, so that the misses of a batch overlap instead of queueing. */
 static inline void
@@ -152,18 +176,15 @@ kt_find_many(const KeyTab *kt, const uint8_t (*keys)[KT_KEY], const int *lens, P
         hs[i] = kt_hash(keys[i], lens[i]);
         KT_PREFETCH(&kt->slots[hs[i] & kt->smask]);
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t e = kt->slots[hs[i] & kt->smask];
-        if (e != KT_EMPTY)
-            KT_PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        kt_prefetch_rec_h(kt, hs[i]);
     for (Py_ssize_t i = 0; i < n; i++)
         ids[i] = kt_find_h(kt, keys[i], lens[i], hs[i]);
 }
 
 /* Fetch ahead what looking up n 16-byte keys back to back will read: the map's lines,
- * then the record each key's first slot names; their hashes into hs. For a window of a
- * batch (at most 64 keys), before its lookups. */
+ * then the record each key's first tag match names; their hashes into hs. For a window
+ * of a batch (at most 64 keys), before its lookups. */
 static inline void
 kt_prefetch16_h(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n, uint64_t hs[64])
 {
@@ -173,11 +194,8 @@ kt_prefetch16_h(const KeyTab *kt, const uint8_t *keys, Py_ssize_t n, uint64_t hs
         hs[i] = kt_hash(keys + KT_KEY * i, KT_KEY);
         KT_PREFETCH(&kt->slots[hs[i] & kt->smask]);
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t e = kt->slots[hs[i] & kt->smask];
-        if (e != KT_EMPTY)
-            KT_PREFETCH(KT_REC(kt, (int32_t)(e & KT_IDX_MASK)));
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        kt_prefetch_rec_h(kt, hs[i]);
 }
 
 static inline void
