@@ -91,3 +91,34 @@ def test_allocator_hands_out_what_first_fit_would(seed: int) -> None:
             for s in want:
                 free[s] = False
         assert a.num_free == sum(free)
+
+
+def test_allocated_slots_carry_their_array_and_drop_it_when_changed() -> None:
+    """What allocate hands out is a list whose numpy array comes without converting it
+    again; the array is read-only (a caller cannot change it under the list), and any
+    change to the list is seen by the next conversion."""
+    import pickle
+
+    import numpy as np
+
+    from tierkv.tiers.base import SlotList
+
+    a = SlotAllocator(64)
+    a.allocate(3)
+    a.free([1])
+    for slots in (a.allocate(4), a.allocate(5, contiguous=True)):   # the window scan, then the run
+        assert isinstance(slots, SlotList)
+        arr = np.asarray(slots, dtype=np.int64)
+        assert arr.tolist() == list(slots) and np.asarray(slots) is arr
+        with pytest.raises(ValueError):
+            arr[0] = 7
+        assert np.array(slots, copy=True).flags.writeable
+        assert np.asarray(slots, dtype=np.uint64).tolist() == list(slots)
+        assert pickle.loads(pickle.dumps(slots)) == list(slots) and type(pickle.loads(pickle.dumps(slots))) is list
+    for change in (lambda s: s.append(40), lambda s: s.__setitem__(0, 41), lambda s: s.sort(reverse=True),
+                   lambda s: s.__delitem__(0), lambda s: s.extend([42, 43]), lambda s: s.pop(),
+                   lambda s: s.insert(0, 44), lambda s: s.remove(s[-1]), lambda s: s.reverse(), lambda s: s.clear(),
+                   lambda s: s.__iadd__([45]), lambda s: s.__imul__(2), lambda s: s.__setitem__(slice(0, 2), [46])):
+        s = SlotList(np.arange(10, 16))
+        change(s)
+        assert np.asarray(s, dtype=np.int64).tolist() == list(s)
