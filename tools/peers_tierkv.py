@@ -15,6 +15,15 @@ buffer); ``get`` fills one batch buffer, whose rows are the pages. One big copy 
 than many small ones, so a second baseline is emitted beside the harness's page-by-page
 memcpy: ``baseline``/``memcpy-batch``, one ``np.copyto`` of the whole stacked batch, the
 yardstick for the batched get.
+
+A third tier, ``nvme-aligned``, is the same NVMe store given what NIXL's bench gives its
+POSIX backend: pages and a get buffer in page-aligned memory (one anonymous mmap each,
+filled outside the timed region), as a serving engine's pinned KV buffer is. The
+harness's own arrays start 16 bytes past a page (``np.empty``), which O_DIRECT cannot
+take here (``STATX_DIOALIGN`` memory alignment 512), so ``nvme`` copies every page
+through an aligned bounce buffer each way; ``nvme-aligned`` reads and writes the
+caller's memory in place. Compare NIXL with ``nvme-aligned``; ``nvme`` is what a caller
+with arbitrary numpy arrays gets.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import common  # type: ignore[import-not-found]  # noqa: E402
 from tierkv.store.api import Store  # noqa: E402
 from tierkv.bench.store import _layout_for  # noqa: E402
 from tierkv.config import DramConfig, NvmeConfig, StoreConfig  # noqa: E402
+from tierkv.tiers.aligned import aligned_empty  # noqa: E402
 
 
 def memcpy_batch(args: object, pb: int, n: int) -> None:
@@ -50,11 +60,16 @@ def run_tier(args: object, tier: str, pb: int, n: int) -> None:
     listed = common.make_pages(np, pb, n)      # what the harness hands every store
     pages = np.stack(listed)
     out = np.empty_like(pages)
+    if tier == "nvme-aligned":                 # NIXL's bench's memory: page-aligned, filled untimed
+        held = aligned_empty(pb * n).reshape(n, pb)
+        held[:] = pages
+        listed = list(held)
+        out = aligned_empty(pb * n).reshape(n, pb)
     layout = _layout_for(pb)
     root = Path(tempfile.mkdtemp(prefix=f"tierkv-{tier}-", dir=args.dir))  # type: ignore[attr-defined]
     cfg = StoreConfig(path=str(root), model_id="peers", layout=layout,
                       dram=DramConfig(pb * n) if tier == "dram" else None,
-                      nvme=NvmeConfig(pb * n, io_threads=8) if tier == "nvme" else None,
+                      nvme=NvmeConfig(pb * n, io_threads=8) if tier.startswith("nvme") else None,
                       persist_on_close=False)
     counter = iter(range(1 << 30))
     tokens: list[np.ndarray] = []
@@ -83,7 +98,7 @@ def main() -> None:
     args = common.parse_args("tierkv through the peer harness")
     for pb, n in args.shape_list:
         memcpy_batch(args, pb, n)
-        for tier in ("dram", "nvme"):
+        for tier in ("dram", "nvme", "nvme-aligned"):
             try:
                 run_tier(args, tier, pb, n)
             except Exception as exc:  # one failed cell must not hide the others
