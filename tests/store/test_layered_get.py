@@ -284,3 +284,32 @@ def test_a_close_with_a_lend_open_does_not_miss_the_end_of_a_copy(tmp_path: Path
     with s._lock:
         s._end_unlocked(dram, copy)
     assert done.wait(10), "close missed the end of the copy"
+
+
+def test_a_layered_get_reads_in_place_into_rows_at_the_tiers_alignment(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows aligned as the NVMe tier's file takes O_DIRECT (STATX_DIOALIGN, less than a
+    page on this project's disks) take the pages straight from the reads; rows aligned
+    less go through the store's own rows, then are copied; the same bytes either way."""
+    cfg = make_config(tmp_path / "s", 0, 8)
+    tokens, data = prompt(7, 4), page_data(7, 4)
+    with Store.open(cfg) as s:
+        align = s._manager.tiers[0].mem_align
+        if align >= 4096:
+            pytest.skip(f"{tmp_path}'s filesystem reports no O_DIRECT memory alignment below a page")
+        s.put(tokens, data)
+        copied: list[int] = []
+        own = s._private_rows
+
+        def counted(n: int, width: int) -> np.ndarray:
+            copied.append(n)
+            return own(n, width)
+
+        monkeypatch.setattr(s, "_private_rows", counted)
+        for shift, private in ((align, False), (align // 2, True)):
+            out = aligned_empty(4 * PB + shift)[shift:].reshape(4, PB)
+            rec = L.new_record()
+            assert s.get(tokens, out, landed=rec).pages == 4
+            np.testing.assert_array_equal(out, data)
+            assert bool(copied) is private, shift
+            copied.clear()

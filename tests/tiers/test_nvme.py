@@ -70,6 +70,61 @@ def test_nvme_aligned_buffers_skip_the_bounce(nvme_path: Path, monkeypatch: pyte
         assert borrowed  # and an unaligned one does go through it
 
 
+def test_nvme_rows_at_the_reported_alignment_skip_the_bounce(nvme_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """The kernel says what memory alignment O_DIRECT needs on the file (STATX_DIOALIGN):
+    rows aligned to it are read and written in place by the real syscalls (bytes
+    checked), rows aligned less still go through the bounce buffers. A Store's get into
+    such rows reads into them in place too, with no copy of its own or the tier's."""
+    from tierkv.config import NvmeConfig, StoreConfig
+    from tierkv.layout import KVLayout
+    from tierkv.store.api import Store
+    from tierkv.tiers.aligned import ALIGN, dio_mem_align
+
+    width = 64 << 10
+    with NvmeTier(nvme_path, 16, width) as tier:
+        reported = dio_mem_align(tier._fd)
+        if reported is None or reported >= ALIGN:
+            pytest.skip(f"{nvme_path.parent}'s filesystem reports no O_DIRECT memory alignment below a page "
+                        f"({reported})")
+        assert tier.mem_align == reported
+        borrowed: list[int] = []
+        real = tier._bounce.borrow
+        monkeypatch.setattr(tier._bounce, "borrow", lambda: borrowed.append(1) or real())
+        src = unaligned(16, width, reported)
+        src[...] = pages(16, width, seed=13)
+        dst = unaligned(16, width, reported)
+        tier.write(list(range(16)), src)
+        tier.read(list(range(16)), dst)
+        np.testing.assert_array_equal(dst, src)
+        assert borrowed == []
+        less = unaligned(16, width, reported // 2)
+        tier.read(list(range(16)), less)
+        np.testing.assert_array_equal(less, src)
+        assert borrowed    # half the alignment: bounced
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=width // 64, dtype="bf16", tokens_per_page=16)
+    assert layout.page_bytes == width
+    cfg = StoreConfig(path=str(tmp_path / "store"), model_id="m", layout=layout, nvme=NvmeConfig(16 * width))
+    with Store.open(cfg) as store:
+        tokens = np.arange(8 * 16, dtype=np.int64)
+        rows = pages(8, width, seed=14)
+        store.put(tokens, rows)
+        nvme = store._manager.tiers[0]
+        copied: list[int] = []
+        own, bounce = store._private_rows, nvme._bounce.borrow
+        monkeypatch.setattr(store, "_private_rows", lambda n, w: copied.append(n) or own(n, w))
+        monkeypatch.setattr(nvme._bounce, "borrow", lambda: copied.append(1) or bounce())
+        out = unaligned(8, width, reported)
+        assert store.get(tokens, out).pages == 8
+        np.testing.assert_array_equal(out, rows)
+        assert copied == []
+        out = unaligned(8, width, reported // 2)
+        assert store.get(tokens, out).pages == 8
+        np.testing.assert_array_equal(out, rows)
+        assert copied    # aligned less: through the store's or the tier's own rows
+
+
 def test_nvme_uses_o_direct_on_disk(nvme_path: Path) -> None:
     with NvmeTier(nvme_path, 2, PAGE) as tier:
         assert tier.direct

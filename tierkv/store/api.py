@@ -567,8 +567,10 @@ class Store:
             # are not aligned for O_DIRECT (then each group is copied out); a page
             # that fails its check there is read again into the store's own row before it is
             # quarantined (Transfers.read_layered).
-            on_disk = any(self._manager.tiers[int(v)].persistent for v in np.unique(lead.levels) if v != NO_SOURCE)
-            unaligned = on_disk and not (is_aligned(rows) and rows.shape[1] % ALIGN == 0)
+            on_disk = [t for v in np.unique(lead.levels) if v != NO_SOURCE
+                       for t in (self._manager.tiers[int(v)],) if t.persistent]
+            unaligned = bool(on_disk) and not (rows.shape[1] % ALIGN == 0
+                                               and is_aligned(rows, max(t.mem_align for t in on_disk)))
             private = len(lead) > 0 and (private and promotes or unaligned)
         dst = self._private_rows(len(lead), rows.shape[1]) if private else rows[first:]
         if landed is not None:

@@ -29,8 +29,8 @@ import abc
 import enum
 import re
 import threading
-from collections.abc import Callable, Sequence
-from typing import Literal, NewType, Self, overload
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, NewType, Self, SupportsIndex, overload
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class SlotList(list):  # type: ignore[type-arg]
         array.flags.writeable = False
         self._array: np.ndarray | None = array
 
-    def __array__(self, dtype: object = None, copy: bool | None = None) -> np.ndarray:
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
         array = self._array
         if array is None or len(array) != len(self):
             array = np.array(list(self), dtype=np.int64)
@@ -114,21 +114,21 @@ class SlotList(list):  # type: ignore[type-arg]
     def _changed(self) -> None:
         self._array = None
 
-    def __setitem__(self, *args: object) -> None:
+    def __setitem__(self, key: Any, value: Any) -> None:
         self._changed()
-        super().__setitem__(*args)  # type: ignore[arg-type]
+        super().__setitem__(key, value)
 
-    def __delitem__(self, *args: object) -> None:
+    def __delitem__(self, key: Any) -> None:
         self._changed()
-        super().__delitem__(*args)  # type: ignore[arg-type]
+        super().__delitem__(key)
 
-    def __iadd__(self, other: object) -> Self:
+    def __iadd__(self, other: Iterable[int]) -> Self:  # type: ignore[misc,override]
         self._changed()
-        return super().__iadd__(other)  # type: ignore[arg-type]
+        return super().__iadd__(other)
 
-    def __imul__(self, n: object) -> Self:
+    def __imul__(self, n: SupportsIndex) -> Self:
         self._changed()
-        return super().__imul__(n)  # type: ignore[arg-type]
+        return super().__imul__(n)
 
     def __reduce__(self) -> tuple[type, tuple[list[int]]]:
         return list, (list(self),)   # pickled (to another process) as the plain list it is
@@ -316,6 +316,9 @@ class Tier(abc.ABC):
     persistent: bool = False
     # Slots are handles of pages stored in runs of 4 KiB blocks (tierkv.tiers.blocks).
     block_addressed: bool = False
+    # The address alignment of a caller's rows that this tier reads into (and writes
+    # from) in place; rows aligned less are copied through its own buffers.
+    mem_align: int = 4096
 
     def __init__(self, num_slots: int, slot_bytes: int, *, name: str | None = None) -> None:
         """``name``: the tier's identity in a store (default: its kind's name, see TierId)."""

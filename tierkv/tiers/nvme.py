@@ -44,7 +44,7 @@ import numpy as np
 from tierkv.store.checksum import checksum64
 from tierkv.errors import InputError, StoreBusyError, StoreClosedError, TierIOError
 from tierkv.store.pages import PageList
-from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, is_aligned, round_up
+from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, dio_mem_align, is_aligned, round_up
 from tierkv.tiers.backing import open_backing, oserr
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.tiers.uring import Ring, RingPool, available as uring_available, requested as uring_requested
@@ -157,6 +157,15 @@ class NvmeTier(Tier):
         self._fd, self.direct, short = open_backing(self.path, size, o_direct=o_direct, create=create)
         if exclusive:
             _lock_backing(self._fd, self.path)
+        #: The memory alignment the syscalls take rows at without a bounce buffer: what the
+        #: kernel reports for O_DIRECT on a local file or block device (a page's numpy array,
+        #: 16 bytes past a page, goes straight to a drive that asks for 4), else a page. A
+        #: fabric tier keeps a page: its namespace may come back as another device.
+        self.mem_align = ALIGN if self.direct else 1
+        if self.direct and self.kind is TierKind.NVME:
+            reported = dio_mem_align(self._fd)
+            if reported is not None and reported & (reported - 1) == 0 and reported < ALIGN:
+                self.mem_align = reported
         # Bytes from the start of the file known to have their disk space allocated; a block
         # device (and a file whose filesystem cannot reserve ahead) needs no reservations.
         self._size = size
@@ -356,7 +365,8 @@ class NvmeTier(Tier):
             return False
         if not self.direct:
             return True
-        return start % ALIGN == 0 and stop % ALIGN == 0 and dst.shape[1] % ALIGN == 0 and is_aligned(dst)
+        return (start % ALIGN == 0 and stop % ALIGN == 0 and dst.shape[1] % ALIGN == 0
+                and is_aligned(dst, self.mem_align))
 
     def _read_range(self, slots: Sequence[int], dst: np.ndarray, start: int, stop: int) -> None:
         self._pread_ranges(slots, dst, [(start, stop)], lambda k: None)
@@ -590,8 +600,8 @@ class NvmeTier(Tier):
         if buf.shape[1] % ALIGN:
             return False
         if isinstance(buf, PageList):
-            return buf.aligned or all(is_aligned(row) for row in buf)
-        return is_aligned(buf)
+            return buf.aligned or all(is_aligned(row, self.mem_align) for row in buf)
+        return is_aligned(buf, self.mem_align)
 
     def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray | PageList, in_place: bool,
               sums: list[int] | None = None) -> None:
