@@ -115,6 +115,28 @@ def test_allocated_slots_carry_their_array_and_drop_it_when_changed() -> None:
         assert np.array(slots, copy=True).flags.writeable
         assert np.asarray(slots, dtype=np.uint64).tolist() == list(slots)
         assert pickle.loads(pickle.dumps(slots)) == list(slots) and type(pickle.loads(pickle.dumps(slots))) is list
+    changed = a.allocate(20)   # a changed list converts as a plain list: a float stays one, for the checks
+    changed[5] = 2.5  # type: ignore[call-overload]
+    assert np.asarray(changed).dtype.kind == "f"
+    from tierkv.tiers.dram import DramTier
+    with DramTier(64, 4096) as tier:
+        slots = tier.allocate(20)
+        slots[5] = 2.5  # type: ignore[call-overload]
+        with pytest.raises(InputError, match="whole numbers"):
+            tier.write(slots, np.zeros((20, 4096), np.uint8))
+    fresh = a.allocate(2)
+    with pytest.raises(ValueError):
+        np.asarray(fresh, dtype=np.int32, copy=False)   # numpy 2's contract: no copy, or an error
+    assert np.asarray(fresh, copy=False) is np.asarray(fresh)
+    assert SlotList(iter([3, 4])) == [3, 4] and np.asarray(SlotList(iter([3, 4]))).tolist() == [3, 4]
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Held:
+        slots: list[int]
+
+    held = a.allocate(2)
+    assert dataclasses.asdict(Held(held)) == {"slots": list(held)}
     for change in (lambda s: s.append(40), lambda s: s.__setitem__(0, 41), lambda s: s.sort(reverse=True),
                    lambda s: s.__delitem__(0), lambda s: s.extend([42, 43]), lambda s: s.pop(),
                    lambda s: s.insert(0, 44), lambda s: s.remove(s[-1]), lambda s: s.reverse(), lambda s: s.clear(),

@@ -93,21 +93,32 @@ class SlotList(list):  # type: ignore[type-arg]
     read-only int64 array, which ``numpy.asarray`` returns without converting the list
     again (a 256-slot put converted it four times, 4.5 us each: in the DRAM tier's copy
     registration, its slot check and its copy, and the page table's slot column). Any
-    change to the list drops the array, which is then built afresh."""
+    change to the list through its methods drops the array, which is then converted from
+    the list as a plain list's would be (a change made by ``list``'s own methods called
+    unbound, ``list.sort(slots)`` or ``heapq``, is not seen: nothing here does that)."""
 
     __slots__ = ("_array",)
 
-    def __init__(self, slots: np.ndarray) -> None:
-        super().__init__(slots.tolist())
-        array = np.array(slots, dtype=np.int64)
-        array.flags.writeable = False
-        self._array: np.ndarray | None = array
+    def __init__(self, slots: np.ndarray | Iterable[int] = ()) -> None:
+        if isinstance(slots, np.ndarray):
+            super().__init__(slots.tolist())
+            array = np.array(slots, dtype=np.int64)
+            array.flags.writeable = False
+            self._array: np.ndarray | None = array
+        else:   # any iterable, as list() takes (dataclasses.asdict, type(slots)(...))
+            super().__init__(slots)
+            self._array = None
 
     def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
         array = self._array
-        if array is None or len(array) != len(self):
-            array = np.array(list(self), dtype=np.int64)
-        if dtype is not None and array.dtype != dtype:
+        fresh = array is None or len(array) != len(self)
+        if fresh:   # as numpy converts a plain list: a float stays a float, for the checks to refuse
+            array = np.array(list(self))
+        assert array is not None
+        cast = dtype is not None and array.dtype != dtype
+        if copy is False and (fresh or cast):
+            raise ValueError("SlotList: numpy asked for its slots without a copy, and that needs one")
+        if cast:
             return array.astype(dtype)
         return array.copy() if copy else array
 
@@ -178,8 +189,9 @@ class SlotAllocator:
                 return []
             low = self._low
             # Every free slot is at or above the low mark, n of them at least: where the n
-            # from the mark on are all free, they are both asks' answer.
-            if self._used.find(1, low, low + n) < 0:
+            # from the mark on are all free, they are both asks' answer. (The bound holds
+            # by that; checked all the same, since a slice past the end would grow the map.)
+            if low + n <= self._num_slots and self._used.find(1, low, low + n) < 0:
                 start = low
             else:
                 start = self._used.find(bytes(n), low) if contiguous and n > 1 else -1
