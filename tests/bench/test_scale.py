@@ -56,6 +56,13 @@ def test_scale_prints_every_figure_for_the_store_and_the_dict(tmp_path: Path,
     assert r["put_pages_timed"] == r["timed_put_into_dram"] == 20 and r["timed_put_evictions"] == 0
     assert r["get_pages_timed"] >= 65_536 and r["timed_gets_from_dram"] is True and r["bytes_match"] is True
     assert r["verified"] is True
+    from tierkv.bench.scale import REOPEN_ROUNDS, ROUND_FIGURES
+
+    assert r["reopen_rounds"] == REOPEN_ROUNDS and r["nvme_pages"] == 2000 + (1 + REOPEN_ROUNDS) * 20
+    for key in ROUND_FIGURES:   # each round's figure, and their median
+        if key != "reopen_s":
+            runs = r[f"{key}_runs"]
+            assert len(runs) == REOPEN_ROUNDS and r[key] == sorted(runs)[REOPEN_ROUNDS // 2]
     assert set(r["timed"]) >= set(FIGURES), "each figure says what it times"
     assert list(tmp_path.iterdir()) == [], "the store's files are removed"
 
