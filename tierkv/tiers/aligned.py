@@ -46,13 +46,15 @@ STATX_DIOALIGN = 0x2000
 AT_EMPTY_PATH = 0x1000
 _STATX_BYTES = 256
 _STX_DIO_MEM_ALIGN = 152
+_STX_DIO_OFFSET_ALIGN = 156
 
 
-def dio_mem_align(fd: int) -> int | None:
-    """The memory alignment O_DIRECT transfers on ``fd`` need, as the kernel reports it
-    (``STATX_DIOALIGN``: 512 on this project's virtio disk, often 4 on NVMe drives); None
-    where it does not say (a kernel before 6.1, a filesystem without direct I/O, no
-    ``statx`` in the C library), and the caller keeps to :data:`ALIGN`."""
+def dio_alignments(fd: int) -> tuple[int, int] | None:
+    """The memory and the offset (and length) alignment O_DIRECT transfers on ``fd`` need,
+    as the kernel reports them (``STATX_DIOALIGN``: 512 and 512 on this project's virtio
+    disk; the memory's often 4 on NVMe drives); None where it does not say (a kernel before
+    6.1, a filesystem without direct I/O, no ``statx`` in the C library), and the caller
+    keeps to :data:`ALIGN`."""
     try:
         statx = ctypes.CDLL(None, use_errno=True).statx
     except (AttributeError, OSError):
@@ -62,10 +64,17 @@ def dio_mem_align(fd: int) -> int | None:
     if statx(fd, b"", AT_EMPTY_PATH, STATX_DIOALIGN, buf) != 0:
         return None
     mask = int.from_bytes(buf.raw[0:4], "little")
-    align = int.from_bytes(buf.raw[_STX_DIO_MEM_ALIGN:_STX_DIO_MEM_ALIGN + 4], "little")
-    if not mask & STATX_DIOALIGN or align == 0:   # 0: the file does not support direct I/O
+    mem = int.from_bytes(buf.raw[_STX_DIO_MEM_ALIGN:_STX_DIO_MEM_ALIGN + 4], "little")
+    offset = int.from_bytes(buf.raw[_STX_DIO_OFFSET_ALIGN:_STX_DIO_OFFSET_ALIGN + 4], "little")
+    if not mask & STATX_DIOALIGN or mem == 0 or offset == 0:   # 0: the file does not support direct I/O
         return None
-    return align
+    return mem, offset
+
+
+def dio_mem_align(fd: int) -> int | None:
+    """The memory alignment of :func:`dio_alignments`, or None."""
+    got = dio_alignments(fd)
+    return None if got is None else got[0]
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

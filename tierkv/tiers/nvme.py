@@ -44,7 +44,7 @@ import numpy as np
 from tierkv.store.checksum import checksum64
 from tierkv.errors import InputError, StoreBusyError, StoreClosedError, TierIOError
 from tierkv.store.pages import PageList
-from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, dio_mem_align, is_aligned, round_up
+from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, dio_alignments, is_aligned, round_up
 from tierkv.tiers.backing import open_backing, oserr
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.tiers.uring import Ring, RingPool, available as uring_available, requested as uring_requested
@@ -155,17 +155,28 @@ class NvmeTier(Tier):
         self.header_bytes = header_bytes
         size = header_bytes + num_slots * self.slot_bytes
         self._fd, self.direct, short = open_backing(self.path, size, o_direct=o_direct, create=create)
-        if exclusive:
-            _lock_backing(self._fd, self.path)
         #: The memory alignment the syscalls take rows at without a bounce buffer: what the
         #: kernel reports for O_DIRECT on a local file or block device (a page's numpy array,
         #: 16 bytes past a page, goes straight to a drive that asks for 4), else a page. A
         #: fabric tier keeps a page: its namespace may come back as another device.
         self.mem_align = ALIGN if self.direct else 1
-        if self.direct and self.kind is TierKind.NVME:
-            reported = dio_mem_align(self._fd)
-            if reported is not None and reported & (reported - 1) == 0 and reported < ALIGN:
-                self.mem_align = reported
+        reported = dio_alignments(self._fd) if self.direct and self.kind is TierKind.NVME else None
+        if reported is not None and reported[1] > ALIGN:
+            # Slots and every transfer are 4 KiB multiples: such a file would refuse each
+            # one (EINVAL). As for a filesystem that refuses O_DIRECT: buffered, said once.
+            logger.warning("nvme tier %s: its filesystem needs O_DIRECT offsets and lengths aligned to %d bytes, "
+                           "more than the tier's %d; using buffered I/O, so reads may come from the page cache",
+                           self.path, reported[1], ALIGN)
+            os.close(self._fd)
+            try:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as e:
+                raise TierIOError(f"nvme tier {self.path}: cannot open: {oserr(e)}") from e
+            self.direct, self.mem_align = False, 1
+        elif reported is not None and reported[0] & (reported[0] - 1) == 0 and reported[0] < ALIGN:
+            self.mem_align = reported[0]
+        if exclusive:
+            _lock_backing(self._fd, self.path)
         # Bytes from the start of the file known to have their disk space allocated; a block
         # device (and a file whose filesystem cannot reserve ahead) needs no reservations.
         self._size = size
