@@ -567,8 +567,8 @@ class Store:
             # are not aligned for O_DIRECT (then each group is copied out); a page
             # that fails its check there is read again into the store's own row before it is
             # quarantined (Transfers.read_layered).
-            on_disk = [t for v in np.unique(lead.levels) if v != NO_SOURCE
-                       for t in (self._manager.tiers[int(v)],) if t.persistent]
+            read_from = [self._manager.tiers[int(v)] for v in np.unique(lead.levels) if v != NO_SOURCE]
+            on_disk = [t for t in read_from if t.persistent]
             unaligned = bool(on_disk) and not (rows.shape[1] % ALIGN == 0
                                                and is_aligned(rows, max(t.mem_align for t in on_disk)))
             private = len(lead) > 0 and (private and promotes or unaligned)

@@ -71,12 +71,6 @@ def dio_alignments(fd: int) -> tuple[int, int] | None:
     return mem, offset
 
 
-def dio_mem_align(fd: int) -> int | None:
-    """The memory alignment of :func:`dio_alignments`, or None."""
-    got = dio_alignments(fd)
-    return None if got is None else got[0]
-
-
 def aligned_empty(nbytes: int) -> np.ndarray:
     """A 1-D ``uint8`` array of ``nbytes`` zero bytes starting on a page boundary.
 
@@ -133,21 +127,17 @@ class ScratchPool:
 
 
 class BouncePool(ScratchPool):
-    """Reusable aligned buffers of ``buffer_bytes`` each, for unaligned callers.
+    """Reusable aligned buffers of ``max_bytes`` each, for unaligned callers.
 
     ``borrow`` hands out an idle buffer or allocates a new one, so it never blocks;
     at most ``keep`` idle buffers are retained (one per I/O thread keeps a steady
     state free of allocations and page faults). Thread-safe.
     """
 
-    def __init__(self, buffer_bytes: int, keep: int) -> None:
-        super().__init__(buffer_bytes, keep)
-        self.buffer_bytes = buffer_bytes
-
     @contextmanager
     def borrow(self) -> Iterator[np.ndarray]:
         """A buffer for the duration of the ``with`` block; contents are stale."""
-        buf = self.take(self.buffer_bytes)
+        buf = self.take(self.max_bytes)
         try:
             yield buf
         finally:
