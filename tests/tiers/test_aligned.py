@@ -8,6 +8,9 @@ import pytest
 from tierkv.errors import InputError
 from tierkv.tiers import aligned
 from tierkv.tiers.aligned import ALIGN, ScratchPool, aligned_empty, is_aligned
+from tierkv.tiers.hugepages import HUGE_PAGE
+
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def _mapping_flags(addr: int) -> str:
@@ -18,6 +21,34 @@ def _mapping_flags(addr: int) -> str:
             if lo <= addr < hi:
                 return line.split()[1]
     raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _thp_mode() -> str | None:
+    """The kernel's mode for transparent huge pages in private memory (None: unreadable)."""
+    try:
+        with open(THP_ENABLED) as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def huge_kib(addr: int) -> int:
+    """AnonHugePages (KiB) of the mapping holding ``addr``, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+needs_thp = pytest.mark.skipif(_thp_mode() in (None, "never"),
+                               reason="the kernel gives no transparent huge pages here")
 
 
 def test_aligned_buffers_are_private_page_aligned_zeros() -> None:
@@ -32,9 +63,9 @@ def test_aligned_buffers_are_private_page_aligned_zeros() -> None:
 def test_scratch_pool_reuses_its_buffers_and_drops_oversized_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[int] = []
 
-    def counting(nbytes: int) -> np.ndarray:
+    def counting(nbytes: int, huge: bool = False) -> np.ndarray:
         made.append(nbytes)
-        return aligned_empty(nbytes)
+        return aligned_empty(nbytes, huge=huge)
 
     monkeypatch.setattr(aligned, "aligned_empty", counting)
     pool = ScratchPool(8 * ALIGN, keep=2)
@@ -55,3 +86,51 @@ def test_scratch_pool_reuses_its_buffers_and_drops_oversized_ones(monkeypatch: p
     pool.clear()
     with pytest.raises(InputError):
         ScratchPool(0, keep=1)
+
+
+@needs_thp
+def test_huge_buffers_start_on_a_huge_page_and_get_huge_pages_for_their_whole_ones() -> None:
+    buf = aligned_empty(3 * HUGE_PAGE + 5 * ALIGN, huge=True)
+    addr = int(buf.ctypes.data)
+    assert buf.size == 3 * HUGE_PAGE + 5 * ALIGN and addr % HUGE_PAGE == 0 and not buf.any()
+    assert _mapping_flags(addr) == "rw-p"
+    buf[:] = 7
+    # the three whole 2 MiB pages, not the 20 KiB tail (nothing past the buffer is taken)
+    assert huge_kib(addr) == 3 * HUGE_PAGE // 1024
+    assert (buf == 7).all()
+    small = aligned_empty(HUGE_PAGE - ALIGN, huge=True)   # under 2 MiB: an ordinary buffer
+    small[:] = 1
+    assert is_aligned(small) and small.size == HUGE_PAGE - ALIGN
+    if _thp_mode() == "madvise":   # ("always" would give unadvised memory huge pages too)
+        assert huge_kib(int(small.ctypes.data)) == 0
+        plain = aligned_empty(2 * HUGE_PAGE)
+        plain[:] = 1
+        assert huge_kib(int(plain.ctypes.data)) == 0
+
+
+@needs_thp
+def test_a_huge_scratch_pool_cuts_small_buffers_out_of_one_huge_page() -> None:
+    size = 300_000   # not a multiple of 4 KiB: six fit in 2 MiB at 303,104-byte strides
+    pool = ScratchPool(size, keep=6, huge=True)
+    first = pool.take(size)
+    base = int(first.ctypes.data)
+    assert base % HUGE_PAGE == 0 and first.size == size
+    rest = [pool.take(1) for _ in range(5)]
+    assert [int(b.ctypes.data) - base for b in rest] == [k * 303_104 for k in range(5, 0, -1)]
+    bufs = [first, *rest]
+    for k, b in enumerate(bufs):
+        assert b.size == size and is_aligned(b)
+        b[:] = k + 1
+    assert all((b == k + 1).all() for k, b in enumerate(bufs))   # disjoint
+    assert huge_kib(base) == HUGE_PAGE // 1024
+    for b in bufs:
+        pool.give(b)
+    assert {id(pool.take(1)) for _ in range(6)} == {id(b) for b in bufs}   # reused, none new
+    seventh = pool.take(size)   # all six out: another huge page
+    assert int(seventh.ctypes.data) % HUGE_PAGE == 0 and int(seventh.ctypes.data) != base
+    lean = ScratchPool(HUGE_PAGE // 2, keep=0, huge=True)   # keeps nothing: the second half is dropped
+    a, b = lean.take(1), lean.take(1)
+    assert int(a.ctypes.data) % HUGE_PAGE == 0 and int(b.ctypes.data) % HUGE_PAGE == 0
+    whole = ScratchPool(HUGE_PAGE + ALIGN, keep=1, huge=True).take(1)   # 2 MiB or more: a buffer of its own
+    assert whole.size == HUGE_PAGE + ALIGN and int(whole.ctypes.data) % HUGE_PAGE == 0
+    assert ScratchPool(size, keep=1, huge=True).take(size + 1).size == size + 1   # oversized

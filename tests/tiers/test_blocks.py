@@ -21,7 +21,10 @@ from tierkv.layout import DType, KVLayout
 from tierkv.store.coding import CodecChoice
 from tierkv.tiers.aligned import ALIGN
 from tierkv.tiers.blocks import BlockPageTier, UndecodablePageError, block_list, to_extents
+from tierkv.tiers.hugepages import HUGE_PAGE
 from tierkv.tiers.nvme import NvmeTier
+
+from tests.tiers.test_aligned import huge_kib, needs_thp
 
 LAYOUT = KVLayout(2, 2, 64, DType.BF16, 16)  # 16 KiB pages: 4 blocks
 PB = LAYOUT.page_bytes
@@ -70,6 +73,18 @@ def test_coded_pages_take_fewer_blocks_and_read_back(tier: BlockPageTier) -> Non
     np.testing.assert_array_equal(back, rows)
     tier.read(handles[2:4][::-1], back[:2])
     np.testing.assert_array_equal(back[:2], rows[2:4][::-1])
+
+
+@needs_thp
+def test_coded_staging_buffers_are_on_huge_pages(tier: BlockPageTier) -> None:
+    rows = smooth_pages(6, seed=3)
+    handles = tier.allocate(6)
+    tier.write(handles, rows)
+    back = np.zeros_like(rows)
+    tier.read(handles, back)
+    np.testing.assert_array_equal(back, rows)
+    idle = tier._scratch._idle   # the staged, packed and read blocks, kept for the next batch
+    assert idle and all(int(b.ctypes.data) % HUGE_PAGE == 0 and huge_kib(int(b.ctypes.data)) for b in idle)
 
 
 def test_random_pages_are_stored_raw(tier: BlockPageTier) -> None:
@@ -411,9 +426,9 @@ def test_coded_batches_reuse_their_buffers_and_leave_no_stale_bytes_on_the_mediu
     made: list[int] = []
     real = aligned.aligned_empty
 
-    def counting(nbytes: int) -> np.ndarray:
+    def counting(nbytes: int, huge: bool = False) -> np.ndarray:
         made.append(nbytes)
-        return real(nbytes)
+        return real(nbytes, huge=huge)
 
     monkeypatch.setattr(aligned, "aligned_empty", counting)
     try:

@@ -17,11 +17,13 @@ import pytest
 
 from tierkv.errors import ConfigError, InputError, StoreBusyError, StoreClosedError, TierIOError
 import tierkv.tiers.nvme as nvme_mod
-from tierkv.tiers.aligned import aligned_empty
+from tierkv.tiers.aligned import ALIGN, aligned_empty
+from tierkv.tiers.hugepages import HUGE_PAGE
 from tierkv.tiers.nvme import NvmeTier
 
 
 
+from tests.tiers.test_aligned import huge_kib, needs_thp
 from tests.tiers.test_conformance import ODD_PAGE, PAGE, pages, read_back
 
 
@@ -70,6 +72,42 @@ def test_nvme_aligned_buffers_skip_the_bounce(nvme_path: Path, monkeypatch: pyte
         assert borrowed  # and an unaligned one does go through it
 
 
+@needs_thp
+@pytest.mark.parametrize("page_bytes", [1 << 20, 2 << 20])
+def test_nvme_bounce_and_store_read_buffers_are_on_huge_pages(nvme_path: Path, tmp_path: Path,
+                                                              page_bytes: int) -> None:
+    """The buffers direct I/O moves again and again sit on huge pages (aligned_empty's
+    ``huge``): the tier's bounce buffers (1 MiB ones two to a huge page) and a Store's own
+    read rows, so that a 2 MiB transfer is not cut into requests by scattered 4 KiB pages."""
+    from tierkv.config import NvmeConfig, StoreConfig
+    from tierkv.layout import KVLayout
+    from tierkv.store.api import Store
+
+    with NvmeTier(nvme_path, 8, page_bytes, io_threads=2) as tier:
+        src = unaligned(8, page_bytes, 64)
+        src[...] = pages(8, page_bytes, seed=21)
+        tier.write(list(range(8)), src)
+        dst = unaligned(8, page_bytes, 64)
+        tier.read(list(range(8)), dst)
+        np.testing.assert_array_equal(dst, src)
+        idle = tier._bounce._idle
+        assert len(idle) == 2 and all(int(b.ctypes.data) % ALIGN == 0 for b in idle)
+        assert all(huge_kib(int(b.ctypes.data)) >= HUGE_PAGE // 1024 for b in idle)
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=page_bytes // 64, dtype="bf16", tokens_per_page=16)
+    cfg = StoreConfig(path=str(tmp_path / "store"), model_id="m", layout=layout, nvme=NvmeConfig(8 * page_bytes))
+    with Store.open(cfg) as store:
+        tokens = np.arange(4 * 16, dtype=np.int64)
+        rows = pages(4, page_bytes, seed=22)
+        store.put(tokens, rows)
+        out = unaligned(4, page_bytes, 16)   # numpy's offset: through the tier's bounce buffers
+        assert store.get(tokens, out).pages == 4
+        np.testing.assert_array_equal(out, rows)
+        # what a get of pages from below DRAM reads into (then checks, promotes, copies out)
+        own = store._private_rows(4, page_bytes)
+        own[...] = rows
+        assert int(own.ctypes.data) % HUGE_PAGE == 0 and huge_kib(int(own.ctypes.data)) >= 4 * page_bytes // 1024
+
+
 def test_nvme_rows_at_the_reported_alignment_skip_the_bounce(nvme_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              tmp_path: Path) -> None:
     """The kernel says what memory alignment O_DIRECT needs on the file (STATX_DIOALIGN):
@@ -79,7 +117,7 @@ def test_nvme_rows_at_the_reported_alignment_skip_the_bounce(nvme_path: Path, mo
     from tierkv.config import NvmeConfig, StoreConfig
     from tierkv.layout import KVLayout
     from tierkv.store.api import Store
-    from tierkv.tiers.aligned import ALIGN, dio_alignments
+    from tierkv.tiers.aligned import dio_alignments
 
     width = 64 << 10
     with NvmeTier(nvme_path, 16, width) as tier:

@@ -546,9 +546,10 @@ class Store:
         need = n * width
         if need > PRIVATE_ROWS_BYTES:
             return aligned_empty(need).reshape(n, width)
-        if self._private is None or self._private.size < need:
+        if self._private is None or self._private.size < need:   # on huge pages: tiers read into it
             self._private = aligned_empty(max(need, 0 if self._private is None else min(2 * self._private.size,
-                                                                                          PRIVATE_ROWS_BYTES)))
+                                                                                          PRIVATE_ROWS_BYTES)),
+                                          huge=True)
         return self._private[:need].reshape(n, width)
 
     def _get_rest(self, blob: bytes, tenant: str | bytes, rows: np.ndarray, want: int, requested: int,

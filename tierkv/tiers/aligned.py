@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from tierkv.errors import InputError
+from tierkv.tiers.hugepages import HUGE_PAGE, advise_huge
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +72,38 @@ def dio_alignments(fd: int) -> tuple[int, int] | None:
     return mem, offset
 
 
-def aligned_empty(nbytes: int) -> np.ndarray:
+def aligned_empty(nbytes: int, *, huge: bool = False) -> np.ndarray:
     """A 1-D ``uint8`` array of ``nbytes`` zero bytes starting on a page boundary.
 
     Backed by a private anonymous mmap, so it is page-aligned (which numpy's
     allocator is not: large numpy arrays start 16 bytes past a page) and its pages are
-    faulted in on first touch, as transparent huge pages where the kernel gives them.
-    (``mmap.mmap(-1, n)`` alone maps shared memory: every first touch of a 4 KiB page
-    went through shmem, 1.4x the cost of a private one's.) The mmap lives as long as
-    the array does.
+    faulted in on first touch. (``mmap.mmap(-1, n)`` alone maps shared memory: every first
+    touch of a 4 KiB page went through shmem, 1.4x the cost of a private one's.) The mmap
+    lives as long as the array does.
+
+    ``huge``: for a buffer that direct I/O moves again and again (a tier's bounce and
+    staging buffers, the store's read buffer). It starts on a 2 MiB boundary and asks for
+    transparent huge pages on its whole 2 MiB pages (the tail keeps 4 KiB pages, so no
+    memory is taken past ``nbytes``; the mapping reserves up to 2 MiB more address space,
+    never touched). A direct read or write is cut into requests of at most the device's
+    ``max_segments`` physically contiguous pieces: 4 KiB pages scattered in memory made a
+    2 MiB read several requests on this project's virtio disk, and O_DIRECT reads of 128
+    MiB ran 3.0-6.8 GB/s from one process to the next (as the buffer's pages happened to
+    lie) where a huge-page buffer read 6.4-7.1 every time (docs/benchmarks.md, "Huge-page
+    I/O buffers"). Where the kernel gives no huge pages (``transparent_hugepage/enabled``
+    ``never``) it is an ordinary aligned buffer. Per-call buffers stay without it: with
+    ``defrag`` at its default a huge page's first touch may wait for compaction.
     """
     if nbytes <= 0:
         raise InputError(f"aligned buffer needs a positive size, got {nbytes} bytes")
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if not huge or nbytes < HUGE_PAGE:
+        return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=np.uint8)
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE - mmap.PAGESIZE, flags=flags)
+    whole = np.frombuffer(m, dtype=np.uint8)
+    start = -int(whole.ctypes.data) % HUGE_PAGE
+    advise_huge(m, start, nbytes)
+    return whole[start:start + nbytes]
 
 
 class ScratchPool:
@@ -93,13 +113,18 @@ class ScratchPool:
     (never blocks), or a fresh buffer of its own size where more than ``max_bytes`` is
     asked for; ``give`` returns one, kept while fewer than ``keep`` are idle.
     Contents are stale. Thread-safe.
+
+    ``huge``: the buffers are :func:`aligned_empty`'s huge-page ones; buffers of under
+    2 MiB are cut, as many as fit at 4 KiB boundaries, out of one such 2 MiB buffer (the
+    ones past the first join the idle ones, up to ``keep``).
     """
 
-    def __init__(self, max_bytes: int, keep: int) -> None:
+    def __init__(self, max_bytes: int, keep: int, *, huge: bool = False) -> None:
         if max_bytes <= 0 or keep < 0:
             raise InputError(f"a scratch pool needs buffers of a positive size and keep >= 0, got {max_bytes} "
                              f"bytes, keep {keep}")
         self.max_bytes = max_bytes
+        self.huge = huge
         self._keep = keep
         self._idle: list[np.ndarray] = []
         self._lock = threading.Lock()
@@ -107,10 +132,18 @@ class ScratchPool:
     def take(self, nbytes: int) -> np.ndarray:
         """A whole buffer of at least ``nbytes`` bytes (slice it; give back what was taken)."""
         if nbytes > self.max_bytes:
-            return aligned_empty(nbytes)
+            return aligned_empty(nbytes, huge=self.huge)
         with self._lock:
-            buf = self._idle.pop() if self._idle else None
-        return aligned_empty(self.max_bytes) if buf is None else buf
+            if self._idle:
+                return self._idle.pop()
+        if not self.huge or self.max_bytes >= HUGE_PAGE:
+            return aligned_empty(self.max_bytes, huge=self.huge)
+        stride = round_up(self.max_bytes)
+        shared = aligned_empty(HUGE_PAGE, huge=True)
+        bufs = [shared[at:at + self.max_bytes] for at in range(0, HUGE_PAGE - self.max_bytes + 1, stride)]
+        with self._lock:
+            self._idle += bufs[1:1 + max(0, self._keep - len(self._idle))]
+        return bufs[0]
 
     def give(self, buf: np.ndarray) -> None:
         """Return a buffer ``take`` handed out; nothing may use it afterwards."""

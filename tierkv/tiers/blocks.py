@@ -159,7 +159,8 @@ class BlockPageTier(Tier):
         # staging buffer and two packed ones, a read pipeline two. Allocated afresh, each
         # buffer's first touch faulted in about 4 MiB a group, a third of a coded put.
         per = max(1, _GROUP_BLOCKS // self.blocks_per_page)
-        self._scratch = ScratchPool(max(per * self._stride, (_GROUP_BLOCKS + self.blocks_per_page) * ALIGN), keep=4)
+        self._scratch = ScratchPool(max(per * self._stride, (_GROUP_BLOCKS + self.blocks_per_page) * ALIGN), keep=4,
+                                    huge=True)
 
     # -- slot bookkeeping ---------------------------------------------------------------
     @property

@@ -1,5 +1,7 @@
 """Transparent huge pages for the shared memory the store maps (memfds): the DRAM tier's
-pool and ``tierkv serve``'s page buffers. No numpy here: ``tierkv doctor`` reads the mode.
+pool and ``tierkv serve``'s page buffers; and the advice that also gives them to the private
+I/O buffers of :func:`tierkv.tiers.aligned.aligned_empty` (``huge=True``). No numpy here:
+``tierkv doctor`` reads the mode.
 
 Linux gives shared memory huge pages only where ``shmem_enabled`` allows (most distributions
 ship ``never``); with ``advise`` a mapping that asks for them (``MADV_HUGEPAGE``) gets them.
@@ -23,16 +25,17 @@ HUGE_MODES = ("advise", "within_size", "always", "force")
 HUGE_PAGE = 2 << 20
 
 
-def advise_huge(m: mmap.mmap) -> None:
-    """Ask for huge pages on a shared mapping's whole 2 MiB pages (a smaller mapping, or
-    the tail past the last whole one, keeps 4 KiB pages: kernels before 6.11 would give a
-    small memfd a whole 2 MiB page). A no-op where the kernel gives none."""
+def advise_huge(m: mmap.mmap, start: int = 0, length: int | None = None) -> None:
+    """Ask for huge pages on the whole 2 MiB pages of a mapping (of ``length`` bytes from
+    ``start``, a multiple of the 4 KiB page; by default all of it): a smaller range, or the
+    tail past the last whole one, keeps 4 KiB pages (kernels before 6.11 would give a small
+    memfd a whole 2 MiB page). A no-op where the kernel gives none."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    whole = len(m) // HUGE_PAGE * HUGE_PAGE
-    if advice is None or not whole:
+    whole = (len(m) - start if length is None else length) // HUGE_PAGE * HUGE_PAGE
+    if advice is None or whole <= 0:
         return
     try:
-        m.madvise(advice, 0, whole)
+        m.madvise(advice, start, whole)
     except OSError:   # a kernel without THP
         pass
 

@@ -188,7 +188,7 @@ class NvmeTier(Tier):
         self._grow: tuple[int, int] | None = (short, size) if short is not None else None
         self._chunk_slots = max(1, min(max_io_bytes // self.slot_bytes, _MAX_IOVECS // 2))
         self._bounce_slots = max(1, min(self._chunk_slots, BOUNCE_CHUNK_BYTES // self.slot_bytes))
-        self._bounce = BouncePool(self._bounce_slots * self.slot_bytes, keep=io_threads)
+        self._bounce = BouncePool(self._bounce_slots * self.slot_bytes, keep=io_threads, huge=True)
         # Shared tails for rows narrower than a slot: zeros padded onto writes, and a
         # sink for reads (its contents are never looked at, so sharing it is safe).
         self._zeros = aligned_empty(self.slot_bytes)
@@ -474,7 +474,8 @@ class NvmeTier(Tier):
         wanted = uring_requested() and self.kind is TierKind.NVME if io_uring is None else io_uring
         self._rings = RingPool(read_depth) if wanted and uring_available() else None
         if self._rings is not None:  # a bounce buffer kept per read in flight on a ring
-            self._bounce = BouncePool(self._bounce_slots * self.slot_bytes, keep=max(self.io_threads, read_depth))
+            self._bounce = BouncePool(self._bounce_slots * self.slot_bytes, keep=max(self.io_threads, read_depth),
+                                      huge=True)
 
     @property
     def io_engine(self) -> str:
