@@ -77,6 +77,9 @@ def test_the_nvme_baseline_is_tuned_as_the_tier_is(tmp_path: Path) -> None:
     for rw in ("read", "write"):
         assert sweep[depth[rw]][f"{rw}_gbps"] == max(v[f"{rw}_gbps"] for v in sweep.values())
     assert out["verified"] is True
+    for kind in ("", "_unaligned", "_huge"):   # every buffer kind timed and compared with fio
+        for rw in ("read", "write"):
+            assert out[f"nvme_{rw}{kind}_gbps"] > 0 and out[f"nvme_{rw}{kind}_vs_fio"] > 0
 
 
 # -- where the codec suites find KV pages ---------------------------------------------------
@@ -180,7 +183,8 @@ def test_store_tables(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFix
     nvme = {"nvme_write_gbps": 2.3, "fio_write_gbps": 2.1, "nvme_read_gbps": 0.97, "fio_read_gbps": 0.78,
             "nvme_write_unaligned_gbps": 2.1, "nvme_read_unaligned_gbps": 1.0, "nvme_write_vs_fio": 1.08,
             "nvme_read_vs_fio": 1.25, "nvme_write_unaligned_vs_fio": 1.02, "nvme_read_unaligned_vs_fio": 1.29,
-            "io_threads": 4, "fio_queue_depth": {"write": 16, "read": 16}, "verified": True,
+            "nvme_write_huge_gbps": 2.6, "nvme_read_huge_gbps": 1.7, "nvme_write_huge_vs_fio": 1.24,
+            "nvme_read_huge_vs_fio": 2.18, "io_threads": 4, "fio_queue_depth": {"write": 16, "read": 16}, "verified": True,
             "spread_gbps": {"nvme_write": [2.1, 2.3]}, "io_threads_sweep": {"4": {"write_gbps": 2.4}}}
     keys = {"prompt_tokens": 131072, "tierkv_keys_ms": 0.2, "tierkv_lookup_ms": 0.1, "tierkv_ms": 0.3,
             "store_lookup_ms": 0.16, "sha256_keys_ms": 4.3, "sha256_lookup_ms": 0.58, "sha256_ms": 4.9,
@@ -195,3 +199,4 @@ def test_store_tables(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFix
     assert "scattered slots" in out and "6.25" in out
     assert "NVMe tier vs fio: 1.0 MiB pages x 32" in out and "NVMe tier vs fio: 256.0 KiB pages x 512" in out
     assert "chained sha256 + dict" in out and "4.90" in out
+    assert "read, buffers on huge pages" in out and "2.18" in out

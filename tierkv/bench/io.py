@@ -43,8 +43,9 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
 
     ``dir`` must be on the filesystem under test; one scratch file of
     ``pages * slot_bytes`` is made there and removed at the end. The tier is timed
-    with page-aligned caller buffers (what pinned host memory gives) and with plain
-    numpy buffers (which take the bounce path). Both sides are tuned the same way: the
+    with page-aligned caller buffers (what pinned host memory gives), with plain
+    numpy buffers (which take the bounce path) and with page-aligned buffers on huge
+    pages (``*_huge``). Both sides are tuned the same way: the
     tier's I/O threads are swept over ``io_threads_options`` and fio's queue depth over
     ``queue_depths`` (reads and writes each at their best depth), one pass each, before
     the interleaved timed runs. Raises TierKVError if fio is missing.
@@ -58,9 +59,13 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
     aligned_src = aligned_empty(nbytes).reshape(pages, page_bytes)
     aligned_src[...] = _random_pages(pages, page_bytes)
     # "unaligned" rows start 64 bytes past a page, as numpy and torch CPU tensors do.
+    # "huge": page-aligned rows on transparent huge pages (aligned_empty's ``huge``), which
+    # a direct transfer moves in fewer, larger pieces than scattered 4 KiB pages.
     bufs = {"aligned": (aligned_src, _shifted(pages, page_bytes, 0)),
-            "unaligned": (_shifted(pages, page_bytes, 64), _shifted(pages, page_bytes, 64))}
+            "unaligned": (_shifted(pages, page_bytes, 64), _shifted(pages, page_bytes, 64)),
+            "huge": (_huge(pages, page_bytes), _huge(pages, page_bytes))}
     bufs["unaligned"][0][...] = aligned_src
+    bufs["huge"][0][...] = aligned_src
     try:
         sweep = {t: _sweep_point(path, pages, page_bytes, t, max_io_bytes, bufs) for t in io_threads_options}
         # Reads decide (writes land in the VM host's cache); both buffer kinds count,
@@ -92,6 +97,8 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
         "nvme_read_vs_fio": _ratio(gbps["nvme_read"], gbps["fio_read"]),
         "nvme_write_unaligned_vs_fio": _ratio(gbps["nvme_write_unaligned"], gbps["fio_write"]),
         "nvme_read_unaligned_vs_fio": _ratio(gbps["nvme_read_unaligned"], gbps["fio_read"]),
+        "nvme_write_huge_vs_fio": _ratio(gbps["nvme_write_huge"], gbps["fio_write"]),
+        "nvme_read_huge_vs_fio": _ratio(gbps["nvme_read_huge"], gbps["fio_read"]),
         "io_threads_sweep": sweep,
         "fio_queue_depth_sweep": fio_sweep,
         "spread_gbps": _spreads(secs, nbytes),
@@ -113,7 +120,8 @@ def _get(tier: NvmeTier, slots: list[int], dst: np.ndarray) -> Timed:
 
 
 def _tier_ops(tier: NvmeTier, bufs: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Timed]:
-    """write/read (aligned buffers) and write_unaligned/read_unaligned over every slot."""
+    """write/read (aligned buffers), write_unaligned/read_unaligned and write_huge/read_huge
+    over every slot."""
     slots = list(range(tier.num_slots))
     ops: dict[str, Timed] = {}
     for kind, (src, dst) in bufs.items():
@@ -228,6 +236,10 @@ def _ratio(a: float, b: float) -> float:
 
 def _shifted(pages: int, page_bytes: int, shift: int) -> np.ndarray:
     return aligned_empty(pages * page_bytes + shift)[shift:].reshape(pages, page_bytes)
+
+
+def _huge(pages: int, page_bytes: int) -> np.ndarray:
+    return aligned_empty(pages * page_bytes, huge=True).reshape(pages, page_bytes)
 
 
 def _random_pages(pages: int, page_bytes: int) -> np.ndarray:

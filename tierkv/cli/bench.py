@@ -352,7 +352,9 @@ def store_tables(r: Mapping[str, object]) -> Iterator[Table]:
                      ("", "tier", "fio", "tier / fio"),
                      [(label, n.get(f"nvme_{k}_gbps"), n.get(f"fio_{k.split('_')[0]}_gbps"), n.get(f"nvme_{k}_vs_fio"))
                       for label, k in (("write", "write"), ("read", "read"), ("write, unaligned buffers",
-                                       "write_unaligned"), ("read, unaligned buffers", "read_unaligned"))],
+                                       "write_unaligned"), ("read, unaligned buffers", "read_unaligned"),
+                                       ("write, buffers on huge pages", "write_huge"),
+                                       ("read, buffers on huge pages", "read_huge"))],
                      caption=f"{_cell(n.get('io_threads'))} I/O threads; fio queue depth {_cell(depth.get('write'))} "
                              f"(write), {_cell(depth.get('read'))} (read); verified: {_cell(n.get('verified'))}")
     k = _map(r.get("keys"))
