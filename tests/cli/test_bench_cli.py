@@ -77,7 +77,7 @@ def test_the_nvme_baseline_is_tuned_as_the_tier_is(tmp_path: Path) -> None:
     for rw in ("read", "write"):
         assert sweep[depth[rw]][f"{rw}_gbps"] == max(v[f"{rw}_gbps"] for v in sweep.values())
     assert out["verified"] is True
-    for kind in ("", "_unaligned", "_huge"):   # every buffer kind timed and compared with fio
+    for kind in ("", "_unaligned", "_huge", "_pool"):   # every buffer kind timed and compared with fio
         for rw in ("read", "write"):
             gbps, ratio = out[f"nvme_{rw}{kind}_gbps"], out[f"nvme_{rw}{kind}_vs_fio"]
             assert isinstance(gbps, float) and isinstance(ratio, float) and gbps > 0 and ratio > 0
@@ -185,7 +185,9 @@ def test_store_tables(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFix
             "nvme_write_unaligned_gbps": 2.1, "nvme_read_unaligned_gbps": 1.0, "nvme_write_vs_fio": 1.08,
             "nvme_read_vs_fio": 1.25, "nvme_write_unaligned_vs_fio": 1.02, "nvme_read_unaligned_vs_fio": 1.29,
             "nvme_write_huge_gbps": 2.6, "nvme_read_huge_gbps": 1.7, "nvme_write_huge_vs_fio": 1.24,
-            "nvme_read_huge_vs_fio": 2.18, "io_threads": 4, "fio_queue_depth": {"write": 16, "read": 16}, "verified": True,
+            "nvme_read_huge_vs_fio": 2.18, "nvme_write_pool_gbps": 2.5, "nvme_read_pool_gbps": 1.6,
+            "nvme_write_pool_vs_fio": 1.19, "nvme_read_pool_vs_fio": 2.05,
+            "io_threads": 4, "fio_queue_depth": {"write": 16, "read": 16}, "verified": True,
             "spread_gbps": {"nvme_write": [2.1, 2.3]}, "io_threads_sweep": {"4": {"write_gbps": 2.4}}}
     keys = {"prompt_tokens": 131072, "tierkv_keys_ms": 0.2, "tierkv_lookup_ms": 0.1, "tierkv_ms": 0.3,
             "store_lookup_ms": 0.16, "sha256_keys_ms": 4.3, "sha256_lookup_ms": 0.58, "sha256_ms": 4.9,
@@ -201,3 +203,4 @@ def test_store_tables(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFix
     assert "NVMe tier vs fio: 1.0 MiB pages x 32" in out and "NVMe tier vs fio: 256.0 KiB pages x 512" in out
     assert "chained sha256 + dict" in out and "4.90" in out
     assert "read, buffers on huge pages" in out and "2.18" in out
+    assert "write from DRAM slots" in out and "1.19" in out

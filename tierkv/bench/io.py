@@ -28,12 +28,17 @@ from pathlib import Path
 import numpy as np
 
 from tierkv.errors import TierKVError
+from tierkv.store.pages import PageList
+from tierkv.store.transfer import direct_rows
 from tierkv.tiers.aligned import aligned_empty
+from tierkv.tiers.dram import DramTier
 from tierkv.tiers.nvme import DEFAULT_MAX_IO_BYTES, NvmeTier
 
 FIO_TIMEOUT_S = 300
 
 Timed = Callable[[], float]  # runs one repetition, returns its wall seconds
+#: Each buffer kind's (rows written from, rows read into).
+Buffers = dict[str, tuple[np.ndarray | PageList, np.ndarray]]
 
 
 def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: int = 64, runs: int = 5,
@@ -44,8 +49,9 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
     ``dir`` must be on the filesystem under test; one scratch file of
     ``pages * slot_bytes`` is made there and removed at the end. The tier is timed
     with page-aligned caller buffers (what pinned host memory gives), with plain
-    numpy buffers (which take the bounce path) and with page-aligned buffers on huge
-    pages (``*_huge``). Both sides are tuned the same way: the
+    numpy buffers (which take the bounce path), with page-aligned buffers on huge
+    pages (``*_huge``), and from and into a DRAM tier's slots as a demotion hands them
+    down (``*_pool``; ``pool_huge_pages``: whether that memory is on huge pages). Both sides are tuned the same way: the
     tier's I/O threads are swept over ``io_threads_options`` and fio's queue depth over
     ``queue_depths`` (reads and writes each at their best depth), one pass each, before
     the interleaved timed runs. Raises TierKVError if fio is missing.
@@ -61,11 +67,19 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
     # "unaligned" rows start 64 bytes past a page, as numpy and torch CPU tensors do.
     # "huge": page-aligned rows on transparent huge pages (aligned_empty's ``huge``), which
     # a direct transfer moves in fewer, larger pieces than scattered 4 KiB pages.
-    bufs = {"aligned": (aligned_src, _shifted(pages, page_bytes, 0)),
-            "unaligned": (_shifted(pages, page_bytes, 64), _shifted(pages, page_bytes, 64)),
-            "huge": (_huge(pages, page_bytes), _huge(pages, page_bytes))}
-    bufs["unaligned"][0][...] = aligned_src
-    bufs["huge"][0][...] = aligned_src
+    # "pool": a DRAM tier's slots, as a demotion writes them down (through the bounce
+    # buffers where the kernel gives its shared memory no huge pages: PageList.scattered),
+    # and read into in place.
+    pool = DramTier(2 * pages, page_bytes)
+    pool_src = direct_rows(pool, list(range(pages)), page_bytes)
+    unaligned_src, huge_src = _shifted(pages, page_bytes, 64), _huge(pages, page_bytes)
+    for src in (unaligned_src, huge_src, pool.buffer[:pages, :page_bytes]):
+        src[...] = aligned_src
+    bufs: Buffers = {
+        "aligned": (aligned_src, _shifted(pages, page_bytes, 0)),
+        "unaligned": (unaligned_src, _shifted(pages, page_bytes, 64)),
+        "huge": (huge_src, _huge(pages, page_bytes)),
+        "pool": (pool_src, pool.buffer[pages:, :page_bytes])}
     try:
         sweep = {t: _sweep_point(path, pages, page_bytes, t, max_io_bytes, bufs) for t in io_threads_options}
         # Reads decide (writes land in the VM host's cache); both buffer kinds count,
@@ -85,8 +99,10 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
             secs = _interleaved(timed, runs)
             verified = _verify(tier, slots, bufs)
             direct = tier.direct
+        huge_pool = pool.huge_pages
     finally:
         path.unlink(missing_ok=True)
+        pool.close()
     gbps = _rates(secs, nbytes)
     return {
         "dir": os.fspath(dir), "page_bytes": page_bytes, "pages": pages, "runs": runs,
@@ -99,6 +115,9 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
         "nvme_read_unaligned_vs_fio": _ratio(gbps["nvme_read_unaligned"], gbps["fio_read"]),
         "nvme_write_huge_vs_fio": _ratio(gbps["nvme_write_huge"], gbps["fio_write"]),
         "nvme_read_huge_vs_fio": _ratio(gbps["nvme_read_huge"], gbps["fio_read"]),
+        "nvme_write_pool_vs_fio": _ratio(gbps["nvme_write_pool"], gbps["fio_write"]),
+        "nvme_read_pool_vs_fio": _ratio(gbps["nvme_read_pool"], gbps["fio_read"]),
+        "pool_huge_pages": huge_pool,
         "io_threads_sweep": sweep,
         "fio_queue_depth_sweep": fio_sweep,
         "spread_gbps": _spreads(secs, nbytes),
@@ -106,7 +125,7 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
 
 
 # -- NVMe pieces -------------------------------------------------------------------------
-def _put(tier: NvmeTier, slots: list[int], src: np.ndarray) -> Timed:
+def _put(tier: NvmeTier, slots: list[int], src: np.ndarray | PageList) -> Timed:
     def run() -> float:
         t0 = time.perf_counter()
         tier.write(slots, src)
@@ -119,9 +138,9 @@ def _get(tier: NvmeTier, slots: list[int], dst: np.ndarray) -> Timed:
     return lambda: _clock(tier.read, slots, dst)
 
 
-def _tier_ops(tier: NvmeTier, bufs: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Timed]:
-    """write/read (aligned buffers), write_unaligned/read_unaligned and write_huge/read_huge
-    over every slot."""
+def _tier_ops(tier: NvmeTier, bufs: Buffers) -> dict[str, Timed]:
+    """write/read (aligned buffers), and write_<kind>/read_<kind> for the other kinds
+    (unaligned, huge, pool), over every slot."""
     slots = list(range(tier.num_slots))
     ops: dict[str, Timed] = {}
     for kind, (src, dst) in bufs.items():
@@ -132,7 +151,7 @@ def _tier_ops(tier: NvmeTier, bufs: dict[str, tuple[np.ndarray, np.ndarray]]) ->
 
 
 def _sweep_point(path: Path, pages: int, page_bytes: int, threads: int, max_io_bytes: int,
-                 bufs: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
+                 bufs: Buffers) -> dict[str, float]:
     """Quick (three-repetition) figures of every tier op for one ``io_threads``."""
     tier = NvmeTier(path, pages, page_bytes, io_threads=threads, max_io_bytes=max_io_bytes)
     with tier:
@@ -140,14 +159,14 @@ def _sweep_point(path: Path, pages: int, page_bytes: int, threads: int, max_io_b
     return {f"{k}_gbps": v for k, v in _rates(secs, pages * page_bytes).items()}
 
 
-def _verify(tier: NvmeTier, slots: list[int], bufs: dict[str, tuple[np.ndarray, np.ndarray]]) -> bool:
+def _verify(tier: NvmeTier, slots: list[int], bufs: Buffers) -> bool:
     """Write then read back each buffer kind (fio has overwritten the file since)."""
     ok = True
     for src, dst in bufs.values():
         tier.write(slots, src)
         dst[...] = 0
         tier.read(slots, dst)
-        ok = ok and bool(np.array_equal(src, dst))
+        ok = ok and bool(np.array_equal(np.stack(list(src)) if isinstance(src, PageList) else src, dst))
     return ok
 
 

@@ -354,7 +354,9 @@ def store_tables(r: Mapping[str, object]) -> Iterator[Table]:
                       for label, k in (("write", "write"), ("read", "read"), ("write, unaligned buffers",
                                        "write_unaligned"), ("read, unaligned buffers", "read_unaligned"),
                                        ("write, buffers on huge pages", "write_huge"),
-                                       ("read, buffers on huge pages", "read_huge"))],
+                                       ("read, buffers on huge pages", "read_huge"),
+                                       ("write from DRAM slots", "write_pool"),
+                                       ("read into DRAM slots", "read_pool"))],
                      caption=f"{_cell(n.get('io_threads'))} I/O threads; fio queue depth {_cell(depth.get('write'))} "
                              f"(write), {_cell(depth.get('read'))} (read); verified: {_cell(n.get('verified'))}")
     k = _map(r.get("keys"))

@@ -39,10 +39,10 @@ class PageList:
     their own (aligned) buffer.
     """
 
-    __slots__ = ("_rows", "shape", "aligned", "checked")
+    __slots__ = ("_rows", "shape", "aligned", "checked", "scattered")
 
     def __init__(self, rows: list[np.ndarray], page_bytes: int, *, aligned: bool = False,
-                 checked: bool = False) -> None:
+                 checked: bool = False, scattered: bool = False) -> None:
         self._rows = rows
         self.shape = (len(rows), page_bytes)
         #: Every row is known to start on an O_DIRECT boundary (False: not known).
@@ -50,6 +50,11 @@ class PageList:
         #: Every row is known to be a C-contiguous uint8 array of ``page_bytes`` bytes (rows
         #: of a tier's own buffer): tiers skip checking them one by one.
         self.checked = checked
+        #: The rows are known to lie on 4 KiB pages the kernel gave no huge pages (a DRAM
+        #: tier's shared memory where ``shmem_enabled`` is ``never``): a tier doing direct
+        #: I/O moves them through its own huge-page buffers, in larger pieces, even where
+        #: they are aligned (docs/design.md, "NVMe I/O").
+        self.scattered = scattered
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -65,12 +70,14 @@ class PageList:
 
     def __getitem__(self, i: int | slice) -> np.ndarray | PageList:
         if isinstance(i, slice):
-            return PageList(self._rows[i], self.shape[1], aligned=self.aligned, checked=self.checked)
+            return PageList(self._rows[i], self.shape[1], aligned=self.aligned, checked=self.checked,
+                            scattered=self.scattered)
         return self._rows[i]
 
     def take(self, idx: Sequence[int]) -> PageList:
         """The pages at ``idx``, in that order (no copy)."""
-        return PageList([self._rows[i] for i in idx], self.shape[1], aligned=self.aligned, checked=self.checked)
+        return PageList([self._rows[i] for i in idx], self.shape[1], aligned=self.aligned, checked=self.checked,
+                        scattered=self.scattered)
 
     def stacked(self, out: np.ndarray) -> np.ndarray:
         """Copy the pages into the rows of ``out`` (``uint8 [n, page_bytes]``); returns ``out``."""

@@ -51,13 +51,21 @@ def direct_copy(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Seque
     that cannot stacks them once): no staging buffer to fault in per move. The slots
     are freed in the plan but not written again before its moves are done."""
     assert isinstance(src, DramTier)
+    rows = direct_rows(src, src_slots, nbytes)
+    return rows, dst.write(dst_slots, rows, checksums=True) if dst.persistent else dst.write(dst_slots, rows)
+
+
+def direct_rows(src: DramTier, src_slots: Sequence[int], nbytes: int) -> PageList:
+    """The first ``nbytes`` of each of ``src_slots`` of a DRAM tier, as the rows a tier
+    writes in place: marked aligned where the slots are, and scattered where the kernel
+    gave the buffer no huge pages (a direct write then goes through bounce buffers)."""
     buf = src.buffer
     if buf.dtype != np.uint8 or buf.ndim != 2 or not buf.flags.c_contiguous or nbytes > buf.shape[1]:
         raise AssertionError(f"the {src.name} tier's buffer is not a C-contiguous uint8 [slots, bytes] array "
                              f"of slots holding {nbytes} bytes")
-    rows = PageList([buf[s, :nbytes] for s in src_slots], nbytes,
-                    aligned=src.slot_bytes % ALIGN == 0 and is_aligned(buf), checked=True)
-    return rows, dst.write(dst_slots, rows, checksums=True) if dst.persistent else dst.write(dst_slots, rows)
+    return PageList([buf[s, :nbytes] for s in src_slots], nbytes,
+                    aligned=src.slot_bytes % ALIGN == 0 and is_aligned(buf), checked=True,
+                    scattered=not src.huge_pages)
 
 
 def hbm_to_dram(src: Tier, src_slots: Sequence[int], dst: Tier, dst_slots: Sequence[int], nbytes: int) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 from tierkv.errors import CapacityError
 from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import Prefault
-from tierkv.tiers.hugepages import advise_huge
+from tierkv.tiers.hugepages import HUGE_MODES, advise_huge, shmem_huge_pages
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.units import format_size
 
@@ -135,6 +135,11 @@ class DramTier(Tier):
             raise CapacityError(f"dram tier: cannot allocate {format_size(num_slots * slot_bytes)} "
                                 f"({num_slots} slots of {slot_bytes} bytes): {exc}; lower [tiers.dram] "
                                 "capacity_bytes") from None
+        #: Whether the buffer is known to be on huge pages or page-locked (a direct write
+        #: from it goes out in pieces larger than 4 KiB); False for a memfd the kernel
+        #: gives no huge pages (``shmem_enabled``), whose rows NVMe tiers then move
+        #: through their own huge-page buffers (PageList.scattered).
+        self.huge_pages = pinned or shmem_huge_pages() in HUGE_MODES
         if prefault and not pinned:
             self._prefault = Prefault(buf, self.name)
 

@@ -612,7 +612,7 @@ class NvmeTier(Tier):
         if buf.shape[1] % ALIGN:
             return False
         if isinstance(buf, PageList):
-            return buf.aligned or all(is_aligned(row, self.mem_align) for row in buf)
+            return not buf.scattered and (buf.aligned or all(is_aligned(row, self.mem_align) for row in buf))
         return is_aligned(buf, self.mem_align)
 
     def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray | PageList, in_place: bool,
