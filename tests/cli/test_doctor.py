@@ -83,6 +83,7 @@ def test_healthy_roce_host(roots: tuple[Path, Path, Path]) -> None:
     _w(etc / "nvme/hostnqn", "nqn.2014-08.org.nvmexpress:uuid:f7536c1e-bc57-4dbb-8ea6-f1ad3af84371")
     _w(etc / "nvme/hostid", "61d17809-4995-4615-b776-c194e0be3b30")
     _w(sysfs / "kernel/mm/transparent_hugepage/shmem_enabled", "always within_size [advise] never deny force")
+    _w(sysfs / "kernel/mm/transparent_hugepage/enabled", "always [madvise] never")
     add_controller(sysfs, ctrl=0, subsys=0, dev_root=dev)
     which, run = _tools({"dcb": DCB_PFC, "ibv_devinfo": _ibv_devinfo("4096 (5)"), "python3": "",
                          "nvme": "nvme version 2.3 (git 2.3)"},
@@ -117,6 +118,7 @@ def test_soft_roce_with_mtu_1500(roots: tuple[Path, Path, Path]) -> None:
     assert got["tool.nvme-cli"][0] is Status.FAIL            # neither nvme-cli nor libnvme
     assert got["rdma.uverbs"][0] is Status.WARN
     assert got["memory.shmem_huge_pages"][0] is Status.SKIP   # no such file in this tree
+    assert got["memory.io_huge_pages"][0] is Status.SKIP
 
 
 def test_the_shared_memory_page_size_is_reported_not_judged(roots: tuple[Path, Path, Path]) -> None:
@@ -130,6 +132,21 @@ def test_the_shared_memory_page_size_is_reported_not_judged(roots: tuple[Path, P
     _w(sysfs / "kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled", "always inherit advise [never]")
     got = _by_name(memory_checks(Probe(str(sysfs), str(dev), str(etc))))
     assert "hugepages-2048kB" in got["memory.shmem_huge_pages"][1] and "4 KiB pages" in got["memory.shmem_huge_pages"][1]
+
+
+@pytest.mark.parametrize(("text", "status", "says"), [
+    ("always [madvise] never", Status.PASS, "madvise: the buffers direct I/O moves"),
+    ("[always] madvise never", Status.PASS, "always: the buffers direct I/O moves"),
+    ("always madvise [never]", Status.WARN, "never (/sys/kernel/mm/transparent_hugepage/enabled)"),
+    (None, Status.SKIP, "not readable"),
+])
+def test_huge_pages_for_the_io_buffers(roots: tuple[Path, Path, Path], text: str | None, status: Status,
+                                       says: str) -> None:
+    sysfs, dev, etc = roots
+    if text is not None:
+        _w(sysfs / "kernel/mm/transparent_hugepage/enabled", text)
+    got = _by_name(memory_checks(Probe(str(sysfs), str(dev), str(etc))))
+    assert got["memory.io_huge_pages"][0] is status and says in got["memory.io_huge_pages"][1]
 
 
 def test_nothing_at_all(roots: tuple[Path, Path, Path]) -> None:

@@ -8,9 +8,7 @@ import pytest
 from tierkv.errors import InputError
 from tierkv.tiers import aligned
 from tierkv.tiers.aligned import ALIGN, ScratchPool, aligned_empty, is_aligned
-from tierkv.tiers.hugepages import HUGE_PAGE
-
-THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+from tierkv.tiers.hugepages import HUGE_PAGE, private_huge_mode
 
 
 def _mapping_flags(addr: int) -> str:
@@ -23,14 +21,9 @@ def _mapping_flags(addr: int) -> str:
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
-def _thp_mode() -> str | None:
-    """The kernel's mode for transparent huge pages in private memory (None: unreadable)."""
-    try:
-        with open(THP_ENABLED) as f:
-            text = f.read()
-    except OSError:
-        return None
-    return text[text.index("[") + 1:text.index("]")]
+def _thp_mode() -> str:
+    """The kernel's mode for transparent huge pages in private memory."""
+    return private_huge_mode()
 
 
 def huge_kib(addr: int) -> int:
@@ -47,7 +40,7 @@ def huge_kib(addr: int) -> int:
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
-needs_thp = pytest.mark.skipif(_thp_mode() in (None, "never"),
+needs_thp = pytest.mark.skipif(_thp_mode() in ("unknown", "never"),
                                reason="the kernel gives no transparent huge pages here")
 
 

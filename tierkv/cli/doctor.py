@@ -298,25 +298,47 @@ def software_checks(p: Probe) -> list[Check]:
 
 
 def memory_checks(p: Probe) -> list[Check]:
-    """Huge pages for shared memory: the DRAM tier's pool and ``tierkv serve``'s page
-    buffers are memfds, which get them only where ``shmem_enabled`` allows."""
+    """Huge pages: for shared memory (the DRAM tier's pool and ``tierkv serve``'s page
+    buffers are memfds, which get them only where ``shmem_enabled`` allows), and for the
+    private buffers direct I/O moves (the NVMe tiers' bounce and staging buffers, the
+    store's read rows: ``transparent_hugepage/enabled``)."""
+    return [_shmem_check(p), _private_check(p)]
+
+
+def _shmem_check(p: Probe) -> Check:
     from tierkv.tiers.hugepages import HUGE_MODES, SHMEM_ENABLED, SHMEM_ENABLED_2M, shmem_huge_state
 
     name = "memory.shmem_huge_pages"
     main, own = shmem_huge_state(p.sysfs_root)
     if main == "unknown":
-        return [Check(name, Status.SKIP, "transparent_hugepage/shmem_enabled is not readable here")]
+        return Check(name, Status.SKIP, "transparent_hugepage/shmem_enabled is not readable here")
     # Either way is a working setup with its own costs (docs/serve.md, Huge pages): a line
     # that says which, and which switch decides it, not a warning.
     if main not in HUGE_MODES:
-        return [Check(name, Status.PASS, f"{main}: the DRAM pool and page buffers use 4 KiB pages; huge pages "
-                                         f"(/sys/{SHMEM_ENABLED}) speed large copies and slow a large pool's "
-                                         "first fill, see docs/serve.md")]
+        return Check(name, Status.PASS, f"{main}: the DRAM pool and page buffers use 4 KiB pages (demotions to "
+                                        f"NVMe go through its huge-page bounce buffers); huge pages "
+                                        f"(/sys/{SHMEM_ENABLED}) speed large copies and slow a large pool's "
+                                        "first fill, see docs/serve.md")
     if own == "never":
-        return [Check(name, Status.PASS, f"{main}, but never for 2 MiB pages (/sys/{SHMEM_ENABLED_2M}): the DRAM "
-                                         "pool and page buffers use 4 KiB pages")]
-    return [Check(name, Status.PASS, f"{main}: the DRAM pool and page buffers get huge pages (a large pool's first "
-                                     "fill is slower, see docs/serve.md)")]
+        return Check(name, Status.PASS, f"{main}, but never for 2 MiB pages (/sys/{SHMEM_ENABLED_2M}): the DRAM "
+                                        "pool and page buffers use 4 KiB pages")
+    return Check(name, Status.PASS, f"{main}: the DRAM pool and page buffers get huge pages (a large pool's first "
+                                    "fill is slower, see docs/serve.md)")
+
+
+def _private_check(p: Probe) -> Check:
+    from tierkv.tiers.hugepages import THP_ENABLED, private_huge_mode
+
+    name = "memory.io_huge_pages"
+    mode = private_huge_mode(p.sysfs_root)
+    if mode == "unknown":
+        return Check(name, Status.SKIP, "transparent_hugepage/enabled is not readable here")
+    if mode == "never":
+        return Check(name, Status.WARN, f"never (/sys/{THP_ENABLED}): the buffers direct I/O moves (NVMe bounce "
+                                        "and staging, the store's read rows) get 4 KiB pages, which a disk with few "
+                                        "segments a request (virtio) reads and writes up to 2x slower; set madvise")
+    return Check(name, Status.PASS, f"{mode}: the buffers direct I/O moves (NVMe bounce and staging, the store's "
+                                    "read rows) get huge pages")
 
 
 def run_checks(probe: Probe | None = None) -> list[Check]:
@@ -335,7 +357,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "doctor", help="check this host for the RDMA and NVMe-oF tiers",
         description="Preflight for the RDMA tiers: RDMA devices and ports, netdev MTU, PFC/ECN, "
                     "NVMe-fabrics host and target modules, connected controllers, host NQN, "
-                    "pyverbs/libnvme, nvme-cli, huge pages for shared memory. Exit status 1 if any check fails.")
+                    "pyverbs/libnvme, nvme-cli, huge pages for shared memory and for direct-I/O buffers. Exit status 1 if any check fails.")
     dp.add_argument("--json", action="store_true", help="print one JSON object instead of the list")
     dp.add_argument("--sysfs-root", default="/sys", help=argparse.SUPPRESS)
     dp.add_argument("--dev-root", default="/dev", help=argparse.SUPPRESS)

@@ -20,6 +20,8 @@ import os
 #: tmpfs), and (newer kernels) the one for 2 MiB pages alone (``inherit`` by default).
 SHMEM_ENABLED = "kernel/mm/transparent_hugepage/shmem_enabled"
 SHMEM_ENABLED_2M = "kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled"
+#: The switch for transparent huge pages in private memory (aligned_empty's ``huge`` buffers).
+THP_ENABLED = "kernel/mm/transparent_hugepage/enabled"
 #: Where huge pages are given.
 HUGE_MODES = ("advise", "within_size", "always", "force")
 HUGE_PAGE = 2 << 20
@@ -48,6 +50,13 @@ def _mode(path: str) -> str | None:
         return None
     start, end = text.find("["), text.find("]")
     return text[start + 1:end] if 0 <= start < end else None
+
+
+def private_huge_mode(sysfs: str = "/sys") -> str:
+    """The kernel's mode for transparent huge pages in private memory: ``always``,
+    ``madvise`` (what :func:`advise_huge` asks for is given) or ``never``; ``unknown``
+    where unreadable (a kernel without THP)."""
+    return _mode(os.path.join(sysfs, THP_ENABLED)) or "unknown"
 
 
 def shmem_huge_state(sysfs: str = "/sys") -> tuple[str, str | None]:
