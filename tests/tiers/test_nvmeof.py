@@ -19,7 +19,7 @@ import pytest
 
 from tests.polling import wait_for
 from tierkv.errors import TierIOError, TierUnavailableError
-from tierkv.tiers.aligned import round_up
+from tierkv.tiers.aligned import aligned_empty, round_up
 from tierkv.tiers.nvmeof import NvmeofTier, StaticLink
 
 PAGE = 8192
@@ -63,6 +63,11 @@ def tier(dev: Path) -> Iterator[FlakyTier]:
     yield t
     t.release.set()
     t.close()
+
+
+def off_page(n: int) -> np.ndarray:
+    """``n`` C-contiguous rows whose first byte is 16 bytes past a page (numpy's offset)."""
+    return aligned_empty(n * PAGE + 16)[16:].reshape(n, PAGE)
 
 
 def pages(n: int, seed: int = 0) -> np.ndarray:
@@ -185,3 +190,50 @@ def test_a_transfer_stuck_past_close_never_writes_into_another_file(dev: Path, t
 def test_static_link_refuses_a_missing_device(tmp_path: Path) -> None:
     with pytest.raises(TierIOError, match="does not exist"):
         NvmeofTier(StaticLink(tmp_path / "nope"), 1, PAGE)
+
+
+@pytest.mark.parametrize("first_direct", [False, True])
+def test_a_namespace_that_comes_back_in_the_other_io_mode_is_moved_by_its_rules(
+        dev: Path, monkeypatch: pytest.MonkeyPatch, first_direct: bool) -> None:
+    """The tier first opened the namespace buffered (its O_DIRECT refused) and it comes back
+    taking O_DIRECT, or the other way round: the new descriptor's mode is the tier's from
+    then on. Otherwise rows a buffered descriptor took in place (16 bytes past a page) would
+    go unaligned to an O_DIRECT one and fail with EINVAL."""
+    import tierkv.tiers.nvme as nvme_mod
+    import tierkv.tiers.nvmeof as nvmeof_mod
+    from tierkv.tiers.backing import open_backing
+
+    def opener(direct: bool):  # type: ignore[no-untyped-def]
+        return lambda path, size, *, o_direct, create: open_backing(path, size, o_direct=o_direct and direct,
+                                                                  create=create)
+
+    monkeypatch.setattr(nvme_mod, "open_backing", opener(first_direct))
+    monkeypatch.setattr(nvmeof_mod, "open_backing", opener(not first_direct))
+    t = NvmeofTier(StaticLink(dev), SLOTS, PAGE, io_timeout_s=0.5, monitor_interval_s=0.05, header_bytes=HEADER)
+    try:
+        t.write_header(LABEL)
+        t.expect_header(LABEL)
+        assert t.direct is first_direct
+        src = off_page(4)
+        src[...] = pages(4, seed=9)
+        slots = t.allocate(4)
+        t.write(slots, src)
+        t.flush()
+        moved = dev.with_suffix(".away")
+        os.rename(dev, moved)
+        assert wait_for(lambda: not t.available)
+        os.rename(moved, dev)
+        assert wait_for(lambda: t.available)
+        assert t.direct is not first_direct and t.mem_align == (4096 if t.direct else 1)
+        with open(f"/proc/self/fdinfo/{t.fileno()}") as f:
+            flags = int(f.read().split("flags:")[1].split()[0], 8)
+        assert bool(flags & os.O_DIRECT) is t.direct   # the descriptor in use is what the tier thinks
+        out = off_page(4)
+        t.read(slots, out)
+        assert np.array_equal(out, src)
+        src[...] = pages(4, seed=10)
+        t.write(slots, src)
+        t.read(slots, out)
+        assert np.array_equal(out, src)
+    finally:
+        t.close()

@@ -41,7 +41,7 @@ import numpy as np
 
 from tierkv.errors import InputError, TierIOError, TierUnavailableError
 from tierkv.store.pages import PageList
-from tierkv.tiers.aligned import aligned_empty
+from tierkv.tiers.aligned import ALIGN, aligned_empty
 from tierkv.tiers.base import TierKind
 from tierkv.tiers.backing import open_backing
 from tierkv.tiers.nvme import DEFAULT_MAX_IO_BYTES, NvmeTier
@@ -283,7 +283,7 @@ class NvmeofTier(NvmeTier):
         # fails), read the label on the new descriptor with the deadline, and only then
         # swap it in: nothing is ever written to a namespace before its label is checked.
         size = self.header_bytes + self.num_slots * self.slot_bytes
-        fd, _direct, _short = open_backing(device, size, o_direct=self._o_direct, create=False)
+        fd, direct, _short = open_backing(device, size, o_direct=self._o_direct, create=False)
         header = self._probe(fd)
         if header is None:
             return  # _probe closes fd (now, or when its stuck read returns)
@@ -299,6 +299,12 @@ class NvmeofTier(NvmeTier):
             with self._cond:
                 old, self._fd = self._fd, fd
                 self._retire_fd(old)  # closed once no stuck transfer holds its number
+                # The new descriptor's own mode: a device that now takes O_DIRECT (or now
+                # refuses it) is moved by its rules (no transfer runs while degraded).
+                if direct != self.direct:
+                    log.warning("nvmeof tier %s: the namespace came back %s", device,
+                                "taking O_DIRECT" if direct else "refusing O_DIRECT: buffered I/O")
+                self.direct, self.mem_align = direct, ALIGN if direct else 1
             if device != self.path:
                 log.warning("nvmeof tier: namespace moved from %s to %s", self.path, device)
             self.path = device
