@@ -17,7 +17,8 @@ path, after the venv's own)::
 
 Prints one JSON object: GB/s (1e9 B/s, median of ``--runs``) of every variant, and
 ``tier_vs_nixl_best``: each tier variant over NIXL's best mode, per op and shape. Every
-read is checked byte for byte.
+read is checked byte for byte (its buffer cleared before it, outside the timed region;
+every row holds bytes of its own).
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def nixl_ops(fd: int, pb: int, n: int, src: np.ndarray, out: np.ndarray) -> dict
 
 def shape(directory: str, pb: int, n: int, runs: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
-    page = rng.integers(1, 255, size=pb, dtype=np.uint8)
+    want = np.empty((n, pb), np.uint8)   # every row its own bytes: a row read from another slot shows
+    want[:] = rng.integers(1, 255, size=pb, dtype=np.uint8)
+    want[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
     nixl_path = os.path.join(directory, f"side-nixl-{os.getpid()}.dat")
     tier_path = os.path.join(directory, f"side-tier-{os.getpid()}.dat")
     fd = os.open(nixl_path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
@@ -88,15 +91,17 @@ def shape(directory: str, pb: int, n: int, runs: int) -> dict[str, object]:
         os.posix_fallocate(fd, 0, pb * n)
         shared = np.frombuffer(mmap.mmap(-1, pb * n), dtype=np.uint8).reshape(n, pb)     # NIXL bench's memory
         shared_out = np.frombuffer(mmap.mmap(-1, pb * n), dtype=np.uint8).reshape(n, pb)
-        shared[:] = page
+        shared[:] = want
         shared_out[:] = 0
         ops = nixl_ops(fd, pb, n, shared, shared_out)
         numpy_src, numpy_out = np.empty((n, pb), np.uint8), np.zeros((n, pb), np.uint8)   # the harness's arrays
-        numpy_src[:] = page
+        numpy_src[:] = want
         aligned_src = aligned_empty(pb * n).reshape(n, pb)
         aligned_out = aligned_empty(pb * n).reshape(n, pb)
-        aligned_src[:] = page
-        checked = [shared_out, numpy_out, aligned_out]
+        aligned_src[:] = want
+        outs = {"nixl-posixaio": shared_out, "nixl-aio": shared_out, "nixl-uring": shared_out,
+                "tier-numpy": numpy_out, "tier-aligned": aligned_out}
+        verified = True
         with NvmeTier(tier_path, n, pb, io_threads=8) as tier:
             slots = list(range(n))
             ops["put tier-numpy"] = lambda: tier.write(slots, numpy_src, checksums=True)
@@ -104,15 +109,24 @@ def shape(directory: str, pb: int, n: int, runs: int) -> dict[str, object]:
             ops["put tier-aligned"] = lambda: tier.write(slots, aligned_src, checksums=True)
             ops["get tier-aligned"] = lambda: tier.read(slots, aligned_out, checksums=True)
             secs: dict[str, list[float]] = {k: [] for k in ops}
+            ops["put nixl-posixaio"]()   # both files hold the pages before any get, whatever the order
+            ops["put tier-numpy"]()
             for _ in range(runs):
                 order = list(ops)
                 random.shuffle(order)
                 for k in order:
+                    op, who = k.split(" ")
+                    if op == "get":   # every get's bytes checked: its buffer cleared before it
+                        outs[who][:] = 0
                     ops[k]()   # untimed: the same transfer again, as the harness's warm-up
+                    if op == "get":
+                        verified = verified and bool(np.array_equal(outs[who], want))
+                        outs[who][:] = 0
                     t0 = time.perf_counter()
                     ops[k]()
                     secs[k].append(time.perf_counter() - t0)
-        verified = all(bool((buf == page).all()) for buf in checked)
+                    if op == "get":
+                        verified = verified and bool(np.array_equal(outs[who], want))
     finally:
         os.close(fd)
         for p in (nixl_path, tier_path):

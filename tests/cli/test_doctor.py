@@ -134,17 +134,26 @@ def test_the_shared_memory_page_size_is_reported_not_judged(roots: tuple[Path, P
     assert "hugepages-2048kB" in got["memory.shmem_huge_pages"][1] and "4 KiB pages" in got["memory.shmem_huge_pages"][1]
 
 
-@pytest.mark.parametrize(("text", "status", "says"), [
-    ("always [madvise] never", Status.PASS, "madvise: the buffers direct I/O moves"),
-    ("[always] madvise never", Status.PASS, "always: the buffers direct I/O moves"),
-    ("always madvise [never]", Status.WARN, "never (/sys/kernel/mm/transparent_hugepage/enabled)"),
-    (None, Status.SKIP, "not readable"),
+@pytest.mark.parametrize(("text", "own", "status", "says"), [
+    ("always [madvise] never", None, Status.PASS, "madvise (/sys/kernel/mm/transparent_hugepage/enabled): the"),
+    ("[always] madvise never", None, Status.PASS, "always (/sys/kernel/mm/transparent_hugepage/enabled)"),
+    ("always madvise [never]", None, Status.WARN, "never (/sys/kernel/mm/transparent_hugepage/enabled)"),
+    # newer kernels: the 2 MiB size's own switch decides unless it says inherit
+    ("always [madvise] never", "always [inherit] madvise never", Status.PASS, "madvise (/sys/kernel/mm/"
+                                                                              "transparent_hugepage/enabled)"),
+    ("always [madvise] never", "always inherit madvise [never]", Status.WARN, "never (/sys/kernel/mm/"
+                                                                              "transparent_hugepage/hugepages-2048kB"),
+    ("always madvise [never]", "always inherit [madvise] never", Status.PASS, "madvise (/sys/kernel/mm/"
+                                                                              "transparent_hugepage/hugepages-2048kB"),
+    (None, None, Status.SKIP, "not readable"),
 ])
-def test_huge_pages_for_the_io_buffers(roots: tuple[Path, Path, Path], text: str | None, status: Status,
-                                       says: str) -> None:
+def test_huge_pages_for_the_io_buffers(roots: tuple[Path, Path, Path], text: str | None, own: str | None,
+                                       status: Status, says: str) -> None:
     sysfs, dev, etc = roots
     if text is not None:
         _w(sysfs / "kernel/mm/transparent_hugepage/enabled", text)
+    if own is not None:
+        _w(sysfs / "kernel/mm/transparent_hugepage/hugepages-2048kB/enabled", own)
     got = _by_name(memory_checks(Probe(str(sysfs), str(dev), str(etc))))
     assert got["memory.io_huge_pages"][0] is status and says in got["memory.io_huge_pages"][1]
 

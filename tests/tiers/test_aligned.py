@@ -26,8 +26,8 @@ def _thp_mode() -> str:
     return private_huge_mode()
 
 
-def huge_kib(addr: int) -> int:
-    """AnonHugePages (KiB) of the mapping holding ``addr``, from /proc/self/smaps."""
+def _smaps_field(addr: int, field: str) -> list[str]:
+    """The words after ``field`` in /proc/self/smaps for the mapping holding ``addr``."""
     with open("/proc/self/smaps") as f:
         inside = False
         for line in f:
@@ -35,9 +35,14 @@ def huge_kib(addr: int) -> int:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
+            elif inside and head == field:
+                return line.split()[1:]
     raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def huge_kib(addr: int) -> int:
+    """AnonHugePages (KiB) of the mapping holding ``addr``, from /proc/self/smaps."""
+    return int(_smaps_field(addr, "AnonHugePages:")[0])
 
 
 needs_thp = pytest.mark.skipif(_thp_mode() in ("unknown", "never"),
@@ -90,6 +95,9 @@ def test_huge_buffers_start_on_a_huge_page_and_get_huge_pages_for_their_whole_on
     buf[:] = 7
     # the three whole 2 MiB pages, not the 20 KiB tail (nothing past the buffer is taken)
     assert huge_kib(addr) == 3 * HUGE_PAGE // 1024
+    assert "hg" in _smaps_field(addr, "VmFlags:")
+    # the tail and the slack past it are marked never huge ("nh"), whatever the kernel's mode
+    assert "nh" in _smaps_field(addr + 3 * HUGE_PAGE, "VmFlags:")
     assert (buf == 7).all()
     small = aligned_empty(HUGE_PAGE - ALIGN, huge=True)   # under 2 MiB: an ordinary buffer
     small[:] = 1
@@ -126,4 +134,11 @@ def test_a_huge_scratch_pool_cuts_small_buffers_out_of_one_huge_page() -> None:
     assert int(a.ctypes.data) % HUGE_PAGE == 0 and int(b.ctypes.data) % HUGE_PAGE == 0
     whole = ScratchPool(HUGE_PAGE + ALIGN, keep=1, huge=True).take(1)   # 2 MiB or more: a buffer of its own
     assert whole.size == HUGE_PAGE + ALIGN and int(whole.ctypes.data) % HUGE_PAGE == 0
-    assert ScratchPool(size, keep=1, huge=True).take(size + 1).size == size + 1   # oversized
+    oversized = ScratchPool(size, keep=1, huge=True).take(3 * HUGE_PAGE)   # used once: no huge pages
+    oversized[:] = 1
+    assert oversized.size == 3 * HUGE_PAGE
+    if _thp_mode() == "madvise":
+        assert huge_kib(int(oversized.ctypes.data)) == 0
+    few = ScratchPool(size, keep=2, huge=True)   # six would fit: three cut (one out, two kept)
+    out = few.take(1)
+    assert len(few._idle) == 2 and [int(b.ctypes.data) - int(out.ctypes.data) for b in few._idle] == [303_104, 606_208]

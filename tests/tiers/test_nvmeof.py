@@ -237,3 +237,47 @@ def test_a_namespace_that_comes_back_in_the_other_io_mode_is_moved_by_its_rules(
         assert np.array_equal(out, src)
     finally:
         t.close()
+
+
+def test_a_transfer_decides_what_goes_in_place_by_the_descriptor_it_holds(
+        dev: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A namespace first opened buffered comes back taking O_DIRECT just as a write starts
+    (after the tier's availability check, before the transfer holds a descriptor): the
+    write takes the new descriptor and moves rows 16 bytes past a page by its rules
+    (through the bounce buffers), not by the mode the tier had when the call began."""
+    import contextlib
+
+    import tierkv.tiers.nvme as nvme_mod
+    from tierkv.tiers.backing import open_backing
+
+    def buffered(path, size, *, o_direct, create):  # type: ignore[no-untyped-def]
+        return open_backing(path, size, o_direct=False, create=create)
+
+    monkeypatch.setattr(nvme_mod, "open_backing", buffered)
+    t = NvmeofTier(StaticLink(dev), SLOTS, PAGE, io_timeout_s=5, monitor_interval_s=3600, header_bytes=HEADER)
+    try:
+        t.write_header(LABEL)
+        t.expect_header(LABEL)
+        assert not t.direct
+        real = t._busy_mode
+        swapped: list[bool] = []
+
+        @contextlib.contextmanager
+        def recovering_first():  # type: ignore[no-untyped-def]
+            if not swapped:   # the monitor's recovery, between the call's start and its descriptor
+                swapped.append(True)
+                t._try_recover()   # reattaches with O_DIRECT (the real open_backing in nvmeof)
+            with real() as held:
+                yield held
+
+        monkeypatch.setattr(t, "_busy_mode", recovering_first)
+        src = off_page(3)
+        src[...] = pages(3, seed=11)
+        slots = t.allocate(3)
+        t.write(slots, src)
+        assert swapped and t.direct and t.available
+        out = off_page(3)
+        t.read(slots, out)
+        assert np.array_equal(out, src)
+    finally:
+        t.close()

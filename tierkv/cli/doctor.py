@@ -327,18 +327,20 @@ def _shmem_check(p: Probe) -> Check:
 
 
 def _private_check(p: Probe) -> Check:
-    from tierkv.tiers.hugepages import THP_ENABLED, private_huge_mode
+    from tierkv.tiers.hugepages import THP_ENABLED, THP_ENABLED_2M, private_huge_mode, private_huge_state
 
     name = "memory.io_huge_pages"
     mode = private_huge_mode(p.sysfs_root)
     if mode == "unknown":
         return Check(name, Status.SKIP, "transparent_hugepage/enabled is not readable here")
+    own = private_huge_state(p.sysfs_root)[1]
+    switch = THP_ENABLED_2M if own is not None and own != "inherit" else THP_ENABLED   # the one that decides
     if mode == "never":
-        return Check(name, Status.WARN, f"never (/sys/{THP_ENABLED}): the buffers direct I/O moves (NVMe bounce "
+        return Check(name, Status.WARN, f"never (/sys/{switch}): the buffers direct I/O moves (NVMe bounce "
                                         "and staging, the store's read rows) get 4 KiB pages, which a disk with few "
                                         "segments a request (virtio) reads and writes up to 2x slower; set madvise")
-    return Check(name, Status.PASS, f"{mode}: the buffers direct I/O moves (NVMe bounce and staging, the store's "
-                                    "read rows) get huge pages")
+    return Check(name, Status.PASS, f"{mode} (/sys/{switch}): the buffers direct I/O moves (NVMe bounce and staging, "
+                                    "the store's read rows) get huge pages")
 
 
 def run_checks(probe: Probe | None = None) -> list[Check]:

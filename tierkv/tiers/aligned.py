@@ -83,14 +83,16 @@ def aligned_empty(nbytes: int, *, huge: bool = False) -> np.ndarray:
 
     ``huge``: for a buffer that direct I/O moves again and again (a tier's bounce and
     staging buffers, the store's read buffer). It starts on a 2 MiB boundary and asks for
-    transparent huge pages on its whole 2 MiB pages (the tail keeps 4 KiB pages, so no
-    memory is taken past ``nbytes``; the mapping reserves up to 2 MiB more address space,
-    never touched). A direct read or write is cut into requests of at most the device's
-    ``max_segments`` physically contiguous pieces: 4 KiB pages scattered in memory made a
-    2 MiB read several requests on this project's virtio disk, and O_DIRECT reads of 128
-    MiB ran 3.0-6.8 GB/s from one process to the next (as the buffer's pages happened to
-    lie) where a huge-page buffer read 6.4-7.1 every time (docs/benchmarks.md, "Huge-page
-    I/O buffers"). Where the kernel gives no huge pages (``transparent_hugepage/enabled``
+    transparent huge pages on its whole 2 MiB pages; the tail past the last one keeps 4 KiB
+    pages, so no memory is taken past ``nbytes`` (the mapping reserves up to 2 MiB more
+    address space, never touched and never huge), and a buffer under 2 MiB gets none
+    (:class:`ScratchPool` cuts small ones out of a shared 2 MiB one). A direct read or
+    write is cut into requests of at most the device's ``max_segments`` physically
+    contiguous pieces: 4 KiB pages scattered in memory made a 2 MiB read several requests
+    on this project's virtio disk, and O_DIRECT reads of 128 MiB into plain buffers ran
+    3.1-6.7 GB/s from one process to the next (as their pages happened to lie) where a
+    huge-page buffer read 6.7-7.1 every time (docs/benchmarks.md, "Huge-page I/O
+    buffers"). Where the kernel gives no huge pages (``transparent_hugepage/enabled``
     ``never``) it is an ordinary aligned buffer. Per-call buffers stay without it: with
     ``defrag`` at its default a huge page's first touch may wait for compaction.
     """
@@ -102,7 +104,18 @@ def aligned_empty(nbytes: int, *, huge: bool = False) -> np.ndarray:
     m = mmap.mmap(-1, nbytes + HUGE_PAGE - mmap.PAGESIZE, flags=flags)
     whole = np.frombuffer(m, dtype=np.uint8)
     start = -int(whole.ctypes.data) % HUGE_PAGE
+    huge_end = start + nbytes // HUGE_PAGE * HUGE_PAGE
     advise_huge(m, start, nbytes)
+    # The slack around it and the tail past its last whole 2 MiB page: never huge (where the
+    # kernel's mode is "always" they could merge into a huge page reaching past nbytes).
+    no_huge = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if no_huge is not None:
+        for lo, hi in ((0, start), (huge_end, len(m))):
+            if hi > lo:
+                try:
+                    m.madvise(no_huge, lo, hi - lo)
+                except OSError:   # a kernel without THP
+                    pass
     return whole[start:start + nbytes]
 
 
@@ -115,8 +128,9 @@ class ScratchPool:
     Contents are stale. Thread-safe.
 
     ``huge``: the buffers are :func:`aligned_empty`'s huge-page ones; buffers of under
-    2 MiB are cut, as many as fit at 4 KiB boundaries, out of one such 2 MiB buffer (the
-    ones past the first join the idle ones, up to ``keep``).
+    2 MiB are cut at 4 KiB boundaries out of one such 2 MiB buffer, as many as fit but no
+    more than ``keep + 1`` (the ones past the first join the idle ones, up to ``keep``).
+    An oversized buffer (used once) gets no huge pages.
     """
 
     def __init__(self, max_bytes: int, keep: int, *, huge: bool = False) -> None:
@@ -132,15 +146,16 @@ class ScratchPool:
     def take(self, nbytes: int) -> np.ndarray:
         """A whole buffer of at least ``nbytes`` bytes (slice it; give back what was taken)."""
         if nbytes > self.max_bytes:
-            return aligned_empty(nbytes, huge=self.huge)
+            return aligned_empty(nbytes)   # used once: no huge pages (their first touch may wait)
         with self._lock:
             if self._idle:
                 return self._idle.pop()
         if not self.huge or self.max_bytes >= HUGE_PAGE:
             return aligned_empty(self.max_bytes, huge=self.huge)
         stride = round_up(self.max_bytes)
+        fit = (HUGE_PAGE - self.max_bytes) // stride + 1
         shared = aligned_empty(HUGE_PAGE, huge=True)
-        bufs = [shared[at:at + self.max_bytes] for at in range(0, HUGE_PAGE - self.max_bytes + 1, stride)]
+        bufs = [shared[k * stride:k * stride + self.max_bytes] for k in range(min(fit, self._keep + 1))]
         with self._lock:
             self._idle += bufs[1:1 + max(0, self._keep - len(self._idle))]
         return bufs[0]

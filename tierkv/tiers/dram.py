@@ -135,10 +135,10 @@ class DramTier(Tier):
             raise CapacityError(f"dram tier: cannot allocate {format_size(num_slots * slot_bytes)} "
                                 f"({num_slots} slots of {slot_bytes} bytes): {exc}; lower [tiers.dram] "
                                 "capacity_bytes") from None
-        #: Whether the buffer is known to be on huge pages or page-locked (a direct write
-        #: from it goes out in pieces larger than 4 KiB); False for a memfd the kernel
-        #: gives no huge pages (``shmem_enabled``), whose rows NVMe tiers then move
-        #: through their own huge-page buffers (PageList.scattered).
+        #: False for a memfd the kernel gives no huge pages (``shmem_enabled``): NVMe tiers
+        #: then move its rows through their own huge-page buffers (PageList.scattered), a
+        #: direct write from scattered 4 KiB pages being slower. True where it gets them, and
+        #: for page-locked memory (a CUDA host's), whose layout is the driver's: in place.
         self.huge_pages = pinned or shmem_huge_pages() in HUGE_MODES
         if prefault and not pinned:
             self._prefault = Prefault(buf, self.name)

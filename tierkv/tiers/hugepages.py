@@ -20,8 +20,10 @@ import os
 #: tmpfs), and (newer kernels) the one for 2 MiB pages alone (``inherit`` by default).
 SHMEM_ENABLED = "kernel/mm/transparent_hugepage/shmem_enabled"
 SHMEM_ENABLED_2M = "kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled"
-#: The switch for transparent huge pages in private memory (aligned_empty's ``huge`` buffers).
+#: The switch for transparent huge pages in private memory (aligned_empty's ``huge`` buffers),
+#: and (newer kernels) the 2 MiB size's own, which decides unless it says ``inherit``.
 THP_ENABLED = "kernel/mm/transparent_hugepage/enabled"
+THP_ENABLED_2M = "kernel/mm/transparent_hugepage/hugepages-2048kB/enabled"
 #: Where huge pages are given.
 HUGE_MODES = ("advise", "within_size", "always", "force")
 HUGE_PAGE = 2 << 20
@@ -52,11 +54,20 @@ def _mode(path: str) -> str | None:
     return text[start + 1:end] if 0 <= start < end else None
 
 
+def private_huge_state(sysfs: str = "/sys") -> tuple[str, str | None]:
+    """``(transparent_hugepage/enabled's mode, the 2 MiB size's own)``: ``unknown`` where the
+    first cannot be read, None where the kernel has no second."""
+    return (_mode(os.path.join(sysfs, THP_ENABLED)) or "unknown",
+            _mode(os.path.join(sysfs, THP_ENABLED_2M)))
+
+
 def private_huge_mode(sysfs: str = "/sys") -> str:
-    """The kernel's mode for transparent huge pages in private memory: ``always``,
-    ``madvise`` (what :func:`advise_huge` asks for is given) or ``never``; ``unknown``
-    where unreadable (a kernel without THP)."""
-    return _mode(os.path.join(sysfs, THP_ENABLED)) or "unknown"
+    """The kernel's mode for 2 MiB transparent huge pages in private memory: ``always``,
+    ``madvise`` (what :func:`advise_huge` asks for is given) or ``never``; the 2 MiB size's
+    own setting where it has one other than ``inherit``, else the main switch's
+    (``unknown`` where unreadable: a kernel without THP)."""
+    main, own = private_huge_state(sysfs)
+    return own if own is not None and own != "inherit" else main
 
 
 def shmem_huge_state(sysfs: str = "/sys") -> tuple[str, str | None]:

@@ -338,13 +338,21 @@ class NvmeTier(Tier):
     @contextlib.contextmanager
     def _busy(self) -> Iterator[int]:
         """Hold the fd open for one transfer; ``_close`` waits for every holder."""
+        with self._busy_mode() as (fd, _direct, _mem_align):
+            yield fd
+
+    @contextlib.contextmanager
+    def _busy_mode(self) -> Iterator[tuple[int, bool, int]]:
+        """:meth:`_busy`, with the descriptor's I/O mode read together with it (``direct``,
+        ``mem_align``): an NVMe-oF recovery swaps the three at once, and a transfer decides
+        what goes in place by the descriptor it holds."""
         with self._cond:
             if self._fd < 0:
                 raise StoreClosedError("nvme tier is closed")
             self._inflight += 1
-            fd = self._fd
+            fd, direct, mem_align = self._fd, self.direct, self.mem_align
         try:
-            yield fd
+            yield fd, direct, mem_align
         finally:
             with self._cond:
                 self._inflight -= 1
@@ -487,11 +495,12 @@ class NvmeTier(Tier):
         if self._rings is None or len(slots) == 0 or dst.shape[1] == 0:
             self._transfer(_Op.READ, slots, dst, sums)
             return
-        in_place = self._serves_in_place(dst)
-        chunks = self._plan(slots, self._chunk_slots if in_place else self._bounce_slots)
         # Nested so that on an exception the ring is drained (closed) before the bounce
         # buffers its reads may still be filling go back to the pool, and before the fd.
-        with self._busy() as fd, contextlib.ExitStack() as stack, self._rings.borrow() as ring:
+        with self._busy_mode() as (fd, direct, mem_align), contextlib.ExitStack() as stack, \
+                self._rings.borrow() as ring:
+            in_place = self._serves_in_place(dst, direct, mem_align)
+            chunks = self._plan(slots, self._chunk_slots if in_place else self._bounce_slots)
             self._ring_read(ring, fd, chunks, dst, in_place, sums, stack)
 
     def _ring_read(self, ring: Ring, fd: int, chunks: list[_Chunk], dst: np.ndarray, in_place: bool,
@@ -560,10 +569,10 @@ class NvmeTier(Tier):
             if sums is not None:  # empty rows still have a checksum, as every tier says
                 sums[:] = [checksum64(buf[i]) for i in range(len(slots))]
             return
-        in_place = self._serves_in_place(buf)
-        chunks = deque(self._plan(slots, self._chunk_slots if in_place else self._bounce_slots))
         errors: list[BaseException] = []
-        with self._busy() as fd:
+        with self._busy_mode() as (fd, direct, mem_align):
+            in_place = self._serves_in_place(buf, direct, mem_align)
+            chunks = deque(self._plan(slots, self._chunk_slots if in_place else self._bounce_slots))
             if op is _Op.WRITE:
                 self._reserve(fd, self.header_bytes + (max(slots) + 1) * self.slot_bytes)
 
@@ -605,15 +614,17 @@ class NvmeTier(Tier):
             start = end
         return chunks
 
-    def _serves_in_place(self, buf: np.ndarray | PageList) -> bool:
-        """Whether the syscalls can use the caller's rows without a bounce buffer."""
-        if not self.direct:
+    @staticmethod
+    def _serves_in_place(buf: np.ndarray | PageList, direct: bool, mem_align: int) -> bool:
+        """Whether the syscalls on a descriptor of this mode (``direct``, ``mem_align``) can
+        use the caller's rows without a bounce buffer."""
+        if not direct:
             return True
         if buf.shape[1] % ALIGN:
             return False
         if isinstance(buf, PageList):
-            return not buf.scattered and (buf.aligned or all(is_aligned(row, self.mem_align) for row in buf))
-        return is_aligned(buf, self.mem_align)
+            return not buf.scattered and (buf.aligned or all(is_aligned(row, mem_align) for row in buf))
+        return is_aligned(buf, mem_align)
 
     def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray | PageList, in_place: bool,
               sums: list[int] | None = None) -> None:
