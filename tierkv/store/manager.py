@@ -852,17 +852,21 @@ class BlockManager:
         parents, kept = plan.parents_below.get(tier.name, ()), plan.kept
         mine = ~(1 << lvl)
         keeps = sum(1 << i for i, other in enumerate(self.tiers) if other.persistent) if final else 0xFF
+        alone = len(t.kids.cols) == 1   # one level: a child can only be here (only_at is true)
 
         def evictable(k: PageKey) -> bool:
+            # Called once per candidate a victims call considers: the cheap tests first, and
+            # the tier's columns read only for a page with children.
             if k in protect or k in parents or k in kept:
                 return False
             r = row(k)
-            if r in t.pins:
+            if t.pins and r in t.pins:
                 return False
-            others = int(t.where[r]) & mine
             # (the children count's byte is nonzero exactly where the count is)
-            if t.nkids.bytes[r] and (not others & keeps if others else last):  # it would leave the store
-                return not final and t.kids.only_at(lvl, r)
+            if t.nkids.bytes[r]:
+                others = int(t.where[r]) & mine
+                if not others & keeps if others else last:  # it would leave the store
+                    return not final and (alone or t.kids.only_at(lvl, r))
             return True
 
         return evictable
