@@ -56,9 +56,9 @@ def test_scale_prints_every_figure_for_the_store_and_the_dict(tmp_path: Path,
     assert r["put_pages_timed"] == r["timed_put_into_dram"] == 20 and r["timed_put_evictions"] == 0
     assert r["get_pages_timed"] >= 65_536 and r["timed_gets_from_dram"] is True and r["bytes_match"] is True
     assert r["verified"] is True
-    from tierkv.bench.scale import REOPEN_ROUNDS, ROUND_FIGURES
+    from tierkv.bench.scale import REOPEN_ROUNDS, ROUND_FIGURES, WARM_FILLS
 
-    assert r["reopen_rounds"] == REOPEN_ROUNDS and r["nvme_pages"] == 2000 + (1 + REOPEN_ROUNDS) * 20
+    assert r["reopen_rounds"] == REOPEN_ROUNDS and r["nvme_pages"] == 2000 + (WARM_FILLS + REOPEN_ROUNDS) * 20
     for key in ROUND_FIGURES:   # each round's figure, and their median
         if key != "reopen_s":
             runs = r[f"{key}_runs"]
