@@ -23,3 +23,17 @@ def test_gittins_with_a_cost_model_admits_by_saved_time() -> None:
     pairs = chain(*range(d + 1))
     p.on_request([key for key, _ in pairs], 0.0)
     assert [p.admit(key, parent) for key, parent in pairs] == [False] * d + [True]
+
+
+def test_with_a_cost_model_admission_needs_the_parents() -> None:
+    """admit_keys cannot weigh a page's depth from its key alone: None, nothing changed,
+    and the manager asks admit_many with the (key, parent) pairs instead."""
+    m = _model(1e-4)
+    d = next(d for d in range(1000) if m.saved_s(d) > 0)
+    p = GittinsPolicy(cost=m)
+    pairs = chain(*range(d + 1))
+    p.on_request([key for key, _ in pairs], 0.0)
+    state = (p._admitted, p._refused, p._bar)
+    assert p.admit_keys([key for key, _ in pairs]) is None
+    assert (p._admitted, p._refused, p._bar) == state
+    assert p.admit_many(pairs) == [False] * d + [True]

@@ -22,9 +22,10 @@ class Policy(Protocol):
     has_parent)`` (16-byte keys back to back; a parent used where its ``has_parent`` byte
     is nonzero), ``touch_many(keys)`` (a get's hits), ``remove_many(keys)`` (evicted pages,
     keys back to back) and ``admit_many(pages)`` (a list of (key, parent); returns a list
-    of answers); and ``admit_all(keys)``, asked first: True where it admits every key
-    without weighing any (and has), False with nothing changed.
-    :class:`~tierkv.policy.gittins.GittinsPolicy` has all five. ``memory_bytes()`` (optional)
+    of answers), or before it ``admit_keys(keys)``, the same from the keys alone (None,
+    nothing changed, where it needs the parents); and ``admit_all(keys)``, asked first:
+    True where it admits every key without weighing any (and has), False with nothing
+    changed. :class:`~tierkv.policy.gittins.GittinsPolicy` has all six. ``memory_bytes()`` (optional)
     says how many bytes its per-page state holds (None where it cannot tell), for ``stats()``.
     """
 

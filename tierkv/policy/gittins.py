@@ -442,12 +442,18 @@ class GittinsPolicy:
     def admit_many(self, pages: Sequence[tuple[PageKey, PageKey | None]]) -> list[bool]:
         """:meth:`admit` of each (key, parent) in order, in one call: the same answers and state.
         While the tier has room for all of them no page is weighed against a victim."""
-        n = len(pages)
-        keys = [k for k, _ in pages]
+        got = self.admit_keys([k for k, _ in pages])
+        return [self.admit(k, p) for k, p in pages] if got is None else got
+
+    def admit_keys(self, keys: Sequence[PageKey]) -> list[bool] | None:
+        """:meth:`admit_many` from the pages' keys alone, which is all it weighs without a
+        cost model (the manager need not build the (key, parent) pairs); None, nothing
+        changed, where a cost model needs the parents."""
+        n = len(keys)
         if self.admit_all(keys):
             return [True] * n
         if self._cost is not None:
-            return [self.admit(k, p) for k, p in pages]
+            return None
         # admit() page by page, in bulk: pages not of this request are taken; of those that
         # are, the first ones fill what room is left unweighed, and the rest are weighed
         # against the victim in order until one is refused, which refuses all after it.

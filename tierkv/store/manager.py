@@ -127,14 +127,18 @@ def _insert_pages(policy: Policy, keys: bytes, parents: bytes, has_parent: np.nd
 def _admit(policy: Policy, pages: NewPages) -> np.ndarray | None:
     """``policy.admit`` of each page in order: None where it admits them all, else which
     it does. One ``admit_all`` call first where the policy has it (optional: it says
-    whether it admits every page without weighing each), else one ``admit_many`` call
-    where it has that (optional)."""
+    whether it admits every page without weighing each), else one ``admit_keys`` call
+    (optional: from the keys alone; None where the policy needs the parents), else one
+    ``admit_many`` call where it has that (optional)."""
     admit_all = getattr(policy, "admit_all", None)
     if admit_all is not None and admit_all(pages.keys):
         return None
-    pairs = pages.pairs()
-    admit_many = getattr(policy, "admit_many", None)
-    ok = admit_many(pairs) if admit_many is not None else [policy.admit(k, p) for k, p in pairs]
+    admit_keys = getattr(policy, "admit_keys", None)
+    ok = admit_keys(pages.keys) if admit_keys is not None else None
+    if ok is None:   # the policy weighs the parents too: (key, parent) pairs
+        pairs = pages.pairs()
+        admit_many = getattr(policy, "admit_many", None)
+        ok = admit_many(pairs) if admit_many is not None else [policy.admit(k, p) for k, p in pairs]
     return None if all(ok) else np.array(ok, dtype=bool)
 
 
