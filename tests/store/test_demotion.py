@@ -74,12 +74,21 @@ def test_a_run_the_tier_below_cannot_take_is_dropped_leaf_first(tmp_path: Path, 
         s._manager.check()
 
 
+def _assert_written_down(nvme: object, rows: np.ndarray, sums: list[int] | None) -> None:
+    """DRAM slots 3 and 2 (rows 2 and 0 written there) are NVMe slots 1 and 0 now, with
+    the checksums of their bytes."""
+    from tierkv.store.checksum import checksum64
+
+    out = np.zeros((2, rows.shape[1]), np.uint8)
+    nvme.read([1, 0], out)  # type: ignore[attr-defined]
+    assert np.array_equal(out, rows[[2, 0]]) and sums == [checksum64(rows[2]), checksum64(rows[0])]
+
+
 @pytest.mark.parametrize("page", [4096, 6000])
 def test_dram_pages_are_written_down_from_their_slots(tmp_path: Path, page: int) -> None:
     """direct_copy hands the NVMe tier the DRAM slots themselves, marked aligned where the
     slots are (so O_DIRECT writes them in place, no per-row check), else bounced; the
     bytes and checksums are the slots'."""
-    from tierkv.store.checksum import checksum64
     from tierkv.store.transfer import direct_copy
     from tierkv.tiers.dram import DramTier
     from tierkv.tiers.nvme import NvmeTier
@@ -90,9 +99,7 @@ def test_dram_pages_are_written_down_from_their_slots(tmp_path: Path, page: int)
         dram.write([2, 0, 3], rows)
         staged, sums = direct_copy(dram, [3, 2], nvme, [1, 0], page)
         assert staged.aligned == (page % 4096 == 0)
-        out = np.zeros((2, page), np.uint8)
-        nvme.read([1, 0], out)
-        assert np.array_equal(out, rows[[2, 0]]) and sums == [checksum64(rows[2]), checksum64(rows[0])]
+        _assert_written_down(nvme, rows, sums)
     finally:
         dram.close()
         nvme.close()
@@ -107,7 +114,6 @@ def test_a_pool_without_huge_pages_is_written_down_through_the_bounce_buffers(
     half the speed here); one on huge pages is written in place. Bytes and checksums are
     the slots' either way."""
     import tierkv.tiers.dram as dram_mod
-    from tierkv.store.checksum import checksum64
     from tierkv.store.transfer import direct_copy
     from tierkv.tiers.dram import DramTier
     from tierkv.tiers.nvme import NvmeTier
@@ -131,9 +137,7 @@ def test_a_pool_without_huge_pages_is_written_down_through_the_bounce_buffers(
         assert staged.aligned and staged.scattered == (mode == "never")
         assert staged[:1].scattered == staged.take([1]).scattered == staged.scattered   # kept by views
         assert bool(bounced) == (mode == "never")
-        out = np.zeros((2, page), np.uint8)
-        nvme.read([1, 0], out)
-        assert np.array_equal(out, rows[[2, 0]]) and sums == [checksum64(rows[2]), checksum64(rows[0])]
+        _assert_written_down(nvme, rows, sums)
     finally:
         dram.close()
         nvme.close()

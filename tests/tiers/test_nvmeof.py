@@ -70,6 +70,17 @@ def off_page(n: int) -> np.ndarray:
     return aligned_empty(n * PAGE + 16)[16:].reshape(n, PAGE)
 
 
+def lose_and_regain(tier: NvmeofTier, dev: Path, says: str = "") -> None:
+    """The namespace's device goes away (the tier degrades, its reason naming ``says``)
+    and comes back (the monitor recovers it)."""
+    moved = dev.with_suffix(".away")
+    os.rename(dev, moved)
+    assert wait_for(lambda: not tier.available)
+    assert says in str(tier.state()["reason"])
+    os.rename(moved, dev)
+    assert wait_for(lambda: tier.available)
+
+
 def pages(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8)
 
@@ -130,12 +141,7 @@ def test_a_lost_device_degrades_and_comes_back(tier: FlakyTier, dev: Path) -> No
     slots = tier.allocate(4)
     tier.write(slots, src)
     tier.flush()
-    moved = dev.with_suffix(".away")
-    os.rename(dev, moved)
-    assert wait_for(lambda: not tier.available)
-    assert "gone" in str(tier.state()["reason"])
-    os.rename(moved, dev)
-    assert wait_for(lambda: tier.available)
+    lose_and_regain(tier, dev, says="gone")
     out = np.zeros_like(src)
     tier.read(slots, out)
     assert np.array_equal(out, src)
@@ -219,11 +225,7 @@ def test_a_namespace_that_comes_back_in_the_other_io_mode_is_moved_by_its_rules(
         slots = t.allocate(4)
         t.write(slots, src)
         t.flush()
-        moved = dev.with_suffix(".away")
-        os.rename(dev, moved)
-        assert wait_for(lambda: not t.available)
-        os.rename(moved, dev)
-        assert wait_for(lambda: t.available)
+        lose_and_regain(t, dev)
         assert t.direct is not first_direct and t.mem_align == (4096 if t.direct else 1)
         with open(f"/proc/self/fdinfo/{t.fileno()}") as f:
             flags = int(f.read().split("flags:")[1].split()[0], 8)
