@@ -51,8 +51,8 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
     with page-aligned caller buffers (what pinned host memory gives), with plain
     numpy buffers (which take the bounce path), with page-aligned buffers on huge
     pages (``*_huge``), and from and into a DRAM tier's slots as a demotion hands them
-    down (``*_pool``; ``pool_huge_pages``: whether that memory is on huge pages). Both sides are tuned the same way: the
-    tier's I/O threads are swept over ``io_threads_options`` and fio's queue depth over
+    down (``*_pool``; ``pool_huge_pages``: whether that memory is on huge pages). Both
+    sides are tuned the same way: the tier's I/O threads are swept over ``io_threads_options`` and fio's queue depth over
     ``queue_depths`` (reads and writes each at their best depth), one pass each, before
     the interleaved timed runs. Raises TierKVError if fio is missing.
     """
@@ -71,16 +71,15 @@ def bench_nvme(dir: str | os.PathLike[str], page_bytes: int = 2 << 20, pages: in
     # buffers where the kernel gives its shared memory no huge pages: PageList.scattered),
     # and read into in place.
     pool = DramTier(2 * pages, page_bytes)
-    pool_src = direct_rows(pool, list(range(pages)), page_bytes)
-    unaligned_src, huge_src = _shifted(pages, page_bytes, 64), _huge(pages, page_bytes)
-    for src in (unaligned_src, huge_src, pool.buffer[:pages, :page_bytes]):
-        src[...] = aligned_src
-    bufs: Buffers = {
-        "aligned": (aligned_src, _shifted(pages, page_bytes, 0)),
-        "unaligned": (unaligned_src, _shifted(pages, page_bytes, 64)),
-        "huge": (huge_src, _huge(pages, page_bytes)),
-        "pool": (pool_src, pool.buffer[pages:, :page_bytes])}
     try:
+        unaligned_src, huge_src = _shifted(pages, page_bytes, 64), _huge(pages, page_bytes)
+        for src in (unaligned_src, huge_src, pool.buffer[:pages, :page_bytes]):
+            src[...] = aligned_src
+        bufs: Buffers = {
+            "aligned": (aligned_src, _shifted(pages, page_bytes, 0)),
+            "unaligned": (unaligned_src, _shifted(pages, page_bytes, 64)),
+            "huge": (huge_src, _huge(pages, page_bytes)),
+            "pool": (direct_rows(pool, list(range(pages)), page_bytes), pool.buffer[pages:, :page_bytes])}
         sweep = {t: _sweep_point(path, pages, page_bytes, t, max_io_bytes, bufs) for t in io_threads_options}
         # Reads decide (writes land in the VM host's cache); both buffer kinds count,
         # since one thread saturates the disk in place but cannot overlap bounce copies.

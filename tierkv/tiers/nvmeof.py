@@ -300,7 +300,8 @@ class NvmeofTier(NvmeTier):
                 old, self._fd = self._fd, fd
                 self._retire_fd(old)  # closed once no stuck transfer holds its number
                 # The new descriptor's own mode: a device that now takes O_DIRECT (or now
-                # refuses it) is moved by its rules (no transfer runs while degraded).
+                # refuses it) is moved by its rules (a transfer reads the mode together
+                # with the descriptor it holds: _busy_mode).
                 if direct != self.direct:
                     log.warning("nvmeof tier %s: the namespace came back %s", device,
                                 "taking O_DIRECT" if direct else "refusing O_DIRECT: buffered I/O")
