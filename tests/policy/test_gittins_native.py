@@ -323,3 +323,53 @@ def test_classes_of_is_class_of_for_each_key() -> None:
     assert len(set(p._native.classes_of(blob))) > 1
     with pytest.raises(InputError, match="16-byte keys"):
         p._native.classes_of(b"x" * 15)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compiled_victims_loop_excludes_the_request_as_the_python_loop_does(seed: int) -> None:
+    """The compiled loop is handed the request's pages (``exclude``) and the manager's
+    predicate as they are, where the Python loop wraps both in one callable: on the same
+    compiled heaps, the same victims, in order, and the predicate never asked about a
+    request page."""
+    rng = random.Random(seed)
+    keys = [PageKey(rng.randbytes(16)) for _ in range(300)]
+    compiled, looped = GittinsPolicy(native=True), GittinsPolicy(native=True)
+    looped._native_victims = False
+    asked: list[PageKey] = []
+    pinned = set(rng.sample(keys, 20))
+    history = [rng.sample(keys, 40) for _ in range(12)]
+    last = rng.sample(keys, 60)
+    for p in (compiled, looped):
+        for r, seen in enumerate(history):
+            p.on_request(seen, float(r))
+        for k in keys:
+            p.insert(k, None)
+        p.on_request(last, 20.0)
+    request = set(compiled._request)
+
+    def evictable(k: PageKey) -> bool:
+        asked.append(k)
+        return k not in pinned
+
+    got = compiled.victims(120, evictable)
+    assert not request & set(asked) and not request & set(got) and not pinned & set(got)
+    assert got == looped.victims(120, lambda k: k not in pinned) and len(got) == 120
+
+
+def test_the_compiled_victims_loop_takes_a_dict_or_a_set_to_exclude() -> None:
+    p = GittinsPolicy(native=True)
+    keys = [PageKey(bytes([i]) * 16) for i in range(8)]
+    for k in keys:
+        p.insert(k, None)
+    index, support = p._model.tables()
+    args = (3, lambda k: True, index, support, 1.0, gittins.CONFIDENCE_Z, gittins._USE_RANK_BYTES, False,
+            hazard._LOG_GROWTH, hazard.BINS)
+    leaves = p._leaves
+    choose = getattr(leaves, "choose_victims", None)   # the compiled heaps' (not PyLeafHeaps')
+    assert choose is not None
+    for exclude in ({keys[0]: 0}, {keys[0]}, frozenset({keys[0]})):
+        leaves.undo()
+        assert keys[0] not in choose(*args, exclude)
+    leaves.undo()
+    with pytest.raises(TypeError, match="exclude must be a dict or a set, not list"):
+        choose(*args, [keys[0]])

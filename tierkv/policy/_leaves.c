@@ -995,9 +995,11 @@ lh_discard(LeafHeapsObject *s, PyObject *key)
 }
 
 /* The first evictable leaf at one end of class c, as a new candidate tuple; Py_None if
- * there is none (borrowed), NULL on error. Unevictable heads are popped to the stash. */
+ * there is none (borrowed), NULL on error. Unevictable heads are popped to the stash.
+ * ``exclude`` (a dict or set, or NULL): keys in it are not evictable, asked before
+ * ``evictable`` (no Python call for them). */
 static PyObject *
-head(LeafHeapsObject *s, PyObject *evictable, int c, int which)
+head(LeafHeapsObject *s, PyObject *evictable, PyObject *exclude, int c, int which)
 {
     Heap *h = &s->heaps[2 * c + which];
     while (h->n > 0) {
@@ -1007,9 +1009,15 @@ head(LeafHeapsObject *s, PyObject *evictable, int c, int which)
             return NULL;
         int ok = 1;
         if (!(NODE(s, idx)->flags & ALLOWED)) {
-            PyObject *r = PyObject_CallOneArg(evictable, key);
-            ok = r == NULL ? -1 : PyObject_IsTrue(r);
-            Py_XDECREF(r);
+            int out = exclude == NULL ? 0 : PyDict_Check(exclude) ? PyDict_Contains(exclude, key)
+                                                                : PySet_Contains(exclude, key);
+            if (out != 0) {
+                ok = out < 0 ? -1 : 0;
+            } else {
+                PyObject *r = PyObject_CallOneArg(evictable, key);
+                ok = r == NULL ? -1 : PyObject_IsTrue(r);
+                Py_XDECREF(r);
+            }
             if (ok > 0 && grow((void **)&s->allowed, &s->acap, s->nallowed + 1, sizeof(int32_t)) < 0)
                 ok = -1;
             if (ok < 0) {
@@ -1061,7 +1069,7 @@ PyDoc_STRVAR(candidates_doc, "candidates(evictable) -> list of (key, class, last
 "classes untouched since the last call are reused, and a leaf it allowed is not asked again.");
 
 static PyObject *
-lh_candidates(LeafHeapsObject *s, PyObject *evictable)
+candidates_excluding(LeafHeapsObject *s, PyObject *evictable, PyObject *exclude)
 {
     if (check_ok(s) < 0)
         return NULL;
@@ -1071,7 +1079,7 @@ lh_candidates(LeafHeapsObject *s, PyObject *evictable)
         for (int w = OLD; w <= YOUNG; w++)
             Py_CLEAR(s->heads[2 * c + w]);
         for (int w = OLD; w <= (s->young ? YOUNG : OLD); w++) {
-            PyObject *cand = head(s, evictable, c, w);
+            PyObject *cand = head(s, evictable, exclude, c, w);
             if (cand == NULL)
                 return NULL;
             if (cand != Py_None)
@@ -1089,6 +1097,12 @@ lh_candidates(LeafHeapsObject *s, PyObject *evictable)
         }
     }
     return out;
+}
+
+static PyObject *
+lh_candidates(LeafHeapsObject *s, PyObject *evictable)
+{
+    return candidates_excluding(s, evictable, NULL);
 }
 
 PyDoc_STRVAR(take_doc, "take(key)\n\nMark the leaf key as a victim; its parent may become a leaf.\n"
@@ -1124,14 +1138,15 @@ lh_take(LeafHeapsObject *s, PyObject *key)
 }
 
 PyDoc_STRVAR(choose_doc,
-"choose_victims(n, evictable, index, support, now, z, use_rank, requests, log_growth, bins) -> list\n\n"
+"choose_victims(n, evictable, index, support, now, z, use_rank, requests, log_growth, bins[, exclude]) -> list\n\n"
 "GittinsPolicy's victims loop in one call: up to n times, candidates(evictable), the\n"
 "choice among them, take(key). index and support are float64 tables [classes][bins]\n"
 "(bytes), use_rank one byte per class; a candidate's score is index[c][b] with relative\n"
 "error z / sqrt(max(support[c][b], 1)), b the bin of its age now - last (log1p(age) /\n"
 "log_growth, at most bins - 1). The oldest candidate goes unless, with request hints,\n"
 "one of no higher use rank scores lower beyond both error bars (GittinsPolicy._choose).\n"
-"Does not settle: the caller does.");
+"exclude (a dict or set, optional): keys never evictable, asked in C before evictable is\n"
+"called (the request's pages, without a Python call each). Does not settle: the caller does.");
 
 static void
 score(const double *index, const double *support, int bins, int c, double age, double z, double log_growth,
@@ -1151,15 +1166,25 @@ static PyObject *
 lh_choose_victims(LeafHeapsObject *s, PyObject *args)
 {
     Py_ssize_t n;
-    PyObject *evictable;
+    PyObject *evictable, *exclude = Py_None;
     Py_buffer index, support, rank;
     double now, z, log_growth;
     int requests, bins;
     if (check_ok(s) < 0)
         return NULL;
-    if (!PyArg_ParseTuple(args, "nOy*y*ddy*pdi:choose_victims", &n, &evictable, &index, &support, &now, &z, &rank,
-                          &requests, &log_growth, &bins))
+    if (!PyArg_ParseTuple(args, "nOy*y*ddy*pdi|O:choose_victims", &n, &evictable, &index, &support, &now, &z, &rank,
+                          &requests, &log_growth, &bins, &exclude))
         return NULL;
+    if (exclude == Py_None) {
+        exclude = NULL;
+    } else if (!PyDict_Check(exclude) && !PyAnySet_Check(exclude)) {
+        PyErr_Format(PyExc_TypeError, "choose_victims: exclude must be a dict or a set, not %.100s",
+                     Py_TYPE(exclude)->tp_name);
+        PyBuffer_Release(&index);
+        PyBuffer_Release(&support);
+        PyBuffer_Release(&rank);
+        return NULL;
+    }
     PyObject *out = NULL, *cands = NULL;
     const double *ix = index.buf, *sp = support.buf;
     const uint8_t *rk = rank.buf;
@@ -1173,7 +1198,7 @@ lh_choose_victims(LeafHeapsObject *s, PyObject *args)
     if (out == NULL)
         goto done;
     while (PyList_GET_SIZE(out) < n) {
-        cands = lh_candidates(s, evictable);
+        cands = candidates_excluding(s, evictable, exclude);
         if (cands == NULL) {
             Py_CLEAR(out);
             goto done;

@@ -347,10 +347,11 @@ class GittinsPolicy:
         choose = getattr(leaves, "choose_victims", None)
         try:
             if choose is not None and self._cost is None and self._native_victims:
-                # The loop below in one compiled call (the native heaps), scored from the same tables.
+                # The loop below in one compiled call (the native heaps), scored from the same
+                # tables; the request's pages excluded there, without a Python call each.
                 index, support = self._model.tables()
-                return choose(n, allowed, index, support, self._now, CONFIDENCE_Z, _USE_RANK_BYTES,
-                              bool(self._requests), hazard._LOG_GROWTH, hazard.BINS)
+                return choose(n, evictable, index, support, self._now, CONFIDENCE_Z, _USE_RANK_BYTES,
+                              bool(self._requests), hazard._LOG_GROWTH, hazard.BINS, request)
             while len(out) < n:
                 cands = leaves.candidates(allowed)
                 if not cands:
