@@ -54,7 +54,10 @@ scribble: list[int] = []   # a row the caller overwrites once every layer has la
 
 def layered_get(s: Store, tokens: np.ndarray, n: int, aligned: bool = True) -> tuple[int, np.ndarray, np.ndarray]:
     # Aligned rows take the pages straight from O_DIRECT; others get each group copied out.
-    out = aligned_empty(n * PB).reshape(n, PB) if aligned else np.zeros((n, PB), dtype=np.uint8)
+    # The others start 16 bytes past a page, never aligned to what O_DIRECT needs (numpy's
+    # own buffer of this size came from the heap: 512-byte aligned one time in 32, and then
+    # read in place, its later layers landing before they were announced).
+    out = aligned_empty(n * PB).reshape(n, PB) if aligned else aligned_empty(n * PB + 16)[16:].reshape(n, PB)
     rec = L.new_record()
     L.publish(rec, L.LAYERS, 99)   # stale words from a previous get: the get resets them
     watched_rows[:] = [out]
