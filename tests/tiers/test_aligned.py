@@ -21,11 +21,6 @@ def _mapping_flags(addr: int) -> str:
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
-def _thp_mode() -> str:
-    """The kernel's mode for transparent huge pages in private memory."""
-    return private_huge_mode()
-
-
 def _smaps_field(addr: int, field: str) -> list[str]:
     """The words after ``field`` in /proc/self/smaps for the mapping holding ``addr``."""
     with open("/proc/self/smaps") as f:
@@ -45,7 +40,7 @@ def huge_kib(addr: int) -> int:
     return int(_smaps_field(addr, "AnonHugePages:")[0])
 
 
-needs_thp = pytest.mark.skipif(_thp_mode() in ("unknown", "never"),
+needs_thp = pytest.mark.skipif(private_huge_mode() in ("unknown", "never"),
                                reason="the kernel gives no transparent huge pages here")
 
 
@@ -102,7 +97,7 @@ def test_huge_buffers_start_on_a_huge_page_and_get_huge_pages_for_their_whole_on
     small = aligned_empty(HUGE_PAGE - ALIGN, huge=True)   # under 2 MiB: an ordinary buffer
     small[:] = 1
     assert is_aligned(small) and small.size == HUGE_PAGE - ALIGN
-    if _thp_mode() == "madvise":   # ("always" would give unadvised memory huge pages too)
+    if private_huge_mode() == "madvise":   # ("always" would give unadvised memory huge pages too)
         assert huge_kib(int(small.ctypes.data)) == 0
         plain = aligned_empty(2 * HUGE_PAGE)
         plain[:] = 1
@@ -137,7 +132,7 @@ def test_a_huge_scratch_pool_cuts_small_buffers_out_of_one_huge_page() -> None:
     oversized = ScratchPool(size, keep=1, huge=True).take(3 * HUGE_PAGE)   # used once: no huge pages
     oversized[:] = 1
     assert oversized.size == 3 * HUGE_PAGE
-    if _thp_mode() == "madvise":
+    if private_huge_mode() == "madvise":
         assert huge_kib(int(oversized.ctypes.data)) == 0
     few = ScratchPool(size, keep=2, huge=True)   # six would fit: three cut (one out, two kept)
     out = few.take(1)

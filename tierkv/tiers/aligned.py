@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from tierkv.errors import InputError
-from tierkv.tiers.hugepages import HUGE_PAGE, advise_huge
+from tierkv.tiers.hugepages import HUGE_PAGE, advise_huge, advise_no_huge
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +108,8 @@ def aligned_empty(nbytes: int, *, huge: bool = False) -> np.ndarray:
     advise_huge(m, start, nbytes)
     # The slack around it and the tail past its last whole 2 MiB page: never huge (where the
     # kernel's mode is "always" they could merge into a huge page reaching past nbytes).
-    no_huge = getattr(mmap, "MADV_NOHUGEPAGE", None)
-    if no_huge is not None:
-        for lo, hi in ((0, start), (huge_end, len(m))):
-            if hi > lo:
-                try:
-                    m.madvise(no_huge, lo, hi - lo)
-                except OSError:   # a kernel without THP
-                    pass
+    advise_no_huge(m, 0, start)
+    advise_no_huge(m, huge_end, len(m) - huge_end)
     return whole[start:start + nbytes]
 
 

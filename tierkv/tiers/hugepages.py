@@ -34,12 +34,22 @@ def advise_huge(m: mmap.mmap, start: int = 0, length: int | None = None) -> None
     ``start``, a multiple of the 4 KiB page; by default all of it): a smaller range, or the
     tail past the last whole one, keeps 4 KiB pages (kernels before 6.11 would give a small
     memfd a whole 2 MiB page). A no-op where the kernel gives none."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
     whole = (len(m) - start if length is None else length) // HUGE_PAGE * HUGE_PAGE
-    if advice is None or whole <= 0:
+    _madvise(m, "MADV_HUGEPAGE", start, whole)
+
+
+def advise_no_huge(m: mmap.mmap, start: int, length: int) -> None:
+    """Keep ``length`` bytes of a mapping from ``start`` (4 KiB multiples) on 4 KiB pages,
+    whatever the kernel's mode. A no-op where the kernel has no huge pages."""
+    _madvise(m, "MADV_NOHUGEPAGE", start, length)
+
+
+def _madvise(m: mmap.mmap, name: str, start: int, length: int) -> None:
+    advice = getattr(mmap, name, None)
+    if advice is None or length <= 0:
         return
     try:
-        m.madvise(advice, start, whole)
+        m.madvise(advice, start, length)
     except OSError:   # a kernel without THP
         pass
 
