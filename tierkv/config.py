@@ -122,17 +122,24 @@ class DramConfig:
     puts do not pay a page fault per 4 KiB on first touch (a page-locked buffer, used when
     CUDA is present, is resident from the start anyway); false leaves the memory to be
     faulted in as pages first land in it.
+
+    ``copy_threads``: a batch of 16 MiB or more is copied into or out of the tier by up to
+    this many threads at once (the calling thread and a pool's), each a share of its
+    pages: one core's copy does not reach the memory's bandwidth. 0 (the default): the
+    cores the process may run on, at most 4; 1 copies on the calling thread alone.
     """
 
     capacity_bytes: int
     prefault: bool = True
+    copy_threads: int = 0
 
     if TYPE_CHECKING:  # sizes may be given as "64GiB": the generated __init__ parses them
-        def __init__(self, capacity_bytes: int | str, prefault: bool = True) -> None: ...
+        def __init__(self, capacity_bytes: int | str, prefault: bool = True, copy_threads: int = 0) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "dram.capacity_bytes"))
         _check_bool(self.prefault, "dram.prefault")
+        _check_int(self.copy_threads, "dram.copy_threads", 0, 64)
 
 
 @dataclass(frozen=True)

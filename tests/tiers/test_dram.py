@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,7 @@ import tierkv.tiers.hugepages as hugepages
 import tierkv.tiers.dram as dram
 from tierkv.config import DramConfig, config_from_dict
 from tierkv.errors import CapacityError, InputError
+from tierkv.store.pages import PageList
 
 
 def test_a_tier_that_does_not_fit_in_memory_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,3 +252,107 @@ def test_slots_must_be_whole_numbers_and_in_range_however_many(n: int) -> None:
         assert (out == 1).all()
     finally:
         tier.close()
+
+
+# -- large batches copied on several threads ---------------------------------------------
+MIB = 1 << 20
+
+
+def _batch(n: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, width), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("source", ["array", "list", "numpy"])   # numpy: the copies without the extension
+def test_a_large_batch_lands_exact_on_any_number_of_threads(threads: int, source: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if source == "numpy":
+        monkeypatch.setattr(dram, "_copy", None)
+    n, page = 21, MIB                                   # 21 MiB: shares of 7 or 10-11 pages
+    slots = np.random.default_rng(threads).permutation(24)[:n].tolist()   # scattered, not a run
+    src = _batch(n, page, threads)
+    with dram.DramTier(24, page, copy_threads=threads) as tier:
+        tier.write(slots, PageList(list(src), page) if source == "list" else src)
+        out = np.zeros_like(src)
+        tier.read(slots, out)
+        assert np.array_equal(out, src)
+        rest = sorted(set(range(24)) - set(slots))
+        assert not tier.buffer[rest].any()              # nothing landed outside the batch's slots
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, method: str) -> list[tuple[str, int]]:
+    seen: list[tuple[str, int]] = []
+    real = getattr(dram.DramTier, method)
+
+    def spy(self: dram.DramTier, slots: list[int], rows: object) -> None:
+        seen.append((threading.current_thread().name, len(slots)))
+        real(self, slots, rows)
+
+    monkeypatch.setattr(dram.DramTier, method, spy)
+    return seen
+
+
+def test_a_batch_of_16_mib_is_shared_out_and_a_smaller_one_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _spy(monkeypatch, "_read_serial")
+    me = threading.current_thread().name
+    with dram.DramTier(40, MIB, copy_threads=2) as tier:
+        tier.read(list(range(16)), np.empty((16, MIB), np.uint8))
+        assert sorted(n for _, n in seen) == [8, 8]
+        assert {name.startswith("tierkv-dram-copy") for name, _ in seen} == {True, False}
+        assert (me, 8) in seen                          # the calling thread copies a share itself
+        seen.clear()
+        tier.read(list(range(15)), np.empty((15, MIB), np.uint8))   # under 16 MiB: this thread alone
+        assert seen == [(me, 15)]
+        seen.clear()
+        tier.read(list(range(20)), np.empty((20, MIB // 2), np.uint8))   # rows narrower than slots: 10 MiB
+        assert seen == [(me, 20)]
+    with dram.DramTier(40, MIB, copy_threads=1) as tier:
+        seen.clear()
+        tier.read(list(range(40)), np.empty((40, MIB), np.uint8))
+        assert seen == [(me, 40)]
+    with dram.DramTier(40, MIB, copy_threads=8) as tier:   # at least 4 MiB a share: 5 shares of 20 MiB
+        seen.clear()
+        tier.read(list(range(20)), np.empty((20, MIB), np.uint8))
+        assert sorted(n for _, n in seen) == [4] * 5
+
+
+@pytest.mark.parametrize("failing", ["caller", "pool"])
+def test_a_failed_share_is_raised_once_every_share_has_ended(failing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ended: list[int] = []
+    real = dram.DramTier._write_serial
+
+    def share(self: dram.DramTier, slots: list[int], src: np.ndarray) -> None:
+        mine = threading.current_thread() is threading.main_thread()
+        if mine == (failing == "caller"):
+            raise OSError(errno.EIO, f"share at slot {slots[0]} failed")
+        time.sleep(0.2)                    # the other share is still writing when this one fails
+        real(self, slots, src)
+        ended.append(slots[0])
+
+    monkeypatch.setattr(dram.DramTier, "_write_serial", share)
+    with dram.DramTier(32, MIB, copy_threads=2) as tier:
+        src = _batch(32, MIB, 7)
+        with pytest.raises(OSError, match=r"share at slot (0|16) failed"):
+            tier.write(list(range(32)), src)
+        assert len(ended) == 1             # raised only after the other share had written
+        done = ended[0]
+        assert np.array_equal(tier.buffer[done:done + 16], src[done:done + 16])
+
+
+def test_copy_threads_come_from_the_config_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    assert 1 <= dram.default_copy_threads() <= 4
+    assert dram.default_copy_threads() <= len(os.sched_getaffinity(0))
+    cfg = config_from_dict({"store": {"path": str(tmp_path), "model_id": "m"},
+                            "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 64},
+                            "tiers": {"dram": {"capacity_bytes": "1MiB", "copy_threads": 3}}})
+    assert cfg.dram is not None and cfg.dram.copy_threads == 3
+    from tierkv.store.opening import _dram
+    tier = _dram(cfg, read_only=False)
+    assert isinstance(tier, dram.DramTier) and tier.copy_threads == 3
+    tier.close()
+    tier = _dram(dataclasses.replace(cfg, dram=DramConfig(1 << 20)), read_only=False)
+    assert isinstance(tier, dram.DramTier) and tier.copy_threads == dram.default_copy_threads()
+    tier.close()
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(InputError, match=r"copy_threads >= 1 .*got"):
+            dram.DramTier(4, 4096, copy_threads=bad)   # type: ignore[arg-type]

@@ -217,7 +217,7 @@ def _dram(cfg: StoreConfig, read_only: bool) -> Tier | None:
     slots = cfg.dram.capacity_bytes // pb
     if slots == 0 and cfg.dram.capacity_bytes:
         raise ConfigError(f"dram capacity of {cfg.dram.capacity_bytes} bytes holds no page of {pb} bytes")
-    return DramTier(slots, pb, prefault=cfg.dram.prefault) if slots else None
+    return DramTier(slots, pb, prefault=cfg.dram.prefault, copy_threads=cfg.dram.copy_threads or None) if slots else None
 
 
 def _nvme(cfg: StoreConfig, read_only: bool) -> Tier | None:
