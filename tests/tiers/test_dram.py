@@ -356,3 +356,33 @@ def test_copy_threads_come_from_the_config_and_bad_ones_are_refused(tmp_path: Pa
     for bad in (0, -1, True, 2.0, "2"):
         with pytest.raises(InputError, match=r"copy_threads >= 1 .*got"):
             dram.DramTier(4, 4096, copy_threads=bad)   # type: ignore[arg-type]
+
+
+def test_a_forked_child_copies_a_large_batch_on_threads_of_its_own() -> None:
+    # The parent's pool exists (and its thread idles) before the fork; the child's copy
+    # must not be handed to that pool, whose threads the child does not have.
+    src = _batch(16, MIB, 11)
+    with dram.DramTier(16, MIB, copy_threads=2) as tier:
+        tier.write(list(range(16)), src)
+    pid = os.fork()
+    if pid == 0:   # the child: exit status 0 only if the copy ends and is exact
+        code = 1
+        try:
+            with dram.DramTier(16, MIB, copy_threads=2) as tier:
+                tier.write(list(range(16)), src)
+                out = np.empty_like(src)
+                tier.read(list(range(16)), out)
+                code = 0 if np.array_equal(out, src) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the child's large copy never ended (it waited on the parent's pool)")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -131,13 +131,26 @@ def _copy_pool(workers: int) -> ThreadPoolExecutor:
     """The process's pool of copy threads, with at least ``workers`` threads: one the DRAM
     tiers of every store here share, made on first use and never shut down (idle threads
     cost nothing). A tier asking for more threads gets a larger pool in its place; the
-    former one's threads end once nothing refers to it."""
+    former one's threads end once nothing refers to it. A forked child starts without
+    one (_forget_pool)."""
     global _pool, _pool_workers
     with _pool_lock:
         if _pool is None or _pool_workers < workers:
             _pool_workers = max(workers, default_copy_threads() - 1)
             _pool = ThreadPoolExecutor(_pool_workers, thread_name_prefix="tierkv-dram-copy")
         return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool has no threads here, yet counts its idle ones
+    as ready, so work given to it would wait for ever; the next large copy makes a new
+    one. The lock too: another thread may have held it at the fork."""
+    global _pool, _pool_workers, _pool_lock
+    _pool, _pool_workers, _pool_lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 class DramTier(Tier):
