@@ -293,13 +293,25 @@ def _spy(monkeypatch: pytest.MonkeyPatch, method: str) -> list[tuple[str, int]]:
 
 
 def test_a_batch_of_16_mib_is_shared_out_and_a_smaller_one_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _spy(monkeypatch, "_read_serial")
+    seen: list[tuple[str, int]] = []
+    real = dram.DramTier._read_serial
+    helped = threading.Event()
     me = threading.current_thread().name
+
+    def spy(self: dram.DramTier, slots: list[int], dst: np.ndarray) -> None:
+        name = threading.current_thread().name
+        seen.append((name, len(slots)))
+        if name.startswith("tierkv-dram-copy"):
+            helped.set()
+        elif len(slots) == 8:
+            helped.wait(10)   # the caller's first chunk: until a pool thread has taken the other
+        real(self, slots, dst)
+
+    monkeypatch.setattr(dram.DramTier, "_read_serial", spy)
     with dram.DramTier(40, MIB, copy_threads=2) as tier:
         tier.read(list(range(16)), np.empty((16, MIB), np.uint8))
-        assert sorted(n for _, n in seen) == [8, 8]
+        assert sorted(n for _, n in seen) == [8, 8]                     # chunks of 8 MiB
         assert {name.startswith("tierkv-dram-copy") for name, _ in seen} == {True, False}
-        assert (me, 8) in seen                          # the calling thread copies a share itself
         seen.clear()
         tier.read(list(range(15)), np.empty((15, MIB), np.uint8))   # under 16 MiB: this thread alone
         assert seen == [(me, 15)]
@@ -310,33 +322,130 @@ def test_a_batch_of_16_mib_is_shared_out_and_a_smaller_one_is_not(monkeypatch: p
         seen.clear()
         tier.read(list(range(40)), np.empty((40, MIB), np.uint8))
         assert seen == [(me, 40)]
-    with dram.DramTier(40, MIB, copy_threads=8) as tier:   # at least 4 MiB a share: 5 shares of 20 MiB
+    with dram.DramTier(40, MIB, copy_threads=8) as tier:
         seen.clear()
         tier.read(list(range(20)), np.empty((20, MIB), np.uint8))
-        assert sorted(n for _, n in seen) == [4] * 5
+        assert sorted(n for _, n in seen) == [4, 8, 8]
+    assert dram._copying == 0
 
 
-@pytest.mark.parametrize("failing", ["caller", "pool"])
-def test_a_failed_share_is_raised_once_every_share_has_ended(failing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_chunk_is_raised_once_every_chunk_taken_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[int] = []
     ended: list[int] = []
     real = dram.DramTier._write_serial
 
-    def share(self: dram.DramTier, slots: list[int], src: np.ndarray) -> None:
-        mine = threading.current_thread() is threading.main_thread()
-        if mine == (failing == "caller"):
-            raise OSError(errno.EIO, f"share at slot {slots[0]} failed")
-        time.sleep(0.2)                    # the other share is still writing when this one fails
+    def chunk(self: dram.DramTier, slots: list[int], src: np.ndarray) -> None:
+        started.append(slots[0])
+        if slots[0] == 8:
+            raise OSError(errno.EIO, "chunk at slot 8 failed")
+        time.sleep(0.3)                    # still writing when the next chunk fails
         real(self, slots, src)
         ended.append(slots[0])
 
-    monkeypatch.setattr(dram.DramTier, "_write_serial", share)
+    monkeypatch.setattr(dram.DramTier, "_write_serial", chunk)
     with dram.DramTier(32, MIB, copy_threads=2) as tier:
         src = _batch(32, MIB, 7)
-        with pytest.raises(OSError, match=r"share at slot (0|16) failed"):
+        with pytest.raises(OSError, match="chunk at slot 8 failed"):
             tier.write(list(range(32)), src)
-        assert len(ended) == 1             # raised only after the other share had written
-        done = ended[0]
-        assert np.array_equal(tier.buffer[done:done + 16], src[done:done + 16])
+        assert ended == [0]                # raised only after the chunk in flight had written
+        assert sorted(started) == [0, 8]   # and no chunk was taken after the failure
+        assert np.array_equal(tier.buffer[:8], src[:8])
+    assert dram._copying == 0
+
+
+def test_a_caller_copies_the_shares_no_pool_thread_has_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every pool thread busy (another caller's shares, say): the call does not wait for
+    # one to come free, it copies the whole batch itself.
+    pool = dram._copy_pool(1)
+    release = threading.Event()
+    blockers = [pool.submit(release.wait) for _ in range(dram._pool_workers)]
+    seen = _spy(monkeypatch, "_read_serial")
+    finished = threading.Event()
+    src = _batch(16, MIB, 3)
+    out = np.empty_like(src)
+
+    def read() -> None:
+        with dram.DramTier(16, MIB, copy_threads=2) as tier:
+            tier.write(list(range(16)), src)
+            tier.read(list(range(16)), out)
+        finished.set()
+
+    reader = threading.Thread(target=read, name="the-caller")
+    reader.start()
+    try:
+        assert finished.wait(20), "the call waited for a busy pool"
+    finally:
+        release.set()
+        reader.join()
+        for b in blockers:
+            b.result()
+    assert seen == [("the-caller", 8), ("the-caller", 8)]
+    assert np.array_equal(out, src)
+
+
+def test_a_large_copy_beside_another_takes_only_the_threads_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two clients of a daemon copying at once on two cores: each on its own thread, not
+    # three threads (two callers and the pool's) fighting for two cores.
+    seen: list[tuple[str, int]] = []
+    real = dram.DramTier._read_serial
+    inside, go = threading.Event(), threading.Event()
+
+    def spy(self: dram.DramTier, slots: list[int], dst: np.ndarray) -> None:
+        seen.append((threading.current_thread().name, len(slots)))
+        if threading.current_thread().name == "first":
+            inside.set()
+            go.wait(20)
+        real(self, slots, dst)
+
+    monkeypatch.setattr(dram.DramTier, "_read_serial", spy)
+    with dram.DramTier(32, MIB, copy_threads=2) as tier:
+        first = threading.Thread(target=tier.read, args=(list(range(16)), np.empty((16, MIB), np.uint8)),
+                                 name="first")
+        first.start()
+        try:
+            assert inside.wait(20)
+            tier.read(list(range(16, 32)), np.empty((16, MIB), np.uint8))   # while the first one copies
+            assert (threading.current_thread().name, 16) in seen             # whole, on this thread
+        finally:
+            go.set()
+            first.join()
+        assert ("first", 8) in seen and sorted(n for _, n in seen) == [8, 8, 16]
+        assert dram._copying == 0
+        seen.clear()
+        tier.read(list(range(16)), np.empty((16, MIB), np.uint8))          # alone again: shared out
+        assert sorted(n for _, n in seen) == [8, 8]
+
+
+def test_a_helper_stops_taking_chunks_once_another_large_copy_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    by_pool: list[int] = []
+    real = dram.DramTier._read_serial
+    helper_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def spy(self: dram.DramTier, slots: list[int], dst: np.ndarray) -> None:
+        name = threading.current_thread().name
+        if name.startswith("tierkv-dram-copy"):
+            by_pool.append(slots[0])
+            helper_in.set()
+            b_in.wait(10)            # B copies now: three threads for two
+        elif name == "A" and not helper_in.is_set():
+            helper_in.wait(10)       # A's first chunk: until its helper has one too
+        elif name == "B":
+            b_in.set()
+            a_done.wait(10)
+        real(self, slots, dst)
+
+    monkeypatch.setattr(dram.DramTier, "_read_serial", spy)
+    with dram.DramTier(48, MIB, copy_threads=2) as tier:
+        a = threading.Thread(target=tier.read, args=(list(range(32)), np.empty((32, MIB), np.uint8)), name="A")
+        b = threading.Thread(target=tier.read, args=(list(range(32, 48)), np.empty((16, MIB), np.uint8)), name="B")
+        a.start()
+        assert helper_in.wait(10)
+        b.start()
+        a.join(20)
+        a_done.set()
+        b.join(20)
+    assert len(by_pool) == 1      # the helper's one chunk; A copied the other three itself
+    assert dram._copying == 0
 
 
 def test_copy_threads_come_from_the_config_and_bad_ones_are_refused(tmp_path: Path) -> None:

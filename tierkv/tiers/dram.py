@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -104,17 +104,20 @@ _STREAM_WRITE = 4096
 _STREAM_ROW = 16384
 _STREAM_READ = 4 << 20
 _ONE_COPY = 64 << 20
-# A batch of at least _PARALLEL_BYTES is copied by up to ``copy_threads`` threads at once,
-# each a consecutive share of its rows of at least _PARALLEL_SHARE bytes: the calling
-# thread copies the first share, threads of one pool the process's DRAM tiers share copy
-# the others. One core does not reach the memory's bandwidth with a copy (about 10 GB/s
-# on the project's VM, 13-14 with two threads); below a few MiB waking a thread (0.1-0.2
-# ms on a VM) costs what a second core saves.
+# A batch of at least _PARALLEL_BYTES is copied by up to ``copy_threads`` threads at once
+# (the calling thread and threads of one pool the process's DRAM tiers share), each
+# taking the next _PARALLEL_CHUNK bytes of rows until none are left. One core does not
+# reach the memory's bandwidth with a copy (about 10 GB/s on the project's VM, 13-14 with
+# two threads); below a few MiB waking a thread (0.1-0.2 ms on a VM) costs what a second
+# core saves. Threads copying at once are counted across the process (_copying): a pool
+# thread helps only while they are no more than the call's ``copy_threads``, so that the
+# copies of a daemon's several clients do not share out onto more threads than cores.
 _PARALLEL_BYTES = 16 << 20
-_PARALLEL_SHARE = 4 << 20
+_PARALLEL_CHUNK = 8 << 20
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_workers = 0
+_copying = 0   # threads copying a large batch right now (callers and helpers; under _pool_lock)
 
 
 def default_copy_threads() -> int:
@@ -145,12 +148,66 @@ def _forget_pool() -> None:
     """In a forked child: the parent's pool has no threads here, yet counts its idle ones
     as ready, so work given to it would wait for ever; the next large copy makes a new
     one. The lock too: another thread may have held it at the fork."""
-    global _pool, _pool_workers, _pool_lock
-    _pool, _pool_workers, _pool_lock = None, 0, threading.Lock()
+    global _pool, _pool_workers, _pool_lock, _copying
+    _pool, _pool_workers, _pool_lock, _copying = None, 0, threading.Lock(), 0
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
+
+
+class _Job:
+    """One large copy: rows ``a:b`` are taken a chunk at a time by the calling thread and by
+    the pool threads helping it, until none are left or one chunk failed."""
+
+    def __init__(self, copy: Callable[[int, int], None], n: int, chunk: int, limit: int) -> None:
+        self.copy, self.n, self.chunk, self.limit = copy, n, chunk, limit
+        self.next = 0                  # the first row no thread has taken
+        self.running = 0               # chunks being copied
+        self.error: BaseException | None = None
+        self.cv = threading.Condition(threading.Lock())
+
+    def _take(self, helper: bool) -> tuple[int, int] | None:
+        with self.cv:
+            if self.error is not None or self.next >= self.n or (helper and _copying > self.limit):
+                return None
+            a = self.next
+            self.next = min(self.n, a + self.chunk)
+            self.running += 1
+            return a, self.next
+
+    def help(self) -> None:
+        """A pool thread's part: chunks until none are left or more threads copy in the
+        process than the call's limit; counted in _copying meanwhile."""
+        global _copying
+        with _pool_lock:
+            _copying += 1
+        try:
+            self.run(helper=True)
+        finally:
+            with _pool_lock:
+                _copying -= 1
+
+    def run(self, helper: bool = False) -> None:
+        """Copy chunks until none are left (or, for a helper, until there are too many
+        copying threads)."""
+        while (span := self._take(helper)) is not None:
+            failure: BaseException | None = None
+            try:
+                self.copy(*span)
+            except BaseException as exc:  # noqa: BLE001 - raised by the call that owns the job
+                failure = exc
+            with self.cv:
+                self.running -= 1
+                if failure is not None and self.error is None:
+                    self.error = failure
+                self.cv.notify_all()
+
+    def wait(self) -> None:
+        """Until no chunk is being copied (the caller's own loop has taken the last one)."""
+        with self.cv:
+            while self.running:
+                self.cv.wait()
 
 
 class DramTier(Tier):
@@ -277,29 +334,34 @@ class DramTier(Tier):
         self._in_shares(len(slots), dst.shape[1], lambda a, b: self._read_serial(slots[a:b], dst[a:b]))
 
     def _in_shares(self, n: int, width: int, copy: Callable[[int, int], None]) -> None:
-        """``copy(a, b)`` of rows ``a:b``: once for all ``n`` rows, or for consecutive shares
-        of them on up to :attr:`copy_threads` threads at once where the batch is large
-        (this thread copies the first share). Returns once every share has ended, and
-        raises the first failure only then (the shares write into the caller's memory)."""
+        """``copy(a, b)`` of rows ``a:b`` for all ``n`` rows: in one call, or where the batch
+        is large in chunks that this thread and up to ``copy_threads - 1`` pool threads take
+        in turn (fewer while other large copies run in the process). Returns once every
+        chunk taken has ended, and raises the first failure only then (the chunks write
+        into the caller's memory); no chunk is taken after one failed."""
         nbytes = n * width
-        k = min(self.copy_threads, n, nbytes // _PARALLEL_SHARE) if nbytes >= _PARALLEL_BYTES else 1
-        if k <= 1:
+        if nbytes < _PARALLEL_BYTES:
             copy(0, n)
             return
-        bounds = [n * i // k for i in range(k + 1)]
-        pool = _copy_pool(k - 1)
-        futures: list[Future[None]] = [pool.submit(copy, bounds[i], bounds[i + 1]) for i in range(1, k)]
-        failure: BaseException | None = None
+        global _copying
+        with _pool_lock:   # threads other large copies hold already are not this call's
+            helpers = min(self.copy_threads, -(-nbytes // _PARALLEL_CHUNK), self.copy_threads - _copying) - 1
+            _copying += 1
         try:
-            copy(bounds[0], bounds[1])
-        except BaseException as exc:  # noqa: BLE001 - raised below, once the other shares ended
-            failure = exc
-        for f in futures:
-            other = f.exception()
-            if failure is None and other is not None:
-                failure = other
-        if failure is not None:
-            raise failure
+            if helpers <= 0:
+                copy(0, n)
+                return
+            job = _Job(copy, n, max(1, _PARALLEL_CHUNK // max(1, width)), self.copy_threads)
+            pool = _copy_pool(helpers)
+            for _ in range(helpers):
+                pool.submit(job.help)
+            job.run()
+            job.wait()
+        finally:
+            with _pool_lock:
+                _copying -= 1
+        if job.error is not None:
+            raise job.error
 
     def _write_serial(self, slots: Sequence[int], src: np.ndarray) -> None:
         width = src.shape[1]
