@@ -166,6 +166,12 @@ class NvmeConfig:
     to gets that accept lossy pages at that budget (docs/lossy.md, "A lossy tier").
     ``lossy_calibration``: a file ``tierkv calibrate`` wrote for the model, weighing each
     layer's keys and values in the bit allocation (without one, every layer weighs alike).
+
+    ``io_uring``: true reads through io_uring (up to 32 reads in flight from the calling
+    thread, which checks and copies out what has landed meanwhile; the pool of
+    ``io_threads`` where this kernel refuses io_uring), false through the thread pool;
+    unset, the pool unless the environment sets ``TIERKV_IO_URING=1``. Writes always use
+    the pool (docs/benchmarks.md, "NVMe read path: io_uring vs thread pool").
     """
 
     capacity_bytes: int
@@ -177,17 +183,21 @@ class NvmeConfig:
     format: bool = False
     lossy_bits: float = 0.0
     lossy_calibration: str | None = None
+    io_uring: bool | None = None
 
     if TYPE_CHECKING:  # sizes may be given as "64GiB": the generated __init__ parses them
         def __init__(self, capacity_bytes: int | str, path: str | None = None, o_direct: bool = True,
                      io_threads: int = 4, codec: str = "none", bandwidth_gbps: float = 0.0,
-                     format: bool = False, lossy_bits: float = 0.0, lossy_calibration: str | None = None) -> None: ...
+                     format: bool = False, lossy_bits: float = 0.0, lossy_calibration: str | None = None,
+                     io_uring: bool | None = None) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_size(self.capacity_bytes, "nvme.capacity_bytes"))
         _check_codec(self, "nvme")
         _check_str(self.path, "nvme.path", path=True)
         _check_bool(self.format, "nvme.format")
+        if self.io_uring is not None:
+            _check_bool(self.io_uring, "nvme.io_uring")
 
 
 _TRANSPORTS = ("rdma", "tcp", "loop")

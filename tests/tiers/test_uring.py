@@ -297,3 +297,45 @@ def test_without_io_uring_the_tier_reads_with_the_pool(tmp_path: Path, monkeypat
 def test_read_depth_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="read_depth"):
         NvmeTier(tmp_path / "t.dat", 8, PAGE, read_depth=0)
+
+
+@pytest.mark.parametrize(("setting", "env", "engine"), [(True, None, "io_uring"), (False, "1", "threads"),
+                                                        (None, "1", "io_uring"), (None, None, "threads")])
+@pytest.mark.parametrize("codec", ["none", "lossless"])
+def test_the_store_config_chooses_over_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       setting: bool | None, env: str | None, engine: str,
+                                                       codec: str) -> None:
+    from tierkv.config import config_from_dict
+    from tierkv.store.api import Store
+    from tierkv.tiers.blocks import BlockPageTier
+
+    if env is None:
+        monkeypatch.delenv(uring.ENV_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(uring.ENV_SWITCH, env)
+    if engine == "io_uring" and not uring.available():
+        pytest.skip("io_uring is not available here")
+    nvme: dict[str, object] = {"capacity_bytes": "4MiB", "codec": codec}
+    if setting is not None:
+        nvme["io_uring"] = setting
+    cfg = config_from_dict({"store": {"path": str(tmp_path / "s"), "model_id": "m"},
+                            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "tokens_per_page": 16},
+                            "tiers": {"nvme": nvme}})
+    with Store.open(cfg) as store:
+        tier = store._manager.tiers[0]
+        medium = tier.blocks if isinstance(tier, BlockPageTier) else tier
+        assert isinstance(medium, NvmeTier) and medium.io_engine == engine
+        tokens = np.arange(64, dtype=np.int64)
+        rows = pages(4, cfg.layout.page_bytes, 5)
+        store.put(tokens, rows)
+        out = np.zeros_like(rows)
+        assert store.get(tokens, out).pages == 4 and np.array_equal(out, rows)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, "true"])
+def test_io_uring_in_the_config_is_a_boolean(bad: object) -> None:
+    from tierkv.config import NvmeConfig
+    from tierkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"nvme.io_uring must be true or false"):
+        NvmeConfig(1 << 20, io_uring=bad)  # type: ignore[arg-type]

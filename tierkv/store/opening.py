@@ -236,7 +236,7 @@ def _nvme(cfg: StoreConfig, read_only: bool) -> Tier | None:
     return _paged(cfg, nvme, lambda unit: NvmeTier(
         cfg.nvme_path(), slots * (slot_bytes // round_up(unit)), unit, o_direct=nvme.o_direct,
         io_threads=nvme.io_threads, create=not read_only, header_bytes=LABEL_BYTES, defer_grow=True,
-        exclusive=not read_only))
+        exclusive=not read_only, io_uring=nvme.io_uring))
 
 
 def _nvmeof(cfg: StoreConfig, read_only: bool) -> Tier | None:
