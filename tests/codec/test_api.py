@@ -190,27 +190,26 @@ def test_one_codec_from_many_threads() -> None:
             assert all(pool.map(work, range(4)))
 
 
-def test_a_split_batch_waits_for_every_share_before_it_raises() -> None:
-    """The calling thread codes the first share of a batch itself; whichever share fails,
-    the call returns only after every share has ended (they all write into the caller's
-    arrays), and raises the failure."""
-    import threading
+def test_a_split_batch_waits_for_every_chunk_taken_before_it_raises() -> None:
+    """The calling thread and the pool's take chunks of a batch in turn; whichever chunk
+    fails, the call returns only after every chunk taken has ended (they all write into
+    the caller's arrays), takes no chunk after the failure, and raises it."""
     import time
 
     with Codec(LAYOUT, threads=3) as codec:
         ended: list[int] = []
-        callers: list[bool] = []
+        started: list[int] = []
 
         def work(a: int, b: int) -> None:
-            callers.append(threading.current_thread() is threading.main_thread())
-            if a == 0:
-                raise ValueError("the first share failed")
-            time.sleep(0.05)
+            started.append(a)
+            if a == 4:
+                raise ValueError("the second chunk failed")
+            time.sleep(0.1)               # the first chunk is still being coded when it fails
             ended.append(a)
 
-        with pytest.raises(ValueError, match="first share"):
-            codec._split(12, work)
-        assert sorted(ended) == [4, 8] and sorted(callers) == [False, False, True]
+        with pytest.raises(ValueError, match="second chunk"):
+            codec._split(12, work)        # chunks of 4 pages: 0, 4, 8
+        assert ended == [0] and sorted(started) == [0, 4]
 
         ended.clear()
 
@@ -223,3 +222,30 @@ def test_a_split_batch_waits_for_every_share_before_it_raises() -> None:
         with pytest.raises(ValueError, match="last share"):
             codec._split(12, late_failure)
         assert sorted(ended) == [0, 4]
+
+
+def test_a_split_batch_is_coded_by_the_caller_where_the_pool_is_busy() -> None:
+    """Every pool thread busy: the caller codes every chunk itself, waiting for none."""
+    import threading
+
+    with Codec(LAYOUT, threads=2) as codec:
+        assert codec._pool is not None
+        release = threading.Event()
+        blockers = [codec._pool.submit(release.wait) for _ in range(2)]
+        by: list[str] = []
+        done = threading.Event()
+
+        def call() -> None:
+            codec._split(64, lambda a, b: by.append(threading.current_thread().name))
+            done.set()
+
+        caller = threading.Thread(target=call, name="caller")
+        caller.start()
+        try:
+            assert done.wait(20), "the batch waited for a busy pool"
+        finally:
+            release.set()
+            caller.join()
+            for b in blockers:
+                b.result()
+        assert by == ["caller"] * 8     # 64 pages in chunks of 8

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 import tierkv.codec.portable as portable
+from tierkv.chunks import Chunks
 from tierkv.codec.format import ERROR_TEXT, HEADER_BYTES, DecodeStatus, geometry, max_encoded_bytes
 from tierkv.errors import CorruptPageError, InputError, StoreClosedError
 from tierkv.layout import KVLayout
@@ -41,6 +42,9 @@ except ImportError:  # pragma: no cover - where the extension is not built
 
 # Below this many pages per worker a batch is not worth splitting across threads.
 _MIN_PAGES_PER_THREAD = 2
+# Pages a thread takes at a time at least (where the batch has that many a thread): a
+# call into the backend costs a few microseconds, a page 10-40.
+_CHUNK_PAGES = 8
 _warned_portable = False
 
 
@@ -179,19 +183,17 @@ class Codec:
         if workers <= 1:
             work(0, n)
             return
-        bounds = [n * k // workers for k in range(workers + 1)]
         assert self._pool is not None
-        # The calling thread codes the first share itself: one wake-up of a pool thread
-        # fewer (on the 2-core VM a wake-up took 0.1-0.2 ms of a 2 ms batch), and a core
-        # that is already running. Every share is waited for before anything is raised:
-        # they all write into the caller's arrays.
-        futures = [self._pool.submit(work, bounds[k], bounds[k + 1]) for k in range(1, workers)]
-        try:
-            work(bounds[0], bounds[1])
-        finally:
-            wait(futures)
-        for f in futures:
-            f.result()
+        # The calling thread and workers - 1 pool threads take chunks of pages in turn (about
+        # four a thread): a pool thread that wakes late (0.1-0.2 ms on the 2-core VM, of a 2
+        # ms batch) or is descheduled costs the caller nothing, it codes the chunks no one
+        # has started. Every chunk taken has ended before anything is raised: they all
+        # write into the caller's arrays.
+        chunk = max(1, min(-(-n // workers), max(_CHUNK_PAGES, -(-n // (4 * workers)))))
+        job = Chunks(work, n, chunk)
+        for _ in range(workers - 1):
+            self._pool.submit(job.help)
+        job.finish()
 
     def _rows(self, page_rows: np.ndarray, what: str) -> np.ndarray:
         pb = self.layout.page_bytes

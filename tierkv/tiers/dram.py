@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from tierkv.chunks import Chunks
 from tierkv.errors import CapacityError, InputError
 from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import Prefault
@@ -156,58 +157,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-class _Job:
-    """One large copy: rows ``a:b`` are taken a chunk at a time by the calling thread and by
-    the pool threads helping it, until none are left or one chunk failed."""
-
-    def __init__(self, copy: Callable[[int, int], None], n: int, chunk: int, limit: int) -> None:
-        self.copy, self.n, self.chunk, self.limit = copy, n, chunk, limit
-        self.next = 0                  # the first row no thread has taken
-        self.running = 0               # chunks being copied
-        self.error: BaseException | None = None
-        self.cv = threading.Condition(threading.Lock())
-
-    def _take(self, helper: bool) -> tuple[int, int] | None:
-        with self.cv:
-            if self.error is not None or self.next >= self.n or (helper and _copying > self.limit):
-                return None
-            a = self.next
-            self.next = min(self.n, a + self.chunk)
-            self.running += 1
-            return a, self.next
-
-    def help(self) -> None:
-        """A pool thread's part: chunks until none are left or more threads copy in the
-        process than the call's limit; counted in _copying meanwhile."""
-        global _copying
+def _helping(job: Chunks) -> None:
+    """A pool thread's part of a large copy, counted in _copying meanwhile."""
+    global _copying
+    with _pool_lock:
+        _copying += 1
+    try:
+        job.help()
+    finally:
         with _pool_lock:
-            _copying += 1
-        try:
-            self.run(helper=True)
-        finally:
-            with _pool_lock:
-                _copying -= 1
-
-    def run(self, helper: bool = False) -> None:
-        """Copy chunks until none are left (or, for a helper, until there are too many
-        copying threads)."""
-        while (span := self._take(helper)) is not None:
-            failure: BaseException | None = None
-            try:
-                self.copy(*span)
-            except BaseException as exc:  # noqa: BLE001 - raised by the call that owns the job
-                failure = exc
-            with self.cv:
-                self.running -= 1
-                if failure is not None and self.error is None:
-                    self.error = failure
-                self.cv.notify_all()
-
-    def wait(self) -> None:
-        """Until no chunk is being copied (the caller's own loop has taken the last one)."""
-        with self.cv:
-            while self.running:
-                self.cv.wait()
+            _copying -= 1
 
 
 class DramTier(Tier):
@@ -351,17 +310,15 @@ class DramTier(Tier):
             if helpers <= 0:
                 copy(0, n)
                 return
-            job = _Job(copy, n, max(1, _PARALLEL_CHUNK // max(1, width)), self.copy_threads)
+            limit = self.copy_threads
+            job = Chunks(copy, n, max(1, _PARALLEL_CHUNK // max(1, width)), lambda: _copying <= limit)
             pool = _copy_pool(helpers)
             for _ in range(helpers):
-                pool.submit(job.help)
-            job.run()
-            job.wait()
+                pool.submit(_helping, job)
+            job.finish()
         finally:
             with _pool_lock:
                 _copying -= 1
-        if job.error is not None:
-            raise job.error
 
     def _write_serial(self, slots: Sequence[int], src: np.ndarray) -> None:
         width = src.shape[1]

@@ -1,0 +1,71 @@
+"""One batch of rows worked on by several threads, a chunk at a time.
+
+The calling thread and the pool threads helping it take the next chunk of rows in turn
+until none are left, so a helper that wakes late (0.1-0.2 ms on a VM) or not at all
+costs the caller nothing: it takes the chunks no one has started rather than waiting for
+a share handed out up front. Used by the DRAM tier's large copies and the codec's
+batches.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class Chunks:
+    """Rows ``0:n`` of one batch: ``work(a, b)`` is called for consecutive chunks of at most
+    ``chunk`` rows, each by the thread that took it. ``may_help()`` (optional) is asked
+    before a helper takes each chunk: false sends the helper away (the caller takes the
+    rest). After a chunk fails no chunk is taken; the first failure is kept for the caller
+    (:meth:`finish`)."""
+
+    def __init__(self, work: Callable[[int, int], None], n: int, chunk: int,
+                 may_help: Callable[[], bool] | None = None) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunks of at least one row, got {chunk}")
+        self.work, self.n, self.chunk, self.may_help = work, n, chunk, may_help
+        self.next = 0                  # the first row no thread has taken
+        self.running = 0               # chunks being worked on
+        self.error: BaseException | None = None
+        self._cv = threading.Condition(threading.Lock())
+
+    def _take(self, helper: bool) -> tuple[int, int] | None:
+        with self._cv:
+            if self.error is not None or self.next >= self.n:
+                return None
+            if helper and self.may_help is not None and not self.may_help():
+                return None
+            a = self.next
+            self.next = min(self.n, a + self.chunk)
+            self.running += 1
+            return a, self.next
+
+    def run(self, helper: bool = False) -> None:
+        """Work on chunks until none are left (a helper: or until ``may_help`` says no)."""
+        while (span := self._take(helper)) is not None:
+            failure: BaseException | None = None
+            try:
+                self.work(*span)
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller, in finish()
+                failure = exc
+            with self._cv:
+                self.running -= 1
+                if failure is not None and self.error is None:
+                    self.error = failure
+                self._cv.notify_all()
+
+    def help(self) -> None:
+        """A pool thread's part (submit this)."""
+        self.run(helper=True)
+
+    def finish(self) -> None:
+        """The caller's end: work on what is left, wait for the chunks other threads took,
+        then raise the first failure, if any. Every chunk taken has ended when this returns
+        or raises (they write into the caller's memory)."""
+        self.run()
+        with self._cv:
+            while self.running:
+                self._cv.wait()
+        if self.error is not None:
+            raise self.error
