@@ -18,7 +18,7 @@ class Chunks:
     ``chunk`` rows, each by the thread that took it. ``may_help()`` (optional) is asked
     before a helper takes each chunk: false sends the helper away (the caller takes the
     rest). After a chunk fails no chunk is taken; the first failure is kept for the caller
-    (:meth:`finish`)."""
+    (:meth:`drive`)."""
 
     def __init__(self, work: Callable[[int, int], None], n: int, chunk: int,
                  may_help: Callable[[], bool] | None = None) -> None:
@@ -47,7 +47,7 @@ class Chunks:
             failure: BaseException | None = None
             try:
                 self.work(*span)
-            except BaseException as exc:  # noqa: BLE001 - raised by the caller, in finish()
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller, in drive()
                 failure = exc
             with self._cv:
                 self.running -= 1
@@ -56,16 +56,37 @@ class Chunks:
                 self._cv.notify_all()
 
     def help(self) -> None:
-        """A pool thread's part (submit this)."""
+        """A pool thread's part."""
         self.run(helper=True)
 
-    def finish(self) -> None:
-        """The caller's end: work on what is left, wait for the chunks other threads took,
-        then raise the first failure, if any. Every chunk taken has ended when this returns
-        or raises (they write into the caller's memory)."""
-        self.run()
+    def drive(self, submit: Callable[[Callable[[], None]], object], helpers: int,
+              helper: Callable[[], None] | None = None) -> None:
+        """The caller's part: hand ``helpers`` pool threads ``helper`` (default
+        :meth:`help`) through ``submit``, work on chunks until none are left, wait for the
+        chunks other threads took, then raise the first failure, if any.
+
+        Every chunk taken has ended when this returns or raises, whatever happens meanwhile
+        (they write into the caller's memory): a pool that takes no more work (``submit``
+        raising, as at interpreter exit) leaves the chunks to the caller; an exception in
+        this thread (KeyboardInterrupt while it waits, say) stops the batch, no chunk is
+        taken after it, and it is raised once the chunks in flight have ended."""
+        try:
+            for _ in range(helpers):
+                try:
+                    submit(helper or self.help)
+                except Exception:  # noqa: BLE001 - no thread to be had (shut down, none left): copy alone
+                    break
+            self.run()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once no chunk is in flight
+            with self._cv:
+                if self.error is None:
+                    self.error = exc
         with self._cv:
             while self.running:
-                self._cv.wait()
+                try:
+                    self._cv.wait()
+                except BaseException as exc:  # noqa: BLE001 - the wait goes on; raised below
+                    if self.error is None:
+                        self.error = exc
         if self.error is not None:
             raise self.error

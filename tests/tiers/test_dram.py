@@ -333,24 +333,39 @@ def test_a_failed_chunk_is_raised_once_every_chunk_taken_has_ended(monkeypatch: 
     started: list[int] = []
     ended: list[int] = []
     real = dram.DramTier._write_serial
+    helper_in = threading.Event()
 
     def chunk(self: dram.DramTier, slots: list[int], src: np.ndarray) -> None:
         started.append(slots[0])
-        if slots[0] == 8:
-            raise OSError(errno.EIO, "chunk at slot 8 failed")
-        time.sleep(0.3)                    # still writing when the next chunk fails
-        real(self, slots, src)
-        ended.append(slots[0])
+        if threading.current_thread().name.startswith("tierkv-dram-copy"):
+            helper_in.set()
+            time.sleep(0.3)                # still writing when the caller's chunk fails
+            real(self, slots, src)
+            ended.append(slots[0])
+            return
+        helper_in.wait(10)                 # the caller's chunk fails once a helper has one in flight
+        raise OSError(errno.EIO, f"chunk at slot {slots[0]} failed")
 
     monkeypatch.setattr(dram.DramTier, "_write_serial", chunk)
     with dram.DramTier(32, MIB, copy_threads=2) as tier:
         src = _batch(32, MIB, 7)
-        with pytest.raises(OSError, match="chunk at slot 8 failed"):
+        with pytest.raises(OSError, match="chunk at slot (0|8) failed"):
             tier.write(list(range(32)), src)
-        assert ended == [0]                # raised only after the chunk in flight had written
-        assert sorted(started) == [0, 8]   # and no chunk was taken after the failure
-        assert np.array_equal(tier.buffer[:8], src[:8])
+        assert len(ended) == 1             # raised only after the helper's chunk had written
+        assert len(started) == 2           # and no chunk was taken after the failure
+        done = ended[0]
+        assert np.array_equal(tier.buffer[done:done + 8], src[done:done + 8])
     assert dram._copying == 0
+
+
+def test_a_large_write_naming_a_slot_twice_lands_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _spy(monkeypatch, "_write_serial")
+    src = _batch(16, MIB, 9)
+    slots = list(range(15)) + [3]          # row 15 goes to slot 3 after row 3
+    with dram.DramTier(16, MIB, copy_threads=2) as tier:
+        tier.write(slots, src)
+        assert seen == [(threading.current_thread().name, 16)]   # one call, not chunks
+        assert np.array_equal(tier.buffer[3], src[15]) and np.array_equal(tier.buffer[4], src[4])
 
 
 def test_a_caller_copies_the_shares_no_pool_thread_has_taken(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -467,24 +482,51 @@ def test_copy_threads_come_from_the_config_and_bad_ones_are_refused(tmp_path: Pa
             dram.DramTier(4, 4096, copy_threads=bad)   # type: ignore[arg-type]
 
 
-def test_a_forked_child_copies_a_large_batch_on_threads_of_its_own() -> None:
-    # The parent's pool exists (and its thread idles) before the fork; the child's copy
-    # must not be handed to that pool, whose threads the child does not have.
-    src = _batch(16, MIB, 11)
-    with dram.DramTier(16, MIB, copy_threads=2) as tier:
-        tier.write(list(range(16)), src)
+def test_a_forked_child_copies_a_large_batch_on_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Forked while another thread copies a large batch: the child inherits the parent's
+    # pool (no threads here) and its count of copying threads (one that will never end).
+    # Its own large copy must still get a helper thread.
+    real = dram.DramTier._read_serial
+    in_copy, forked = threading.Event(), threading.Event()
+
+    def parent_spy(self: dram.DramTier, slots: list[int], dst: np.ndarray) -> None:
+        if threading.current_thread().name == "parent-copy":
+            in_copy.set()
+            forked.wait(20)
+        real(self, slots, dst)
+
+    monkeypatch.setattr(dram.DramTier, "_read_serial", parent_spy)
+    tier = dram.DramTier(16, MIB, copy_threads=2)
+    parent = threading.Thread(target=tier.read, args=(list(range(16)), np.empty((16, MIB), np.uint8)),
+                              name="parent-copy")
+    parent.start()
+    assert in_copy.wait(20)
     pid = os.fork()
-    if pid == 0:   # the child: exit status 0 only if the copy ends and is exact
+    if pid == 0:   # the child: exit status 0 only if a pool thread helped and the copy is exact
         code = 1
         try:
-            with dram.DramTier(16, MIB, copy_threads=2) as tier:
-                tier.write(list(range(16)), src)
+            helped = threading.Event()
+
+            def child_spy(self: dram.DramTier, slots: list[int], dst: np.ndarray) -> None:
+                if threading.current_thread().name.startswith("tierkv-dram-copy"):
+                    helped.set()
+                else:
+                    helped.wait(10)   # the caller's chunk: until a helper has taken one
+                real(self, slots, dst)
+
+            dram.DramTier._read_serial = child_spy  # type: ignore[method-assign,assignment]
+            src = _batch(16, MIB, 11)
+            with dram.DramTier(16, MIB, copy_threads=2) as mine:
+                mine.write(list(range(16)), src)
                 out = np.empty_like(src)
-                tier.read(list(range(16)), out)
-                code = 0 if np.array_equal(out, src) else 2
+                mine.read(list(range(16)), out)
+                code = 0 if helped.is_set() and np.array_equal(out, src) else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 30
+    forked.set()
+    parent.join()
+    tier.close()
+    deadline = time.monotonic() + 60
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -492,6 +534,43 @@ def test_a_forked_child_copies_a_large_batch_on_threads_of_its_own() -> None:
         if time.monotonic() > deadline:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
-            pytest.fail("the child's large copy never ended (it waited on the parent's pool)")
+            pytest.fail("the child's large copy never ended")
         time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.waitstatus_to_exitcode(status) == 0   # 2: no pool thread helped the child
+
+
+EXIT_SCRIPT = """
+import atexit, threading, numpy as np
+import tierkv.tiers.dram as dram
+tier = dram.DramTier(32, 1 << 20, copy_threads=2)
+src = np.random.default_rng(1).integers(0, 256, (32, 1 << 20), dtype=np.uint8)
+
+def late():   # a large copy after the main thread has returned (a non-daemon thread)
+    threading.main_thread().join()
+    out = np.empty_like(src)
+    tier.write(list(range(32)), src)
+    tier.read(list(range(32)), out)
+    print("late", np.array_equal(out, src))
+
+def at_exit():
+    out = np.zeros_like(src)
+    tier.read(list(range(32)), out)
+    print("atexit", np.array_equal(out, src))
+
+atexit.register(at_exit)
+threading.Thread(target=late).start()
+"""
+
+
+def test_large_copies_work_after_the_main_thread_returned_and_at_exit(tmp_path: Path) -> None:
+    # concurrent.futures takes no more work once the main thread is done: the caller then
+    # copies every chunk itself (before: RuntimeError "cannot schedule new futures").
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(dram.__file__).resolve().parents[2]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["late", "True", "atexit", "True"], done.stdout + done.stderr

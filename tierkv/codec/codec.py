@@ -190,10 +190,7 @@ class Codec:
         # has started. Every chunk taken has ended before anything is raised: they all
         # write into the caller's arrays.
         chunk = max(1, min(-(-n // workers), max(_CHUNK_PAGES, -(-n // (4 * workers)))))
-        job = Chunks(work, n, chunk)
-        for _ in range(workers - 1):
-            self._pool.submit(job.help)
-        job.finish()
+        Chunks(work, n, chunk).drive(self._pool.submit, workers - 1)
 
     def _rows(self, page_rows: np.ndarray, what: str) -> np.ndarray:
         pb = self.layout.page_bytes

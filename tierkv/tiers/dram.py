@@ -284,22 +284,25 @@ class DramTier(Tier):
         return self._buf[slot]
 
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
-        self._in_shares(len(slots), src.shape[1], lambda a, b: self._write_serial(slots[a:b], src[a:b]))
+        self._in_shares(len(slots), src.shape[1], lambda a, b: self._write_serial(slots[a:b], src[a:b]), slots)
 
     def _write_rows(self, slots: Sequence[int], rows: PageList) -> None:
-        self._in_shares(len(slots), rows.shape[1], lambda a, b: self._write_rows_serial(slots[a:b], rows[a:b]))
+        self._in_shares(len(slots), rows.shape[1], lambda a, b: self._write_rows_serial(slots[a:b], rows[a:b]),
+                        slots)
 
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
         self._in_shares(len(slots), dst.shape[1], lambda a, b: self._read_serial(slots[a:b], dst[a:b]))
 
-    def _in_shares(self, n: int, width: int, copy: Callable[[int, int], None]) -> None:
+    def _in_shares(self, n: int, width: int, copy: Callable[[int, int], None],
+                   written: Sequence[int] | None = None) -> None:
         """``copy(a, b)`` of rows ``a:b`` for all ``n`` rows: in one call, or where the batch
         is large in chunks that this thread and up to ``copy_threads - 1`` pool threads take
         in turn (fewer while other large copies run in the process). Returns once every
         chunk taken has ended, and raises the first failure only then (the chunks write
-        into the caller's memory); no chunk is taken after one failed."""
+        into the caller's memory); no chunk is taken after one failed. A write naming a
+        slot twice (``written``) goes in one call, in order: its later row lands last."""
         nbytes = n * width
-        if nbytes < _PARALLEL_BYTES:
+        if nbytes < _PARALLEL_BYTES or (written is not None and len(np.unique(np.asarray(written))) < n):
             copy(0, n)
             return
         global _copying
@@ -312,10 +315,7 @@ class DramTier(Tier):
                 return
             limit = self.copy_threads
             job = Chunks(copy, n, max(1, _PARALLEL_CHUNK // max(1, width)), lambda: _copying <= limit)
-            pool = _copy_pool(helpers)
-            for _ in range(helpers):
-                pool.submit(_helping, job)
-            job.finish()
+            job.drive(_copy_pool(helpers).submit, helpers, lambda: _helping(job))
         finally:
             with _pool_lock:
                 _copying -= 1

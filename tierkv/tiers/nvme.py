@@ -36,7 +36,7 @@ import stat
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -448,7 +448,7 @@ class NvmeTier(Tier):
                     pass
 
             helpers = min(self.io_threads, n * len(ranges)) - 1
-            futures = [self._fanout.submit(drain) for _ in range(helpers)] if self._fanout else []
+            futures = self._helpers(drain, helpers)
             try:
                 k = 0
                 while k < len(ranges):
@@ -589,12 +589,25 @@ class NvmeTier(Tier):
                         errors.append(e)
 
             helpers = min(self.io_threads, len(chunks)) - 1
-            futures = [self._fanout.submit(drain) for _ in range(helpers)] if self._fanout else []
+            futures = self._helpers(drain, helpers)
             drain()  # the calling thread is one of the io_threads
             for f in futures:
                 f.result()
         if errors:
             raise errors[0]
+
+    def _helpers(self, drain: Callable[[], None], count: int) -> list[Future[None]]:
+        """Up to ``count`` pool threads running ``drain``: fewer where the pool takes no more
+        work (once the main thread has returned, concurrent.futures refuses it, so a store
+        closed from an atexit handler or a late thread would fail to write its pages back);
+        the calling thread drains what they would have."""
+        futures: list[Future[None]] = []
+        for _ in range(count if self._fanout is not None else 0):
+            try:
+                futures.append(self._fanout.submit(drain))  # type: ignore[union-attr]
+            except RuntimeError:
+                break
+        return futures
 
     def _plan(self, slots: Sequence[int], max_slots: int) -> list[_Chunk]:
         """Cut ``slots`` into runs of consecutive slots, each at most ``max_slots`` (one syscall).
