@@ -228,24 +228,11 @@ def test_a_split_batch_is_coded_by_the_caller_where_the_pool_is_busy() -> None:
     """Every pool thread busy: the caller codes every chunk itself, waiting for none."""
     import threading
 
+    from tests.polling import ends_while_busy
+
     with Codec(LAYOUT, threads=2) as codec:
         assert codec._pool is not None
-        release = threading.Event()
-        blockers = [codec._pool.submit(release.wait) for _ in range(2)]
         by: list[str] = []
-        done = threading.Event()
-
-        def call() -> None:
-            codec._split(64, lambda a, b: by.append(threading.current_thread().name))
-            done.set()
-
-        caller = threading.Thread(target=call, name="caller")
-        caller.start()
-        try:
-            assert done.wait(20), "the batch waited for a busy pool"
-        finally:
-            release.set()
-            caller.join()
-            for b in blockers:
-                b.result()
+        ends_while_busy(codec._pool, 2, lambda: codec._split(64, lambda a, b: by.append(
+            threading.current_thread().name)))
         assert by == ["caller"] * 8     # 64 pages in chunks of 8

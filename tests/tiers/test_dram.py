@@ -19,6 +19,7 @@ import tierkv.tiers.dram as dram
 from tierkv.config import DramConfig, config_from_dict
 from tierkv.errors import CapacityError, InputError
 from tierkv.store.pages import PageList
+from tests.polling import ends_while_busy
 
 
 def test_a_tier_that_does_not_fit_in_memory_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -372,10 +373,7 @@ def test_a_caller_copies_the_shares_no_pool_thread_has_taken(monkeypatch: pytest
     # Every pool thread busy (another caller's shares, say): the call does not wait for
     # one to come free, it copies the whole batch itself.
     pool = dram._copy_pool(1)
-    release = threading.Event()
-    blockers = [pool.submit(release.wait) for _ in range(dram._pool_workers)]
     seen = _spy(monkeypatch, "_read_serial")
-    finished = threading.Event()
     src = _batch(16, MIB, 3)
     out = np.empty_like(src)
 
@@ -383,18 +381,9 @@ def test_a_caller_copies_the_shares_no_pool_thread_has_taken(monkeypatch: pytest
         with dram.DramTier(16, MIB, copy_threads=2) as tier:
             tier.write(list(range(16)), src)
             tier.read(list(range(16)), out)
-        finished.set()
 
-    reader = threading.Thread(target=read, name="the-caller")
-    reader.start()
-    try:
-        assert finished.wait(20), "the call waited for a busy pool"
-    finally:
-        release.set()
-        reader.join()
-        for b in blockers:
-            b.result()
-    assert seen == [("the-caller", 8), ("the-caller", 8)]
+    ends_while_busy(pool, dram._pool_workers, read)
+    assert seen == [("caller", 8), ("caller", 8)]
     assert np.array_equal(out, src)
 
 

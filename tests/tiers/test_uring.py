@@ -255,15 +255,21 @@ def test_io_uring_false_reads_with_the_pool(tmp_path: Path) -> None:
         _round_trip(tier)
 
 
-@pytest.mark.parametrize(("env", "engine"), [(None, "threads"), ("0", "threads"), ("1", "io_uring")])
-def test_by_default_the_environment_chooses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str | None,
-                                            engine: str) -> None:
+def _switch(monkeypatch: pytest.MonkeyPatch, env: str | None, engine: str) -> None:
+    """TIERKV_IO_URING set to ``env`` (None: unset); skips where ``engine`` is io_uring and
+    this kernel has none."""
     if env is None:
         monkeypatch.delenv(uring.ENV_SWITCH, raising=False)
     else:
         monkeypatch.setenv(uring.ENV_SWITCH, env)
     if engine == "io_uring" and not uring.available():
         pytest.skip("io_uring is not available here")
+
+
+@pytest.mark.parametrize(("env", "engine"), [(None, "threads"), ("0", "threads"), ("1", "io_uring")])
+def test_by_default_the_environment_chooses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str | None,
+                                            engine: str) -> None:
+    _switch(monkeypatch, env, engine)
     with NvmeTier(tmp_path / "t.dat", 8, PAGE) as tier:
         assert tier.io_engine == engine
         _round_trip(tier)
@@ -309,12 +315,7 @@ def test_the_store_config_chooses_over_the_environment(tmp_path: Path, monkeypat
     from tierkv.store.api import Store
     from tierkv.tiers.blocks import BlockPageTier
 
-    if env is None:
-        monkeypatch.delenv(uring.ENV_SWITCH, raising=False)
-    else:
-        monkeypatch.setenv(uring.ENV_SWITCH, env)
-    if engine == "io_uring" and not uring.available():
-        pytest.skip("io_uring is not available here")
+    _switch(monkeypatch, env, engine)
     nvme: dict[str, object] = {"capacity_bytes": "4MiB", "codec": codec}
     if setting is not None:
         nvme["io_uring"] = setting
