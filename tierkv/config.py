@@ -124,9 +124,10 @@ class DramConfig:
     faulted in as pages first land in it.
 
     ``copy_threads``: a batch of 16 MiB or more is copied into or out of the tier by up to
-    this many threads at once (the calling thread and a pool's), each a share of its
-    pages: one core's copy does not reach the memory's bandwidth. 0 (the default): the
-    cores the process may run on, at most 4; 1 copies on the calling thread alone.
+    this many threads at once (the calling thread and a pool's, taking 8 MiB chunks of
+    its pages in turn; fewer while other large copies hold threads): one core's copy does
+    not reach the memory's bandwidth. 0 (the default): the cores the process may run
+    on, at most 4; 1 copies on the calling thread alone.
     """
 
     capacity_bytes: int

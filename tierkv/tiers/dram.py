@@ -284,16 +284,16 @@ class DramTier(Tier):
         return self._buf[slot]
 
     def _write(self, slots: Sequence[int], src: np.ndarray) -> None:
-        self._in_shares(len(slots), src.shape[1], lambda a, b: self._write_serial(slots[a:b], src[a:b]), slots)
+        self._in_chunks(len(slots), src.shape[1], lambda a, b: self._write_serial(slots[a:b], src[a:b]), slots)
 
     def _write_rows(self, slots: Sequence[int], rows: PageList) -> None:
-        self._in_shares(len(slots), rows.shape[1], lambda a, b: self._write_rows_serial(slots[a:b], rows[a:b]),
+        self._in_chunks(len(slots), rows.shape[1], lambda a, b: self._write_rows_serial(slots[a:b], rows[a:b]),
                         slots)
 
     def _read(self, slots: Sequence[int], dst: np.ndarray) -> None:
-        self._in_shares(len(slots), dst.shape[1], lambda a, b: self._read_serial(slots[a:b], dst[a:b]))
+        self._in_chunks(len(slots), dst.shape[1], lambda a, b: self._read_serial(slots[a:b], dst[a:b]))
 
-    def _in_shares(self, n: int, width: int, copy: Callable[[int, int], None],
+    def _in_chunks(self, n: int, width: int, copy: Callable[[int, int], None],
                    written: Sequence[int] | None = None) -> None:
         """``copy(a, b)`` of rows ``a:b`` for all ``n`` rows: in one call, or where the batch
         is large in chunks that this thread and up to ``copy_threads - 1`` pool threads take
