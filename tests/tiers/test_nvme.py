@@ -402,7 +402,8 @@ from tierkv.layout import KVLayout
 from tierkv.store.api import Store
 layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="bf16", tokens_per_page=16)
 cfg = StoreConfig(path=sys.argv[1], model_id="m", layout=layout,
-                  dram=DramConfig(128 * layout.page_bytes, prefault=False), nvme=NvmeConfig(128 * layout.page_bytes))
+                  dram=DramConfig(128 * layout.page_bytes, prefault=False),
+                  nvme=NvmeConfig(128 * layout.page_bytes, codec=sys.argv[2]))
 store = Store.open(cfg)
 tokens = np.arange(64 * 16, dtype=np.int64)
 pages = np.random.default_rng(0).integers(0, 256, (64, layout.page_bytes), dtype=np.uint8)
@@ -418,7 +419,8 @@ atexit.register(at_exit)
 """
 
 
-def test_a_store_closed_at_interpreter_exit_writes_its_pages_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("codec", ["none", "lossless"])   # lossless: a coded tier's pipelined writes
+def test_a_store_closed_at_interpreter_exit_writes_its_pages_down(tmp_path: Path, codec: str) -> None:
     # concurrent.futures takes no more work once the main thread is done: the NVMe tier's
     # write-back then ran on no thread and close() raised RuntimeError, losing the DRAM
     # pages; now the closing thread moves every chunk itself.
@@ -428,7 +430,7 @@ def test_a_store_closed_at_interpreter_exit_writes_its_pages_down(tmp_path: Path
     script = tmp_path / "atexit_close.py"
     script.write_text(ATEXIT_CLOSE)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
-                          timeout=180, env=env)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store"), codec], capture_output=True,
+                          text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["64", "True"], done.stdout + done.stderr

@@ -490,7 +490,10 @@ class BlockPageTier(Tier):
 
     def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Runs ``fn`` on the thread that moves a pipelined batch's next group (reads) or
-        last one (writes); StoreClosedError once the tier is closed."""
+        last one (writes); StoreClosedError once the tier is closed. Where the pool takes
+        no more work while the tier is open (once the main thread has returned,
+        concurrent.futures refuses it: a store closed from an atexit handler) ``fn`` runs
+        here, before this returns, and the batch goes unpipelined."""
         with self._lock:
             if self._closed:
                 raise StoreClosedError(f"{self.name} tier is closed")
@@ -498,8 +501,16 @@ class BlockPageTier(Tier):
                 self._io_pool = ThreadPoolExecutor(1, thread_name_prefix=f"tierkv-{self.name}-pipeline")
             try:
                 return self._io_pool.submit(fn, *args)
-            except RuntimeError:   # shut down by a close on another thread
-                raise StoreClosedError(f"{self.name} tier is closed") from None
+            except RuntimeError:   # shut down: by a close on another thread, or at interpreter exit
+                pass
+        if self._closed:
+            raise StoreClosedError(f"{self.name} tier is closed")
+        done: Future[T] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - the caller's result() raises it, as a pool's would
+            done.set_exception(exc)
+        return done
 
     def _unpack(self, packed: np.ndarray, counts: Sequence[int], dst: np.ndarray) -> tuple[list[int], str]:
         """Pages of ``dst`` from their blocks in ``packed``: raw ones copied, lossy blobs
