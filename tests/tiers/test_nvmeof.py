@@ -283,3 +283,36 @@ def test_a_transfer_decides_what_goes_in_place_by_the_descriptor_it_holds(
         assert np.array_equal(out, src)
     finally:
         t.close()
+
+
+AT_EXIT = """
+import atexit, sys, numpy as np
+from tierkv.tiers.nvmeof import NvmeofTier, StaticLink
+tier = NvmeofTier(StaticLink(sys.argv[1]), 16, 8192, io_timeout_s=5, header_bytes=4096)
+pages = np.random.default_rng(3).integers(0, 256, (4, 8192), dtype=np.uint8)
+
+def at_exit():   # a store's close writing its pages down at exit does this
+    tier.write([1, 2, 3, 4], pages)
+    out = np.zeros_like(pages)
+    tier.read([1, 2, 3, 4], out)
+    print("exact", np.array_equal(out, pages), "up", tier.available)
+    tier.close()
+
+atexit.register(at_exit)
+"""
+
+
+def test_io_at_interpreter_exit_still_runs_with_its_deadline_guard(dev: Path, tmp_path: Path) -> None:
+    # concurrent.futures takes no more work once the main thread is done: the guarded
+    # syscalls raised RuntimeError there (a store closed at exit lost its pages).
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "at_exit.py"
+    script.write_text(AT_EXIT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run([sys.executable, str(script), str(dev)], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["exact", "True", "up", "True"], done.stdout + done.stderr

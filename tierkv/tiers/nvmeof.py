@@ -212,7 +212,7 @@ class NvmeofTier(NvmeTier):
                 raise TierUnavailableError(f"nvmeof tier {self.path} degraded before the {what} started")
             return fn()
 
-        fut: Future[T] = self._guard.submit(run)
+        fut = _start(self._guard, run)
         try:
             return fut.result(timeout=self.io_timeout_s)
         except FutureTimeout:
@@ -324,7 +324,7 @@ class NvmeofTier(NvmeTier):
                 return None
             return buf.tobytes() if done == self.header_bytes else None
 
-        fut = self._guard.submit(read)
+        fut = _start(self._guard, read)
         try:
             header = fut.result(timeout=self.io_timeout_s)
         except FutureTimeout:
@@ -345,3 +345,30 @@ class NvmeofTier(NvmeTier):
             super()._close()
         self._guard.shutdown(wait=False, cancel_futures=True)
         self._link.close()
+
+
+def _start(pool: ThreadPoolExecutor, fn: Callable[[], T]) -> Future[T]:
+    """``fn`` running on a thread of ``pool``, as a future the caller can wait on with a
+    deadline. Where the pool takes no more work (once the main thread has returned,
+    concurrent.futures refuses it: a store closed from an atexit handler writing its pages
+    down) on a thread of its own instead, or, where no thread can be started either, here,
+    before this returns (without the deadline)."""
+    try:
+        return pool.submit(fn)
+    except RuntimeError:
+        pass
+    fut: Future[T] = Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - the waiter's result() raises it
+            fut.set_exception(exc)
+
+    try:
+        threading.Thread(target=run, name="tierkv-nvmeof-late", daemon=True).start()
+    except RuntimeError:
+        run()
+    return fut
