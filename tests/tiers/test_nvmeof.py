@@ -316,3 +316,16 @@ def test_io_at_interpreter_exit_still_runs_with_its_deadline_guard(dev: Path, tm
                           env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["exact", "True", "up", "True"], done.stdout + done.stderr
+
+
+def test_a_guard_shut_down_by_close_refuses_work_as_closed(dev: Path) -> None:
+    from tierkv.errors import StoreClosedError
+    from tierkv.tiers import nvmeof
+
+    t = NvmeofTier(StaticLink(dev), SLOTS, PAGE, io_timeout_s=0.5, header_bytes=HEADER)
+    ran: list[int] = []
+    assert nvmeof._start(t._guard, lambda: ran.append(1), t._closing).result(5) is None and ran == [1]
+    t.close()
+    with pytest.raises(StoreClosedError, match="closed"):
+        nvmeof._start(t._guard, lambda: ran.append(2), t._closing)
+    assert ran == [1]   # nothing ran on a closed tier's behalf

@@ -39,7 +39,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from tierkv.errors import InputError, TierIOError, TierUnavailableError
+from tierkv.errors import InputError, StoreClosedError, TierIOError, TierUnavailableError
 from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import ALIGN, aligned_empty
 from tierkv.tiers.base import TierKind
@@ -200,6 +200,9 @@ class NvmeofTier(NvmeTier):
             super().free(ready)
 
     # -- guarded I/O -----------------------------------------------------------------------
+    def _closing(self) -> bool:
+        return self._closed
+
     def _guarded(self, what: str, fn: Callable[[], T], hold: Sequence[int] = ()) -> T:
         """Run ``fn`` with the deadline; a failure or timeout degrades the tier."""
         if not self._up:
@@ -212,7 +215,7 @@ class NvmeofTier(NvmeTier):
                 raise TierUnavailableError(f"nvmeof tier {self.path} degraded before the {what} started")
             return fn()
 
-        fut = _start(self._guard, run)
+        fut = _start(self._guard, run, self._closing)
         try:
             return fut.result(timeout=self.io_timeout_s)
         except FutureTimeout:
@@ -324,7 +327,7 @@ class NvmeofTier(NvmeTier):
                 return None
             return buf.tobytes() if done == self.header_bytes else None
 
-        fut = _start(self._guard, read)
+        fut = _start(self._guard, read, self._closing)
         try:
             header = fut.result(timeout=self.io_timeout_s)
         except FutureTimeout:
@@ -347,16 +350,18 @@ class NvmeofTier(NvmeTier):
         self._link.close()
 
 
-def _start(pool: ThreadPoolExecutor, fn: Callable[[], T]) -> Future[T]:
+def _start(pool: ThreadPoolExecutor, fn: Callable[[], T], closed: Callable[[], bool]) -> Future[T]:
     """``fn`` running on a thread of ``pool``, as a future the caller can wait on with a
     deadline. Where the pool takes no more work (once the main thread has returned,
     concurrent.futures refuses it: a store closed from an atexit handler writing its pages
     down) on a thread of its own instead, or, where no thread can be started either, here,
-    before this returns (without the deadline)."""
+    before this returns (without the deadline); StoreClosedError where the pool was shut
+    down by the tier's close (``closed()``)."""
     try:
         return pool.submit(fn)
     except RuntimeError:
-        pass
+        if closed():
+            raise StoreClosedError("nvmeof tier is closed") from None
     fut: Future[T] = Future()
 
     def run() -> None:
