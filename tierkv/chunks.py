@@ -1,4 +1,5 @@
-"""One batch of rows worked on by several threads, a chunk at a time.
+"""One batch of rows worked on by several threads, a chunk at a time (and settle: a
+future given the result of work a pool refused).
 
 The calling thread and the pool threads helping it take the next chunk of rows in turn
 until none are left, so a helper that wakes late (0.1-0.2 ms on a VM) or not at all
@@ -11,6 +12,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def settle(fut: Future[T], fn: Callable[[], T]) -> None:
+    """Run ``fn`` here and give ``fut`` its result or its failure (any BaseException, as a
+    pool thread would): for work a pool refused, run by the caller or a thread of its own."""
+    try:
+        fut.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - the waiter's result() raises it
+        fut.set_exception(exc)
 
 
 class Chunks:

@@ -38,6 +38,7 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
+from tierkv.chunks import settle
 from tierkv.codec import Direction, max_encoded_bytes
 from tierkv.codec.auto import PIPELINE_BYTES
 from tierkv.errors import CapacityError, InputError, StoreClosedError, TierIOError
@@ -506,10 +507,7 @@ class BlockPageTier(Tier):
         if self._closed:
             raise StoreClosedError(f"{self.name} tier is closed")
         done: Future[T] = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - the caller's result() raises it, as a pool's would
-            done.set_exception(exc)
+        settle(done, lambda: fn(*args))
         return done
 
     def _unpack(self, packed: np.ndarray, counts: Sequence[int], dst: np.ndarray) -> tuple[list[int], str]:

@@ -39,6 +39,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from tierkv.chunks import settle
 from tierkv.errors import InputError, StoreClosedError, TierIOError, TierUnavailableError
 from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import ALIGN, aligned_empty
@@ -365,12 +366,8 @@ def _start(pool: ThreadPoolExecutor, fn: Callable[[], T], closed: Callable[[], b
     fut: Future[T] = Future()
 
     def run() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - the waiter's result() raises it
-            fut.set_exception(exc)
+        if fut.set_running_or_notify_cancel():
+            settle(fut, fn)
 
     try:
         threading.Thread(target=run, name="tierkv-nvmeof-late", daemon=True).start()
