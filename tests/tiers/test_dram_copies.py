@@ -1,4 +1,4 @@
-"""The DRAM tier's large copies on several threads (``DramTier._in_chunks``): exact bytes
+"""The DRAM tier's large copies on several threads (tierkv.tiers.parallel_copy): exact bytes
 whoever copies, chunking thresholds, failures raised once nothing is in flight, a busy or
 refusing pool, other large copies beside one, forks and interpreter exit."""
 
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import tierkv.tiers.dram as dram
+import tierkv.tiers.parallel_copy as parallel_copy
 from tierkv.config import DramConfig, config_from_dict
 from tierkv.errors import InputError
 from tierkv.store.pages import PageList
@@ -91,7 +92,7 @@ def test_a_batch_of_16_mib_is_shared_out_and_a_smaller_one_is_not(monkeypatch: p
         seen.clear()
         tier.read(list(range(20)), np.empty((20, MIB), np.uint8))
         assert sorted(n for _, n in seen) == [4, 8, 8]
-    assert dram._copying == 0
+    assert parallel_copy._copying == 0
 
 
 def test_a_failed_chunk_is_raised_once_every_chunk_taken_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,7 +121,7 @@ def test_a_failed_chunk_is_raised_once_every_chunk_taken_has_ended(monkeypatch: 
         assert len(started) == 2           # and no chunk was taken after the failure
         done = ended[0]
         assert np.array_equal(tier.buffer[done:done + 8], src[done:done + 8])
-    assert dram._copying == 0
+    assert parallel_copy._copying == 0
 
 
 def test_a_large_write_naming_a_slot_twice_lands_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,7 +137,7 @@ def test_a_large_write_naming_a_slot_twice_lands_in_order(monkeypatch: pytest.Mo
 def test_a_caller_copies_the_shares_no_pool_thread_has_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every pool thread busy (another caller's shares, say): the call does not wait for
     # one to come free, it copies the whole batch itself.
-    pool = dram._copy_pool(1)
+    pool = parallel_copy._copy_pool(1)
     seen = _spy(monkeypatch, "_read_serial")
     src = _batch(16, MIB, 3)
     out = np.empty_like(src)
@@ -146,7 +147,7 @@ def test_a_caller_copies_the_shares_no_pool_thread_has_taken(monkeypatch: pytest
             tier.write(list(range(16)), src)
             tier.read(list(range(16)), out)
 
-    ends_while_busy(pool, dram._pool_workers, read)
+    ends_while_busy(pool, parallel_copy._pool_workers, read)
     assert seen == [("caller", 8), ("caller", 8)]
     assert np.array_equal(out, src)
 
@@ -178,7 +179,7 @@ def test_a_large_copy_beside_another_takes_only_the_threads_left(monkeypatch: py
             go.set()
             first.join()
         assert ("first", 8) in seen and sorted(n for _, n in seen) == [8, 8, 16]
-        assert dram._copying == 0
+        assert parallel_copy._copying == 0
         seen.clear()
         tier.read(list(range(16)), np.empty((16, MIB), np.uint8))          # alone again: shared out
         assert sorted(n for _, n in seen) == [8, 8]
@@ -213,12 +214,12 @@ def test_a_helper_stops_taking_chunks_once_another_large_copy_starts(monkeypatch
         a_done.set()
         b.join(20)
     assert len(by_pool) == 1      # the helper's one chunk; A copied the other three itself
-    assert dram._copying == 0
+    assert parallel_copy._copying == 0
 
 
 def test_copy_threads_come_from_the_config_and_bad_ones_are_refused(tmp_path: Path) -> None:
-    assert 1 <= dram.default_copy_threads() <= 4
-    assert dram.default_copy_threads() <= len(os.sched_getaffinity(0))
+    assert 1 <= parallel_copy.default_copy_threads() <= 4
+    assert parallel_copy.default_copy_threads() <= len(os.sched_getaffinity(0))
     cfg = config_from_dict({"store": {"path": str(tmp_path), "model_id": "m"},
                             "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 64},
                             "tiers": {"dram": {"capacity_bytes": "1MiB", "copy_threads": 3}}})
@@ -228,7 +229,7 @@ def test_copy_threads_come_from_the_config_and_bad_ones_are_refused(tmp_path: Pa
     assert isinstance(tier, dram.DramTier) and tier.copy_threads == 3
     tier.close()
     tier = _dram(dataclasses.replace(cfg, dram=DramConfig(1 << 20)), read_only=False)
-    assert isinstance(tier, dram.DramTier) and tier.copy_threads == dram.default_copy_threads()
+    assert isinstance(tier, dram.DramTier) and tier.copy_threads == parallel_copy.default_copy_threads()
     tier.close()
     for bad in (0, -1, True, 2.0, "2"):
         with pytest.raises(InputError, match=r"copy_threads >= 1 .*got"):
@@ -295,6 +296,7 @@ def test_a_forked_child_copies_a_large_batch_on_threads_of_its_own(monkeypatch: 
 EXIT_SCRIPT = """
 import atexit, threading, numpy as np
 import tierkv.tiers.dram as dram
+import tierkv.tiers.parallel_copy as parallel_copy
 tier = dram.DramTier(32, 1 << 20, copy_threads=2)
 src = np.random.default_rng(1).integers(0, 256, (32, 1 << 20), dtype=np.uint8)
 
