@@ -5,9 +5,11 @@ this project's virtio disk a direct transfer's speed depends on how the buffer's
 pages happen to lie in physical memory (docs/benchmarks.md, "Huge-page I/O buffers"):
 the same read ran 3 GB/s in one process and 7 in the next. Here NIXL (its three modes,
 with the memory its bench gives it: an anonymous shared mmap) and the NVMe tier (from
-numpy arrays, as the harness hands them, through its bounce buffers; and in place from
-page-aligned memory) share one process and one minute: every repetition of every
-variant is interleaved with the others, in a shuffled order each round.
+numpy arrays, as the harness hands them, through its bounce buffers; in place from
+page-aligned memory; and in place from NIXL's own two buffers, the same physical pages)
+share one process and one minute: every repetition of every variant is interleaved with
+the others, in a shuffled order each round. ``tier-shared`` against NIXL is the software
+alone: the same file system, the same minute, the same memory.
 
 Run with the NIXL venv that ``../shared/peers/setup.sh nixl`` makes (it needs tierkv's
 dependencies too: the script adds this tree and the system Python's site-packages to the
@@ -18,7 +20,10 @@ path, after the venv's own)::
 Prints one JSON object: GB/s (1e9 B/s, median of ``--runs``) of every variant, and
 ``tier_vs_nixl_best``: each tier variant over NIXL's best mode, per op and shape. Every
 read is checked byte for byte (its buffer cleared before it, outside the timed region;
-every row holds bytes of its own).
+every row holds bytes of its own). ``physical_runs``: per buffer, how many physically
+contiguous runs its 4 KiB pages make (``/proc/self/pagemap``; null where the process may
+not read frame numbers, which takes root): the fewer, the fewer pieces a direct transfer
+goes out in (docs/benchmarks.md, "Whose memory is fast").
 """
 
 from __future__ import annotations
@@ -79,6 +84,25 @@ def nixl_ops(fd: int, pb: int, n: int, src: np.ndarray, out: np.ndarray) -> dict
     return ops
 
 
+def physical_runs(buf: np.ndarray) -> int | None:
+    """How many runs of physically consecutive frames ``buf``'s pages make (1: contiguous;
+    one per page: scattered), or None where ``/proc/self/pagemap`` gives no frame numbers."""
+    page = mmap.PAGESIZE
+    first, last = buf.ctypes.data // page, (buf.ctypes.data + buf.nbytes - 1) // page
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    except OSError:
+        return None
+    if not (entries >> np.uint64(63)).all():   # a page not present (never touched, or swapped out)
+        return None
+    frames = (entries & np.uint64((1 << 55) - 1)).astype(np.int64)
+    if not frames.any():                       # frame numbers hidden (no CAP_SYS_ADMIN)
+        return None
+    return int(1 + np.count_nonzero(np.diff(frames) != 1))
+
+
 def shape(directory: str, pb: int, n: int, runs: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
     want = np.empty((n, pb), np.uint8)   # every row its own bytes: a row read from another slot shows
@@ -100,7 +124,7 @@ def shape(directory: str, pb: int, n: int, runs: int) -> dict[str, object]:
         aligned_out = aligned_empty(pb * n).reshape(n, pb)
         aligned_src[:] = want
         outs = {"nixl-posixaio": shared_out, "nixl-aio": shared_out, "nixl-uring": shared_out,
-                "tier-numpy": numpy_out, "tier-aligned": aligned_out}
+                "tier-numpy": numpy_out, "tier-aligned": aligned_out, "tier-shared": shared_out}
         verified = True
         with NvmeTier(tier_path, n, pb, io_threads=8) as tier:
             slots = list(range(n))
@@ -108,6 +132,10 @@ def shape(directory: str, pb: int, n: int, runs: int) -> dict[str, object]:
             ops["get tier-numpy"] = lambda: tier.read(slots, numpy_out, checksums=True)
             ops["put tier-aligned"] = lambda: tier.write(slots, aligned_src, checksums=True)
             ops["get tier-aligned"] = lambda: tier.read(slots, aligned_out, checksums=True)
+            # NIXL's own buffers (page-aligned: in place), which it reads and writes meanwhile:
+            # puts read `shared`, gets fill `shared_out`, and no two transfers overlap
+            ops["put tier-shared"] = lambda: tier.write(slots, shared, checksums=True)
+            ops["get tier-shared"] = lambda: tier.read(slots, shared_out, checksums=True)
             secs: dict[str, list[float]] = {k: [] for k in ops}
             ops["put nixl-posixaio"]()   # both files hold the pages before any get, whatever the order
             ops["put tier-numpy"]()
@@ -127,6 +155,8 @@ def shape(directory: str, pb: int, n: int, runs: int) -> dict[str, object]:
                     secs[k].append(time.perf_counter() - t0)
                     if op == "get":
                         verified = verified and bool(np.array_equal(outs[who], want))
+            layout = {"nixl_src": physical_runs(shared), "nixl_out": physical_runs(shared_out),
+                      "aligned_src": physical_runs(aligned_src), "aligned_out": physical_runs(aligned_out)}
     finally:
         os.close(fd)
         for p in (nixl_path, tier_path):
@@ -135,10 +165,10 @@ def shape(directory: str, pb: int, n: int, runs: int) -> dict[str, object]:
     ratios = {}
     for op in ("put", "get"):
         best = max(v for k, v in gbps.items() if k.startswith(f"{op} nixl-"))
-        for kind in ("numpy", "aligned"):
+        for kind in ("numpy", "aligned", "shared"):
             ratios[f"{op} tier-{kind}"] = round(gbps[f"{op} tier-{kind}"] / best, 3)
     return {"page_bytes": pb, "pages": n, "runs": runs, "verified": verified, "gbps": gbps,
-            "tier_vs_nixl_best": ratios}
+            "tier_vs_nixl_best": ratios, "physical_runs": layout, "pages_4k": pb * n // mmap.PAGESIZE}
 
 
 def main() -> None:
@@ -165,6 +195,7 @@ def main() -> None:
             print(f"{r['page_bytes']} B x {r['pages']} (GB/s, median of {r['runs']}; verified {r['verified']})")
             for k, v in r["gbps"].items():  # type: ignore[attr-defined]
                 print(f"  {k:18} {v:6.2f}  {r['tier_vs_nixl_best'].get(k, '')}")  # type: ignore[attr-defined]
+            print(f"  physical runs of {r['pages_4k']} pages: {r['physical_runs']}")
         sys.stdout.flush()
     os._exit(0)   # NIXL's agents do not always stop their threads
 
