@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierkv.store.checksum import checksum64
+from tierkv.store.checksum import checksum64, copy_checksummed
 from tierkv.errors import InputError, StoreBusyError, StoreClosedError, TierIOError
 from tierkv.store.pages import PageList
 from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, dio_alignments, is_aligned, round_up
@@ -540,10 +540,14 @@ class NvmeTier(Tier):
                     errors.append((self._read_failed(chunk, result), chunk.row))
                 elif bounce is not None:
                     rows = bounce[:chunk.count * self.slot_bytes].reshape(chunk.count, self.slot_bytes)
-                    dst[chunk.row:chunk.row + chunk.count] = rows[:, :width]
+                    if sums is not None:  # copied and hashed in one pass: not hashed again below
+                        sums[chunk.row:chunk.row + chunk.count] = copy_checksummed(
+                            dst[chunk.row:chunk.row + chunk.count], rows[:, :width])
+                    else:
+                        dst[chunk.row:chunk.row + chunk.count] = rows[:, :width]
                 if bounce is not None:
                     spare.append(bounce)
-                if not errors:
+                elif not errors:
                     landed.append(chunk)
         if errors:
             raise min(errors, key=lambda failed: failed[1])[0]
@@ -653,18 +657,21 @@ class NvmeTier(Tier):
             if op is _Op.WRITE:
                 if isinstance(rows, PageList):
                     rows.stacked(staged[:, :width])
+                    if sums is not None:  # hashed while the copy is still in cache
+                        sums[chunk.row:chunk.row + chunk.count] = [checksum64(row) for row in staged[:, :width]]
+                elif sums is not None:    # copied and hashed in one pass
+                    sums[chunk.row:chunk.row + chunk.count] = copy_checksummed(staged[:, :width], rows)
                 else:
                     staged[:, :width] = rows
                 # The bounce buffer holds another page's bytes; never leak them to disk.
                 staged[:, width:] = 0
-                if sums is not None:  # hashed while the copy is still in cache
-                    sums[chunk.row:chunk.row + chunk.count] = [checksum64(row) for row in staged[:, :width]]
             self._syscall(op, fd, chunk, [staged.reshape(-1).data])
             if op is _Op.READ:
                 assert isinstance(rows, np.ndarray)  # reads always land in a batch
-                rows[...] = staged[:, :width]
                 if sums is not None:
-                    sums[chunk.row:chunk.row + chunk.count] = [checksum64(row) for row in rows]
+                    sums[chunk.row:chunk.row + chunk.count] = copy_checksummed(rows, staged[:, :width])
+                else:
+                    rows[...] = staged[:, :width]
 
     def _iovecs(self, op: _Op, rows: np.ndarray | PageList) -> list[memoryview]:
         """The caller's rows as syscall buffers, each padded out to a whole slot."""
