@@ -549,10 +549,11 @@ checksum64(PyObject *self, PyObject *arg)
 
 PyDoc_STRVAR(copy_checksums_doc,
 "copy_checksums(dst, src) -> list[int]\n\n"
-"Copies each row of src (a 2-D buffer of bytes, rows contiguous) into the same row of dst\n"
-"(the same shape, writable) and returns each row's checksum64, as the copy followed by\n"
-"checksum64 of every row would, in one pass over the memory. The buffers must not overlap.\n"
-"Releases the GIL for batches of 16 KiB and more.");
+"Copies each row of src (a 2-D buffer of bytes, rows contiguous; or a list of contiguous\n"
+"buffers of one row's bytes each) into the same row of dst (a 2-D buffer of bytes, rows\n"
+"contiguous, writable, as many rows) and returns each row's checksum64, as the copy\n"
+"followed by checksum64 of every row would, in one pass over the memory. The buffers must\n"
+"not overlap. Releases the GIL for batches of 16 KiB and more.");
 
 /* A 2-D view of bytes whose rows are contiguous (strides[1] == 1 where there are two or
  * more columns); any row stride. */
@@ -570,42 +571,78 @@ get_rows(PyObject *obj, Py_buffer *v, int flags, const char *what)
     return 0;
 }
 
+/* The rows of src for copy_checksums: one 2-D buffer (*whole), or one buffer a row (views,
+ * n of them, each of w contiguous bytes); row i starts at starts[i]. */
+static int
+src_rows(PyObject *src, Py_ssize_t n, Py_ssize_t w, Py_buffer *whole, Py_buffer *views, const char **starts)
+{
+    if (!PyList_Check(src) && !PyTuple_Check(src)) {
+        if (get_rows(src, whole, 0, "src") < 0)
+            return -1;
+        if (whole->shape[0] != n || whole->shape[1] != w) {
+            PyErr_Format(PyExc_ValueError, "copy_checksums: dst is %zd x %zd bytes, src %zd x %zd", n, w,
+                         whole->shape[0], whole->shape[1]);
+            PyBuffer_Release(whole);
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            starts[i] = (const char *)whole->buf + i * whole->strides[0];
+        return 0;
+    }
+    if (PySequence_Fast_GET_SIZE(src) != n) {
+        PyErr_Format(PyExc_ValueError, "copy_checksums: dst has %zd rows, src %zd", n, PySequence_Fast_GET_SIZE(src));
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(src, i), &views[i], PyBUF_C_CONTIGUOUS) < 0 ||
+            (views[i].len != w && (PyBuffer_Release(&views[i]), 1))) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "copy_checksums: src row %zd is not %zd contiguous bytes", i, w);
+            while (i-- > 0)
+                PyBuffer_Release(&views[i]);
+            return -1;
+        }
+        starts[i] = views[i].buf;
+    }
+    return 0;
+}
+
 static PyObject *
 copy_checksums(PyObject *self, PyObject *args)
 {
     PyObject *dst_obj, *src_obj, *out = NULL;
-    Py_buffer d, s;
+    Py_buffer d, whole;
     (void)self;
     if (!PyArg_ParseTuple(args, "OO:copy_checksums", &dst_obj, &src_obj))
         return NULL;
     if (get_rows(dst_obj, &d, PyBUF_WRITABLE, "dst") < 0)
         return NULL;
-    if (get_rows(src_obj, &s, 0, "src") < 0) {
-        PyBuffer_Release(&d);
-        return NULL;
-    }
     Py_ssize_t n = d.shape[0], w = d.shape[1];
-    if (s.shape[0] != n || s.shape[1] != w) {
-        PyErr_Format(PyExc_ValueError, "copy_checksums: dst is %zd x %zd bytes, src %zd x %zd", n, w,
-                     s.shape[0], s.shape[1]);
-        goto done;
-    }
+    int listed = PyList_Check(src_obj) || PyTuple_Check(src_obj);
     uint64_t *sums = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
-    if (sums == NULL) {
+    const char **starts = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(char *));
+    Py_buffer *views = listed ? PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_buffer)) : NULL;
+    if (sums == NULL || starts == NULL || (listed && views == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
+    if (src_rows(src_obj, n, w, &whole, views, starts) < 0)
+        goto done;
     char *dp = d.buf;
-    const char *sp = s.buf;
     if (n * w >= CHECKSUM_NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++)
-            sums[i] = tk_copy_xxh3_64(dp + i * d.strides[0], sp + i * s.strides[0], (size_t)w);
+            sums[i] = tk_copy_xxh3_64(dp + i * d.strides[0], starts[i], (size_t)w);
         Py_END_ALLOW_THREADS
     } else {
         for (Py_ssize_t i = 0; i < n; i++)
-            sums[i] = tk_copy_xxh3_64(dp + i * d.strides[0], sp + i * s.strides[0], (size_t)w);
+            sums[i] = tk_copy_xxh3_64(dp + i * d.strides[0], starts[i], (size_t)w);
     }
+    if (listed)
+        for (Py_ssize_t i = 0; i < n; i++)
+            PyBuffer_Release(&views[i]);
+    else
+        PyBuffer_Release(&whole);
     out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)sums[i]);
@@ -615,9 +652,10 @@ copy_checksums(PyObject *self, PyObject *args)
         }
         PyList_SET_ITEM(out, i, v);
     }
-    PyMem_Free(sums);
 done:
-    PyBuffer_Release(&s);
+    PyMem_Free(views);
+    PyMem_Free(starts);
+    PyMem_Free(sums);
     PyBuffer_Release(&d);
     return out;
 }

@@ -20,10 +20,10 @@ A third tier, ``nvme-aligned``, is the same NVMe store given what NIXL's bench g
 POSIX backend: pages and a get buffer in page-aligned memory (one anonymous mmap each,
 filled outside the timed region), as a serving engine's pinned KV buffer is. The
 harness's own arrays start 16 bytes past a page (``np.empty``), which O_DIRECT cannot
-take here (``STATX_DIOALIGN`` memory alignment 512), so ``nvme`` copies every page
-through an aligned bounce buffer each way; ``nvme-aligned`` reads and writes the
-caller's memory in place. Compare NIXL with ``nvme-aligned``; ``nvme`` is what a caller
-with arbitrary numpy arrays gets.
+take here (``STATX_DIOALIGN`` memory alignment 512). Since the store's transfers are
+checksummed, both go through the tier's huge-page bounce buffers, the copy being the
+hash's pass (docs/design.md, "NVMe I/O"); before, ``nvme-aligned`` read and wrote the
+caller's memory in place, at the speed its pages' physical layout allowed.
 """
 
 from __future__ import annotations

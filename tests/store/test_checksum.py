@@ -80,3 +80,46 @@ def test_the_extension_refuses_bad_buffers_itself() -> None:
         native(np.zeros((2, 64), np.uint8), np.zeros((3, 64), np.uint8))
     with pytest.raises(ValueError, match="2-D buffer of bytes"):
         native(np.zeros((2, 8), np.uint64), np.zeros((2, 8), np.uint64))
+
+
+@pytest.mark.parametrize("width", [0, 241, 16385, 262144])
+def test_separate_rows_copied_and_hashed(impl: str, width: int) -> None:
+    rng = np.random.default_rng(width)
+    rows = [rng.integers(0, 256, size=width + 3, dtype=np.uint8)[i % 3:i % 3 + width] for i in range(5)]
+    dst = np.full((5, width), 0xA5, dtype=np.uint8)
+    assert checksum.copy_checksummed_rows(dst, rows) == want(np.array(rows).reshape(5, width))
+    for i, row in enumerate(rows):
+        np.testing.assert_array_equal(dst[i], row)
+
+
+def test_separate_rows_that_are_not_contiguous_take_the_two_passes(impl: str) -> None:
+    rng = np.random.default_rng(9)
+    rows = [rng.integers(0, 256, size=40000, dtype=np.uint8)[::2] for _ in range(3)]
+    dst = np.zeros((3, 20000), dtype=np.uint8)
+    assert checksum.copy_checksummed_rows(dst, rows) == want(np.stack(rows))
+    np.testing.assert_array_equal(dst, np.stack(rows))
+
+
+def test_separate_rows_must_fit_the_destination(impl: str) -> None:
+    dst = np.zeros((2, 64), np.uint8)
+    with pytest.raises(ValueError, match="needs 2 rows of"):
+        checksum.copy_checksummed_rows(dst, [np.zeros(64, np.uint8)])
+    with pytest.raises(ValueError, match="needs 2 rows of"):
+        checksum.copy_checksummed_rows(dst, [np.zeros(64, np.uint8), np.zeros(65, np.uint8)])
+    assert (dst == 0).all()
+
+
+def test_the_extension_checks_separate_rows_itself() -> None:
+    native = checksum._native_copy
+    if native is None:
+        pytest.skip("tierkv._native is not built")
+    dst = np.zeros((2, 64), np.uint8)
+    with pytest.raises(ValueError, match="dst has 2 rows, src 1"):
+        native(dst, [np.zeros(64, np.uint8)])
+    with pytest.raises(ValueError, match="src row 1 is not 64 contiguous bytes"):
+        native(dst, (np.zeros(64, np.uint8), np.zeros(63, np.uint8)))
+    with pytest.raises((BufferError, ValueError), match="contiguous"):
+        native(dst, [np.zeros(64, np.uint8), np.zeros(128, np.uint8)[::2]])
+    assert native(dst, [b"\x01" * 64, bytearray(64)]) == [xxhash.xxh3_64_intdigest(b"\x01" * 64),
+                                                          xxhash.xxh3_64_intdigest(bytes(64))]
+    assert bytes(dst[0]) == b"\x01" * 64

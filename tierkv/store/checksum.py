@@ -6,6 +6,8 @@ one. Called by :mod:`tierkv.store.transfer`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import xxhash
 
@@ -42,4 +44,20 @@ def copy_checksummed(dst: np.ndarray, src: np.ndarray) -> list[int]:
     if _native_copy is not None and (dst.shape[1] < 2 or (dst.strides[1] == 1 and src.strides[1] == 1)):
         return list(_native_copy(dst, src))
     dst[...] = src   # rows that are not contiguous: the copy, then the hash
+    return checksum_rows(dst)
+
+
+def copy_checksummed_rows(dst: np.ndarray, rows: Sequence[np.ndarray]) -> list[int]:
+    """:func:`copy_checksummed` from separate rows (a put's pages as they were given): row
+    ``i`` into ``dst[i]``, each the width of ``dst``."""
+    if dst.ndim != 2 or len(rows) != dst.shape[0] or any(r.shape != (dst.shape[1],) for r in rows):
+        raise ValueError(f"copy_checksummed_rows needs {dst.shape[0] if dst.ndim == 2 else '?'} rows of "
+                         f"{dst.shape[1:]} bytes for a 2-D destination of shape {dst.shape}")
+    if _native_copy is not None and (dst.shape[1] < 2 or dst.strides[1] == 1):
+        try:
+            return list(_native_copy(dst, list(rows)))
+        except (BufferError, ValueError):   # a row that is not contiguous (shapes are checked above)
+            pass
+    for i, row in enumerate(rows):
+        dst[i] = row
     return checksum_rows(dst)

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 
 from tierkv.errors import InputError
-from tierkv.tiers.hugepages import HUGE_PAGE, advise_huge, advise_no_huge
+from tierkv.tiers.hugepages import HUGE_PAGE, advise_huge, advise_no_huge, private_huge_mode
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,41 @@ def aligned_empty(nbytes: int, *, huge: bool = False) -> np.ndarray:
     # kernel's mode is "always" they could merge into a huge page reaching past nbytes).
     advise_no_huge(m, 0, start)
     advise_no_huge(m, huge_end, len(m) - huge_end)
+    if _thp_given():
+        base = int(whole.ctypes.data)
+        with _huge_lock:
+            _huge[base + start] = base + huge_end
+        weakref.finalize(m, _forget_huge, base + start)
     return whole[start:start + nbytes]
+
+
+# The huge-page parts of aligned_empty's live huge buffers: start address -> end address.
+_huge: dict[int, int] = {}
+_huge_lock = threading.Lock()
+
+
+def _forget_huge(start: int) -> None:
+    with _huge_lock:
+        _huge.pop(start, None)
+
+
+@functools.cache
+def _thp_given() -> bool:
+    """Whether the kernel gives private memory that asks for them huge pages (read once)."""
+    return private_huge_mode() in ("always", "madvise")
+
+
+def on_huge_pages(buf: np.ndarray) -> bool:
+    """Whether every byte of ``buf`` (any strides) lies in the huge pages of a buffer of
+    :func:`aligned_empty` (``huge=True``) that is still alive, as far as the kernel gave
+    them: memory this process got elsewhere is not known to be (False), whatever it is.
+    A direct transfer moves such memory in 2 MiB pieces (docs/design.md, "NVMe I/O")."""
+    if buf.size == 0:
+        return True
+    lo = int(buf.ctypes.data) + sum(min(0, (n - 1) * st) for n, st in zip(buf.shape, buf.strides))
+    hi = int(buf.ctypes.data) + sum(max(0, (n - 1) * st) for n, st in zip(buf.shape, buf.strides)) + buf.itemsize
+    with _huge_lock:
+        return any(start <= lo and hi <= end for start, end in _huge.items())
 
 
 class ScratchPool:

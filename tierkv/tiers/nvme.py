@@ -41,10 +41,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierkv.store.checksum import checksum64, copy_checksummed
+from tierkv.store.checksum import checksum64, copy_checksummed, copy_checksummed_rows
 from tierkv.errors import InputError, StoreBusyError, StoreClosedError, TierIOError
 from tierkv.store.pages import PageList
-from tierkv.tiers.aligned import ALIGN, BouncePool, aligned_empty, dio_alignments, is_aligned, round_up
+from tierkv.tiers.aligned import (ALIGN, BouncePool, aligned_empty, dio_alignments, is_aligned, on_huge_pages,
+                                  round_up)
 from tierkv.tiers.backing import open_backing, oserr
 from tierkv.tiers.base import Tier, TierKind
 from tierkv.tiers.uring import Ring, RingPool, available as uring_available, requested as uring_requested
@@ -499,7 +500,7 @@ class NvmeTier(Tier):
         # buffers its reads may still be filling go back to the pool, and before the fd.
         with self._busy_mode() as (fd, direct, mem_align), contextlib.ExitStack() as stack, \
                 self._rings.borrow() as ring:
-            in_place = self._serves_in_place(dst, direct, mem_align)
+            in_place = self._serves_in_place(dst, direct, mem_align, sums is not None)
             chunks = self._plan(slots, self._chunk_slots if in_place else self._bounce_slots)
             self._ring_read(ring, fd, chunks, dst, in_place, sums, stack)
 
@@ -575,7 +576,7 @@ class NvmeTier(Tier):
             return
         errors: list[BaseException] = []
         with self._busy_mode() as (fd, direct, mem_align):
-            in_place = self._serves_in_place(buf, direct, mem_align)
+            in_place = self._serves_in_place(buf, direct, mem_align, sums is not None)
             chunks = deque(self._plan(slots, self._chunk_slots if in_place else self._bounce_slots))
             if op is _Op.WRITE:
                 self._reserve(fd, self.header_bytes + (max(slots) + 1) * self.slot_bytes)
@@ -632,16 +633,28 @@ class NvmeTier(Tier):
         return chunks
 
     @staticmethod
-    def _serves_in_place(buf: np.ndarray | PageList, direct: bool, mem_align: int) -> bool:
-        """Whether the syscalls on a descriptor of this mode (``direct``, ``mem_align``) can
-        use the caller's rows without a bounce buffer."""
+    def _serves_in_place(buf: np.ndarray | PageList, direct: bool, mem_align: int, checksummed: bool) -> bool:
+        """Whether the syscalls on a descriptor of this mode (``direct``, ``mem_align``) use
+        the caller's rows without a bounce buffer.
+
+        ``checksummed`` (every transfer of the store's): only rows known to lie on huge
+        pages are moved in place (a tier's own, ``PageList.checked`` and not
+        ``scattered``; rows in :func:`~tierkv.tiers.aligned.aligned_empty`'s huge
+        buffers, as the store's own read rows are). Other rows go through the tier's
+        huge-page bounce buffers even where they are aligned: the copy in or out is the
+        hash's pass over the pages anyway (:func:`~tierkv.store.checksum.copy_checksummed`),
+        and a direct transfer of rows on 4 KiB pages ran at the speed their physical
+        layout allowed (docs/benchmarks.md, "Verified transfers through the bounce
+        buffers")."""
         if not direct:
             return True
         if buf.shape[1] % ALIGN:
             return False
         if isinstance(buf, PageList):
-            return not buf.scattered and (buf.aligned or all(is_aligned(row, mem_align) for row in buf))
-        return is_aligned(buf, mem_align)
+            if buf.scattered or (checksummed and not buf.checked and not all(on_huge_pages(r) for r in buf)):
+                return False
+            return buf.aligned or all(is_aligned(row, mem_align) for row in buf)
+        return is_aligned(buf, mem_align) and (not checksummed or on_huge_pages(buf))
 
     def _move(self, op: _Op, fd: int, chunk: _Chunk, buf: np.ndarray | PageList, in_place: bool,
               sums: list[int] | None = None) -> None:
@@ -656,10 +669,11 @@ class NvmeTier(Tier):
             staged = bounce[:chunk.count * self.slot_bytes].reshape(chunk.count, self.slot_bytes)
             if op is _Op.WRITE:
                 if isinstance(rows, PageList):
-                    rows.stacked(staged[:, :width])
-                    if sums is not None:  # hashed while the copy is still in cache
-                        sums[chunk.row:chunk.row + chunk.count] = [checksum64(row) for row in staged[:, :width]]
-                elif sums is not None:    # copied and hashed in one pass
+                    if sums is not None:   # copied and hashed in one pass
+                        sums[chunk.row:chunk.row + chunk.count] = copy_checksummed_rows(staged[:, :width], list(rows))
+                    else:
+                        rows.stacked(staged[:, :width])
+                elif sums is not None:
                     sums[chunk.row:chunk.row + chunk.count] = copy_checksummed(staged[:, :width], rows)
                 else:
                     staged[:, :width] = rows
