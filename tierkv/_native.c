@@ -571,6 +571,16 @@ get_rows(PyObject *obj, Py_buffer *v, int flags, const char *what)
     return 0;
 }
 
+/* The bytes [lo, hi) a 2-D view's rows of w bytes span, whatever the sign of its row stride. */
+static void
+span_of(const Py_buffer *v, Py_ssize_t w, const char **lo, const char **hi)
+{
+    Py_ssize_t n = v->shape[0], step = v->strides[0];
+    const char *a = v->buf, *b = (const char *)v->buf + (n > 0 ? (n - 1) * step : 0);
+    *lo = a < b ? a : b;
+    *hi = (a < b ? b : a) + w;
+}
+
 /* The rows of src for copy_checksums: one 2-D buffer (*whole), or one buffer a row (views,
  * n of them, each of w contiguous bytes); row i starts at starts[i]. */
 static int
@@ -628,6 +638,19 @@ copy_checksums(PyObject *self, PyObject *args)
     }
     if (src_rows(src_obj, n, w, &whole, views, starts) < 0)
         goto done;
+    const char *dlo, *dhi;
+    span_of(&d, w, &dlo, &dhi);
+    for (Py_ssize_t i = 0; i < n && w > 0; i++) {
+        if (starts[i] < dhi && dlo < starts[i] + w) {   /* a source row within dst's span */
+            PyErr_Format(PyExc_ValueError, "copy_checksums: src row %zd overlaps dst", i);
+            if (listed)
+                for (Py_ssize_t j = 0; j < n; j++)
+                    PyBuffer_Release(&views[j]);
+            else
+                PyBuffer_Release(&whole);
+            goto done;
+        }
+    }
     char *dp = d.buf;
     if (n * w >= CHECKSUM_NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS

@@ -123,3 +123,33 @@ def test_the_extension_checks_separate_rows_itself() -> None:
     assert native(dst, [b"\x01" * 64, bytearray(64)]) == [xxhash.xxh3_64_intdigest(b"\x01" * 64),
                                                           xxhash.xxh3_64_intdigest(bytes(64))]
     assert bytes(dst[0]) == b"\x01" * 64
+
+
+def test_overlapping_rows_copy_as_numpy_would(impl: str) -> None:
+    rng = np.random.default_rng(10)
+    a = rng.integers(0, 256, size=(4, 20000), dtype=np.uint8)
+    before = a[:-1].copy()
+    assert checksum.copy_checksummed(a[1:], a[:-1]) == want(before)   # rows shifted down by one
+    np.testing.assert_array_equal(a[1:], before)
+    b = rng.integers(0, 256, size=(1, 40000), dtype=np.uint8)
+    inside = b[:, :39000].copy()
+    assert checksum.copy_checksummed(b[:, 1000:], b[:, :39000]) == want(inside)   # within one row
+    np.testing.assert_array_equal(b[:, 1000:], inside)
+
+
+def test_other_dtypes_take_numpy_s_copy(impl: str) -> None:
+    src = np.array([[1.0], [2.0]], np.float32)
+    dst = np.zeros((2, 1), np.uint8)
+    assert checksum.copy_checksummed(dst, src) == want(np.array([[1], [2]], np.uint8))
+
+
+def test_the_extension_refuses_overlap() -> None:
+    native = checksum._native_copy
+    if native is None:
+        pytest.skip("tierkv._native is not built")
+    a = np.zeros((4, 64), np.uint8)
+    with pytest.raises(ValueError, match="src row 1 overlaps dst"):   # row 0 lies before dst's rows
+        native(a[1:], a[:-1])
+    with pytest.raises(ValueError, match="src row 1 overlaps dst"):
+        native(a[:2], [np.zeros(64, np.uint8), a[1]])
+    assert native(a[:2], [a[2], a[3]]) == want(np.zeros((2, 64), np.uint8))   # beside it: fine

@@ -144,3 +144,51 @@ def test_on_huge_pages_knows_live_huge_buffers_and_their_views() -> None:
 def test_on_huge_pages_claims_nothing_where_the_kernel_gives_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aligned, "_thp_given", lambda: False)
     assert not on_huge_pages(aligned_empty(4 << 20, huge=True))
+
+
+def test_a_stale_finalizer_leaves_a_newer_buffer_at_the_address_alone() -> None:
+    """A mapping is unmapped before its finalizer runs; a buffer made meanwhile at the same
+    address keeps its entry, and a dead mapping's entry counts for nothing."""
+    import mmap
+    import weakref
+
+    old, new = mmap.mmap(-1, 4096), mmap.mmap(-1, 4096)   # stand for the two buffers' mappings
+    start = 1 << 46
+    old_ref, new_ref = weakref.ref(old), weakref.ref(new)
+    with aligned._huge_lock:
+        aligned._huge[start] = (start + (4 << 20), new_ref)   # the newer buffer's entry
+    try:
+        view = np.frombuffer(mmap.mmap(-1, 4096), np.uint8)
+        assert not on_huge_pages(view)
+        aligned._forget_huge(start, old_ref)                  # the old mapping's late finalizer
+        assert aligned._huge[start][1] is new_ref
+        del new
+        gc.collect()
+        assert aligned._huge[start][1]() is None              # dead, its finalizer not run yet
+        aligned._forget_huge(start, new_ref)
+        assert start not in aligned._huge
+    finally:
+        with aligned._huge_lock:
+            aligned._huge.pop(start, None)
+
+
+@needs_thp
+def test_a_dead_mappings_entry_is_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aligned, "_forget_huge", lambda start, ref: None)   # its finalizer not run yet
+    a = aligned_empty(4 << 20, huge=True)
+    start = int(a.ctypes.data)
+
+    class Addresses:   # an array naming the same addresses (made without touching them, never read)
+        __array_interface__ = {"shape": (4096,), "typestr": "|u1", "data": (start, False), "version": 3}
+
+    same = np.asarray(Addresses())
+    assert on_huge_pages(same)
+    del a
+    gc.collect()
+    try:
+        listed, trusted = start in aligned._huge, on_huge_pages(same)
+        del same   # never shown in a failure's report: its addresses are unmapped now
+        assert listed and not trusted
+    finally:
+        with aligned._huge_lock:
+            aligned._huge.pop(start, None)

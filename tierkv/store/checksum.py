@@ -41,9 +41,11 @@ def copy_checksummed(dst: np.ndarray, src: np.ndarray) -> list[int]:
     for the copy and its checksums"), else the copy, then the hash."""
     if dst.ndim != 2 or dst.shape != src.shape:
         raise ValueError(f"copy_checksummed needs two 2-D arrays of one shape, got {dst.shape} and {src.shape}")
-    if _native_copy is not None and (dst.shape[1] < 2 or (dst.strides[1] == 1 and src.strides[1] == 1)):
+    if (_native_copy is not None and dst.dtype == np.uint8 and src.dtype == np.uint8
+            and (dst.shape[1] < 2 or (dst.strides[1] == 1 and src.strides[1] == 1))
+            and not np.may_share_memory(dst, src)):
         return list(_native_copy(dst, src))
-    dst[...] = src   # rows that are not contiguous: the copy, then the hash
+    dst[...] = src   # rows that are not contiguous, or that overlap: numpy's copy, then the hash
     return checksum_rows(dst)
 
 
@@ -53,10 +55,10 @@ def copy_checksummed_rows(dst: np.ndarray, rows: Sequence[np.ndarray]) -> list[i
     if dst.ndim != 2 or len(rows) != dst.shape[0] or any(r.shape != (dst.shape[1],) for r in rows):
         raise ValueError(f"copy_checksummed_rows needs {dst.shape[0] if dst.ndim == 2 else '?'} rows of "
                          f"{dst.shape[1:]} bytes for a 2-D destination of shape {dst.shape}")
-    if _native_copy is not None and (dst.shape[1] < 2 or dst.strides[1] == 1):
+    if _native_copy is not None and dst.dtype == np.uint8 and (dst.shape[1] < 2 or dst.strides[1] == 1):
         try:
             return list(_native_copy(dst, list(rows)))
-        except (BufferError, ValueError):   # a row that is not contiguous (shapes are checked above)
+        except (BufferError, ValueError):   # a row not contiguous, or in dst (shapes are checked above)
             pass
     for i, row in enumerate(rows):
         dst[i] = row

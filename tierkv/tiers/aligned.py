@@ -114,20 +114,26 @@ def aligned_empty(nbytes: int, *, huge: bool = False) -> np.ndarray:
     advise_no_huge(m, huge_end, len(m) - huge_end)
     if _thp_given():
         base = int(whole.ctypes.data)
+        ref = weakref.ref(m)
         with _huge_lock:
-            _huge[base + start] = base + huge_end
-        weakref.finalize(m, _forget_huge, base + start)
+            _huge[base + start] = (base + huge_end, ref)
+        weakref.finalize(m, _forget_huge, base + start, ref)
     return whole[start:start + nbytes]
 
 
-# The huge-page parts of aligned_empty's live huge buffers: start address -> end address.
-_huge: dict[int, int] = {}
+# The huge-page parts of aligned_empty's live huge buffers: start address -> (end address,
+# a weak reference to the mapping). The mapping's own reference says whether the entry is
+# still its: a mapping is unmapped before its finalizer runs (with the GIL released), so
+# another thread's new buffer may have taken the address, and its entry, meanwhile.
+_huge: dict[int, tuple[int, weakref.ref[mmap.mmap]]] = {}
 _huge_lock = threading.Lock()
 
 
-def _forget_huge(start: int) -> None:
+def _forget_huge(start: int, ref: weakref.ref[mmap.mmap]) -> None:
     with _huge_lock:
-        _huge.pop(start, None)
+        entry = _huge.get(start)
+        if entry is not None and entry[1] is ref:   # not a newer buffer's at the same address
+            del _huge[start]
 
 
 @functools.cache
@@ -145,8 +151,8 @@ def on_huge_pages(buf: np.ndarray) -> bool:
         return True
     lo = int(buf.ctypes.data) + sum(min(0, (n - 1) * st) for n, st in zip(buf.shape, buf.strides))
     hi = int(buf.ctypes.data) + sum(max(0, (n - 1) * st) for n, st in zip(buf.shape, buf.strides)) + buf.itemsize
-    with _huge_lock:
-        return any(start <= lo and hi <= end for start, end in _huge.items())
+    with _huge_lock:   # a dead mapping's entry (its finalizer not run yet) counts for nothing
+        return any(start <= lo and hi <= end and ref() is not None for start, (end, ref) in _huge.items())
 
 
 class ScratchPool:
