@@ -37,8 +37,8 @@ def copy_checksummed(dst: np.ndarray, src: np.ndarray) -> list[int]:
     """``dst[...] = src`` for two 2-D uint8 arrays of one shape (not overlapping), and the
     checksums of the rows copied: in one pass over the memory where the extension is
     built (each 16 KiB of a row hashed while in cache, the copy's stores bypassing it;
-    1.7x the copy followed by the hash on 128 MiB here, docs/benchmarks.md "One pass
-    for the copy and its checksums"), else the copy, then the hash."""
+    1.3-1.4x the copy followed by the hash, on 1 MiB chunks here: docs/benchmarks.md
+    "One pass for the copy and its checksums"), else the copy, then the hash."""
     if dst.ndim != 2 or dst.shape != src.shape:
         raise ValueError(f"copy_checksummed needs two 2-D arrays of one shape, got {dst.shape} and {src.shape}")
     if (_native_copy is not None and dst.dtype == np.uint8 and src.dtype == np.uint8
