@@ -5,11 +5,12 @@ this project's virtio disk a direct transfer's speed depends on how the buffer's
 pages happen to lie in physical memory (docs/benchmarks.md, "Huge-page I/O buffers"):
 the same read ran 3 GB/s in one process and 7 in the next. Here NIXL (its three modes,
 with the memory its bench gives it: an anonymous shared mmap) and the NVMe tier (from
-numpy arrays, as the harness hands them, through its bounce buffers; in place from
-page-aligned memory; and in place from NIXL's own two buffers, the same physical pages)
-share one process and one minute: every repetition of every variant is interleaved with
-the others, in a shuffled order each round. ``tier-shared`` against NIXL is the software
-alone: the same file system, the same minute, the same memory.
+numpy arrays, as the harness hands them; from page-aligned memory of its own; and from
+NIXL's own two buffers, the same physical pages; every transfer checksummed, as the
+store's are, so all three go through the tier's huge-page bounce buffers: docs/design.md,
+"NVMe I/O") share one process and one minute: every repetition of every variant is
+interleaved with the others, in a shuffled order each round. ``tier-shared`` against NIXL
+is the same file system, the same minute and the same memory.
 
 Run with the NIXL venv that ``../shared/peers/setup.sh nixl`` makes (it needs tierkv's
 dependencies too: the script adds this tree and the system Python's site-packages to the
@@ -132,7 +133,7 @@ def shape(directory: str, pb: int, n: int, runs: int) -> dict[str, object]:
             ops["get tier-numpy"] = lambda: tier.read(slots, numpy_out, checksums=True)
             ops["put tier-aligned"] = lambda: tier.write(slots, aligned_src, checksums=True)
             ops["get tier-aligned"] = lambda: tier.read(slots, aligned_out, checksums=True)
-            # NIXL's own buffers (page-aligned: in place), which it reads and writes meanwhile:
+            # NIXL's own buffers (bounced, not on huge pages), which it reads and writes meanwhile:
             # puts read `shared`, gets fill `shared_out`, and no two transfers overlap
             ops["put tier-shared"] = lambda: tier.write(slots, shared, checksums=True)
             ops["get tier-shared"] = lambda: tier.read(slots, shared_out, checksums=True)
