@@ -617,6 +617,18 @@ src_rows(PyObject *src, Py_ssize_t n, Py_ssize_t w, Py_buffer *whole, Py_buffer 
     return 0;
 }
 
+/* Gives back what src_rows took. */
+static void
+release_src(int listed, Py_buffer *views, Py_ssize_t n, Py_buffer *whole)
+{
+    if (!listed) {
+        PyBuffer_Release(whole);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyBuffer_Release(&views[i]);
+}
+
 static PyObject *
 copy_checksums(PyObject *self, PyObject *args)
 {
@@ -643,11 +655,7 @@ copy_checksums(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < n && w > 0; i++) {
         if (starts[i] < dhi && dlo < starts[i] + w) {   /* a source row within dst's span */
             PyErr_Format(PyExc_ValueError, "copy_checksums: src row %zd overlaps dst", i);
-            if (listed)
-                for (Py_ssize_t j = 0; j < n; j++)
-                    PyBuffer_Release(&views[j]);
-            else
-                PyBuffer_Release(&whole);
+            release_src(listed, views, n, &whole);
             goto done;
         }
     }
@@ -661,11 +669,7 @@ copy_checksums(PyObject *self, PyObject *args)
         for (Py_ssize_t i = 0; i < n; i++)
             sums[i] = tk_copy_xxh3_64(dp + i * d.strides[0], starts[i], (size_t)w);
     }
-    if (listed)
-        for (Py_ssize_t i = 0; i < n; i++)
-            PyBuffer_Release(&views[i]);
-    else
-        PyBuffer_Release(&whole);
+    release_src(listed, views, n, &whole);
     out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)sums[i]);
