@@ -2,8 +2,8 @@
  * tierkv.codec._codec: the lossless float codec for KV pages (format v1), in C.
  *
  * This file holds the Python bindings only. The codec itself: codec_common.c (layout,
- * tables, header), codec_enc.c + codec_scan.c (encoder), codec_dec.c + codec_rows.c
- * (decoder), codec_simd*.c (AVX-512, AVX2 and BMI2 paths), declared in codec_core.h;
+ * tables, header), codec_enc.c + codec_scan.c (encoder), codec_dec.c + codec_planes.c +
+ * codec_rows.c (decoder), codec_simd*.c (AVX-512, AVX2 and BMI2 paths), declared in codec_core.h;
  * tierkv/codec/FORMAT.md describes the format. Called by tierkv.codec.codec, which
  * validates arguments and threads batches; both entry points release the GIL while
  * they touch only the caller's buffers and their own scratch.
@@ -158,10 +158,16 @@ decode_rows(PyObject *self, PyObject *args)
             goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Py_ssize_t i = 0;
+    for (; i + 1 < n; i += 2) {   /* two pages at a time: decode_page2 interleaves their symbols */
+        const uint8_t *const b[2] = {(const uint8_t *)views[i].buf, (const uint8_t *)views[i + 1].buf};
+        const size_t l[2] = {(size_t)views[i].len, (size_t)views[i + 1].len};
+        uint8_t *const d[2] = {(uint8_t *)dst.buf + (size_t)i * pb, (uint8_t *)dst.buf + (size_t)(i + 1) * pb};
+        decode_page2(&lay, b, l, d, (int32_t *)status.buf + i);
+    }
+    if (i < n)
         ((int32_t *)status.buf)[i] = decode_page(&lay, (const uint8_t *)views[i].buf, (size_t)views[i].len,
                                                  (uint8_t *)dst.buf + (size_t)i * pb);
-    }
     scratch_trim();
     Py_END_ALLOW_THREADS
     ret = Py_None;
@@ -179,8 +185,9 @@ done:
 PyDoc_STRVAR(set_simd_doc,
 "set_simd(level) -> None\n\n"
 "Which SIMD paths may run where the CPU has them: 2 (or True) all (AVX-512 rANS symbols\n"
-"partly by gathers on AMD, by a register search elsewhere), 3 all with the search\n"
-"alone, 4 all with gathers, 1 AVX2 and BMI2 but not AVX-512, 0 (or False) the scalar\n"
+"of two pages of a batch at once, else partly by gathers on AMD, by a register search\n"
+"elsewhere), 3 all with the search alone and one page at a time, 4 all with gathers and\n"
+"one page at a time, 5 as 2, 1 AVX2 and BMI2 but not AVX-512, 0 (or False) the scalar\n"
 "ones; all read and write the same bytes. For tests and comparisons: not meant to\n"
 "change while other threads code pages.");
 
@@ -190,7 +197,7 @@ set_simd_py(PyObject *self, PyObject *arg)
     long level = PyLong_AsLong(arg);
     if (level == -1 && PyErr_Occurred())
         return NULL;
-    set_simd(level >= 1 ? (int)(level > 4 ? 2 : level) : 0);
+    set_simd(level >= 1 ? (int)(level > 5 ? 2 : level) : 0);
     if (level == 1 && PyBool_Check(arg))
         set_simd(2);   /* True means every path */
     Py_RETURN_NONE;

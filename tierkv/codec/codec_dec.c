@@ -4,83 +4,14 @@
  * Checks before it decodes (header fields against the expected layout, lengths, the
  * xxh3-64 checksum) and after (every rANS state back at its initial value, every
  * stream consumed exactly); it never reads or writes outside the blob, its scratch
- * and the destination row, whatever the input. A plane decodes in passes: channel
- * maxima and first sign flips, then every symbol of its rows (64 rANS lanes, sixteen at
- * a time with AVX-512 where the CPU has it, in 64-symbol chunks that may end mid-row),
- * then its rows, assembled by codec_rows.c.
+ * and the destination row, whatever the input. This file opens a payload (parameters,
+ * tables, repeated rows, sections) and drives a page, or two pages together
+ * (decode_page2); codec_planes.c decodes the planes, codec_rows.c assembles their rows.
  * Declared in codec_core.h; called by _codec.c without the GIL.
  */
 #include "codec_dec.h"
 
-/* Lookahead budget: a chunk of LANES symbols reads at most one word per lane (with margin). */
-#define CHUNK_READ_BYTES (2 * LANES * 2)
-
-/* Branch-free (shift by 0 or 16): whether a state needs a word is a coin toss to the
- * branch predictor. */
-#define RENORM(v, p)                                                    \
-    do {                                                                \
-        uint32_t w_ = rd_u16(p);                                        \
-        uint32_t n_ = (v) < RANS_L;                                     \
-        (v) = ((v) << (n_ * 16)) | (w_ & (0 - n_));                     \
-        (p) += 2 * n_;                                                  \
-    } while (0)
-
-/* Unchecked decode: the caller made sure CHUNK_READ_BYTES remain. */
-static inline uint32_t
-get_sym(uint32_t *x, const uint32_t *restrict tab, const uint8_t **pp)
-{
-    uint32_t v = *x;
-    uint32_t e = tab[v & (PROB_SCALE - 1)];
-    v = (e >> 8 & 0xFFF) * (v >> PROB_BITS) + (e >> 20);
-    RENORM(v, *pp);
-    *x = v;
-    return e & 0xFF;
-}
-
-static inline uint32_t
-get_sym_checked(uint32_t *x, const uint32_t *tab, int pbits, const uint8_t **pp, const uint8_t *end, int *err)
-{
-    uint32_t v = *x;
-    uint32_t e = tab[v & ((1u << pbits) - 1)];
-    v = (e >> 8 & 0xFFF) * (v >> pbits) + (e >> 20);
-    if (v < RANS_L) {
-        if (end - *pp >= 2) {
-            v = (v << 16) | rd_u16(*pp);
-            *pp += 2;
-        } else {
-            *err = ERR_STREAM;
-        }
-    }
-    *x = v;
-    return e & 0xFF;
-}
-
 /* ----------------------------------------------------------------- tables -- */
-
-static void
-fill_slots(uint32_t *slot, const uint16_t *freq, const uint16_t *start, int alpha, int present, int pbits)
-{
-    if (!present) {   /* a context without symbols: any lookup yields symbol 0 */
-        for (uint32_t s = 0; s < (1u << pbits); s++) slot[s] = 1u << pbits << 8 | s << 20;
-        return;
-    }
-    for (int i = 0; i < alpha; i++) {
-        uint32_t f = freq[i], st = start[i];
-        for (uint32_t k = 0; k < f; k++) slot[st + k] = (uint32_t)i | f << 8 | k << 20;
-    }
-}
-
-/* The scalar decoder's slot table of a context; the AVX-512 path does without. */
-static const uint32_t *
-ensure_slots(Dec *D, int ctx)
-{
-    Model *m = &D->m;
-    if (!D->filled[ctx]) {
-        fill_slots(D->slot[ctx], m->freq[ctx], m->start[ctx], m->alpha[ctx], m->present[ctx], m->pbits[ctx]);
-        D->filled[ctx] = 1;
-    }
-    return D->slot[ctx];
-}
 
 /* Reads the page's tables; 0 or an error code. */
 static int
@@ -108,6 +39,7 @@ read_model(Dec *D, const uint8_t *p, size_t len)
         }
         freqs_to_starts(m->freq[ctx], alpha, m->start[ctx]);
         D->filled[ctx] = 0;   /* slot tables are built on first scalar use (ensure_slots) */
+        D->np16[ctx] = -1;    /* and the paired search's on its first (pair_syms) */
     }
     if (r.underflow || (size_t)(r.end - r.p) * 8 + (size_t)r.n >= 8) return ERR_STRUCTURE;
     return 0;
@@ -132,173 +64,6 @@ read_dups(Dec *D, const uint8_t *p, size_t len)
         D->dup_src[g] = (uint32_t)(t - back - 1);
     }
     return p == end ? 0 : ERR_STRUCTURE;
-}
-
-/* ---------------------------------------------------------------- planes -- */
-
-/* A symbol per channel (side maxima or first flips), LANES at a time. */
-static void
-channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint32_t *restrict out)
-{
-    const size_t C = D->lay->chans;
-    const int pbits = D->m.pbits[ctx];
-    const uint32_t mask = (1u << pbits) - 1;
-    const uint8_t *p = *pp, *const end = D->rans_end;
-    uint32_t x[LANES];
-    size_t c0 = 0;
-    if (D->avx512 && C % LANES == 0) {
-        c0 = decode_syms_avx512(xs, &p, end, D->m.freq[ctx], D->m.start[ctx], D->m.alpha[ctx], pbits,
-                                D->gather ? ensure_slots(D, ctx) : NULL, D->sym, C);
-        for (size_t c = 0; c < c0; c++) out[c] = D->sym[c];
-    }
-    if (c0 == C) {
-        *pp = p;
-        return;
-    }
-    const uint32_t *restrict tab = ensure_slots(D, ctx);
-    memcpy(x, xs, sizeof(x));
-    for (; c0 + LANES <= C && end - p >= CHUNK_READ_BYTES; c0 += LANES) {
-        for (int j = 0; j < LANES; j++) {
-            uint32_t v = x[j];
-            uint32_t e = tab[v & mask];
-            v = (e >> 8 & 0xFFF) * (v >> pbits) + (e >> 20);
-            RENORM(v, p);
-            x[j] = v;
-            out[c0 + j] = e & 0xFF;
-        }
-    }
-    for (; c0 < C; c0 += LANES) {
-        int n = (int)(C - c0 < LANES ? C - c0 : LANES);
-        for (int j = 0; j < n; j++) out[c0 + j] = get_sym_checked(&x[j], tab, pbits, &p, end, &D->err);
-    }
-    memcpy(xs, x, sizeof(x));
-    *pp = p;
-}
-
-static void
-decode_side(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, int kc)
-{
-    const Layout *lay = D->lay;
-    const int base = D->base[p], emax = (1 << lay->ebits) - 1;
-    const size_t C = lay->chans;
-    uint32_t *restrict cm = D->cmax;
-    uint16_t *restrict cm16 = D->cmax16;
-    uint8_t *restrict cm8 = D->cmax8;
-    channel_syms(D, x, pp, CTX_SIDE(kc), cm);
-    uint32_t bad = 0, esc = 0;
-    for (size_t c = 0; c < C; c++) {   /* vectorises; escaped channels are filled in below, in order */
-        uint32_t s = cm[c], v = (uint32_t)(base + (int)s - SIDE_CENTER);
-        esc |= s == SIDE_ALPHA - 1;
-        bad |= (s != SIDE_ALPHA - 1) & (v > (uint32_t)emax);   /* below 0 wraps above emax */
-        cm16[c] = (uint16_t)(v & (uint32_t)emax);
-    }
-    if (esc)
-        for (size_t c = 0; c < C; c++)
-            if (cm[c] == SIDE_ALPHA - 1) cm16[c] = (uint16_t)br_get(&D->esc, lay->ebits);
-    if (bad) D->err = ERR_STREAM;
-    for (size_t c = 0; c < C; c++) {
-        cm[c] = cm16[c];
-        cm8[c] = (uint8_t)cm16[c];
-    }
-}
-
-static void
-decode_flips(Dec *D, uint32_t *x, const uint8_t **pp, int kc, uint32_t nrows)
-{
-    const Layout *lay = D->lay;
-    const size_t C = lay->chans;
-    uint32_t *restrict f = D->fpos;
-    channel_syms(D, x, pp, CTX_FLIP(kc), f);
-    if (lay->flip_esc >= 0) {   /* escapes (pages of more than 256 tokens) are read in order */
-        const int nb = bits_for((int)lay->tokens);
-        for (size_t c = 0; c < C; c++)
-            if (f[c] == (uint32_t)lay->flip_esc) f[c] = br_get(&D->esc, nb);
-    }
-    uint32_t bad = 0;
-    for (size_t c = 0; c < C; c++) {   /* vectorises */
-        bad |= f[c] >= nrows;
-        f[c] += 1;
-    }
-    if (bad) D->err = ERR_STREAM;
-}
-
-/* Every main symbol of a plane's coded rows, row after row. */
-static void
-decode_symbols(Dec *D, uint32_t *xs, const uint8_t **pp, int kc, uint32_t nrows)
-{
-    const size_t C = D->lay->chans, n = (size_t)nrows * C;
-    const uint8_t *p = *pp, *const end = D->rans_end;
-    uint32_t x[LANES];
-    size_t i = 0;   /* symbols decoded, row-major */
-    if (D->avx512 && C % LANES == 0)
-        i = decode_syms_avx512(xs, &p, end, D->m.freq[CTX_MAIN(kc)], D->m.start[CTX_MAIN(kc)],
-                               D->m.alpha[CTX_MAIN(kc)], PROB_BITS, D->gather ? ensure_slots(D, CTX_MAIN(kc)) : NULL,
-                               D->sym, n);
-    const uint32_t *restrict tab = i < n ? ensure_slots(D, CTX_MAIN(kc)) : NULL;
-    memcpy(x, xs, sizeof(x));
-    while (i < n) {
-        uint8_t *restrict sym = D->sym + i - i % C;   /* the row's start */
-        size_t c0 = i % C;   /* a multiple of LANES: the vector paths stop at whole chunks */
-        for (; c0 + LANES <= C && end - p >= CHUNK_READ_BYTES; c0 += LANES) {
-            uint32_t s[LANES];
-            for (int j = 0; j < LANES; j++) s[j] = get_sym(&x[j], tab, &p);
-            for (int j = 0; j < LANES; j++) sym[c0 + j] = (uint8_t)s[j];
-        }
-        for (; c0 < C; c0 += LANES) {
-            int m = (int)(C - c0 < LANES ? C - c0 : LANES);
-            for (int j = 0; j < m; j++)
-                sym[c0 + j] = (uint8_t)get_sym_checked(&x[j], tab, PROB_BITS, &p, end, &D->err);
-        }
-        i += C - i % C;
-    }
-    memcpy(xs, x, sizeof(x));
-    *pp = p;
-}
-
-static void
-decode_plane(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, uint8_t *plane)
-{
-    const Layout *lay = D->lay;
-    const size_t C = lay->chans, T = lay->tokens, rb = C * (size_t)lay->itemsize;
-    const int kc = lay->nkc == 2 ? (int)(p & 1) : 0, coded = D->pr.sign_coded[kc];
-    uint32_t nrows = 0;
-    for (size_t t = 0; t < T; t++) nrows += !D->dup[p * T + t];
-    decode_side(D, x, pp, p, kc);
-    if (coded) decode_flips(D, x, pp, kc, nrows);
-    decode_symbols(D, x, pp, kc, nrows);
-    if (p == lay->planes - 1) absorb_tail(D, x);
-    if (D->err) return;
-    plane_signs(D, coded, nrows);
-    uint32_t k = 0;
-    for (size_t t = 0; t < T; t++) {
-        uint8_t *out = plane + t * rb;
-        if (D->dup[p * T + t]) {
-            memcpy(out, plane + D->dup_src[p * T + t] * rb, rb);
-            continue;
-        }
-        assemble_row(D, D->sym + (size_t)k * C, k, out);
-        k++;
-    }
-}
-
-static int
-decode_planes(Dec *D, const uint8_t *rans, uint8_t *dst)
-{
-    const Layout *lay = D->lay;
-    size_t plane_bytes = (size_t)lay->tokens * lay->chans * (size_t)lay->itemsize;
-    const uint8_t *p = rans;
-    uint32_t x[LANES];
-    if ((size_t)(D->rans_end - p) < 4 * LANES) return ERR_STREAM;
-    for (int j = 0; j < LANES; j++, p += 4) {
-        x[j] = rd_u32(p);
-        if (x[j] < RANS_L) return ERR_STREAM;
-    }
-    for (size_t pl = 0; pl < lay->planes && !D->err; pl++) decode_plane(D, x, &p, pl, dst + pl * plane_bytes);
-    if (D->err || D->esc.underflow) return D->err ? D->err : ERR_STREAM;
-    if (p != D->rans_end || D->exc_left || D->exc != D->exc_end) return ERR_STREAM;
-    if ((size_t)(D->esc.end - D->esc.p) * 8 + (size_t)D->esc.n >= 8) return ERR_STREAM;
-    if (D->ksign > D->sign_len * 8 || D->sign_len * 8 - D->ksign >= 8) return ERR_STREAM;
-    return 0;
 }
 
 /* --------------------------------------------------------------- payload -- */
@@ -334,12 +99,12 @@ read_lo_exceptions(Dec *D, const uint8_t *p, size_t len)
 }
 
 static Dec *
-new_dec(const Layout *lay)
+new_dec(const Layout *lay, int kind)
 {
     size_t pt = lay->planes * lay->tokens, C = lay->chans, tc = (size_t)lay->tokens * C;
     size_t words = ((size_t)lay->tokens + 63) / 64 * C;
     size_t mid_cap = (lay->elems * (size_t)lay->mbits / 8 + 16 + 63) & ~(size_t)63;   /* keeps what follows aligned */
-    uint8_t *b = scratch_get(SCRATCH_DEC_STATE, sizeof(Dec) + words * 8 + pt * 5 + C * 16 + tc + mid_cap + 16);
+    uint8_t *b = scratch_get(kind, sizeof(Dec) + words * 8 + pt * 5 + C * 16 + tc + mid_cap + 16);
     if (b == NULL) return NULL;
     Dec *D = (Dec *)b;
     b += sizeof(Dec);
@@ -370,11 +135,11 @@ new_dec(const Layout *lay)
  * thread's decoder state, sec[i] and len[i] each section, and the mid section is in the
  * state's scratch if copy_mid (the GPU decoder's host side, codec_gpu.c, starts from here
  * too, without the copy). 0 or an error code. */
-int
-dec_open(const Layout *lay, const uint8_t *o, size_t plen, Dec **out, const uint8_t **sec, uint64_t *len,
-         int copy_mid)
+static int
+dec_open_in(const Layout *lay, const uint8_t *o, size_t plen, Dec **out, const uint8_t **sec, uint64_t *len,
+            int copy_mid, int kind)
 {
-    Dec *D = new_dec(lay);
+    Dec *D = new_dec(lay, kind);
     if (D == NULL) return ERR_NOMEM;
     *out = D;
     if (plen < PAYLOAD_FIXED) return ERR_STRUCTURE;
@@ -403,6 +168,13 @@ dec_open(const Layout *lay, const uint8_t *o, size_t plen, Dec **out, const uint
     D->sign_len = len[4];
     if ((rc = load_mid(D, sec[5], len[5], copy_mid)) != 0) return rc;
     return read_lo_exceptions(D, sec[6], len[6]);
+}
+
+int
+dec_open(const Layout *lay, const uint8_t *o, size_t plen, Dec **out, const uint8_t **sec, uint64_t *len,
+         int copy_mid)
+{
+    return dec_open_in(lay, o, plen, out, sec, len, copy_mid, SCRATCH_DEC_STATE);
 }
 
 static int
@@ -451,4 +223,41 @@ decode_page(const Layout *lay, const uint8_t *blob, size_t len, uint8_t *dst)
         return 0;
     }
     return decode_coded(lay, blob + HEADER_BYTES, plen, dst);
+}
+
+/* Two blobs into their rows: where both are coded pages whose rows are whole chunks of
+ * LANES and the CPU runs decode_syms2_avx512, their symbols are decoded together (each
+ * page's states, stream and tables its own); any other page, and a page whose partner
+ * fails before its planes, decodes alone. rc[g] is what decode_page returns. */
+void
+decode_page2(const Layout *lay, const uint8_t *const blob[2], const size_t len[2], uint8_t *const dst[2],
+             int32_t rc[2])
+{
+    if (!use_pairs() || lay->chans % LANES) {
+        for (int g = 0; g < 2; g++) rc[g] = decode_page(lay, blob[g], len[g], dst[g]);
+        return;
+    }
+    int mode[2] = {0, 0};
+    size_t plen[2] = {0, 0};
+    Dec *D[2] = {NULL, NULL};
+    const uint8_t *sec[2][NSECTIONS];
+    uint64_t slen[2][NSECTIONS];
+    for (int g = 0; g < 2; g++) {   /* D[g] stays NULL for a page that is done (raw or refused) */
+        rc[g] = check_blob(lay, blob[g], len[g], &mode[g], &plen[g]);
+        if (rc[g] == 0 && mode[g] == MODE_RAW) {
+            memcpy(dst[g], blob[g] + HEADER_BYTES, plen[g]);
+        } else if (rc[g] == 0) {
+            Dec *d = NULL;
+            rc[g] = dec_open_in(lay, blob[g] + HEADER_BYTES, plen[g], &d, sec[g], slen[g], 1,
+                                g ? SCRATCH_DEC_STATE2 : SCRATCH_DEC_STATE);
+            if (rc[g] == 0) D[g] = d;
+        }
+    }
+    if (D[0] && D[1]) {
+        const uint8_t *const rans[2] = {sec[0][2], sec[1][2]};
+        decode_planes2(D, rans, dst, rc);
+        return;
+    }
+    for (int g = 0; g < 2; g++)
+        if (D[g]) rc[g] = decode_planes(D[g], sec[g][2], dst[g]);
 }

@@ -1,7 +1,7 @@
 /*
- * The decoder's state, shared by codec_dec.c (payload, tables, rANS symbols, the plane
- * loop) and codec_rows.c (signs, mid bits and the assembly of rows). Private to the
- * decoder; codec_core.h is the codec's shared header.
+ * The decoder's state, shared by codec_dec.c (payload, tables), codec_planes.c (rANS
+ * symbols, the plane loop) and codec_rows.c (signs, mid bits and the assembly of rows).
+ * Private to the decoder; codec_core.h is the codec's shared header.
  */
 #ifndef TIERKV_CODEC_DEC_H
 #define TIERKV_CODEC_DEC_H
@@ -14,6 +14,8 @@ typedef struct {
     Model m;
     uint32_t slot[NCTX][PROB_SCALE];   /* sym | freq << 8 | bias << 20, for used contexts */
     uint8_t filled[NCTX];              /* slot[ctx] is built */
+    uint16_t t16[NCTX][192];           /* decode_syms2_avx512's tables (search_tables16) */
+    int np16[NCTX];                    /* their present symbols; -1: not built yet */
     const uint8_t *base, *rans_end;
     const uint8_t *sign;               /* raw signs, channel by channel */
     uint8_t *mid;                      /* mid bits: the section, then the tail from the states */
@@ -68,6 +70,11 @@ get_varint(const uint8_t **pp, const uint8_t *end, uint64_t *v)
 int check_blob(const Layout *lay, const uint8_t *blob, size_t len, int *mode, size_t *plen);
 int dec_open(const Layout *lay, const uint8_t *o, size_t plen, Dec **out, const uint8_t **sec, uint64_t *len,
              int copy_mid);
+
+/* codec_planes.c: every plane of one page, or of two together (rc[g] each page's result);
+ * 0 or an error code */
+int decode_planes(Dec *D, const uint8_t *rans, uint8_t *dst);
+void decode_planes2(Dec *const D[2], const uint8_t *const rans[2], uint8_t *const dst[2], int32_t rc[2]);
 
 /* codec_rows.c */
 int load_mid(Dec *D, const uint8_t *section, size_t len, int copy);

@@ -2,7 +2,7 @@
  * The decoder's row assembly: a plane's signs from their first flips and raw bits, the
  * fixed-width mid mantissa bits (with the tail that came back in the rANS states), and
  * each row put together from symbols, channel maxima, signs and mid bits, then patched
- * for escapes and lo exceptions. Called by codec_dec.c; the 16-bit rows go through
+ * for escapes and lo exceptions. Called by codec_planes.c; the 16-bit rows go through
  * codec_simd_rows.c's AVX-512 VBMI pass (mid bits and assembly in one) or its AVX2 assembly
  * where the CPU has them.
  */

@@ -4,7 +4,7 @@
  * (use_gather) and set_simd's limit for tests and comparisons. The paths themselves:
  * codec_simd_rans.c (rANS symbols, both ways), codec_simd_rows.c (the decoder's signs,
  * mid bits and rows), codec_simd_scan.c (the encoder's passes over a page). Each
- * does the same as the scalar code in codec_dec.c, codec_rows.c and codec_scan.c,
+ * does the same as the scalar code in codec_planes.c, codec_rows.c and codec_scan.c,
  * byte for byte.
  */
 #include "codec_simd.h"
@@ -15,8 +15,9 @@
 static int avx2_state = -1, avx512_state = -1, amd_state = -1;
 static int simd_allowed = 2;
 
-/* 2: every path the CPU has (rANS symbols partly by gathers on AMD, by the register
- * search elsewhere); 3: the same with the search alone, 4: with gathers; 1: AVX2 and
+/* 2: every path the CPU has (rANS symbols of two pages at once where a batch has two,
+ * else partly by gathers on AMD, by the register search elsewhere); 3: one page at a
+ * time with the search alone, 4: one page at a time with gathers; 5: as 2; 1: AVX2 and
  * BMI2 but not AVX-512; 0: scalar only. */
 void
 set_simd(int allowed)
@@ -32,12 +33,20 @@ int
 use_gather(void)
 {
     if (!have_avx512()) return 0;
-    if (simd_allowed >= 3) return simd_allowed == 4;
+    if (simd_allowed >= 3 && simd_allowed <= 4) return simd_allowed == 4;
     if (amd_state < 0) {
         __builtin_cpu_init();
         amd_state = __builtin_cpu_is("amd");
     }
     return amd_state;
+}
+
+/* Whether a batch's pages decode two at a time (decode_syms2_avx512): everywhere
+ * AVX-512 BW runs, unless set_simd asked for one page at a time (3, 4). */
+int
+use_pairs(void)
+{
+    return (simd_allowed == 2 || simd_allowed == 5) && have_avx512_bw();
 }
 
 int
@@ -120,6 +129,12 @@ have_avx512_vbmi(void)
 
 int
 use_gather(void)
+{
+    return 0;
+}
+
+int
+use_pairs(void)
 {
     return 0;
 }

@@ -5,7 +5,7 @@
  * next words into the lanes that need one) and the encoder's (exact quotients from
  * single-precision reciprocals and a remainder check where the frequencies sum to 2^10
  * or more, from double-precision ones elsewhere; the shed words compressed into a
- * masked store). codec_dec.c and
+ * masked store). codec_planes.c and
  * codec_enc.c call them where have_avx512_bw(); their scalar loops do the same.
  */
 #include "codec_simd.h"

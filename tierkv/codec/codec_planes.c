@@ -1,0 +1,361 @@
+/*
+ * The decoder's planes (codec_dec.c opens the payload): a plane decodes in passes,
+ * channel maxima and first sign flips, then every symbol of its rows (64 rANS lanes,
+ * sixteen at a time with AVX-512 where the CPU has it, in 64-symbol chunks that may end
+ * mid-row), then its rows, assembled by codec_rows.c. Two pages of a batch can decode
+ * their planes together (decode_planes2): each run of symbols goes through
+ * decode_syms2_avx512 for both as far as both have whole chunks, so eight state vectors
+ * are in flight where one page has four, and each page finishes alone.
+ */
+#include "codec_dec.h"
+
+/* Lookahead budget: a chunk of LANES symbols reads at most one word per lane (with margin). */
+#define CHUNK_READ_BYTES (2 * LANES * 2)
+
+/* Branch-free (shift by 0 or 16): whether a state needs a word is a coin toss to the
+ * branch predictor. */
+#define RENORM(v, p)                                                    \
+    do {                                                                \
+        uint32_t w_ = rd_u16(p);                                        \
+        uint32_t n_ = (v) < RANS_L;                                     \
+        (v) = ((v) << (n_ * 16)) | (w_ & (0 - n_));                     \
+        (p) += 2 * n_;                                                  \
+    } while (0)
+
+/* Unchecked decode: the caller made sure CHUNK_READ_BYTES remain. */
+static inline uint32_t
+get_sym(uint32_t *x, const uint32_t *restrict tab, const uint8_t **pp)
+{
+    uint32_t v = *x;
+    uint32_t e = tab[v & (PROB_SCALE - 1)];
+    v = (e >> 8 & 0xFFF) * (v >> PROB_BITS) + (e >> 20);
+    RENORM(v, *pp);
+    *x = v;
+    return e & 0xFF;
+}
+
+static inline uint32_t
+get_sym_checked(uint32_t *x, const uint32_t *tab, int pbits, const uint8_t **pp, const uint8_t *end, int *err)
+{
+    uint32_t v = *x;
+    uint32_t e = tab[v & ((1u << pbits) - 1)];
+    v = (e >> 8 & 0xFFF) * (v >> pbits) + (e >> 20);
+    if (v < RANS_L) {
+        if (end - *pp >= 2) {
+            v = (v << 16) | rd_u16(*pp);
+            *pp += 2;
+        } else {
+            *err = ERR_STREAM;
+        }
+    }
+    *x = v;
+    return e & 0xFF;
+}
+
+/* ----------------------------------------------------------------- tables -- */
+
+static void
+fill_slots(uint32_t *slot, const uint16_t *freq, const uint16_t *start, int alpha, int present, int pbits)
+{
+    if (!present) {   /* a context without symbols: any lookup yields symbol 0 */
+        for (uint32_t s = 0; s < (1u << pbits); s++) slot[s] = 1u << pbits << 8 | s << 20;
+        return;
+    }
+    for (int i = 0; i < alpha; i++) {
+        uint32_t f = freq[i], st = start[i];
+        for (uint32_t k = 0; k < f; k++) slot[st + k] = (uint32_t)i | f << 8 | k << 20;
+    }
+}
+
+/* The scalar decoder's slot table of a context; the AVX-512 path does without. */
+static const uint32_t *
+ensure_slots(Dec *D, int ctx)
+{
+    Model *m = &D->m;
+    if (!D->filled[ctx]) {
+        fill_slots(D->slot[ctx], m->freq[ctx], m->start[ctx], m->alpha[ctx], m->present[ctx], m->pbits[ctx]);
+        D->filled[ctx] = 1;
+    }
+    return D->slot[ctx];
+}
+
+/* ---------------------------------------------------------------- planes -- */
+
+/* A symbol per channel (side maxima or first flips), LANES at a time; the first `done`
+ * (whole chunks) are in D->sym already (decode_syms2_avx512). */
+static void
+channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint32_t *restrict out, size_t done)
+{
+    const size_t C = D->lay->chans;
+    const int pbits = D->m.pbits[ctx];
+    const uint32_t mask = (1u << pbits) - 1;
+    const uint8_t *p = *pp, *const end = D->rans_end;
+    uint32_t x[LANES];
+    size_t c0 = done;
+    if (D->avx512 && C % LANES == 0 && c0 < C)
+        c0 += decode_syms_avx512(xs, &p, end, D->m.freq[ctx], D->m.start[ctx], D->m.alpha[ctx], pbits,
+                                 D->gather ? ensure_slots(D, ctx) : NULL, D->sym + c0, C - c0);
+    for (size_t c = 0; c < c0; c++) out[c] = D->sym[c];
+    if (c0 == C) {
+        *pp = p;
+        return;
+    }
+    const uint32_t *restrict tab = ensure_slots(D, ctx);
+    memcpy(x, xs, sizeof(x));
+    for (; c0 + LANES <= C && end - p >= CHUNK_READ_BYTES; c0 += LANES) {
+        for (int j = 0; j < LANES; j++) {
+            uint32_t v = x[j];
+            uint32_t e = tab[v & mask];
+            v = (e >> 8 & 0xFFF) * (v >> pbits) + (e >> 20);
+            RENORM(v, p);
+            x[j] = v;
+            out[c0 + j] = e & 0xFF;
+        }
+    }
+    for (; c0 < C; c0 += LANES) {
+        int n = (int)(C - c0 < LANES ? C - c0 : LANES);
+        for (int j = 0; j < n; j++) out[c0 + j] = get_sym_checked(&x[j], tab, pbits, &p, end, &D->err);
+    }
+    memcpy(xs, x, sizeof(x));
+    *pp = p;
+}
+
+static void
+decode_side(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, int kc, size_t done)
+{
+    const Layout *lay = D->lay;
+    const int base = D->base[p], emax = (1 << lay->ebits) - 1;
+    const size_t C = lay->chans;
+    uint32_t *restrict cm = D->cmax;
+    uint16_t *restrict cm16 = D->cmax16;
+    uint8_t *restrict cm8 = D->cmax8;
+    channel_syms(D, x, pp, CTX_SIDE(kc), cm, done);
+    uint32_t bad = 0, esc = 0;
+    for (size_t c = 0; c < C; c++) {   /* vectorises; escaped channels are filled in below, in order */
+        uint32_t s = cm[c], v = (uint32_t)(base + (int)s - SIDE_CENTER);
+        esc |= s == SIDE_ALPHA - 1;
+        bad |= (s != SIDE_ALPHA - 1) & (v > (uint32_t)emax);   /* below 0 wraps above emax */
+        cm16[c] = (uint16_t)(v & (uint32_t)emax);
+    }
+    if (esc)
+        for (size_t c = 0; c < C; c++)
+            if (cm[c] == SIDE_ALPHA - 1) cm16[c] = (uint16_t)br_get(&D->esc, lay->ebits);
+    if (bad) D->err = ERR_STREAM;
+    for (size_t c = 0; c < C; c++) {
+        cm[c] = cm16[c];
+        cm8[c] = (uint8_t)cm16[c];
+    }
+}
+
+static void
+decode_flips(Dec *D, uint32_t *x, const uint8_t **pp, int kc, uint32_t nrows, size_t done)
+{
+    const Layout *lay = D->lay;
+    const size_t C = lay->chans;
+    uint32_t *restrict f = D->fpos;
+    channel_syms(D, x, pp, CTX_FLIP(kc), f, done);
+    if (lay->flip_esc >= 0) {   /* escapes (pages of more than 256 tokens) are read in order */
+        const int nb = bits_for((int)lay->tokens);
+        for (size_t c = 0; c < C; c++)
+            if (f[c] == (uint32_t)lay->flip_esc) f[c] = br_get(&D->esc, nb);
+    }
+    uint32_t bad = 0;
+    for (size_t c = 0; c < C; c++) {   /* vectorises */
+        bad |= f[c] >= nrows;
+        f[c] += 1;
+    }
+    if (bad) D->err = ERR_STREAM;
+}
+
+/* Every main symbol of a plane's coded rows, row after row; the first `done` (whole
+ * chunks) are in D->sym already (decode_syms2_avx512). */
+static void
+decode_symbols(Dec *D, uint32_t *xs, const uint8_t **pp, int kc, uint32_t nrows, size_t done)
+{
+    const size_t C = D->lay->chans, n = (size_t)nrows * C;
+    const uint8_t *p = *pp, *const end = D->rans_end;
+    uint32_t x[LANES];
+    size_t i = done;   /* symbols decoded, row-major */
+    if (D->avx512 && C % LANES == 0 && i < n)
+        i += decode_syms_avx512(xs, &p, end, D->m.freq[CTX_MAIN(kc)], D->m.start[CTX_MAIN(kc)],
+                                D->m.alpha[CTX_MAIN(kc)], PROB_BITS, D->gather ? ensure_slots(D, CTX_MAIN(kc)) : NULL,
+                                D->sym + i, n - i);
+    const uint32_t *restrict tab = i < n ? ensure_slots(D, CTX_MAIN(kc)) : NULL;
+    memcpy(x, xs, sizeof(x));
+    while (i < n) {
+        uint8_t *restrict sym = D->sym + i - i % C;   /* the row's start */
+        size_t c0 = i % C;   /* a multiple of LANES: the vector paths stop at whole chunks */
+        for (; c0 + LANES <= C && end - p >= CHUNK_READ_BYTES; c0 += LANES) {
+            uint32_t s[LANES];
+            for (int j = 0; j < LANES; j++) s[j] = get_sym(&x[j], tab, &p);
+            for (int j = 0; j < LANES; j++) sym[c0 + j] = (uint8_t)s[j];
+        }
+        for (; c0 < C; c0 += LANES) {
+            int m = (int)(C - c0 < LANES ? C - c0 : LANES);
+            for (int j = 0; j < m; j++)
+                sym[c0 + j] = (uint8_t)get_sym_checked(&x[j], tab, PROB_BITS, &p, end, &D->err);
+        }
+        i += C - i % C;
+    }
+    memcpy(xs, x, sizeof(x));
+    *pp = p;
+}
+
+/* Plane p's K/V class and coded rows. */
+static int
+plane_class(const Dec *D, size_t p, uint32_t *nrows)
+{
+    const size_t T = D->lay->tokens;
+    uint32_t n = 0;
+    for (size_t t = 0; t < T; t++) n += !D->dup[p * T + t];
+    *nrows = n;
+    return D->lay->nkc == 2 ? (int)(p & 1) : 0;
+}
+
+/* Plane p's rows once its symbols are decoded: the mid tail after the last plane, the
+ * signs, then each row assembled or copied from the row it repeats. */
+static void
+plane_rows(Dec *D, const uint32_t *x, size_t p, int kc, uint32_t nrows, uint8_t *plane)
+{
+    const Layout *lay = D->lay;
+    const size_t C = lay->chans, T = lay->tokens, rb = C * (size_t)lay->itemsize;
+    if (p == lay->planes - 1) absorb_tail(D, x);
+    if (D->err) return;
+    plane_signs(D, D->pr.sign_coded[kc], nrows);
+    uint32_t k = 0;
+    for (size_t t = 0; t < T; t++) {
+        uint8_t *out = plane + t * rb;
+        if (D->dup[p * T + t]) {
+            memcpy(out, plane + D->dup_src[p * T + t] * rb, rb);
+            continue;
+        }
+        assemble_row(D, D->sym + (size_t)k * C, k, out);
+        k++;
+    }
+}
+
+static void
+decode_plane(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, uint8_t *plane)
+{
+    uint32_t nrows;
+    const int kc = plane_class(D, p, &nrows);
+    decode_side(D, x, pp, p, kc, 0);
+    if (D->pr.sign_coded[kc]) decode_flips(D, x, pp, kc, nrows, 0);
+    decode_symbols(D, x, pp, kc, nrows, 0);
+    plane_rows(D, x, p, kc, nrows, plane);
+}
+
+/* The first whole chunks of n symbols of context ctx[g] in both pages at once, into
+ * each page's D->sym; returns how many (a multiple of LANES, each page's the same). */
+static size_t
+pair_syms(Dec *const D[2], uint32_t *const x[2], const uint8_t **const pp[2], const int ctx[2], size_t n)
+{
+    int np[2], pbits[2];
+    for (int g = 0; g < 2; g++) {
+        Model *m = &D[g]->m;
+        if (D[g]->np16[ctx[g]] < 0)
+            D[g]->np16[ctx[g]] = search_tables16(m->freq[ctx[g]], m->start[ctx[g]], m->alpha[ctx[g]],
+                                                 m->pbits[ctx[g]], D[g]->t16[ctx[g]]);
+        np[g] = D[g]->np16[ctx[g]];
+        pbits[g] = m->pbits[ctx[g]];
+        if (np[g] > 64) return 0;   /* more than the tables hold: each page goes on alone */
+    }
+    const uint8_t *const end[2] = {D[0]->rans_end, D[1]->rans_end};
+    const uint16_t *const tabs[2] = {D[0]->t16[ctx[0]], D[1]->t16[ctx[1]]};
+    uint8_t *const out[2] = {D[0]->sym, D[1]->sym};
+    return decode_syms2_avx512(x, pp, end, tabs, np, pbits, out, n);
+}
+
+/* Plane p of two pages: each run of symbols (channel maxima, first flips, main
+ * symbols) decoded for both at once as far as both have whole chunks, the rest of each
+ * run and the rows page by page. Only where both pages have AVX-512 and whole chunks a
+ * row (decode_page2 checks). */
+static void
+decode_plane2(Dec *const D[2], uint32_t *const x[2], const uint8_t **const pp[2], size_t p, uint8_t *const plane[2])
+{
+    const size_t C = D[0]->lay->chans;
+    uint32_t nrows[2];
+    int kc[2], ctx[2];
+    for (int g = 0; g < 2; g++) kc[g] = plane_class(D[g], p, &nrows[g]);
+    for (int g = 0; g < 2; g++) ctx[g] = CTX_SIDE(kc[g]);
+    size_t done = pair_syms(D, x, pp, ctx, C);
+    for (int g = 0; g < 2; g++) decode_side(D[g], x[g], pp[g], p, kc[g], done);
+    int both = D[0]->pr.sign_coded[kc[0]] && D[1]->pr.sign_coded[kc[1]];
+    for (int g = 0; g < 2; g++) ctx[g] = CTX_FLIP(kc[g]);
+    done = both ? pair_syms(D, x, pp, ctx, C) : 0;
+    for (int g = 0; g < 2; g++)
+        if (D[g]->pr.sign_coded[kc[g]]) decode_flips(D[g], x[g], pp[g], kc[g], nrows[g], done);
+    for (int g = 0; g < 2; g++) ctx[g] = CTX_MAIN(kc[g]);
+    done = pair_syms(D, x, pp, ctx, (size_t)(nrows[0] < nrows[1] ? nrows[0] : nrows[1]) * C);
+    for (int g = 0; g < 2; g++) decode_symbols(D[g], x[g], pp[g], kc[g], nrows[g], done);
+    for (int g = 0; g < 2; g++) plane_rows(D[g], x[g], p, kc[g], nrows[g], plane[g]);
+}
+
+/* The lanes' initial states (the encoder's final ones) from the front of the stream;
+ * 0 or an error code. */
+static int
+initial_states(const Dec *D, const uint8_t **pp, uint32_t *x)
+{
+    const uint8_t *p = *pp;
+    if ((size_t)(D->rans_end - p) < 4 * LANES) return ERR_STREAM;
+    for (int j = 0; j < LANES; j++, p += 4) {
+        x[j] = rd_u32(p);
+        if (x[j] < RANS_L) return ERR_STREAM;
+    }
+    *pp = p;
+    return 0;
+}
+
+static size_t
+plane_bytes(const Layout *lay)
+{
+    return (size_t)lay->tokens * lay->chans * (size_t)lay->itemsize;
+}
+
+/* After the last plane: every stream consumed exactly; 0 or an error code. */
+static int
+planes_done(const Dec *D, const uint8_t *p)
+{
+    if (D->err || D->esc.underflow) return D->err ? D->err : ERR_STREAM;
+    if (p != D->rans_end || D->exc_left || D->exc != D->exc_end) return ERR_STREAM;
+    if ((size_t)(D->esc.end - D->esc.p) * 8 + (size_t)D->esc.n >= 8) return ERR_STREAM;
+    if (D->ksign > D->sign_len * 8 || D->sign_len * 8 - D->ksign >= 8) return ERR_STREAM;
+    return 0;
+}
+
+int
+decode_planes(Dec *D, const uint8_t *rans, uint8_t *dst)
+{
+    const Layout *lay = D->lay;
+    const uint8_t *p = rans;
+    uint32_t x[LANES];
+    int rc = initial_states(D, &p, x);
+    if (rc) return rc;
+    for (size_t pl = 0; pl < lay->planes && !D->err; pl++) decode_plane(D, x, &p, pl, dst + pl * plane_bytes(lay));
+    return planes_done(D, p);
+}
+
+/* decode_planes for two pages, plane by plane together while both decode, then alone. */
+void
+decode_planes2(Dec *const D[2], const uint8_t *const rans[2], uint8_t *const dst[2], int32_t rc[2])
+{
+    const Layout *lay = D[0]->lay;
+    const size_t pb = plane_bytes(lay);
+    const uint8_t *p[2] = {rans[0], rans[1]};
+    uint32_t xa[LANES], xb[LANES];
+    uint32_t *const x[2] = {xa, xb};
+    const uint8_t **const pp[2] = {&p[0], &p[1]};
+    for (int g = 0; g < 2; g++) rc[g] = initial_states(D[g], &p[g], x[g]);
+    for (size_t pl = 0; pl < lay->planes; pl++) {
+        int ok0 = !rc[0] && !D[0]->err, ok1 = !rc[1] && !D[1]->err;
+        if (ok0 && ok1) {
+            uint8_t *const plane[2] = {dst[0] + pl * pb, dst[1] + pl * pb};
+            decode_plane2(D, x, pp, pl, plane);
+            continue;
+        }
+        for (int g = 0; g < 2; g++)
+            if (g ? ok1 : ok0) decode_plane(D[g], x[g], pp[g], pl, dst[g] + pl * pb);
+    }
+    for (int g = 0; g < 2; g++)
+        if (!rc[g]) rc[g] = planes_done(D[g], p[g]);
+}
