@@ -148,8 +148,15 @@ class Codec:
         n = len(blobs)
         status = np.zeros(n, dtype=np.int32)
         if n:
-            views = [_as_buffer(b, i) for i, b in enumerate(blobs)]
-            self._split(n, lambda a, b: self._backend.decode_rows(views[a:b], rows[a:b], status[a:b], *self._geo))
+            # Both backends take any C-contiguous buffer as it is; only when one refuses a
+            # blob does each get looked at, for an error that names it.
+            seq = blobs if isinstance(blobs, (list, tuple)) else list(blobs)
+            try:
+                self._split(n, lambda a, b: self._backend.decode_rows(seq[a:b], rows[a:b], status[a:b], *self._geo))
+            except TypeError:
+                for i, b in enumerate(seq):
+                    _as_buffer(b, i)
+                raise
         failed = tuple(int(i) for i in np.flatnonzero(status))
         return DecodeReport(failed, tuple(ERROR_TEXT[DecodeStatus(int(status[i]))] for i in failed))
 

@@ -94,7 +94,7 @@ channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint32_t *restri
     size_t c0 = done;
     if (D->avx512 && C % LANES == 0 && c0 < C)
         c0 += decode_syms_avx512(xs, &p, end, D->m.freq[ctx], D->m.start[ctx], D->m.alpha[ctx], pbits,
-                                 D->gather ? ensure_slots(D, ctx) : NULL, D->sym + c0, C - c0);
+                                 D->gather && !done ? ensure_slots(D, ctx) : NULL, D->sym + c0, C - c0);
     for (size_t c = 0; c < c0; c++) out[c] = D->sym[c];
     if (c0 == C) {
         *pp = p;
@@ -168,7 +168,8 @@ decode_flips(Dec *D, uint32_t *x, const uint8_t **pp, int kc, uint32_t nrows, si
 }
 
 /* Every main symbol of a plane's coded rows, row after row; the first `done` (whole
- * chunks) are in D->sym already (decode_syms2_avx512). */
+ * chunks) are in D->sym already (decode_syms2_avx512). After them (the rows a paired
+ * page lacks) the search alone runs: a slot table costs more to build than it saves. */
 static void
 decode_symbols(Dec *D, uint32_t *xs, const uint8_t **pp, int kc, uint32_t nrows, size_t done)
 {
@@ -178,8 +179,8 @@ decode_symbols(Dec *D, uint32_t *xs, const uint8_t **pp, int kc, uint32_t nrows,
     size_t i = done;   /* symbols decoded, row-major */
     if (D->avx512 && C % LANES == 0 && i < n)
         i += decode_syms_avx512(xs, &p, end, D->m.freq[CTX_MAIN(kc)], D->m.start[CTX_MAIN(kc)],
-                                D->m.alpha[CTX_MAIN(kc)], PROB_BITS, D->gather ? ensure_slots(D, CTX_MAIN(kc)) : NULL,
-                                D->sym + i, n - i);
+                                D->m.alpha[CTX_MAIN(kc)], PROB_BITS,
+                                D->gather && !done ? ensure_slots(D, CTX_MAIN(kc)) : NULL, D->sym + i, n - i);
     const uint32_t *restrict tab = i < n ? ensure_slots(D, CTX_MAIN(kc)) : NULL;
     memcpy(x, xs, sizeof(x));
     while (i < n) {
