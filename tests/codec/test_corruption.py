@@ -118,8 +118,9 @@ def _resealed(blob: bytes, pos: int, bit: int) -> bytes:
 @requires_native
 def test_resealed_damage_decodes_alike_on_every_path(kv_layers: dict) -> None:
     """Payload bits flipped under a valid checksum (the structure checks alone stand
-    between them and the output): the paired, gather, search, AVX2 and scalar decoders
-    refuse the same blobs with the same reasons and write the same bytes for the rest."""
+    between them and the output): the grouped, paired, gather, search, AVX2 and scalar
+    decoders refuse the same blobs with the same reasons and write the same bytes for the
+    rest."""
     from tierkv.codec import _codec  # type: ignore[attr-defined]
 
     layout, rows = real_pages(kv_layers, DType.BF16)
@@ -130,7 +131,7 @@ def test_resealed_damage_decodes_alike_on_every_path(kv_layers: dict) -> None:
              for b in clean for _ in range(100)]
     results = []
     try:
-        for level in (5, 4, 3, 1, 0):
+        for level in (5, 6, 4, 3, 1, 0):
             _codec.set_simd(level)
             out = np.zeros((len(blobs), layout.page_bytes), dtype=np.uint8)
             with Codec(layout) as codec:
@@ -202,7 +203,7 @@ def test_a_context_marked_absent_decodes_alike_on_every_path(monkeypatch: pytest
     busy = ((rng.integers(0, 65536, (16, 64)) & 0x807F) | (rng.integers(60, 127, (16, 64)) << 7)).astype(np.uint16)
     _codec.encode_rows(busy.view(np.uint8).reshape(1, -1), other, sizes, *geo)
     try:
-        for level in (5, 4, 3, 1, 0):
+        for level in (5, 6, 4, 3, 1, 0):
             _codec.set_simd(level)
             out = np.zeros((2, page_bytes.size), np.uint8)
             status = np.zeros(2, np.int32)

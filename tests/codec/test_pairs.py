@@ -1,8 +1,9 @@
-"""Two pages decoded at once (``decode_page2``: each page's rANS symbols interleaved
-with its batch neighbour's, ``_codec.set_simd`` level 5) against one page at a time
-(level 3): the same bytes and the same verdict for every page, whatever the partner,
-including pairs whose planes part ways (different repeated rows, sign coding, table
-widths, contexts of more than 64 symbols) and pairs with a damaged or raw page."""
+"""Pages decoded together (``decode_pages``: each page's rANS symbols interleaved with
+its batch neighbours', up to four at a time at ``_codec.set_simd`` level 5, two at level
+6) against one page at a time (level 3): the same bytes and the same verdict for every
+page, whatever its partners, including groups whose planes part ways (different
+repeated rows, sign coding, table widths, contexts of more than 64 symbols) and groups
+with damaged or raw pages."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tierkv.layout import DType, KVLayout, LayoutKind
 
 pytestmark = requires_native
 
-PAIRS, ALONE = 5, 3   # _codec.set_simd levels: two pages at once; one page at a time (search)
+GROUPS, PAIRS, ALONE = 5, 6, 3   # _codec.set_simd: up to four pages at once, two, one (search)
 
 
 @pytest.fixture
@@ -46,13 +47,14 @@ def decode_at(codec_module: object, level: int, layout: KVLayout,
 
 
 def assert_alike(codec_module: object, layout: KVLayout, blobs: Sequence[bytes]) -> list[int]:
-    """Decodes ``blobs`` in pairs and one at a time: same statuses, same rows for every
-    page that decoded; returns the statuses."""
-    paired, out2 = decode_at(codec_module, PAIRS, layout, blobs)
+    """Decodes ``blobs`` in groups, in pairs and one at a time: same statuses, same rows
+    for every page that decoded; returns the statuses."""
     alone, out1 = decode_at(codec_module, ALONE, layout, blobs)
-    assert paired == alone
     ok = [i for i, s in enumerate(alone) if s == 0]
-    np.testing.assert_array_equal(out2[ok], out1[ok])
+    for level in (GROUPS, PAIRS):
+        status, out = decode_at(codec_module, level, layout, blobs)
+        assert status == alone, level
+        np.testing.assert_array_equal(out[ok], out1[ok])
     return alone
 
 
@@ -75,10 +77,11 @@ def test_real_pages_in_pairs_decode_exactly(kv_layers: dict, codec_module: objec
     for dtype in (DType.BF16, DType.FP16, DType.FP8_E4M3, DType.FP8_E5M2):
         layout, rows = real_pages(kv_layers, dtype)
         blobs = encode(layout, rows)
-        for n in (2, 3, 5, len(blobs)):   # odd batches: the last page decodes alone
-            status, out = decode_at(codec_module, PAIRS, layout, blobs[:n])
-            assert status == [0] * n
-            np.testing.assert_array_equal(out, rows[:n])
+        for n in (2, 3, 4, 5, 6, 7, len(blobs)):   # groups of 4, 3 and 2; the last page alone
+            for level in (GROUPS, PAIRS):
+                status, out = decode_at(codec_module, level, layout, blobs[:n])
+                assert status == [0] * n
+                np.testing.assert_array_equal(out, rows[:n])
 
 
 def test_pairs_whose_planes_part_ways(kv_layers: dict, codec_module: object) -> None:
@@ -99,7 +102,7 @@ def test_pairs_whose_planes_part_ways(kv_layers: dict, codec_module: object) -> 
     for order in ([0, 1, 2, 3], [1, 0, 3, 2], [3, 1, 2, 0], [2, 3, 0, 1]):
         batch = [blobs[i] for i in order]
         assert assert_alike(codec_module, layout, batch) == [0, 0, 0, 0]
-        _, out = decode_at(codec_module, PAIRS, layout, batch)
+        _, out = decode_at(codec_module, GROUPS, layout, batch)
         np.testing.assert_array_equal(out, flat[order])
 
 
@@ -129,12 +132,12 @@ def test_pairs_of_narrow_wide_and_oversized_tables(codec_module: object) -> None
     blobs = [portable_encode(g, rows[i], hi=bits) for i, bits in enumerate((1, 2, 3))]
     sizes = [present_main(layout, b) for b in blobs]
     assert sizes[0] <= 32 < sizes[1] <= 64 < sizes[2], sizes
-    for a in range(3):
-        for b in range(3):
-            batch = [blobs[a], blobs[b]]
-            assert assert_alike(codec_module, layout, batch) == [0, 0]
-            _, out = decode_at(codec_module, PAIRS, layout, batch)
-            np.testing.assert_array_equal(out, rows[[a, b]])
+    orders = [[a, b] for a in range(3) for b in range(3)] + [[0, 1, 2], [2, 0, 1], [1, 2, 0, 0], [2, 2, 1, 0]]
+    for order in orders:
+        batch = [blobs[i] for i in order]
+        assert assert_alike(codec_module, layout, batch) == [0] * len(order)
+        _, out = decode_at(codec_module, GROUPS, layout, batch)
+        np.testing.assert_array_equal(out, rows[order])
 
 
 def test_damaged_and_raw_partners(kv_layers: dict, codec_module: object) -> None:
@@ -163,7 +166,7 @@ def test_damaged_and_raw_partners(kv_layers: dict, codec_module: object) -> None
             status = assert_alike(codec_module, layout, batch)
             at = batch.index(good[0])
             assert status[at] == 0
-            _, out = decode_at(codec_module, PAIRS, layout, batch)
+            _, out = decode_at(codec_module, GROUPS, layout, batch)
             np.testing.assert_array_equal(out[at], rows[0])
             if b is raw:
                 np.testing.assert_array_equal(out[1 - at], raw_row)
@@ -173,9 +176,10 @@ def test_damaged_and_raw_partners(kv_layers: dict, codec_module: object) -> None
 
 
 @st.composite
-def page_pairs(draw: st.DrawFn) -> tuple[KVLayout, np.ndarray]:
-    """A layout (64 | channels mostly, where pairs run) and two pages of it, each of its
-    own kind: Gaussian, sparse, constant, random bits, or Gaussian with repeated rows."""
+def page_groups(draw: st.DrawFn) -> tuple[KVLayout, np.ndarray]:
+    """A layout (64 | channels mostly, where groups run) and two to five pages of it, each
+    of its own kind: Gaussian, sparse, constant, random bits, or Gaussian with repeated
+    rows."""
     dtype = draw(st.sampled_from([DType.BF16, DType.FP16, DType.FP8_E4M3, DType.FP8_E5M2, DType.FP32]))
     latent = draw(st.booleans())
     head_dim = draw(st.one_of(st.sampled_from([64, 128]), st.integers(1, 80)))
@@ -183,7 +187,7 @@ def page_pairs(draw: st.DrawFn) -> tuple[KVLayout, np.ndarray]:
                       draw(st.integers(1, 40)), LayoutKind.LATENT if latent else LayoutKind.KV)
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     rows = []
-    for _ in range(2):
+    for _ in range(draw(st.integers(2, 5))):
         kind = draw(st.sampled_from(["gauss", "sparse", "constant", "random", "repeats"]))
         page = normal_pages(layout, 1, int(rng.integers(1 << 30)))[0]
         if kind == "sparse":
@@ -203,21 +207,25 @@ def page_pairs(draw: st.DrawFn) -> tuple[KVLayout, np.ndarray]:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
-@given(page_pairs(), st.sampled_from(["none", "first", "second"]), st.integers(0, 2**31))
-def test_any_pair_decodes_as_each_page_alone(codec_module: object, case: tuple[KVLayout, np.ndarray],
-                                             damage: str, where: int) -> None:
+@given(page_groups(), st.lists(st.integers(0, 2**31), max_size=5))
+def test_any_group_decodes_as_each_page_alone(codec_module: object, case: tuple[KVLayout, np.ndarray],
+                                              damage: list[int]) -> None:
+    """Some pages of the group with a payload bit flipped under a valid checksum (a page
+    refused in its third plane leaves the rest to go on as a smaller group)."""
     layout, rows = case
     blobs = encode(layout, rows)
-    if damage != "none":   # one payload bit flipped under a valid checksum
-        i = 0 if damage == "first" else 1
+    hurt = set()
+    for where in damage:
+        i = where % len(blobs)
         b = bytearray(blobs[i])
         if len(b) > HEADER_BYTES:
-            pos = HEADER_BYTES + where % (len(b) - HEADER_BYTES)
+            pos = HEADER_BYTES + (where >> 3) % (len(b) - HEADER_BYTES)
             b[pos] ^= 1 << (where % 8)
             blobs[i] = reseal(b)
+            hurt.add(i)
     status = assert_alike(codec_module, layout, blobs)
-    _, out = decode_at(codec_module, PAIRS, layout, blobs)
-    for i in range(2):
-        if damage == "none" or (damage == "first") != (i == 0):
+    _, out = decode_at(codec_module, GROUPS, layout, blobs)
+    for i in range(len(blobs)):
+        if i not in hurt:
             assert status[i] == 0
             np.testing.assert_array_equal(out[i], rows[i])

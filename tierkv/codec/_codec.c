@@ -158,16 +158,18 @@ decode_rows(PyObject *self, PyObject *args)
             goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t i = 0;
-    for (; i + 1 < n; i += 2) {   /* two pages at a time: decode_page2 interleaves their symbols */
-        const uint8_t *const b[2] = {(const uint8_t *)views[i].buf, (const uint8_t *)views[i + 1].buf};
-        const size_t l[2] = {(size_t)views[i].len, (size_t)views[i + 1].len};
-        uint8_t *const d[2] = {(uint8_t *)dst.buf + (size_t)i * pb, (uint8_t *)dst.buf + (size_t)(i + 1) * pb};
-        decode_page2(&lay, b, l, d, (int32_t *)status.buf + i);
+    for (Py_ssize_t i = 0; i < n; i += MAX_GROUP) {   /* decode_pages interleaves their symbols */
+        int m = n - i < MAX_GROUP ? (int)(n - i) : MAX_GROUP;
+        const uint8_t *b[MAX_GROUP];
+        size_t l[MAX_GROUP];
+        uint8_t *d[MAX_GROUP];
+        for (int g = 0; g < m; g++) {
+            b[g] = (const uint8_t *)views[i + g].buf;
+            l[g] = (size_t)views[i + g].len;
+            d[g] = (uint8_t *)dst.buf + (size_t)(i + g) * pb;
+        }
+        decode_pages(&lay, m, b, l, d, (int32_t *)status.buf + i);
     }
-    if (i < n)
-        ((int32_t *)status.buf)[i] = decode_page(&lay, (const uint8_t *)views[i].buf, (size_t)views[i].len,
-                                                 (uint8_t *)dst.buf + (size_t)i * pb);
     scratch_trim();
     Py_END_ALLOW_THREADS
     ret = Py_None;
@@ -185,11 +187,11 @@ done:
 PyDoc_STRVAR(set_simd_doc,
 "set_simd(level) -> None\n\n"
 "Which SIMD paths may run where the CPU has them: 2 (or True) all (AVX-512 rANS symbols\n"
-"of two pages of a batch at once, else partly by gathers on AMD, by a register search\n"
-"elsewhere), 3 all with the search alone and one page at a time, 4 all with gathers and\n"
-"one page at a time, 5 as 2, 1 AVX2 and BMI2 but not AVX-512, 0 (or False) the scalar\n"
-"ones; all read and write the same bytes. For tests and comparisons: not meant to\n"
-"change while other threads code pages.");
+"of up to four pages of a batch at once, else partly by gathers on AMD, by a register\n"
+"search elsewhere), 3 all with the search alone and one page at a time, 4 all with\n"
+"gathers and one page at a time, 5 as 2, 6 as 2 with two pages at a time, 1 AVX2 and\n"
+"BMI2 but not AVX-512, 0 (or False) the scalar ones; all read and write the same bytes.\n"
+"For tests and comparisons: not meant to change while other threads code pages.");
 
 static PyObject *
 set_simd_py(PyObject *self, PyObject *arg)
@@ -197,7 +199,7 @@ set_simd_py(PyObject *self, PyObject *arg)
     long level = PyLong_AsLong(arg);
     if (level == -1 && PyErr_Occurred())
         return NULL;
-    set_simd(level >= 1 ? (int)(level > 5 ? 2 : level) : 0);
+    set_simd(level >= 1 ? (int)(level > 6 ? 2 : level) : 0);
     if (level == 1 && PyBool_Check(arg))
         set_simd(2);   /* True means every path */
     Py_RETURN_NONE;

@@ -96,8 +96,9 @@ void write_header(const Layout *lay, int mode, uint8_t *out, size_t payload_len)
 
 /* Per-thread scratch, grown on demand and kept for the thread's next page (pages past
  * SCRATCH_KEEP_BYTES are freed at once), freed when the thread ends. */
-enum { SCRATCH_ENC_STATE, SCRATCH_ENC_ARRAYS, SCRATCH_DEC_STATE, SCRATCH_DEC_STATE2, SCRATCH_DEC_ARRAYS,
-       SCRATCH_KINDS };
+#define MAX_GROUP 4   /* pages whose symbols decode together (decode_pages) */
+enum { SCRATCH_ENC_STATE, SCRATCH_ENC_ARRAYS, SCRATCH_DEC_STATE,
+       SCRATCH_DEC_ARRAYS = SCRATCH_DEC_STATE + MAX_GROUP, SCRATCH_KINDS };
 #define SCRATCH_KEEP_BYTES (64u << 20)
 void *scratch_get(int kind, size_t bytes);
 void scratch_trim(void);
@@ -105,22 +106,22 @@ void scratch_trim(void);
 /* The SIMD paths, each doing what the scalar code does, byte for byte. codec_simd.c:
  * whether each may run here, and set_simd's limit (2: every path the CPU has, 3: the
  * same with the symbols' register search alone and one page at a time, 4: with gathers
- * and one page at a time, 5: two pages' symbols at once wherever they can; 1: no
- * AVX-512; 0: scalar only). */
+ * and one page at a time, 5: as 2, 6: as 2 with two pages at a time; 1: no AVX-512; 0:
+ * scalar only). */
 int have_avx2(void);
 int have_avx512(void);
 int have_avx512_bw(void);
 int have_avx512_vbmi(void);
 int use_gather(void);
-int use_pairs(void);
+int group_pages(void);
 void set_simd(int allowed);
 /* codec_simd_rans.c: rANS symbols (the encoder's is declared below EncSym). */
 size_t decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, const uint16_t *freq,
                           const uint16_t *start, int alpha, int pbits, const uint32_t *slots, uint8_t *out,
                           size_t nsyms);
 int search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int pbits, uint16_t *tabs);
-size_t decode_syms2_avx512(uint32_t *const xs[2], const uint8_t **const pp[2], const uint8_t *const end[2],
-                           const uint16_t *const tabs[2], const int np[2], const int pbits[2], uint8_t *const out[2],
+size_t decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
+                           const uint16_t *const tabs[], const int np[], const int pbits[], uint8_t *const out[],
                            size_t nsyms);
 /* codec_simd_rows.c: the decoder's signs, mid bits and rows. */
 size_t plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
@@ -147,10 +148,10 @@ static inline size_t tail_bits(size_t last_plane_mid_bits)
 
 int encode_page(const Layout *lay, const uint8_t *src, uint8_t *dst, size_t cap, size_t *out_len);
 int decode_page(const Layout *lay, const uint8_t *blob, size_t len, uint8_t *dst);
-/* Two pages at once, each as decode_page would (rc[g] its result), their rANS symbols
- * interleaved where both can (use_pairs). */
-void decode_page2(const Layout *lay, const uint8_t *const blob[2], const size_t len[2], uint8_t *const dst[2],
-                  int32_t rc[2]);
+/* n pages (at most MAX_GROUP) at once, each as decode_page would (rc[g] its result), their
+ * rANS symbols interleaved where they can (group_pages). */
+void decode_pages(const Layout *lay, int n, const uint8_t *const blob[], const size_t len[], uint8_t *const dst[],
+                  int32_t rc[]);
 
 /* ------------------------------------------------------------- byte access -- */
 

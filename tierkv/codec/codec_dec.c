@@ -6,7 +6,7 @@
  * stream consumed exactly); it never reads or writes outside the blob, its scratch
  * and the destination row, whatever the input. This file opens a payload (parameters,
  * tables, repeated rows, sections) and drives a page, or two pages together
- * (decode_page2); codec_planes.c decodes the planes, codec_rows.c assembles their rows.
+ * (decode_pages); codec_planes.c decodes the planes, codec_rows.c assembles their rows.
  * Declared in codec_core.h; called by _codec.c without the GIL.
  */
 #include "codec_dec.h"
@@ -39,7 +39,7 @@ read_model(Dec *D, const uint8_t *p, size_t len)
         }
         freqs_to_starts(m->freq[ctx], alpha, m->start[ctx]);
         D->filled[ctx] = 0;   /* slot tables are built on first scalar use (ensure_slots) */
-        D->np16[ctx] = -1;    /* and the paired search's on its first (pair_syms) */
+        D->np16[ctx] = -1;    /* and the grouped search's on its first (group_syms) */
     }
     if (r.underflow || (size_t)(r.end - r.p) * 8 + (size_t)r.n >= 8) return ERR_STRUCTURE;
     return 0;
@@ -225,39 +225,46 @@ decode_page(const Layout *lay, const uint8_t *blob, size_t len, uint8_t *dst)
     return decode_coded(lay, blob + HEADER_BYTES, plen, dst);
 }
 
-/* Two blobs into their rows: where both are coded pages whose rows are whole chunks of
- * LANES and the CPU runs decode_syms2_avx512, their symbols are decoded together (each
- * page's states, stream and tables its own); any other page, and a page whose partner
- * fails before its planes, decodes alone. rc[g] is what decode_page returns. */
+/* n blobs (at most MAX_GROUP) into their rows: where two or more are coded pages whose
+ * rows are whole chunks of LANES and the CPU runs decode_symsN_avx512, their symbols
+ * are decoded together (each page's states, stream and tables its own); any other
+ * page, and a page left alone when the others fail before or during their planes,
+ * decodes alone. rc[g] is what decode_page returns. */
 void
-decode_page2(const Layout *lay, const uint8_t *const blob[2], const size_t len[2], uint8_t *const dst[2],
-             int32_t rc[2])
+decode_pages(const Layout *lay, int n, const uint8_t *const blob[], const size_t len[], uint8_t *const dst[],
+             int32_t rc[])
 {
-    if (!use_pairs() || lay->chans % LANES) {
-        for (int g = 0; g < 2; g++) rc[g] = decode_page(lay, blob[g], len[g], dst[g]);
+    int group = group_pages();
+    if (group < 2 || lay->chans % LANES) {
+        for (int g = 0; g < n; g++) rc[g] = decode_page(lay, blob[g], len[g], dst[g]);
         return;
     }
-    int mode[2] = {0, 0};
-    size_t plen[2] = {0, 0};
-    Dec *D[2] = {NULL, NULL};
-    const uint8_t *sec[2][NSECTIONS];
-    uint64_t slen[2][NSECTIONS];
-    for (int g = 0; g < 2; g++) {   /* D[g] stays NULL for a page that is done (raw or refused) */
-        rc[g] = check_blob(lay, blob[g], len[g], &mode[g], &plen[g]);
-        if (rc[g] == 0 && mode[g] == MODE_RAW) {
-            memcpy(dst[g], blob[g] + HEADER_BYTES, plen[g]);
-        } else if (rc[g] == 0) {
-            Dec *d = NULL;
-            rc[g] = dec_open_in(lay, blob[g] + HEADER_BYTES, plen[g], &d, sec[g], slen[g], 1,
-                                g ? SCRATCH_DEC_STATE2 : SCRATCH_DEC_STATE);
-            if (rc[g] == 0) D[g] = d;
+    Dec *D[MAX_GROUP];
+    const uint8_t *rans[MAX_GROUP];
+    uint8_t *out[MAX_GROUP];
+    int who[MAX_GROUP], k = 0;
+    for (int g = 0; g < n; g++) {   /* a page that is raw or refused is done here */
+        int mode = 0;
+        size_t plen = 0;
+        rc[g] = check_blob(lay, blob[g], len[g], &mode, &plen);
+        if (rc[g]) continue;
+        if (mode == MODE_RAW) {
+            memcpy(dst[g], blob[g] + HEADER_BYTES, plen);
+            continue;
         }
+        const uint8_t *sec[NSECTIONS];
+        uint64_t slen[NSECTIONS];
+        rc[g] = dec_open_in(lay, blob[g] + HEADER_BYTES, plen, &D[k], sec, slen, 1, SCRATCH_DEC_STATE + k);
+        if (rc[g]) continue;
+        rans[k] = sec[2];
+        out[k] = dst[g];
+        who[k++] = g;
     }
-    if (D[0] && D[1]) {
-        const uint8_t *const rans[2] = {sec[0][2], sec[1][2]};
-        decode_planes2(D, rans, dst, rc);
-        return;
+    for (int j0 = 0; j0 < k; j0 += group) {   /* level 6 groups in twos */
+        int m = k - j0 < group ? k - j0 : group;
+        int32_t res[MAX_GROUP];
+        if (m == 1) res[0] = decode_planes(D[j0], rans[j0], out[j0]);
+        else decode_planes_group(m, D + j0, rans + j0, out + j0, res);
+        for (int j = 0; j < m; j++) rc[who[j0 + j]] = res[j];
     }
-    for (int g = 0; g < 2; g++)
-        if (D[g]) rc[g] = decode_planes(D[g], sec[g][2], dst[g]);
 }

@@ -14,7 +14,7 @@ typedef struct {
     Model m;
     uint32_t slot[NCTX][PROB_SCALE];   /* sym | freq << 8 | bias << 20, for used contexts */
     uint8_t filled[NCTX];              /* slot[ctx] is built */
-    uint16_t t16[NCTX][192];           /* decode_syms2_avx512's tables (search_tables16) */
+    uint16_t t16[NCTX][192];           /* decode_symsN_avx512's tables (search_tables16) */
     int np16[NCTX];                    /* their present symbols; -1: not built yet */
     const uint8_t *base, *rans_end;
     const uint8_t *sign;               /* raw signs, channel by channel */
@@ -71,10 +71,10 @@ int check_blob(const Layout *lay, const uint8_t *blob, size_t len, int *mode, si
 int dec_open(const Layout *lay, const uint8_t *o, size_t plen, Dec **out, const uint8_t **sec, uint64_t *len,
              int copy_mid);
 
-/* codec_planes.c: every plane of one page, or of two together (rc[g] each page's result);
- * 0 or an error code */
+/* codec_planes.c: every plane of one page (0 or an error code), or of G pages together
+ * (2 to MAX_GROUP; rc[g] each page's result) */
 int decode_planes(Dec *D, const uint8_t *rans, uint8_t *dst);
-void decode_planes2(Dec *const D[2], const uint8_t *const rans[2], uint8_t *const dst[2], int32_t rc[2]);
+void decode_planes_group(int G, Dec *const D[], const uint8_t *const rans[], uint8_t *const dst[], int32_t rc[]);
 
 /* codec_rows.c */
 int load_mid(Dec *D, const uint8_t *section, size_t len, int copy);

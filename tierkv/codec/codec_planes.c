@@ -2,10 +2,11 @@
  * The decoder's planes (codec_dec.c opens the payload): a plane decodes in passes,
  * channel maxima and first sign flips, then every symbol of its rows (64 rANS lanes,
  * sixteen at a time with AVX-512 where the CPU has it, in 64-symbol chunks that may end
- * mid-row), then its rows, assembled by codec_rows.c. Two pages of a batch can decode
- * their planes together (decode_planes2): each run of symbols goes through
- * decode_syms2_avx512 for both as far as both have whole chunks, so eight state vectors
- * are in flight where one page has four, and each page finishes alone.
+ * mid-row), then its rows, assembled by codec_rows.c. Up to MAX_GROUP pages of a batch
+ * can decode their planes together (decode_planes_group): each run of symbols goes
+ * through decode_symsN_avx512 for all of them as far as they have whole chunks, so four
+ * state vectors a page are in flight where one page alone has four, and each page
+ * finishes alone.
  */
 #include "codec_dec.h"
 
@@ -82,7 +83,7 @@ ensure_slots(Dec *D, int ctx)
 /* ---------------------------------------------------------------- planes -- */
 
 /* A symbol per channel (side maxima or first flips), LANES at a time; the first `done`
- * (whole chunks) are in D->sym already (decode_syms2_avx512). */
+ * (whole chunks) are in D->sym already (decode_symsN_avx512). */
 static void
 channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint32_t *restrict out, size_t done)
 {
@@ -168,8 +169,8 @@ decode_flips(Dec *D, uint32_t *x, const uint8_t **pp, int kc, uint32_t nrows, si
 }
 
 /* Every main symbol of a plane's coded rows, row after row; the first `done` (whole
- * chunks) are in D->sym already (decode_syms2_avx512). After them (the rows a paired
- * page lacks) the search alone runs: a slot table costs more to build than it saves. */
+ * chunks) are in D->sym already (decode_symsN_avx512). After them (the rows its group's
+ * other pages lack) the search alone runs: a slot table costs more to build than it saves. */
 static void
 decode_symbols(Dec *D, uint32_t *xs, const uint8_t **pp, int kc, uint32_t nrows, size_t done)
 {
@@ -246,50 +247,78 @@ decode_plane(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, uint8_t *plane)
     plane_rows(D, x, p, kc, nrows, plane);
 }
 
-/* The first whole chunks of n symbols of context ctx[g] in both pages at once, into
- * each page's D->sym; returns how many (a multiple of LANES, each page's the same). */
-static size_t
-pair_syms(Dec *const D[2], uint32_t *const x[2], const uint8_t **const pp[2], const int ctx[2], size_t n)
+/* Runs of symbols of several pages at once: page g's next n[g] - done[g] symbols of
+ * context ctx[g] (skipped where skip[g]), decoded by decode_symsN_avx512 for every page
+ * that still has whole chunks while at least two do, each into its D->sym from
+ * done[g] (advanced past what was decoded); the callers finish each page alone. */
+static void
+group_syms(int G, Dec *const D[], uint32_t *const x[], const uint8_t **const pp[], const int ctx[],
+           const size_t n[], const int skip[], size_t done[])
 {
-    int np[2], pbits[2];
-    for (int g = 0; g < 2; g++) {
-        Model *m = &D[g]->m;
-        if (D[g]->np16[ctx[g]] < 0)
-            D[g]->np16[ctx[g]] = search_tables16(m->freq[ctx[g]], m->start[ctx[g]], m->alpha[ctx[g]],
-                                                 m->pbits[ctx[g]], D[g]->t16[ctx[g]]);
-        np[g] = D[g]->np16[ctx[g]];
-        pbits[g] = m->pbits[ctx[g]];
-        if (np[g] > 64) return 0;   /* more than the tables hold: each page goes on alone */
+    for (;;) {
+        uint32_t *gx[MAX_GROUP];
+        const uint8_t **gp[MAX_GROUP];
+        const uint8_t *end[MAX_GROUP];
+        const uint16_t *tabs[MAX_GROUP];
+        uint8_t *out[MAX_GROUP];
+        int np[MAX_GROUP], pbits[MAX_GROUP], who[MAX_GROUP], k = 0;
+        size_t m = SIZE_MAX;
+        for (int g = 0; g < G; g++) {
+            if (skip[g] || n[g] - done[g] < LANES) continue;
+            Dec *d = D[g];
+            const Model *md = &d->m;
+            const int c = ctx[g];
+            if (d->np16[c] < 0)
+                d->np16[c] = search_tables16(md->freq[c], md->start[c], md->alpha[c], md->pbits[c], d->t16[c]);
+            if (d->np16[c] > 64) continue;   /* more than the tables hold: the page goes on alone */
+            gx[k] = x[g]; gp[k] = pp[g]; end[k] = d->rans_end; tabs[k] = d->t16[c];
+            out[k] = d->sym + done[g]; np[k] = d->np16[c]; pbits[k] = md->pbits[c]; who[k++] = g;
+            if (n[g] - done[g] < m) m = n[g] - done[g];
+        }
+        if (k < 2) return;
+        size_t r = decode_symsN_avx512(k, gx, gp, end, tabs, np, pbits, out, m / LANES * LANES);
+        for (int j = 0; j < k; j++) done[who[j]] += r;
+        if (r < m / LANES * LANES) return;   /* a stream near its end: each goes on alone */
     }
-    const uint8_t *const end[2] = {D[0]->rans_end, D[1]->rans_end};
-    const uint16_t *const tabs[2] = {D[0]->t16[ctx[0]], D[1]->t16[ctx[1]]};
-    uint8_t *const out[2] = {D[0]->sym, D[1]->sym};
-    return decode_syms2_avx512(x, pp, end, tabs, np, pbits, out, n);
 }
 
-/* Plane p of two pages: each run of symbols (channel maxima, first flips, main
- * symbols) decoded for both at once as far as both have whole chunks, the rest of each
- * run and the rows page by page. Only where both pages have AVX-512 and whole chunks a
- * row (decode_page2 checks). */
+/* Plane p of G pages (2 to MAX_GROUP): each run of symbols (channel maxima, first flips,
+ * main symbols) decoded for the pages together as far as they have whole chunks, the
+ * rest of each run and the rows page by page. Only where every page has AVX-512 and
+ * whole chunks a row (decode_pages checks). */
 static void
-decode_plane2(Dec *const D[2], uint32_t *const x[2], const uint8_t **const pp[2], size_t p, uint8_t *const plane[2])
+decode_plane_group(int G, Dec *const D[], uint32_t *const x[], const uint8_t **const pp[], size_t p,
+                   uint8_t *const plane[])
 {
     const size_t C = D[0]->lay->chans;
-    uint32_t nrows[2];
-    int kc[2], ctx[2];
-    for (int g = 0; g < 2; g++) kc[g] = plane_class(D[g], p, &nrows[g]);
-    for (int g = 0; g < 2; g++) ctx[g] = CTX_SIDE(kc[g]);
-    size_t done = pair_syms(D, x, pp, ctx, C);
-    for (int g = 0; g < 2; g++) decode_side(D[g], x[g], pp[g], p, kc[g], done);
-    int both = D[0]->pr.sign_coded[kc[0]] && D[1]->pr.sign_coded[kc[1]];
-    for (int g = 0; g < 2; g++) ctx[g] = CTX_FLIP(kc[g]);
-    done = both ? pair_syms(D, x, pp, ctx, C) : 0;
-    for (int g = 0; g < 2; g++)
-        if (D[g]->pr.sign_coded[kc[g]]) decode_flips(D[g], x[g], pp[g], kc[g], nrows[g], done);
-    for (int g = 0; g < 2; g++) ctx[g] = CTX_MAIN(kc[g]);
-    done = pair_syms(D, x, pp, ctx, (size_t)(nrows[0] < nrows[1] ? nrows[0] : nrows[1]) * C);
-    for (int g = 0; g < 2; g++) decode_symbols(D[g], x[g], pp[g], kc[g], nrows[g], done);
-    for (int g = 0; g < 2; g++) plane_rows(D[g], x[g], p, kc[g], nrows[g], plane[g]);
+    uint32_t nrows[MAX_GROUP];
+    int kc[MAX_GROUP], ctx[MAX_GROUP], skip[MAX_GROUP];
+    size_t n[MAX_GROUP], done[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        kc[g] = plane_class(D[g], p, &nrows[g]);
+        ctx[g] = CTX_SIDE(kc[g]);
+        n[g] = C;
+        skip[g] = 0;
+        done[g] = 0;
+    }
+    group_syms(G, D, x, pp, ctx, n, skip, done);
+    for (int g = 0; g < G; g++) {
+        decode_side(D[g], x[g], pp[g], p, kc[g], done[g]);
+        ctx[g] = CTX_FLIP(kc[g]);
+        skip[g] = !D[g]->pr.sign_coded[kc[g]];
+        done[g] = 0;
+    }
+    group_syms(G, D, x, pp, ctx, n, skip, done);
+    for (int g = 0; g < G; g++) {
+        if (!skip[g]) decode_flips(D[g], x[g], pp[g], kc[g], nrows[g], done[g]);
+        ctx[g] = CTX_MAIN(kc[g]);
+        n[g] = (size_t)nrows[g] * C;
+        skip[g] = 0;
+        done[g] = 0;
+    }
+    group_syms(G, D, x, pp, ctx, n, skip, done);
+    for (int g = 0; g < G; g++) decode_symbols(D[g], x[g], pp[g], kc[g], nrows[g], done[g]);
+    for (int g = 0; g < G; g++) plane_rows(D[g], x[g], p, kc[g], nrows[g], plane[g]);
 }
 
 /* The lanes' initial states (the encoder's final ones) from the front of the stream;
@@ -336,27 +365,32 @@ decode_planes(Dec *D, const uint8_t *rans, uint8_t *dst)
     return planes_done(D, p);
 }
 
-/* decode_planes for two pages, plane by plane together while both decode, then alone. */
+/* decode_planes for G pages (at most MAX_GROUP), plane by plane together while two or
+ * more decode, then alone; rc[g] each page's result. */
 void
-decode_planes2(Dec *const D[2], const uint8_t *const rans[2], uint8_t *const dst[2], int32_t rc[2])
+decode_planes_group(int G, Dec *const D[], const uint8_t *const rans[], uint8_t *const dst[], int32_t rc[])
 {
     const Layout *lay = D[0]->lay;
     const size_t pb = plane_bytes(lay);
-    const uint8_t *p[2] = {rans[0], rans[1]};
-    uint32_t xa[LANES], xb[LANES];
-    uint32_t *const x[2] = {xa, xb};
-    const uint8_t **const pp[2] = {&p[0], &p[1]};
-    for (int g = 0; g < 2; g++) rc[g] = initial_states(D[g], &p[g], x[g]);
-    for (size_t pl = 0; pl < lay->planes; pl++) {
-        int ok0 = !rc[0] && !D[0]->err, ok1 = !rc[1] && !D[1]->err;
-        if (ok0 && ok1) {
-            uint8_t *const plane[2] = {dst[0] + pl * pb, dst[1] + pl * pb};
-            decode_plane2(D, x, pp, pl, plane);
-            continue;
-        }
-        for (int g = 0; g < 2; g++)
-            if (g ? ok1 : ok0) decode_plane(D[g], x[g], pp[g], pl, dst[g] + pl * pb);
+    const uint8_t *p[MAX_GROUP];
+    uint32_t xs[MAX_GROUP][LANES];
+    for (int g = 0; g < G; g++) {
+        p[g] = rans[g];
+        rc[g] = initial_states(D[g], &p[g], xs[g]);
     }
-    for (int g = 0; g < 2; g++)
+    for (size_t pl = 0; pl < lay->planes; pl++) {
+        Dec *gd[MAX_GROUP];
+        uint32_t *gx[MAX_GROUP];
+        const uint8_t **gp[MAX_GROUP];
+        uint8_t *plane[MAX_GROUP];
+        int k = 0;
+        for (int g = 0; g < G; g++) {
+            if (rc[g] || D[g]->err) continue;
+            gd[k] = D[g]; gx[k] = xs[g]; gp[k] = &p[g]; plane[k++] = dst[g] + pl * pb;
+        }
+        if (k >= 2) decode_plane_group(k, gd, gx, gp, pl, plane);
+        else if (k == 1) decode_plane(gd[0], gx[0], gp[0], pl, plane[0]);
+    }
+    for (int g = 0; g < G; g++)
         if (!rc[g]) rc[g] = planes_done(D[g], p[g]);
 }

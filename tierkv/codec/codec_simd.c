@@ -15,10 +15,10 @@
 static int avx2_state = -1, avx512_state = -1, amd_state = -1;
 static int simd_allowed = 2;
 
-/* 2: every path the CPU has (rANS symbols of two pages at once where a batch has two,
- * else partly by gathers on AMD, by the register search elsewhere); 3: one page at a
- * time with the search alone, 4: one page at a time with gathers; 5: as 2; 1: AVX2 and
- * BMI2 but not AVX-512; 0: scalar only. */
+/* 2: every path the CPU has (rANS symbols of up to MAX_GROUP pages at once where a
+ * batch has several, else partly by gathers on AMD, by the register search elsewhere);
+ * 3: one page at a time with the search alone, 4: one page at a time with gathers; 5:
+ * as 2; 6: as 2, two pages at a time; 1: AVX2 and BMI2 but not AVX-512; 0: scalar only. */
 void
 set_simd(int allowed)
 {
@@ -41,12 +41,14 @@ use_gather(void)
     return amd_state;
 }
 
-/* Whether a batch's pages decode two at a time (decode_syms2_avx512): everywhere
- * AVX-512 BW runs, unless set_simd asked for one page at a time (3, 4). */
+/* How many of a batch's pages decode together (decode_symsN_avx512): MAX_GROUP where
+ * AVX-512 BW runs, two at set_simd's level 6, one where it asked for one page at a
+ * time (3, 4) or the CPU lacks it. */
 int
-use_pairs(void)
+group_pages(void)
 {
-    return (simd_allowed == 2 || simd_allowed == 5) && have_avx512_bw();
+    if (!have_avx512_bw() || simd_allowed == 3 || simd_allowed == 4) return 1;
+    return simd_allowed == 6 ? 2 : MAX_GROUP;
 }
 
 int
@@ -134,9 +136,9 @@ use_gather(void)
 }
 
 int
-use_pairs(void)
+group_pages(void)
 {
-    return 0;
+    return 1;
 }
 
 int

@@ -1,0 +1,161 @@
+/*
+ * AVX-512 rANS symbols of up to MAX_GROUP pages at once (codec_planes.c's
+ * decode_planes_group): each page's 64 lanes as four vectors of sixteen, four state
+ * vectors a page in flight (a page's lanes are one chain of dependent steps: several
+ * pages' chains overlap), the search over the cumulative frequencies in 16-bit lanes.
+ * Measured on Zen 4 against one page at a time (codec_simd_rans.c, three gathers and a
+ * search): see docs/benchmarks.md "Pages decoded together".
+ */
+#include "codec_simd.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+/* Entry t (16-bit lanes) of a table of 32 (wide: 64) 16-bit entries in one (two)
+ * registers. */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i
+lookup16(const int wide, __m512i t, const __m512i *tab)
+{
+    return wide ? _mm512_permutex2var_epi16(tab[0], t, tab[1]) : _mm512_permutexvar_epi16(t, tab[0]);
+}
+
+/* G pages' symbols at once (2 to MAX_GROUP), each page's 64 lanes as four vectors of
+ * sixteen: 4G independent state vectors in flight where one page has four, so the
+ * chains of one step (search, multiply, renormalisation) overlap G times as much. The
+ * search runs in 16-bit lanes: the slots of two state vectors (below 2^pbits <= 2^15)
+ * narrowed into one vector of 32 words and searched over the cumulative frequencies as
+ * words, each round's add, permute, compare and move serving 32 lanes; the symbol's
+ * frequency and the slot's offset in it are widened back for the state's update. Tables
+ * (tabs[g]: cumulative frequency, frequency, symbol by rank, 64 words each) and streams
+ * are the pages' own; G, `wide` and `first` are constants of each instantiation (the
+ * largest of the pages' searches; a smaller table's padding never matches). Stops
+ * before a chunk whose words might run past any stream's end. */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline size_t
+group_kernel(const int G, const int wide, const int first, uint32_t *const xs[], const uint8_t **const pp[],
+             const uint8_t *const end[], const uint16_t *const tabs[], const int pbits[], uint8_t *const out[],
+             size_t nsyms)
+{
+    __m512i cum[MAX_GROUP][2], fr[MAX_GROUP][2], id[MAX_GROUP][2], smask[MAX_GROUP], x[MAX_GROUP][4];
+    __m128i sh[MAX_GROUP];
+    const uint8_t *p[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        for (int i = 0; i < 1 + wide; i++) {
+            cum[g][i] = _mm512_loadu_si512(tabs[g] + 32 * i);
+            fr[g][i] = _mm512_loadu_si512(tabs[g] + 64 + 32 * i);
+            id[g][i] = _mm512_loadu_si512(tabs[g] + 128 + 32 * i);
+        }
+        smask[g] = _mm512_set1_epi32((1 << pbits[g]) - 1);
+        sh[g] = _mm_cvtsi32_si128(pbits[g]);
+        p[g] = *pp[g];
+        for (int v = 0; v < 4; v++) x[g][v] = _mm512_loadu_si512(xs[g] + 16 * v);
+    }
+    const __m512i lim = _mm512_set1_epi32((int)RANS_L);
+    size_t r = 0;
+    for (; r + LANES <= nsyms; r += LANES) {
+        int room = 1;
+        for (int g = 0; g < G; g++) room &= (size_t)(end[g] - p[g]) >= 2 * LANES;
+        if (!room) break;
+        __m512i s16[MAX_GROUP][2], k16[MAX_GROUP][2];
+        for (int g = 0; g < G; g++)
+            for (int q = 0; q < 2; q++) {
+                __m256i a = _mm512_cvtepi32_epi16(_mm512_and_si512(x[g][2 * q], smask[g]));
+                __m256i b = _mm512_cvtepi32_epi16(_mm512_and_si512(x[g][2 * q + 1], smask[g]));
+                s16[g][q] = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+                k16[g][q] = _mm512_setzero_si512();
+            }
+        for (int step = first; step; step >>= 1)
+            for (int g = 0; g < G; g++)
+                for (int q = 0; q < 2; q++) {
+                    __m512i t = _mm512_add_epi16(k16[g][q], _mm512_set1_epi16((short)step));
+                    __mmask32 le = _mm512_cmple_epu16_mask(lookup16(wide, t, cum[g]), s16[g][q]);
+                    k16[g][q] = _mm512_mask_mov_epi16(k16[g][q], le, t);
+                }
+        __mmask16 need[MAX_GROUP][4];
+        for (int g = 0; g < G; g++)
+            for (int q = 0; q < 2; q++) {
+                __m512i f = lookup16(wide, k16[g][q], fr[g]);
+                __m512i bias = _mm512_sub_epi16(s16[g][q], lookup16(wide, k16[g][q], cum[g]));
+                _mm256_storeu_si256((__m256i *)(out[g] + r + 32 * q),
+                                    _mm512_cvtepi16_epi8(lookup16(wide, k16[g][q], id[g])));
+                for (int h = 0; h < 2; h++) {
+                    const int v = 2 * q + h;
+                    __m512i fv = _mm512_cvtepu16_epi32(h ? _mm512_extracti64x4_epi64(f, 1) : _mm512_castsi512_si256(f));
+                    __m512i bv = _mm512_cvtepu16_epi32(h ? _mm512_extracti64x4_epi64(bias, 1)
+                                                         : _mm512_castsi512_si256(bias));
+                    x[g][v] = _mm512_add_epi32(_mm512_mullo_epi32(fv, _mm512_srl_epi32(x[g][v], sh[g])), bv);
+                    need[g][v] = _mm512_cmplt_epu32_mask(x[g][v], lim);
+                }
+            }
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < 4; v++) {
+                __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p[g]));
+                p[g] += 2 * (size_t)__builtin_popcount((unsigned)need[g][v]);
+                x[g][v] = _mm512_mask_mov_epi32(x[g][v], need[g][v],
+                                                _mm512_or_si512(_mm512_slli_epi32(x[g][v], 16),
+                                                                _mm512_maskz_expand_epi32(need[g][v], words)));
+            }
+    }
+    for (int g = 0; g < G; g++) {
+        for (int v = 0; v < 4; v++) _mm512_storeu_si512(xs[g] + 16 * v, x[g][v]);
+        *pp[g] = p[g];
+    }
+    return r;
+}
+
+#define TK_GROUPS(G, NP, ...)                                                     \
+    ((NP) > 32 ? group_kernel(G, 1, 32, __VA_ARGS__)                              \
+     : (NP) > 16 ? group_kernel(G, 0, 16, __VA_ARGS__)                            \
+     : (NP) > 8 ? group_kernel(G, 0, 8, __VA_ARGS__)                              \
+     : (NP) > 4 ? group_kernel(G, 0, 4, __VA_ARGS__)                              \
+     : (NP) > 2 ? group_kernel(G, 0, 2, __VA_ARGS__) : group_kernel(G, 0, 1, __VA_ARGS__))
+
+/* The next nsyms symbols of one context in each of G pages (2 to MAX_GROUP; page g's
+ * lane j decodes its symbols j, j + 64, ... into out[g]) by group_kernel, from each
+ * context's search_tables16 (np[g] present symbols, at most 64); stops before a chunk
+ * whose words might run past any page's end. Returns the symbols decoded in each page,
+ * a multiple of 64. */
+__attribute__((target("avx512f,avx512bw"))) size_t
+decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
+                    const uint16_t *const tabs[], const int np[], const int pbits[], uint8_t *const out[],
+                    size_t nsyms)
+{
+    int most = 0;
+    for (int g = 0; g < G; g++) most = np[g] > most ? np[g] : most;
+    if (G == 2) return TK_GROUPS(2, most, xs, pp, end, tabs, pbits, out, nsyms);
+    if (G == 3) return TK_GROUPS(3, most, xs, pp, end, tabs, pbits, out, nsyms);
+    return TK_GROUPS(4, most, xs, pp, end, tabs, pbits, out, nsyms);
+}
+
+#else
+
+size_t
+decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
+                    const uint16_t *const tabs[], const int np[], const int pbits[], uint8_t *const out[],
+                    size_t nsyms)
+{
+    (void)G; (void)xs; (void)pp; (void)end; (void)tabs; (void)np; (void)pbits; (void)out; (void)nsyms;
+    return 0;   /* never called: group_pages() is 1 here */
+}
+
+#endif
+
+/* decode_symsN_avx512's tables of a context: search_tables' as 16-bit words, 64 entries
+ * each (ranks past the present symbols hold 2^pbits, never <= a slot); returns the
+ * present symbols, 65 where there are more than 64 or the slots do not fit 15 bits. */
+int
+search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int pbits, uint16_t *tabs)
+{
+    if (pbits > 15) return 65;
+    int np = 0;
+    for (int i = 0; i < alpha; i++) {
+        if (!freq[i]) continue;
+        if (np == 64) return 65;
+        tabs[np] = start[i];
+        tabs[64 + np] = freq[i];
+        tabs[128 + np++] = (uint16_t)i;
+    }
+    for (int i = np; i < 64; i++) {
+        tabs[i] = (uint16_t)(1u << pbits);
+        tabs[64 + i] = tabs[128 + i] = 0;
+    }
+    return np;
+}
