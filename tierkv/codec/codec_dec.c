@@ -104,7 +104,8 @@ new_dec(const Layout *lay, int kind)
     size_t pt = lay->planes * lay->tokens, C = lay->chans, tc = (size_t)lay->tokens * C;
     size_t words = ((size_t)lay->tokens + 63) / 64 * C;
     size_t mid_cap = (lay->elems * (size_t)lay->mbits / 8 + 16 + 63) & ~(size_t)63;   /* keeps what follows aligned */
-    uint8_t *b = scratch_get(kind, sizeof(Dec) + words * 8 + pt * 5 + C * 16 + tc + mid_cap + 16);
+    size_t row_words = (size_t)lay->tokens * (C / 64);
+    uint8_t *b = scratch_get(kind, sizeof(Dec) + words * 8 + row_words * 8 + pt * 5 + C * 16 + tc + mid_cap + 16);
     if (b == NULL) return NULL;
     Dec *D = (Dec *)b;
     b += sizeof(Dec);
@@ -112,6 +113,7 @@ new_dec(const Layout *lay, int kind)
     D->mid_len = mid_cap;   /* the scratch's size; load_mid zero-pads it */
     b += mid_cap;
     D->sgw = (uint64_t *)b; b += words * 8;
+    D->sgr = (uint64_t *)b; b += row_words * 8;
     D->lay = lay;
     D->err = 0;
     D->kmid = D->ksign = 0;
@@ -146,6 +148,7 @@ dec_open_in(const Layout *lay, const uint8_t *o, size_t plen, Dec **out, const u
     int rc = parse_params(D, o);
     if (rc) return rc;
     if (D->vbmi && D->pr.mid <= 8) assemble_16_consts(D->pr.mid, D->perm, D->shift);
+    D->fused = lay->itemsize <= 2 && D->vbmi && D->pr.mid <= 8 && lay->chans % 8 == 0;
     uint64_t sum = PAYLOAD_FIXED + lay->planes;
     for (int i = 0; i < NSECTIONS; i++) sum += len[i] = rd_u32(o + 4 + 4 * i);
     if (sum != plen) return ERR_STRUCTURE;

@@ -34,6 +34,8 @@ typedef struct {
     const uint8_t *exc, *exc_end;      /* lo exceptions still to apply */
     uint64_t exc_left, exc_next;       /* how many, and the coded element of the next one */
     uint64_t *sgw;                     /* per plane: sign masks, 64 rows x channels a word */
+    uint64_t *sgr;                     /* per plane: sign masks by row, 64 channels a word (fused rows) */
+    int fused;                         /* rows go through assemble_16/8_avx512 (assemble_row) */
     BitReader esc;
     int err;
 } Dec;

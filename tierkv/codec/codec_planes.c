@@ -224,6 +224,7 @@ plane_rows(Dec *D, const uint32_t *x, size_t p, int kc, uint32_t nrows, uint8_t 
     if (p == lay->planes - 1) absorb_tail(D, x);
     if (D->err) return;
     plane_signs(D, D->pr.sign_coded[kc], nrows);
+    if (D->fused && C >= 64) sign_rows_avx512(D->sgw, C, nrows, D->sgr);   /* assemble_row's masks */
     uint32_t k = 0;
     for (size_t t = 0; t < T; t++) {
         uint8_t *out = plane + t * rb;

@@ -234,9 +234,10 @@ assemble_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, size_
     const uint64_t mask = (1ull << w) - 1;
     const uint8_t *mid = D->mid + k0 * (size_t)w / 8;
     uint32_t res = 0;
+    const uint64_t *sg = D->sgr + (size_t)k * (C / 64);   /* the row's sign masks (sign_rows_avx512) */
     size_t c = lay->itemsize == 2
-        ? assemble_16_avx512((uint16_t *)out, sym, sw, k & 63, D->cmax16, mid, D->perm, D->shift, C, lay, &D->pr, &res)
-        : assemble_8_avx512(out, sym, sw, k & 63, D->cmax8, mid, D->perm, D->shift, C, lay, &D->pr, &res);
+        ? assemble_16_avx512((uint16_t *)out, sym, sg, D->cmax16, mid, D->perm, D->shift, C, lay, &D->pr, &res)
+        : assemble_8_avx512(out, sym, sg, D->cmax8, mid, D->perm, D->shift, C, lay, &D->pr, &res);
     if (c < C) {
         uint16_t *m16 = (uint16_t *)D->midv;
         uint8_t *m8 = (uint8_t *)D->midv;
@@ -262,7 +263,7 @@ assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out)
     uint32_t res;
     const uint64_t *sw = D->sgw + (size_t)(k >> 6) * C;
     size_t k0 = D->kmid;
-    if (lay->itemsize <= 2 && D->vbmi && D->pr.mid <= 8 && C % 8 == 0) {
+    if (D->fused) {
         res = assemble_fused(D, sym, sw, k, k0, out);
     } else {
         row_mids(D, D->midv, lay->itemsize);

@@ -63,29 +63,57 @@ assemble_16_consts(int w, uint8_t *perm, uint8_t *shift)
         }
 }
 
+/* A plane's sign masks by row (sign_rows): rows[k * G + j] bit i is the sign of coded
+ * row k of channel 64 j + i, for the G = C / 64 whole groups of channels, from the
+ * channels' sign words (word q of channel c holds rows 64q..64q+63). Each group's words
+ * are eight vectors of eight channels; for each byte b of the words (rows 8b..8b+7) a
+ * byte permute per vector gathers the 64 channels' byte b into one vector, and a byte
+ * test per row turns it into the row's mask: 8 permutes and 8 tests for 8 rows of 64
+ * channels, where testing each channel's word for each row took 8 tests and their
+ * merging per row. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void
+sign_rows_avx512(const uint64_t *sw, size_t C, uint32_t nrows, uint64_t *rows)
+{
+    const size_t G = C / 64;
+    const __m512i idx0 = _mm512_set_epi64(0x3830282018100800ll, 0x3830282018100800ll, 0x3830282018100800ll,
+                                          0x3830282018100800ll, 0x3830282018100800ll, 0x3830282018100800ll,
+                                          0x3830282018100800ll, 0x3830282018100800ll);   /* byte p: 8 (p % 8) */
+    for (uint32_t q = 0; 64 * q < nrows; q++) {
+        const uint32_t left = nrows - 64 * q < 64 ? nrows - 64 * q : 64;
+        for (size_t j = 0; j < G; j++) {
+            const uint64_t *w = sw + (size_t)q * C + 64 * j;
+            __m512i in[8];
+            for (int i = 0; i < 8; i++) in[i] = _mm512_loadu_si512(w + 8 * i);
+            for (uint32_t b = 0; 8 * b < left; b++) {
+                const __m512i idx = _mm512_add_epi8(idx0, _mm512_set1_epi8((char)b));
+                __m512i bytes = _mm512_setzero_si512();
+                for (int i = 0; i < 8; i++)   /* channel 8i + t's byte b to byte 8i + t */
+                    bytes = _mm512_mask_permutexvar_epi8(bytes, (__mmask64)0xFF << (8 * i), idx, in[i]);
+                for (uint32_t r = 0; r < 8 && 8 * b + r < left; r++)
+                    rows[(size_t)(64 * q + 8 * b + r) * G + j] =
+                        (uint64_t)_mm512_test_epi8_mask(bytes, _mm512_set1_epi8((char)(1u << r)));
+            }
+        }
+    }
+}
+
 /* Channels c..c+63 of a row, for both assemblers: their mid fields (w <= 8 bits each,
- * from the row's byte-aligned mid bits) one a byte, and in *sg their sign bits (bit kbit
- * of each channel's sign word, `bit`). */
+ * from the row's byte-aligned mid bits) one a byte. */
 __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) static inline __m512i
-mids_and_signs(const uint8_t *mid, const uint64_t *sw, size_t c, int w, __mmask64 need, __m512i vperm,
-               __m512i vshift, __m512i wmask, __m512i bit, __mmask64 *sg)
+row_mid_bytes(const uint8_t *mid, size_t c, int w, __mmask64 need, __m512i vperm, __m512i vshift, __m512i wmask)
 {
     __m512i m = _mm512_maskz_loadu_epi8(need, mid + c / 8 * (size_t)w);
-    m = _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, m)), wmask);
-    __mmask64 g = 0;
-    for (int q = 0; q < 8; q++)
-        g |= (__mmask64)_mm512_test_epi64_mask(_mm512_loadu_si512(sw + c + 8 * q), bit) << (8 * q);
-    *sg = g;
-    return m;
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, m)), wmask);
 }
 
 /* A row of 16-bit elements, sixty-four channels a step: mid bits unpacked from the
  * stream (fields of w <= 8 bits from byte `mid`, whole rows being byte aligned), signs
- * from bit kbit of each channel's sign word, exponents and hi bits from the symbols.
- * Returns how many channels it assembled (a multiple of 64) and ORs into *res bit 0
- * when a residual exceeds its channel maximum, bit 1 when the row holds escapes. */
+ * from the row's masks (sg[j]: channels 64j..64j+63, sign_rows_avx512), exponents and hi
+ * bits from the symbols. Returns how many channels it assembled (a multiple of 64) and
+ * ORs into *res bit 0 when a residual exceeds its channel maximum, bit 1 when the row
+ * holds escapes. */
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) size_t
-assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sg,
                    const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
                    size_t C, const Layout *lay, const Params *pr, uint32_t *res)
 {
@@ -94,7 +122,7 @@ assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32
     const __m512i wmask = _mm512_set1_epi8((char)((1u << w) - 1));
     const __m512i himask = _mm512_set1_epi16((short)((1 << pr->hi) - 1));
     const __m512i emask = _mm512_set1_epi16((short)((1 << lay->ebits) - 1));
-    const __m512i esc = _mm512_set1_epi16((short)pr->esc), bit = _mm512_set1_epi64((long long)(1ull << kbit));
+    const __m512i esc = _mm512_set1_epi16((short)pr->esc);
     const __m512i signbit = _mm512_set1_epi16((short)(1u << (lay->nbits - 1)));
     const __m128i hi = _mm_cvtsi32_si128(pr->hi), mbits = _mm_cvtsi32_si128(lay->mbits);
     const __m128i hshift = _mm_cvtsi32_si128(lay->mbits - pr->hi), midshift = _mm_cvtsi32_si128(pr->tz + pr->lo);
@@ -102,8 +130,8 @@ assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32
     __mmask32 bad = 0, any_esc = 0;
     size_t c = 0;
     for (; c + 64 <= C; c += 64) {
-        __mmask64 sg;
-        __m512i mb = mids_and_signs(mid, sw, c, w, need, vperm, vshift, wmask, bit, &sg);
+        const __mmask64 sgn = (__mmask64)sg[c / 64];
+        __m512i mb = row_mid_bytes(mid, c, w, need, vperm, vshift, wmask);
         __m512i s8 = _mm512_loadu_si512(sym + c);
         for (int h = 0; h < 2; h++) {
             __m512i s = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(s8, 1) : _mm512_castsi512_si256(s8));
@@ -116,7 +144,7 @@ assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32
             __m512i e = _mm512_sll_epi16(_mm512_and_si512(_mm512_sub_epi16(cm, r), emask), mbits);
             __m512i v = _mm512_or_si512(e, _mm512_sll_epi16(_mm512_and_si512(s, himask), hshift));
             v = _mm512_or_si512(v, _mm512_sll_epi16(m, midshift));
-            v = _mm512_mask_mov_epi16(v, (__mmask32)(sg >> (32 * h)), _mm512_or_si512(v, signbit));
+            v = _mm512_mask_mov_epi16(v, (__mmask32)(sgn >> (32 * h)), _mm512_or_si512(v, signbit));
             _mm512_storeu_si512(out + c + 32 * h, v);
         }
     }
@@ -126,7 +154,7 @@ assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32
 
 /* assemble_16_avx512 for 8-bit elements (FP8): sixty-four channels a step, all in bytes. */
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) size_t
-assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sg,
                   const uint8_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
                   size_t C, const Layout *lay, const Params *pr, uint32_t *res)
 {
@@ -135,15 +163,15 @@ assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t
     const __m512i wmask = _mm512_set1_epi8((char)((1u << w) - 1));
     const __m512i himask = _mm512_set1_epi8((char)((1 << pr->hi) - 1));
     const __m512i emask = _mm512_set1_epi8((char)((1 << lay->ebits) - 1));
-    const __m512i esc = _mm512_set1_epi8((char)pr->esc), bit = _mm512_set1_epi64((long long)(1ull << kbit));
+    const __m512i esc = _mm512_set1_epi8((char)pr->esc);
     const __m512i signbit = _mm512_set1_epi8((char)0x80);
     const int hshift = lay->mbits - pr->hi, midshift = pr->tz + pr->lo;
     const __mmask64 need = w ? (__mmask64)(~0ull >> (64 - 8 * w)) : 0;
     __mmask64 bad = 0, any_esc = 0;
     size_t c = 0;
     for (; c + 64 <= C; c += 64) {
-        __mmask64 sg;
-        __m512i m = mids_and_signs(mid, sw, c, w, need, vperm, vshift, wmask, bit, &sg);
+        const __mmask64 sgn = (__mmask64)sg[c / 64];
+        __m512i m = row_mid_bytes(mid, c, w, need, vperm, vshift, wmask);
         __m512i s = _mm512_loadu_si512(sym + c), cm = _mm512_loadu_si512(cmax + c);
         __m512i r = srl8(s, pr->hi);
         __mmask64 is_esc = _mm512_cmpeq_epi8_mask(s, esc);
@@ -152,7 +180,7 @@ assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t
         __m512i v = sll8(_mm512_and_si512(_mm512_sub_epi8(cm, r), emask), lay->mbits);
         v = _mm512_or_si512(v, sll8(_mm512_and_si512(s, himask), hshift));
         v = _mm512_or_si512(v, sll8(m, midshift));
-        v = _mm512_mask_mov_epi8(v, sg, _mm512_or_si512(v, signbit));
+        v = _mm512_mask_mov_epi8(v, sgn, _mm512_or_si512(v, signbit));
         _mm512_storeu_si512(out + c, v);
     }
     *res |= (uint32_t)(bad != 0) | (uint32_t)(any_esc != 0) << 1;
@@ -260,22 +288,28 @@ assemble_16_consts(int w, uint8_t *perm, uint8_t *shift)
     (void)w; (void)perm; (void)shift;
 }
 
+void
+sign_rows_avx512(const uint64_t *sw, size_t C, uint32_t nrows, uint64_t *rows)
+{
+    (void)sw; (void)C; (void)nrows; (void)rows;
+}
+
 size_t
-assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sg,
                    const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
                    size_t C, const Layout *lay, const Params *pr, uint32_t *res)
 {
-    (void)out; (void)sym; (void)sw; (void)kbit; (void)cmax; (void)mid; (void)perm; (void)shift; (void)C;
+    (void)out; (void)sym; (void)sg; (void)cmax; (void)mid; (void)perm; (void)shift; (void)C;
     (void)lay; (void)pr; (void)res;
     return 0;
 }
 
 size_t
-assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sw, uint32_t kbit,
+assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sg,
                   const uint8_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
                   size_t C, const Layout *lay, const Params *pr, uint32_t *res)
 {
-    (void)out; (void)sym; (void)sw; (void)kbit; (void)cmax; (void)mid; (void)perm; (void)shift; (void)C;
+    (void)out; (void)sym; (void)sg; (void)cmax; (void)mid; (void)perm; (void)shift; (void)C;
     (void)lay; (void)pr; (void)res;
     return 0;
 }
