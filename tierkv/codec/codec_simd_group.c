@@ -43,12 +43,14 @@ group_kernel(const int G, const int wide, const int first, uint32_t *const xs[],
             fr[g][i] = _mm512_loadu_si512(tabs[g] + 64 + 32 * i);
             id[g][i] = _mm512_loadu_si512(tabs[g] + 128 + 32 * i);
         }
-        smask[g] = _mm512_set1_epi32((1 << pbits[g]) - 1);
+        smask[g] = _mm512_set1_epi16((short)((1 << pbits[g]) - 1));
         sh[g] = _mm_cvtsi32_si128(pbits[g]);
         p[g] = *pp[g];
         for (int v = 0; v < 4; v++) x[g][v] = _mm512_loadu_si512(xs[g] + 16 * v);
     }
     const __m512i lim = _mm512_set1_epi32((int)RANS_L);
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                          30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     size_t r = 0;
     for (; r + LANES <= nsyms; r += LANES) {
         int room = 1;
@@ -56,10 +58,9 @@ group_kernel(const int G, const int wide, const int first, uint32_t *const xs[],
         if (!room) break;
         __m512i s16[MAX_GROUP][2], k16[MAX_GROUP][2];
         for (int g = 0; g < G; g++)
-            for (int q = 0; q < 2; q++) {
-                __m256i a = _mm512_cvtepi32_epi16(_mm512_and_si512(x[g][2 * q], smask[g]));
-                __m256i b = _mm512_cvtepi32_epi16(_mm512_and_si512(x[g][2 * q + 1], smask[g]));
-                s16[g][q] = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+            for (int q = 0; q < 2; q++) {   /* the low words of two state vectors' lanes, masked to slots */
+                __m512i lo = _mm512_permutex2var_epi16(x[g][2 * q], even, x[g][2 * q + 1]);
+                s16[g][q] = _mm512_and_si512(lo, smask[g]);
                 k16[g][q] = _mm512_setzero_si512();
             }
         for (int step = first; step; step >>= 1)
