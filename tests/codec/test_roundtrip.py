@@ -39,6 +39,17 @@ def test_real_pages_of_more_than_64_tokens_round_trip(kv_layers: dict, dtype: DT
         roundtrip(codec, rows)
 
 
+@requires_native
+@pytest.mark.parametrize("tokens", [40, 50, 56])
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16], ids=lambda d: d.value)
+def test_real_pages_of_40_to_56_tokens_round_trip(kv_layers: dict, dtype: DType, tokens: int, simd: int) -> None:
+    """Coded signs of up to 56 rows are read eight channels at a time, from one read of
+    the bytes they span where that is at most 64 (a gather beyond): both happen here."""
+    layout, rows = real_pages(kv_layers, dtype, tokens)
+    with Codec(layout) as codec:
+        roundtrip(codec, rows)
+
+
 def _blobs_at_every_level(layout: KVLayout, rows: np.ndarray, levels: tuple[int, ...] = (2, 1, 0)) -> list[bytes]:
     """The blobs of ``rows`` at each SIMD level (2: AVX-512, 3: its symbol search alone,
     1: AVX2/BMI2, 0: scalar), checked equal and round-tripped at each; the first level's."""

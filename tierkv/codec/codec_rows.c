@@ -64,7 +64,8 @@ plane_signs(Dec *D, int coded, uint32_t nrows)
             D->ksign = ks;
             return;
         }
-        size_t c = D->avx512 ? plane_signs_avx512(sw, f, sign, len, &ks, nrows, C) : 0;
+        size_t c = D->vbmi ? plane_signs_vbmi(sw, f, sign, len, &ks, nrows, C)
+                   : D->avx512 ? plane_signs_avx512(sw, f, sign, len, &ks, nrows, C) : 0;
         for (; c < C; c++) {
             /* branch-free: s0 and whether the channel flips at all are coin tosses */
             uint64_t v = bits_at(sign, len, ks), s0 = v & 1;
