@@ -110,10 +110,15 @@ levels_to_freqs(const uint8_t *levels, int alpha, uint16_t *freq, int pbits)
     if (total == 0)
         return -1;
     uint32_t sum = 0;
+    const double inv = 1.0 / (double)total;   /* quotients from a reciprocal, then made exact */
     for (int i = 0; i < alpha; i++) {
         uint32_t f = 0;
         if (levels[i]) {
-            f = (uint32_t)(((uint64_t)level_weight(levels[i]) * scale) / total);
+            const uint64_t x = (uint64_t)level_weight(levels[i]) * scale;   /* below 2^35 */
+            uint64_t q = (uint64_t)((double)x * inv);   /* within one of x / total */
+            if (q * total > x) q--;
+            else if ((q + 1) * total <= x) q++;
+            f = (uint32_t)q;
             if (f < 1) f = 1;
         }
         freq[i] = (uint16_t)f;
