@@ -82,10 +82,10 @@ ensure_slots(Dec *D, int ctx)
 
 /* ---------------------------------------------------------------- planes -- */
 
-/* A symbol per channel (side maxima or first flips), LANES at a time; the first `done`
- * (whole chunks) are in D->sym already (decode_symsN_avx512). */
+/* A symbol per channel (side maxima or first flips) into D->sym, LANES at a time; the
+ * first `done` (whole chunks) are there already (decode_symsN_avx512). */
 static void
-channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint32_t *restrict out, size_t done)
+channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, size_t done)
 {
     const size_t C = D->lay->chans;
     const int pbits = D->m.pbits[ctx];
@@ -96,12 +96,12 @@ channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint32_t *restri
     if (D->avx512 && C % LANES == 0 && c0 < C)
         c0 += decode_syms_avx512(xs, &p, end, D->m.freq[ctx], D->m.start[ctx], D->m.alpha[ctx], pbits,
                                  D->gather && !done ? ensure_slots(D, ctx) : NULL, D->sym + c0, C - c0);
-    for (size_t c = 0; c < c0; c++) out[c] = D->sym[c];
     if (c0 == C) {
         *pp = p;
         return;
     }
     const uint32_t *restrict tab = ensure_slots(D, ctx);
+    uint8_t *restrict out = D->sym;
     memcpy(x, xs, sizeof(x));
     for (; c0 + LANES <= C && end - p >= CHUNK_READ_BYTES; c0 += LANES) {
         for (int j = 0; j < LANES; j++) {
@@ -110,12 +110,12 @@ channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint32_t *restri
             v = (e >> 8 & 0xFFF) * (v >> pbits) + (e >> 20);
             RENORM(v, p);
             x[j] = v;
-            out[c0 + j] = e & 0xFF;
+            out[c0 + j] = (uint8_t)e;
         }
     }
     for (; c0 < C; c0 += LANES) {
         int n = (int)(C - c0 < LANES ? C - c0 : LANES);
-        for (int j = 0; j < n; j++) out[c0 + j] = get_sym_checked(&x[j], tab, pbits, &p, end, &D->err);
+        for (int j = 0; j < n; j++) out[c0 + j] = (uint8_t)get_sym_checked(&x[j], tab, pbits, &p, end, &D->err);
     }
     memcpy(xs, x, sizeof(x));
     *pp = p;
@@ -130,22 +130,26 @@ decode_side(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, int kc, size_t do
     uint32_t *restrict cm = D->cmax;
     uint16_t *restrict cm16 = D->cmax16;
     uint8_t *restrict cm8 = D->cmax8;
-    channel_syms(D, x, pp, CTX_SIDE(kc), cm, done);
+    const uint8_t *restrict sym = D->sym;
+    channel_syms(D, x, pp, CTX_SIDE(kc), done);
     uint32_t bad = 0, esc = 0;
     for (size_t c = 0; c < C; c++) {   /* vectorises; escaped channels are filled in below, in order */
-        uint32_t s = cm[c], v = (uint32_t)(base + (int)s - SIDE_CENTER);
+        uint32_t s = sym[c], v = (uint32_t)(base + (int)s - SIDE_CENTER), e = v & (uint32_t)emax;
         esc |= s == SIDE_ALPHA - 1;
         bad |= (s != SIDE_ALPHA - 1) & (v > (uint32_t)emax);   /* below 0 wraps above emax */
-        cm16[c] = (uint16_t)(v & (uint32_t)emax);
+        cm[c] = e;
+        cm16[c] = (uint16_t)e;
+        cm8[c] = (uint8_t)e;
     }
     if (esc)
         for (size_t c = 0; c < C; c++)
-            if (cm[c] == SIDE_ALPHA - 1) cm16[c] = (uint16_t)br_get(&D->esc, lay->ebits);
+            if (sym[c] == SIDE_ALPHA - 1) {
+                uint32_t e = br_get(&D->esc, lay->ebits);
+                cm[c] = e;
+                cm16[c] = (uint16_t)e;
+                cm8[c] = (uint8_t)e;
+            }
     if (bad) D->err = ERR_STREAM;
-    for (size_t c = 0; c < C; c++) {
-        cm[c] = cm16[c];
-        cm8[c] = (uint8_t)cm16[c];
-    }
 }
 
 static void
@@ -154,16 +158,22 @@ decode_flips(Dec *D, uint32_t *x, const uint8_t **pp, int kc, uint32_t nrows, si
     const Layout *lay = D->lay;
     const size_t C = lay->chans;
     uint32_t *restrict f = D->fpos;
-    channel_syms(D, x, pp, CTX_FLIP(kc), f, done);
+    const uint8_t *restrict sym = D->sym;
+    channel_syms(D, x, pp, CTX_FLIP(kc), done);
+    uint32_t bad = 0;
     if (lay->flip_esc >= 0) {   /* escapes (pages of more than 256 tokens) are read in order */
         const int nb = bits_for((int)lay->tokens);
-        for (size_t c = 0; c < C; c++)
-            if (f[c] == (uint32_t)lay->flip_esc) f[c] = br_get(&D->esc, nb);
-    }
-    uint32_t bad = 0;
-    for (size_t c = 0; c < C; c++) {   /* vectorises */
-        bad |= f[c] >= nrows;
-        f[c] += 1;
+        for (size_t c = 0; c < C; c++) {
+            uint32_t v = sym[c] == (uint32_t)lay->flip_esc ? br_get(&D->esc, nb) : sym[c];
+            bad |= v >= nrows;
+            f[c] = v + 1;
+        }
+    } else {
+        for (size_t c = 0; c < C; c++) {   /* vectorises */
+            uint32_t v = sym[c];
+            bad |= v >= nrows;
+            f[c] = v + 1;
+        }
     }
     if (bad) D->err = ERR_STREAM;
 }
