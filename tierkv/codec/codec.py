@@ -75,6 +75,9 @@ class DecodeReport:
         return not self.failed
 
 
+_ALL_DECODED = DecodeReport((), ())
+
+
 class Codec:
     """Encodes and decodes pages of one :class:`~tierkv.layout.KVLayout`.
 
@@ -152,11 +155,17 @@ class Codec:
             # blob does each get looked at, for an error that names it.
             seq = blobs if isinstance(blobs, (list, tuple)) else list(blobs)
             try:
-                self._split(n, lambda a, b: self._backend.decode_rows(seq[a:b], rows[a:b], status[a:b], *self._geo))
+                if self._pool is None and not self._closed:   # the common case, without slices
+                    self._backend.decode_rows(seq, rows, status, *self._geo)
+                else:
+                    self._split(n, lambda a, b: self._backend.decode_rows(seq[a:b], rows[a:b], status[a:b],
+                                                                         *self._geo))
             except TypeError:
                 for i, b in enumerate(seq):
                     _as_buffer(b, i)
                 raise
+            if not status.any():
+                return _ALL_DECODED
         failed = tuple(int(i) for i in np.flatnonzero(status))
         return DecodeReport(failed, tuple(ERROR_TEXT[DecodeStatus(int(status[i]))] for i in failed))
 
