@@ -147,12 +147,15 @@ search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int pbit
 {
     if (pbits > 15) return 65;
     int np = 0;
-    for (int i = 0; i < alpha; i++) {
-        if (!freq[i]) continue;
-        if (np == 64) return 65;
+    for (int i = 0; i < alpha; i++) {   /* branch-free: whether a symbol is present is a coin toss */
+        if (np == 64) {
+            if (freq[i]) return 65;
+            continue;
+        }
         tabs[np] = start[i];
         tabs[64 + np] = freq[i];
-        tabs[128 + np++] = (uint16_t)i;
+        tabs[128 + np] = (uint16_t)i;
+        np += freq[i] != 0;
     }
     for (int i = np; i < 64; i++) {
         tabs[i] = (uint16_t)(1u << pbits);
