@@ -136,7 +136,7 @@ size_t assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sg,
 size_t assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sg,
                          const uint8_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
                          size_t C, const Layout *lay, const Params *pr, uint32_t *res);
-size_t unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t k, int w, size_t C);
+size_t unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t bit, int w, size_t C);
 uint32_t combine_16_avx2(uint16_t *out, const uint8_t *sym, const uint64_t *sw,
                          uint32_t kbit, const uint16_t *cmax, const uint16_t *mv, size_t C,
                          const Layout *lay, const Params *pr);

@@ -109,8 +109,8 @@ new_dec(const Layout *lay, int kind)
     if (b == NULL) return NULL;
     Dec *D = (Dec *)b;
     b += sizeof(Dec);
-    D->mid = b;
-    D->mid_len = mid_cap;   /* the scratch's size; load_mid zero-pads it */
+    D->mid_buf = b;
+    D->mid_cap = mid_cap;   /* mid_last_plane copies the last plane's mid bits here */
     b += mid_cap;
     D->sgw = (uint64_t *)b; b += words * 8;
     D->sgr = (uint64_t *)b; b += row_words * 8;

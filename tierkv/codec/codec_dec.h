@@ -18,7 +18,11 @@ typedef struct {
     int np16[NCTX];                    /* their present symbols; -1: not built yet */
     const uint8_t *base, *rans_end;
     const uint8_t *sign;               /* raw signs, channel by channel */
-    uint8_t *mid;                      /* mid bits: the section, then the tail from the states */
+    const uint8_t *mid;                /* mid bits from bit mid0 on: the section, read in place, then
+                                        * (the last plane) mid_buf with the tail from the states */
+    uint8_t *mid_buf;                  /* scratch of mid_cap bytes */
+    const uint8_t *mid_sec;            /* the section (mid_sec_len bytes) */
+    size_t mid_cap, mid_sec_len, mid0;
     size_t sign_len, mid_len, ksign, kmid, mid_bits, tail;
     uint8_t *dup;                      /* per plane x token */
     uint32_t *dup_src;
@@ -80,6 +84,7 @@ void decode_planes_group(int G, Dec *const D[], const uint8_t *const rans[], uin
 
 /* codec_rows.c */
 int load_mid(Dec *D, const uint8_t *section, size_t len, int copy);
+void mid_last_plane(Dec *D);
 void absorb_tail(Dec *D, const uint32_t *x);
 void plane_signs(Dec *D, int coded, uint32_t nrows);
 void assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out);

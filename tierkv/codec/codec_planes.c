@@ -231,7 +231,10 @@ plane_rows(Dec *D, const uint32_t *x, size_t p, int kc, uint32_t nrows, uint8_t 
 {
     const Layout *lay = D->lay;
     const size_t C = lay->chans, T = lay->tokens, rb = C * (size_t)lay->itemsize;
-    if (p == lay->planes - 1) absorb_tail(D, x);
+    if (p == lay->planes - 1) {   /* the tail of the mid bits is in the states */
+        mid_last_plane(D);
+        absorb_tail(D, x);
+    }
     if (D->err) return;
     plane_signs(D, D->pr.sign_coded[kc], nrows);
     if (D->fused && C >= 64) sign_rows_avx512(D->sgw, C, nrows, D->sgr);   /* assemble_row's masks */

@@ -119,11 +119,11 @@ row_mids(Dec *D, void *out, int isz)
         return;
     }
     if (D->simd && isz <= 2 && w <= 7) {
-        c = unpack_mids_bmi2(out, isz, D->mid, D->mid_len, k, w, C);
+        c = unpack_mids_bmi2(out, isz, D->mid, D->mid_len, k * (size_t)w - D->mid0, w, C);
         k += c;
     }
     for (; c < C; c++, k++) {
-        uint32_t v = (uint32_t)(bits_at(D->mid, D->mid_len, k * (size_t)w) & mask);
+        uint32_t v = (uint32_t)(bits_at(D->mid, D->mid_len, k * (size_t)w - D->mid0) & mask);
         if (isz == 2) m16[c] = (uint16_t)v;
         else if (isz == 1) m8[c] = (uint8_t)v;
         else m32[c] = v;
@@ -178,8 +178,8 @@ patch_escapes(Dec *D, uint8_t *out, const uint8_t *sym)
 }
 
 /* The mid section's exact length follows from the layout and the repeated rows (less
- * the tail the rANS states carry); it is copied into zero-padded scratch unless copy is 0
- * (the GPU decoder's host side checks it only). */
+ * the tail the rANS states carry). The rows read it in place (unless copy is 0: the GPU
+ * decoder's host side checks it only) until the last plane (mid_last_plane). */
 int
 load_mid(Dec *D, const uint8_t *section, size_t len, int copy)
 {
@@ -193,9 +193,28 @@ load_mid(Dec *D, const uint8_t *section, size_t len, int copy)
     if (len != (from + 7) / 8) return ERR_STRUCTURE;
     if ((from & 7) && (section[from >> 3] >> (from & 7))) return ERR_STRUCTURE;   /* padding is zero */
     if (!copy) return 0;
-    memcpy(D->mid, section, len);
-    memset(D->mid + len, 0, D->mid_len - len);
+    D->mid = D->mid_sec = section;
+    D->mid_len = D->mid_sec_len = len;
+    D->mid0 = 0;
     return 0;
+}
+
+/* Before the last plane's rows: its mid bits (from the byte its first coded element's
+ * start in) into zero-padded scratch, where absorb_tail adds the tail the states carry,
+ * and the rows read from there on (bit offsets less mid0). */
+void
+mid_last_plane(Dec *D)
+{
+    const size_t byte0 = D->kmid * (size_t)D->pr.mid >> 3;
+    size_t n = D->mid_sec_len > byte0 ? D->mid_sec_len - byte0 : 0;
+    size_t need = (D->mid_bits - 8 * byte0 + 7) / 8 + 16;   /* the rest of the bits, and 8-byte reads */
+    if (need > D->mid_cap) need = D->mid_cap;
+    if (n > need) n = need;
+    memcpy(D->mid_buf, D->mid_sec + byte0, n);
+    memset(D->mid_buf + n, 0, need - n);
+    D->mid = D->mid_buf;
+    D->mid_len = need;
+    D->mid0 = 8 * byte0;
 }
 
 /* After the last symbol: each state is STATE_TOP plus 31 bits of the mid tail. */
@@ -216,10 +235,10 @@ absorb_tail(Dec *D, const uint32_t *x)
             D->err = ERR_STREAM;
             return;
         }
-        /* OR the n bits in at bit `from + lo`: at most 31 bits span five bytes */
-        size_t b = from + lo;
+        /* OR the n bits in at bit `from + lo` (of mid_buf, from mid0): 31 bits span five bytes */
+        size_t b = from + lo - D->mid0;
         uint64_t v = (uint64_t)bits << (b & 7);
-        for (uint8_t *q = D->mid + (b >> 3); v; v >>= 8) *q++ |= (uint8_t)v;
+        for (uint8_t *q = D->mid_buf + (b >> 3); v; v >>= 8) *q++ |= (uint8_t)v;
     }
 }
 
@@ -233,7 +252,7 @@ assemble_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, size_
     const size_t C = lay->chans;
     const int w = D->pr.mid;
     const uint64_t mask = (1ull << w) - 1;
-    const uint8_t *mid = D->mid + k0 * (size_t)w / 8;
+    const uint8_t *mid = D->mid + (k0 * (size_t)w - D->mid0) / 8;
     uint32_t res = 0;
     const uint64_t *sg = D->sgr + (size_t)k * (C / 64);   /* the row's sign masks (sign_rows_avx512) */
     size_t c = lay->itemsize == 2
@@ -243,7 +262,7 @@ assemble_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, size_
         uint16_t *m16 = (uint16_t *)D->midv;
         uint8_t *m8 = (uint8_t *)D->midv;
         for (size_t j = c; j < C; j++) {
-            uint64_t v = bits_at(D->mid, D->mid_len, (k0 + j) * (size_t)w) & mask;
+            uint64_t v = bits_at(D->mid, D->mid_len, (k0 + j) * (size_t)w - D->mid0) & mask;
             if (lay->itemsize == 2) m16[j] = (uint16_t)v;
             else m8[j] = (uint8_t)v;
         }

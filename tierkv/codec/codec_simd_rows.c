@@ -239,19 +239,19 @@ assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sg,
     return c;
 }
 
-/* Mid fields k.. (w <= 7 bits each) as bytes (isz 1) or 16-bit lanes (isz 2), eight per
- * 64-bit read, spread by pdep; returns how many it unpacked (whole groups of 8 that lie
- * inside the stream). */
+/* Mid fields from bit `bit` on (w <= 7 bits each) as bytes (isz 1) or 16-bit lanes (isz
+ * 2), eight per 64-bit read, spread by pdep; returns how many it unpacked (whole groups
+ * of 8 that lie inside the stream). */
 __attribute__((target("bmi2"))) size_t
-unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t k, int w, size_t C)
+unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t bit, int w, size_t C)
 {
     const uint64_t lane8 = 0x0101010101010101ull * ((1u << w) - 1);
     const uint64_t lane16 = 0x0001000100010001ull * ((1u << w) - 1);
     uint8_t *o8 = out;
     uint16_t *o16 = out;
     size_t c = 0;
-    for (; c + 8 <= C; c += 8, k += 8) {
-        size_t off = k * (size_t)w, q = off >> 3;
+    for (; c + 8 <= C; c += 8, bit += 8 * (size_t)w) {
+        size_t off = bit, q = off >> 3;
         if (q + 8 > len) break;
         uint64_t v = rd_u64(mid + q) >> (off & 7);
         if (isz == 1) {
@@ -375,9 +375,9 @@ assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sg,
 }
 
 size_t
-unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t k, int w, size_t C)
+unpack_mids_bmi2(void *out, int isz, const uint8_t *mid, size_t len, size_t bit, int w, size_t C)
 {
-    (void)out; (void)isz; (void)mid; (void)len; (void)k; (void)w; (void)C;
+    (void)out; (void)isz; (void)mid; (void)len; (void)bit; (void)w; (void)C;
     return 0;
 }
 
