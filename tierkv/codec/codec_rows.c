@@ -235,10 +235,11 @@ absorb_tail(Dec *D, const uint32_t *x)
             D->err = ERR_STREAM;
             return;
         }
-        /* OR the n bits in at bit `from + lo` (of mid_buf, from mid0): 31 bits span five bytes */
+        /* OR the n bits in at bit `from + lo` (of mid_buf, from mid0): 31 bits span five
+         * bytes, one 8-byte read and write (mid_last_plane leaves 16 bytes of slack) */
         size_t b = from + lo - D->mid0;
-        uint64_t v = (uint64_t)bits << (b & 7);
-        for (uint8_t *q = D->mid_buf + (b >> 3); v; v >>= 8) *q++ |= (uint8_t)v;
+        uint8_t *q = D->mid_buf + (b >> 3);
+        wr_u64(q, rd_u64(q) | (uint64_t)bits << (b & 7));
     }
 }
 
