@@ -133,6 +133,9 @@ void assemble_16_consts(int w, uint8_t *perm, uint8_t *shift);
 size_t assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sg,
                           const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
                           size_t C, const Layout *lay, const Params *pr, uint32_t *res);
+void assemble_16_rows_avx512(uint16_t *const *out, uint32_t nrows, const uint8_t *sym, const uint64_t *sg,
+                             const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
+                             size_t C, const Layout *lay, const Params *pr, uint8_t *res);
 size_t assemble_8_avx512(uint8_t *out, const uint8_t *sym, const uint64_t *sg,
                          const uint8_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
                          size_t C, const Layout *lay, const Params *pr, uint32_t *res);

@@ -105,7 +105,8 @@ new_dec(const Layout *lay, int kind)
     size_t words = ((size_t)lay->tokens + 63) / 64 * C;
     size_t mid_cap = (lay->elems * (size_t)lay->mbits / 8 + 16 + 63) & ~(size_t)63;   /* keeps what follows aligned */
     size_t row_words = (size_t)lay->tokens * (C / 64);
-    uint8_t *b = scratch_get(kind, sizeof(Dec) + words * 8 + row_words * 8 + pt * 5 + C * 16 + tc + mid_cap + 16);
+    uint8_t *b = scratch_get(kind, sizeof(Dec) + words * 8 + row_words * 8 + (size_t)lay->tokens * 9 + pt * 5 + C * 16
+                             + tc + mid_cap + 16);
     if (b == NULL) return NULL;
     Dec *D = (Dec *)b;
     b += sizeof(Dec);
@@ -114,6 +115,8 @@ new_dec(const Layout *lay, int kind)
     b += mid_cap;
     D->sgw = (uint64_t *)b; b += words * 8;
     D->sgr = (uint64_t *)b; b += row_words * 8;
+    D->rowp = (uint16_t **)b; b += (size_t)lay->tokens * 8;
+    D->rowres = b; b += lay->tokens;
     D->lay = lay;
     D->err = 0;
     D->kmid = D->ksign = 0;

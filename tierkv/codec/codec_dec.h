@@ -40,6 +40,8 @@ typedef struct {
     uint64_t *sgw;                     /* per plane: sign masks, 64 rows x channels a word */
     uint64_t *sgr;                     /* per plane: sign masks by row, 64 channels a word (fused rows) */
     int fused;                         /* rows go through assemble_16/8_avx512 (assemble_row) */
+    uint16_t **rowp;                   /* per token: a plane's coded rows' outputs (assemble_rows) */
+    uint8_t *rowres;                   /* per token: their assembly's bits */
     BitReader esc;
     int err;
 } Dec;
@@ -88,5 +90,6 @@ void mid_last_plane(Dec *D);
 void absorb_tail(Dec *D, const uint32_t *x);
 void plane_signs(Dec *D, int coded, uint32_t nrows);
 void assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out);
+int assemble_rows(Dec *D, uint32_t nrows, size_t p, uint8_t *plane);
 
 #endif

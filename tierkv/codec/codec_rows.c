@@ -275,6 +275,32 @@ assemble_fused(Dec *D, const uint8_t *sym, const uint64_t *sw, uint32_t k, size_
     return res;
 }
 
+/* A plane's coded rows at once where they are 16-bit and whole chunks of 64 channels
+ * (assemble_16_rows_avx512), then each row's escapes and lo exceptions in order; returns
+ * 0 where the plane does not qualify (its rows go one by one, assemble_row). The rows'
+ * outputs are the plane's tokens that repeat no earlier row. */
+int
+assemble_rows(Dec *D, uint32_t nrows, size_t p, uint8_t *plane)
+{
+    const Layout *lay = D->lay;
+    const size_t C = lay->chans, T = lay->tokens, rb = C * (size_t)lay->itemsize;
+    if (!D->fused || lay->itemsize != 2 || C % 64) return 0;
+    uint32_t k = 0;
+    for (size_t t = 0; t < T; t++)
+        if (!D->dup[p * T + t]) D->rowp[k++] = (uint16_t *)(plane + t * rb);
+    const size_t k0 = D->kmid, w = (size_t)D->pr.mid;
+    assemble_16_rows_avx512(D->rowp, nrows, D->sym, D->sgr, D->cmax16, D->mid + (k0 * w - D->mid0) / 8, D->perm,
+                            D->shift, C, lay, &D->pr, D->rowres);
+    for (k = 0; k < nrows; k++) {
+        uint8_t *out = (uint8_t *)D->rowp[k];
+        if (D->rowres[k] & 1) D->err = ERR_STREAM;
+        if (D->rowres[k] & 2) patch_escapes(D, out, D->sym + (size_t)k * C);
+        if (D->exc_left) apply_lo_exceptions(D, out, k0 + (size_t)k * C);
+    }
+    D->kmid += (size_t)nrows * C;
+    return 1;
+}
+
 /* Row k (the plane's k-th coded row) from its symbols: mid bits, signs, exponents. */
 void
 assemble_row(Dec *D, const uint8_t *sym, uint32_t k, uint8_t *out)
