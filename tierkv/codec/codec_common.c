@@ -103,31 +103,31 @@ int
 levels_to_freqs(const uint8_t *levels, int alpha, uint16_t *freq, int pbits)
 {
     const uint32_t scale = 1u << pbits;
+    uint32_t w[256];
     uint64_t total = 0;
-    for (int i = 0; i < alpha; i++)
-        if (levels[i])
-            total += level_weight(levels[i]);
+    for (int i = 0; i < alpha; i++) {
+        w[i] = levels[i] ? level_weight(levels[i]) : 0;
+        total += w[i];
+    }
     if (total == 0)
         return -1;
     uint32_t sum = 0;
+    int top = 0;   /* the first largest frequency */
     const double inv = 1.0 / (double)total;   /* quotients from a reciprocal, then made exact */
     for (int i = 0; i < alpha; i++) {
         uint32_t f = 0;
-        if (levels[i]) {
-            const uint64_t x = (uint64_t)level_weight(levels[i]) * scale;   /* below 2^35 */
+        if (w[i]) {
+            const uint64_t x = (uint64_t)w[i] * scale;   /* below 2^35 */
             uint64_t q = (uint64_t)((double)x * inv);   /* within one of x / total */
             if (q * total > x) q--;
             else if ((q + 1) * total <= x) q++;
-            f = (uint32_t)q;
-            if (f < 1) f = 1;
+            f = q < 1 ? 1 : (uint32_t)q;
         }
         freq[i] = (uint16_t)f;
+        top = f > freq[top] ? i : top;
         sum += f;
     }
     while (sum != scale) {
-        int top = 0;
-        for (int i = 1; i < alpha; i++)
-            if (freq[i] > freq[top]) top = i;
         if (sum < scale) {
             freq[top] = (uint16_t)(freq[top] + (scale - sum));
             sum = scale;
@@ -138,6 +138,9 @@ levels_to_freqs(const uint8_t *levels, int alpha, uint16_t *freq, int pbits)
                 return -1;   /* more symbols present than the scale has slots */
             freq[top] = (uint16_t)(freq[top] - cut);
             sum -= cut;
+            top = 0;
+            for (int i = 1; i < alpha; i++)
+                if (freq[i] > freq[top]) top = i;
         }
     }
     return 0;
