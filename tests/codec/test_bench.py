@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.bench.codec import kv_pages, load_kv, run_codec_bench
+from tierkv.bench.codec import H2H_KEYS, kv_pages, load_kv, run_codec_bench
 from tierkv.codec import native_available
 from tierkv.errors import InputError
 from tierkv.layout import DType
@@ -64,7 +64,7 @@ def test_bench_fields(kv_file: Path) -> None:
     for key in ("compress_gbps_threads", "decompress_gbps_threads", "compress_scaling", "decompress_scaling"):
         assert isinstance(result[key], float) and result[key] > 0
     json.dumps(result)
-    for key in KEYS[3:]:
+    for key in KEYS[3:] + H2H_KEYS:
         baseline = "zipnn" if key.startswith("zipnn") else "zstandard"
         try:
             __import__(baseline)
@@ -72,6 +72,11 @@ def test_bench_fields(kv_file: Path) -> None:
             assert result[key] is None
         else:
             assert isinstance(result[key], float) and result[key] > 0
+    if result["h2h_decompress_gbps"] is not None:   # the ratio is of the two head-to-head figures
+        ratio = result["h2h_decompress_gbps"] / result["h2h_zipnn_bulk_decompress_gbps"]  # type: ignore[operator]
+        assert result["h2h_decompress_vs_zipnn_bulk"] == pytest.approx(ratio)
+    fp8 = result["dtypes"]["fp8_e4m3"]  # type: ignore[index]
+    assert all(fp8[key] is None for key in H2H_KEYS)   # zipnn has no FP8
 
 
 def test_bad_kv_files(tmp_path: Path, kv_file: Path) -> None:

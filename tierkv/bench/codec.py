@@ -7,8 +7,10 @@ file's dtype and cast by torch to FP16 and both FP8 formats, and measures in one
 single-threaded, per dtype: tierkv's ratio (compressed / original) and compress and
 decompress GB/s of original bytes; zipnn's (PyPI) on the same pages one call per page
 (its per-page unit, as the store would call it) and on all pages as one buffer
-(``zipnn_bulk_*``, its best case); plain zstd (level 3) per page. Every codec's
-output is checked to decode to the input. The pages come from ``--kv``, else
+(``zipnn_bulk_*``, its best case); plain zstd (level 3) per page; and, head to head,
+tierkv's decode and zipnn's bulk decode alternating in the same minutes (``h2h_*``: the
+comparison that holds on a shared machine, where runs minutes apart can differ by
+1.5x). Every codec's output is checked to decode to the input. The pages come from ``--kv``, else
 ``$TIERKV_KV_DIR`` (read by the CLI), else :data:`DEFAULT_KV_DIR`; never from the current
 directory. Called by the CLI; ``run_codec_bench``
 returns one JSON-ready dict whose top-level figures are the BF16 pages' and whose
@@ -46,6 +48,8 @@ _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32
 _ZIPNN_DTYPE = {DType.BF16: "bfloat16", DType.FP16: "float16", DType.FP32: "float32"}
 _NAME = re.compile(r"^layer(\d+)\.([kv])$")
 BENCH_DTYPES = (DType.BF16, DType.FP16, DType.FP8_E4M3, DType.FP8_E5M2)
+#: The head-to-head figures (``_head_to_head``): None where zipnn or its dtype is missing.
+H2H_KEYS = ("h2h_decompress_gbps", "h2h_zipnn_bulk_decompress_gbps", "h2h_decompress_vs_zipnn_bulk")
 
 
 def load_kv(path: str | Path | None) -> tuple[Path, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
@@ -209,6 +213,29 @@ def _bench_zipnn(zipnn: object, dtype: DType, rows: np.ndarray, runs: int) -> di
     return out
 
 
+def _head_to_head(zipnn: object, layout: KVLayout, rows: np.ndarray, runs: int) -> dict[str, float]:
+    """tierkv's decode of the pages (one batch) and zipnn's bulk decode of them (one
+    buffer), alternating, ``4 * runs`` times each: the best of each from the same minutes,
+    where the figures above come from runs minutes apart (on a shared machine a minute's
+    neighbours can move one codec's best by 1.5x)."""
+    z = zipnn.ZipNN(bytearray_dtype=_ZIPNN_DTYPE[layout.dtype], threads=1)  # type: ignore[attr-defined]
+    whole = rows.tobytes()
+    bulk = z.compress(bytearray(whole))
+    with Codec(layout) as codec:
+        out = np.empty((rows.shape[0], codec.max_encoded_bytes), dtype=np.uint8)
+        sizes = codec.encode_into(rows, out)
+        blobs = [out[i, :int(sizes[i])] for i in range(rows.shape[0])]
+        back = np.empty_like(rows)
+        if not codec.decode_into(blobs, back).ok or bytes(z.decompress(bulk)) != whole:
+            raise AssertionError(f"head-to-head round trip failed on {layout.dtype.value} pages")
+        t_tk = t_zb = float("inf")
+        for _ in range(4 * runs):
+            t_tk = min(t_tk, _timed(lambda: codec.decode_into(blobs, back)))
+            t_zb = min(t_zb, _timed(lambda: z.decompress(bulk)))
+    tk, zb = rows.size / t_tk / 1e9, rows.size / t_zb / 1e9
+    return {"h2h_decompress_gbps": tk, "h2h_zipnn_bulk_decompress_gbps": zb, "h2h_decompress_vs_zipnn_bulk": tk / zb}
+
+
 def _bench_zstd(zstandard: object, dtype: DType, rows: np.ndarray, runs: int) -> dict[str, float]:
     cctx = zstandard.ZstdCompressor(level=3)  # type: ignore[attr-defined]
     dctx = zstandard.ZstdDecompressor()  # type: ignore[attr-defined]
@@ -257,6 +284,8 @@ def bench_dtype(layers: dict[int, tuple[torch.Tensor, torch.Tensor]], page_token
     keys = ("ratio", "compress_gbps", "decompress_gbps")
     res.update(_bench_zipnn(zipnn, dtype, rows, runs) if zipnn is not None and dtype in _ZIPNN_DTYPE
                else {f"{p}{k}": None for p in ("zipnn_", "zipnn_bulk_") for k in keys})
+    res.update(_head_to_head(zipnn, layout, rows, runs) if zipnn is not None and dtype in _ZIPNN_DTYPE
+               else dict.fromkeys(H2H_KEYS))
     res.update(_bench_zstd(zstandard, dtype, rows, runs) if zstandard is not None
                else {f"zstd_{k}": None for k in keys})
     for base in ("zipnn", "zipnn_bulk", "zstd"):

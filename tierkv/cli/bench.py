@@ -387,6 +387,11 @@ def codec_tables(r: Mapping[str, object]) -> Iterator[Table]:
                  *((d.get(f"{what}_gbps_threads"),) if threads else ())) for n, d in dtypes.items()]
         yield _table(f"{what} GB/s of original bytes, one thread", ("dtype", *(c for c, _ in _CODECS), *parallel),
                      rows, caption=caption if what == "decompress" else None)
+    h2h = [(n, d.get("h2h_decompress_gbps"), d.get("h2h_zipnn_bulk_decompress_gbps"),
+            d.get("h2h_decompress_vs_zipnn_bulk")) for n, d in dtypes.items() if d.get("h2h_decompress_gbps")]
+    if h2h:
+        yield _table("decompress GB/s head to head, the two alternating in the same minutes",
+                     ("dtype", "tierkv", "zipnn bulk", "tierkv / zipnn bulk"), h2h)
 
 
 def _rates(text: str | None) -> list[float]:
