@@ -105,8 +105,9 @@ new_dec(const Layout *lay, int kind)
     size_t words = ((size_t)lay->tokens + 63) / 64 * C;
     size_t mid_cap = (lay->elems * (size_t)lay->mbits / 8 + 16 + 63) & ~(size_t)63;   /* keeps what follows aligned */
     size_t row_words = (size_t)lay->tokens * (C / 64);
-    uint8_t *b = scratch_get(kind, sizeof(Dec) + words * 8 + row_words * 8 + (size_t)lay->tokens * 9 + pt * 5 + C * 16
-                             + tc + mid_cap + 16);
+    const size_t res_bytes = ((size_t)lay->tokens + 7) & ~(size_t)7;   /* keeps what follows aligned */
+    uint8_t *b = scratch_get(kind, sizeof(Dec) + words * 8 + row_words * 8 + (size_t)lay->tokens * 8 + res_bytes
+                             + pt * 5 + C * 16 + tc + mid_cap + 16);
     if (b == NULL) return NULL;
     Dec *D = (Dec *)b;
     b += sizeof(Dec);
@@ -116,7 +117,7 @@ new_dec(const Layout *lay, int kind)
     D->sgw = (uint64_t *)b; b += words * 8;
     D->sgr = (uint64_t *)b; b += row_words * 8;
     D->rowp = (uint16_t **)b; b += (size_t)lay->tokens * 8;
-    D->rowres = b; b += lay->tokens;
+    D->rowres = b; b += res_bytes;
     D->lay = lay;
     D->err = 0;
     D->kmid = D->ksign = 0;

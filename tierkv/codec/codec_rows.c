@@ -235,6 +235,7 @@ absorb_tail(Dec *D, const uint32_t *x)
             D->err = ERR_STREAM;
             return;
         }
+        if (!n) continue;   /* a lane past the tail carries nothing (and its bytes lie past mid_buf's) */
         /* OR the n bits in at bit `from + lo` (of mid_buf, from mid0): 31 bits span five
          * bytes, one 8-byte read and write (mid_last_plane leaves 16 bytes of slack) */
         size_t b = from + lo - D->mid0;
