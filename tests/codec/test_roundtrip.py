@@ -334,3 +334,39 @@ def test_fp16_cast_from_bf16_drops_the_zero_low_bits() -> None:
     with Codec(KVLayout(2, 4, 64, DType.BF16, 16)) as codec:
         bf16 = roundtrip(codec, bf).sum()
     assert fp16 < bf16 * 1.02
+
+
+@requires_native
+@pytest.mark.parametrize("head_dim", [1, 2, 4, 32])
+def test_tiny_pages_coded_anyway_decode_on_every_path(head_dim: int) -> None:
+    """A one-token page too small to gain from coding, coded anyway (the portable
+    encoder told the page is huge, so it never falls back to raw: a well-formed blob
+    with a valid checksum). Its mid tail is shorter than the lanes: the lanes past it
+    carry nothing, and the decoder once wrote past its scratch for them (seen under
+    AddressSanitizer, not in the bytes)."""
+    import dataclasses
+
+    from tierkv.codec import _codec  # type: ignore[attr-defined]
+    from tierkv.codec.format import geometry
+    from tierkv.codec.portable import encode as portable_encode
+    from tierkv.codec.portable.common import geometry_of
+
+    layout = KVLayout(1, 1, head_dim, DType.BF16, 1)
+    g = geometry_of(*geometry(layout))
+
+    class Huge(type(g)):  # type: ignore[misc]
+        page_bytes = 10**9   # the raw fallback compares the payload with this
+
+    row = (np.arange(layout.page_bytes, dtype=np.uint8) * 37 + 5).astype(np.uint8)
+    blob = portable_encode.encode_page(Huge(*[getattr(g, f.name) for f in dataclasses.fields(g)]), row)
+    assert blob[5] == 1   # coded
+    try:
+        for level in (2, 5, 6, 4, 3, 1, 0):
+            _codec.set_simd(level)
+            out = np.zeros((2, layout.page_bytes), np.uint8)
+            status = np.zeros(2, np.int32)
+            _codec.decode_rows([blob, blob], out, status, *geometry(layout))
+            assert status.tolist() == [0, 0], level
+            np.testing.assert_array_equal(out, np.stack([row, row]))
+    finally:
+        _codec.set_simd(True)
