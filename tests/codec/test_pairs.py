@@ -19,7 +19,7 @@ from tests.codec.test_corruption import reseal
 from tierkv.codec import HEADER_BYTES, Codec
 from tierkv.codec.format import geometry
 from tierkv.codec.portable.common import ctx_main, geometry_of
-from tierkv.codec.portable.decode import open_payload
+from tierkv.codec.portable.decode import Opened, open_payload
 from tierkv.codec.portable.encode import encode_page as portable_encode
 from tierkv.layout import DType, KVLayout, LayoutKind
 
@@ -63,14 +63,14 @@ def encode(layout: KVLayout, rows: np.ndarray) -> list[bytes]:
         return [bytes(b) for b in codec.encode(rows)]
 
 
-def opened(layout: KVLayout, blob: bytes) -> object:
+def opened(layout: KVLayout, blob: bytes) -> Opened:
     """The portable decoder's view of a coded blob's payload (parameters, tables, rows)."""
     assert blob[5] == 1, "expected a coded blob"
     return open_payload(geometry_of(*geometry(layout)), blob[HEADER_BYTES:])
 
 
 def present_main(layout: KVLayout, blob: bytes, kc: int = 0) -> int:
-    return sum(1 for f in opened(layout, blob).tables.freq[ctx_main(kc)] if f)  # type: ignore[attr-defined]
+    return sum(1 for f in opened(layout, blob).tables.freq[ctx_main(kc)] if f)
 
 
 def test_real_pages_in_pairs_decode_exactly(kv_layers: dict, codec_module: object) -> None:
@@ -95,9 +95,9 @@ def test_pairs_whose_planes_part_ways(kv_layers: dict, codec_module: object) -> 
     pages[3] ^= (rng.integers(0, 2, pages[3].shape) << 15).astype(np.uint16)   # random signs: stored raw
     flat = pages.reshape(4, -1).view(np.uint8)
     blobs = encode(layout, flat)
-    nrows = [tuple(opened(layout, b).nrows) for b in blobs]  # type: ignore[attr-defined]
+    nrows = [tuple(opened(layout, b).nrows) for b in blobs]
     assert len(set(nrows)) >= 3, nrows
-    flags = [opened(layout, b).pr.sign_coded for b in blobs]  # type: ignore[attr-defined]
+    flags = [opened(layout, b).pr.sign_coded for b in blobs]
     assert flags[3] != flags[0], flags
     for order in ([0, 1, 2, 3], [1, 0, 3, 2], [3, 1, 2, 0], [2, 3, 0, 1]):
         batch = [blobs[i] for i in order]
