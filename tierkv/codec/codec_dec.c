@@ -5,7 +5,7 @@
  * xxh3-64 checksum) and after (every rANS state back at its initial value, every
  * stream consumed exactly); it never reads or writes outside the blob, its scratch
  * and the destination row, whatever the input. This file opens a payload (parameters,
- * tables, repeated rows, sections) and drives a page, or two pages together
+ * tables, repeated rows, sections) and drives a page, or up to MAX_GROUP pages together
  * (decode_pages); codec_planes.c decodes the planes, codec_rows.c assembles their rows.
  * Declared in codec_core.h; called by _codec.c without the GIL.
  */

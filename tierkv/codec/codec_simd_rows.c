@@ -10,40 +10,93 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 
-/* codec_rows.c's plane_signs for coded signs and nrows <= 56, eight channels a step:
- * each channel's bit offset in the stream by a prefix sum of (1 + its raw rows), its
- * word by a gather, its mask as the scalar code makes it. Stops before a group whose
- * words would reach past the section's len bytes (the scalar code zero-pads those);
- * returns the channels done and advances *ks past their bits. */
+/* Eight channels of a plane's coded signs (nrows <= 56) from channel c on, their bits
+ * from offset k: each one's first-flip row fc, raw rows nraw and bit offset (a prefix sum
+ * of 1 + nraw); returns the offset past the eight. */
+__attribute__((target("avx512f"), always_inline)) static inline size_t
+signs_offsets(const uint32_t *f, size_t k, uint32_t nrows, __m512i *fc, __m512i *nraw, __m512i *off)
+{
+    const __m512i one = _mm512_set1_epi64(1), n = _mm512_set1_epi64(nrows);
+    const __m512i up1 = _mm512_setr_epi64(0, 0, 1, 2, 3, 4, 5, 6), up2 = _mm512_setr_epi64(0, 0, 0, 1, 2, 3, 4, 5);
+    const __m512i up4 = _mm512_setr_epi64(0, 0, 0, 0, 0, 1, 2, 3), last = _mm512_set1_epi64(7);
+    *fc = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)f));
+    *nraw = _mm512_sub_epi64(_mm512_sub_epi64(n, *fc), _mm512_maskz_mov_epi64(_mm512_cmplt_epu64_mask(*fc, n), one));
+    __m512i inc = _mm512_add_epi64(*nraw, one), sum = inc;   /* inclusive prefix sum of inc */
+    sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFE, up1, sum));
+    sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFC, up2, sum));
+    sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xF0, up4, sum));
+    *off = _mm512_add_epi64(_mm512_set1_epi64((long long)k), _mm512_sub_epi64(sum, inc));
+    return k + (size_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(_mm512_permutexvar_epi64(last, sum)));
+}
+
+/* The eight channels' sign words (the scalar plane_signs' masks) from v, each channel's
+ * stream bits from its offset on: its first row's sign, the rows up to fc repeating it,
+ * row fc inverting it, the raw rows after. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512i
+signs_words(__m512i v, __m512i fc, __m512i nraw, uint32_t nrows)
+{
+    const __m512i one = _mm512_set1_epi64(1), all = _mm512_set1_epi64((long long)((1ull << nrows) - 1));
+    __m512i s0 = _mm512_and_si512(v, one);
+    __m512i raw = _mm512_and_si512(_mm512_srli_epi64(v, 1), _mm512_sub_epi64(_mm512_sllv_epi64(one, nraw), one));
+    __m512i head = _mm512_and_si512(_mm512_sub_epi64(_mm512_setzero_si512(), s0),
+                                    _mm512_sub_epi64(_mm512_sllv_epi64(one, fc), one));
+    __m512i w = _mm512_or_si512(head, _mm512_sllv_epi64(_mm512_xor_si512(s0, one), fc));
+    w = _mm512_or_si512(w, _mm512_sllv_epi64(raw, _mm512_add_epi64(fc, one)));
+    return _mm512_and_si512(w, all);
+}
+
+/* codec_rows.c's plane_signs for coded signs and nrows <= 56, eight channels a step,
+ * their words by a gather. Stops before a group whose words would reach past the
+ * section's len bytes (the scalar code zero-pads those); returns the channels done and
+ * advances *ks past their bits. */
 __attribute__((target("avx512f"))) size_t
 plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
                    uint32_t nrows, size_t C)
 {
-    const __m512i one = _mm512_set1_epi64(1), n = _mm512_set1_epi64(nrows), all = _mm512_set1_epi64((long long)((1ull << nrows) - 1));
     const __m512i seven = _mm512_set1_epi64(7);
-    const __m512i up1 = _mm512_setr_epi64(0, 0, 1, 2, 3, 4, 5, 6), up2 = _mm512_setr_epi64(0, 0, 0, 1, 2, 3, 4, 5);
-    const __m512i up4 = _mm512_setr_epi64(0, 0, 0, 0, 0, 1, 2, 3), last = _mm512_set1_epi64(7);
     size_t c = 0, k = *ks;
     for (; c + 8 <= C; c += 8) {
-        __m512i fc = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(f + c)));
-        __m512i nraw = _mm512_sub_epi64(_mm512_sub_epi64(n, fc),
-                                        _mm512_maskz_mov_epi64(_mm512_cmplt_epu64_mask(fc, n), one));
-        __m512i inc = _mm512_add_epi64(nraw, one), sum = inc;   /* inclusive prefix sum of inc */
-        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFE, up1, sum));
-        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFC, up2, sum));
-        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xF0, up4, sum));
-        __m512i off = _mm512_add_epi64(_mm512_set1_epi64((long long)k), _mm512_sub_epi64(sum, inc));
-        size_t end = k + (size_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(_mm512_permutexvar_epi64(last, sum)));
+        __m512i fc, nraw, off;
+        size_t end = signs_offsets(f + c, k, nrows, &fc, &nraw, &off);
         if (((end >> 3) + 8) > len) break;   /* the last word read starts at most at byte end / 8 */
         __m512i v = _mm512_srlv_epi64(_mm512_i64gather_epi64(_mm512_srli_epi64(off, 3), (const void *)sign, 1),
                                       _mm512_and_si512(off, seven));
-        __m512i s0 = _mm512_and_si512(v, one);
-        __m512i raw = _mm512_and_si512(_mm512_srli_epi64(v, 1), _mm512_sub_epi64(_mm512_sllv_epi64(one, nraw), one));
-        __m512i head = _mm512_and_si512(_mm512_sub_epi64(_mm512_setzero_si512(), s0),
-                                        _mm512_sub_epi64(_mm512_sllv_epi64(one, fc), one));
-        __m512i w = _mm512_or_si512(head, _mm512_sllv_epi64(_mm512_xor_si512(s0, one), fc));
-        w = _mm512_or_si512(w, _mm512_sllv_epi64(raw, _mm512_add_epi64(fc, one)));
-        _mm512_storeu_si512(sw + c, _mm512_and_si512(w, all));
+        _mm512_storeu_si512(sw + c, signs_words(v, fc, nraw, nrows));
+        k = end;
+    }
+    *ks = k;
+    return c;
+}
+
+/* plane_signs_avx512 with VBMI: a group's eight words come from one read of the bytes
+ * they span, where that is at most 64 (a gather otherwise: up to 8 x 56 bits and the
+ * last word's 8 bytes may reach 65), and a byte permute that puts each channel's eight
+ * bytes in its lane, where a gather of eight loads did. Same results, same stopping
+ * rule. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) size_t
+plane_signs_vbmi(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
+                 uint32_t nrows, size_t C)
+{
+    const __m512i seven = _mm512_set1_epi64(7), iota = _mm512_set1_epi64(0x0706050403020100ll);
+    const __m512i low = _mm512_set_epi64(0x0808080808080808ll, 0, 0x0808080808080808ll, 0, 0x0808080808080808ll, 0,
+                                         0x0808080808080808ll, 0);   /* each qword's byte 0, eight times */
+    size_t c = 0, k = *ks;
+    for (; c + 8 <= C; c += 8) {
+        __m512i fc, nraw, off;
+        size_t end = signs_offsets(f + c, k, nrows, &fc, &nraw, &off);
+        if (((end >> 3) + 8) > len) break;   /* the last word read starts at most at byte end / 8 */
+        size_t b0 = k >> 3, span = (end >> 3) + 8 - b0;   /* bytes the eight words' reads cover */
+        __m512i v;
+        if (span <= 64) {
+            __m512i win = _mm512_maskz_loadu_epi8(~0ull >> (64 - span), sign + b0);
+            __m512i at = _mm512_sub_epi64(_mm512_srli_epi64(off, 3), _mm512_set1_epi64((long long)b0));
+            __m512i idx = _mm512_add_epi8(_mm512_shuffle_epi8(at, low), iota);   /* bytes at..at+7 */
+            v = _mm512_srlv_epi64(_mm512_permutexvar_epi8(idx, win), _mm512_and_si512(off, seven));
+        } else {
+            v = _mm512_srlv_epi64(_mm512_i64gather_epi64(_mm512_srli_epi64(off, 3), (const void *)sign, 1),
+                                  _mm512_and_si512(off, seven));
+        }
+        _mm512_storeu_si512(sw + c, signs_words(v, fc, nraw, nrows));
         k = end;
     }
     *ks = k;
@@ -61,58 +114,6 @@ assemble_16_consts(int w, uint8_t *perm, uint8_t *shift)
             perm[8 * j + i] = (uint8_t)(j * w + i);
             shift[8 * j + i] = (uint8_t)(i * w);
         }
-}
-
-/* plane_signs_avx512 with VBMI: a group's eight words come from one read of the bytes
- * they span, where that is at most 64 (a gather otherwise: up to 8 x 56 bits and the
- * last word's 8 bytes may reach 65), and a byte permute that puts each channel's eight
- * bytes in its lane, where a gather of eight loads did. Same results, same stopping
- * rule. */
-__attribute__((target("avx512f,avx512bw,avx512vbmi"))) size_t
-plane_signs_vbmi(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
-                 uint32_t nrows, size_t C)
-{
-    const __m512i one = _mm512_set1_epi64(1), n = _mm512_set1_epi64(nrows), all = _mm512_set1_epi64((long long)((1ull << nrows) - 1));
-    const __m512i seven = _mm512_set1_epi64(7);
-    const __m512i up1 = _mm512_setr_epi64(0, 0, 1, 2, 3, 4, 5, 6), up2 = _mm512_setr_epi64(0, 0, 0, 1, 2, 3, 4, 5);
-    const __m512i up4 = _mm512_setr_epi64(0, 0, 0, 0, 0, 1, 2, 3), last = _mm512_set1_epi64(7);
-    const __m512i iota = _mm512_set1_epi64(0x0706050403020100ll);
-    const __m512i low = _mm512_set_epi64(0x0808080808080808ll, 0, 0x0808080808080808ll, 0, 0x0808080808080808ll, 0,
-                                         0x0808080808080808ll, 0);   /* each qword's byte 0, eight times */
-    size_t c = 0, k = *ks;
-    for (; c + 8 <= C; c += 8) {
-        __m512i fc = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(f + c)));
-        __m512i nraw = _mm512_sub_epi64(_mm512_sub_epi64(n, fc),
-                                        _mm512_maskz_mov_epi64(_mm512_cmplt_epu64_mask(fc, n), one));
-        __m512i inc = _mm512_add_epi64(nraw, one), sum = inc;   /* inclusive prefix sum of inc */
-        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFE, up1, sum));
-        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xFC, up2, sum));
-        sum = _mm512_add_epi64(sum, _mm512_maskz_permutexvar_epi64(0xF0, up4, sum));
-        __m512i off = _mm512_add_epi64(_mm512_set1_epi64((long long)k), _mm512_sub_epi64(sum, inc));
-        size_t end = k + (size_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(_mm512_permutexvar_epi64(last, sum)));
-        if (((end >> 3) + 8) > len) break;   /* the last word read starts at most at byte end / 8 */
-        size_t b0 = k >> 3, span = (end >> 3) + 8 - b0;   /* bytes the eight words' reads cover */
-        __m512i v;
-        if (span <= 64) {
-            __m512i win = _mm512_maskz_loadu_epi8(~0ull >> (64 - span), sign + b0);
-            __m512i at = _mm512_sub_epi64(_mm512_srli_epi64(off, 3), _mm512_set1_epi64((long long)b0));
-            __m512i idx = _mm512_add_epi8(_mm512_shuffle_epi8(at, low), iota);   /* bytes at..at+7 */
-            v = _mm512_srlv_epi64(_mm512_permutexvar_epi8(idx, win), _mm512_and_si512(off, seven));
-        } else {
-            v = _mm512_srlv_epi64(_mm512_i64gather_epi64(_mm512_srli_epi64(off, 3), (const void *)sign, 1),
-                                  _mm512_and_si512(off, seven));
-        }
-        __m512i s0 = _mm512_and_si512(v, one);
-        __m512i raw = _mm512_and_si512(_mm512_srli_epi64(v, 1), _mm512_sub_epi64(_mm512_sllv_epi64(one, nraw), one));
-        __m512i head = _mm512_and_si512(_mm512_sub_epi64(_mm512_setzero_si512(), s0),
-                                        _mm512_sub_epi64(_mm512_sllv_epi64(one, fc), one));
-        __m512i w = _mm512_or_si512(head, _mm512_sllv_epi64(_mm512_xor_si512(s0, one), fc));
-        w = _mm512_or_si512(w, _mm512_sllv_epi64(raw, _mm512_add_epi64(fc, one)));
-        _mm512_storeu_si512(sw + c, _mm512_and_si512(w, all));
-        k = end;
-    }
-    *ks = k;
-    return c;
 }
 
 /* A plane's sign masks by row (sign_rows): rows[k * G + j] bit i is the sign of coded
