@@ -4,9 +4,9 @@
  * sixteen at a time with AVX-512 where the CPU has it, in 64-symbol chunks that may end
  * mid-row), then its rows, assembled by codec_rows.c. Up to MAX_GROUP pages of a batch
  * can decode their planes together (decode_planes_group): each run of symbols goes
- * through decode_symsN_avx512 for all of them as far as they have whole chunks, so four
- * state vectors a page are in flight where one page alone has four, and each page
- * finishes alone.
+ * through decode_symsN_avx512 for all of them as far as they have whole chunks, so the
+ * state vectors of every page in the group (four a page) are in flight together, and
+ * each page finishes alone.
  */
 #include "codec_dec.h"
 
