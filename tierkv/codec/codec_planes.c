@@ -238,21 +238,16 @@ plane_rows(Dec *D, const uint32_t *x, size_t p, int kc, uint32_t nrows, uint8_t 
     if (D->err) return;
     plane_signs(D, D->pr.sign_coded[kc], nrows);
     if (D->fused && C >= 64) sign_rows_avx512(D->sgw, C, nrows, D->sgr);   /* assemble_row's masks */
-    if (assemble_rows(D, nrows, p, plane)) {   /* every coded row at once; then the repeats, in order */
-        for (size_t t = 0; t < T; t++)
-            if (D->dup[p * T + t]) memcpy(plane + t * rb, plane + D->dup_src[p * T + t] * rb, rb);
-        return;
-    }
-    uint32_t k = 0;
-    for (size_t t = 0; t < T; t++) {
-        uint8_t *out = plane + t * rb;
-        if (D->dup[p * T + t]) {
-            memcpy(out, plane + D->dup_src[p * T + t] * rb, rb);
-            continue;
+    if (!assemble_rows(D, nrows, p, plane)) {   /* every coded row at once, else one by one */
+        uint32_t k = 0;
+        for (size_t t = 0; t < T; t++) {
+            if (D->dup[p * T + t]) continue;
+            assemble_row(D, D->sym + (size_t)k * C, k, plane + t * rb);
+            k++;
         }
-        assemble_row(D, D->sym + (size_t)k * C, k, out);
-        k++;
     }
+    for (size_t t = 0; t < T; t++)   /* then the repeated rows, in order: a source is done before */
+        if (D->dup[p * T + t]) memcpy(plane + t * rb, plane + D->dup_src[p * T + t] * rb, rb);
 }
 
 static void
