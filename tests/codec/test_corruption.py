@@ -149,6 +149,51 @@ def test_resealed_damage_decodes_alike_on_every_path(kv_layers: dict) -> None:
 
 
 @requires_native
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16, DType.FP8_E4M3, DType.FP32])
+def test_plane_bases_out_of_range_decode_alike_on_every_path(kv_layers: dict, dtype: DType) -> None:
+    """A plane's base exponent (one payload byte) moved under a valid checksum: channel
+    maxima past the dtype's exponent range are refused (the rows' checks refuse most of
+    the others), and every path (the SIMD side values included) refuses the same blobs
+    and writes the same bytes for the rest."""
+    import struct
+
+    from tierkv.codec import _codec  # type: ignore[attr-defined]
+
+    layout, rows = real_pages(kv_layers, dtype)
+    emax = {DType.BF16: 255, DType.FP16: 31, DType.FP8_E4M3: 15, DType.FP32: 255}[dtype]
+    with Codec(layout) as codec:
+        clean = [bytes(b) for b in codec.encode(rows[:2])]
+    blobs = []
+    for b in clean:
+        assert b[5] == 1   # coded
+        bases = HEADER_BYTES + 32 + struct.unpack_from("<I", b, HEADER_BYTES + 4)[0]
+        for plane in (0, layout.num_layers * 2 - 1):
+            for value in {0, emax, 255, max(b[bases + plane] - 20, 0), min(b[bases + plane] + 20, 255)}:
+                bad = bytearray(b)
+                bad[bases + plane] = value
+                blobs.append(reseal(bad))
+    results = []
+    try:
+        for level in (5, 6, 4, 3, 1, 0):
+            _codec.set_simd(level)
+            out = np.zeros((len(blobs), layout.page_bytes), dtype=np.uint8)
+            with Codec(layout) as codec:
+                report = codec.decode_into(blobs, out)
+            results.append((report.failed, report.reasons, out))
+    finally:
+        _codec.set_simd(True)
+    failed, reasons, first = results[0]
+    if emax < 255:   # a base of 255 puts every channel maximum past the range
+        assert all(i in failed for i, blob in enumerate(blobs) if 255 in (blob[bases], blob[bases + 5]))
+    assert failed
+    kept = np.setdiff1d(np.arange(len(blobs)), failed)
+    for other_failed, other_reasons, out in results[1:]:
+        assert other_failed == failed
+        assert other_reasons == reasons
+        np.testing.assert_array_equal(out[kept], first[kept])
+
+
+@requires_native
 def test_a_context_marked_absent_decodes_alike_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """A used context whose table says it holds no symbol (our encoder never writes one,
     a hostile blob may) decodes as symbol 0 with the rANS state unchanged: the scalar
@@ -210,5 +255,47 @@ def test_a_context_marked_absent_decodes_alike_on_every_path(monkeypatch: pytest
             _codec.decode_rows([bytes(other[0, :int(sizes[0])]), blob], out, status, *geo)
             assert status.tolist() == [0, 0], (level, status)
             np.testing.assert_array_equal(out[1], page_bytes)
+    finally:
+        _codec.set_simd(True)
+
+
+@requires_native
+def test_a_first_flip_past_the_coded_rows_is_refused_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first-flip position past a plane's coded rows (a symbol inside the table's
+    alphabet, which counts every token, but beyond the rows left after a repeated one) is
+    a corrupt page on every path: built with the portable encoder told one channel's
+    first flip is row n + 1 of n coded rows."""
+    import tierkv.codec.portable.encode as enc
+    from tierkv.codec import _codec  # type: ignore[attr-defined]
+    from tierkv.codec.format import DecodeStatus
+    from tierkv.codec.portable.common import geometry_of
+
+    geo = (1, 1, 1, 16, 1, 64)   # bf16, latent, 1 layer, 16 tokens, 1 head of 64 channels
+    g = geometry_of(*geo)
+    original_plane = enc._Plane.__init__
+
+    def plane(self: enc._Plane, g_: enc.Geometry, pr: enc.Params, u: np.ndarray, dup: np.ndarray) -> None:
+        original_plane(self, g_, pr, u, dup)
+        self.fpos[5] = len(self.rows) + 1
+
+    rng = np.random.default_rng(3)
+    e = (100 - rng.integers(0, 3, (16, 64))).astype(np.uint16)
+    signs = np.repeat(rng.integers(0, 2, (1, 64)), 16, axis=0)   # no channel flips: signs coded
+    page = ((signs << 15) | (e << 7) | rng.integers(0, 128, (16, 64))).astype(np.uint16)
+    page[15] = page[14]   # a repeated row: 15 coded rows, the flip table's alphabet 16
+    page_bytes = page.view(np.uint8).reshape(-1)
+    good = bytes(enc.encode_page(g, page_bytes))
+    monkeypatch.setattr(enc._Plane, "__init__", plane)
+    bad = bytes(enc.encode_page(g, page_bytes))
+    assert good[5] == bad[5] == 1 and good != bad   # both coded; they differ in the flips
+    try:
+        for level in (5, 6, 4, 3, 1, 0):
+            _codec.set_simd(level)
+            out = np.zeros((3, page_bytes.size), np.uint8)
+            status = np.zeros(3, np.int32)
+            _codec.decode_rows([good, bad, good], out, status, *geo)
+            assert status[0] == status[2] == 0, (level, status)
+            assert status[1] == DecodeStatus.STREAM, (level, status)
+            np.testing.assert_array_equal(out[0], page_bytes)
     finally:
         _codec.set_simd(True)

@@ -121,35 +121,42 @@ channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, size_t done)
     *pp = p;
 }
 
+/* The channel maxima of a plane, in the array the rows read at the page's element width
+ * (cmax8, cmax16 or cmax). */
 static void
 decode_side(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, int kc, size_t done)
 {
     const Layout *lay = D->lay;
-    const int base = D->base[p], emax = (1 << lay->ebits) - 1;
+    const int base = D->base[p], isz = lay->itemsize;
+    const uint32_t emax = (1u << lay->ebits) - 1;
     const size_t C = lay->chans;
-    uint32_t *restrict cm = D->cmax;
-    uint16_t *restrict cm16 = D->cmax16;
-    uint8_t *restrict cm8 = D->cmax8;
+    void *dst = isz == 1 ? (void *)D->cmax8 : isz == 2 ? (void *)D->cmax16 : (void *)D->cmax;
     const uint8_t *restrict sym = D->sym;
     channel_syms(D, x, pp, CTX_SIDE(kc), done);
-    uint32_t bad = 0, esc = 0;
-    for (size_t c = 0; c < C; c++) {   /* vectorises; escaped channels are filled in below, in order */
-        uint32_t s = sym[c], v = (uint32_t)(base + (int)s - SIDE_CENTER), e = v & (uint32_t)emax;
-        esc |= s == SIDE_ALPHA - 1;
-        bad |= (s != SIDE_ALPHA - 1) & (v > (uint32_t)emax);   /* below 0 wraps above emax */
-        cm[c] = e;
-        cm16[c] = (uint16_t)e;
-        cm8[c] = (uint8_t)e;
+    uint32_t flags = 0;   /* bit 0: a value past emax, bit 1: an escape */
+    if (D->avx512) {
+        flags = side_values_avx512(sym, C, base, emax, isz, dst);
+    } else {
+        uint32_t bad = 0, esc = 0;
+        for (size_t c = 0; c < C; c++) {   /* escaped channels are filled in below, in order */
+            uint32_t s = sym[c], v = (uint32_t)(base + (int)s - SIDE_CENTER), e = v & emax;
+            esc |= s == SIDE_ALPHA - 1;
+            bad |= (s != SIDE_ALPHA - 1) & (v > emax);   /* below 0 wraps above emax */
+            if (isz == 1) ((uint8_t *)dst)[c] = (uint8_t)e;
+            else if (isz == 2) ((uint16_t *)dst)[c] = (uint16_t)e;
+            else ((uint32_t *)dst)[c] = e;
+        }
+        flags = bad | esc << 1;
     }
-    if (esc)
+    if (flags & 2)
         for (size_t c = 0; c < C; c++)
             if (sym[c] == SIDE_ALPHA - 1) {
                 uint32_t e = br_get(&D->esc, lay->ebits);
-                cm[c] = e;
-                cm16[c] = (uint16_t)e;
-                cm8[c] = (uint8_t)e;
+                if (isz == 1) ((uint8_t *)dst)[c] = (uint8_t)e;
+                else if (isz == 2) ((uint16_t *)dst)[c] = (uint16_t)e;
+                else ((uint32_t *)dst)[c] = e;
             }
-    if (bad) D->err = ERR_STREAM;
+    if (flags & 1) D->err = ERR_STREAM;
 }
 
 static void
@@ -168,8 +175,10 @@ decode_flips(Dec *D, uint32_t *x, const uint8_t **pp, int kc, uint32_t nrows, si
             bad |= v >= nrows;
             f[c] = v + 1;
         }
+    } else if (D->avx512) {
+        bad = (uint32_t)flip_positions_avx512(sym, C, nrows, f);
     } else {
-        for (size_t c = 0; c < C; c++) {   /* vectorises */
+        for (size_t c = 0; c < C; c++) {
             uint32_t v = sym[c];
             bad |= v >= nrows;
             f[c] = v + 1;

@@ -240,6 +240,55 @@ encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms
     }
 }
 
+/* decode_side's values: the C channel maxima base + s - SIDE_CENTER from a plane's side
+ * symbols s, into dst as elements of isz bytes (1, 2 or 4, the page's element width),
+ * computed in 16-bit lanes as the scalar loop does in 32 (base < 256: nothing wraps into
+ * 0..emax); an escaped channel's value is the caller's to fill. Returns bit 0 where a
+ * value is past emax and bit 1 where a channel escapes. */
+__attribute__((target("avx512f,avx512bw"))) uint32_t
+side_values_avx512(const uint8_t *sym, size_t C, int base, uint32_t emax, int isz, void *dst)
+{
+    const __m512i off = _mm512_set1_epi16((short)(base - SIDE_CENTER)), em = _mm512_set1_epi16((short)emax);
+    const __m512i escv = _mm512_set1_epi16(SIDE_ALPHA - 1);
+    __mmask32 bad = 0, esc = 0;
+    for (size_t c = 0; c < C; c += 32) {
+        const __mmask32 m = C - c >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (C - c)) - 1);
+        __m512i s = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(_mm512_maskz_loadu_epi8(m, sym + c)));
+        __m512i v = _mm512_add_epi16(s, off);
+        const __mmask32 e = _mm512_mask_cmpeq_epi16_mask(m, s, escv);
+        esc |= e;
+        bad |= _mm512_mask_cmpgt_epu16_mask(m & ~e, v, em);
+        v = _mm512_and_si512(v, em);
+        if (isz == 2) {
+            _mm512_mask_storeu_epi16((uint16_t *)dst + c, m, v);
+        } else if (isz == 1) {
+            _mm512_mask_cvtepi16_storeu_epi8((uint8_t *)dst + c, m, v);
+        } else {
+            _mm512_mask_storeu_epi32((uint32_t *)dst + c, (__mmask16)m,
+                                     _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)));
+            _mm512_mask_storeu_epi32((uint32_t *)dst + c + 16, (__mmask16)(m >> 16),
+                                     _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+        }
+    }
+    return (bad != 0) | (esc != 0) << 1;
+}
+
+/* decode_flips' positions without escapes: f[c] = sym[c] + 1 for the C channels;
+ * returns whether a symbol is nrows or more. */
+__attribute__((target("avx512f,avx512bw"))) int
+flip_positions_avx512(const uint8_t *sym, size_t C, uint32_t nrows, uint32_t *f)
+{
+    const __m512i n = _mm512_set1_epi32((int)nrows), one = _mm512_set1_epi32(1);
+    __mmask16 bad = 0;
+    for (size_t c = 0; c < C; c += 16) {
+        const __mmask16 m = C - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c)) - 1);
+        __m512i v = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(m, sym + c)));
+        bad |= _mm512_mask_cmpge_epu32_mask(m, v, n);
+        _mm512_mask_storeu_epi32(f + c, m, _mm512_add_epi32(v, one));
+    }
+    return bad != 0;
+}
+
 #else
 
 size_t
@@ -256,6 +305,20 @@ encode_syms_avx512(uint32_t *xs, uint8_t **pp, const uint8_t *syms, size_t nsyms
 {
     /* never called: have_avx512_bw() is 0 here, so no context has its tables (et_ok) */
     (void)xs; (void)pp; (void)syms; (void)nsyms; (void)et;
+}
+
+uint32_t
+side_values_avx512(const uint8_t *sym, size_t C, int base, uint32_t emax, int isz, void *dst)
+{
+    (void)sym; (void)C; (void)base; (void)emax; (void)isz; (void)dst;
+    return 0;   /* never called: have_avx512_bw() is 0 here */
+}
+
+int
+flip_positions_avx512(const uint8_t *sym, size_t C, uint32_t nrows, uint32_t *f)
+{
+    (void)sym; (void)C; (void)nrows; (void)f;
+    return 0;   /* never called: have_avx512_bw() is 0 here */
 }
 
 #endif
