@@ -103,29 +103,34 @@ int
 levels_to_freqs(const uint8_t *levels, int alpha, uint16_t *freq, int pbits)
 {
     const uint32_t scale = 1u << pbits;
-    uint32_t w[256];
-    uint64_t total = 0;
-    for (int i = 0; i < alpha; i++) {
-        w[i] = levels[i] ? level_weight(levels[i]) : 0;
-        total += w[i];
-    }
-    if (total == 0)
-        return -1;
     uint32_t sum = 0;
     int top = 0;   /* the first largest frequency */
-    const double inv = 1.0 / (double)total;   /* quotients from a reciprocal, then made exact */
-    for (int i = 0; i < alpha; i++) {
-        uint32_t f = 0;
-        if (w[i]) {
-            const uint64_t x = (uint64_t)w[i] * scale;   /* below 2^35 */
-            uint64_t q = (uint64_t)((double)x * inv);   /* within one of x / total */
-            if (q * total > x) q--;
-            else if ((q + 1) * total <= x) q++;
-            f = q < 1 ? 1 : (uint32_t)q;
+    if (alpha >= 16 && pbits <= 11 && have_avx512_bw()) {
+        if (level_freqs_avx512(levels, alpha, freq, pbits, &sum, &top) != 0)
+            return -1;
+    } else {
+        uint32_t w[256];
+        uint64_t total = 0;
+        for (int i = 0; i < alpha; i++) {
+            w[i] = levels[i] ? level_weight(levels[i]) : 0;
+            total += w[i];
         }
-        freq[i] = (uint16_t)f;
-        top = f > freq[top] ? i : top;
-        sum += f;
+        if (total == 0)
+            return -1;
+        const double inv = 1.0 / (double)total;   /* quotients from a reciprocal, then made exact */
+        for (int i = 0; i < alpha; i++) {
+            uint32_t f = 0;
+            if (w[i]) {
+                const uint64_t x = (uint64_t)w[i] * scale;   /* below 2^35 */
+                uint64_t q = (uint64_t)((double)x * inv);   /* within one of x / total */
+                if (q * total > x) q--;
+                else if ((q + 1) * total <= x) q++;
+                f = q < 1 ? 1 : (uint32_t)q;
+            }
+            freq[i] = (uint16_t)f;
+            top = f > freq[top] ? i : top;
+            sum += f;
+        }
     }
     while (sum != scale) {
         if (sum < scale) {

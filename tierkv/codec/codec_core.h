@@ -121,6 +121,7 @@ size_t decode_syms_avx512(uint32_t *xs, const uint8_t **pp, const uint8_t *end, 
                           size_t nsyms);
 uint32_t side_values_avx512(const uint8_t *sym, size_t C, int base, uint32_t emax, int isz, void *dst);
 int flip_positions_avx512(const uint8_t *sym, size_t C, uint32_t nrows, uint32_t *f);
+int level_freqs_avx512(const uint8_t *levels, int alpha, uint16_t *freq, int pbits, uint32_t *sum, int *top);
 int search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int pbits, uint16_t *tabs);
 size_t decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
                            const uint16_t *const tabs[], const int np[], const int pbits[], uint8_t *const out[],

@@ -289,6 +289,67 @@ flip_positions_avx512(const uint8_t *sym, size_t C, uint32_t nrows, uint32_t *f)
     return bad != 0;
 }
 
+/* floor(w 2^pbits / total) in each lane, exactly, for w < 2^20, w <= total < 2^28 and
+ * pbits <= 11 (so w 2^pbits < 2^31 and every product below stays under 2^32): the
+ * single-precision estimate (the reciprocal of total rounded to a float) is within
+ * 2^-11 of a quotient of at most 2^11, so its truncation is off by at most one, and the
+ * products with total say which way (tools/check_level_freqs.c). */
+__attribute__((target("avx512f"), always_inline)) static inline __m512i
+freq_quotients(__m512i w, __m512i total, __m512 inv, __m128i pb)
+{
+    const __m512i one = _mm512_set1_epi32(1), x = _mm512_sll_epi32(w, pb);
+    __m512i q = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(x), inv));
+    const __m512i qt = _mm512_mullo_epi32(q, total);
+    q = _mm512_mask_sub_epi32(q, _mm512_cmpgt_epu32_mask(qt, x), q, one);
+    return _mm512_mask_add_epi32(q, _mm512_cmple_epu32_mask(_mm512_add_epi32(qt, total), x), q, one);
+}
+
+/* levels_to_freqs' frequencies before their sum is made 2^pbits (pbits <= 11, alpha <=
+ * 256): freq[0..alpha) from the levels, *sum their sum and *top the first largest;
+ * -1 where no level is present. */
+__attribute__((target("avx512f,avx512bw"))) int
+level_freqs_avx512(const uint8_t *levels, int alpha, uint16_t *freq, int pbits, uint32_t *sum, int *top)
+{
+    const __m512i wbase = _mm512_set_epi32(27, 23, 19, 16, 27, 23, 19, 16, 27, 23, 19, 16, 27, 23, 19, 16);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i w[16], tot = _mm512_setzero_si512();
+    const int nv = (alpha + 15) / 16;
+    for (int v = 0; v < nv; v++) {   /* the weights W(l), 0 where absent */
+        const int left = alpha - 16 * v;
+        const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512i l = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(m, levels + 16 * v)));
+        __m512i lm = _mm512_sub_epi32(l, one);
+        w[v] = _mm512_maskz_sllv_epi32(_mm512_test_epi32_mask(l, l), _mm512_permutexvar_epi32(lm, wbase),
+                                       _mm512_srli_epi32(lm, 2));
+        tot = _mm512_add_epi32(tot, w[v]);
+    }
+    const uint32_t total = (uint32_t)_mm512_reduce_add_epi32(tot);
+    if (total == 0) return -1;
+    const __m512i vt = _mm512_set1_epi32((int)total);
+    const __m512 inv = _mm512_set1_ps(1.0f / (float)total);
+    const __m128i pb = _mm_cvtsi32_si128(pbits);
+    __m512i acc = _mm512_setzero_si512(), big = _mm512_setzero_si512(), f[16];
+    for (int v = 0; v < nv; v++) {   /* max(1, quotient) where present */
+        f[v] = _mm512_maskz_max_epu32(_mm512_test_epi32_mask(w[v], w[v]), freq_quotients(w[v], vt, inv, pb), one);
+        acc = _mm512_add_epi32(acc, f[v]);
+        big = _mm512_max_epu32(big, f[v]);
+        const int left = alpha - 16 * v;
+        _mm512_mask_cvtepi32_storeu_epi16(freq + 16 * v, left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1),
+                                          f[v]);
+    }
+    const __m512i most = _mm512_set1_epi32(_mm512_reduce_max_epu32(big));
+    *sum = (uint32_t)_mm512_reduce_add_epi32(acc);
+    *top = 0;
+    for (int v = 0; v < nv; v++) {   /* lanes past alpha hold 0, below any largest */
+        const __mmask16 eq = _mm512_cmpeq_epi32_mask(f[v], most);
+        if (eq) {
+            *top = 16 * v + __builtin_ctz(eq);
+            break;
+        }
+    }
+    return 0;
+}
+
 #else
 
 size_t
@@ -319,6 +380,13 @@ flip_positions_avx512(const uint8_t *sym, size_t C, uint32_t nrows, uint32_t *f)
 {
     (void)sym; (void)C; (void)nrows; (void)f;
     return 0;   /* never called: have_avx512_bw() is 0 here */
+}
+
+int
+level_freqs_avx512(const uint8_t *levels, int alpha, uint16_t *freq, int pbits, uint32_t *sum, int *top)
+{
+    (void)levels; (void)alpha; (void)freq; (void)pbits; (void)sum; (void)top;
+    return -1;   /* never called: have_avx512_bw() is 0 here */
 }
 
 #endif
