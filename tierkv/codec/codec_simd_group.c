@@ -126,6 +126,41 @@ decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], con
     return TK_GROUPS(4, most, xs, pp, end, tabs, pbits, out, nsyms);
 }
 
+/* decode_symsN_avx512's tables of a context: the present symbols' cumulative
+ * frequencies, frequencies and symbols as 16-bit words, 64 entries each (ranks past the
+ * present symbols hold 2^pbits, never <= a slot); returns the present symbols, 65 where
+ * there are more than 64 or the slots do not fit 15 bits. Sixteen symbols a step,
+ * compressed to the present ones. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) int
+search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int pbits, uint16_t *tabs)
+{
+    if (pbits > 15) return 65;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    int np = 0;
+    for (int i = 0; i < alpha; i += 16) {
+        const __mmask16 m = alpha - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (alpha - i)) - 1);
+        const __m512i f = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, freq + i));
+        const __mmask16 present = _mm512_mask_test_epi32_mask(m, f, f);
+        const int k = __builtin_popcount((unsigned)present);
+        if (np + k > 64) return 65;
+        const __mmask16 put = (__mmask16)((1u << k) - 1);
+        const __m512i st = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, start + i));
+        _mm256_mask_storeu_epi16(tabs + np, put, _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(present, st)));
+        _mm256_mask_storeu_epi16(tabs + 64 + np, put, _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(present, f)));
+        _mm256_mask_storeu_epi16(tabs + 128 + np, put,
+                                 _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(
+                                     present, _mm512_add_epi32(lane, _mm512_set1_epi32(i)))));
+        np += k;
+    }
+    const __mmask32 pad_lo = np >= 32 ? 0 : ~(__mmask32)0 << np, pad_hi = np >= 32 ? ~(__mmask32)0 << (np - 32) : ~(__mmask32)0;
+    const __m512i top = _mm512_set1_epi16((short)(1u << pbits)), zero = _mm512_setzero_si512();
+    for (int t = 0; t < 3; t++) {   /* the ranks past the present symbols */
+        _mm512_mask_storeu_epi16(tabs + 64 * t, pad_lo, t ? zero : top);
+        _mm512_mask_storeu_epi16(tabs + 64 * t + 32, np >= 64 ? 0 : pad_hi, t ? zero : top);
+    }
+    return np;
+}
+
 #else
 
 size_t
@@ -137,29 +172,11 @@ decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], con
     return 0;   /* never called: group_pages() is 1 here */
 }
 
-#endif
-
-/* decode_symsN_avx512's tables of a context: search_tables' as 16-bit words, 64 entries
- * each (ranks past the present symbols hold 2^pbits, never <= a slot); returns the
- * present symbols, 65 where there are more than 64 or the slots do not fit 15 bits. */
 int
 search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int pbits, uint16_t *tabs)
 {
-    if (pbits > 15) return 65;
-    int np = 0;
-    for (int i = 0; i < alpha; i++) {   /* branch-free: whether a symbol is present is a coin toss */
-        if (np == 64) {
-            if (freq[i]) return 65;
-            continue;
-        }
-        tabs[np] = start[i];
-        tabs[64 + np] = freq[i];
-        tabs[128 + np] = (uint16_t)i;
-        np += freq[i] != 0;
-    }
-    for (int i = np; i < 64; i++) {
-        tabs[i] = (uint16_t)(1u << pbits);
-        tabs[64 + i] = tabs[128 + i] = 0;
-    }
-    return np;
+    (void)freq; (void)start; (void)alpha; (void)pbits; (void)tabs;
+    return 65;   /* never called: group_pages() is 1 here */
 }
+
+#endif
