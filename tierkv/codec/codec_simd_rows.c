@@ -159,10 +159,14 @@ row_mid_bytes(const uint8_t *mid, size_t c, int w, __mmask64 need, __m512i vperm
     return _mm512_and_si512(_mm512_multishift_epi64_epi8(vshift, _mm512_permutexvar_epi8(vperm, m)), wmask);
 }
 
-/* The per-page constants of the 16-bit assembly. */
+/* The per-page constants of the 16-bit assembly. A symbol s = r << hi | h shifted left
+ * by mbits - hi is S = r << mbits | h << (mbits - hi): the exponent's residual and the hi
+ * bits already in their places (amask and hmask part them), so that the exponent is
+ * (M << mbits) - (r << mbits) under emask, M the channel maximum, and the check r <= M
+ * compares the two shifted (no 16-bit value overflows: M < 2^ebits, r < 16). */
 typedef struct {
-    __m512i vperm, vshift, wmask, himask, emask, esc, signbit;
-    __m128i hi, mbits, hshift, midshift;
+    __m512i vperm, vshift, wmask, amask, hmask, emask, esc, signbit;
+    __m128i mbits, hshift, midshift;
     __mmask64 need;
     int w;
 } Asm16;
@@ -171,47 +175,47 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) static inl
 asm16_consts(const uint8_t *perm, const uint8_t *shift, const Layout *lay, const Params *pr)
 {
     Asm16 k;
+    const int hshift = lay->mbits - pr->hi;
     k.w = pr->mid;
     k.vperm = _mm512_loadu_si512(perm);
     k.vshift = _mm512_loadu_si512(shift);
     k.wmask = _mm512_set1_epi8((char)((1u << k.w) - 1));
-    k.himask = _mm512_set1_epi16((short)((1 << pr->hi) - 1));
-    k.emask = _mm512_set1_epi16((short)((1 << lay->ebits) - 1));
+    k.hmask = _mm512_set1_epi16((short)(((1 << pr->hi) - 1) << hshift));
+    k.amask = _mm512_set1_epi16((short)~(((1 << pr->hi) - 1) << hshift));
+    k.emask = _mm512_set1_epi16((short)(((1 << lay->ebits) - 1) << lay->mbits));
     k.esc = _mm512_set1_epi16((short)pr->esc);
     k.signbit = _mm512_set1_epi16((short)(1u << (lay->nbits - 1)));
-    k.hi = _mm_cvtsi32_si128(pr->hi);
     k.mbits = _mm_cvtsi32_si128(lay->mbits);
-    k.hshift = _mm_cvtsi32_si128(lay->mbits - pr->hi);
+    k.hshift = _mm_cvtsi32_si128(hshift);
     k.midshift = _mm_cvtsi32_si128(pr->tz + pr->lo);
     k.need = k.w ? (__mmask64)(~0ull >> (64 - 8 * k.w)) : 0;
     return k;
 }
 
-/* Channels [0, C / 64 * 64) of one 16-bit row; returns bit 0 when a residual exceeds its
- * channel maximum, bit 1 when the row holds escapes. */
+/* Channels c..c+63 of one 16-bit row, their maxima shifted left by mbits in cms (two
+ * vectors of 32); returns bit 0 when a residual exceeds its channel maximum, bit 1 when
+ * the channels hold escapes. */
 __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) static inline uint32_t
-asm16_row(const Asm16 *k, uint16_t *out, const uint8_t *sym, const uint64_t *sg, const uint16_t *cmax,
-          const uint8_t *mid, size_t C)
+asm16_block(const Asm16 *k, uint16_t *out, const uint8_t *sym, __mmask64 sgn, const __m512i *cms,
+            const uint8_t *mid, size_t c)
 {
     __mmask32 bad = 0, any_esc = 0;
-    for (size_t c = 0; c + 64 <= C; c += 64) {
-        const __mmask64 sgn = (__mmask64)sg[c / 64];
-        __m512i mb = row_mid_bytes(mid, c, k->w, k->need, k->vperm, k->vshift, k->wmask);
-        __m512i s8 = _mm512_loadu_si512(sym + c);
-        for (int h = 0; h < 2; h++) {
-            __m512i s = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(s8, 1) : _mm512_castsi512_si256(s8));
-            __m512i m = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(mb, 1) : _mm512_castsi512_si256(mb));
-            __m512i cm = _mm512_loadu_si512(cmax + c + 32 * h);
-            __m512i r = _mm512_srl_epi16(s, k->hi);
-            __mmask32 is_esc = _mm512_cmpeq_epi16_mask(s, k->esc);
-            bad |= _mm512_mask_cmpgt_epu16_mask((__mmask32)~is_esc, r, cm);
-            any_esc |= is_esc;
-            __m512i e = _mm512_sll_epi16(_mm512_and_si512(_mm512_sub_epi16(cm, r), k->emask), k->mbits);
-            __m512i v = _mm512_or_si512(e, _mm512_sll_epi16(_mm512_and_si512(s, k->himask), k->hshift));
-            v = _mm512_or_si512(v, _mm512_sll_epi16(m, k->midshift));
-            v = _mm512_mask_mov_epi16(v, (__mmask32)(sgn >> (32 * h)), _mm512_or_si512(v, k->signbit));
-            _mm512_storeu_si512(out + c + 32 * h, v);
-        }
+    __m512i mb = row_mid_bytes(mid, c, k->w, k->need, k->vperm, k->vshift, k->wmask);
+    __m512i s8 = _mm512_loadu_si512(sym + c);
+    for (int h = 0; h < 2; h++) {
+        __m512i s = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(s8, 1) : _mm512_castsi512_si256(s8));
+        __m512i m = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(mb, 1) : _mm512_castsi512_si256(mb));
+        __m512i sh = _mm512_sll_epi16(s, k->hshift);
+        __m512i rs = _mm512_and_si512(sh, k->amask);   /* r << mbits */
+        __mmask32 is_esc = _mm512_cmpeq_epi16_mask(s, k->esc);
+        bad |= _mm512_mask_cmpgt_epu16_mask((__mmask32)~is_esc, rs, cms[h]);
+        any_esc |= is_esc;
+        /* (M - r) << mbits under emask, OR the mid field, OR the hi bits (a | b & c) */
+        __m512i v = _mm512_ternarylogic_epi32(_mm512_sll_epi16(m, k->midshift), _mm512_sub_epi16(cms[h], rs),
+                                              k->emask, 0xF8);
+        v = _mm512_ternarylogic_epi32(v, sh, k->hmask, 0xF8);
+        v = _mm512_mask_add_epi16(v, (__mmask32)(sgn >> (32 * h)), v, k->signbit);   /* bit 15 is clear: an OR */
+        _mm512_storeu_si512(out + c + 32 * h, v);
     }
     return (uint32_t)(bad != 0) | (uint32_t)(any_esc != 0) << 1;
 }
@@ -228,13 +232,18 @@ assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sg,
                    size_t C, const Layout *lay, const Params *pr, uint32_t *res)
 {
     const Asm16 k = asm16_consts(perm, shift, lay, pr);
-    *res |= asm16_row(&k, out, sym, sg, cmax, mid, C);
+    for (size_t c = 0; c + 64 <= C; c += 64) {
+        const __m512i cms[2] = {_mm512_sll_epi16(_mm512_loadu_si512(cmax + c), k.mbits),
+                                _mm512_sll_epi16(_mm512_loadu_si512(cmax + c + 32), k.mbits)};
+        *res |= asm16_block(&k, out, sym, (__mmask64)sg[c / 64], cms, mid, c);
+    }
     return C / 64 * 64;
 }
 
-/* assemble_16_avx512 for a plane's nrows coded rows at once, C a multiple of 64: row k
- * from sym + k C, its mid bits from mid + k C w / 8 and its signs from sg + k C / 64, into
- * out[k]; res[k] gets the row's bits. The page's constants are set up once. */
+/* assemble_16_avx512 for a plane's nrows coded rows at once, C a multiple of 64: row r
+ * from sym + r C, its mid bits from mid + r C w / 8 and its signs from sg + r C / 64, into
+ * out[r]; res[r] gets the row's bits. The page's constants are set up once, each group
+ * of 64 channels' shifted maxima once for all rows. */
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void
 assemble_16_rows_avx512(uint16_t *const *out, uint32_t nrows, const uint8_t *sym, const uint64_t *sg,
                         const uint16_t *cmax, const uint8_t *mid, const uint8_t *perm, const uint8_t *shift,
@@ -242,8 +251,14 @@ assemble_16_rows_avx512(uint16_t *const *out, uint32_t nrows, const uint8_t *sym
 {
     const Asm16 k = asm16_consts(perm, shift, lay, pr);
     const size_t mid_row = C * (size_t)k.w / 8, G = C / 64;
-    for (uint32_t r = 0; r < nrows; r++)
-        res[r] = (uint8_t)asm16_row(&k, out[r], sym + (size_t)r * C, sg + (size_t)r * G, cmax, mid + r * mid_row, C);
+    memset(res, 0, nrows);
+    for (size_t c = 0; c < C; c += 64) {
+        const __m512i cms[2] = {_mm512_sll_epi16(_mm512_loadu_si512(cmax + c), k.mbits),
+                                _mm512_sll_epi16(_mm512_loadu_si512(cmax + c + 32), k.mbits)};
+        for (uint32_t r = 0; r < nrows; r++)
+            res[r] |= (uint8_t)asm16_block(&k, out[r], sym + (size_t)r * C, (__mmask64)sg[(size_t)r * G + c / 64], cms,
+                                           mid + r * mid_row, c);
+    }
 }
 
 /* assemble_16_avx512 for 8-bit elements (FP8): sixty-four channels a step, all in bytes. */
