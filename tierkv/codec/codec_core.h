@@ -131,6 +131,8 @@ size_t plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, 
                           uint32_t nrows, size_t C);
 size_t plane_signs_vbmi(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
                         uint32_t nrows, size_t C);
+void plane_sign_rows_vbmi(uint64_t *rows, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
+                          uint32_t nrows, size_t C);
 void sign_rows_avx512(const uint64_t *sw, size_t C, uint32_t nrows, uint64_t *rows);
 void assemble_16_consts(int w, uint8_t *perm, uint8_t *shift);
 size_t assemble_16_avx512(uint16_t *out, const uint8_t *sym, const uint64_t *sg,

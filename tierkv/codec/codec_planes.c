@@ -245,8 +245,12 @@ plane_rows(Dec *D, const uint32_t *x, size_t p, int kc, uint32_t nrows, uint8_t 
         absorb_tail(D, x);
     }
     if (D->err) return;
-    plane_signs(D, D->pr.sign_coded[kc], nrows);
-    if (D->fused && C >= 64) sign_rows_avx512(D->sgw, C, nrows, D->sgr);   /* assemble_row's masks */
+    if (D->fused && C % 64 == 0 && nrows <= 25 && D->pr.sign_coded[kc]) {   /* the rows' masks alone */
+        plane_sign_rows_vbmi(D->sgr, D->fpos, D->sign, D->sign_len, &D->ksign, nrows, C);
+    } else {
+        plane_signs(D, D->pr.sign_coded[kc], nrows);
+        if (D->fused && C >= 64) sign_rows_avx512(D->sgw, C, nrows, D->sgr);   /* assemble_row's masks */
+    }
     if (!assemble_rows(D, nrows, p, plane)) {   /* every coded row at once, else one by one */
         uint32_t k = 0;
         for (size_t t = 0; t < T; t++) {

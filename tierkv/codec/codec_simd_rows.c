@@ -103,6 +103,71 @@ plane_signs_vbmi(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t le
     return c;
 }
 
+/* Sixteen channels' coded signs for nrows <= 25 (1 + nraw bits each from a bit offset
+ * below 8: one 32-bit read), their bits from offset k of the window win (the section's
+ * bytes from b0, zero past its end, as bits_at reads them): each channel's sign word
+ * (signs_words in 32-bit lanes); *k advances past their bits. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) static inline __m512i
+signs16_words(const uint32_t *f, size_t *k, uint32_t nrows, const uint8_t *sign, size_t len)
+{
+    const __m512i one = _mm512_set1_epi32(1), n = _mm512_set1_epi32((int)nrows), zero = _mm512_setzero_si512();
+    const __m512i seven = _mm512_set1_epi32(7), iota = _mm512_set1_epi32(0x03020100);
+    const __m512i low = _mm512_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0,
+                                         0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+    const __m512i fc = _mm512_loadu_si512(f);
+    const __m512i nraw = _mm512_sub_epi32(_mm512_sub_epi32(n, fc), _mm512_maskz_mov_epi32(_mm512_cmplt_epu32_mask(fc, n), one));
+    const __m512i inc = _mm512_add_epi32(nraw, one);
+    __m512i sum = inc;   /* inclusive prefix sum of inc: lanes moved up by 1, 2, 4, 8 */
+    sum = _mm512_add_epi32(sum, _mm512_alignr_epi32(sum, zero, 15));
+    sum = _mm512_add_epi32(sum, _mm512_alignr_epi32(sum, zero, 14));
+    sum = _mm512_add_epi32(sum, _mm512_alignr_epi32(sum, zero, 12));
+    sum = _mm512_add_epi32(sum, _mm512_alignr_epi32(sum, zero, 8));
+    const size_t k0 = *k, b0 = k0 >> 3;
+    const __m512i off = _mm512_add_epi32(_mm512_set1_epi32((int)(k0 & 7)), _mm512_sub_epi32(sum, inc));   /* from b0 */
+    *k = k0 + (uint32_t)_mm_extract_epi32(_mm512_extracti32x4_epi32(sum, 3), 3);
+    size_t span = ((*k) >> 3) + 4 - b0;   /* at most 16 x 25 bits + 7 + 4 bytes: 55 */
+    if (b0 >= len) span = 0;
+    else if (span > len - b0) span = len - b0;
+    const __m512i win = _mm512_maskz_loadu_epi8(span ? ~0ull >> (64 - span) : 0, sign + (b0 < len ? b0 : 0));
+    const __m512i idx = _mm512_add_epi8(_mm512_shuffle_epi8(_mm512_srli_epi32(off, 3), low), iota);
+    const __m512i v = _mm512_srlv_epi32(_mm512_permutexvar_epi8(idx, win), _mm512_and_si512(off, seven));
+    const __m512i s0 = _mm512_and_si512(v, one);
+    const __m512i raw = _mm512_and_si512(_mm512_srli_epi32(v, 1), _mm512_sub_epi32(_mm512_sllv_epi32(one, nraw), one));
+    const __m512i head = _mm512_and_si512(_mm512_sub_epi32(zero, s0), _mm512_sub_epi32(_mm512_sllv_epi32(one, fc), one));
+    __m512i w = _mm512_or_si512(head, _mm512_sllv_epi32(_mm512_xor_si512(s0, one), fc));
+    w = _mm512_or_si512(w, _mm512_sllv_epi32(raw, _mm512_add_epi32(fc, one)));
+    return _mm512_and_si512(w, _mm512_set1_epi32((int)((1u << nrows) - 1)));
+}
+
+/* plane_signs and sign_rows_avx512 at once for coded signs, nrows <= 25 and C a multiple
+ * of 64: each group of 64 channels' sign words in 32-bit lanes (four vectors of
+ * sixteen), then each row's mask (rows[r * C / 64 + j], bit i: channel 64 j + i) by a byte
+ * permute per vector and a byte test per row. Reads past the section's len bytes see
+ * zeros, as the scalar reader's do; advances *ks past the plane's bits. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void
+plane_sign_rows_vbmi(uint64_t *rows, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
+                     uint32_t nrows, size_t C)
+{
+    const size_t G = C / 64;
+    const __m512i idx0 = _mm512_set_epi32(0x3C383430, 0x2C282420, 0x1C181410, 0x0C080400, 0x3C383430, 0x2C282420,
+                                          0x1C181410, 0x0C080400, 0x3C383430, 0x2C282420, 0x1C181410, 0x0C080400,
+                                          0x3C383430, 0x2C282420, 0x1C181410, 0x0C080400);   /* byte p: 4 (p % 16) */
+    size_t k = *ks;
+    for (size_t j = 0; j < G; j++) {
+        __m512i in[4];
+        for (int i = 0; i < 4; i++) in[i] = signs16_words(f + 64 * j + 16 * i, &k, nrows, sign, len);
+        for (uint32_t b = 0; 8 * b < nrows; b++) {
+            const __m512i idx = _mm512_add_epi8(idx0, _mm512_set1_epi8((char)b));
+            __m512i bytes = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++)   /* channel 16i + t's byte b to byte 16i + t */
+                bytes = _mm512_mask_permutexvar_epi8(bytes, (__mmask64)0xFFFF << (16 * i), idx, in[i]);
+            for (uint32_t r = 0; r < 8 && 8 * b + r < nrows; r++)
+                rows[(size_t)(8 * b + r) * G + j] = (uint64_t)_mm512_test_epi8_mask(bytes, _mm512_set1_epi8((char)(1u << r)));
+        }
+    }
+    *ks = k;
+}
+
 /* The per-page constants of assemble_16_avx512 (mid width w <= 8): qword lane j of the
  * permuted mid bytes holds bytes j*w.. of a group of 64 fields, and byte i of it the
  * field at bit i*w (vpmultishiftqb). */
@@ -454,6 +519,13 @@ combine_16_avx2(uint16_t *out, const uint8_t *sym, const uint64_t *sw,
 {
     (void)out; (void)sym; (void)sw; (void)kbit; (void)cmax; (void)mv; (void)C; (void)lay; (void)pr;
     return 1;   /* never called: have_avx2() is 0 */
+}
+
+void
+plane_sign_rows_vbmi(uint64_t *rows, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
+                     uint32_t nrows, size_t C)
+{
+    (void)rows; (void)f; (void)sign; (void)len; (void)ks; (void)nrows; (void)C;   /* never called: no VBMI here */
 }
 
 #endif
