@@ -28,7 +28,7 @@ if os.path.exists(os.path.join(_CODEC, "_codec.c")):
             "tierkv.codec._codec",
             [os.path.join(_CODEC, f) for f in ("_codec.c", "codec_common.c", "codec_enc.c", "codec_scan.c",
                                                "codec_dec.c", "codec_planes.c", "codec_rows.c", "codec_simd.c",
-                                               "codec_simd_rans.c", "codec_simd_group.c",
+                                               "codec_simd_rans.c", "codec_simd_group.c", "codec_simd_group_vbmi2.c",
                                                "codec_simd_rows.c", "codec_simd_scan.c", "codec_gpu.c",
                                                "codec_gpu_emu.c")],
             depends=[os.path.join(_CODEC, h) for h in ("codec_core.h", "codec_dec.h", "codec_enc.h", "codec_simd.h",

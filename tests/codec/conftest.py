@@ -61,12 +61,14 @@ def roundtrip(codec: Codec, rows: np.ndarray) -> np.ndarray:
     return sizes
 
 
-@pytest.fixture(params=[5, 6, 4, 3, 1, 0], ids=["groups", "pairs", "gather", "search", "avx2", "scalar"])
+@pytest.fixture(params=[5, 7, 6, 4, 3, 1, 0],
+                ids=["groups", "groups-novbmi2", "pairs", "gather", "search", "avx2", "scalar"])
 def simd(request: pytest.FixtureRequest) -> Iterator[int]:
     """Runs a test on each decoding path the CPU has: every SIMD path with the AVX-512
-    rANS symbols of up to four pages at once, of two, then one page at a time by gathers,
-    then by the register search, then AVX2 and BMI2 without AVX-512, then the scalar code
-    alone (``_codec.set_simd``'s levels)."""
+    rANS symbols of up to four pages at once (renormalised by VBMI2's 16-bit expands,
+    then without them), of two, then one page at a time by gathers, then by the register
+    search, then AVX2 and BMI2 without AVX-512, then the scalar code alone
+    (``_codec.set_simd``'s levels)."""
     if not native_available():
         pytest.skip("tierkv.codec._codec is not built")
     from tierkv.codec import _codec  # type: ignore[attr-defined]

@@ -131,7 +131,7 @@ def test_resealed_damage_decodes_alike_on_every_path(kv_layers: dict) -> None:
              for b in clean for _ in range(100)]
     results = []
     try:
-        for level in (5, 6, 4, 3, 1, 0):
+        for level in (5, 7, 6, 4, 3, 1, 0):
             _codec.set_simd(level)
             out = np.zeros((len(blobs), layout.page_bytes), dtype=np.uint8)
             with Codec(layout) as codec:
@@ -174,7 +174,7 @@ def test_plane_bases_out_of_range_decode_alike_on_every_path(kv_layers: dict, dt
                 blobs.append(reseal(bad))
     results = []
     try:
-        for level in (5, 6, 4, 3, 1, 0):
+        for level in (5, 7, 6, 4, 3, 1, 0):
             _codec.set_simd(level)
             out = np.zeros((len(blobs), layout.page_bytes), dtype=np.uint8)
             with Codec(layout) as codec:
@@ -248,7 +248,7 @@ def test_a_context_marked_absent_decodes_alike_on_every_path(monkeypatch: pytest
     busy = ((rng.integers(0, 65536, (16, 64)) & 0x807F) | (rng.integers(60, 127, (16, 64)) << 7)).astype(np.uint16)
     _codec.encode_rows(busy.view(np.uint8).reshape(1, -1), other, sizes, *geo)
     try:
-        for level in (5, 6, 4, 3, 1, 0):
+        for level in (5, 7, 6, 4, 3, 1, 0):
             _codec.set_simd(level)
             out = np.zeros((2, page_bytes.size), np.uint8)
             status = np.zeros(2, np.int32)
@@ -289,7 +289,7 @@ def test_a_first_flip_past_the_coded_rows_is_refused_on_every_path(monkeypatch: 
     bad = bytes(enc.encode_page(g, page_bytes))
     assert good[5] == bad[5] == 1 and good != bad   # both coded; they differ in the flips
     try:
-        for level in (5, 6, 4, 3, 1, 0):
+        for level in (5, 7, 6, 4, 3, 1, 0):
             _codec.set_simd(level)
             out = np.zeros((3, page_bytes.size), np.uint8)
             status = np.zeros(3, np.int32)

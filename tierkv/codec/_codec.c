@@ -189,8 +189,9 @@ PyDoc_STRVAR(set_simd_doc,
 "Which SIMD paths may run where the CPU has them: 2 (or True) all (AVX-512 rANS symbols\n"
 "of up to four pages of a batch at once, else partly by gathers on AMD, by a register\n"
 "search elsewhere), 3 all with the search alone and one page at a time, 4 all with\n"
-"gathers and one page at a time, 5 as 2, 6 as 2 with two pages at a time, 1 AVX2 and\n"
-"BMI2 but not AVX-512, 0 (or False) the scalar ones; all read and write the same bytes.\n"
+"gathers and one page at a time, 5 as 2, 6 as 2 with two pages at a time, 7 as 2\n"
+"without VBMI2, 1 AVX2 and BMI2 but not AVX-512, 0 (or False) the scalar ones; all read\n"
+"and write the same bytes.\n"
 "For tests and comparisons: not meant to change while other threads code pages.");
 
 static PyObject *
@@ -199,7 +200,7 @@ set_simd_py(PyObject *self, PyObject *arg)
     long level = PyLong_AsLong(arg);
     if (level == -1 && PyErr_Occurred())
         return NULL;
-    set_simd(level >= 1 ? (int)(level > 6 ? 2 : level) : 0);
+    set_simd(level >= 1 ? (int)(level > 7 ? 2 : level) : 0);
     if (level == 1 && PyBool_Check(arg))
         set_simd(2);   /* True means every path */
     Py_RETURN_NONE;

@@ -106,12 +106,13 @@ void scratch_trim(void);
 /* The SIMD paths, each doing what the scalar code does, byte for byte. codec_simd.c:
  * whether each may run here, and set_simd's limit (2: every path the CPU has, 3: the
  * same with the symbols' register search alone and one page at a time, 4: with gathers
- * and one page at a time, 5: as 2, 6: as 2 with two pages at a time; 1: no AVX-512; 0:
- * scalar only). */
+ * and one page at a time, 5: as 2, 6: as 2 with two pages at a time, 7: as 2 without
+ * VBMI2; 1: no AVX-512; 0: scalar only). */
 int have_avx2(void);
 int have_avx512(void);
 int have_avx512_bw(void);
 int have_avx512_vbmi(void);
+int have_avx512_vbmi2(void);
 int use_gather(void);
 int group_pages(void);
 void set_simd(int allowed);
@@ -126,6 +127,9 @@ int search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int 
 size_t decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
                            const uint16_t *const tabs[], const int np[], const int pbits[], uint8_t *const out[],
                            size_t nsyms);
+size_t decode_symsN_vbmi2(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
+                          const uint16_t *const tabs[], const int np[], const int pbits[], uint8_t *const out[],
+                          size_t nsyms);
 /* codec_simd_rows.c: the decoder's signs, mid bits and rows. */
 size_t plane_signs_avx512(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t len, size_t *ks,
                           uint32_t nrows, size_t C);

@@ -131,6 +131,7 @@ new_dec(const Layout *lay, int kind)
     D->avx512 = have_avx512_bw();   /* decode_syms_avx512 is built for AVX-512 F and BW */
     D->vbmi = have_avx512_vbmi();
     D->gather = use_gather();
+    D->vbmi2 = have_avx512_vbmi2();
     D->dup = b; b += pt;
     D->sym = b;
     return D;

@@ -33,6 +33,7 @@ typedef struct {
     int avx512;                        /* decode_syms_avx512 may run here */
     int vbmi;                          /* assemble_16_avx512 may run here */
     int gather;                        /* decode_syms_avx512 may gather (use_gather) */
+    int vbmi2;                         /* decode_symsN_vbmi2 may run here */
     uint8_t perm[64], shift[64];       /* assemble_16_avx512's constants for this page's mid width */
     uint8_t *sym;                      /* per plane: tokens x channels */
     const uint8_t *exc, *exc_end;      /* lo exceptions still to apply */

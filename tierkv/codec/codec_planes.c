@@ -303,7 +303,8 @@ group_syms(int G, Dec *const D[], uint32_t *const x[], const uint8_t **const pp[
             if (n[g] - done[g] < m) m = n[g] - done[g];
         }
         if (k < 2) return;
-        size_t r = decode_symsN_avx512(k, gx, gp, end, tabs, np, pbits, out, m / LANES * LANES);
+        size_t r = (D[0]->vbmi2 ? decode_symsN_vbmi2 : decode_symsN_avx512)(k, gx, gp, end, tabs, np, pbits, out,
+                                                                            m / LANES * LANES);
         for (int j = 0; j < k; j++) done[who[j]] += r;
         if (r < m / LANES * LANES) return;   /* a stream near its end: each goes on alone */
     }

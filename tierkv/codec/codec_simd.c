@@ -1,6 +1,6 @@
 /*
  * Which SIMD paths run: the CPU's features, asked once (have_avx2, have_avx512,
- * have_avx512_bw, have_avx512_vbmi), the AVX-512 symbol lookup's choice of gathers
+ * have_avx512_bw, have_avx512_vbmi, have_avx512_vbmi2), the AVX-512 symbol lookup's choice of gathers
  * (use_gather) and set_simd's limit for tests and comparisons. The paths themselves:
  * codec_simd_rans.c (rANS symbols, both ways), codec_simd_rows.c (the decoder's signs,
  * mid bits and rows), codec_simd_scan.c (the encoder's passes over a page). Each
@@ -18,7 +18,8 @@ static int simd_allowed = 2;
 /* 2: every path the CPU has (rANS symbols of up to MAX_GROUP pages at once where a
  * batch has several, else partly by gathers on AMD, by the register search elsewhere);
  * 3: one page at a time with the search alone, 4: one page at a time with gathers; 5:
- * as 2; 6: as 2, two pages at a time; 1: AVX2 and BMI2 but not AVX-512; 0: scalar only. */
+ * as 2; 6: as 2, two pages at a time; 7: as 2 without VBMI2; 1: AVX2 and BMI2 but not
+ * AVX-512; 0: scalar only. */
 void
 set_simd(int allowed)
 {
@@ -88,7 +89,20 @@ have_avx512_vbmi(void)
     return vbmi_state;
 }
 
-static int bw_state = -1;
+static int bw_state = -1, vbmi2_state = -1;
+
+/* AVX-512 VBMI2 and BMI2 beside BW and VL (16-bit expands, pdep): the grouped symbols'
+ * renormalisation (decode_symsN_vbmi2); not at set_simd's level 7. */
+int
+have_avx512_vbmi2(void)
+{
+    if (simd_allowed < 2 || simd_allowed == 7 || !have_avx512_bw()) return 0;
+    if (vbmi2_state < 0) {
+        __builtin_cpu_init();
+        vbmi2_state = __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2");
+    }
+    return vbmi2_state;
+}
 
 /* AVX-512 BW and VL (16-bit lanes, masked 256-bit stores): the encoder's plane analysis. */
 int
@@ -143,6 +157,12 @@ group_pages(void)
 
 int
 have_avx512_bw(void)
+{
+    return 0;
+}
+
+int
+have_avx512_vbmi2(void)
 {
     return 0;
 }

@@ -5,14 +5,31 @@
  * pages' chains overlap), the search over the cumulative frequencies in 16-bit lanes.
  * Measured on Zen 4 against one page at a time (codec_simd_rans.c, three gathers and a
  * search): see docs/benchmarks.md "Pages decoded together".
+ *
+ * Built twice: here for AVX-512 F and BW (decode_symsN_avx512), and by
+ * codec_simd_group_vbmi2.c with GROUP_VBMI2 set for CPUs that also have VBMI2 and BMI2
+ * (decode_symsN_vbmi2), whose renormalisation takes two vector ops a state vector where
+ * the other takes five (group_kernel).
  */
 #include "codec_simd.h"
 
+#ifndef GROUP_VBMI2
+#define GROUP_VBMI2 0
+#endif
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+#if GROUP_VBMI2
+#define GROUP_TARGET "avx512f,avx512bw,avx512vbmi2,bmi2"
+#define GROUP_ENTRY decode_symsN_vbmi2
+#else
+#define GROUP_TARGET "avx512f,avx512bw"
+#define GROUP_ENTRY decode_symsN_avx512
+#endif
 
 /* Entry t (16-bit lanes) of a table of 32 (wide: 64) 16-bit entries in one (two)
  * registers. */
-__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i
+__attribute__((target(GROUP_TARGET), always_inline)) static inline __m512i
 lookup16(const int wide, __m512i t, const __m512i *tab)
 {
     return wide ? _mm512_permutex2var_epi16(tab[0], t, tab[1]) : _mm512_permutexvar_epi16(t, tab[0]);
@@ -29,7 +46,7 @@ lookup16(const int wide, __m512i t, const __m512i *tab)
  * are the pages' own; G, `wide` and `first` are constants of each instantiation (the
  * largest of the pages' searches; a smaller table's padding never matches). Stops
  * before a chunk whose words might run past any stream's end. */
-__attribute__((target("avx512f,avx512bw"), always_inline)) static inline size_t
+__attribute__((target(GROUP_TARGET), always_inline)) static inline size_t
 group_kernel(const int G, const int wide, const int first, uint32_t *const xs[], const uint8_t **const pp[],
              const uint8_t *const end[], const uint16_t *const tabs[], const int pbits[], uint8_t *const out[],
              size_t nsyms)
@@ -88,11 +105,17 @@ group_kernel(const int G, const int wide, const int first, uint32_t *const xs[],
             }
         for (int g = 0; g < G; g++)
             for (int v = 0; v < 4; v++) {
-                __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p[g]));
-                p[g] += 2 * (size_t)__builtin_popcount((unsigned)need[g][v]);
+#if GROUP_VBMI2   /* the lanes that need a word shifted up, the words expanded into their low halves */
+                const __m512i words = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p[g]));
+                const __m512i up = _mm512_mask_slli_epi32(x[g][v], need[g][v], x[g][v], 16);
+                x[g][v] = _mm512_mask_expand_epi16(up, (__mmask32)_pdep_u32((unsigned)need[g][v], 0x55555555u), words);
+#else
+                const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p[g]));
                 x[g][v] = _mm512_mask_mov_epi32(x[g][v], need[g][v],
                                                 _mm512_or_si512(_mm512_slli_epi32(x[g][v], 16),
                                                                 _mm512_maskz_expand_epi32(need[g][v], words)));
+#endif
+                p[g] += 2 * (size_t)__builtin_popcount((unsigned)need[g][v]);
             }
     }
     for (int g = 0; g < G; g++) {
@@ -114,8 +137,8 @@ group_kernel(const int G, const int wide, const int first, uint32_t *const xs[],
  * context's search_tables16 (np[g] present symbols, at most 64); stops before a chunk
  * whose words might run past any page's end. Returns the symbols decoded in each page,
  * a multiple of 64. */
-__attribute__((target("avx512f,avx512bw"))) size_t
-decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
+__attribute__((target(GROUP_TARGET))) size_t
+GROUP_ENTRY(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
                     const uint16_t *const tabs[], const int np[], const int pbits[], uint8_t *const out[],
                     size_t nsyms)
 {
@@ -125,6 +148,8 @@ decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], con
     if (G == 3) return TK_GROUPS(3, most, xs, pp, end, tabs, pbits, out, nsyms);
     return TK_GROUPS(4, most, xs, pp, end, tabs, pbits, out, nsyms);
 }
+
+#if !GROUP_VBMI2
 
 /* decode_symsN_avx512's tables of a context: the present symbols' cumulative
  * frequencies, frequencies and symbols as 16-bit words, 64 entries each (ranks past the
@@ -161,12 +186,24 @@ search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int pbit
     return np;
 }
 
+#endif   /* !GROUP_VBMI2 */
+
 #else
 
+#if !GROUP_VBMI2
 size_t
 decode_symsN_avx512(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
                     const uint16_t *const tabs[], const int np[], const int pbits[], uint8_t *const out[],
                     size_t nsyms)
+{
+    (void)G; (void)xs; (void)pp; (void)end; (void)tabs; (void)np; (void)pbits; (void)out; (void)nsyms;
+    return 0;   /* never called: group_pages() is 1 here */
+}
+
+size_t
+decode_symsN_vbmi2(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8_t *const end[],
+                   const uint16_t *const tabs[], const int np[], const int pbits[], uint8_t *const out[],
+                   size_t nsyms)
 {
     (void)G; (void)xs; (void)pp; (void)end; (void)tabs; (void)np; (void)pbits; (void)out; (void)nsyms;
     return 0;   /* never called: group_pages() is 1 here */
@@ -178,5 +215,7 @@ search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int pbit
     (void)freq; (void)start; (void)alpha; (void)pbits; (void)tabs;
     return 65;   /* never called: group_pages() is 1 here */
 }
+
+#endif   /* !GROUP_VBMI2 */
 
 #endif
