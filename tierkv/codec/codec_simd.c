@@ -91,15 +91,15 @@ have_avx512_vbmi(void)
 
 static int bw_state = -1, vbmi2_state = -1;
 
-/* AVX-512 VBMI2 and BMI2 beside BW and VL (16-bit expands, pdep): the grouped symbols'
- * renormalisation (decode_symsN_vbmi2); not at set_simd's level 7. */
+/* AVX-512 VBMI2 beside BW and VL (16-bit funnel shifts and expands): the grouped
+ * symbols' kernel on 16-bit halves (decode_symsN_vbmi2); not at set_simd's level 7. */
 int
 have_avx512_vbmi2(void)
 {
     if (simd_allowed < 2 || simd_allowed == 7 || !have_avx512_bw()) return 0;
     if (vbmi2_state < 0) {
         __builtin_cpu_init();
-        vbmi2_state = __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2");
+        vbmi2_state = __builtin_cpu_supports("avx512vbmi2");
     }
     return vbmi2_state;
 }

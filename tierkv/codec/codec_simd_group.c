@@ -6,10 +6,10 @@
  * Measured on Zen 4 against one page at a time (codec_simd_rans.c, three gathers and a
  * search): see docs/benchmarks.md "Pages decoded together".
  *
- * Built twice: here for AVX-512 F and BW (decode_symsN_avx512), and by
- * codec_simd_group_vbmi2.c with GROUP_VBMI2 set for CPUs that also have VBMI2 and BMI2
- * (decode_symsN_vbmi2), whose renormalisation takes two vector ops a state vector where
- * the other takes five (group_kernel).
+ * Built twice: here for AVX-512 F and BW (decode_symsN_avx512, group_kernel), and by
+ * codec_simd_group_vbmi2.c with GROUP_VBMI2 set for CPUs that also have VBMI2
+ * (decode_symsN_vbmi2, group_kernel16: the states kept as 16-bit halves, their update
+ * and renormalisation in 16-bit lanes too).
  */
 #include "codec_simd.h"
 
@@ -20,7 +20,7 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 
 #if GROUP_VBMI2
-#define GROUP_TARGET "avx512f,avx512bw,avx512vbmi2,bmi2"
+#define GROUP_TARGET "avx512f,avx512bw,avx512vbmi2"
 #define GROUP_ENTRY decode_symsN_vbmi2
 #else
 #define GROUP_TARGET "avx512f,avx512bw"
@@ -35,6 +35,7 @@ lookup16(const int wide, __m512i t, const __m512i *tab)
     return wide ? _mm512_permutex2var_epi16(tab[0], t, tab[1]) : _mm512_permutexvar_epi16(t, tab[0]);
 }
 
+#if !GROUP_VBMI2
 /* G pages' symbols at once (2 to MAX_GROUP), each page's 64 lanes as four vectors of
  * sixteen: 4G independent state vectors in flight where one page has four, so the
  * chains of one step (search, multiply, renormalisation) overlap G times as much. The
@@ -105,16 +106,10 @@ group_kernel(const int G, const int wide, const int first, uint32_t *const xs[],
             }
         for (int g = 0; g < G; g++)
             for (int v = 0; v < 4; v++) {
-#if GROUP_VBMI2   /* the lanes that need a word shifted up, the words expanded into their low halves */
-                const __m512i words = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p[g]));
-                const __m512i up = _mm512_mask_slli_epi32(x[g][v], need[g][v], x[g][v], 16);
-                x[g][v] = _mm512_mask_expand_epi16(up, (__mmask32)_pdep_u32((unsigned)need[g][v], 0x55555555u), words);
-#else
                 const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p[g]));
                 x[g][v] = _mm512_mask_mov_epi32(x[g][v], need[g][v],
                                                 _mm512_or_si512(_mm512_slli_epi32(x[g][v], 16),
                                                                 _mm512_maskz_expand_epi32(need[g][v], words)));
-#endif
                 p[g] += 2 * (size_t)__builtin_popcount((unsigned)need[g][v]);
             }
     }
@@ -125,12 +120,111 @@ group_kernel(const int G, const int wide, const int first, uint32_t *const xs[],
     return r;
 }
 
+#endif
+
+#if GROUP_VBMI2
+/* group_kernel with each page's states held as 16-bit halves (VBMI2): lanes 32q..32q+31
+ * as a vector of low words L[q] and one of high words H[q], so that the slots are L's
+ * low bits (no narrowing), the search runs on them as above, and the update stays in
+ * 16-bit lanes: y = x >> pbits is a funnel shift of H:L (its low word) and H >> pbits
+ * (its high one, below 2^(16 - pbits)); f y + bias is f y_lo's two product halves, f
+ * y_hi (below 2^16, as f y < 2^32) and the bias added with its carry. A state below
+ * 2^16 is one whose H is zero: H takes L and L the lane's next word, expanded in lane
+ * order. Same symbols, states and stream positions as group_kernel, two state vectors a
+ * page instead of four, about 38 vector ops a vector of 32 lanes where group_kernel takes
+ * about 50. */
+__attribute__((target(GROUP_TARGET), always_inline)) static inline size_t
+group_kernel16(const int G, const int wide, const int first, uint32_t *const xs[], const uint8_t **const pp[],
+               const uint8_t *const end[], const uint16_t *const tabs[], const int pbits[], uint8_t *const out[],
+               size_t nsyms)
+{
+    __m512i cum[MAX_GROUP][2], fr[MAX_GROUP][2], id[MAX_GROUP][2], smask[MAX_GROUP], vsh[MAX_GROUP];
+    __m512i L[MAX_GROUP][2], H[MAX_GROUP][2];
+    __m128i sh[MAX_GROUP];
+    const uint8_t *p[MAX_GROUP];
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                          30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1)), one = _mm512_set1_epi16(1);
+    for (int g = 0; g < G; g++) {
+        for (int i = 0; i < 1 + wide; i++) {
+            cum[g][i] = _mm512_loadu_si512(tabs[g] + 32 * i);
+            fr[g][i] = _mm512_loadu_si512(tabs[g] + 64 + 32 * i);
+            id[g][i] = _mm512_loadu_si512(tabs[g] + 128 + 32 * i);
+        }
+        smask[g] = _mm512_set1_epi16((short)((1 << pbits[g]) - 1));
+        vsh[g] = _mm512_set1_epi16((short)pbits[g]);
+        sh[g] = _mm_cvtsi32_si128(pbits[g]);
+        p[g] = *pp[g];
+        for (int q = 0; q < 2; q++) {
+            const __m512i a = _mm512_loadu_si512(xs[g] + 32 * q), b = _mm512_loadu_si512(xs[g] + 32 * q + 16);
+            L[g][q] = _mm512_permutex2var_epi16(a, even, b);
+            H[g][q] = _mm512_permutex2var_epi16(a, odd, b);
+        }
+    }
+    size_t r = 0;
+    for (; r + LANES <= nsyms; r += LANES) {
+        int room = 1;
+        for (int g = 0; g < G; g++) room &= (size_t)(end[g] - p[g]) >= 2 * LANES;
+        if (!room) break;
+        __m512i s16[MAX_GROUP][2], k16[MAX_GROUP][2];
+        for (int g = 0; g < G; g++)
+            for (int q = 0; q < 2; q++) {
+                s16[g][q] = _mm512_and_si512(L[g][q], smask[g]);
+                k16[g][q] = _mm512_setzero_si512();
+            }
+        for (int step = first; step; step >>= 1)
+            for (int g = 0; g < G; g++)
+                for (int q = 0; q < 2; q++) {
+                    __m512i t = _mm512_add_epi16(k16[g][q], _mm512_set1_epi16((short)step));
+                    __mmask32 le = _mm512_cmple_epu16_mask(lookup16(wide, t, cum[g]), s16[g][q]);
+                    k16[g][q] = _mm512_mask_mov_epi16(k16[g][q], le, t);
+                }
+        __mmask32 need[MAX_GROUP][2];
+        for (int g = 0; g < G; g++)
+            for (int q = 0; q < 2; q++) {
+                const __m512i f = lookup16(wide, k16[g][q], fr[g]);
+                const __m512i bias = _mm512_sub_epi16(s16[g][q], lookup16(wide, k16[g][q], cum[g]));
+                _mm256_storeu_si256((__m256i *)(out[g] + r + 32 * q),
+                                    _mm512_cvtepi16_epi8(lookup16(wide, k16[g][q], id[g])));
+                const __m512i ylo = _mm512_shrdv_epi16(L[g][q], H[g][q], vsh[g]);
+                const __m512i fyhi = _mm512_mullo_epi16(f, _mm512_srl_epi16(H[g][q], sh[g]));
+                const __m512i lo = _mm512_add_epi16(_mm512_mullo_epi16(f, ylo), bias);
+                __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(f, ylo), fyhi);
+                hi = _mm512_mask_add_epi16(hi, _mm512_cmplt_epu16_mask(lo, bias), hi, one);   /* the carry */
+                need[g][q] = _mm512_cmpeq_epi16_mask(hi, _mm512_setzero_si512());
+                H[g][q] = _mm512_mask_mov_epi16(hi, need[g][q], lo);
+                L[g][q] = lo;
+            }
+        for (int g = 0; g < G; g++)
+            for (int q = 0; q < 2; q++) {
+                L[g][q] = _mm512_mask_expand_epi16(L[g][q], need[g][q], _mm512_loadu_si512(p[g]));
+                p[g] += 2 * (size_t)__builtin_popcount((unsigned)need[g][q]);
+            }
+    }
+    const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i inter2 = _mm512_add_epi16(inter, _mm512_set1_epi16(16));
+    for (int g = 0; g < G; g++) {
+        for (int q = 0; q < 2; q++) {   /* the words back into 32-bit states */
+            _mm512_storeu_si512(xs[g] + 32 * q, _mm512_permutex2var_epi16(L[g][q], inter, H[g][q]));
+            _mm512_storeu_si512(xs[g] + 32 * q + 16, _mm512_permutex2var_epi16(L[g][q], inter2, H[g][q]));
+        }
+        *pp[g] = p[g];
+    }
+    return r;
+}
+
+#define GROUP_KERNEL group_kernel16
+#else
+#define GROUP_KERNEL group_kernel
+#endif
+
 #define TK_GROUPS(G, NP, ...)                                                     \
-    ((NP) > 32 ? group_kernel(G, 1, 32, __VA_ARGS__)                              \
-     : (NP) > 16 ? group_kernel(G, 0, 16, __VA_ARGS__)                            \
-     : (NP) > 8 ? group_kernel(G, 0, 8, __VA_ARGS__)                              \
-     : (NP) > 4 ? group_kernel(G, 0, 4, __VA_ARGS__)                              \
-     : (NP) > 2 ? group_kernel(G, 0, 2, __VA_ARGS__) : group_kernel(G, 0, 1, __VA_ARGS__))
+    ((NP) > 32 ? GROUP_KERNEL(G, 1, 32, __VA_ARGS__)                              \
+     : (NP) > 16 ? GROUP_KERNEL(G, 0, 16, __VA_ARGS__)                            \
+     : (NP) > 8 ? GROUP_KERNEL(G, 0, 8, __VA_ARGS__)                              \
+     : (NP) > 4 ? GROUP_KERNEL(G, 0, 4, __VA_ARGS__)                              \
+     : (NP) > 2 ? GROUP_KERNEL(G, 0, 2, __VA_ARGS__) : GROUP_KERNEL(G, 0, 1, __VA_ARGS__))
 
 /* The next nsyms symbols of one context in each of G pages (2 to MAX_GROUP; page g's
  * lane j decodes its symbols j, j + 64, ... into out[g]) by group_kernel, from each
