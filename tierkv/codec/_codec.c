@@ -187,11 +187,12 @@ done:
 PyDoc_STRVAR(set_simd_doc,
 "set_simd(level) -> None\n\n"
 "Which SIMD paths may run where the CPU has them: 2 (or True) all (AVX-512 rANS symbols\n"
-"of up to four pages of a batch at once, else partly by gathers on AMD, by a register\n"
-"search elsewhere), 3 all with the search alone and one page at a time, 4 all with\n"
-"gathers and one page at a time, 5 as 2, 6 as 2 with two pages at a time, 7 as 2\n"
-"without VBMI2, 1 AVX2 and BMI2 but not AVX-512, 0 (or False) the scalar ones; all read\n"
-"and write the same bytes.\n"
+"of up to four pages of a batch at once, from 16-bit halves of the states where VBMI2\n"
+"runs, else partly by gathers on AMD, by a register search elsewhere), 3 all but VBMI2\n"
+"with the search alone and one page at a time, 4 all but VBMI2 with gathers and one\n"
+"page at a time, 5 as 2, 6 as 2 with two pages at a time, 7 as 2 without VBMI2, 1 AVX2\n"
+"and BMI2 but not AVX-512, 0 (or False) the scalar ones; all read and write the same\n"
+"bytes.\n"
 "For tests and comparisons: not meant to change while other threads code pages.");
 
 static PyObject *

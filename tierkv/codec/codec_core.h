@@ -105,9 +105,9 @@ void scratch_trim(void);
 
 /* The SIMD paths, each doing what the scalar code does, byte for byte. codec_simd.c:
  * whether each may run here, and set_simd's limit (2: every path the CPU has, 3: the
- * same with the symbols' register search alone and one page at a time, 4: with gathers
- * and one page at a time, 5: as 2, 6: as 2 with two pages at a time, 7: as 2 without
- * VBMI2; 1: no AVX-512; 0: scalar only). */
+ * same but VBMI2 with the symbols' register search alone and one page at a time, 4:
+ * with gathers and one page at a time, 5: as 2, 6: as 2 with two pages at a time, 7: as
+ * 2 without VBMI2; 1: no AVX-512; 0: scalar only). */
 int have_avx2(void);
 int have_avx512(void);
 int have_avx512_bw(void);

@@ -82,6 +82,26 @@ ensure_slots(Dec *D, int ctx)
 
 /* ---------------------------------------------------------------- planes -- */
 
+/* One page's symbols of context ctx by decode_symsN_vbmi2 (group_kernel16 for a group
+ * of one) where VBMI2 runs and the context's tables fit its search: the symbols decoded
+ * into out, a multiple of LANES (0: the caller's other paths go on). */
+static size_t
+alone_syms16(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, uint8_t *out, size_t nsyms)
+{
+    const Model *m = &D->m;
+    if (!D->vbmi2 || D->lay->chans % LANES || nsyms < LANES) return 0;
+    if (D->np16[ctx] < 0) D->np16[ctx] = search_tables16(m->freq[ctx], m->start[ctx], m->alpha[ctx], m->pbits[ctx],
+                                                       D->t16[ctx]);
+    if (D->np16[ctx] > 64) return 0;
+    uint32_t *gx[1] = {xs};
+    const uint8_t **gp[1] = {pp};
+    const uint8_t *end[1] = {D->rans_end};
+    const uint16_t *tabs[1] = {D->t16[ctx]};
+    const int np[1] = {D->np16[ctx]}, pbits[1] = {m->pbits[ctx]};
+    uint8_t *o[1] = {out};
+    return decode_symsN_vbmi2(1, gx, gp, end, tabs, np, pbits, o, nsyms / LANES * LANES);
+}
+
 /* A symbol per channel (side maxima or first flips) into D->sym, LANES at a time; the
  * first `done` (whole chunks) are there already (decode_symsN_avx512). */
 static void
@@ -93,6 +113,7 @@ channel_syms(Dec *D, uint32_t *xs, const uint8_t **pp, int ctx, size_t done)
     const uint8_t *p = *pp, *const end = D->rans_end;
     uint32_t x[LANES];
     size_t c0 = done;
+    if (c0 < C) c0 += alone_syms16(D, xs, &p, ctx, D->sym + c0, C - c0);
     if (D->avx512 && C % LANES == 0 && c0 < C)
         c0 += decode_syms_avx512(xs, &p, end, D->m.freq[ctx], D->m.start[ctx], D->m.alpha[ctx], pbits,
                                  D->gather && !done ? ensure_slots(D, ctx) : NULL, D->sym + c0, C - c0);
@@ -197,6 +218,7 @@ decode_symbols(Dec *D, uint32_t *xs, const uint8_t **pp, int kc, uint32_t nrows,
     const uint8_t *p = *pp, *const end = D->rans_end;
     uint32_t x[LANES];
     size_t i = done;   /* symbols decoded, row-major */
+    if (i < n) i += alone_syms16(D, xs, &p, CTX_MAIN(kc), D->sym + i, n - i);
     if (D->avx512 && C % LANES == 0 && i < n)
         i += decode_syms_avx512(xs, &p, end, D->m.freq[CTX_MAIN(kc)], D->m.start[CTX_MAIN(kc)],
                                 D->m.alpha[CTX_MAIN(kc)], PROB_BITS,

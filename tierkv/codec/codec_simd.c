@@ -16,10 +16,11 @@ static int avx2_state = -1, avx512_state = -1, amd_state = -1;
 static int simd_allowed = 2;
 
 /* 2: every path the CPU has (rANS symbols of up to MAX_GROUP pages at once where a
- * batch has several, else partly by gathers on AMD, by the register search elsewhere);
- * 3: one page at a time with the search alone, 4: one page at a time with gathers; 5:
- * as 2; 6: as 2, two pages at a time; 7: as 2 without VBMI2; 1: AVX2 and BMI2 but not
- * AVX-512; 0: scalar only. */
+ * batch has several, from 16-bit halves of the states where VBMI2 runs, else partly by
+ * gathers on AMD, by the register search elsewhere); 3: one page at a time with the
+ * search alone, 4: one page at a time with gathers (both without VBMI2); 5: as 2; 6: as
+ * 2, two pages at a time; 7: as 2 without VBMI2; 1: AVX2 and BMI2 but not AVX-512; 0:
+ * scalar only. */
 void
 set_simd(int allowed)
 {
@@ -91,12 +92,14 @@ have_avx512_vbmi(void)
 
 static int bw_state = -1, vbmi2_state = -1;
 
-/* AVX-512 VBMI2 beside BW and VL (16-bit funnel shifts and expands): the grouped
- * symbols' kernel on 16-bit halves (decode_symsN_vbmi2); not at set_simd's level 7. */
+/* AVX-512 VBMI2 beside BW and VL (16-bit funnel shifts and expands): the symbols'
+ * kernel on 16-bit halves (decode_symsN_vbmi2), for groups and lone pages; not at
+ * set_simd's levels 3, 4 (the one-page kernel's search and gathers) and 7. */
 int
 have_avx512_vbmi2(void)
 {
-    if (simd_allowed < 2 || simd_allowed == 7 || !have_avx512_bw()) return 0;
+    if (simd_allowed < 2 || simd_allowed == 3 || simd_allowed == 4 || simd_allowed == 7 || !have_avx512_bw())
+        return 0;
     if (vbmi2_state < 0) {
         __builtin_cpu_init();
         vbmi2_state = __builtin_cpu_supports("avx512vbmi2");

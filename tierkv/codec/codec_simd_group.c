@@ -238,6 +238,9 @@ GROUP_ENTRY(int G, uint32_t *const xs[], const uint8_t **const pp[], const uint8
 {
     int most = 0;
     for (int g = 0; g < G; g++) most = np[g] > most ? np[g] : most;
+#if GROUP_VBMI2
+    if (G == 1) return TK_GROUPS(1, most, xs, pp, end, tabs, pbits, out, nsyms);
+#endif
     if (G == 2) return TK_GROUPS(2, most, xs, pp, end, tabs, pbits, out, nsyms);
     if (G == 3) return TK_GROUPS(3, most, xs, pp, end, tabs, pbits, out, nsyms);
     return TK_GROUPS(4, most, xs, pp, end, tabs, pbits, out, nsyms);
