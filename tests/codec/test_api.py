@@ -154,6 +154,38 @@ def test_measure_throughput_takes_its_best_round() -> None:
     assert t.compress_gbps > 5 * rows.nbytes / 0.05 / 1e9
 
 
+def test_measure_throughput_codes_batches_of_the_size_asked() -> None:
+    """With ``batch_bytes`` the sample is repeated up to a batch of that size (the store
+    asks for the size it codes at a time): every timed call codes at least that many
+    bytes, and the pages decoded are the sample's."""
+    rows = normal_pages(LAYOUT, 3)
+    seen: list[int] = []
+
+    class Counts:
+        def __init__(self, codec: Codec) -> None:
+            self.codec = codec
+            self.max_encoded_bytes, self.threads = codec.max_encoded_bytes, codec.threads
+
+        def encode_into(self, src: np.ndarray, out: np.ndarray) -> np.ndarray:
+            seen.append(src.nbytes)
+            return self.codec.encode_into(src, out)
+
+        def decode_into(self, blobs: list[np.ndarray], out: np.ndarray) -> object:
+            seen.append(out.nbytes)
+            report = self.codec.decode_into(blobs, out)
+            np.testing.assert_array_equal(out, np.tile(rows, (-(-out.shape[0] // 3), 1))[:out.shape[0]])
+            return report
+
+    want = 40 * LAYOUT.page_bytes + 5
+    with Codec(LAYOUT) as codec:
+        t = measure_throughput(Counts(codec), rows, min_seconds=0.001, batch_bytes=want)  # type: ignore[arg-type]
+        small = measure_throughput(codec, rows, min_seconds=0.001)
+    assert min(seen) == 41 * LAYOUT.page_bytes and len(seen) >= 6
+    assert t.ratio == pytest.approx(small.ratio, rel=0.01)   # 41 pages: 13 whole copies of 3 and two
+    with Codec(LAYOUT) as codec, pytest.raises(InputError, match="batch_bytes"):
+        measure_throughput(codec, rows, batch_bytes=-1)
+
+
 def test_portable_codec_runs_where_the_extension_is_missing(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     import tierkv.codec.codec as codec_module

@@ -100,16 +100,29 @@ def should_compress(mode: CodecMode | str, throughput: CodecThroughput | None, t
 _ROUNDS = 5
 
 
-def measure_throughput(codec: Codec, sample_rows: np.ndarray, min_seconds: float = 0.05) -> CodecThroughput:
+def measure_throughput(codec: Codec, sample_rows: np.ndarray, min_seconds: float = 0.05,
+                       batch_bytes: int = 0) -> CodecThroughput:
     """Encodes and decodes ``sample_rows`` (``uint8 [n, page_bytes]``, real pages of the
     store's layout) repeatedly for at least ``min_seconds`` each, in rounds of at least a
     fifth of it (two rounds at least, five at most); the best round's wall-clock GB/s.
     (One 50 ms average took whatever else the machine did meanwhile: on a two-core VM it
     read the encoder at 0.81 GB/s in one run and 1.39 in the next, and ``auto`` chose
     wrong at 600 MB/s of disk in both. A codec slower than a round a call, the portable
-    one on large pages, takes two calls each way.)"""
+    one on large pages, takes two calls each way.)
+
+    ``batch_bytes`` > 0 codes the sample repeated up to a batch of about that many bytes
+    (the store passes ``PIPELINE_BYTES``, the most it codes at a time): a handful of pages
+    times a codec's thread pool waking, not its coding (two threads decoded 8 sample
+    pages at 1.8 GB/s and 4 MiB of them at 3.9 on the 2-core VM), and a batch the size
+    of the caches' share times the coding alone (one thread: 3.8 GB/s on 1 MiB, 2.9 on
+    8 MiB)."""
     if sample_rows.ndim != 2 or sample_rows.shape[0] == 0:
         raise InputError(f"measure_throughput needs at least one sample page, got {sample_rows.shape}")
+    if batch_bytes < 0:
+        raise InputError(f"batch_bytes must be >= 0, got {batch_bytes}")
+    if batch_bytes > sample_rows.nbytes:
+        sample_rows = np.tile(sample_rows, (-(-batch_bytes // sample_rows.nbytes), 1))[
+            :max(sample_rows.shape[0], -(-batch_bytes // sample_rows.shape[1]))]
     out = np.empty((sample_rows.shape[0], codec.max_encoded_bytes), dtype=np.uint8)
     sizes = codec.encode_into(sample_rows, out)
     blobs = [out[i, :int(sizes[i])] for i in range(sample_rows.shape[0])]

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 # Measured once per process: (layout fingerprint, threads, native) -> throughput.
 _MEASURED: dict[tuple[bytes, int, bool], CodecThroughput] = {}
 _MEASURE_LOCK = threading.Lock()
-# Pages of the first batch used as the measurement sample (more add time, not accuracy).
+# Pages of the first batch used as the measurement sample (more add time, not accuracy),
+# repeated up to a batch of PIPELINE_BYTES: the codec's speed on the batches it codes.
 _SAMPLE_PAGES = 8
 # Weight of the newest transfer in the bandwidth average.
 _EWMA = 0.25
@@ -47,7 +48,8 @@ def codec_throughput(codec: Codec, sample_rows: np.ndarray) -> CodecThroughput:
     with _MEASURE_LOCK:
         tp = _MEASURED.get(key)
         if tp is None:
-            tp = measure_throughput(codec, np.ascontiguousarray(sample_rows[:_SAMPLE_PAGES]), min_seconds=0.05)
+            tp = measure_throughput(codec, np.ascontiguousarray(sample_rows[:_SAMPLE_PAGES]), min_seconds=0.05,
+                                    batch_bytes=PIPELINE_BYTES)
             _MEASURED[key] = tp
             log.info("codec throughput: ratio %.3f, encode %.2f GB/s, decode %.2f GB/s (%d threads)",
                      tp.ratio, tp.compress_gbps, tp.decompress_gbps, tp.threads)
