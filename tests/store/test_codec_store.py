@@ -138,6 +138,31 @@ def test_auto_follows_the_bandwidth(tmp_path: Path, real: tuple[KVLayout, np.nda
         assert f"tier read {gbps:.3g} and write {gbps:.3g} GB/s" in reason and "s/GiB coded vs" in reason
 
 
+def test_auto_overlaps_coding_with_io_only_with_a_core_to_spare(real: tuple[KVLayout, np.ndarray]) -> None:
+    """A batch larger than PIPELINE_BYTES is pipelined by the tier; auto counts its coding
+    as overlapping the I/O only where the process has a core beyond the codec's threads
+    (the I/O needs one), else as coded then moved, and says so in the reason."""
+    import os
+
+    from tierkv.codec import Codec, CodecMode
+    from tierkv.store.coding import CodecChoice, spare_core
+
+    cores = len(os.sched_getaffinity(0))
+    assert spare_core(cores - 1) and not spare_core(cores) and not spare_core(cores + 1)
+    if cores < 2:
+        pytest.skip("one core: no codec thread count leaves a core to spare")
+    layout, rows = real
+    batch = np.tile(rows, (8, 1))   # 9.4 MB, 6.2 coded: more than one pipelined group each way
+    reasons = {}
+    for threads in (cores - 1, cores):
+        with Codec(layout, threads=threads) as codec:
+            choice = CodecChoice(CodecMode.AUTO, codec, hint_gbps=0.002)
+            assert choice.compress(batch)   # 2 MB/s: coding wins either way
+            reasons[threads] = str(choice.describe()["reason"])
+    assert "read (pipelined) " in reasons[cores - 1] and "write (pipelined) " in reasons[cores - 1]
+    assert reasons[cores].count("(pipelined, no core to spare: counted serial)") == 2
+
+
 def test_stats_name_each_tiers_codec(tmp_path: Path, real: tuple[KVLayout, np.ndarray]) -> None:
     layout, rows = real
     for mode in MODES:

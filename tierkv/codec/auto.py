@@ -9,8 +9,9 @@ batches are pipelined by the block tiers (the next group coded while this one mo
 the model gives them the longer stage plus half the shorter one, not the longer alone:
 where moving bytes costs CPU too (this 2-core VM's O_DIRECT), the stages overlap only
 partly, and with the longer stage alone auto coded at a 600 MB/s disk where coded
-writes measured 0.55x raw (docs/benchmarks.md). Pure functions apart from the
-measurement.
+writes measured 0.55x raw (docs/benchmarks.md). Where the codec's threads leave the
+process no core for the I/O, the store counts a pipelined batch as serial
+(``tierkv.store.coding.spare_core``). Pure functions apart from the measurement.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 
 import numpy as np
@@ -90,7 +91,7 @@ class CodecChoice:
         # The last auto decision: whether it coded, and the figures it weighed (None
         # before the tier's bandwidth was known both ways).
         self._coded: bool | None = None
-        self._weighed: tuple[CodecThroughput, float, float, bool, bool] | None = None
+        self._weighed: tuple[CodecThroughput, float, float, bool, bool, bool] | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -131,10 +132,11 @@ class CodecChoice:
         assert self._ratio is not None
         mine = dataclasses.replace(tp, ratio=self._ratio)
         write_piped, read_piped = pipelines(rows, self._ratio)
-        code = (should_compress(self.mode, mine, write_gbps, Direction.WRITE, write_piped)
-                and should_compress(self.mode, mine, read_gbps, Direction.READ, read_piped))
+        spare = spare_core(self.codec.threads)
+        code = (should_compress(self.mode, mine, write_gbps, Direction.WRITE, write_piped and spare)
+                and should_compress(self.mode, mine, read_gbps, Direction.READ, read_piped and spare))
         self._raw_batches = 0 if code else self._raw_batches + 1
-        self._coded, self._weighed = code, (mine, write_gbps, read_gbps, write_piped, read_piped)
+        self._coded, self._weighed = code, (mine, write_gbps, read_gbps, write_piped, read_piped, spare)
         return code
 
     def describe(self) -> dict[str, object]:
@@ -158,10 +160,10 @@ class CodecChoice:
             out.update(coding=False, reason="auto: stored raw until the bandwidth of the tier is measured both "
                                             "ways (bandwidth_gbps sets it)")
         else:
-            tp, write_gbps, read_gbps, write_piped, read_piped = self._weighed
+            tp, write_gbps, read_gbps, write_piped, read_piped, spare = self._weighed
             out.update(coding=self._coded, ratio=tp.ratio, encode_gbps=tp.compress_gbps,
                        decode_gbps=tp.decompress_gbps, write_gbps=write_gbps, read_gbps=read_gbps)
-            out["reason"] = _auto_reason(tp, write_gbps, read_gbps, self._coded, write_piped, read_piped)
+            out["reason"] = _auto_reason(tp, write_gbps, read_gbps, self._coded, write_piped, read_piped, spare)
         return out
 
 
@@ -175,16 +177,31 @@ def pipelines(rows: np.ndarray, ratio: float) -> tuple[bool, bool]:
     return n > per, n > 1 and rows.nbytes * ratio > PIPELINE_BYTES
 
 
+def spare_core(codec_threads: int) -> bool:
+    """Whether this process has a core beyond the codec's threads: a pipelined batch's
+    coding overlaps its I/O only where the I/O has a core to run on (moving bytes costs
+    CPU: syscalls and completions, on a VM's virtual disk half the wall time). Without
+    one, auto counts a pipelined batch as coded then moved: on the 2-core VM, with the
+    codec on both cores, the overlap model coded at a 600 MB/s disk where coded writes
+    measured 0.77-0.93x raw (docs/benchmarks.md)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - platforms without affinity
+        cores = os.cpu_count() or 1
+    return cores > codec_threads
+
+
 def _auto_reason(tp: CodecThroughput, write_gbps: float, read_gbps: float, coded: bool, write_piped: bool,
-                 read_piped: bool) -> str:
+                 read_piped: bool, spare: bool = True) -> str:
     """Why auto coded or not, in seconds per GiB of pages each way, coded vs raw, each
-    direction as its batch moves (pipelined, or coded then moved)."""
+    direction as its batch moves (pipelined, or coded then moved; pipelined without a
+    core to spare for the I/O counts as the latter)."""
     gib = 1 << 30
     parts = []
     for name, direction, gbps, piped in (("read", Direction.READ, read_gbps, read_piped),
                                          ("write", Direction.WRITE, write_gbps, write_piped)):
-        how = "pipelined" if piped else "serial"
-        parts.append(f"{name} ({how}) {tp.seconds(gib, gbps, direction, piped):.3f} s/GiB coded vs "
+        how = ("pipelined" if spare else "pipelined, no core to spare: counted serial") if piped else "serial"
+        parts.append(f"{name} ({how}) {tp.seconds(gib, gbps, direction, piped and spare):.3f} s/GiB coded vs "
                      f"{gib / (gbps * 1e9):.3f} raw")
     figures = (f"ratio {tp.ratio:.3f}, decode {tp.decompress_gbps:.3g} and encode {tp.compress_gbps:.3g} GB/s, "
                f"tier read {read_gbps:.3g} and write {write_gbps:.3g} GB/s")
