@@ -209,6 +209,21 @@ static inline void bw_put(BitWriter *w, uint32_t v, int nb)
     }
 }
 
+/* bw_put without a branch on the word boundary (a coin toss where the lengths vary,
+ * as raw sign runs do), for callers that made sure of room for every word they put and
+ * 4 bytes more: the accumulator's low word is stored each time, and the pointer passes
+ * it only once it is whole. */
+static inline void bw_put_room(BitWriter *w, uint32_t v, int nb)
+{
+    w->acc |= (uint64_t)v << w->n;
+    w->n += nb;
+    const int full = w->n >= 32;
+    wr_u32(w->p, (uint32_t)w->acc);
+    w->p += 4 * full;
+    w->acc >>= 32 * full;
+    w->n -= 32 * full;
+}
+
 size_t pack_mids_bmi2(BitWriter *bw, const uint8_t *row, int isz, size_t C, int shift, int w);   /* codec_simd_scan.c */
 
 static inline void bw_flush(BitWriter *w)

@@ -305,7 +305,12 @@ plane_streams(const Enc *E, size_t p, BitWriter *esc_w, BitWriter *sign_w, BitWr
         for (; c < C; c++) wq[c] |= (load_elem(row + c * isz, isz) >> sshift) << (k & 31);
         k++;
     }
-    if (k < 32) {   /* one word a channel: its coded bit and raw bits in one put */
+    if (k < 32 && coded && sign->end - sign->p >= (ptrdiff_t)(C * 32 / 8 + 8)) {
+        for (size_t c = 0; c < C; c++) {   /* as below, with room for every word: no branch */
+            uint32_t word = words[c], lo = f[c] + 1 < k ? f[c] + 1 : k;
+            bw_put_room(sign, (word & 1) | ((word >> lo) & ((1u << (k - lo)) - 1)) << 1, (int)(k - lo) + 1);
+        }
+    } else if (k < 32) {   /* one word a channel: its coded bit and raw bits in one put */
         for (size_t c = 0; c < C; c++) {
             uint32_t word = words[c], lo = coded ? (f[c] + 1 < k ? f[c] + 1 : k) : 0;
             uint32_t bits = (word >> lo) & ((1u << (k - lo)) - 1);
