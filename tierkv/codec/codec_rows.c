@@ -217,11 +217,19 @@ mid_last_plane(Dec *D)
     D->mid0 = 8 * byte0;
 }
 
-/* After the last symbol: each state is STATE_TOP plus 31 bits of the mid tail. */
+/* After the last symbol: each state is STATE_TOP plus 31 bits of the mid tail. The
+ * lanes' bits follow each other from bit `from` of the mid bits on, where mid_buf holds
+ * zeros (the section's padding is checked zero, mid_last_plane zero-fills past it): they
+ * go through an accumulator, a 32-bit word at a time, after the section's bits of the
+ * first byte (an 8-byte OR a lane read back the bytes the lane before had just written,
+ * a store that could not forward). */
 void
 absorb_tail(Dec *D, const uint32_t *x)
 {
-    size_t from = D->mid_bits - D->tail;
+    const size_t b = D->mid_bits - D->tail - D->mid0;
+    uint8_t *q = D->mid_buf + (b >> 3);
+    uint64_t acc = q[0] & ((1u << (b & 7)) - 1);
+    int held = (int)(b & 7);
     for (int j = 0; j < LANES; j++) {
         if (x[j] < STATE_TOP) {
             D->err = ERR_STREAM;
@@ -235,13 +243,16 @@ absorb_tail(Dec *D, const uint32_t *x)
             D->err = ERR_STREAM;
             return;
         }
-        if (!n) continue;   /* a lane past the tail carries nothing (and its bytes lie past mid_buf's) */
-        /* OR the n bits in at bit `from + lo` (of mid_buf, from mid0): 31 bits span five
-         * bytes, one 8-byte read and write (mid_last_plane leaves 16 bytes of slack) */
-        size_t b = from + lo - D->mid0;
-        uint8_t *q = D->mid_buf + (b >> 3);
-        wr_u64(q, rd_u64(q) | (uint64_t)bits << (b & 7));
+        acc |= (uint64_t)bits << held;   /* 0 past the tail */
+        held += (int)n;
+        if (held >= 32) {
+            wr_u32(q, (uint32_t)acc);
+            q += 4;
+            acc >>= 32;
+            held -= 32;
+        }
     }
+    for (; held > 0; held -= 8, acc >>= 8) *q++ = (uint8_t)acc;
 }
 
 /* A 16- or 8-bit row by assemble_16_avx512 or assemble_8_avx512 (whole chunks of 64
