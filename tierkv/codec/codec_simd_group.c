@@ -274,11 +274,13 @@ search_tables16(const uint16_t *freq, const uint16_t *start, int alpha, int pbit
                                      present, _mm512_add_epi32(lane, _mm512_set1_epi32(i)))));
         np += k;
     }
-    const __mmask32 pad_lo = np >= 32 ? 0 : ~(__mmask32)0 << np, pad_hi = np >= 32 ? ~(__mmask32)0 << (np - 32) : ~(__mmask32)0;
+    /* the ranks past the present symbols (no shift by 32: np may be 32 or 64) */
+    const __mmask32 pad_lo = np >= 32 ? 0 : ~(__mmask32)0 << np;
+    const __mmask32 pad_hi = np >= 64 ? 0 : np >= 32 ? ~(__mmask32)0 << (np - 32) : ~(__mmask32)0;
     const __m512i top = _mm512_set1_epi16((short)(1u << pbits)), zero = _mm512_setzero_si512();
-    for (int t = 0; t < 3; t++) {   /* the ranks past the present symbols */
+    for (int t = 0; t < 3; t++) {
         _mm512_mask_storeu_epi16(tabs + 64 * t, pad_lo, t ? zero : top);
-        _mm512_mask_storeu_epi16(tabs + 64 * t + 32, np >= 64 ? 0 : pad_hi, t ? zero : top);
+        _mm512_mask_storeu_epi16(tabs + 64 * t + 32, pad_hi, t ? zero : top);
     }
     return np;
 }
