@@ -75,8 +75,8 @@ def test_first_flips_at_every_row_round_trip(dtype: DType, tokens: int, simd: in
         f = 1 + c % tokens
         x[:, :, f:, c // 64, c % 64] *= np.where(rng.random((2, 2, max(tokens - f, 0))) < 0.8, -1, 1)
     x[:, :, tokens - 1] = x[:, :, max(tokens - 2, 0)]   # a repeated row (two rows and more)
-    rows = torch.from_numpy(x).to(getattr(torch, dtype.torch_name)).contiguous().view(torch.uint8)
-    rows = rows.reshape(1, -1).numpy().copy()
+    t = torch.from_numpy(x).to(getattr(torch, dtype.torch_name)).contiguous().view(torch.uint8)
+    rows = t.reshape(1, -1).numpy().copy()
     with Codec(layout) as codec:
         blob = bytes(codec.encode(rows)[0])
         assert blob[5] == 1 and blob[HEADER_BYTES + 3] & 3 == 3   # coded, signs coded for K and V
