@@ -35,6 +35,37 @@ lookup16(const int wide, __m512i t, const __m512i *tab)
     return wide ? _mm512_permutex2var_epi16(tab[0], t, tab[1]) : _mm512_permutexvar_epi16(t, tab[0]);
 }
 
+/* The G pages' search tables (tabs[g]: cumulative frequency, frequency and symbol by
+ * rank, 64 words each) into one register of 32 words each (two where `wide`). */
+__attribute__((target(GROUP_TARGET), always_inline)) static inline void
+load_tables16(const int G, const int wide, const uint16_t *const tabs[], __m512i cum[][2], __m512i fr[][2],
+              __m512i id[][2])
+{
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 1 + wide; i++) {
+            cum[g][i] = _mm512_loadu_si512(tabs[g] + 32 * i);
+            fr[g][i] = _mm512_loadu_si512(tabs[g] + 64 + 32 * i);
+            id[g][i] = _mm512_loadu_si512(tabs[g] + 128 + 32 * i);
+        }
+}
+
+/* Each lane's rank k16: the last whose cumulative frequency is at most the lane's slot
+ * s16, by halving steps from `first` (the pages' vectors step by step together, so that
+ * their chains overlap). */
+__attribute__((target(GROUP_TARGET), always_inline)) static inline void
+search16(const int G, const int wide, const int first, __m512i cum[][2], __m512i s16[][2], __m512i k16[][2])
+{
+    for (int g = 0; g < G; g++)
+        for (int q = 0; q < 2; q++) k16[g][q] = _mm512_setzero_si512();
+    for (int step = first; step; step >>= 1)
+        for (int g = 0; g < G; g++)
+            for (int q = 0; q < 2; q++) {
+                __m512i t = _mm512_add_epi16(k16[g][q], _mm512_set1_epi16((short)step));
+                __mmask32 le = _mm512_cmple_epu16_mask(lookup16(wide, t, cum[g]), s16[g][q]);
+                k16[g][q] = _mm512_mask_mov_epi16(k16[g][q], le, t);
+            }
+}
+
 #if !GROUP_VBMI2
 /* G pages' symbols at once (2 to MAX_GROUP), each page's 64 lanes as four vectors of
  * sixteen: 4G independent state vectors in flight where one page has four, so the
@@ -55,12 +86,8 @@ group_kernel(const int G, const int wide, const int first, uint32_t *const xs[],
     __m512i cum[MAX_GROUP][2], fr[MAX_GROUP][2], id[MAX_GROUP][2], smask[MAX_GROUP], x[MAX_GROUP][4];
     __m128i sh[MAX_GROUP];
     const uint8_t *p[MAX_GROUP];
+    load_tables16(G, wide, tabs, cum, fr, id);
     for (int g = 0; g < G; g++) {
-        for (int i = 0; i < 1 + wide; i++) {
-            cum[g][i] = _mm512_loadu_si512(tabs[g] + 32 * i);
-            fr[g][i] = _mm512_loadu_si512(tabs[g] + 64 + 32 * i);
-            id[g][i] = _mm512_loadu_si512(tabs[g] + 128 + 32 * i);
-        }
         smask[g] = _mm512_set1_epi16((short)((1 << pbits[g]) - 1));
         sh[g] = _mm_cvtsi32_si128(pbits[g]);
         p[g] = *pp[g];
@@ -76,18 +103,9 @@ group_kernel(const int G, const int wide, const int first, uint32_t *const xs[],
         if (!room) break;
         __m512i s16[MAX_GROUP][2], k16[MAX_GROUP][2];
         for (int g = 0; g < G; g++)
-            for (int q = 0; q < 2; q++) {   /* the low words of two state vectors' lanes, masked to slots */
-                __m512i lo = _mm512_permutex2var_epi16(x[g][2 * q], even, x[g][2 * q + 1]);
-                s16[g][q] = _mm512_and_si512(lo, smask[g]);
-                k16[g][q] = _mm512_setzero_si512();
-            }
-        for (int step = first; step; step >>= 1)
-            for (int g = 0; g < G; g++)
-                for (int q = 0; q < 2; q++) {
-                    __m512i t = _mm512_add_epi16(k16[g][q], _mm512_set1_epi16((short)step));
-                    __mmask32 le = _mm512_cmple_epu16_mask(lookup16(wide, t, cum[g]), s16[g][q]);
-                    k16[g][q] = _mm512_mask_mov_epi16(k16[g][q], le, t);
-                }
+            for (int q = 0; q < 2; q++)   /* the low words of two state vectors' lanes, masked to slots */
+                s16[g][q] = _mm512_and_si512(_mm512_permutex2var_epi16(x[g][2 * q], even, x[g][2 * q + 1]), smask[g]);
+        search16(G, wide, first, cum, s16, k16);
         __mmask16 need[MAX_GROUP][4];
         for (int g = 0; g < G; g++)
             for (int q = 0; q < 2; q++) {
@@ -125,7 +143,7 @@ group_kernel(const int G, const int wide, const int first, uint32_t *const xs[],
 #if GROUP_VBMI2
 /* group_kernel with each page's states held as 16-bit halves (VBMI2): lanes 32q..32q+31
  * as a vector of low words L[q] and one of high words H[q], so that the slots are L's
- * low bits (no narrowing), the search runs on them as above, and the update stays in
+ * low bits (no narrowing), the search runs on them (search16), and the update stays in
  * 16-bit lanes: y = x >> pbits is a funnel shift of H:L (its low word) and H >> pbits
  * (its high one, below 2^(16 - pbits)); f y + bias is f y_lo's two product halves, f
  * y_hi (below 2^16, as f y < 2^32) and the bias added with its carry. A state below
@@ -145,12 +163,8 @@ group_kernel16(const int G, const int wide, const int first, uint32_t *const xs[
     const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
                                           30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1)), one = _mm512_set1_epi16(1);
+    load_tables16(G, wide, tabs, cum, fr, id);
     for (int g = 0; g < G; g++) {
-        for (int i = 0; i < 1 + wide; i++) {
-            cum[g][i] = _mm512_loadu_si512(tabs[g] + 32 * i);
-            fr[g][i] = _mm512_loadu_si512(tabs[g] + 64 + 32 * i);
-            id[g][i] = _mm512_loadu_si512(tabs[g] + 128 + 32 * i);
-        }
         smask[g] = _mm512_set1_epi16((short)((1 << pbits[g]) - 1));
         vsh[g] = _mm512_set1_epi16((short)pbits[g]);
         sh[g] = _mm_cvtsi32_si128(pbits[g]);
@@ -168,17 +182,8 @@ group_kernel16(const int G, const int wide, const int first, uint32_t *const xs[
         if (!room) break;
         __m512i s16[MAX_GROUP][2], k16[MAX_GROUP][2];
         for (int g = 0; g < G; g++)
-            for (int q = 0; q < 2; q++) {
-                s16[g][q] = _mm512_and_si512(L[g][q], smask[g]);
-                k16[g][q] = _mm512_setzero_si512();
-            }
-        for (int step = first; step; step >>= 1)
-            for (int g = 0; g < G; g++)
-                for (int q = 0; q < 2; q++) {
-                    __m512i t = _mm512_add_epi16(k16[g][q], _mm512_set1_epi16((short)step));
-                    __mmask32 le = _mm512_cmple_epu16_mask(lookup16(wide, t, cum[g]), s16[g][q]);
-                    k16[g][q] = _mm512_mask_mov_epi16(k16[g][q], le, t);
-                }
+            for (int q = 0; q < 2; q++) s16[g][q] = _mm512_and_si512(L[g][q], smask[g]);
+        search16(G, wide, first, cum, s16, k16);
         __mmask32 need[MAX_GROUP][2];
         for (int g = 0; g < G; g++)
             for (int q = 0; q < 2; q++) {
