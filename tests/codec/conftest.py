@@ -1,9 +1,13 @@
 """Fixtures for the codec tests: real KV pages (skipped where the data file is absent),
-small layouts, and both implementations (C where built, the portable one always)."""
+small layouts, both implementations (C where built, the portable one always), and a
+runner for the C checks in tools/."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,3 +80,21 @@ def simd(request: pytest.FixtureRequest) -> Iterator[int]:
     _codec.set_simd(request.param)
     yield request.param
     _codec.set_simd(True)
+
+
+def run_c_check(tmp_path: Path, tool: str, arg: str) -> list[str]:
+    """Builds ``tools/<tool>.c`` (a check that includes the codec's C source) and runs it
+    with ``arg``: its output lines, after it exited 0 (skips without a C compiler, or
+    where it says the CPU lacks what it checks, exit 2)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    root = Path(__file__).resolve().parents[2]
+    exe = tmp_path / tool
+    subprocess.run([cc, "-O2", "-I", str(root / "tierkv" / "codec"), "-o", str(exe), str(root / "tools" / f"{tool}.c")],
+                   check=True, capture_output=True, text=True)
+    res = subprocess.run([str(exe), arg], capture_output=True, text=True, timeout=300)
+    if res.returncode == 2:
+        pytest.skip(res.stdout.strip())
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout.splitlines()

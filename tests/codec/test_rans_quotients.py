@@ -8,27 +8,13 @@ real pages reach; this covers the quotient range's edges, where an estimate is o
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.codec.conftest import run_c_check
 
 
 def test_float_quotients_are_exact_at_every_sampled_frequency(tmp_path: Path) -> None:
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    exe = tmp_path / "check_rans_quotients"
-    subprocess.run([cc, "-O2", "-I", str(ROOT / "tierkv" / "codec"), "-o", str(exe),
-                    str(ROOT / "tools" / "check_rans_quotients.c")], check=True, capture_output=True, text=True)
-    res = subprocess.run([str(exe), "101"], capture_output=True, text=True, timeout=300)
-    if res.returncode == 2:
-        pytest.skip(res.stdout.strip())
-    assert res.returncode == 0, res.stdout + res.stderr
-    lines = res.stdout.splitlines()
+    lines = run_c_check(tmp_path, "check_rans_quotients", "101")
     assert [ln.split(":")[0] for ln in lines] == ["pbits 11", "pbits 10"]
     for ln in lines:   # sampled frequencies (every 101st, and 2^pbits), every quotient, four remainders
         checked = int(ln.split(": ")[1].split()[0])
