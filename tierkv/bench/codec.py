@@ -226,8 +226,6 @@ def _bench_zipnn(zipnn: object, dtype: DType, rows: np.ndarray, runs: int) -> di
     return out
 
 
-#: Calls of each codec in a turn of the head-to-head: one call each in turn measures each
-#: codec with its caches (tables, scratch, the pages: about 2 MB) emptied by the other.
 def _scaling(layout: KVLayout, batch: np.ndarray, runs: int, threads: int) -> dict[str, float]:
     """One thread's and ``threads``' encode and decode of ``batch``, a call of each in
     turn, ``4 * runs`` turns, by the wall clock: the best call of each from the same
@@ -254,6 +252,8 @@ def _scaling(layout: KVLayout, batch: np.ndarray, runs: int, threads: int) -> di
             "compress_scaling": best["e1"] / best["en"], "decompress_scaling": best["d1"] / best["dn"]}
 
 
+#: Calls of each codec in a turn of the head-to-head: one call each in turn measures each
+#: codec with its caches (tables, scratch, the pages: about 2 MB) emptied by the other.
 _H2H_CALLS = 3
 
 

@@ -104,9 +104,9 @@ plane_signs_vbmi(uint64_t *sw, const uint32_t *f, const uint8_t *sign, size_t le
 }
 
 /* Sixteen channels' coded signs for nrows <= 25 (1 + nraw bits each from a bit offset
- * below 8: one 32-bit read), their bits from offset k of the window win (the section's
- * bytes from b0, zero past its end, as bits_at reads them): each channel's sign word
- * (signs_words in 32-bit lanes); *k advances past their bits. */
+ * below 8: one 32-bit read), their bits from bit *k of the section on, read through a
+ * 64-byte window of its bytes (zero past its len, as bits_at reads them): each
+ * channel's sign word (signs_words in 32-bit lanes); *k advances past their bits. */
 __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) static inline __m512i
 signs16_words(const uint32_t *f, size_t *k, uint32_t nrows, const uint8_t *sign, size_t len)
 {
