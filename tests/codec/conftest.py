@@ -69,10 +69,10 @@ def roundtrip(codec: Codec, rows: np.ndarray) -> np.ndarray:
                 ids=["groups", "groups-novbmi2", "pairs", "gather", "search", "avx2", "scalar"])
 def simd(request: pytest.FixtureRequest) -> Iterator[int]:
     """Runs a test on each decoding path the CPU has: every SIMD path with the AVX-512
-    rANS symbols of up to four pages at once (a lone page alone; from 16-bit halves of
-    the states where VBMI2 runs, then without VBMI2), of two, then one page at a time by
-    gathers, then by the register search, then AVX2 and BMI2 without AVX-512, then the
-    scalar code alone (``_codec.set_simd``'s levels)."""
+    rANS symbols of up to four pages at once (a batch's lone page through the same kernel;
+    from 16-bit halves of the states where VBMI2 runs, then without VBMI2), of two, then
+    one page at a time by gathers, then by the register search, then AVX2 and BMI2
+    without AVX-512, then the scalar code alone (``_codec.set_simd``'s levels)."""
     if not native_available():
         pytest.skip("tierkv.codec._codec is not built")
     from tierkv.codec import _codec  # type: ignore[attr-defined]
