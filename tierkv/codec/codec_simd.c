@@ -1,11 +1,12 @@
 /*
  * Which SIMD paths run: the CPU's features, asked once (have_avx2, have_avx512,
- * have_avx512_bw, have_avx512_vbmi, have_avx512_vbmi2), the AVX-512 symbol lookup's choice of gathers
- * (use_gather) and set_simd's limit for tests and comparisons. The paths themselves:
- * codec_simd_rans.c (rANS symbols, both ways), codec_simd_rows.c (the decoder's signs,
- * mid bits and rows), codec_simd_scan.c (the encoder's passes over a page). Each
- * does the same as the scalar code in codec_planes.c, codec_rows.c and codec_scan.c,
- * byte for byte.
+ * have_avx512_bw, have_avx512_vbmi, have_avx512_vbmi2), the AVX-512 symbol lookup's
+ * choice of gathers (use_gather) and set_simd's limit for tests and comparisons. The
+ * paths themselves: codec_simd_rans.c (rANS symbols, both ways), codec_simd_group.c
+ * (the symbols of several pages at once), codec_simd_rows.c (the decoder's signs, mid
+ * bits and rows), codec_simd_scan.c (the encoder's passes over a page). Each does the
+ * same as the scalar code in codec_planes.c, codec_rows.c and codec_scan.c, byte for
+ * byte.
  */
 #include "codec_simd.h"
 
