@@ -163,20 +163,14 @@ decode_side(Dec *D, uint32_t *x, const uint8_t **pp, size_t p, int kc, size_t do
             uint32_t s = sym[c], v = (uint32_t)(base + (int)s - SIDE_CENTER), e = v & emax;
             esc |= s == SIDE_ALPHA - 1;
             bad |= (s != SIDE_ALPHA - 1) & (v > emax);   /* below 0 wraps above emax */
-            if (isz == 1) ((uint8_t *)dst)[c] = (uint8_t)e;
-            else if (isz == 2) ((uint16_t *)dst)[c] = (uint16_t)e;
-            else ((uint32_t *)dst)[c] = e;
+            store_elem((uint8_t *)dst + c * (size_t)isz, isz, e);
         }
         flags = bad | esc << 1;
     }
     if (flags & 2)
         for (size_t c = 0; c < C; c++)
-            if (sym[c] == SIDE_ALPHA - 1) {
-                uint32_t e = br_get(&D->esc, lay->ebits);
-                if (isz == 1) ((uint8_t *)dst)[c] = (uint8_t)e;
-                else if (isz == 2) ((uint16_t *)dst)[c] = (uint16_t)e;
-                else ((uint32_t *)dst)[c] = e;
-            }
+            if (sym[c] == SIDE_ALPHA - 1)
+                store_elem((uint8_t *)dst + c * (size_t)isz, isz, br_get(&D->esc, lay->ebits));
     if (flags & 1) D->err = ERR_STREAM;
 }
 
