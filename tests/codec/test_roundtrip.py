@@ -39,50 +39,6 @@ def test_real_pages_of_more_than_64_tokens_round_trip(kv_layers: dict, dtype: DT
         roundtrip(codec, rows)
 
 
-@requires_native
-@pytest.mark.parametrize("tokens", [40, 50, 56])
-@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16], ids=lambda d: d.value)
-def test_real_pages_of_40_to_56_tokens_round_trip(kv_layers: dict, dtype: DType, tokens: int, simd: int) -> None:
-    """Coded signs of up to 56 rows are read eight channels at a time, from one read of
-    the bytes they span where that is at most 64 (a gather beyond): both happen here."""
-    layout, rows = real_pages(kv_layers, dtype, tokens)
-    with Codec(layout) as codec:
-        roundtrip(codec, rows)
-
-
-@requires_native
-@pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 17, 24, 25, 26])
-@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16, DType.FP8_E4M3], ids=lambda d: d.value)
-def test_real_pages_of_up_to_26_tokens_round_trip(kv_layers: dict, dtype: DType, tokens: int, simd: int) -> None:
-    """Coded signs of up to 25 rows are read sixteen channels at a time straight into the
-    rows' masks (plane_sign_rows_vbmi); 26 rows go the general way."""
-    layout, rows = real_pages(kv_layers, dtype, tokens)
-    with Codec(layout) as codec:
-        roundtrip(codec, rows)
-
-
-@requires_native
-@pytest.mark.parametrize("tokens", [3, 16, 25])
-@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP8_E4M3], ids=lambda d: d.value)
-def test_first_flips_at_every_row_round_trip(dtype: DType, tokens: int, simd: int) -> None:
-    """Channel c of 192 flips sign first at row 1 + c mod tokens (never, where that is
-    past the rows) with raw signs after it, a repeated row leaves one coded row fewer:
-    every first-flip position, raw run and bit offset of the sixteen-channel reads."""
-    layout = KVLayout(2, 3, 64, dtype, tokens)
-    rng = np.random.default_rng(tokens)
-    x = np.abs(rng.standard_normal(layout.page_shape)).astype(np.float32) + 0.1   # [L, 2, T, H, D]
-    for c in range(192):
-        f = 1 + c % tokens
-        x[:, :, f:, c // 64, c % 64] *= np.where(rng.random((2, 2, max(tokens - f, 0))) < 0.8, -1, 1)
-    x[:, :, tokens - 1] = x[:, :, max(tokens - 2, 0)]   # a repeated row (two rows and more)
-    t = torch.from_numpy(x).to(getattr(torch, dtype.torch_name)).contiguous().view(torch.uint8)
-    rows = t.reshape(1, -1).numpy().copy()
-    with Codec(layout) as codec:
-        blob = bytes(codec.encode(rows)[0])
-        assert blob[5] == 1 and blob[HEADER_BYTES + 3] & 3 == 3   # coded, signs coded for K and V
-        roundtrip(codec, rows)
-
-
 def _blobs_at_every_level(layout: KVLayout, rows: np.ndarray, levels: tuple[int, ...] = (2, 1, 0)) -> list[bytes]:
     """The blobs of ``rows`` at each SIMD level (2: AVX-512, 3: its symbol search alone,
     1: AVX2/BMI2, 0: scalar), checked equal and round-tripped at each; the first level's."""
@@ -99,19 +55,6 @@ def _blobs_at_every_level(layout: KVLayout, rows: np.ndarray, levels: tuple[int,
         _codec.set_simd(True)
     assert all(b == blobs[0] for b in blobs)
     return blobs[0]
-
-
-@requires_native
-@pytest.mark.parametrize("tokens, flip", [(65, 64), (129, 64), (200, 128), (512, 192), (100, 63), (100, 65)])
-@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16], ids=lambda d: d.value)
-def test_a_first_sign_flip_on_a_64_row_boundary_round_trips(dtype: DType, tokens: int, flip: int,
-                                                              simd: int) -> None:
-    layout = KVLayout(1, 1, 64, dtype, tokens)
-    x = np.abs(np.random.default_rng(1).standard_normal(layout.page_shape)).astype(np.float32) + 0.1
-    x[0, 0, flip:, 0, 5] *= -1          # one channel positive until row ``flip``, negative after
-    rows = torch.from_numpy(x).to(getattr(torch, dtype.torch_name)).contiguous().view(torch.uint8)
-    with Codec(layout, native=True) as codec:
-        roundtrip(codec, rows.reshape(1, -1).numpy().copy())
 
 
 @requires_native
